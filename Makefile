@@ -1,0 +1,40 @@
+# prx-assets: every target sets itself up (make install is idempotent).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export DAGSTER_HOME := $(CURDIR)
+export PRX_DATA_ROOT ?= $(CURDIR)/data
+export PRX_SOURCES ?= $(CURDIR)/sources.yaml
+export HF_HUB_OFFLINE := 1
+export RAY_USAGE_STATS_ENABLED := 0
+export RAY_ENABLE_UV_RUN_RUNTIME_ENV := 0
+
+.PHONY: install demo test bench ui validate clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/prx-assets demo
+
+test: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python -m bench.run_all
+
+ui: install
+	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+validate: install
+	$(BIN)/dagster definitions validate -w workspace.yaml
+
+clean:
+	rm -rf data demo_corpus .dagster_home bench/out

@@ -1,0 +1,178 @@
+"""Lance tables written from Ray Datasets with one atomic commit, plus fragment hygiene.
+
+Ray tasks write data files in parallel; nothing is visible until the driver commits one
+`Overwrite` with every fragment. A run killed before that commit leaves the previous
+version as the latest (its orphan files are removed by `cleanup_old_versions` later), and
+a rerun replaces the whole table, so it can never hold duplicate rows.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterable
+
+import lance
+import pyarrow as pa
+import ray
+from lance.fragment import write_fragments
+from ray.data.block import Block, BlockAccessor
+from ray.data.datasource.datasink import Datasink, WriteResult
+
+# Image-blob tables: ~512 MB fragments. A 1M-row fragment of images would be ~hundreds of GB.
+DEFAULT_BLOB_FRAGMENT_BYTES = 512 << 20
+# Metadata-only tables: the seeds' ~1M rows per fragment.
+DEFAULT_METADATA_FRAGMENT_ROWS = 1 << 20
+
+
+@dataclass(frozen=True)
+class FragmentPolicy:
+    """How big fragments should be; `target_bytes` wins for tables holding blobs."""
+
+    target_bytes: int = DEFAULT_BLOB_FRAGMENT_BYTES
+    max_rows: int = DEFAULT_METADATA_FRAGMENT_ROWS
+    keep_versions: timedelta = timedelta(days=7)
+
+
+@dataclass
+class WriteReport:
+    uri: str
+    version: int
+    rows: int
+    fragments: int
+    bytes: int
+    nodes: list[str] = field(default_factory=list)
+    compacted_from: int = 0
+
+
+def table_uri(data_root: Path, asset: str, partition: str | None = None) -> Path:
+    """The design's layout: lance/<asset>/<source>.lance, or lance/<asset>.lance if global."""
+    base = Path(data_root) / "lance"
+    return base / asset / f"{partition}.lance" if partition else base / f"{asset}.lance"
+
+
+class LanceOverwriteSink(Datasink[dict]):
+    """Writes fragments from Ray tasks, then commits them as one Overwrite on the driver."""
+
+    def __init__(self, uri: str, policy: FragmentPolicy, schema: pa.Schema | None = None):
+        self.uri = uri
+        self.policy = policy
+        self.schema = schema
+        self.result: WriteResult | None = None
+        self.committed_version: int | None = None
+
+    def get_name(self) -> str:
+        return "LanceOverwrite"
+
+    def write(self, blocks: Iterable[Block], ctx: Any) -> dict:
+        batches = _record_batches(blocks)
+        first = next(batches, None)
+        node = ray.get_runtime_context().get_node_id()
+        if first is None:
+            return {"fragments": [], "schema": None, "node": node}
+        schema = self.schema or first.schema
+        reader = pa.RecordBatchReader.from_batches(schema, _chain_first(first, batches, schema))
+        fragments = write_fragments(
+            reader, self.uri, schema=schema,
+            max_rows_per_file=self.policy.max_rows,
+            max_bytes_per_file=self.policy.target_bytes,
+        )
+        return {"fragments": [pickle.dumps(f) for f in fragments],
+                "schema": pickle.dumps(schema), "node": node}
+
+    def on_write_complete(self, write_result: WriteResult[dict]) -> None:
+        returns = list(write_result.write_returns)
+        fragments = [pickle.loads(f) for r in returns for f in r["fragments"]]
+        schemas = [pickle.loads(r["schema"]) for r in returns if r["schema"] is not None]
+        schema = self.schema or (pa.unify_schemas(schemas) if schemas else _existing_schema(self.uri))
+        if schema is None:
+            raise ValueError(f"{self.uri}: nothing was written and no schema is known")
+        read_version = _latest_version(self.uri)
+        dataset = lance.LanceDataset.commit(
+            self.uri, lance.LanceOperation.Overwrite(schema, fragments), read_version=read_version,
+        )
+        self.result = write_result
+        self.committed_version = dataset.version
+        self.nodes = sorted({r["node"] for r in returns})
+
+
+def _record_batches(blocks: Iterable[Block]):
+    for block in blocks:
+        yield from BlockAccessor.for_block(block).to_arrow().to_batches()
+
+
+def _chain_first(first: pa.RecordBatch, rest, schema: pa.Schema):
+    yield first.cast(schema) if first.schema != schema else first
+    for batch in rest:
+        yield batch.cast(schema) if batch.schema != schema else batch
+
+
+def _latest_version(uri: str) -> int | None:
+    try:
+        return lance.dataset(uri).version
+    except (ValueError, FileNotFoundError, OSError):
+        return None
+
+
+def _existing_schema(uri: str) -> pa.Schema | None:
+    try:
+        return lance.dataset(uri).schema
+    except (ValueError, FileNotFoundError, OSError):
+        return None
+
+
+def write_dataset_atomically(dataset: "ray.data.Dataset", uri: Path, policy: FragmentPolicy,
+                             schema: pa.Schema | None = None) -> WriteReport:
+    """Stream a Ray Dataset into `uri` as one new version, then compact its fragments."""
+    uri.parent.mkdir(parents=True, exist_ok=True)
+    sink = LanceOverwriteSink(str(uri), policy, schema)
+    dataset.write_datasink(sink)
+    compacted_from = compact(uri, policy)
+    table = lance.dataset(str(uri))
+    cleanup(table, policy)
+    report = describe_write(table)
+    report.nodes = getattr(sink, "nodes", [])
+    report.compacted_from = compacted_from
+    return report
+
+
+def compact(uri: Path, policy: FragmentPolicy) -> int:
+    """Merge small fragments toward the byte target; returns the fragment count before."""
+    table = lance.dataset(str(uri))
+    fragments = table.get_fragments()
+    if len(fragments) <= 1:
+        return len(fragments)
+    rows = table.count_rows()
+    if rows == 0:
+        return len(fragments)
+    bytes_per_row = max(1, _data_bytes(table) // rows)
+    target_rows = max(1, min(policy.max_rows, policy.target_bytes // bytes_per_row))
+    table.optimize.compact_files(
+        target_rows_per_fragment=target_rows, max_bytes_per_file=policy.target_bytes,
+    )
+    return len(fragments)
+
+
+def cleanup(table: "lance.LanceDataset", policy: FragmentPolicy) -> None:
+    """Drop versions past the retention window and files of interrupted writes."""
+    table.cleanup_old_versions(older_than=policy.keep_versions, delete_unverified=False)
+
+
+def _data_bytes(table: "lance.LanceDataset") -> int:
+    total = 0
+    for fragment in table.get_fragments():
+        for data_file in fragment.data_files():
+            size = getattr(data_file, "file_size_bytes", None)
+            if size is None:
+                size = (Path(table.uri) / "data" / data_file.path).stat().st_size
+            total += size
+    return total
+
+
+def describe_write(table: "lance.LanceDataset") -> WriteReport:
+    return WriteReport(
+        uri=table.uri, version=table.version, rows=table.count_rows(),
+        fragments=len(table.get_fragments()), bytes=_data_bytes(table),
+    )

@@ -1,0 +1,65 @@
+"""Summaries of a written table for asset metadata: counts and resolution bands.
+
+Reads only small columns (never image bytes), batch by batch, so it stays cheap and
+bounded on any table size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import lance
+
+# Megapixel bands and aspect-ratio bands used for the resolution summary.
+MP_BANDS = [(0, 0.25), (0.25, 0.5), (0.5, 1.0), (1.0, 2.0), (2.0, 4.0), (4.0, 12.0), (12.0, math.inf)]
+AR_BANDS = [(0, 0.5), (0.5, 0.8), (0.8, 1.25), (1.25, 2.0), (2.0, math.inf)]
+
+
+@dataclass
+class TableProfile:
+    rows: int = 0
+    status_counts: Counter = field(default_factory=Counter)
+    format_counts: Counter = field(default_factory=Counter)
+    megapixel_bands: Counter = field(default_factory=Counter)
+    aspect_bands: Counter = field(default_factory=Counter)
+    image_bytes: int = 0
+
+    @property
+    def ok_rows(self) -> int:
+        return self.status_counts.get("ok", 0)
+
+    @property
+    def not_ok_share(self) -> float:
+        return 0.0 if self.rows == 0 else 1.0 - self.ok_rows / self.rows
+
+
+def band_label(value: float, bands: list[tuple[float, float]], unit: str = "") -> str:
+    for low, high in bands:
+        if low <= value < high:
+            return f"{low:g}–{high:g}{unit}" if high != math.inf else f"≥{low:g}{unit}"
+    return "?"
+
+
+def profile_table(uri: str, batch_rows: int = 65_536) -> TableProfile:
+    """Counts by status and format, and megapixel / aspect-ratio bands of ok rows."""
+    table = lance.dataset(uri)
+    wanted = [c for c in ("status", "format", "width", "height", "n_bytes")
+              if c in table.schema.names]
+    profile = TableProfile()
+    for batch in table.to_batches(columns=wanted, batch_size=batch_rows):
+        columns = batch.to_pydict()
+        profile.rows += batch.num_rows
+        statuses = columns.get("status", ["ok"] * batch.num_rows)
+        profile.status_counts.update(statuses)
+        if "format" in columns:
+            profile.format_counts.update(f for f in columns["format"] if f)
+        if "n_bytes" in columns:
+            profile.image_bytes += sum(n or 0 for n, s in zip(columns["n_bytes"], statuses) if s == "ok")
+        if "width" in columns and "height" in columns:
+            for w, h, s in zip(columns["width"], columns["height"], statuses):
+                if s == "ok" and w and h:
+                    profile.megapixel_bands[band_label(w * h / 1e6, MP_BANDS, " MP")] += 1
+                    profile.aspect_bands[band_label(w / h, AR_BANDS)] += 1
+    return profile

@@ -1,0 +1,33 @@
+"""Dagster wiring: assets, checks and resources built for a given sources file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+
+from prx_assets.core.sources import load_sources, sources_path
+from prx_assets.defs.assets.raw_images import build_raw_images
+from prx_assets.defs.checks import table_checks
+from prx_assets.defs.io_managers import RayLanceIOManager
+from prx_assets.defs.partitions import source_partitions
+from prx_assets.defs.resources import RayResource, SourcesResource
+
+
+def build_defs(sources_file: Path | None = None) -> dg.Definitions:
+    sources_file = Path(sources_file) if sources_file else sources_path()
+    partitions = source_partitions(load_sources(sources_file))
+    raw_images = build_raw_images(partitions)
+    assets = [raw_images]
+    return dg.Definitions(
+        assets=assets,
+        asset_checks=table_checks(raw_images),
+        resources={
+            "ray_cluster": RayResource(),
+            "sources": SourcesResource(path=str(sources_file)),
+            "lance_io_manager": RayLanceIOManager(),
+        },
+        jobs=[dg.define_asset_job("corpus_job", selection=dg.AssetSelection.all(),
+                                  partitions_def=partitions,
+                                  description="Every asset of the corpus for one source.")],
+    )

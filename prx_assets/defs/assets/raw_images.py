@@ -1,0 +1,54 @@
+"""raw_images: every configured source ingested into Lance, one partition per source."""
+
+
+import shutil
+
+import dagster as dg
+
+from prx_assets.core.ingest import IngestOptions, build_raw_dataset
+from prx_assets.core.probe import DEFAULT_MAX_PIXELS
+from prx_assets.core.raw_rows import RAW_IMAGES_SCHEMA
+from prx_assets.core.readers import DEFAULT_MAX_FILE_BYTES, SourceNotFoundError
+from prx_assets.core.settings import data_root
+from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, LanceTableOutput
+from prx_assets.defs.resources import RayResource, SourcesResource
+
+
+class IngestConfig(dg.Config):
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    files_per_task: int = 64
+
+
+def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+    @dg.asset(
+        partitions_def=partitions_def,
+        io_manager_key="lance_io_manager",
+        group_name="ingest",
+        kinds={"ray", "lance"},
+        code_version="1",
+        metadata={FRAGMENT_BYTES_KEY: 512 << 20},
+        description="Original image bytes of one source, with header size, format, sha256, "
+                    "original caption and a status per item (ok or the reason it is unusable).",
+    )
+    def raw_images(context: dg.AssetExecutionContext, config: IngestConfig, ray_cluster: RayResource,
+                   sources: SourcesResource) -> LanceTableOutput:
+        catalog = sources.load()
+        spec = catalog.get(context.partition_key)
+        uri = catalog.uri_of(spec.name)
+        work_dir = data_root() / "_work" / "raw_images" / spec.name
+        shutil.rmtree(work_dir, ignore_errors=True)  # a previous run's manifest, if any
+        try:
+            dataset = build_raw_dataset(
+                spec, uri, work_dir,
+                IngestOptions(config.max_pixels, config.max_file_bytes, config.files_per_task),
+            )
+        except SourceNotFoundError as exc:
+            raise dg.Failure(str(exc)) from exc
+        context.log.info(f"ingesting source {spec.name!r} ({spec.kind}) from {uri}")
+        return LanceTableOutput(dataset, RAW_IMAGES_SCHEMA, metadata={
+            "source_kind": spec.kind, "source_uri": dg.MetadataValue.path(str(uri)),
+            "license": spec.license,
+        })
+
+    return raw_images

@@ -1,0 +1,11 @@
+"""One partition per configured source, static from the sources file."""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from prx_assets.core.sources import SourcesConfig
+
+
+def source_partitions(sources: SourcesConfig) -> dg.StaticPartitionsDefinition:
+    return dg.StaticPartitionsDefinition(sources.names)

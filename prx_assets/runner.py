@@ -1,0 +1,68 @@
+"""Run the whole graph partition by partition in this process, on the configured instance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import dagster as dg
+
+from prx_assets.core import ray_runtime
+from prx_assets.core.sources import load_sources
+from prx_assets.defs import build_defs
+
+
+@dataclass
+class PartitionRun:
+    source: str
+    success: bool
+    run_id: str
+    metadata: dict = field(default_factory=dict)
+    checks: dict = field(default_factory=dict)
+
+
+def materialize_all(sources_file: Path, instance: dg.DagsterInstance | None = None
+                    ) -> list[PartitionRun]:
+    instance = instance or dg.DagsterInstance.get()
+    defs = build_defs(sources_file)
+    job = defs.resolve_job_def("corpus_job")
+    ray_runtime.connect()  # one Ray for all partitions; resources reuse it
+    runs = []
+    for source in load_sources(sources_file).names:
+        result = job.execute_in_process(partition_key=source, instance=instance,
+                                        raise_on_error=False)
+        runs.append(PartitionRun(source, result.success, result.run_id,
+                                 _materialization_metadata(result), _check_results(result)))
+    return runs
+
+
+def _materialization_metadata(result: dg.ExecuteInProcessResult) -> dict:
+    metadata = {}
+    for event in result.get_asset_materialization_events():
+        mat = event.event_specific_data.materialization
+        metadata[mat.asset_key.to_user_string()] = {k: v.value for k, v in mat.metadata.items()}
+    return metadata
+
+
+def _check_results(result: dg.ExecuteInProcessResult) -> dict:
+    checks = {}
+    for event in result.all_events:
+        if event.event_type_value == "ASSET_CHECK_EVALUATION":
+            evaluation = event.event_specific_data
+            checks[f"{evaluation.asset_key.to_user_string()}:{evaluation.check_name}"] = (
+                "passed" if evaluation.passed else f"failed ({evaluation.severity.value})")
+    return checks
+
+
+def print_summary(runs: list[PartitionRun]) -> None:
+    for run in runs:
+        print(f"\n== source {run.source}: {'ok' if run.success else 'FAILED'} (run {run.run_id[:8]})")
+        raw = run.metadata.get("raw_images", {})
+        if raw:
+            print(f"   raw_images: {raw.get('dagster/row_count')} rows, {raw.get('ok_rows')} ok, "
+                  f"{raw.get('rejected_rows')} rejected, {raw.get('fragments')} fragment(s), "
+                  f"lance version {raw.get('lance_version')}")
+            print(f"   -> {raw.get('path')}")
+        for name, outcome in sorted(run.checks.items()):
+            print(f"   check {name}: {outcome}")
+    print("\nOpen the UI with `make ui` (http://127.0.0.1:3000) to see runs, checks and metadata.")
