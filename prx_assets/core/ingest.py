@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import ray.data
 
 from prx_assets.core import readers
+from prx_assets.core.lance_tables import tag_with_node
 from prx_assets.core.probe import DEFAULT_MAX_PIXELS
 from prx_assets.core.raw_rows import RAW_IMAGES_SCHEMA, FoundItem, raw_row, rows_to_tables
 from prx_assets.core.sources import SourceSpec
@@ -55,15 +56,21 @@ def _write_manifest_chunk(manifest_dir: Path, start: int, units: list[str]) -> N
     pq.write_table(table, manifest_dir / f"units-{start:012d}.parquet")
 
 
+def _read_manifest_chunks(chunks: pa.Table) -> Iterator[pa.Table]:
+    for path in chunks.column("chunk").to_pylist():
+        yield pq.read_table(path)
+
+
 def expand_units(units: pa.Table, spec: SourceSpec, uri: str, options: IngestOptions
                  ) -> Iterator[pa.Table]:
     """Ray map_batches UDF: a batch of unit paths -> bounded tables of raw rows."""
     root = Path(uri)
-    yield from rows_to_tables(
+    for table in rows_to_tables(
         raw_row(spec.name, item, options.max_pixels)
         for unit in units.column("unit").to_pylist()
         for item in _items_of_unit(spec, root, unit, options)
-    )
+    ):
+        yield tag_with_node(table)
 
 
 def _items_of_unit(spec: SourceSpec, root: Path, unit: str, options: IngestOptions
@@ -83,7 +90,7 @@ def lance_records_to_rows(batch: pa.Table, spec: SourceSpec, options: IngestOpti
                           ) -> pa.Table:
     rows = [raw_row(spec.name, readers.lance_record_item(spec, record), options.max_pixels)
             for record in batch.to_pylist()]
-    return pa.Table.from_pylist(rows, schema=RAW_IMAGES_SCHEMA)
+    return tag_with_node(pa.Table.from_pylist(rows, schema=RAW_IMAGES_SCHEMA))
 
 
 def build_raw_dataset(spec: SourceSpec, uri: Path, work_dir: Path,
@@ -103,7 +110,13 @@ def build_raw_dataset(spec: SourceSpec, uri: Path, work_dir: Path,
     write_manifest(spec, uri, manifest_dir)
     # Tars and parquet files are big units: one per task keeps the shards parallel.
     per_task = options.units_per_task if spec.kind == "image_folder" else 1
-    return ray.data.read_parquet(str(manifest_dir)).map_batches(
+    # Manifest chunks are read inside tasks (read_parquet's file listing costs seconds per
+    # run); then small blocks of units let the expensive expansion spread over every node.
+    chunks = [{"chunk": str(path)} for path in sorted(manifest_dir.glob("*.parquet"))]
+    units = ray.data.from_items(chunks).map_batches(
+        _read_manifest_chunks, batch_size=1, batch_format="pyarrow",
+    ).repartition(target_num_rows_per_block=per_task)
+    return units.map_batches(
         functools.partial(expand_units, spec=spec, uri=str(uri), options=options),
         batch_format="pyarrow", batch_size=per_task,
     )

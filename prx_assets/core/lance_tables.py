@@ -25,6 +25,7 @@ from ray.data.datasource.datasink import Datasink, WriteResult
 DEFAULT_BLOB_FRAGMENT_BYTES = 512 << 20
 # Metadata-only tables: the seeds' ~1M rows per fragment.
 DEFAULT_METADATA_FRAGMENT_ROWS = 1 << 20
+NODE_TAG = b"prx.ray_node"
 
 
 @dataclass(frozen=True)
@@ -66,12 +67,22 @@ class LanceOverwriteSink(Datasink[dict]):
     def get_name(self) -> str:
         return "LanceOverwrite"
 
+    @property
+    def min_bytes_per_write(self) -> int:
+        # Bundle blocks up to a whole fragment per write task: few, large fragments from the
+        # start, so compaction has little or nothing left to rewrite.
+        return self.policy.target_bytes
+
+    @property
+    def min_rows_per_write(self) -> int | None:
+        return None
+
     def write(self, blocks: Iterable[Block], ctx: Any) -> dict:
-        batches = _record_batches(blocks)
+        nodes = {ray.get_runtime_context().get_node_id()}
+        batches = _record_batches(blocks, nodes)
         first = next(batches, None)
-        node = ray.get_runtime_context().get_node_id()
         if first is None:
-            return {"fragments": [], "schema": None, "node": node}
+            return {"fragments": [], "schema": None, "nodes": nodes}
         schema = self.schema or first.schema
         reader = pa.RecordBatchReader.from_batches(schema, _chain_first(first, batches, schema))
         fragments = write_fragments(
@@ -80,7 +91,7 @@ class LanceOverwriteSink(Datasink[dict]):
             max_bytes_per_file=self.policy.target_bytes,
         )
         return {"fragments": [pickle.dumps(f) for f in fragments],
-                "schema": pickle.dumps(schema), "node": node}
+                "schema": pickle.dumps(schema), "nodes": nodes}
 
     def on_write_complete(self, write_result: WriteResult[dict]) -> None:
         returns = list(write_result.write_returns)
@@ -95,12 +106,25 @@ class LanceOverwriteSink(Datasink[dict]):
         )
         self.result = write_result
         self.committed_version = dataset.version
-        self.nodes = sorted({r["node"] for r in returns})
+        self.nodes = sorted(set().union(*(r["nodes"] for r in returns)))
 
 
-def _record_batches(blocks: Iterable[Block]):
+def tag_with_node(table: pa.Table) -> pa.Table:
+    """Mark a block with the Ray node that produced it, so the write can report where the
+    work ran (the sink strips the tag)."""
+    node = ray.get_runtime_context().get_node_id()
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), NODE_TAG: node})
+
+
+def _record_batches(blocks: Iterable[Block], nodes: set[str]):
     for block in blocks:
-        yield from BlockAccessor.for_block(block).to_arrow().to_batches()
+        table = BlockAccessor.for_block(block).to_arrow()
+        metadata = table.schema.metadata or {}
+        if NODE_TAG in metadata:
+            nodes.add(metadata[NODE_TAG].decode())
+            table = table.replace_schema_metadata(
+                {k: v for k, v in metadata.items() if k != NODE_TAG} or None)
+        yield from table.to_batches()
 
 
 def _chain_first(first: pa.RecordBatch, rest, schema: pa.Schema):

@@ -1,0 +1,72 @@
+"""Helpers shared by the benchmarks: timing, corpus generation and result reporting.
+
+Every figure is a ratio against a baseline measured in the same run, since the machines
+are shared and noisy; absolute numbers are printed for context only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+OUT = Path(__file__).parent / "out"
+
+
+@dataclass
+class Figure:
+    stage: str
+    metric: str
+    value: float
+    baseline_name: str
+    baseline_value: float
+    unit: str
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.baseline_value if self.baseline_value else float("nan")
+
+    def line(self) -> str:
+        return (f"{self.stage:<10} {self.metric:<28} {self.value:10.1f} {self.unit:<10} "
+                f"baseline [{self.baseline_name}] {self.baseline_value:10.1f}  "
+                f"ratio {self.ratio:5.2f}x")
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def generated_jpegs(directory: Path, count: int, seed: int = 0,
+                    sizes: tuple[tuple[int, int], ...] = ((1600, 1200), (1200, 1600), (2048, 1365),
+                                                          (1024, 1024), (2400, 1600))) -> Path:
+    """A folder of generated photo-like JPEGs (cached between runs)."""
+    from prx_assets.demo import encode, procedural_image
+
+    directory.mkdir(parents=True, exist_ok=True)
+    existing = len(list(directory.glob("*.jpg")))
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        w, h = sizes[i % len(sizes)]
+        img = procedural_image(rng, w, h)
+        if i >= existing:
+            (directory / f"{i:06d}.jpg").write_bytes(encode(img, "JPEG", 90))
+    return directory
+
+
+def report(figures: list[Figure], name: str) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for figure in figures:
+        print(figure.line())
+    data = [asdict(f) | {"ratio": f.ratio} for f in figures]
+    (OUT / f"{name}.json").write_text(json.dumps(data, indent=2))
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0))
