@@ -63,6 +63,16 @@ def print_summary(runs: list[PartitionRun]) -> None:
                   f"{raw.get('rejected_rows')} rejected, {raw.get('fragments')} fragment(s), "
                   f"lance version {raw.get('lance_version')}")
             print(f"   -> {raw.get('path')}")
+        bucketed = run.metadata.get("bucketed_images", {})
+        if bucketed:
+            tiers = {r.data["tier"]: r.data["count"] for r in bucketed["images_per_tier"].records}
+            print(f"   bucketed_images: {bucketed.get('kept')} kept "
+                  f"({bucketed.get('kept_share', 0):.0%}), per tier {tiers}")
+            print(f"   -> {bucketed.get('path')}")
+        hashes = run.metadata.get("phashes", {})
+        if hashes:
+            print(f"   phashes: {hashes.get('dagster/row_count')} hashed, "
+                  f"{hashes.get('flat_images')} flat -> {hashes.get('path')}")
         for name, outcome in sorted(run.checks.items()):
             print(f"   check {name}: {outcome}")
     print("\nOpen the UI with `make ui` (http://127.0.0.1:3000) to see runs, checks and metadata.")

@@ -63,3 +63,39 @@ def profile_table(uri: str, batch_rows: int = 65_536) -> TableProfile:
                     profile.megapixel_bands[band_label(w * h / 1e6, MP_BANDS, " MP")] += 1
                     profile.aspect_bands[band_label(w / h, AR_BANDS)] += 1
     return profile
+
+
+@dataclass
+class BucketProfile:
+    rows: int = 0
+    status_counts: Counter = field(default_factory=Counter)
+    tier_counts: Counter = field(default_factory=Counter)
+    shape_counts: Counter = field(default_factory=Counter)  # (tier, "WxH") -> count
+    hashed: int = 0
+    flat: int = 0
+
+    @property
+    def kept(self) -> int:
+        return self.status_counts.get("ok", 0)
+
+    @property
+    def kept_share(self) -> float:
+        return self.kept / self.rows if self.rows else 0.0
+
+
+def bucket_profile(uri: str, batch_rows: int = 65_536) -> BucketProfile:
+    """Counts per status, tier and shape of a bucketed table (small columns only)."""
+    profile = BucketProfile()
+    table = lance.dataset(uri)
+    columns = ["status", "tier", "width", "height", "phash", "flat"]
+    for batch in table.to_batches(columns=columns, batch_size=batch_rows):
+        data = batch.to_pydict()
+        profile.rows += batch.num_rows
+        profile.status_counts.update(data["status"])
+        for status, tier, w, h in zip(data["status"], data["tier"], data["width"], data["height"]):
+            if status == "ok":
+                profile.tier_counts[tier] += 1
+                profile.shape_counts[(tier, f"{w}x{h}")] += 1
+        profile.hashed += sum(p is not None for p in data["phash"])
+        profile.flat += sum(bool(f) for f in data["flat"] if f is not None)
+    return profile

@@ -8,7 +8,8 @@ import dagster as dg
 
 from prx_assets.core.sources import load_sources, sources_path
 from prx_assets.defs.assets.raw_images import build_raw_images
-from prx_assets.defs.checks import table_checks
+from prx_assets.defs.assets.images import build_image_stage
+from prx_assets.defs.checks import jpeg_fidelity_check, table_checks
 from prx_assets.defs.io_managers import RayLanceIOManager
 from prx_assets.defs.partitions import source_partitions
 from prx_assets.defs.resources import RayResource, SourcesResource
@@ -18,10 +19,16 @@ def build_defs(sources_file: Path | None = None) -> dg.Definitions:
     sources_file = Path(sources_file) if sources_file else sources_path()
     partitions = source_partitions(load_sources(sources_file))
     raw_images = build_raw_images(partitions)
-    assets = [raw_images]
+    image_stage = build_image_stage(partitions)
+    checks = [
+        *table_checks(dg.AssetKey("raw_images"), partitions),
+        *table_checks(dg.AssetKey("bucketed_images"), partitions, with_reject_share=False),
+        *table_checks(dg.AssetKey("phashes"), partitions, with_reject_share=False),
+        jpeg_fidelity_check(partitions),
+    ]
     return dg.Definitions(
-        assets=assets,
-        asset_checks=table_checks(raw_images),
+        assets=[raw_images, image_stage],
+        asset_checks=checks,
         resources={
             "ray_cluster": RayResource(),
             "sources": SourcesResource(path=str(sources_file)),

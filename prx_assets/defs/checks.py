@@ -4,6 +4,8 @@
 import dagster as dg
 
 
+from prx_assets.core.fidelity import fidelity_report
+from prx_assets.core.imaging import DEFAULT_QUALITY, DEFAULT_SUBSAMPLING, ImageOptions
 from prx_assets.core.lance_tables import FragmentPolicy, table_uri
 from prx_assets.core.settings import data_root
 from prx_assets.core.table_checks import duplicate_ids, fragment_health
@@ -20,10 +22,10 @@ class FragmentConfig(dg.Config):
     slack: int = 1
 
 
-def table_checks(asset: dg.AssetsDefinition) -> list[dg.AssetChecksDefinition]:
+def table_checks(asset: dg.AssetKey, partitions_def: dg.PartitionsDefinition,
+                 with_reject_share: bool = True) -> list[dg.AssetChecksDefinition]:
     """ids unique, fragments healthy, reject share: for any per-source table with ids."""
-    name = asset.key.path[-1]
-    partitions_def = asset.partitions_def
+    name = asset.path[-1]
 
     def uri_of(context: dg.AssetCheckExecutionContext) -> str:
         return str(table_uri(data_root(), name, context.partition_key))
@@ -57,6 +59,45 @@ def table_checks(asset: dg.AssetsDefinition) -> list[dg.AssetChecksDefinition]:
             metadata={"reject_share": round(share, 4), "warn_above": config.warn_above,
                       "rows": profile.rows, "rejected": profile.rows - profile.ok_rows})
 
-    return [ids_unique, fragments_healthy, reject_share]
+    return [ids_unique, fragments_healthy] + ([reject_share] if with_reject_share else [])
+
+
+class FidelityConfig(dg.Config):
+    samples_per_band: int = 16
+    min_median_psnr_1x: float = 40.0
+    min_median_psnr_10x: float = 38.0
+    quality: int = DEFAULT_QUALITY
+    subsampling: str = DEFAULT_SUBSAMPLING
+    resize_mode: str = "crop"
+
+
+def jpeg_fidelity_check(partitions_def: dg.PartitionsDefinition) -> dg.AssetChecksDefinition:
+    @dg.asset_check(asset=dg.AssetKey("bucketed_images"), name="jpeg_fidelity",
+                    partitions_def=partitions_def,
+                    description="PSNR after 1 and 10 decode/encode cycles at Q92 on a fixed "
+                                "sample, per resolution band, next to the published figures.")
+    def jpeg_fidelity(context: dg.AssetCheckExecutionContext,
+                      config: FidelityConfig) -> dg.AssetCheckResult:
+        bucketed = str(table_uri(data_root(), "bucketed_images", context.partition_key))
+        raw = str(table_uri(data_root(), "raw_images", context.partition_key))
+        options = ImageOptions(quality=config.quality, subsampling=config.subsampling,
+                               resize_mode=config.resize_mode)
+        reports = [r.stats() for r in fidelity_report(bucketed, raw, options,
+                                                      config.samples_per_band) if r.samples]
+        failing = [r["band"] for r in reports
+                   if r["median_1x"] < config.min_median_psnr_1x
+                   or r["median_10x"] < config.min_median_psnr_10x]
+        columns = ["band", "samples", "median_1x", "p10_1x", "median_10x", "p10_10x",
+                   "published_1x", "published_10x", "median_stored"]
+        table = dg.MetadataValue.table(
+            [dg.TableRecord(r) for r in reports],
+            schema=dg.TableSchema(columns=[dg.TableColumn(c, "string" if c == "band" else "float")
+                                           for c in columns]))
+        return dg.AssetCheckResult(passed=not failing, metadata={
+            "psnr_db": table, "failing_bands": ", ".join(failing) or "none",
+            "floor_1x": config.min_median_psnr_1x, "floor_10x": config.min_median_psnr_10x,
+            "sampled": sum(r["samples"] for r in reports)})
+
+    return jpeg_fidelity
 
 

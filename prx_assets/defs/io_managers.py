@@ -17,12 +17,16 @@ import ray.data
 from prx_assets.core import lance_tables
 from prx_assets.core.lance_tables import FragmentPolicy, table_uri
 from prx_assets.core.settings import data_root
-from prx_assets.core.table_stats import profile_table
-from prx_assets.defs.metadata import profile_metadata
+from prx_assets.defs.lineage import materialized_lance_version
+from prx_assets.defs.metadata import PROFILERS
 
 # Definition-metadata keys an asset may set to size its fragments.
 FRAGMENT_BYTES_KEY = "prx/fragment_bytes"
 FRAGMENT_ROWS_KEY = "prx/fragment_rows"
+# Definition-metadata key naming a profiler in metadata.PROFILERS (tables for the UI).
+PROFILE_KEY = "prx/profile"
+# AssetIn-metadata key: the columns a downstream asset reads (projection pushdown).
+COLUMNS_KEY = "prx/columns"
 
 
 @dataclass
@@ -68,12 +72,17 @@ class RayLanceIOManager(dg.ConfigurableIOManager):
             "fragments_before_compaction": report.compacted_from,
             "mean_fragment_mb": round(report.bytes / max(1, report.fragments) / 1e6, 2),
             "ray_nodes": len(report.nodes),
-            **profile_metadata(profile_table(str(uri))),
+            **(PROFILERS[meta[PROFILE_KEY]](str(uri)) if meta.get(PROFILE_KEY) else {}),
             **(output.metadata or {}),
         })
 
     def load_input(self, context: dg.InputContext) -> ray.data.Dataset:
+        """A lazy read of the upstream partition, pinned to the version that was
+        materialised (so a concurrent rewrite cannot change what this run reads)."""
         uri = self.uri_for(context)
         if not uri.exists():
             raise dg.Failure(f"upstream table {uri} does not exist; materialise it first")
-        return ray.data.read_lance(str(uri))
+        partition = context.asset_partition_key if context.has_asset_partitions else None
+        version = materialized_lance_version(context.instance, context.asset_key, partition)
+        columns = (context.definition_metadata or {}).get(COLUMNS_KEY)
+        return ray.data.read_lance(str(uri), version=version, columns=columns)

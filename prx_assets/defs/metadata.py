@@ -6,7 +6,7 @@ from collections import Counter
 
 import dagster as dg
 
-from prx_assets.core.table_stats import TableProfile
+from prx_assets.core.table_stats import BucketProfile, TableProfile, bucket_profile, profile_table
 
 
 def counts_table(counts: Counter, key_name: str, total: int | None = None) -> dg.TableMetadataValue:
@@ -37,3 +37,40 @@ def profile_metadata(profile: TableProfile) -> dict:
         meta["megapixels"] = counts_table(profile.megapixel_bands, "megapixels")
         meta["aspect_ratios"] = counts_table(profile.aspect_bands, "width / height")
     return meta
+
+
+def bucket_metadata(profile: BucketProfile) -> dict:
+    rejects = Counter({k: v for k, v in profile.status_counts.items() if k != "ok"})
+    shape_records = [
+        dg.TableRecord({"tier": int(tier), "shape": shape, "count": int(n)})
+        for (tier, shape), n in sorted(profile.shape_counts.items(),
+                                       key=lambda kv: (kv[0][0], _aspect(kv[0][1])))
+    ]
+    shapes = dg.MetadataValue.table(shape_records, schema=dg.TableSchema(columns=[
+        dg.TableColumn("tier", "int"), dg.TableColumn("shape", "string"),
+        dg.TableColumn("count", "int")]))
+    return {
+        "kept": profile.kept,
+        "kept_share": round(profile.kept_share, 4),
+        "rejects_by_reason": counts_table(rejects, "reason", profile.rows),
+        "images_per_tier": counts_table(Counter({str(t): n for t, n in profile.tier_counts.items()}),
+                                        "tier", profile.kept),
+        "images_per_shape": shapes,
+    }
+
+
+def _aspect(shape: str) -> float:
+    w, h = shape.split("x")
+    return int(w) / int(h)
+
+
+def _raw_profile(uri: str) -> dict:
+    return profile_metadata(profile_table(uri))
+
+
+def _bucket_profile(uri: str) -> dict:
+    return bucket_metadata(bucket_profile(uri))
+
+
+# What the IO manager adds to an output's metadata, by the asset's `prx/profile` value.
+PROFILERS = {"raw_images": _raw_profile, "bucketed_images": _bucket_profile}

@@ -10,7 +10,7 @@ from prx_assets.core.probe import DEFAULT_MAX_PIXELS
 from prx_assets.core.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.core.readers import DEFAULT_MAX_FILE_BYTES, SourceNotFoundError
 from prx_assets.core.settings import data_root
-from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, LanceTableOutput
+from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, PROFILE_KEY, LanceTableOutput
 from prx_assets.defs.resources import RayResource, SourcesResource
 
 
@@ -27,7 +27,7 @@ def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
         group_name="ingest",
         kinds={"ray", "lance"},
         code_version="1",
-        metadata={FRAGMENT_BYTES_KEY: 512 << 20},
+        metadata={FRAGMENT_BYTES_KEY: 512 << 20, PROFILE_KEY: "raw_images"},
         description="Original image bytes of one source, with header size, format, sha256, "
                     "original caption and a status per item (ok or the reason it is unusable).",
     )

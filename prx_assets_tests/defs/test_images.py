@@ -1,0 +1,75 @@
+import io
+from pathlib import Path
+
+import dagster as dg
+import imagehash
+import lance
+import numpy as np
+from PIL import Image
+
+from prx_assets.core.phash import hash_hex
+from prx_assets.demo import encode, photo_variant, real_photo_paths
+from prx_assets.defs import build_defs
+from prx_assets_tests.conftest import jpeg_bytes, write_sources
+from prx_assets_tests.defs.test_raw_images import checks
+
+
+def test_image_stage_decodes_once_into_two_tables_with_checks(ray_session, data_root, tmp_path):
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    photos = [Image.open(p) for p in real_photo_paths()][:6]
+    for i, photo in enumerate(photos):
+        (folder / f"photo{i}.jpg").write_bytes(encode(photo_variant(rng, photo), "JPEG", 90))
+    (folder / "big.jpg").write_bytes(jpeg_bytes(1600, 1200, 1))
+    (folder / "small.jpg").write_bytes(jpeg_bytes(200, 200, 2))
+    (folder / "wide.jpg").write_bytes(jpeg_bytes(1500, 400, 3))
+    good = jpeg_bytes(900, 700, 4)
+    (folder / "broken.jpg").write_bytes(good[:300] + b"\x00" * 2000 + good[-200:])  # bad middle
+    (folder / "flat.png").write_bytes(_png(Image.new("RGB", (700, 700), (40, 40, 40))))
+    (folder / "notes.jpg").write_bytes(b"text")
+    sources = write_sources(tmp_path / "s.yaml", [f"{{name: web, kind: image_folder, uri: {folder}}}"])
+
+    instance = dg.DagsterInstance.ephemeral()
+    result = build_defs(sources).resolve_job_def("corpus_job").execute_in_process(
+        partition_key="web", instance=instance)
+    assert result.success
+
+    bucketed = lance.dataset(str(data_root / "lance/bucketed_images/web.lance")).to_table()
+    rows = {r["id"]: r for r in bucketed.to_pylist()}
+    raw = lance.dataset(str(data_root / "lance/raw_images/web.lance")).to_table().to_pylist()
+    assert set(rows) == {r["id"] for r in raw}  # one bucketed row per raw row
+    by_key = {r["source_key"]: rows[r["id"]] for r in raw}
+    assert by_key["small.jpg"]["status"] == "too_small"
+    assert by_key["wide.jpg"]["status"] == "bad_aspect"
+    assert by_key["broken.jpg"]["status"] == "undecodable"
+    assert by_key["notes.jpg"]["status"] == "not_an_image"  # passed through from ingest
+    big = by_key["big.jpg"]
+    assert (big["status"], big["tier"], big["original_width"]) == ("ok", 1024, 1600)
+    assert Image.open(io.BytesIO(big["image"])).size == (big["width"], big["height"])
+
+    hashes = {r["id"]: r for r in lance.dataset(
+        str(data_root / "lance/phashes/web.lance")).to_table().to_pylist()}
+    assert set(hashes) == {i for i, r in rows.items() if r["status"] == "ok"}
+    originals = {r["id"]: r["image"] for r in raw}
+    for sample_id, h in hashes.items():
+        assert hash_hex(h["phash"]) == str(imagehash.phash(Image.open(io.BytesIO(originals[sample_id]))))
+        assert h["pixels"] == rows[sample_id]["original_width"] * rows[sample_id]["original_height"]
+    assert [h["flat"] for h in hashes.values()].count(True) == 1
+
+    outcome = checks(result)
+    assert outcome["jpeg_fidelity"] is True
+    mats = {e.event_specific_data.materialization.asset_key.path[-1]:
+            e.event_specific_data.materialization.metadata
+            for e in result.get_asset_materialization_events()}
+    meta = mats["bucketed_images"]
+    assert meta["kept"].value == len(hashes)
+    assert sum(r.data["count"] for r in meta["images_per_shape"].value.records) == len(hashes)
+    assert meta["input_version/raw_images"].value == mats["raw_images"]["lance_version"].value
+    assert mats["phashes"]["flat_images"].value == 1
+
+
+def _png(img: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    img.save(buffer, "PNG")
+    return buffer.getvalue()
