@@ -58,7 +58,9 @@ def test_image_stage_decodes_once_into_two_tables_with_checks(ray_session, data_
     assert [h["flat"] for h in hashes.values()].count(True) == 1
 
     outcome = checks(result)
-    assert outcome["jpeg_fidelity"] is True
+    assert outcome["bucketed_images:jpeg_fidelity"] is True
+    assert all(outcome[f"{t}:{c}"] for t in ("bucketed_images", "phashes")
+               for c in ("ids_unique", "fragments_healthy"))
     mats = {e.event_specific_data.materialization.asset_key.path[-1]:
             e.event_specific_data.materialization.metadata
             for e in result.get_asset_materialization_events()}
