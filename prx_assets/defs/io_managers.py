@@ -6,6 +6,7 @@ that was materialised.
 """
 
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -36,6 +37,9 @@ class LanceTableOutput:
     dataset: ray.data.Dataset
     schema: Optional[pa.Schema] = None
     metadata: Optional[dict] = None
+    # Scratch folders the lazy dataset reads from (e.g. an ingest manifest): removed once
+    # the write has finished, whether it succeeded or not.
+    scratch: Optional[Path] = None
 
 
 class RayLanceIOManager(dg.ConfigurableIOManager):
@@ -58,7 +62,12 @@ class RayLanceIOManager(dg.ConfigurableIOManager):
             max_rows=int(meta.get(FRAGMENT_ROWS_KEY, self.fragment_rows)),
         )
         uri = self.uri_for(context)
-        report = lance_tables.write_dataset_atomically(output.dataset, uri, policy, output.schema)
+        try:
+            report = lance_tables.write_dataset_atomically(output.dataset, uri, policy,
+                                                           output.schema)
+        finally:
+            if output.scratch is not None:
+                shutil.rmtree(output.scratch, ignore_errors=True)
         context.log.info(
             f"committed {report.rows:,} rows to {uri} as version {report.version} "
             f"({report.fragments} fragment(s), compacted from {report.compacted_from})"

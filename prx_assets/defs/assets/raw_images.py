@@ -1,8 +1,6 @@
 """raw_images: every configured source ingested into Lance, one partition per source."""
 
 
-import shutil
-
 import dagster as dg
 
 from prx_assets.core.ingest import IngestOptions, build_raw_dataset
@@ -36,8 +34,8 @@ def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
         catalog = sources.load()
         spec = catalog.get(context.partition_key)
         uri = catalog.uri_of(spec.name)
-        work_dir = data_root() / "_work" / "raw_images" / spec.name
-        shutil.rmtree(work_dir, ignore_errors=True)  # a previous run's manifest, if any
+        # Per run, so two runs of one source never share a manifest; the IO manager removes it.
+        work_dir = data_root() / "_work" / "raw_images" / spec.name / context.run.run_id
         try:
             dataset = build_raw_dataset(
                 spec, uri, work_dir,
@@ -46,7 +44,7 @@ def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
         except SourceNotFoundError as exc:
             raise dg.Failure(str(exc)) from exc
         context.log.info(f"ingesting source {spec.name!r} ({spec.kind}) from {uri}")
-        return LanceTableOutput(dataset, RAW_IMAGES_SCHEMA, metadata={
+        return LanceTableOutput(dataset, RAW_IMAGES_SCHEMA, scratch=work_dir, metadata={
             "source_kind": spec.kind, "source_uri": dg.MetadataValue.path(str(uri)),
             "license": spec.license,
         })
