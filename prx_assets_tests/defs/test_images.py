@@ -1,5 +1,4 @@
 import io
-from pathlib import Path
 
 import dagster as dg
 import imagehash
