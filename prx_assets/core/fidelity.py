@@ -13,10 +13,9 @@ import lance
 import numpy as np
 from PIL import Image
 
-from PIL import ImageOps
-
 from prx_assets.core.buckets import assign_bucket
-from prx_assets.core.imaging import ImageOptions, encode_jpeg, oriented_size, resize_to_shape, to_rgb
+from prx_assets.core.imaging import (
+    ImageOptions, encode_jpeg, oriented_rgb, oriented_size, resize_to_shape)
 
 # (label, low MP, high MP) and the published (1x, 10x) PSNR in dB for that band.
 BANDS = {"0.25-0.5 MP": (0.25, 0.5), "1-2 MP": (1.0, 2.0)}
@@ -47,7 +46,7 @@ def lossless_bucket(original: bytes, options: ImageOptions) -> np.ndarray:
     """The bucket image as the pipeline would make it before JPEG: full decode, no shortcuts."""
     image = Image.open(io.BytesIO(original))
     bucket = assign_bucket(*oriented_size(image), options.rule)
-    image = to_rgb(ImageOps.exif_transpose(image))
+    image = oriented_rgb(image)
     exact = ImageOptions(rule=options.rule, resize_mode=options.resize_mode, reducing_gap=None)
     return np.asarray(resize_to_shape(image, bucket.shape, exact))
 

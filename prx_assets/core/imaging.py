@@ -87,6 +87,13 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+def oriented_rgb(image: Image.Image) -> Image.Image:
+    """EXIF orientation applied (a copy only when a rotation is needed), then `to_rgb`."""
+    if image.getexif().get(0x0112, 1) != 1:
+        image = ImageOps.exif_transpose(image)
+    return to_rgb(image)
+
+
 def cover_box(src_w: int, src_h: int, shape: Shape) -> tuple[float, float, float, float]:
     """The centred source region with the shape's aspect ratio (the crop of 'cover')."""
     target = shape.width / shape.height
@@ -152,10 +159,7 @@ def _decode_and_encode(image: Image.Image, bucket: Bucket, result: ImageResult,
         image.draft("RGB" if image.mode in ("RGB", "YCbCr", "CMYK") else image.mode, request)
     image.load()
     result.phash, result.flat = phash_mod.phash(image)  # pre-orientation, like imagehash
-    if image.getexif().get(0x0112, 1) != 1:
-        image = ImageOps.exif_transpose(image)  # a copy, only when a rotation is needed
-    rgb = to_rgb(image)
-    resized = resize_to_shape(rgb, bucket.shape, options)
+    resized = resize_to_shape(oriented_rgb(image), bucket.shape, options)
     result.tier, result.width, result.height = bucket.tier, bucket.shape.width, bucket.shape.height
     result.image = encode_jpeg(resized, options.quality, options.subsampling)
     return result

@@ -61,8 +61,7 @@ class LanceOverwriteSink(Datasink[dict]):
         self.uri = uri
         self.policy = policy
         self.schema = schema
-        self.result: WriteResult | None = None
-        self.committed_version: int | None = None
+        self.nodes: list[str] = []  # Ray nodes that produced the written blocks
 
     def get_name(self) -> str:
         return "LanceOverwrite"
@@ -72,10 +71,6 @@ class LanceOverwriteSink(Datasink[dict]):
         # Bundle blocks up to a whole fragment per write task: few, large fragments from the
         # start, so compaction has little or nothing left to rewrite.
         return self.policy.target_bytes
-
-    @property
-    def min_rows_per_write(self) -> int | None:
-        return None
 
     def write(self, blocks: Iterable[Block], ctx: Any) -> dict:
         nodes = {ray.get_runtime_context().get_node_id()}
@@ -101,11 +96,9 @@ class LanceOverwriteSink(Datasink[dict]):
         if schema is None:
             raise ValueError(f"{self.uri}: nothing was written and no schema is known")
         read_version = _latest_version(self.uri)
-        dataset = lance.LanceDataset.commit(
+        lance.LanceDataset.commit(
             self.uri, lance.LanceOperation.Overwrite(schema, fragments), read_version=read_version,
         )
-        self.result = write_result
-        self.committed_version = dataset.version
         self.nodes = sorted(set().union(*(r["nodes"] for r in returns)))
 
 
@@ -157,7 +150,7 @@ def write_dataset_atomically(dataset: "ray.data.Dataset", uri: Path, policy: Fra
     table = lance.dataset(str(uri))
     cleanup(table, policy)
     report = describe_write(table)
-    report.nodes = getattr(sink, "nodes", [])
+    report.nodes = sink.nodes
     report.compacted_from = compacted_from
     return report
 
