@@ -73,6 +73,11 @@ def print_summary(runs: list[PartitionRun]) -> None:
         if hashes:
             print(f"   phashes: {hashes.get('dagster/row_count')} hashed, "
                   f"{hashes.get('flat_images')} flat -> {hashes.get('path')}")
+        captions = run.metadata.get("captions", {})
+        if captions:
+            print(f"   captions: {captions.get('captioned_this_run')} new under version "
+                  f"{captions.get('caption_version')} ({captions.get('model')}), coverage "
+                  f"{captions.get('coverage', 0):.0%} -> {captions.get('path')}")
         for name, outcome in sorted(run.checks.items()):
             print(f"   check {name}: {outcome}")
     print("\nOpen the UI with `make ui` (http://127.0.0.1:3000) to see runs, checks and metadata.")
