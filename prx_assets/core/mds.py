@@ -423,3 +423,37 @@ def prune_trees(trees: Path, keep: int) -> None:
                     if p.is_dir() and not p.name.endswith(PARTIAL_SUFFIX))
     for old in builds[:-max(1, keep)]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------- checking
+
+@dataclass(frozen=True)
+class LeafCheck:
+    leaf: str
+    streamed: int  # samples a plain StreamingDataset sees
+    mapped: int  # rows of the mapping table for this leaf
+
+    @property
+    def ok(self) -> bool:
+        return self.streamed == self.mapped
+
+
+def verify_tree(data_root: Path, source: str) -> tuple[list[LeafCheck], list[str]]:
+    """Open every leaf of the current tree with `streaming.StreamingDataset` and compare its
+    sample count with the mapping table; also report mapping rows of another tree version."""
+    from streaming import StreamingDataset
+
+    tree = current_tree(data_root, source)
+    mapping = lance.dataset(str(table_uri(data_root, "mds_samples", source))).to_table(
+        columns=["leaf", "tree_version"])
+    problems = sorted({f"mapping rows of tree {v}, current is {tree.name}"
+                       for v in pc.unique(mapping["tree_version"]).to_pylist() if v != tree.name})
+    mapped = Counter(mapping["leaf"].to_pylist())
+    checks = []
+    for leaf in tree_leaves(tree):
+        name = str(leaf.relative_to(tree))
+        dataset = StreamingDataset(local=str(leaf), batch_size=1, shuffle=False)
+        checks.append(LeafCheck(name, dataset.num_samples, mapped.pop(name, 0)))
+        del dataset
+    checks += [LeafCheck(name, 0, n) for name, n in sorted(mapped.items())]  # no such leaf
+    return checks, problems
