@@ -13,26 +13,15 @@ import lance
 import numpy as np
 import pyarrow as pa
 
+from prx_assets.core.captions import CAPTIONS_SCHEMA, active_caption_filter
 from prx_assets.core.image_stage import BUCKETED_SCHEMA
 from prx_assets.core.imaging import encode_jpeg
 from prx_assets.core.lance_tables import table_uri
 from prx_assets.demo import procedural_image
 
 ACTIVE = "original-v1"
-# The captions contract (issue 4); used to build test tables until tests can import it.
-CAPTIONS_SCHEMA = pa.schema([
-    pa.field("id", pa.string()), pa.field("caption_version", pa.string()),
-    pa.field("caption", pa.string()), pa.field("n_words", pa.int32()),
-    pa.field("model", pa.string()), pa.field("backend", pa.string()),
-    pa.field("status", pa.string()), pa.field("error", pa.string()),
-    pa.field("created_at", pa.timestamp("us", tz="UTC")),
-])
 # Small shapes of two "tiers": tests need several leaves, not large images.
 SHAPES = ((1, 64, 64), (1, 48, 80), (1, 80, 48), (2, 96, 96))
-
-
-def caption_filter(version: str = ACTIVE) -> str:
-    return f"caption_version = '{version}' AND status = 'ok'"
 
 
 def build_corpus(data_root: Path, source: str, per_shape: int = 12, seed: int = 0,
@@ -88,4 +77,4 @@ def inputs_for(data_root: Path, source: str, version: str = ACTIVE):
 
     return SampleInputs(bucketed_uri=str(table_uri(data_root, "bucketed_images", source)),
                         captions_uri=str(table_uri(data_root, "captions", source)),
-                        caption_filter=caption_filter(version))
+                        caption_filter=active_caption_filter(version))

@@ -1,22 +1,11 @@
-import os
-
 import dagster as dg
 import lance
 
 from prx_assets.core import mds
-from prx_assets.defs.assets.mds_shards import build_mds_shards, mds_tree_check, usable_captions
-from prx_assets.defs.resources import RayResource
+from prx_assets.defs.assets.mds_shards import build_mds_shards, mds_tree_check
+from prx_assets.defs.resources import CaptionerResource, RayResource
 from prx_assets_tests.defs.test_raw_images import checks
-from prx_assets_tests.mds_corpus import ACTIVE, build_corpus, caption_filter
-
-
-class ActiveCaptions(dg.ConfigurableResource):
-    """The `captioner` resource contract (issue 4): only caption_version() is read here."""
-
-    version: str
-
-    def caption_version(self) -> str:
-        return self.version
+from prx_assets_tests.mds_corpus import ACTIVE, build_corpus
 
 
 def _materialize(instance, version=ACTIVE):
@@ -24,7 +13,7 @@ def _materialize(instance, version=ACTIVE):
     return dg.materialize(
         [build_mds_shards(partitions), mds_tree_check(partitions)], partition_key="web",
         instance=instance, raise_on_error=False,
-        resources={"ray_cluster": RayResource(), "captioner": ActiveCaptions(version=version)})
+        resources={"ray_cluster": RayResource(), "captioner": CaptionerResource(active_version=version)})
 
 
 def test_mds_shards_writes_the_tree_with_metadata_and_check(ray_session, data_root):
@@ -69,6 +58,12 @@ def test_check_fails_when_a_leaf_and_the_mapping_disagree(ray_session, data_root
     assert not all(c.ok for c in found) and not problems
 
 
-def test_caption_filter_matches_the_captions_contract():
-    assert usable_captions(ACTIVE) == caption_filter(ACTIVE)
-    assert usable_captions("it's") == "caption_version = 'it''s' AND status = 'ok'"
+def test_build_defs_wires_mds_shards_after_bucketed_images_and_captions(tmp_path):
+    from prx_assets.defs import build_defs
+    from prx_assets_tests.conftest import write_sources
+
+    sources = write_sources(tmp_path / "s.yaml", [f"{{name: web, kind: image_folder, uri: {tmp_path}}}"])
+    graph = build_defs(sources).resolve_asset_graph()
+    key = dg.AssetKey("mds_shards")
+    assert graph.get(key).parent_keys == {dg.AssetKey("bucketed_images"), dg.AssetKey("captions")}
+    assert dg.AssetCheckKey(key, "leaves_stream") in graph.asset_check_keys

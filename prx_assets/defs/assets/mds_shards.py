@@ -4,12 +4,14 @@ from typing import Optional
 
 import dagster as dg
 
+from prx_assets.core.captions import active_caption_filter
 from prx_assets.core.lance_tables import table_uri
 from prx_assets.core.mds import (
     DEFAULT_ROWS_PER_PART, SampleInputs, TreeReport, WriteOptions, verify_tree, write_mds_tree)
 from prx_assets.core.settings import data_root
 from prx_assets.defs.lineage import input_versions, materialized_lance_version
 from prx_assets.defs.metadata import counts_table
+from prx_assets.defs.resources import CaptionerResource, RayResource
 
 
 class MdsShardsConfig(dg.Config):
@@ -23,17 +25,12 @@ class MdsShardsConfig(dg.Config):
                             rows_per_part=self.rows_per_part, keep_trees=self.keep_trees)
 
 
-def usable_captions(version: str) -> str:
-    """The captions contract's filter (`prx_assets.core.captions.active_caption_filter`)."""
-    return f"caption_version = '{version.replace(chr(39), chr(39) * 2)}' AND status = 'ok'"
-
-
 def sample_inputs(context: dg.AssetExecutionContext, caption_version: str) -> SampleInputs:
     source, root = context.partition_key, data_root()
     return SampleInputs(
         bucketed_uri=str(table_uri(root, "bucketed_images", source)),
         captions_uri=str(table_uri(root, "captions", source)),
-        caption_filter=usable_captions(caption_version),
+        caption_filter=active_caption_filter(caption_version),
         bucketed_version=materialized_lance_version(
             context.instance, dg.AssetKey("bucketed_images"), source),
         captions_version=materialized_lance_version(
@@ -44,13 +41,13 @@ def build_mds_shards(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
     @dg.asset(
         partitions_def=partitions_def, group_name="mds", kinds={"ray", "lance"}, code_version="1",
         deps=[dg.AssetKey("bucketed_images"), dg.AssetKey("captions")],
-        required_resource_keys={"ray_cluster", "captioner"},
         description="Kept images with a usable active caption as ~128 MB MDS shards, one "
                     "stream per tier and shape under mds/<source>, swapped in atomically; "
                     "lance/mds_samples/<source>.lance maps each id to its shard.")
-    def mds_shards(context: dg.AssetExecutionContext,
-                   config: MdsShardsConfig) -> dg.MaterializeResult:
-        caption_version = context.resources.captioner.caption_version()
+    def mds_shards(context: dg.AssetExecutionContext, config: MdsShardsConfig,
+                   ray_cluster: RayResource, captioner: CaptionerResource
+                   ) -> dg.MaterializeResult:
+        caption_version = captioner.caption_version()
         report = write_mds_tree(sample_inputs(context, caption_version), data_root(),
                                 context.partition_key, config.options(), log=context.log.info)
         return dg.MaterializeResult(metadata={
