@@ -58,6 +58,7 @@ class SkipListStreamingDataset(StreamingDataset):
         self.skip_reasons: list[str] = sorted(found if wanted is None else wanted)
         self.skip_counts: Counter = found
         self.skip_digest = hashlib.sha256(np.flatnonzero(self.skipped).tobytes()).hexdigest()[:16]
+        self.length = self._samples_per_rank(epoch=0)  # what len() and len(DataLoader) report
 
     # ----------------------------------------------------------------------- skip lists
     def _read_skip_lists(self, wanted: Optional[frozenset[str]]
@@ -83,7 +84,7 @@ class SkipListStreamingDataset(StreamingDataset):
         units, sample_ids = super().resample_streams(epoch, stream_id)
         units, sample_ids = _drop(units, sample_ids, ~self.skipped[sample_ids])
         if stream_id is not None:  # per-stream batching: whole global batches only
-            multiple = self._samples_multiple()
+            multiple = self._samples_multiple(self._parallel_worker_world)
             excess = len(sample_ids) % multiple
             if excess:
                 rng = np.random.default_rng([self.shuffle_seed, epoch, stream_id])
@@ -92,11 +93,21 @@ class SkipListStreamingDataset(StreamingDataset):
                 units, sample_ids = _drop(units, sample_ids, keep)
         return units, sample_ids
 
-    def _samples_multiple(self) -> int:
+    def _samples_multiple(self, world) -> int:
         """Stream sizes that partition into full global batches with no repeats or padding."""
-        world = self._parallel_worker_world
         nodes = math.lcm(int(self.num_canonical_nodes or world.num_nodes), world.num_nodes)
         return nodes * world.ranks_per_node * int(self.batch_size)
+
+    def _samples_per_rank(self, epoch: int) -> int:
+        """Samples each rank yields in `epoch` (the base class counts skipped ones too)."""
+        world = self._parallel_rank_world
+        multiple = self._samples_multiple(world)
+        total = 0
+        for stream_id in range(self.num_streams):
+            _, sample_ids = StreamingDataset.resample_streams(self, epoch, stream_id)
+            kept = int(np.count_nonzero(~self.skipped[sample_ids]))
+            total += kept - kept % multiple
+        return total // world.num_ranks
 
     # ----------------------------------------------------------------------- resume
     def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:

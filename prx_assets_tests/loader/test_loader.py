@@ -85,7 +85,10 @@ def _epoch(loader, stop: int | None = None) -> list[list[str]]:
 def test_same_seed_same_order_and_no_skipped_id(corpus):
     # Weights proportional to size (both sources are the same size): no upsampling repeats.
     even = {"alpha": 1.0, "beta": 1.0}
-    first = _epoch(_loader(corpus, weights=even))
+    loader = _loader(corpus, weights=even)
+    first = _epoch(loader)
+    assert len(loader) == len(first) and len(loader.dataset) == BATCH * len(first)
+    del loader
     gc.collect()
     second = _epoch(_loader(corpus, weights=even))
     gc.collect()
