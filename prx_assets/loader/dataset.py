@@ -8,14 +8,22 @@ work as in the base class. Each stream's kept samples are trimmed (a seeded choi
 multiple of the global batch, so no batch is padded with -1 and no sample repeats to fill
 one. The skip reasons and a digest of the skipped set travel in the state dict; resuming
 with other lists is refused.
+
+Local, uncompressed shards (what mds_shards writes) are read straight from memory-mapped
+files in this worker's sample order: the base class's download and ready threads, its
+per-sample file open and its shard-state bookkeeping exist for remote shards and cost more
+than the read itself here. Samples are decoded by the shard readers exactly as the base
+class does.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections import Counter
-from typing import Any, Iterable, Optional
+import mmap
+import os
+from collections import Counter, OrderedDict
+from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 from numpy.typing import NDArray
@@ -23,6 +31,7 @@ from streaming import StreamingDataset
 
 from prx_assets.core.skip_lists import read_sidecar, sidecar_path
 
+OPEN_SHARDS = 64  # memory maps kept open per worker (least recently used closed first)
 # mosaicml-streaming's default predownload (8 x batch) makes the ready thread sleep in 7 ms
 # ticks once it is that far ahead: ~1k samples/s on local disk. Local shards need no download
 # throttle; prefetching far ahead costs nothing but a counter.
@@ -109,6 +118,34 @@ class SkipListStreamingDataset(StreamingDataset):
             total += kept - kept % multiple
         return total // world.num_ranks
 
+    # ----------------------------------------------------------------------- reading
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if not self._local_uncompressed():
+            yield from super().__iter__()
+            return
+        # The base class's epoch bookkeeping (resume, epoch counter, partition), then a
+        # direct read of this worker's samples.
+        self._unique_worker_world = self._unique_rank_world.detect_workers()
+        self._parallel_worker_world = self._parallel_rank_world.detect_workers()
+        epoch, sample_in_epoch = self._resume_incr_epoch()
+        sample_ids = self._get_work(epoch, sample_in_epoch)
+        yield from self._read_local(sample_ids[sample_ids >= 0])
+
+    def _local_uncompressed(self) -> bool:
+        return (all(stream.remote is None for stream in self.streams)
+                and all(shard.zip_data is None for shard in self.shards))
+
+    def _read_local(self, sample_ids: NDArray[np.int64]) -> Iterator[dict[str, Any]]:
+        offsets = self.sample_offset_per_shard
+        shard_ids = np.searchsorted(offsets, sample_ids, side="right") - 1
+        local_ids = sample_ids - offsets[shard_ids]
+        maps = _ShardMaps(self.shards, OPEN_SHARDS)
+        try:
+            for shard_id, index in zip(shard_ids.tolist(), local_ids.tolist()):
+                yield self.shards[shard_id].decode_sample(maps.sample(shard_id, index))
+        finally:
+            maps.close()
+
     # ----------------------------------------------------------------------- resume
     def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
         state = super().state_dict(num_samples, from_beginning)
@@ -142,3 +179,34 @@ def _drop(units: NDArray[np.int64], sample_ids: NDArray[np.int64], keep: NDArray
     starts = np.concatenate([[0], np.cumsum(units)[:-1]]).astype(np.int64)
     kept_per_unit = np.add.reduceat(keep.astype(np.int64), starts) if len(units) else units
     return kept_per_unit[kept_per_unit > 0].astype(np.int64), sample_ids[keep]
+
+
+class _ShardMaps:
+    """Memory maps of MDS joint shards: `[n][n + 1 uint32 offsets][config][samples]`."""
+
+    def __init__(self, shards: list, limit: int):
+        self.shards, self.limit = shards, limit
+        self.open: OrderedDict[int, mmap.mmap] = OrderedDict()
+
+    def sample(self, shard_id: int, index: int) -> bytes:
+        data = self._map(shard_id)
+        begin, end = np.frombuffer(data, np.uint32, 2, offset=4 * (1 + index))
+        return data[begin:end]
+
+    def _map(self, shard_id: int) -> mmap.mmap:
+        data = self.open.get(shard_id)
+        if data is not None:
+            self.open.move_to_end(shard_id)
+            return data
+        shard = self.shards[shard_id]
+        path = os.path.join(shard.dirname, shard.split, shard.raw_data.basename)
+        with open(path, "rb") as file:
+            data = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        self.open[shard_id] = data
+        if len(self.open) > self.limit:
+            self.open.popitem(last=False)[1].close()
+        return data
+
+    def close(self) -> None:
+        while self.open:
+            self.open.popitem()[1].close()

@@ -202,3 +202,17 @@ def test_caption_hook_encodes_each_batch(corpus):
     batch = next(iter(_loader(corpus, encode_captions=encoder)))
     assert batch["caption_latents"].shape == (BATCH, 8)
     assert torch.equal(batch["caption_latents"], encoder(batch["caption"]))
+
+
+def test_direct_local_reads_match_the_base_iterator(corpus):
+    from streaming import StreamingDataset
+
+    def samples(iterate):
+        dataset = build_dataset(corpus["root"], TIER, BATCH, weights=WEIGHTS, seed=5)
+        out = [(s["id"], s["caption"], s["image"].tobytes()) for s in iterate(dataset)]
+        del dataset
+        gc.collect()
+        return out
+
+    direct = samples(iter)
+    assert direct and direct == samples(StreamingDataset.__iter__)
