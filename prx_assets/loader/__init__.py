@@ -46,7 +46,10 @@ def build_dataset(mds_root: str | Path, tier: int, batch_size: int, *,
 def build_loader(mds_root: str | Path, tier: int, batch_size: int, *,
                  encode_captions: Optional[CaptionEncoder] = None, num_workers: int = 0,
                  **dataset_kwargs: Any) -> StreamingDataLoader:
-    """`build_dataset` wrapped in a StreamingDataLoader (which carries state_dict for resume)."""
+    """`build_dataset` wrapped in a StreamingDataLoader (which carries state_dict for resume).
+
+    Images travel as JPEG bytes and are decoded once, by the collate function (in workers)."""
+    dataset_kwargs.setdefault("decode_images", False)
     dataset = build_dataset(mds_root, tier, batch_size, **dataset_kwargs)
     return StreamingDataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
                                collate_fn=ShapeBatchCollate(encode_captions),

@@ -10,8 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import io
+
 import numpy as np
 import torch
+from PIL import Image
 
 CaptionEncoder = Callable[[list[str]], Any]
 
@@ -29,7 +32,7 @@ class ShapeBatchCollate:
         shapes = {(s["width"], s["height"]) for s in samples}
         if len(shapes) != 1:
             raise ValueError(f"a batch mixes shapes {sorted(shapes)}; use per_stream batching")
-        images = np.stack([np.asarray(s["image"].convert("RGB")) for s in samples])
+        images = np.stack([_rgb(s["image"]) for s in samples])
         batch: dict[str, Any] = {
             "image": torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(),
             "caption": [s["caption"] for s in samples],
@@ -41,3 +44,10 @@ class ShapeBatchCollate:
         if self.encode_captions is not None:
             batch["caption_latents"] = self.encode_captions(batch["caption"])
         return batch
+
+
+def _rgb(image) -> np.ndarray:
+    """A decoded PIL image or the JPEG bytes the loader yields with decode_images=False."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        image = Image.open(io.BytesIO(image))
+    return np.asarray(image.convert("RGB"))

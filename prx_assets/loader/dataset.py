@@ -53,15 +53,19 @@ class SkipListStreamingDataset(StreamingDataset):
         skip_reasons: reasons to apply; `None` applies every reason found in the sidecars,
             `()` applies none.
         shuffle_seed: the seed of the deterministic shuffle.
+        decode_images: False yields the `jpeg` columns as their stored bytes (local shards),
+            leaving the decode to the collate function (one decode per image either way).
         **kwargs: passed to `StreamingDataset` (e.g. `num_canonical_nodes`, `shuffle_algo`).
     """
 
     def __init__(self, *, streams, batch_size: int, skip_reasons: Optional[Iterable[str]] = None,
                  shuffle: bool = True, shuffle_seed: int = 9176,
-                 predownload: Optional[int] = LOCAL_PREDOWNLOAD, **kwargs: Any) -> None:
+                 predownload: Optional[int] = LOCAL_PREDOWNLOAD, decode_images: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(streams=streams, batch_size=batch_size, batching_method="per_stream",
                          shuffle=shuffle, shuffle_seed=shuffle_seed, predownload=predownload,
                          **kwargs)
+        self.decode_images = decode_images
         wanted = None if skip_reasons is None else frozenset(skip_reasons)
         self.skipped, found = self._read_skip_lists(wanted)
         self.skip_reasons: list[str] = sorted(found if wanted is None else wanted)
@@ -142,7 +146,8 @@ class SkipListStreamingDataset(StreamingDataset):
         maps = _ShardMaps(self.shards, OPEN_SHARDS)
         try:
             for shard_id, index in zip(shard_ids.tolist(), local_ids.tolist()):
-                yield self.shards[shard_id].decode_sample(maps.sample(shard_id, index))
+                shard, data = self.shards[shard_id], maps.sample(shard_id, index)
+                yield shard.decode_sample(data) if self.decode_images else _jpeg_as_bytes(shard, data)
         finally:
             maps.close()
 
@@ -210,3 +215,21 @@ class _ShardMaps:
     def close(self) -> None:
         while self.open:
             self.open.popitem()[1].close()
+
+
+def _jpeg_as_bytes(shard, data: bytes) -> dict[str, Any]:
+    """`MDSReader.decode_sample`, but `jpeg` columns stay the bytes they were stored as."""
+    from streaming.base.format.mds.encodings import mds_decode
+
+    sizes, head = [], 0
+    for size in shard.column_sizes:
+        if size is None:
+            size = int(np.frombuffer(data, np.uint32, 1, offset=head)[0])
+            head += 4
+        sizes.append(size)
+    sample, position = {}, head
+    for name, encoding, size in zip(shard.column_names, shard.column_encodings, sizes):
+        value = data[position:position + size]
+        sample[name] = value if encoding == "jpeg" else mds_decode(encoding, value)
+        position += size
+    return sample

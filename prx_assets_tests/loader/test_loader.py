@@ -1,4 +1,5 @@
 import gc
+import io
 import json
 import os
 import socket
@@ -11,6 +12,7 @@ from pathlib import Path
 import lance
 import pytest
 import torch
+from PIL import Image
 from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.core import mds
@@ -216,3 +218,9 @@ def test_direct_local_reads_match_the_base_iterator(corpus):
 
     direct = samples(iter)
     assert direct and direct == samples(StreamingDataset.__iter__)
+
+    dataset = build_dataset(corpus["root"], TIER, BATCH, weights=WEIGHTS, seed=5,
+                            decode_images=False)
+    raw = [(s["id"], s["caption"], Image.open(io.BytesIO(s["image"])).tobytes())
+           for s in dataset]
+    assert raw == direct
