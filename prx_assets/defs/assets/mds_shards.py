@@ -50,9 +50,10 @@ def build_mds_shards(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
         caption_version = captioner.caption_version()
         report = write_mds_tree(sample_inputs(context, caption_version), data_root(),
                                 context.partition_key, config.options(), log=context.log.info)
-        return dg.MaterializeResult(metadata={
-            **tree_metadata(report), "caption_version": caption_version,
-            **input_versions(context, "bucketed_images", "captions")})
+        return dg.MaterializeResult(
+            metadata={**tree_metadata(report), "caption_version": caption_version,
+                      **input_versions(context, "bucketed_images", "captions")},
+            data_version=dg.DataVersion(f"{report.tree_version}@{report.mapping_version}"))
 
     return mds_shards
 
