@@ -13,6 +13,7 @@ StreamingDataset over the same shards.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import tempfile
@@ -110,14 +111,14 @@ def bench_loading(work: Path) -> list[Figure]:
     clean_stale_shared_memory()
     plain = StreamingDataset(streams=[Stream(local=str(leaf)) for leaf in leaves],
                              batch_size=BATCH)
-    plain_s, plain_n = timed(lambda: iterate(plain))
+    plain_s, plain_n = timed(functools.partial(iterate, plain))
     del plain
     figures = []
     for decode, label in ((True, "PIL images"), (False, "JPEG bytes")):
         clean_stale_shared_memory()
         ours = build_dataset(root / "mds", 1, BATCH, weights={"bench": 1.0}, seed=1,
                              decode_images=decode)
-        ours_s, ours_n = timed(lambda: iterate(ours))
+        ours_s, ours_n = timed(functools.partial(iterate, ours))
         del ours
         print(f"loader: plain StreamingDataset {plain_n} samples in {plain_s:.2f} s; ours "
               f"({label}) {ours_n} samples ({skipped} skipped, trimmed to whole batches) "

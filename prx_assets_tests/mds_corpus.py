@@ -6,7 +6,7 @@ without a usable caption, an older caption version beside the active one.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import lance
@@ -29,7 +29,7 @@ def build_corpus(data_root: Path, source: str, per_shape: int = 12, seed: int = 
     """Write bucketed_images and captions tables for `source`; returns what a test checks."""
     rng = np.random.default_rng(seed)
     rows, caption_rows, images = [], [], {}
-    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    now = datetime(2026, 1, 1, tzinfo=UTC)
     for tier, w, h in shapes:
         for i in range(per_shape):
             sample_id = f"{source}:{tier}-{w}x{h}-{i:04d}"

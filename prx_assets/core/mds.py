@@ -24,10 +24,10 @@ import logging
 import os
 import shutil
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable, Optional
 
 import lance
 import numpy as np
@@ -83,15 +83,15 @@ class SampleInputs:
     bucketed_uri: str
     captions_uri: str
     caption_filter: str  # Lance SQL selecting the active, usable caption rows
-    bucketed_version: Optional[int] = None
-    captions_version: Optional[int] = None
+    bucketed_version: int | None = None
+    captions_version: int | None = None
     exclude_ids: frozenset[str] = frozenset()  # e.g. a rewrite without skipped samples
 
 
 @dataclass(frozen=True)
 class WriteOptions:
     size_limit: int = DEFAULT_SIZE_LIMIT
-    compression: Optional[str] = None  # JPEG bytes do not compress further
+    compression: str | None = None  # JPEG bytes do not compress further
     rows_per_part: int = DEFAULT_ROWS_PER_PART
     keep_trees: int = 2  # the current tree and the one before (a trainer may still read it)
     parallel: bool = True  # Ray tasks; False writes the parts in this process (tiny sources)
@@ -178,7 +178,7 @@ def current_tree_version(root: Path, source: str) -> str:
     return current_tree(root, source).name
 
 
-def tree_leaves(tree: Path, tier: Optional[int] = None) -> list[Path]:
+def tree_leaves(tree: Path, tier: int | None = None) -> list[Path]:
     """Leaf folders (those holding index.json) of a tree, optionally of one tier, sorted."""
     pattern = f"{tier}/*/index.json" if tier is not None else "*/*/index.json"
     return sorted(p.parent for p in Path(tree).glob(pattern))
@@ -339,7 +339,7 @@ def mapping_rows(source: str, key: tuple[int, int, int], leaf_rows: pa.Table,
 
 def new_tree_version() -> str:
     """Sortable and unique per build: UTC time to the microsecond."""
-    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
 
 
 def write_mds_tree(inputs: SampleInputs, data_root: Path, source: str,

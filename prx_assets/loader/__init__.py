@@ -13,24 +13,37 @@ See docs/mds.md.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any
 
 from streaming import StreamingDataLoader
 
 from prx_assets.loader.collate import CaptionEncoder, ShapeBatchCollate
 from prx_assets.loader.dataset import (
-    LOCAL_PREDOWNLOAD, SkipListMismatch, SkipListStreamingDataset)
+    LOCAL_PREDOWNLOAD,
+    SkipListMismatch,
+    SkipListStreamingDataset,
+)
 from prx_assets.loader.streams import Leaf, default_weights, leaf_streams, plan_leaves
 
-__all__ = ["build_dataset", "build_loader", "SkipListStreamingDataset", "SkipListMismatch",
-           "ShapeBatchCollate", "Leaf", "plan_leaves", "default_weights", "LOCAL_PREDOWNLOAD"]
+__all__ = [
+    "LOCAL_PREDOWNLOAD",
+    "Leaf",
+    "ShapeBatchCollate",
+    "SkipListMismatch",
+    "SkipListStreamingDataset",
+    "build_dataset",
+    "build_loader",
+    "default_weights",
+    "plan_leaves",
+]
 
 
 def build_dataset(mds_root: str | Path, tier: int, batch_size: int, *,
-                  weights: Optional[Mapping[str, float]] = None,
-                  sources_file: Optional[Path] = None,
-                  skip_reasons: Optional[Iterable[str]] = None, seed: int = 9176,
+                  weights: Mapping[str, float] | None = None,
+                  sources_file: Path | None = None,
+                  skip_reasons: Iterable[str] | None = None, seed: int = 9176,
                   shuffle: bool = True, **kwargs: Any) -> SkipListStreamingDataset:
     """One stream per leaf of `tier` across the weighted sources' current trees.
 
@@ -44,7 +57,7 @@ def build_dataset(mds_root: str | Path, tier: int, batch_size: int, *,
 
 
 def build_loader(mds_root: str | Path, tier: int, batch_size: int, *,
-                 encode_captions: Optional[CaptionEncoder] = None, num_workers: int = 0,
+                 encode_captions: CaptionEncoder | None = None, num_workers: int = 0,
                  **dataset_kwargs: Any) -> StreamingDataLoader:
     """`build_dataset` wrapped in a StreamingDataLoader (which carries state_dict for resume).
 

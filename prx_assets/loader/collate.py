@@ -7,10 +7,10 @@ collate function calls it once per batch (inside the DataLoader worker when num_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
-
 import io
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ class ShapeBatchCollate:
     Picklable (a dataclass holding a callable), so it works with DataLoader workers as long as
     `encode_captions` is picklable too (a module-level function or an nn.Module)."""
 
-    encode_captions: Optional[CaptionEncoder] = None
+    encode_captions: CaptionEncoder | None = None
 
     def __call__(self, samples: list[dict]) -> dict[str, Any]:
         shapes = {(s["width"], s["height"]) for s in samples}

@@ -23,7 +23,8 @@ import math
 import mmap
 import os
 from collections import Counter, OrderedDict
-from typing import Any, Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -58,9 +59,9 @@ class SkipListStreamingDataset(StreamingDataset):
         **kwargs: passed to `StreamingDataset` (e.g. `num_canonical_nodes`, `shuffle_algo`).
     """
 
-    def __init__(self, *, streams, batch_size: int, skip_reasons: Optional[Iterable[str]] = None,
+    def __init__(self, *, streams, batch_size: int, skip_reasons: Iterable[str] | None = None,
                  shuffle: bool = True, shuffle_seed: int = 9176,
-                 predownload: Optional[int] = LOCAL_PREDOWNLOAD, decode_images: bool = True,
+                 predownload: int | None = LOCAL_PREDOWNLOAD, decode_images: bool = True,
                  **kwargs: Any) -> None:
         super().__init__(streams=streams, batch_size=batch_size, batching_method="per_stream",
                          shuffle=shuffle, shuffle_seed=shuffle_seed, predownload=predownload,
@@ -74,7 +75,7 @@ class SkipListStreamingDataset(StreamingDataset):
         self.length = self._samples_per_rank(epoch=0)  # what len() and len(DataLoader) report
 
     # ----------------------------------------------------------------------- skip lists
-    def _read_skip_lists(self, wanted: Optional[frozenset[str]]
+    def _read_skip_lists(self, wanted: frozenset[str] | None
                          ) -> tuple[NDArray[np.bool_], Counter]:
         """A mask over global sample ids, and how many samples each found reason skips."""
         skipped = np.zeros(self.num_samples, np.bool_)
@@ -92,7 +93,7 @@ class SkipListStreamingDataset(StreamingDataset):
                     skipped[offset + local] = True
         return skipped, found
 
-    def resample_streams(self, epoch: int, stream_id: Optional[int] = None
+    def resample_streams(self, epoch: int, stream_id: int | None = None
                          ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
         units, sample_ids = super().resample_streams(epoch, stream_id)
         units, sample_ids = _drop(units, sample_ids, ~self.skipped[sample_ids])

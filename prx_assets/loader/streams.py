@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
 
 from streaming import Stream
 
@@ -20,7 +20,7 @@ class Leaf:
     proportion: float
 
 
-def default_weights(sources_file: Optional[Path] = None) -> dict[str, float]:
+def default_weights(sources_file: Path | None = None) -> dict[str, float]:
     """Per-source weights from sources.yaml (`weight`, default 1.0); zero weights dropped."""
     return {s.name: s.weight for s in load_sources(sources_file).sources if s.weight > 0}
 
