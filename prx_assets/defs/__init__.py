@@ -10,6 +10,7 @@ from prx_assets.core.sources import load_sources, sources_path
 from prx_assets.defs.assets.raw_images import build_raw_images
 from prx_assets.defs.assets.images import build_image_stage
 from prx_assets.defs.assets.captions import build_captions, caption_checks
+from prx_assets.defs.assets.mds_shards import build_mds_shards, mds_tree_check
 from prx_assets.defs.checks import jpeg_fidelity_check, table_checks
 from prx_assets.defs.io_managers import RayLanceIOManager
 from prx_assets.defs.partitions import source_partitions
@@ -36,9 +37,10 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
         *table_checks(dg.AssetKey("phashes"), partitions, with_reject_share=False),
         jpeg_fidelity_check(partitions),
         *caption_checks(partitions),
+        mds_tree_check(partitions),
     ]
     return dg.Definitions(
-        assets=[raw_images, image_stage, captions],
+        assets=[raw_images, image_stage, captions, build_mds_shards(partitions)],
         asset_checks=checks,
         resources={
             "ray_cluster": RayResource(),

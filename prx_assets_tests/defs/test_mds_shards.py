@@ -1,0 +1,69 @@
+import dagster as dg
+import lance
+
+from prx_assets.core import mds
+from prx_assets.defs.assets.mds_shards import build_mds_shards, mds_tree_check
+from prx_assets.defs.resources import CaptionerResource, RayResource
+from prx_assets_tests.defs.test_raw_images import checks
+from prx_assets_tests.mds_corpus import ACTIVE, build_corpus
+
+
+def _materialize(instance, version=ACTIVE):
+    partitions = dg.StaticPartitionsDefinition(["web"])
+    return dg.materialize(
+        [build_mds_shards(partitions), mds_tree_check(partitions)], partition_key="web",
+        instance=instance, raise_on_error=False,
+        resources={"ray_cluster": RayResource(), "captioner": CaptionerResource(active_version=version)})
+
+
+def test_mds_shards_writes_the_tree_with_metadata_and_check(ray_session, data_root):
+    corpus = build_corpus(data_root, "web", per_shape=5)
+    instance = dg.DagsterInstance.ephemeral()
+    result = _materialize(instance)
+    assert result.success
+    assert checks(result) == {"mds_shards:leaves_stream": True}
+
+    meta = result.asset_materializations_for_node("mds_shards")[0].metadata
+    assert meta["samples"].value == len(corpus["images"]) == meta["dagster/row_count"].value
+    per_leaf = meta["samples_by_tier_and_shape"].value.records
+    assert sum(r.data["samples"] for r in per_leaf) == len(corpus["images"])
+    assert {(r.data["tier"], r.data["shape"]) for r in per_leaf} == {
+        (1, "64x64"), (1, "48x80"), (1, "80x48"), (2, "96x96")}
+    reasons = {r.data["reason"]: r.data["count"] for r in meta["left_out_by_reason"].value.records}
+    assert reasons == {"no_caption": len(corpus["no_caption"])}
+    assert meta["caption_version"].value == ACTIVE
+    tree = mds.current_tree(data_root, "web")
+    assert meta["tree_version"].value == tree.name
+    mapping = lance.dataset(str(data_root / "lance/mds_samples/web.lance"))
+    assert meta["mapping_lance_version"].value == mapping.version
+
+    # An older caption version is another corpus: every row has a usable "old-v0" caption.
+    older = _materialize(instance, version="old-v0")
+    assert older.success
+    assert older.asset_materializations_for_node("mds_shards")[0].metadata[
+        "samples"].value == len(corpus["images"]) + len(corpus["no_caption"])
+
+
+def test_check_fails_when_a_leaf_and_the_mapping_disagree(ray_session, data_root):
+    build_corpus(data_root, "web", per_shape=3)
+    instance = dg.DagsterInstance.ephemeral()
+    assert _materialize(instance).success
+    leaf = mds.tree_leaves(mds.current_tree(data_root, "web"))[0]
+    uri = str(data_root / "lance/mds_samples/web.lance")
+    table = lance.dataset(uri).to_table()
+    leaf_name = str(leaf.relative_to(mds.current_tree(data_root, "web")))
+    keep = [r for r in table.to_pylist() if r["leaf"] != leaf_name][1:]
+    lance.write_dataset(table.from_pylist(keep, schema=table.schema), uri, mode="overwrite")
+    found, problems = mds.verify_tree(data_root, "web")
+    assert not all(c.ok for c in found) and not problems
+
+
+def test_build_defs_wires_mds_shards_after_bucketed_images_and_captions(tmp_path):
+    from prx_assets.defs import build_defs
+    from prx_assets_tests.conftest import write_sources
+
+    sources = write_sources(tmp_path / "s.yaml", [f"{{name: web, kind: image_folder, uri: {tmp_path}}}"])
+    graph = build_defs(sources).resolve_asset_graph()
+    key = dg.AssetKey("mds_shards")
+    assert graph.get(key).parent_keys == {dg.AssetKey("bucketed_images"), dg.AssetKey("captions")}
+    assert dg.AssetCheckKey(key, "leaves_stream") in graph.asset_check_keys
