@@ -84,7 +84,7 @@ def vllm_sampling_params() -> dict[str, Any]:
 
 def vllm_processor_config(settings: VLLMSettings):
     """The ray.data.llm config for the label stage (vLLM is needed only by build_processor)."""
-    from ray.data.llm import vLLMEngineProcessorConfig
+    from ray.data.llm import ChatTemplateStageConfig, vLLMEngineProcessorConfig
 
     return vLLMEngineProcessorConfig(
         model_source=settings.model,
@@ -95,7 +95,8 @@ def vllm_processor_config(settings: VLLMSettings):
         batch_size=settings.batch_size,
         accelerator_type=settings.accelerator_type,
         # Qwen3 thinks aloud unless told not to; a one-word answer needs no reasoning.
-        chat_template_stage={"chat_template_kwargs": {"enable_thinking": False}},
+        chat_template_stage=ChatTemplateStageConfig(
+            chat_template_kwargs={"enable_thinking": False}),
         tokenize_stage=True,
         detokenize_stage=True,
     )
