@@ -64,7 +64,7 @@ def labelled_test_captions(source: str = "web") -> list[tuple[str, str, str]]:
 
 
 def write_captions(uri: Path, rows: list[tuple[str, str]], version: str,
-                   status: str = "ok", mode: str = "create") -> None:
+                   status: str = "ok") -> None:
     """Append (id, caption) rows of one caption version to a captions table."""
     now = datetime.now(timezone.utc)
     table = pa.Table.from_pylist([
@@ -73,4 +73,4 @@ def write_captions(uri: Path, rows: list[tuple[str, str]], version: str,
          "created_at": now} for i, c in rows], schema=CAPTIONS_SCHEMA)
     uri.parent.mkdir(parents=True, exist_ok=True)
     lance.write_dataset(table, str(uri), schema=CAPTIONS_SCHEMA,
-                        mode=mode if uri.exists() else "create")
+                        mode="append" if uri.exists() else "create")

@@ -98,6 +98,11 @@ def _drop_done(batch: pa.Table, done: pa.Array) -> pa.Table:
     return batch.filter(pc.invert(pc.is_in(batch.column("id"), value_set=done)))
 
 
+def count_pending(captions_uri: Path, caption_filter: str, done: pa.Array) -> int:
+    scanner = lance.dataset(str(captions_uri)).scanner(columns=["id"], filter=caption_filter)
+    return sum(len(_drop_done(pa.Table.from_batches([b]), done)) for b in scanner.to_batches())
+
+
 def pending_captions(captions_uri: Path, caption_filter: str, done: pa.Array
                      ) -> ray.data.Dataset:
     """Usable captions of the active version whose id is not in `done`."""
@@ -211,6 +216,9 @@ def label_source(captions_uri: Path, labels_uri: Path, caption_version: str,
     if not captions_uri.exists():
         raise FileNotFoundError(f"{captions_uri} does not exist: materialise captions first")
     done = labelled_ids(labels_uri, caption_version, report.classifier_version)
+    if count_pending(captions_uri, caption_filter, done) == 0:
+        report.lance_version = lance.dataset(str(labels_uri)).version
+        return report  # nothing to do: no actor pool, no model load
     pending = pending_captions(captions_uri, caption_filter, done)
     started = time.perf_counter()
     for chunk in label_stage(pending, spec).iter_batches(batch_size=chunk_rows,
