@@ -81,3 +81,20 @@ def test_missing_or_empty_corpus_errors(tmp_path):
     lance.write_dataset(CORPUS_SCHEMA.empty_table(), str(empty))
     with pytest.raises(EmptyCorpus):
         similar(empty, "a")
+
+
+def test_cli_search_and_similar(corpus, monkeypatch, capsys):
+    from prx_assets import cli
+
+    uri, _ = corpus
+    monkeypatch.setenv("PRX_DATA_ROOT", str(uri.parent.parent))
+    assert cli.main(["search", "battery cover", "--k", "2", "--label", "text"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("docs:manual") and len(out) <= 2
+    assert cli.main(["similar", "web:heron", "--k", "1"]) == 0
+    assert capsys.readouterr().out.startswith("web:heron2")
+    assert cli.main(["similar", "web:missing"]) == 2
+    assert "no image with id 'web:missing'" in capsys.readouterr().err
+    monkeypatch.setenv("PRX_DATA_ROOT", str(uri.parent / "elsewhere"))
+    assert cli.main(["search", "heron"]) == 2
+    assert "materialise the `corpus` asset" in capsys.readouterr().err
