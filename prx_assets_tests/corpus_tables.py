@@ -21,9 +21,10 @@ CLASSIFIER_VERSION = "test-classifier"
 
 
 def write_source(root: Path, source: str, rows: list[tuple[str, str, str]],
-                 embedder: MiniLMEmbedder, extra_kept: int = 0) -> SourceTables:
+                 embedder: MiniLMEmbedder | None, extra_kept: int = 0) -> SourceTables:
     """(key, caption, label) rows become kept 640x480 images with captions and labels;
-    `extra_kept` kept images get no caption; one rejected image is added too."""
+    `extra_kept` kept images get no caption; one rejected image is added too. Without an
+    embedder no caption_labels table is written (the asset under test makes it)."""
     tables = SourceTables(
         source, root / f"bucketed_images/{source}.lance", root / f"captions/{source}.lance",
         root / f"caption_labels/{source}.lance", root / f"phashes/{source}.lance",
@@ -44,6 +45,8 @@ def write_source(root: Path, source: str, rows: list[tuple[str, str, str]],
         uri.parent.mkdir(parents=True, exist_ok=True)
         lance.write_dataset(table, str(uri), mode="overwrite")
     write_captions(tables.captions, [(i, c) for i, (_, c, _) in zip(ids, rows)], CAPTION_VERSION)
+    if embedder is None:
+        return tables
     vectors = embedder.embed([c for _, c, _ in rows])
     scores = np.eye(len(LABELS), dtype=np.float32)[[LABELS.index(l) for _, _, l in rows]]
     labels = label_rows(ids, [CAPTION_VERSION] * len(ids), CLASSIFIER_VERSION,

@@ -1,4 +1,8 @@
-"""caption_labels (per source) and the global corpus table, with their checks."""
+"""caption_labels (per source) and the global corpus table, with their checks.
+
+Resources come through required_resource_keys: `captioner` (issue 4's CaptionerResource,
+read for its caption_version()), `classifier`, `ray_cluster` (started before the body runs)
+and `sources`."""
 
 from collections import Counter
 from typing import Optional
@@ -12,7 +16,7 @@ from prx_assets.core.lance_tables import table_uri
 from prx_assets.core.settings import data_root
 from prx_assets.defs.lineage import input_versions
 from prx_assets.defs.metadata import counts_table
-from prx_assets.defs.resources import ClassifierResource, RayResource, SourcesResource
+from prx_assets.defs.resources import ClassifierResource
 
 
 def _caption_filter(version: str) -> str:
@@ -28,12 +32,13 @@ class CaptionLabelsConfig(dg.Config):
 def build_caption_labels(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefinition:
     @dg.asset(
         partitions_def=partitions_def, group_name="captions", deps=["captions"],
-        kinds={"ray", "lance"}, code_version="1", required_resource_keys={"captioner"},
+        kinds={"ray", "lance"}, code_version="1",
+        required_resource_keys={"captioner", "classifier", "ray_cluster"},
         description="Each active caption labelled visual / text / nsfw with its scores and "
                     "its MiniLM embedding; incremental per (caption, classifier) version.")
-    def caption_labels(context: dg.AssetExecutionContext, config: CaptionLabelsConfig,
-                       ray_cluster: RayResource, classifier: ClassifierResource
+    def caption_labels(context: dg.AssetExecutionContext, config: CaptionLabelsConfig
                        ) -> dg.MaterializeResult:
+        classifier: ClassifierResource = context.resources.classifier
         source = context.partition_key
         caption_version = context.resources.captioner.caption_version()
         captions = table_uri(data_root(), "captions", source)
@@ -96,7 +101,8 @@ def caption_labels_checks(partitions_def: dg.PartitionsDefinition
                           ) -> list[dg.AssetChecksDefinition]:
     asset = dg.AssetKey("caption_labels")
 
-    def coverage_of(context: dg.AssetCheckExecutionContext, classifier: ClassifierResource):
+    def coverage_of(context: dg.AssetCheckExecutionContext):
+        classifier: ClassifierResource = context.resources.classifier
         version = context.resources.captioner.caption_version()
         source = context.partition_key
         return label_coverage(table_uri(data_root(), "captions", source),
@@ -104,22 +110,22 @@ def caption_labels_checks(partitions_def: dg.PartitionsDefinition
                               _caption_filter(version), version, classifier.classifier_version())
 
     @dg.asset_check(asset=asset, name="label_coverage", partitions_def=partitions_def,
-                    required_resource_keys={"captioner"},
+                    required_resource_keys={"captioner", "classifier"},
                     description="Share of the active caption version's usable captions that "
                                 "carry a label under the active classifier version.")
-    def label_coverage_check(context: dg.AssetCheckExecutionContext, config: LabelCoverageConfig,
-                             classifier: ClassifierResource) -> dg.AssetCheckResult:
-        coverage = coverage_of(context, classifier)
+    def label_coverage_check(context: dg.AssetCheckExecutionContext,
+                             config: LabelCoverageConfig) -> dg.AssetCheckResult:
+        coverage = coverage_of(context)
         return dg.AssetCheckResult(passed=coverage.share >= config.min_share, metadata={
             "coverage": round(coverage.share, 4), "captions": coverage.captions,
             "labelled": coverage.labelled, "min_share": config.min_share})
 
     @dg.asset_check(asset=asset, name="label_shares", partitions_def=partitions_def,
-                    required_resource_keys={"captioner"},
+                    required_resource_keys={"captioner", "classifier"},
                     description="Each label's share inside configurable bounds (warns).")
-    def label_shares_check(context: dg.AssetCheckExecutionContext, config: LabelSharesConfig,
-                           classifier: ClassifierResource) -> dg.AssetCheckResult:
-        shares = coverage_of(context, classifier).shares
+    def label_shares_check(context: dg.AssetCheckExecutionContext,
+                           config: LabelSharesConfig) -> dg.AssetCheckResult:
+        shares = coverage_of(context).shares
         outside = [name for name, bad in (("visual", shares["visual"] < config.visual_min),
                                           ("text", shares["text"] > config.text_max),
                                           ("nsfw", shares["nsfw"] > config.nsfw_max)) if bad]
@@ -150,15 +156,14 @@ def build_corpus_asset(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefi
         group_name="corpus", kinds={"ray", "lance"}, code_version="1",
         deps=[dg.AssetDep(name, partition_mapping=every_source)
               for name in ("bucketed_images", "phashes", "captions", "caption_labels")],
-        required_resource_keys={"captioner"},
+        required_resource_keys={"captioner", "classifier", "ray_cluster", "sources"},
         description="One table across sources for exploration: shape, active caption, label, "
                     "phash, caption embedding and a 256 px thumbnail; full-text, vector and "
                     "scalar indexes (see `prx-assets search` / `similar`).")
-    def corpus(context: dg.AssetExecutionContext, ray_cluster: RayResource,
-               sources: SourcesResource, classifier: ClassifierResource) -> dg.MaterializeResult:
+    def corpus(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         caption_version = context.resources.captioner.caption_version()
-        classifier_version = classifier.classifier_version()
-        names = [s.name for s in sources.load().sources]
+        classifier_version = context.resources.classifier.classifier_version()
+        names = [s.name for s in context.resources.sources.load().sources]
         ready = [n for n in names if table_uri(data_root(), "caption_labels", n).exists()]
         if not ready:
             raise dg.Failure("no source has caption_labels yet: materialise them first")
