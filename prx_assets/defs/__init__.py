@@ -9,32 +9,57 @@ import dagster as dg
 from prx_assets.core.sources import load_sources, sources_path
 from prx_assets.defs.assets.raw_images import build_raw_images
 from prx_assets.defs.assets.images import build_image_stage
+from prx_assets.defs.assets.captions import build_captions, caption_checks
+from prx_assets.defs.assets.labels import (
+    build_caption_labels, build_corpus_asset, caption_labels_checks)
 from prx_assets.defs.checks import jpeg_fidelity_check, table_checks
 from prx_assets.defs.io_managers import RayLanceIOManager
 from prx_assets.defs.partitions import source_partitions
-from prx_assets.defs.resources import RayResource, SourcesResource
+from prx_assets.defs.recaption import build_recaption_automation
+from prx_assets.defs.resources import (
+    ClassifierResource, RayResource, SourcesResource, captioner_from_file)
 
 
-def build_defs(sources_file: Path | None = None) -> dg.Definitions:
+def build_defs(sources_file: Path | None = None, captioner_file: Path | None = None
+               ) -> dg.Definitions:
     sources_file = Path(sources_file) if sources_file else sources_path()
+    captioner = captioner_from_file(captioner_file)
     partitions = source_partitions(load_sources(sources_file))
     raw_images = build_raw_images(partitions)
     image_stage = build_image_stage(partitions)
+    captions = build_captions(partitions, captioner)
+    caption_labels = build_caption_labels(partitions)
+    corpus = build_corpus_asset(partitions)
+    captions_job = dg.define_asset_job(
+        "captions_job", selection=dg.AssetSelection.assets(captions), partitions_def=partitions,
+        description="(Re-)caption one source: what the backfill sensor and schedule launch.")
+    recaption_sensor, recaption_schedule = build_recaption_automation(
+        captions_job, partitions, captioner.backfill_cron)
     checks = [
         *table_checks(dg.AssetKey("raw_images"), partitions),
         *table_checks(dg.AssetKey("bucketed_images"), partitions, with_reject_share=False),
         *table_checks(dg.AssetKey("phashes"), partitions, with_reject_share=False),
         jpeg_fidelity_check(partitions),
+        *caption_checks(partitions),
+        *caption_labels_checks(partitions),
     ]
     return dg.Definitions(
-        assets=[raw_images, image_stage],
+        assets=[raw_images, image_stage, captions, caption_labels, corpus],
         asset_checks=checks,
         resources={
             "ray_cluster": RayResource(),
             "sources": SourcesResource(path=str(sources_file)),
             "lance_io_manager": RayLanceIOManager(),
+            "captioner": captioner,
+            "classifier": ClassifierResource(),
         },
-        jobs=[dg.define_asset_job("corpus_job", selection=dg.AssetSelection.all(),
+        sensors=[recaption_sensor],
+        schedules=[recaption_schedule],
+        jobs=[dg.define_asset_job("corpus_job",
+                                  selection=dg.AssetSelection.all() - dg.AssetSelection.assets(corpus),
                                   partitions_def=partitions,
-                                  description="Every asset of the corpus for one source.")],
+                                  description="Every asset of the corpus for one source."),
+              captions_job,
+              dg.define_asset_job("corpus_table_job", selection=dg.AssetSelection.assets(corpus),
+                                  description="The searchable corpus table across sources.")],
     )

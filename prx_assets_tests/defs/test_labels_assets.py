@@ -3,20 +3,12 @@ import lance
 
 from prx_assets.defs.assets.labels import (
     build_caption_labels, build_corpus_asset, caption_labels_checks)
-from prx_assets.defs.resources import ClassifierResource, RayResource, SourcesResource
+from prx_assets.defs.resources import (
+    CaptionerResource, ClassifierResource, RayResource, SourcesResource)
 from prx_assets.core.search import search_text
 from prx_assets_tests.conftest import write_sources
 from prx_assets_tests.corpus_tables import CAPTION_VERSION, write_source
 from prx_assets_tests.labelled_captions import labelled_test_captions
-
-
-class FixedCaptioner(dg.ConfigurableResource):
-    """Stands in for issue 4's CaptionerResource: only its caption_version() is read."""
-
-    version: str = CAPTION_VERSION
-
-    def caption_version(self) -> str:
-        return self.version
 
 
 def test_caption_labels_then_corpus(ray_session, data_root, tmp_path):
@@ -26,7 +18,7 @@ def test_caption_labels_then_corpus(ray_session, data_root, tmp_path):
     sources = write_sources(tmp_path / "s.yaml",
                             [f"{{name: web, kind: image_folder, uri: {tmp_path / 'imgs'}}}"])
     partitions = dg.StaticPartitionsDefinition(["web"])
-    resources = {"captioner": FixedCaptioner(), "classifier": ClassifierResource(),
+    resources = {"captioner": CaptionerResource(active_version=CAPTION_VERSION), "classifier": ClassifierResource(),
                  "ray_cluster": RayResource(), "sources": SourcesResource(path=str(sources))}
     instance = dg.DagsterInstance.ephemeral()
 
