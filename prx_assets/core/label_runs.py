@@ -248,12 +248,20 @@ def label_source(captions_uri: Path, labels_uri: Path, caption_version: str,
 @dataclass(frozen=True)
 class LabelCoverage:
     captions: int  # usable captions of the active version
-    labelled: int  # of those, labelled under the active pair
-    shares: dict[str, float]  # label -> share of the labelled rows
+    counts: dict[str, int]  # label -> rows labelled under the active pair
+
+    @property
+    def labelled(self) -> int:
+        return sum(self.counts.values())
 
     @property
     def share(self) -> float:
         return self.labelled / self.captions if self.captions else 1.0
+
+    @property
+    def shares(self) -> dict[str, float]:
+        total = self.labelled
+        return {label: self.counts.get(label, 0) / total if total else 0.0 for label in LABELS}
 
 
 def label_coverage(captions_uri: Path, labels_uri: Path, caption_filter: str,
@@ -262,11 +270,7 @@ def label_coverage(captions_uri: Path, labels_uri: Path, caption_filter: str,
     captions = lance.dataset(str(captions_uri)).count_rows(filter=caption_filter) \
         if captions_uri.exists() else 0
     if not labels_uri.exists():
-        return LabelCoverage(captions, 0, {label: 0.0 for label in LABELS})
+        return LabelCoverage(captions, {})
     labels = lance.dataset(str(labels_uri)).to_table(
         columns=["label"], filter=active_labels_filter(caption_version, classifier_version))
-    counts = Counter(labels.column("label").to_pylist())
-    total = sum(counts.values())
-    return LabelCoverage(captions, total,
-                         {label: counts.get(label, 0) / total if total else 0.0
-                          for label in LABELS})
+    return LabelCoverage(captions, dict(Counter(labels.column("label").to_pylist())))

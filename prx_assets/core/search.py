@@ -16,7 +16,7 @@ import pyarrow as pa
 RESULT_COLUMNS = ["id", "source", "label", "tier", "width", "height", "caption"]
 # Vector search settings: probe enough IVF partitions and re-rank PQ candidates on exact
 # distances; bench/labels.py measures the recall these give.
-NPROBES = 24
+NPROBES = 16
 REFINE_FACTOR = 10
 
 

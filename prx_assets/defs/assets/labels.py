@@ -61,8 +61,7 @@ def build_caption_labels(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDe
             "failures": "; ".join(report.errors) or "none",
             "captions_per_s": round(report.captions_per_s, 2),
             "coverage": round(coverage.share, 4),
-            "label_shares": counts_table(Counter({label: round(coverage.shares[label]
-                                                               * coverage.labelled)
+            "label_shares": counts_table(Counter({label: coverage.counts.get(label, 0)
                                                   for label in LABELS}), "label"),
             **_validation_metadata(classifier),
         })
