@@ -30,6 +30,7 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
     captions = build_captions(partitions, captioner)
     caption_labels = build_caption_labels(partitions)
     corpus = build_corpus_asset(partitions)
+    corpus_selection = dg.AssetSelection.assets(corpus)  # global: its own job
     captions_job = dg.define_asset_job(
         "captions_job", selection=dg.AssetSelection.assets(captions), partitions_def=partitions,
         description="(Re-)caption one source: what the backfill sensor and schedule launch.")
@@ -56,10 +57,10 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
         sensors=[recaption_sensor],
         schedules=[recaption_schedule],
         jobs=[dg.define_asset_job("corpus_job",
-                                  selection=dg.AssetSelection.all() - dg.AssetSelection.assets(corpus),
+                                  selection=dg.AssetSelection.all() - corpus_selection,
                                   partitions_def=partitions,
                                   description="Every asset of the corpus for one source."),
               captions_job,
-              dg.define_asset_job("corpus_table_job", selection=dg.AssetSelection.assets(corpus),
+              dg.define_asset_job("corpus_table_job", selection=corpus_selection,
                                   description="The searchable corpus table across sources.")],
     )

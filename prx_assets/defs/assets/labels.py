@@ -9,20 +9,15 @@ from typing import Optional
 
 import dagster as dg
 
+from prx_assets.core.captions import active_caption_filter
 from prx_assets.core.corpus import SourceTables, build_corpus
 from prx_assets.core.labels import LABELS, active_labels_filter, load_embedded_classifier
 from prx_assets.core.label_runs import label_coverage, label_source
 from prx_assets.core.lance_tables import table_uri
 from prx_assets.core.settings import data_root
-from prx_assets.defs.lineage import input_versions
+from prx_assets.defs.lineage import input_versions, materialized_lance_version
 from prx_assets.defs.metadata import counts_table
 from prx_assets.defs.resources import ClassifierResource
-
-
-def _caption_filter(version: str) -> str:
-    from prx_assets.core.captions import active_caption_filter  # issue 4's module
-
-    return active_caption_filter(version)
 
 
 class CaptionLabelsConfig(dg.Config):
@@ -48,11 +43,13 @@ def build_caption_labels(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDe
             context.log.info(f"{report.written + report.failed:,} captions labelled "
                              f"({report.captions_per_s:.1f}/s)")
 
-        report = label_source(captions, labels, caption_version, _caption_filter(caption_version),
+        caption_filter = active_caption_filter(caption_version)
+        report = label_source(captions, labels, caption_version, caption_filter,
                               classifier.spec(), config.chunk_rows, progress)
-        coverage = label_coverage(captions, labels, _caption_filter(caption_version),
-                                  caption_version, report.classifier_version)
-        return dg.MaterializeResult(metadata={
+        coverage = label_coverage(captions, labels, caption_filter, caption_version,
+                                  report.classifier_version)
+        return dg.MaterializeResult(data_version=dg.DataVersion(
+            f"{caption_version}/{report.classifier_version}@{report.lance_version}"), metadata={
             **input_versions(context, "captions"),
             "lance_version": report.lance_version,
             "caption_version": caption_version,
@@ -106,7 +103,8 @@ def caption_labels_checks(partitions_def: dg.PartitionsDefinition
         source = context.partition_key
         return label_coverage(table_uri(data_root(), "captions", source),
                               table_uri(data_root(), "caption_labels", source),
-                              _caption_filter(version), version, classifier.classifier_version())
+                              active_caption_filter(version), version,
+                              classifier.classifier_version())
 
     @dg.asset_check(asset=asset, name="label_coverage", partitions_def=partitions_def,
                     required_resource_keys={"captioner", "classifier"},
@@ -144,7 +142,7 @@ def source_tables(source: str, caption_version: str, classifier_version: str) ->
                         table_uri(root, "captions", source),
                         table_uri(root, "caption_labels", source),
                         table_uri(root, "phashes", source),
-                        _caption_filter(caption_version),
+                        active_caption_filter(caption_version),
                         active_labels_filter(caption_version, classifier_version))
 
 
@@ -183,6 +181,9 @@ def build_corpus_asset(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefi
             "indexes": dg.MetadataValue.md("\n".join(
                 f"- `{column}`: {kind}" for column, kind in report.indexes.items())),
             "sources_left_out": ", ".join(skipped) or "none",
+            **{f"input_version/{asset}/{source}": materialized_lance_version(
+                context.instance, dg.AssetKey(asset), source) or -1
+               for source in ready for asset in ("captions", "caption_labels")},
         })
 
     return corpus
