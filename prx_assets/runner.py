@@ -78,6 +78,11 @@ def print_summary(runs: list[PartitionRun]) -> None:
         if hashes:
             print(f"   phashes: {hashes.get('dagster/row_count')} hashed, "
                   f"{hashes.get('flat_images')} flat -> {hashes.get('path')}")
+        captions = run.metadata.get("captions", {})
+        if captions:
+            print(f"   captions: {captions.get('captioned_this_run')} new under version "
+                  f"{captions.get('caption_version')} ({captions.get('model')}), coverage "
+                  f"{captions.get('coverage', 0):.0%} -> {captions.get('path')}")
         labels = run.metadata.get("caption_labels", {})
         if labels:
             shares = {r.data["label"]: r.data["count"] for r in labels["label_shares"].records}

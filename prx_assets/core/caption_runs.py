@@ -63,8 +63,11 @@ def done_ids(captions_uri: Path, version: str) -> tuple[ray.data.Dataset | None,
 def pending_requests(bucketed: ray.data.Dataset, raw_captions: ray.data.Dataset | None,
                      captions_uri: Path, spec: CaptionerSpec) -> ray.data.Dataset:
     """Rows {id, image?, original_caption?} of kept images not yet captioned."""
-    kept = bucketed.filter(lambda row: row["status"] == STATUS_OK)
-    requests = kept.select_columns(["id", "image"] if spec.uses_model else ["id"])
+    columns = ["id", "image"] if spec.uses_model else ["id"]
+    # Project first so the read skips image bytes when the backend needs none.
+    kept = bucketed.select_columns([*columns, "status"]).filter(
+        lambda row: row["status"] == STATUS_OK)
+    requests = kept.select_columns(columns)
     done, n_done = done_ids(captions_uri, spec.version())
     if done is not None:
         requests = without_ids(requests, done, n_done)

@@ -100,9 +100,9 @@ def build_recaption_automation(job,
                                  captioner.produced_version(), retry_failures=True)
         if not stale:
             return dg.SkipReason("every source's captions are current")
-        # Schedules may re-run a partition on the next tick; run keys stay unique per tick.
-        tick = context.scheduled_execution_time.isoformat() if context.scheduled_execution_time else ""
-        return [dg.RunRequest(run_key=f"{s.run_key}@{tick}", partition_key=s.partition,
+        # Schedule run keys only dedupe within a tick, so a partition whose failed rows
+        # still fail is retried again on the next tick (and no more often).
+        return [dg.RunRequest(run_key=s.run_key, partition_key=s.partition,
                               tags={"prx/recaption_reason": s.reason}) for s in stale]
 
     return recaption_sensor, recaption_schedule
