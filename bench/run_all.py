@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-STAGES = ["bench.ingest", "bench.image_stage", "bench.subsampling", "bench.captions", "bench.mds"]
+STAGES = ["bench.ingest", "bench.image_stage", "bench.subsampling", "bench.captions", "bench.mds",
+          "bench.labels"]
 
 
 def main() -> int:

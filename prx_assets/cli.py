@@ -37,6 +37,44 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if all(r.success for r in results) else 1
 
 
+def _corpus_uri() -> Path:
+    from prx_assets.core.lance_tables import table_uri
+    from prx_assets.core.settings import data_root
+
+    return table_uri(data_root(), "corpus")
+
+
+def _search(args: argparse.Namespace) -> int:
+    from prx_assets.core.search import SearchError, format_hits, search_text
+
+    try:
+        hits = search_text(_corpus_uri(), args.text, k=args.k, source=args.source,
+                           label=args.label)
+    except SearchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_hits(hits))
+    return 0
+
+
+def _similar(args: argparse.Namespace) -> int:
+    from prx_assets.core.search import SearchError, format_hits, similar
+
+    try:
+        hits = similar(_corpus_uri(), args.id, k=args.k, source=args.source, label=args.label)
+    except SearchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_hits(hits))
+    return 0
+
+
+def _add_query_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--source", help="only this source")
+    parser.add_argument("--label", choices=["visual", "text", "nsfw"], help="only this label")
+    parser.add_argument("--k", type=int, default=10, help="how many results (default 10)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prx-assets", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -48,6 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--dir", default=str(DEFAULT_DEMO_DIR))
     demo.add_argument("--rebuild", action="store_true", help="regenerate the demo corpus")
     demo.set_defaults(func=_demo)
+    search = sub.add_parser("search", help="full-text search over the corpus captions")
+    search.add_argument("text")
+    _add_query_args(search)
+    search.set_defaults(func=_search)
+    near = sub.add_parser("similar", help="images whose captions are nearest to ID's")
+    near.add_argument("id")
+    _add_query_args(near)
+    near.set_defaults(func=_similar)
     args = parser.parse_args(argv)
     return args.func(args)
 

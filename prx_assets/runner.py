@@ -33,6 +33,11 @@ def materialize_all(sources_file: Path, instance: dg.DagsterInstance | None = No
                                         raise_on_error=False)
         runs.append(PartitionRun(source, result.success, result.run_id,
                                  _materialization_metadata(result), _check_results(result)))
+    if runs and all(run.success for run in runs):  # the corpus table spans every source
+        result = defs.resolve_job_def("corpus_table_job").execute_in_process(
+            instance=instance, raise_on_error=False)
+        runs.append(PartitionRun("(all sources)", result.success, result.run_id,
+                                 _materialization_metadata(result), _check_results(result)))
     return runs
 
 
@@ -78,6 +83,15 @@ def print_summary(runs: list[PartitionRun]) -> None:
             print(f"   captions: {captions.get('captioned_this_run')} new under version "
                   f"{captions.get('caption_version')} ({captions.get('model')}), coverage "
                   f"{captions.get('coverage', 0):.0%} -> {captions.get('path')}")
+        labels = run.metadata.get("caption_labels", {})
+        if labels:
+            shares = {r.data["label"]: r.data["count"] for r in labels["label_shares"].records}
+            print(f"   caption_labels: {labels.get('labelled_now')} labelled now "
+                  f"({labels.get('captions_per_s')} captions/s), all: {shares}")
+        corpus = run.metadata.get("corpus", {})
+        if corpus:
+            print(f"   corpus: {corpus.get('dagster/row_count')} rows -> {corpus.get('path')}; "
+                  f"try `prx-assets search \"a few words\"`")
         for name, outcome in sorted(run.checks.items()):
             print(f"   check {name}: {outcome}")
     print("\nOpen the UI with `make ui` (http://127.0.0.1:3000) to see runs, checks and metadata.")

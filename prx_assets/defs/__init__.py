@@ -11,11 +11,14 @@ from prx_assets.defs.assets.raw_images import build_raw_images
 from prx_assets.defs.assets.images import build_image_stage
 from prx_assets.defs.assets.captions import build_captions, caption_checks
 from prx_assets.defs.assets.mds_shards import build_mds_shards, mds_tree_check
+from prx_assets.defs.assets.labels import (
+    build_caption_labels, build_corpus_asset, caption_labels_checks)
 from prx_assets.defs.checks import jpeg_fidelity_check, table_checks
 from prx_assets.defs.io_managers import RayLanceIOManager
 from prx_assets.defs.partitions import source_partitions
 from prx_assets.defs.recaption import build_recaption_automation
-from prx_assets.defs.resources import RayResource, SourcesResource, captioner_from_file
+from prx_assets.defs.resources import (
+    ClassifierResource, RayResource, SourcesResource, captioner_from_file)
 
 
 def build_defs(sources_file: Path | None = None, captioner_file: Path | None = None
@@ -26,6 +29,9 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
     raw_images = build_raw_images(partitions)
     image_stage = build_image_stage(partitions)
     captions = build_captions(partitions, captioner)
+    caption_labels = build_caption_labels(partitions)
+    corpus = build_corpus_asset(partitions)
+    corpus_selection = dg.AssetSelection.assets(corpus)  # global: its own job
     captions_job = dg.define_asset_job(
         "captions_job", selection=dg.AssetSelection.assets(captions), partitions_def=partitions,
         description="(Re-)caption one source: what the backfill sensor and schedule launch.")
@@ -38,20 +44,26 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
         jpeg_fidelity_check(partitions),
         *caption_checks(partitions),
         mds_tree_check(partitions),
+        *caption_labels_checks(partitions),
     ]
     return dg.Definitions(
-        assets=[raw_images, image_stage, captions, build_mds_shards(partitions)],
+        assets=[raw_images, image_stage, captions, caption_labels, build_mds_shards(partitions),
+                corpus],
         asset_checks=checks,
         resources={
             "ray_cluster": RayResource(),
             "sources": SourcesResource(path=str(sources_file)),
             "lance_io_manager": RayLanceIOManager(),
             "captioner": captioner,
+            "classifier": ClassifierResource(),
         },
         sensors=[recaption_sensor],
         schedules=[recaption_schedule],
-        jobs=[dg.define_asset_job("corpus_job", selection=dg.AssetSelection.all(),
+        jobs=[dg.define_asset_job("corpus_job",
+                                  selection=dg.AssetSelection.all() - corpus_selection,
                                   partitions_def=partitions,
                                   description="Every asset of the corpus for one source."),
-              captions_job],
+              captions_job,
+              dg.define_asset_job("corpus_table_job", selection=corpus_selection,
+                                  description="The searchable corpus table across sources.")],
     )

@@ -103,3 +103,37 @@ def captioner_from_file(path: Optional[Path] = None) -> CaptionerResource:
         return CaptionerResource(**values)
     except Exception as exc:
         raise ValueError(f"{path}: {exc}") from None
+
+class ClassifierResource(dg.ConfigurableResource):
+    """Which backend labels captions visual / text / nsfw: `embedded` (MiniLM + a small
+    classifier on the CPU, the default), `openai` (an OpenAI-compatible endpoint) or `vllm`
+    (Qwen3-8B through ray.data.llm)."""
+
+    backend: str = "embedded"
+    actors: int = 1
+    threads_per_actor: int = 1
+    batch_size: int = 64
+    model: Optional[str] = None  # LLM backends; default Qwen/Qwen3-8B
+    base_url: Optional[str] = None  # openai: e.g. http://127.0.0.1:8000/v1
+    api_key_env: str = "OPENAI_API_KEY"
+    concurrency: int = 8  # openai: requests in flight per actor; vllm: engine replicas
+    retries: int = 4
+
+    def spec(self):
+        import os
+
+        from prx_assets.core.label_backends import DEFAULT_LLM, OpenAISettings, VLLMSettings
+        from prx_assets.core.label_runs import LabelerSpec
+
+        model = self.model or DEFAULT_LLM
+        openai = OpenAISettings(self.base_url, model=model,
+                                api_key=os.environ.get(self.api_key_env),
+                                concurrency=self.concurrency, retries=self.retries) \
+            if self.base_url else None
+        return LabelerSpec(self.backend, actors=self.actors,
+                           threads_per_actor=self.threads_per_actor, batch_size=self.batch_size,
+                           openai=openai, vllm=VLLMSettings(model=model,
+                                                            concurrency=self.concurrency))
+
+    def classifier_version(self) -> str:
+        return self.spec().version()

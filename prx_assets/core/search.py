@@ -1,0 +1,140 @@
+"""Queries over the corpus table: full text on captions and nearest captions by embedding.
+
+Kept free of Dagster and printing so that the CLI and, later, a web corpus browser share
+them. Errors say what to do: build the corpus, pick a known id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import lance
+import numpy as np
+import pyarrow as pa
+
+RESULT_COLUMNS = ["id", "source", "label", "tier", "width", "height", "caption"]
+# Vector search settings: probe enough IVF partitions and re-rank PQ candidates on exact
+# distances; bench/labels.py measures the recall these give.
+NPROBES = 16
+REFINE_FACTOR = 10
+
+
+class SearchError(Exception):
+    """A query that cannot be answered; the message says why."""
+
+
+class CorpusNotBuilt(SearchError):
+    pass
+
+
+class EmptyCorpus(SearchError):
+    pass
+
+
+class UnknownId(SearchError):
+    pass
+
+
+@dataclass(frozen=True)
+class Hit:
+    id: str
+    source: str
+    label: str | None
+    tier: int | None
+    width: int | None
+    height: int | None
+    caption: str
+    score: float  # BM25 for text search, cosine similarity for `similar`
+
+    @property
+    def shape(self) -> str:
+        return f"{self.width}x{self.height}" if self.width and self.height else "?"
+
+
+def open_corpus(uri: Path) -> lance.LanceDataset:
+    if not Path(uri).exists():
+        raise CorpusNotBuilt(f"no corpus table at {uri}: materialise the `corpus` asset first "
+                             "(e.g. `make demo`)")
+    table = lance.dataset(str(uri))
+    if table.count_rows() == 0:
+        raise EmptyCorpus(f"the corpus table at {uri} is empty: no source has labelled "
+                          "captions yet")
+    return table
+
+
+def _sql_str(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _filters(source: str | None, label: str | None) -> str | None:
+    parts = [f"source = {_sql_str(source)}" if source else None,
+             f"label = {_sql_str(label)}" if label else None]
+    return " AND ".join(p for p in parts if p) or None
+
+
+def _has_index(table: lance.LanceDataset, column: str) -> bool:
+    return any(column in index.get("fields", []) for index in table.list_indices())
+
+
+def search_text(uri: Path, text: str, k: int = 10, source: str | None = None,
+                label: str | None = None) -> list[Hit]:
+    """Captions matching `text` (BM25 over the inverted index), best first."""
+    if not text.strip():
+        raise SearchError("empty query: give some words to search for")
+    table = open_corpus(uri)
+    if not _has_index(table, "caption"):
+        raise EmptyCorpus(f"the corpus at {uri} has no full-text index on caption: "
+                          "rematerialise `corpus`")
+    result = table.to_table(columns=RESULT_COLUMNS + ["_score"], full_text_query=text, limit=k,
+                            filter=_filters(source, label), prefilter=True)
+    return _hits(result, "_score")
+
+
+def embedding_of(table: lance.LanceDataset, sample_id: str) -> np.ndarray:
+    rows = table.to_table(columns=["embedding"], filter=f"id = {_sql_str(sample_id)}", limit=1)
+    if rows.num_rows == 0:
+        raise UnknownId(f"no image with id {sample_id!r} in the corpus")
+    return np.asarray(rows.column("embedding")[0].as_py(), dtype=np.float32)
+
+
+def similar(uri: Path, sample_id: str, k: int = 10, source: str | None = None,
+            label: str | None = None) -> list[Hit]:
+    """The k captions nearest to `sample_id`'s (cosine), the image itself left out."""
+    table = open_corpus(uri)
+    query = embedding_of(table, sample_id)
+    result = nearest(table, query, k + 1, _filters(source, label))
+    hits = [h for h in _hits(result, "_distance") if h.id != sample_id]
+    return hits[:k]
+
+
+def nearest(table: lance.LanceDataset, query: np.ndarray, k: int,
+            filter: str | None = None) -> pa.Table:
+    return table.to_table(
+        columns=RESULT_COLUMNS + ["_distance"], filter=filter, prefilter=filter is not None,
+        nearest={"column": "embedding", "q": query, "k": k, "metric": "cosine",
+                 "nprobes": NPROBES, "refine_factor": REFINE_FACTOR})
+
+
+def _hits(result: pa.Table, score_column: str) -> list[Hit]:
+    hits = []
+    for row in result.to_pylist():
+        score = float(row[score_column])
+        if score_column == "_distance":
+            score = 1.0 - score  # cosine distance -> similarity
+        hits.append(Hit(row["id"], row["source"], row["label"], row["tier"], row["width"],
+                        row["height"], row["caption"] or "", score))
+    return hits
+
+
+def format_hits(hits: list[Hit], caption_chars: int = 80) -> str:
+    """One line per hit: id, source, label, shape, score and the start of the caption."""
+    if not hits:
+        return "no matches"
+    lines = []
+    for hit in hits:
+        caption = hit.caption if len(hit.caption) <= caption_chars \
+            else hit.caption[:caption_chars - 1] + "…"
+        lines.append(f"{hit.id:<28} {hit.source:<12} {hit.label or '-':<7} {hit.shape:>9} "
+                     f"{hit.score:7.3f}  {caption}")
+    return "\n".join(lines)

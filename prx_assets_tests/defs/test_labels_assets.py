@@ -1,0 +1,50 @@
+import dagster as dg
+import lance
+
+from prx_assets.defs.assets.labels import (
+    build_caption_labels, build_corpus_asset, caption_labels_checks)
+from prx_assets.defs.resources import (
+    CaptionerResource, ClassifierResource, RayResource, SourcesResource)
+from prx_assets.core.search import search_text
+from prx_assets_tests.conftest import write_sources
+from prx_assets_tests.corpus_tables import CAPTION_VERSION, write_source
+from prx_assets_tests.labelled_captions import labelled_test_captions
+
+
+def test_caption_labels_then_corpus(ray_session, data_root, tmp_path):
+    rows = labelled_test_captions()
+    write_source(data_root / "lance", "web", [(i.split(":")[1], c, l) for i, c, l in rows], None)
+    (tmp_path / "imgs").mkdir()
+    sources = write_sources(tmp_path / "s.yaml",
+                            [f"{{name: web, kind: image_folder, uri: {tmp_path / 'imgs'}}}"])
+    partitions = dg.StaticPartitionsDefinition(["web"])
+    resources = {"captioner": CaptionerResource(active_version=CAPTION_VERSION), "classifier": ClassifierResource(),
+                 "ray_cluster": RayResource(), "sources": SourcesResource(path=str(sources))}
+    instance = dg.DagsterInstance.ephemeral()
+
+    labelled = dg.materialize([build_caption_labels(partitions), *caption_labels_checks(partitions)],
+                              partition_key="web", resources=resources, instance=instance)
+    assert labelled.success
+    meta = labelled.get_asset_materialization_events()[0].materialization.metadata
+    assert meta["labelled_now"].value == 6 and meta["coverage"].value == 1.0
+    shares = {r.data["label"]: r.data["count"] for r in meta["label_shares"].value.records}
+    assert shares == {"visual": 2, "text": 2, "nsfw": 2}
+    accuracy = {r.data["label"]: r.data["accuracy"]
+                for r in meta["classifier_validation"].value.records}
+    assert set(accuracy) == {"visual", "text", "nsfw"}
+    assert meta["classifier_version"].value == ClassifierResource().classifier_version()
+    checks = {e.check_name: e for e in labelled.get_asset_check_evaluations()}
+    assert checks["label_coverage"].passed
+    shares_check = checks["label_shares"]
+    assert not shares_check.passed and shares_check.severity == dg.AssetCheckSeverity.WARN
+    assert "text" in shares_check.metadata["outside_bounds"].value
+
+    built = dg.materialize([build_corpus_asset(partitions)], resources=resources,
+                           instance=instance)
+    assert built.success
+    corpus = lance.dataset(str(data_root / "lance/corpus.lance"))
+    assert corpus.count_rows() == 6
+    assert search_text(data_root / "lance/corpus.lance", "battery", k=1)[0].id == "web:text1"
+    corpus_meta = built.get_asset_materialization_events()[0].materialization.metadata
+    assert corpus_meta["dagster/row_count"].value == 6
+    assert "INVERTED" in corpus_meta["indexes"].value
