@@ -17,6 +17,7 @@ import functools
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import lance
@@ -25,6 +26,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 from ray.data.context import ShuffleStrategy
+
+from prx_assets.core.lance_tables import table_uri
 
 DUPLICATES_SCHEMA = pa.schema([
     pa.field("id", pa.string(), nullable=False),
@@ -207,3 +210,51 @@ def near_duplicate_shares(hashes: Iterator[np.ndarray], probes: np.ndarray,
         distance[distance == 0] = 65  # equal hashes are exact duplicates, not near ones
         nearest = np.minimum(nearest, distance.min(axis=1, initial=65))
     return {d: float(np.mean(nearest <= d)) for d in range(1, max_distance + 1)}
+
+
+def hash_inputs(data_root: Path, sources: list[str]) -> tuple[list[HashInput], list[str]]:
+    """Each source's phashes table pinned at its latest version, and the sources that
+    have none yet (reported, not fatal: dedup covers what has been hashed)."""
+    inputs, missing = [], []
+    for rank, source in enumerate(sources):
+        uri = table_uri(data_root, "phashes", source)
+        if not uri.exists():
+            missing.append(source)
+            continue
+        inputs.append(HashInput(source, rank, str(uri), lance.dataset(str(uri)).version))
+    return inputs, missing
+
+
+def hashed_rows(inputs: list[HashInput]) -> dict[str, int]:
+    """Non-flat hashed images per source: the denominator of the removed share."""
+    return {i.source: lance.dataset(i.uri, version=i.version).count_rows(filter=NOT_FLAT)
+            for i in inputs}
+
+
+def near_duplicate_report(inputs: list[HashInput], probes: int = 256,
+                          max_rows: int = 5_000_000, max_distance: int = 4,
+                          chunk_rows: int = 65_536) -> dict[int, float]:
+    """`near_duplicate_shares` on a sample of probes against up to `max_rows` hashes."""
+    rng = np.random.default_rng(0)
+    per_source = max(1, probes // max(1, len(inputs)))
+    samples = []
+    for item in inputs:
+        table = lance.dataset(item.uri, version=item.version).to_table(
+            columns=["phash"], filter=NOT_FLAT, limit=max(per_source * 16, 4096))
+        hashes = table.column("phash").to_numpy(zero_copy_only=False)
+        if hashes.size:
+            samples.append(rng.choice(hashes, size=min(per_source, hashes.size), replace=False))
+    probe_hashes = np.concatenate(samples) if samples else np.empty(0, np.int64)
+
+    def chunks() -> Iterator[np.ndarray]:
+        seen = 0
+        for item in inputs:
+            scanner = lance.dataset(item.uri, version=item.version).scanner(
+                columns=["phash"], filter=NOT_FLAT, batch_size=chunk_rows)
+            for batch in scanner.to_batches():
+                if seen >= max_rows:
+                    return
+                yield batch.column("phash").to_numpy(zero_copy_only=False)
+                seen += batch.num_rows
+
+    return near_duplicate_shares(chunks(), probe_hashes, max_distance)

@@ -9,6 +9,7 @@ import dagster as dg
 from prx_assets.core.sources import load_sources, sources_path
 from prx_assets.defs.assets.raw_images import build_raw_images
 from prx_assets.defs.assets.images import build_image_stage
+from prx_assets.defs.assets.dedup import build_duplicates
 from prx_assets.defs.checks import jpeg_fidelity_check, table_checks
 from prx_assets.defs.io_managers import RayLanceIOManager
 from prx_assets.defs.partitions import source_partitions
@@ -27,7 +28,7 @@ def build_defs(sources_file: Path | None = None) -> dg.Definitions:
         jpeg_fidelity_check(partitions),
     ]
     return dg.Definitions(
-        assets=[raw_images, image_stage],
+        assets=[raw_images, image_stage, build_duplicates()],
         asset_checks=checks,
         resources={
             "ray_cluster": RayResource(),

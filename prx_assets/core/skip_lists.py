@@ -1,0 +1,187 @@
+"""Skip lists: per-shard sidecars that tell the loader which samples to leave out.
+
+Beside each shard `shard.NNNNN.mds` of an MDS leaf sits `shard.NNNNN.skip.json`:
+
+    {"version": 1, "lists": {"<reason>": [sorted shard-local sample indices], ...}}
+
+An absent sidecar means nothing is skipped. Reasons are `dedup`, `text`, `nsfw` (and any
+other caption label chosen), `optout`, and one per named ablation list. Shards are never
+touched: changing what is skipped costs one small file per shard, not a rewrite.
+
+Each sidecar is replaced atomically (temporary file in the same folder, then
+`os.replace`), so a reader sees the old list or the new one, never half a file. A crash
+part-way leaves some shards on the old lists and some on the new, each a valid state; a
+rerun converges.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import lance
+import pyarrow as pa
+import pyarrow.compute as pc
+
+SIDECAR_VERSION = 1
+SHARD_SUFFIX = ".mds"
+SIDECAR_SUFFIX = ".skip.json"
+REASON_DEDUP, REASON_OPTOUT = "dedup", "optout"
+ABLATION_NAME = re.compile(r"^[a-z0-9_]+$")
+# Columns of the MDS mapping table (issue 6) a skip list needs.
+MAPPING_COLUMNS = ["id", "leaf", "shard", "sample_index"]
+
+ShardKey = tuple[str, str]  # (leaf relative to the source's tree, shard file name)
+SkipLists = dict[ShardKey, dict[str, list[int]]]
+
+
+def sidecar_path(shard: Path) -> Path:
+    """`.../shard.00003.mds` -> `.../shard.00003.skip.json`."""
+    name = shard.name
+    stem = name[: -len(SHARD_SUFFIX)] if name.endswith(SHARD_SUFFIX) else name
+    return shard.with_name(stem + SIDECAR_SUFFIX)
+
+
+def read_sidecar(path: Path) -> dict[str, list[int]]:
+    """The lists of a sidecar (by path of the sidecar); an absent file skips nothing."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {}
+    if data.get("version") != SIDECAR_VERSION:
+        raise ValueError(f"{path}: unsupported skip-list version {data.get('version')!r}")
+    return {str(k): [int(i) for i in v] for k, v in data.get("lists", {}).items()}
+
+
+def write_sidecar(path: Path, lists: Mapping[str, Iterable[int]]) -> None:
+    """Atomically replace the sidecar; empty lists remove it (absent = nothing skipped)."""
+    path = Path(path)
+    clean = {reason: sorted({int(i) for i in ids}) for reason, ids in sorted(lists.items())}
+    clean = {reason: ids for reason, ids in clean.items() if ids}
+    if not clean:
+        path.unlink(missing_ok=True)
+        return
+    body = json.dumps({"version": SIDECAR_VERSION, "lists": clean}, separators=(",", ":"))
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(body)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def skipped_indices(lists: Mapping[str, list[int]], reasons: Iterable[str] | None = None
+                    ) -> set[int]:
+    """The union of the selected reasons (all of them by default): what the loader skips."""
+    chosen = lists if reasons is None else {r: lists.get(r, []) for r in reasons}
+    return {i for ids in chosen.values() for i in ids}
+
+
+def read_ablations(directory: Path) -> dict[str, set[str]]:
+    """Named ablation lists: `<directory>/<name>.txt`, one id per line, `#` comments."""
+    lists: dict[str, set[str]] = {}
+    if not Path(directory).is_dir():
+        return lists
+    for path in sorted(Path(directory).glob("*.txt")):
+        name = path.stem
+        if not ABLATION_NAME.match(name):
+            raise ValueError(f"{path}: ablation name {name!r} must match [a-z0-9_]+")
+        lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+        lists[name] = {line for line in lines if line}
+    return lists
+
+
+def build_skip_lists(mapping: Iterable[pa.RecordBatch], reasons: Mapping[str, set[str]]
+                     ) -> SkipLists:
+    """Shard-local indices per shard and reason, from the MDS mapping table's batches
+    (columns MAPPING_COLUMNS) and the ids each reason removes."""
+    value_sets = {reason: pa.array(sorted(ids), pa.string())
+                  for reason, ids in reasons.items() if ids}
+    lists: SkipLists = {}
+    for batch in mapping:
+        ids = batch.column("id")
+        for reason, values in value_sets.items():
+            rows = batch.filter(pc.fill_null(pc.is_in(ids, value_set=values), False))
+            for leaf, shard, index in zip(rows.column("leaf").to_pylist(),
+                                          rows.column("shard").to_pylist(),
+                                          rows.column("sample_index").to_pylist()):
+                lists.setdefault((leaf, shard), {}).setdefault(reason, []).append(int(index))
+    return {key: {r: sorted(set(v)) for r, v in by_reason.items()}
+            for key, by_reason in lists.items()}
+
+
+@dataclass
+class ApplyReport:
+    written: int = 0
+    removed: int = 0
+    unchanged: int = 0
+    shards: int = 0
+    skipped_per_reason: Counter = field(default_factory=Counter)
+    skipped_total: int = 0
+    samples_per_leaf: dict[str, int] = field(default_factory=dict)
+    skipped_per_leaf: dict[str, int] = field(default_factory=dict)
+
+    def leaf_shares(self) -> dict[str, float]:
+        return {leaf: self.skipped_per_leaf.get(leaf, 0) / n if n else 0.0
+                for leaf, n in self.samples_per_leaf.items()}
+
+
+def apply_skip_lists(tree: Path, lists: SkipLists, shards: Iterable[ShardKey]) -> ApplyReport:
+    """Write every shard's sidecar under `tree` (the source's current MDS tree); shards
+    not in `lists` lose any stale sidecar. Unchanged sidecars are not rewritten."""
+    report = ApplyReport()
+    for leaf, shard in sorted(set(shards) | set(lists)):
+        report.shards += 1
+        new = lists.get((leaf, shard), {})
+        path = sidecar_path(Path(tree) / leaf / shard)
+        if read_sidecar(path) == new:
+            report.unchanged += 1
+            continue
+        write_sidecar(path, new)
+        if new:
+            report.written += 1
+        else:
+            report.removed += 1
+    for (leaf, _), by_reason in lists.items():
+        for reason, ids in by_reason.items():
+            report.skipped_per_reason[reason] += len(ids)
+        report.skipped_per_leaf[leaf] = (report.skipped_per_leaf.get(leaf, 0)
+                                         + len(skipped_indices(by_reason)))
+    report.skipped_total = sum(report.skipped_per_leaf.values())
+    return report
+
+
+def mapping_batches(uri: Path, batch_rows: int = 1 << 18) -> Iterable[pa.RecordBatch]:
+    return lance.dataset(str(uri)).scanner(columns=MAPPING_COLUMNS,
+                                           batch_size=batch_rows).to_batches()
+
+
+def mapping_shards(uri: Path, batch_rows: int = 1 << 18) -> tuple[set[ShardKey], dict[str, int]]:
+    """Every shard of the mapping table, and samples per leaf (one stream each)."""
+    shards: set[ShardKey] = set()
+    per_leaf: Counter = Counter()
+    for batch in lance.dataset(str(uri)).scanner(columns=["leaf", "shard"],
+                                                 batch_size=batch_rows).to_batches():
+        pairs = pa.table({"leaf": batch.column("leaf"), "shard": batch.column("shard")})
+        counts = pairs.group_by(["leaf", "shard"]).aggregate([([], "count_all")])
+        for leaf, shard, n in zip(counts.column("leaf").to_pylist(),
+                                  counts.column("shard").to_pylist(),
+                                  counts.column("count_all").to_pylist()):
+            shards.add((leaf, shard))
+            per_leaf[leaf] += n
+    return shards, dict(per_leaf)
+
+
+def sidecar_files(tree: Path) -> list[Path]:
+    return sorted(Path(tree).rglob(f"*{SIDECAR_SUFFIX}"))
+
