@@ -34,6 +34,8 @@ SHARD_SUFFIX = ".mds"
 SIDECAR_SUFFIX = ".skip.json"
 REASON_DEDUP, REASON_OPTOUT = "dedup", "optout"
 ABLATION_NAME = re.compile(r"^[a-z0-9_]+$")
+# An ablation list is its own reason, so it cannot take a built-in reason's name.
+RESERVED_REASONS = frozenset({"dedup", "optout", "text", "nsfw", "visual"})
 # Columns of the MDS mapping table (issue 6) a skip list needs.
 MAPPING_COLUMNS = ["id", "leaf", "shard", "sample_index"]
 
@@ -96,6 +98,8 @@ def read_ablations(directory: Path) -> dict[str, set[str]]:
         name = path.stem
         if not ABLATION_NAME.match(name):
             raise ValueError(f"{path}: ablation name {name!r} must match [a-z0-9_]+")
+        if name in RESERVED_REASONS:
+            raise ValueError(f"{path}: ablation name {name!r} is a built-in reason")
         lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
         lists[name] = {line for line in lines if line}
     return lists
@@ -185,3 +189,55 @@ def mapping_shards(uri: Path, batch_rows: int = 1 << 18) -> tuple[set[ShardKey],
 def sidecar_files(tree: Path) -> list[Path]:
     return sorted(Path(tree).rglob(f"*{SIDECAR_SUFFIX}"))
 
+
+
+def current_tree(data_root: Path, source: str) -> Path:
+    """The source's MDS tree as issue 6 resolves it (`mds/<source>` may be a symlink to
+    one build; resolved once so every sidecar lands in the same build)."""
+    try:
+        from prx_assets.core.mds import current_tree as mds_current_tree
+    except ImportError:  # the MDS writer has not landed: the design's plain layout
+        return (Path(data_root) / "mds" / source).resolve()
+    return Path(mds_current_tree(data_root, source))
+
+
+def sql_string(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def duplicate_ids(duplicates_uri: Path, source: str, batch_rows: int = 1 << 18) -> set[str]:
+    """The source's non-kept copies (the kept copy of a group is listed with id == kept_id)."""
+    if not Path(duplicates_uri).exists():
+        return set()
+    scanner = lance.dataset(str(duplicates_uri)).scanner(
+        columns=["id"], batch_size=batch_rows,
+        filter=f"id != kept_id AND starts_with(id, {sql_string(source + ':')})")
+    return {i for batch in scanner.to_batches() for i in batch.column("id").to_pylist()}
+
+
+def label_ids(labels_uri: Path, labels: Iterable[str], caption_version: str,
+              classifier_version: str, batch_rows: int = 1 << 18) -> dict[str, set[str]]:
+    """Ids per chosen label, from the active caption and classifier versions only."""
+    labels = sorted(set(labels))
+    found: dict[str, set[str]] = {label: set() for label in labels}
+    if not labels or not Path(labels_uri).exists():
+        return found
+    condition = (f"caption_version = {sql_string(caption_version)} AND "
+                 f"classifier_version = {sql_string(classifier_version)} AND "
+                 f"label IN ({', '.join(sql_string(l) for l in labels)})")
+    scanner = lance.dataset(str(labels_uri)).scanner(
+        columns=["id", "label"], filter=condition, batch_size=batch_rows)
+    for batch in scanner.to_batches():
+        for sample_id, label in zip(batch.column("id").to_pylist(),
+                                    batch.column("label").to_pylist()):
+            found[label].add(sample_id)
+    return found
+
+
+def skip_shares(tree: Path, per_leaf: Mapping[str, int], shards: Iterable[ShardKey]
+                ) -> dict[str, tuple[int, int]]:
+    """(samples, skipped) per stream (leaf), read back from the sidecars on disk."""
+    skipped: Counter = Counter()
+    for leaf, shard in shards:
+        skipped[leaf] += len(skipped_indices(read_sidecar(sidecar_path(Path(tree) / leaf / shard))))
+    return {leaf: (n, skipped.get(leaf, 0)) for leaf, n in sorted(per_leaf.items())}

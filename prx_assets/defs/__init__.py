@@ -10,10 +10,19 @@ from prx_assets.core.sources import load_sources, sources_path
 from prx_assets.defs.assets.raw_images import build_raw_images
 from prx_assets.defs.assets.images import build_image_stage
 from prx_assets.defs.assets.dedup import build_duplicates
+from prx_assets.defs.assets.opt_outs import build_opt_outs
+from prx_assets.defs.assets.skip_lists import build_skip_lists_asset, skipped_share_check
+from prx_assets.defs.sensors import build_opt_out_sensor
 from prx_assets.defs.checks import jpeg_fidelity_check, table_checks
 from prx_assets.defs.io_managers import RayLanceIOManager
 from prx_assets.defs.partitions import source_partitions
 from prx_assets.defs.resources import RayResource, SourcesResource
+
+
+# Assets over every source at once: run on their own, not once per source partition.
+GLOBAL_ASSETS = dg.AssetSelection.assets("duplicates", "opt_outs")
+# Skip lists need the global duplicates, so they run after dedup_job, per source.
+SKIP_LISTS = dg.AssetSelection.assets("skip_lists")
 
 
 def build_defs(sources_file: Path | None = None) -> dg.Definitions:
@@ -26,16 +35,23 @@ def build_defs(sources_file: Path | None = None) -> dg.Definitions:
         *table_checks(dg.AssetKey("bucketed_images"), partitions, with_reject_share=False),
         *table_checks(dg.AssetKey("phashes"), partitions, with_reject_share=False),
         jpeg_fidelity_check(partitions),
+        skipped_share_check(partitions),
     ]
     return dg.Definitions(
-        assets=[raw_images, image_stage, build_duplicates()],
+        assets=[raw_images, image_stage, build_duplicates(), build_opt_outs(),
+                build_skip_lists_asset(partitions, with_labels=False)],
+        sensors=[build_opt_out_sensor(str(sources_file))],
         asset_checks=checks,
         resources={
             "ray_cluster": RayResource(),
             "sources": SourcesResource(path=str(sources_file)),
             "lance_io_manager": RayLanceIOManager(),
         },
-        jobs=[dg.define_asset_job("corpus_job", selection=dg.AssetSelection.all(),
+        jobs=[dg.define_asset_job("corpus_job", selection=dg.AssetSelection.all() - GLOBAL_ASSETS - SKIP_LISTS,
                                   partitions_def=partitions,
-                                  description="Every asset of the corpus for one source.")],
+                                  description="Every asset of the corpus for one source."),
+              dg.define_asset_job("dedup_job", selection=GLOBAL_ASSETS,
+                                  description="Global duplicates and the opt-out audit."),
+              dg.define_asset_job("skip_lists_job", selection=SKIP_LISTS, partitions_def=partitions,
+                                  description="One source's skip lists (after dedup_job).")],
     )

@@ -113,3 +113,9 @@ def test_ablation_lists_are_named_files_of_ids(tmp_path):
     (tmp_path / "Bad Name.txt").write_text("x\n")
     with pytest.raises(ValueError, match="must match"):
         read_ablations(tmp_path)
+
+
+def test_ablation_names_cannot_shadow_built_in_reasons(tmp_path):
+    (tmp_path / "dedup.txt").write_text("web:1\n")
+    with pytest.raises(ValueError, match="built-in"):
+        read_ablations(tmp_path)
