@@ -43,22 +43,22 @@ ShardKey = tuple[str, str]  # (leaf relative to the source's tree, shard file na
 SkipLists = dict[ShardKey, dict[str, list[int]]]
 
 
-def sidecar_path(shard: Path) -> Path:
+def sidecar_path(shard_path: str | Path) -> Path:
     """`.../shard.00003.mds` -> `.../shard.00003.skip.json`."""
-    name = shard.name
-    stem = name[: -len(SHARD_SUFFIX)] if name.endswith(SHARD_SUFFIX) else name
-    return shard.with_name(stem + SIDECAR_SUFFIX)
+    shard_path = Path(shard_path)
+    return shard_path.with_name(shard_path.name.removesuffix(SHARD_SUFFIX) + SIDECAR_SUFFIX)
 
 
-def read_sidecar(path: Path) -> dict[str, list[int]]:
-    """The lists of a sidecar (by path of the sidecar); an absent file skips nothing."""
+def read_sidecar(path: str | Path) -> dict[str, list[int]]:
+    """The skip lists of one shard by reason; {} when the sidecar does not exist.
+    (The loader, issue 6, reads sidecars through this function.)"""
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         return {}
     if data.get("version") != SIDECAR_VERSION:
-        raise ValueError(f"{path}: unsupported skip-list version {data.get('version')!r}")
-    return {str(k): [int(i) for i in v] for k, v in data.get("lists", {}).items()}
+        raise ValueError(f"{path}: unsupported skip sidecar version {data.get('version')!r}")
+    return {str(reason): [int(i) for i in indices] for reason, indices in data["lists"].items()}
 
 
 def write_sidecar(path: Path, lists: Mapping[str, Iterable[int]]) -> None:
@@ -189,16 +189,6 @@ def mapping_shards(uri: Path, batch_rows: int = 1 << 18) -> tuple[set[ShardKey],
 def sidecar_files(tree: Path) -> list[Path]:
     return sorted(Path(tree).rglob(f"*{SIDECAR_SUFFIX}"))
 
-
-
-def current_tree(data_root: Path, source: str) -> Path:
-    """The source's MDS tree as issue 6 resolves it (`mds/<source>` may be a symlink to
-    one build; resolved once so every sidecar lands in the same build)."""
-    try:
-        from prx_assets.core.mds import current_tree as mds_current_tree
-    except ImportError:  # the MDS writer has not landed: the design's plain layout
-        return (Path(data_root) / "mds" / source).resolve()
-    return Path(mds_current_tree(data_root, source))
 
 
 def sql_string(value: str) -> str:

@@ -6,10 +6,11 @@ import dagster as dg
 import lance
 
 from prx_assets.core.lance_tables import table_uri
+from prx_assets.core.mds import current_tree
 from prx_assets.core.opt_outs import ids_for_source, opt_out_dir, parse_directory, resolve
 from prx_assets.core.settings import data_root
 from prx_assets.core.skip_lists import (
-    REASON_DEDUP, REASON_OPTOUT, apply_skip_lists, build_skip_lists, current_tree,
+    REASON_DEDUP, REASON_OPTOUT, apply_skip_lists, build_skip_lists,
     duplicate_ids, label_ids, mapping_batches, mapping_shards, read_ablations, skip_shares)
 from prx_assets.defs.resources import SourcesResource
 

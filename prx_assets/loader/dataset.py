@@ -1,0 +1,133 @@
+"""A StreamingDataset that applies skip lists before partitioning.
+
+Skipped samples are removed where mosaicml-streaming resamples each stream (before the
+epoch is partitioned over nodes, ranks and workers), not where samples are yielded. So a
+skipped sample is never yielded, every rank still gets the same number of full batches, and
+the order is a pure function of (seed, epoch, skip lists): determinism and mid-epoch resume
+work as in the base class. Each stream's kept samples are trimmed (a seeded choice) to a
+multiple of the global batch, so no batch is padded with -1 and no sample repeats to fill
+one. The skip reasons and a digest of the skipped set travel in the state dict; resuming
+with other lists is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter
+from typing import Any, Iterable, Optional
+
+import numpy as np
+from numpy.typing import NDArray
+from streaming import StreamingDataset
+
+from prx_assets.core.skip_lists import read_sidecar, sidecar_path
+
+# mosaicml-streaming's default predownload (8 x batch) makes the ready thread sleep in 7 ms
+# ticks once it is that far ahead: ~1k samples/s on local disk. Local shards need no download
+# throttle; prefetching far ahead costs nothing but a counter.
+LOCAL_PREDOWNLOAD = 1 << 20
+STATE_REASONS = "prx_skip_reasons"
+STATE_DIGEST = "prx_skip_digest"
+
+
+class SkipListMismatch(ValueError):
+    """A checkpoint was taken with other skip lists than the ones this dataset applies."""
+
+
+class SkipListStreamingDataset(StreamingDataset):
+    """StreamingDataset + skip lists, with one shape per batch (`per_stream` batching).
+
+    Args:
+        streams: one `streaming.Stream` per leaf (see `prx_assets.loader.build_dataset`).
+        batch_size: per-device batch size (required: batches are formed per stream).
+        skip_reasons: reasons to apply; `None` applies every reason found in the sidecars,
+            `()` applies none.
+        shuffle_seed: the seed of the deterministic shuffle.
+        **kwargs: passed to `StreamingDataset` (e.g. `num_canonical_nodes`, `shuffle_algo`).
+    """
+
+    def __init__(self, *, streams, batch_size: int, skip_reasons: Optional[Iterable[str]] = None,
+                 shuffle: bool = True, shuffle_seed: int = 9176,
+                 predownload: Optional[int] = LOCAL_PREDOWNLOAD, **kwargs: Any) -> None:
+        super().__init__(streams=streams, batch_size=batch_size, batching_method="per_stream",
+                         shuffle=shuffle, shuffle_seed=shuffle_seed, predownload=predownload,
+                         **kwargs)
+        wanted = None if skip_reasons is None else frozenset(skip_reasons)
+        self.skipped, found = self._read_skip_lists(wanted)
+        self.skip_reasons: list[str] = sorted(found if wanted is None else wanted)
+        self.skip_counts: Counter = found
+        self.skip_digest = hashlib.sha256(np.flatnonzero(self.skipped).tobytes()).hexdigest()[:16]
+
+    # ----------------------------------------------------------------------- skip lists
+    def _read_skip_lists(self, wanted: Optional[frozenset[str]]
+                         ) -> tuple[NDArray[np.bool_], Counter]:
+        """A mask over global sample ids, and how many samples each found reason skips."""
+        skipped = np.zeros(self.num_samples, np.bool_)
+        found: Counter = Counter()
+        for shard_id, shard in enumerate(self.shards):
+            path = sidecar_path(f"{shard.dirname}/{shard.split}/{shard.raw_data.basename}")
+            lists = read_sidecar(path)
+            offset = int(self.sample_offset_per_shard[shard_id])
+            for reason, indices in lists.items():
+                found[reason] += len(indices)
+                if wanted is None or reason in wanted:
+                    local = np.asarray(indices, np.int64)
+                    if local.size and (local.min() < 0 or local.max() >= shard.samples):
+                        raise ValueError(f"{path}: index out of range for {shard.samples} samples")
+                    skipped[offset + local] = True
+        return skipped, found
+
+    def resample_streams(self, epoch: int, stream_id: Optional[int] = None
+                         ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        units, sample_ids = super().resample_streams(epoch, stream_id)
+        units, sample_ids = _drop(units, sample_ids, ~self.skipped[sample_ids])
+        if stream_id is not None:  # per-stream batching: whole global batches only
+            multiple = self._samples_multiple()
+            excess = len(sample_ids) % multiple
+            if excess:
+                rng = np.random.default_rng([self.shuffle_seed, epoch, stream_id])
+                keep = np.ones(len(sample_ids), np.bool_)
+                keep[rng.choice(len(sample_ids), excess, replace=False)] = False
+                units, sample_ids = _drop(units, sample_ids, keep)
+        return units, sample_ids
+
+    def _samples_multiple(self) -> int:
+        """Stream sizes that partition into full global batches with no repeats or padding."""
+        world = self._parallel_worker_world
+        nodes = math.lcm(int(self.num_canonical_nodes or world.num_nodes), world.num_nodes)
+        return nodes * world.ranks_per_node * int(self.batch_size)
+
+    # ----------------------------------------------------------------------- resume
+    def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
+        state = super().state_dict(num_samples, from_beginning)
+        state[STATE_REASONS] = self.skip_reasons
+        state[STATE_DIGEST] = self.skip_digest
+        return state
+
+    def load_state_dict(self, obj: dict[str, Any]) -> None:
+        reasons = obj.get(STATE_REASONS)
+        if reasons is None:
+            raise SkipListMismatch("this state dict records no skip lists; it was not written "
+                                   "by SkipListStreamingDataset, refusing to resume from it")
+        if sorted(reasons) != self.skip_reasons:
+            raise SkipListMismatch(
+                f"checkpoint was taken with skip reasons {sorted(reasons)}, this dataset applies "
+                f"{self.skip_reasons}; resuming would replay or drop samples. Use the same "
+                "skip_reasons, or start a new epoch without load_state_dict")
+        if obj.get(STATE_DIGEST) != self.skip_digest:
+            raise SkipListMismatch(
+                f"skip lists for reasons {self.skip_reasons} changed since the checkpoint "
+                f"(digest {obj.get(STATE_DIGEST)} -> {self.skip_digest}); the sample order "
+                "would differ, refusing to resume mid-epoch")
+        super().load_state_dict(obj)
+
+
+def _drop(units: NDArray[np.int64], sample_ids: NDArray[np.int64], keep: NDArray[np.bool_]
+          ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """Keep `sample_ids[keep]` and shrink the shuffle units (consecutive runs) to match."""
+    if keep.all():
+        return units, sample_ids
+    starts = np.concatenate([[0], np.cumsum(units)[:-1]]).astype(np.int64)
+    kept_per_unit = np.add.reduceat(keep.astype(np.int64), starts) if len(units) else units
+    return kept_per_unit[kept_per_unit > 0].astype(np.int64), sample_ids[keep]
