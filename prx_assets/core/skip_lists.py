@@ -231,3 +231,25 @@ def skip_shares(tree: Path, per_leaf: Mapping[str, int], shards: Iterable[ShardK
     for leaf, shard in shards:
         skipped[leaf] += len(skipped_indices(read_sidecar(sidecar_path(Path(tree) / leaf / shard))))
     return {leaf: (n, skipped.get(leaf, 0)) for leaf, n in sorted(per_leaf.items())}
+
+
+def skipped_ids(tree: Path, mapping_uri: Path, reasons: Iterable[str] | None = None,
+                batch_rows: int = 1 << 18) -> set[str]:
+    """The ids a tree's sidecars skip (for the selected reasons; all by default)."""
+    wanted = None if reasons is None else list(reasons)
+    per_shard: dict[ShardKey, set[int]] = {}
+    found: set[str] = set()
+    for batch in mapping_batches(mapping_uri, batch_rows):
+        for sample_id, leaf, shard, index in zip(
+                batch.column("id").to_pylist(), batch.column("leaf").to_pylist(),
+                batch.column("shard").to_pylist(), batch.column("sample_index").to_pylist()):
+            if (leaf, shard) not in per_shard:
+                lists = read_sidecar(sidecar_path(Path(tree) / leaf / shard))
+                per_shard[(leaf, shard)] = skipped_indices(lists, wanted)
+            if index in per_shard[(leaf, shard)]:
+                found.add(sample_id)
+    return found
+
+
+def reasons_in(tree: Path) -> set[str]:
+    return {reason for path in sidecar_files(tree) for reason in read_sidecar(path)}
