@@ -13,6 +13,7 @@ from prx_assets.defs.assets.dedup import build_duplicates
 from prx_assets.defs.assets.opt_outs import build_opt_outs
 from prx_assets.defs.assets.skip_lists import build_skip_lists_asset, skipped_share_check
 from prx_assets.defs.sensors import build_opt_out_sensor
+from prx_assets.defs.rewrite import build_rewrite_job
 from prx_assets.defs.checks import jpeg_fidelity_check, table_checks
 from prx_assets.defs.io_managers import RayLanceIOManager
 from prx_assets.defs.partitions import source_partitions
@@ -53,5 +54,6 @@ def build_defs(sources_file: Path | None = None) -> dg.Definitions:
               dg.define_asset_job("dedup_job", selection=GLOBAL_ASSETS,
                                   description="Global duplicates and the opt-out audit."),
               dg.define_asset_job("skip_lists_job", selection=SKIP_LISTS, partitions_def=partitions,
-                                  description="One source's skip lists (after dedup_job).")],
+                                  description="One source's skip lists (after dedup_job)."),
+              build_rewrite_job(partitions)],
     )
