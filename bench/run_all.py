@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-STAGES = ["bench.ingest", "bench.image_stage", "bench.subsampling"]
+STAGES = ["bench.ingest", "bench.image_stage", "bench.subsampling", "bench.dedup"]
 
 
 def main() -> int:
