@@ -6,9 +6,10 @@ import lance
 import pyarrow as pa
 import pytest
 
+from prx_assets.core.dedup import DUPLICATES_SCHEMA
 from prx_assets.core.skip_lists import (
-    apply_skip_lists, build_skip_lists, mapping_batches, mapping_shards, read_ablations,
-    read_sidecar, sidecar_path, skipped_indices, write_sidecar)
+    apply_skip_lists, build_skip_lists, duplicate_ids, label_ids, mapping_batches,
+    mapping_shards, read_ablations, read_sidecar, sidecar_path, skipped_indices, write_sidecar)
 
 
 def _mapping(tmp_path, rows_per_shard=5, shards=("shard.00000.mds", "shard.00001.mds")):
@@ -119,3 +120,25 @@ def test_ablation_names_cannot_shadow_built_in_reasons(tmp_path):
     (tmp_path / "dedup.txt").write_text("web:1\n")
     with pytest.raises(ValueError, match="built-in"):
         read_ablations(tmp_path)
+
+
+def test_labels_come_from_the_active_versions_only_and_dedup_skips_non_kept(tmp_path):
+    labels = tmp_path / "caption_labels.lance"
+    rows = [("web:1", "cap2", "cls2", "text"), ("web:2", "cap2", "cls2", "nsfw"),
+            ("web:3", "cap2", "cls2", "visual"), ("web:4", "cap1", "cls2", "text"),
+            ("web:5", "cap2", "cls1", "nsfw"), ("web:6", "cap'2", "cls2", "text")]
+    lance.write_dataset(pa.table({k: [r[i] for r in rows] for i, k in enumerate(
+        ["id", "caption_version", "classifier_version", "label"])}), str(labels))
+    assert label_ids(labels, ["text", "nsfw"], "cap2", "cls2") == {
+        "text": {"web:1"}, "nsfw": {"web:2"}}
+    assert label_ids(labels, ["text"], "cap'2", "cls2") == {"text": {"web:6"}}  # quoted
+    assert label_ids(tmp_path / "absent.lance", ["text"], "cap2", "cls2") == {"text": set()}
+
+    duplicates = tmp_path / "duplicates.lance"
+    lance.write_dataset(pa.Table.from_pylist([
+        {"id": "web:1", "kept_id": "web:1", "phash": 1, "group_size": 3},
+        {"id": "web:2", "kept_id": "web:1", "phash": 1, "group_size": 3},
+        {"id": "web_b:2", "kept_id": "web:1", "phash": 1, "group_size": 3}],
+        schema=DUPLICATES_SCHEMA), str(duplicates))
+    assert duplicate_ids(duplicates, "web") == {"web:2"}  # not the kept copy, not web_b
+    assert duplicate_ids(duplicates, "web_b") == {"web_b:2"}
