@@ -275,7 +275,8 @@ def _group_members(duplicates_uri: Path, ids: set[str], batch_rows: int
     wanted = pa.array(sorted(set(phash_of.values())), pa.int64())
     for batch in table.scanner(columns=["id", "phash"], batch_size=batch_rows).to_batches():
         rows = batch.filter(pc.is_in(batch.column("phash"), value_set=wanted))
-        for sample_id, phash in zip(rows.column("id").to_pylist(), rows.column("phash").to_pylist()):
+        pairs = zip(rows.column("id").to_pylist(), rows.column("phash").to_pylist())
+        for sample_id, phash in pairs:
             members.setdefault(phash, set()).add(sample_id)
     return {i: members.get(p, set()) - {i} for i, p in phash_of.items()}
 

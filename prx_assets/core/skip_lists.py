@@ -214,7 +214,7 @@ def label_ids(labels_uri: Path, labels: Iterable[str], caption_version: str,
         return found
     condition = (f"caption_version = {sql_string(caption_version)} AND "
                  f"classifier_version = {sql_string(classifier_version)} AND "
-                 f"label IN ({', '.join(sql_string(l) for l in labels)})")
+                 f"label IN ({', '.join(sql_string(label) for label in labels)})")
     scanner = lance.dataset(str(labels_uri)).scanner(
         columns=["id", "label"], filter=condition, batch_size=batch_rows)
     for batch in scanner.to_batches():

@@ -11,7 +11,8 @@ from prx_assets.defs.assets.raw_images import build_raw_images
 from prx_assets.defs.assets.images import build_image_stage
 from prx_assets.defs.assets.dedup import build_duplicates
 from prx_assets.defs.assets.opt_outs import build_opt_outs
-from prx_assets.defs.assets.skip_lists import build_skip_lists_asset, skipped_share_check
+from prx_assets.defs.assets.skip_lists import (
+    LABEL_RESOURCE_KEYS, build_skip_lists_asset, skipped_share_check)
 from prx_assets.defs.sensors import build_opt_out_sensor
 from prx_assets.defs.rewrite import build_rewrite_job
 from prx_assets.defs.checks import jpeg_fidelity_check, table_checks
@@ -38,22 +39,27 @@ def build_defs(sources_file: Path | None = None) -> dg.Definitions:
         jpeg_fidelity_check(partitions),
         skipped_share_check(partitions),
     ]
+    resources = {
+        "ray_cluster": RayResource(),
+        "sources": SourcesResource(path=str(sources_file)),
+        "lance_io_manager": RayLanceIOManager(),
+    }
+    # Label reasons need the active caption and classifier versions (issues 4 and 5).
+    with_labels = LABEL_RESOURCE_KEYS <= resources.keys()
     return dg.Definitions(
         assets=[raw_images, image_stage, build_duplicates(), build_opt_outs(),
-                build_skip_lists_asset(partitions, with_labels=False)],
+                build_skip_lists_asset(partitions, with_labels)],
         sensors=[build_opt_out_sensor(str(sources_file))],
         asset_checks=checks,
-        resources={
-            "ray_cluster": RayResource(),
-            "sources": SourcesResource(path=str(sources_file)),
-            "lance_io_manager": RayLanceIOManager(),
-        },
-        jobs=[dg.define_asset_job("corpus_job", selection=dg.AssetSelection.all() - GLOBAL_ASSETS - SKIP_LISTS,
+        resources=resources,
+        jobs=[dg.define_asset_job("corpus_job",
+                                  selection=dg.AssetSelection.all() - GLOBAL_ASSETS - SKIP_LISTS,
                                   partitions_def=partitions,
                                   description="Every asset of the corpus for one source."),
               dg.define_asset_job("dedup_job", selection=GLOBAL_ASSETS,
                                   description="Global duplicates and the opt-out audit."),
-              dg.define_asset_job("skip_lists_job", selection=SKIP_LISTS, partitions_def=partitions,
+              dg.define_asset_job("skip_lists_job", selection=SKIP_LISTS,
+                                  partitions_def=partitions,
                                   description="One source's skip lists (after dedup_job)."),
               build_rewrite_job(partitions)],
     )

@@ -83,8 +83,10 @@ def test_every_key_type_resolves_and_copies_elsewhere_are_removed_too(tmp_path):
     requests.mkdir()
     (requests / "batch.jsonl").write_text("\n".join([
         '{"key_type": "id", "value": "web:2", "timestamp": "2026-11-01", "reference": "r1"}',
-        '{"key_type": "sha256", "value": "' + SHA_A + '", "timestamp": "2026-11-01", "reference": "r2"}',
-        '{"key_type": "source_key", "value": "k", "source": "art", "timestamp": "2026-11-01", "reference": "r3"}',
+        '{"key_type": "sha256", "value": "' + SHA_A + '", "timestamp": "2026-11-01", '
+        '"reference": "r2"}',
+        '{"key_type": "source_key", "value": "k", "source": "art", "timestamp": "2026-11-01", '
+        '"reference": "r3"}',
         '{"key_type": "url", "value": "https://x/3", "timestamp": "2026-11-01", "reference": "r4"}',
         '{"key_type": "id", "value": "web:404", "timestamp": "2026-11-01", "reference": "r5"}']))
     parsed = parse_directory(requests)

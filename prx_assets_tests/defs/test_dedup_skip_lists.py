@@ -108,7 +108,7 @@ def test_duplicates_opt_outs_sensor_and_skip_lists(ray_session, data_root, tmp_p
     requests.mkdir()
     (requests / "001.csv").write_text(
         "key_type,value,timestamp,reference\n"
-        f"source_key,u2.jpg,2026-11-01T00:00:00Z,ticket-1\n"
+        "source_key,u2.jpg,2026-11-01T00:00:00Z,ticket-1\n"
         "id,nonsense,2026-11-01T00:00:00Z,ticket-2\n")
     sensor = defs.get_sensor_def("opt_out_sensor")
     first = sensor(dg.build_sensor_context(instance=instance))
@@ -150,7 +150,8 @@ def test_duplicates_opt_outs_sensor_and_skip_lists(ray_session, data_root, tmp_p
     assert {p: p.read_bytes() for p in (data_root / "mds").rglob("*.mds")} == shard_bytes
     assert _sidecars(data_root, "stock") == {}  # its run was not requested here
     meta = _materialization(run, "skip_lists")
-    reasons = {r.data["reason"]: r.data["skipped"] for r in meta["skipped_per_reason"].value.records}
+    reasons = {r.data["reason"]: r.data["skipped"]
+               for r in meta["skipped_per_reason"].value.records}
     assert reasons == {"dedup": 2, "optout": 2, "no_u1": 1}
     assert meta["skipped"].value == 3 and meta["samples"].value == 6
     check = {e.asset_check_key.name: e for e in run.get_asset_check_evaluations()}
