@@ -6,7 +6,6 @@ import json
 
 import dagster as dg
 import lance
-import numpy as np
 import pyarrow as pa
 from PIL import Image
 
@@ -17,20 +16,25 @@ from prx_assets.core.phash import phash
 from prx_assets.core.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.core.skip_lists import read_sidecar
 from prx_assets.defs import build_defs
-from prx_assets.demo import encode, procedural_image
+from prx_assets.demo import encode, real_photo_paths
 from prx_assets_tests.conftest import image_bytes, write_sources
 
 
-def _photo(seed: int, size: tuple[int, int]) -> bytes:
-    base = procedural_image(np.random.default_rng(seed), 1200, 900)
+def _photo(index: int, scale: float) -> bytes:
+    """A real photo (deterministic, unlike generated images whose grain is unseeded) at a
+    scale; the photos chosen hash far from their median, so every scale shares the hash."""
+    base = Image.open(real_photo_paths()[index]).convert("RGB")
+    size = (int(base.width * scale), int(base.height * scale))
     return encode(base.resize(size, Image.LANCZOS), "JPEG", 90)
 
 
+ASTRONAUT, CHELSEA, COFFEE, CAMERA, HOPPER = 0, 1, 2, 11, 15
 CORPUS = {
-    "web": {"p1.jpg": (1, (1200, 900)), "p1copy.jpg": (1, (1200, 900)), "p2.jpg": (2, (640, 480)),
-            "p3.jpg": (3, (800, 600)), "flat.png": None, "u1.jpg": (4, (700, 520))},
-    "stock": {"p1.jpg": (1, (600, 450)), "p2.jpg": (2, (960, 720)), "p3.jpg": (3, (800, 600)),
-              "flat.png": None, "u2.jpg": (5, (900, 600))},
+    "web": {"p1.jpg": (ASTRONAUT, 1.0), "p1copy.jpg": (ASTRONAUT, 1.0),
+            "p2.jpg": (COFFEE, 0.5), "p3.jpg": (CHELSEA, 1.0), "flat.png": None,
+            "u1.jpg": (CAMERA, 1.0)},
+    "stock": {"p1.jpg": (ASTRONAUT, 0.5), "p2.jpg": (COFFEE, 1.5), "p3.jpg": (CHELSEA, 1.0),
+              "flat.png": None, "u2.jpg": (HOPPER, 1.0)},
 }
 
 
