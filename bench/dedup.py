@@ -33,7 +33,8 @@ from prx_assets.core.image_stage import BUCKETED_SCHEMA
 from prx_assets.core.imaging import encode_jpeg
 from prx_assets.core.lance_tables import table_uri
 from prx_assets.core.opt_outs import ids_for_source, opt_out_dir, parse_directory, resolve
-from prx_assets.core.rewrite import active_caption_filter, rewrite_without_skipped
+from prx_assets.core.captions import active_caption_filter
+from prx_assets.core.rewrite import rewrite_without_skipped
 from prx_assets.core.skip_lists import (
     apply_skip_lists, build_skip_lists, mapping_batches, mapping_shards, sidecar_files)
 from prx_assets.demo import procedural_image

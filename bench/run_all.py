@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-STAGES = ["bench.ingest", "bench.image_stage", "bench.subsampling", "bench.dedup"]
+STAGES = ["bench.ingest", "bench.image_stage", "bench.subsampling", "bench.captions",
+          "bench.dedup"]
 
 
 def main() -> int:

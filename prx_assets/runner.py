@@ -94,6 +94,11 @@ def print_summary(runs: list[PartitionRun]) -> None:
         if hashes:
             print(f"   phashes: {hashes.get('dagster/row_count')} hashed, "
                   f"{hashes.get('flat_images')} flat -> {hashes.get('path')}")
+        captions = run.metadata.get("captions", {})
+        if captions:
+            print(f"   captions: {captions.get('captioned_this_run')} new under version "
+                  f"{captions.get('caption_version')} ({captions.get('model')}), coverage "
+                  f"{captions.get('coverage', 0):.0%} -> {captions.get('path')}")
         dups = run.metadata.get("duplicates", {})
         if dups:
             print(f"   duplicates: {dups.get('removed')} copies removed in "

@@ -37,11 +37,6 @@ class RewriteReport:
     carried_over: ApplyReport
 
 
-def active_caption_filter(version: str) -> str:
-    """The captions contract's usable rows (issue 4 exports the same from core.captions)."""
-    return f"caption_version = '{version.replace(chr(39), chr(39) * 2)}' AND status = 'ok'"
-
-
 def pinned_inputs(data_root: Path, source: str, caption_filter: str) -> SampleInputs:
     """The inputs of the current tree, at the Lance versions it was built from."""
     manifest = json.loads((current_tree(data_root, source) / TREE_MANIFEST).read_text())

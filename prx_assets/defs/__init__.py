@@ -9,6 +9,7 @@ import dagster as dg
 from prx_assets.core.sources import load_sources, sources_path
 from prx_assets.defs.assets.raw_images import build_raw_images
 from prx_assets.defs.assets.images import build_image_stage
+from prx_assets.defs.assets.captions import build_captions, caption_checks
 from prx_assets.defs.assets.dedup import build_duplicates
 from prx_assets.defs.assets.opt_outs import build_opt_outs
 from prx_assets.defs.assets.skip_lists import (
@@ -18,7 +19,8 @@ from prx_assets.defs.rewrite import build_rewrite_job
 from prx_assets.defs.checks import jpeg_fidelity_check, table_checks
 from prx_assets.defs.io_managers import RayLanceIOManager
 from prx_assets.defs.partitions import source_partitions
-from prx_assets.defs.resources import RayResource, SourcesResource
+from prx_assets.defs.recaption import build_recaption_automation
+from prx_assets.defs.resources import RayResource, SourcesResource, captioner_from_file
 
 
 # Assets over every source at once: run on their own, not once per source partition.
@@ -27,35 +29,47 @@ GLOBAL_ASSETS = dg.AssetSelection.assets("duplicates", "opt_outs")
 SKIP_LISTS = dg.AssetSelection.assets("skip_lists")
 
 
-def build_defs(sources_file: Path | None = None) -> dg.Definitions:
+def build_defs(sources_file: Path | None = None, captioner_file: Path | None = None
+               ) -> dg.Definitions:
     sources_file = Path(sources_file) if sources_file else sources_path()
+    captioner = captioner_from_file(captioner_file)
     partitions = source_partitions(load_sources(sources_file))
     raw_images = build_raw_images(partitions)
     image_stage = build_image_stage(partitions)
+    captions = build_captions(partitions, captioner)
+    captions_job = dg.define_asset_job(
+        "captions_job", selection=dg.AssetSelection.assets(captions), partitions_def=partitions,
+        description="(Re-)caption one source: what the backfill sensor and schedule launch.")
+    recaption_sensor, recaption_schedule = build_recaption_automation(
+        captions_job, partitions, captioner.backfill_cron)
     checks = [
         *table_checks(dg.AssetKey("raw_images"), partitions),
         *table_checks(dg.AssetKey("bucketed_images"), partitions, with_reject_share=False),
         *table_checks(dg.AssetKey("phashes"), partitions, with_reject_share=False),
         jpeg_fidelity_check(partitions),
+        *caption_checks(partitions),
         skipped_share_check(partitions),
     ]
     resources = {
         "ray_cluster": RayResource(),
         "sources": SourcesResource(path=str(sources_file)),
         "lance_io_manager": RayLanceIOManager(),
+        "captioner": captioner,
     }
     # Label reasons need the active caption and classifier versions (issues 4 and 5).
     with_labels = LABEL_RESOURCE_KEYS <= resources.keys()
     return dg.Definitions(
-        assets=[raw_images, image_stage, build_duplicates(), build_opt_outs(),
+        assets=[raw_images, image_stage, captions, build_duplicates(), build_opt_outs(),
                 build_skip_lists_asset(partitions, with_labels)],
-        sensors=[build_opt_out_sensor(str(sources_file))],
         asset_checks=checks,
         resources=resources,
+        sensors=[recaption_sensor, build_opt_out_sensor(str(sources_file))],
+        schedules=[recaption_schedule],
         jobs=[dg.define_asset_job("corpus_job",
                                   selection=dg.AssetSelection.all() - GLOBAL_ASSETS - SKIP_LISTS,
                                   partitions_def=partitions,
                                   description="Every asset of the corpus for one source."),
+              captions_job,
               dg.define_asset_job("dedup_job", selection=GLOBAL_ASSETS,
                                   description="Global duplicates and the opt-out audit."),
               dg.define_asset_job("skip_lists_job", selection=SKIP_LISTS,

@@ -1,13 +1,19 @@
-"""Dagster resources: the Ray connection and the sources file."""
+"""Dagster resources: the Ray connection, the sources file and the captioner."""
 
 
+import dataclasses
+import os
 from pathlib import Path
 from typing import Optional
+
+import yaml
 
 import dagster as dg
 from pydantic import PrivateAttr
 
 from prx_assets.core import ray_runtime
+from prx_assets.core.captioners import CaptionerSpec
+from prx_assets.core.captions import DEFAULT_PROMPT
 from prx_assets.core.sources import SourcesConfig, load_sources, sources_path
 
 
@@ -35,3 +41,65 @@ class SourcesResource(dg.ConfigurableResource):
 
     def load(self) -> SourcesConfig:
         return load_sources(Path(self.path) if self.path else sources_path())
+
+
+class CaptionerResource(dg.ConfigurableResource):
+    """Which model captions images, how, and which caption version downstream reads.
+
+    Defaults come from `captioner.yaml` (or `$PRX_CAPTIONER`) when present; the `original`
+    backend (the source's own captions) needs no model and is the default.
+    """
+
+    backend: str = "original"
+    model: str = ""
+    prompt_name: str = DEFAULT_PROMPT
+    max_tokens: int = 320
+    temperature: float = 0.2
+    top_p: float = 0.9
+    repetition_penalty: float = 1.05
+    image_budget: int = 448 * 448
+    seed: int = 0
+    batch_size: int = 16
+    concurrency: int = 1
+    num_gpus: float = 0.0
+    cpus_per_actor: float = 1.0
+    engine_kwargs: dict = {}
+    accelerator_type: Optional[str] = None
+    continue_on_error: bool = True
+    endpoint: str = ""
+    api_key_env: str = "OPENAI_API_KEY"  # the key is read from this variable, never stored
+    request_concurrency: int = 8
+    timeout_s: float = 120.0
+    max_retries: int = 4
+    backoff_s: float = 1.0
+    chunk_rows: int = 1024  # rows per commit: a killed run loses at most this many
+    backfill_cron: str = "0 3 * * *"  # the re-captioning schedule (off until turned on)
+    # The version downstream assets read; empty means the version this config produces.
+    active_version: str = ""
+
+    def spec(self) -> CaptionerSpec:
+        fields = {f.name for f in dataclasses.fields(CaptionerSpec)} - {"api_key"}
+        values = {name: getattr(self, name) for name in fields}
+        return CaptionerSpec(**values, api_key=os.environ.get(self.api_key_env, ""))
+
+    def produced_version(self) -> str:
+        """The caption version a run with this configuration writes."""
+        return self.spec().version()
+
+    def caption_version(self) -> str:
+        """The active caption version: what downstream assets read."""
+        return self.active_version or self.produced_version()
+
+
+def captioner_from_file(path: Optional[Path] = None) -> CaptionerResource:
+    """The captioner configured in captioner.yaml / $PRX_CAPTIONER (defaults when absent)."""
+    path = Path(path or os.environ.get("PRX_CAPTIONER", "captioner.yaml"))
+    if not path.exists():
+        return CaptionerResource()
+    values = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of captioner settings")
+    try:
+        return CaptionerResource(**values)
+    except Exception as exc:
+        raise ValueError(f"{path}: {exc}") from None

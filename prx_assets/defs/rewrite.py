@@ -5,7 +5,8 @@ from typing import Optional
 import dagster as dg
 
 from prx_assets.core.mds import DEFAULT_ROWS_PER_PART, WriteOptions
-from prx_assets.core.rewrite import active_caption_filter, pinned_inputs, rewrite_without_skipped
+from prx_assets.core.captions import active_caption_filter
+from prx_assets.core.rewrite import pinned_inputs, rewrite_without_skipped
 from prx_assets.core.settings import data_root
 from prx_assets.defs.resources import RayResource
 

@@ -1,0 +1,190 @@
+"""Incremental, resumable captioning of one source.
+
+Work = kept images (bucketed_images, status "ok") minus the ids already done under the
+version (broadcast set membership for small sets, a Ray hash join past a million ids). Results stream back
+to the driver and are committed to the captions table in chunks with a Lance merge-insert
+keyed on (id, caption_version): a killed run loses at most the chunk in flight, a rerun
+never duplicates a row, and a retried failure replaces its failed row.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import lance
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray.data
+
+from prx_assets.core.captioners import CaptionerSpec, caption_stage
+from prx_assets.core.captions import CAPTIONS_SCHEMA, STATUS_OK, done_filter
+from prx_assets.core.lance_tables import FragmentPolicy, cleanup, compact
+
+CAPTION_KEYS = ["id", "caption_version"]
+CAPTIONS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
+
+
+@dataclass
+class CaptionRunReport:
+    version: str
+    pending: int = 0
+    written: int = 0
+    chunks: int = 0
+    seconds: float = 0.0
+    statuses: Counter = field(default_factory=Counter)
+    word_counts: list[int] = field(default_factory=list)
+    lance_version: int | None = None
+
+    @property
+    def images_per_s(self) -> float:
+        return self.written / self.seconds if self.seconds > 0 else 0.0
+
+
+# Below this many ids, set membership is broadcast to every task (no shuffle); above it,
+# a hash-partitioned Ray join keeps memory bounded per node.
+BROADCAST_IDS = 1_000_000
+
+
+def done_ids(captions_uri: Path, version: str) -> tuple[ray.data.Dataset | None, int]:
+    """Ids that need no more work under `version`, and how many there are."""
+    if not captions_uri.exists():
+        return None, 0
+    count = lance.dataset(str(captions_uri)).count_rows(filter=done_filter(version))
+    if count == 0:
+        return None, 0
+    ids = ray.data.read_lance(str(captions_uri), columns=["id"], filter=done_filter(version))
+    return ids, count
+
+
+def pending_requests(bucketed: ray.data.Dataset, raw_captions: ray.data.Dataset | None,
+                     captions_uri: Path, spec: CaptionerSpec) -> ray.data.Dataset:
+    """Rows {id, image?, original_caption?} of kept images not yet captioned."""
+    columns = ["id", "image"] if spec.uses_model else ["id"]
+    # Project first so the read skips image bytes when the backend needs none.
+    kept = bucketed.select_columns([*columns, "status"]).filter(
+        lambda row: row["status"] == STATUS_OK)
+    requests = kept.select_columns(columns)
+    done, n_done = done_ids(captions_uri, spec.version())
+    if done is not None:
+        requests = without_ids(requests, done, n_done)
+    if not spec.uses_model and raw_captions is not None:
+        requests = with_source_captions(requests, raw_captions)
+    return requests
+
+
+def _collect_ids(ids: ray.data.Dataset) -> pa.Array:
+    chunks = [b.column("id") for b in ids.iter_batches(batch_format="pyarrow", batch_size=65536)]
+    return pa.chunked_array(chunks, pa.string()).combine_chunks() if chunks else pa.array([], pa.string())
+
+
+def _keep_rows(batch: pa.Table, ids: pa.Array, member: bool) -> pa.Table:
+    mask = pc.is_in(batch.column("id"), value_set=ids)
+    return batch.filter(mask if member else pc.invert(mask))
+
+
+def without_ids(rows: ray.data.Dataset, ids: ray.data.Dataset, n_ids: int) -> ray.data.Dataset:
+    """Anti-join on id: broadcast for small id sets, hash-partitioned join for large ones."""
+    if n_ids > BROADCAST_IDS:
+        return rows.join(ids, join_type="left_anti", on=("id",), num_partitions=_partitions(n_ids))
+    return rows.map_batches(_keep_rows, fn_kwargs={"ids": _collect_ids(ids), "member": False},
+                            batch_format="pyarrow", zero_copy_batch=True)
+
+
+def with_source_captions(requests: ray.data.Dataset, raw_captions: ray.data.Dataset
+                         ) -> ray.data.Dataset:
+    """The `original` backend's input: the source caption of each requested id."""
+    captions = raw_captions.select_columns(["id", "original_caption"])
+    wanted = requests.count()
+    if wanted > BROADCAST_IDS:
+        return requests.join(captions, join_type="inner", on=("id",),
+                             num_partitions=_partitions(wanted))
+    return captions.map_batches(_keep_rows, fn_kwargs={"ids": _collect_ids(requests),
+                                                       "member": True},
+                                batch_format="pyarrow", zero_copy_batch=True)
+
+
+def _partitions(rows: int) -> int:
+    return max(4, min(512, rows // 500_000))
+
+
+def upsert_chunk(uri: Path, chunk: pa.Table) -> int:
+    """Commit one chunk atomically; (id, caption_version) rows are replaced, never doubled."""
+    chunk = chunk.cast(CAPTIONS_SCHEMA)
+    if not uri.exists():
+        uri.parent.mkdir(parents=True, exist_ok=True)
+        return lance.write_dataset(chunk, str(uri), schema=CAPTIONS_SCHEMA, mode="create").version
+    table = lance.dataset(str(uri))
+    (table.merge_insert(CAPTION_KEYS).when_matched_update_all()
+              .when_not_matched_insert_all().execute(chunk))
+    return lance.dataset(str(uri)).version
+
+
+def caption_source(requests: ray.data.Dataset, captions_uri: Path, spec: CaptionerSpec,
+                   chunk_rows: int = 1024,
+                   on_chunk: Callable[[CaptionRunReport], None] | None = None
+                   ) -> CaptionRunReport:
+    """Caption `requests` and commit the results chunk by chunk."""
+    report = CaptionRunReport(version=spec.version())
+    started = time.perf_counter()
+    results = caption_stage(requests, spec)
+    for chunk in results.iter_batches(batch_size=chunk_rows, batch_format="pyarrow"):
+        report.lance_version = upsert_chunk(captions_uri, chunk)
+        report.written += chunk.num_rows
+        report.chunks += 1
+        report.statuses.update(chunk.column("status").to_pylist())
+        ok = pc.equal(chunk.column("status"), STATUS_OK)
+        report.word_counts.extend(chunk.filter(ok).column("n_words").to_pylist())
+        report.seconds = time.perf_counter() - started
+        if on_chunk:
+            on_chunk(report)
+    report.seconds = time.perf_counter() - started
+    if report.chunks > 1 and captions_uri.exists():
+        compact(captions_uri, CAPTIONS_FRAGMENTS)
+        cleanup(lance.dataset(str(captions_uri)), CAPTIONS_FRAGMENTS)
+    if captions_uri.exists():
+        report.lance_version = lance.dataset(str(captions_uri)).version
+    return report
+
+
+def ensure_table(uri: Path) -> int:
+    """An empty captions table for a source with nothing to caption (downstream can read it)."""
+    if uri.exists():
+        return lance.dataset(str(uri)).version
+    uri.parent.mkdir(parents=True, exist_ok=True)
+    return lance.write_dataset(CAPTIONS_SCHEMA.empty_table(), str(uri),
+                               schema=CAPTIONS_SCHEMA, mode="create").version
+
+
+@dataclass(frozen=True)
+class Coverage:
+    kept: int
+    done: int
+    ok: int
+    failed: int
+    in_target: int
+
+    @property
+    def share(self) -> float:
+        return self.done / self.kept if self.kept else 1.0
+
+
+def coverage(bucketed_uri: Path, captions_uri: Path, version: str,
+             target: tuple[int, int] = (100, 200)) -> Coverage:
+    """Counts for the checks, read from the committed tables (metadata columns only)."""
+    kept = lance.dataset(str(bucketed_uri)).count_rows(filter=f"status = '{STATUS_OK}'") \
+        if bucketed_uri.exists() else 0
+    if not captions_uri.exists():
+        return Coverage(kept, 0, 0, 0, 0)
+    table = lance.dataset(str(captions_uri))
+    rows = table.to_table(columns=["status", "n_words"],
+                          filter=f"caption_version = '{version}'")
+    statuses = Counter(rows.column("status").to_pylist())
+    words = rows.filter(pc.equal(rows.column("status"), STATUS_OK)).column("n_words")
+    in_target = pc.sum(pc.and_(pc.greater_equal(words, target[0]),
+                               pc.less_equal(words, target[1]))).as_py() or 0
+    done = sum(n for s, n in statuses.items() if s != "failed")
+    return Coverage(kept, done, statuses.get(STATUS_OK, 0), statuses.get("failed", 0), in_target)

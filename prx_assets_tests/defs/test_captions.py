@@ -1,0 +1,106 @@
+"""The captions asset in Dagster: materialised with the image stage, versions as code versions,
+and the re-captioning sensor and schedule evaluated with Dagster's built contexts."""
+
+import dagster as dg
+import lance
+
+from prx_assets.defs import build_defs
+from prx_assets_tests.conftest import jpeg_bytes, write_sources
+from prx_assets_tests.defs.test_raw_images import checks
+
+
+def materializations(result) -> dict:
+    return {e.event_specific_data.materialization.asset_key.path[-1]:
+            e.event_specific_data.materialization.metadata
+            for e in result.get_asset_materialization_events()}
+
+
+def test_captions_asset_sensor_and_schedule(ray_session, data_root, tmp_path):
+    # A persistent test instance: schedule contexts with resources need an instance ref.
+    with dg.instance_for_test() as instance:
+        run_captions_scenario(instance, data_root, tmp_path)
+
+
+def run_captions_scenario(instance, data_root, tmp_path):
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i in range(4):
+        (folder / f"p{i}.jpg").write_bytes(jpeg_bytes(700 + 40 * i, 560, i))
+        if i < 3:
+            (folder / f"p{i}.txt").write_text(f"A red and grey pattern, number {i}.")
+    (folder / "tiny.jpg").write_bytes(jpeg_bytes(120, 120, 9))  # rejected: never captioned
+    sources = write_sources(tmp_path / "s.yaml", [
+        f"{{name: web, kind: image_folder, uri: {folder}}}",
+        f"{{name: other, kind: image_folder, uri: {tmp_path / 'missing'}}}"])
+    captioner_file = tmp_path / "captioner.yaml"
+    defs = build_defs(sources, captioner_file)
+
+    sensor = defs.get_sensor_def("recaption_sensor")
+    schedule = defs.get_schedule_def("recaption_schedule")
+    resources = {"captioner": defs.resources["captioner"]}
+
+    def sensor_partitions(definitions=defs):
+        context = dg.build_sensor_context(instance=instance,
+                                          resources={"captioner": definitions.resources["captioner"]})
+        result = definitions.get_sensor_def("recaption_sensor")(context)
+        if isinstance(result, dg.SkipReason):
+            return {}
+        return {r.partition_key: r.tags["prx/recaption_reason"] for r in result}
+
+    assert sensor_partitions() == {}  # nothing has images yet: nothing to caption
+
+    images = defs.resolve_job_def("corpus_job").execute_in_process(
+        partition_key="web", instance=instance,
+        asset_selection=[dg.AssetKey("raw_images"), dg.AssetKey("bucketed_images"),
+                         dg.AssetKey("phashes")])
+    assert images.success
+    assert sensor_partitions() == {"web": "missing"}  # "other" has no images: not requested
+
+    run = defs.resolve_job_def("captions_job").execute_in_process(partition_key="web",
+                                                                   instance=instance)
+    assert run.success
+    meta = materializations(run)["captions"]
+    version = defs.resources["captioner"].produced_version()
+    assert meta["caption_version"].value == version
+    assert meta["kept_images"].value == 4 and meta["coverage"].value == 1.0
+    statuses = {r.data["status"]: r.data["count"] for r in meta["rows_by_status"].value.records}
+    assert statuses == {"ok": 3, "empty": 1}
+    assert outcome_of(checks(run)) == {"coverage": True, "length_in_target": True,
+                                       "failure_share": True}
+    rows = lance.dataset(str(data_root / "lance/captions/web.lance")).to_table().to_pylist()
+    assert sorted(r["caption"] or "" for r in rows)[1:] == [
+        f"A red and grey pattern, number {i}." for i in range(3)]
+    assert meta["lance_version"].value == lance.dataset(
+        str(data_root / "lance/captions/web.lance")).version
+    assert sensor_partitions() == {}  # current
+
+    # The caption version is the asset's code version: a new config makes it stale.
+    captions_node = defs.resolve_asset_graph().get(dg.AssetKey("captions"))
+    assert captions_node.code_version == version
+    captioner_file.write_text("backend: openai\nmodel: qwen3-vl\nendpoint: http://127.0.0.1:9/v1\n")
+    new_defs = build_defs(sources, captioner_file)
+    new_version = new_defs.resources["captioner"].produced_version()
+    assert new_version != version
+    assert new_defs.resolve_asset_graph().get(dg.AssetKey("captions")).code_version == new_version
+    assert sensor_partitions(new_defs) == {"web": "new caption version"}
+
+    # New images (the image stage ran again) make the old version's partition stale too.
+    again = defs.resolve_job_def("corpus_job").execute_in_process(
+        partition_key="web", instance=instance, asset_selection=[dg.AssetKey("bucketed_images"),
+                                                                 dg.AssetKey("phashes")])
+    assert again.success
+    assert sensor_partitions() == {"web": "new images"}
+
+    # The schedule requests the same partitions, one run each, in the captions job.
+    with dg.build_schedule_context(instance=instance, resources=resources,
+                                   repository_def=defs.get_repository_def()) as context:
+        requests = schedule.evaluate_tick(context).run_requests
+    assert [(r.partition_key, r.tags["prx/recaption_reason"]) for r in requests] == \
+        [("web", "new images")]
+    assert sensor.default_status == dg.DefaultSensorStatus.STOPPED
+    assert schedule.default_status == dg.DefaultScheduleStatus.STOPPED
+
+
+def outcome_of(check_results: dict) -> dict:
+    return {name.split(":")[1]: passed for name, passed in check_results.items()
+            if name.startswith("captions:")}
