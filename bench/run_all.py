@@ -6,7 +6,7 @@ import importlib
 import sys
 
 STAGES = ["bench.ingest", "bench.image_stage", "bench.subsampling", "bench.captions", "bench.mds",
-          "bench.labels"]
+          "bench.labels", "bench.dedup"]
 
 
 def main() -> int:

@@ -8,6 +8,8 @@ from pathlib import Path
 import dagster as dg
 
 from prx_assets.core import ray_runtime
+from prx_assets.core.lance_tables import table_uri
+from prx_assets.core.settings import data_root
 from prx_assets.core.sources import load_sources
 from prx_assets.defs import build_defs
 
@@ -33,11 +35,31 @@ def materialize_all(sources_file: Path, instance: dg.DagsterInstance | None = No
                                         raise_on_error=False)
         runs.append(PartitionRun(source, result.success, result.run_id,
                                  _materialization_metadata(result), _check_results(result)))
+    runs += _after_all_sources(defs, instance, load_sources(sources_file).names)
     if runs and all(run.success for run in runs):  # the corpus table spans every source
         result = defs.resolve_job_def("corpus_table_job").execute_in_process(
             instance=instance, raise_on_error=False)
-        runs.append(PartitionRun("(all sources)", result.success, result.run_id,
-                                 _materialization_metadata(result), _check_results(result)))
+        runs.append(PartitionRun("(all sources: corpus_table_job)", result.success,
+                                 result.run_id, _materialization_metadata(result),
+                                 _check_results(result)))
+    return runs
+
+
+def _after_all_sources(defs: dg.Definitions, instance: dg.DagsterInstance,
+                       sources: list[str]) -> list[PartitionRun]:
+    """Global dedup (needs every source's hashes), then each source's skip lists where its
+    MDS shards exist."""
+    result = defs.resolve_job_def("dedup_job").execute_in_process(instance=instance,
+                                                                  raise_on_error=False)
+    runs = [PartitionRun("(all sources: dedup_job)", result.success, result.run_id,
+                         _materialization_metadata(result), _check_results(result))]
+    for source in sources:
+        if table_uri(data_root(), "mds_samples", source).exists():
+            result = defs.resolve_job_def("skip_lists_job").execute_in_process(
+                partition_key=source, instance=instance, raise_on_error=False)
+            runs.append(PartitionRun(f"{source} (skip_lists_job)", result.success,
+                                     result.run_id, _materialization_metadata(result),
+                                     _check_results(result)))
     return runs
 
 
@@ -92,6 +114,14 @@ def print_summary(runs: list[PartitionRun]) -> None:
         if corpus:
             print(f"   corpus: {corpus.get('dagster/row_count')} rows -> {corpus.get('path')}; "
                   f"try `prx-assets search \"a few words\"`")
+        dups = run.metadata.get("duplicates", {})
+        if dups:
+            print(f"   duplicates: {dups.get('removed')} copies removed in "
+                  f"{dups.get('duplicate_groups')} groups -> {dups.get('path')}")
+        skips = run.metadata.get("skip_lists", {})
+        if skips:
+            print(f"   skip_lists: {skips.get('skipped')} of {skips.get('samples')} samples "
+                  f"skipped -> {skips.get('tree')}")
         for name, outcome in sorted(run.checks.items()):
             print(f"   check {name}: {outcome}")
     print("\nOpen the UI with `make ui` (http://127.0.0.1:3000) to see runs, checks and metadata.")

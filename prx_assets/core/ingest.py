@@ -101,7 +101,8 @@ def build_raw_dataset(spec: SourceSpec, uri: Path, work_dir: Path,
     """
     readers.check_source_exists(spec, uri)
     if spec.kind == "lance":
-        columns = [c for c in (spec.key_column, spec.image_column, spec.caption_column) if c]
+        columns = [c for c in (spec.key_column, spec.image_column, spec.caption_column,
+                               spec.url_column) if c]
         return ray.data.read_lance(str(uri), columns=columns).map_batches(
             functools.partial(lance_records_to_rows, spec=spec, options=options),
             batch_format="pyarrow", batch_size=64,

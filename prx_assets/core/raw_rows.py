@@ -24,6 +24,8 @@ RAW_IMAGES_SCHEMA = pa.schema(
         pa.field("original_caption", pa.string()),
         pa.field("status", pa.string(), nullable=False),
         pa.field("error", pa.string()),
+        # Where the item was fetched from, when the source says (opt-outs by url).
+        pa.field("url", pa.string()),
     ]
 )
 
@@ -37,6 +39,7 @@ class FoundItem:
     caption: str | None = None
     status: str | None = None  # set when the reader itself failed (unreadable, unsafe_path...)
     error: str | None = None
+    url: str | None = None
 
 
 def raw_row(source: str, item: FoundItem, max_pixels: int = DEFAULT_MAX_PIXELS) -> dict:
@@ -54,6 +57,7 @@ def raw_row(source: str, item: FoundItem, max_pixels: int = DEFAULT_MAX_PIXELS) 
         "original_caption": item.caption,
         "status": item.status,
         "error": item.error,
+        "url": item.url,
     }
     if item.status is not None:
         return row

@@ -5,6 +5,7 @@ here needs Ray, so every bad-input case is testable in isolation.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tarfile
@@ -156,7 +157,18 @@ def _wds_sample(spec: SourceSpec, rel: str, key: str, sample: dict[str, bytes],
     if truncated:
         return FoundItem(key=full_key, caption=caption, status=STATUS_UNREADABLE,
                          error="tar shard ended inside this sample")
-    return FoundItem(key=full_key, data=sample[image_ext], caption=caption)
+    return FoundItem(key=full_key, data=sample[image_ext], caption=caption,
+                     url=_wds_url(spec, sample))
+
+
+def _wds_url(spec: SourceSpec, sample: dict[str, bytes]) -> str | None:
+    if "json" not in sample:
+        return None
+    try:
+        value = json.loads(sample["json"]).get(spec.url_field)
+    except (ValueError, AttributeError):
+        return None
+    return str(value).strip() or None if value else None
 
 
 def _wds_caption(spec: SourceSpec, sample: dict[str, bytes]) -> str | None:
@@ -178,7 +190,8 @@ def read_parquet_file(spec: SourceSpec, uri: Path, rel: str, batch_rows: int = 2
     """Stream a parquet file in record batches; images are bytes or paths under the uri."""
     path = uri / rel if uri.is_dir() else uri
     base = path.parent
-    columns = [spec.image_column] + [c for c in (spec.key_column, spec.caption_column) if c]
+    columns = [spec.image_column] + [c for c in (spec.key_column, spec.caption_column,
+                                                 spec.url_column) if c]
     try:
         parquet = pq.ParquetFile(path)
         missing = [c for c in columns if c not in parquet.schema_arrow.names]
@@ -193,8 +206,9 @@ def read_parquet_file(spec: SourceSpec, uri: Path, rel: str, batch_rows: int = 2
                        else f"{rel}#{row_index}")
                 row_index += 1
                 caption = record.get(spec.caption_column) if spec.caption_column else None
-                yield _parquet_item(spec, base, key, record[spec.image_column], caption,
-                                    max_file_bytes)
+                item = _parquet_item(spec, base, key, record[spec.image_column], caption,
+                                     max_file_bytes)
+                yield _with_url(item, record.get(spec.url_column) if spec.url_column else None)
     except (OSError, ValueError) as exc:  # arrow raises ArrowInvalid (a ValueError)
         yield FoundItem(key=f"{rel}#file", status=STATUS_UNREADABLE,
                         error=f"parquet {rel}: {type(exc).__name__}: {exc}")
@@ -220,7 +234,13 @@ def lance_record_item(spec: SourceSpec, record: dict) -> FoundItem:
     key = str(record[spec.key_column])
     caption = record.get(spec.caption_column) if spec.caption_column else None
     data = record.get(spec.image_column)
+    url = record.get(spec.url_column) if spec.url_column else None
     if data is None:
-        return FoundItem(key=key, caption=caption, status=STATUS_MISSING_IMAGE,
-                         error=f"column {spec.image_column!r} is null")
-    return FoundItem(key=key, data=bytes(data), caption=caption)
+        return _with_url(FoundItem(key=key, caption=caption, status=STATUS_MISSING_IMAGE,
+                                   error=f"column {spec.image_column!r} is null"), url)
+    return _with_url(FoundItem(key=key, data=bytes(data), caption=caption), url)
+
+
+def _with_url(item: FoundItem, url: object) -> FoundItem:
+    text = str(url).strip() if url else ""
+    return dataclasses.replace(item, url=text) if text else item

@@ -22,9 +22,9 @@ DEFAULT_SOURCES_FILE = "sources.yaml"
 _COMMON_FIELDS = {"name", "kind", "uri", "license", "weight", "description"}
 _KIND_FIELDS: dict[str, set[str]] = {
     "image_folder": {"caption_suffix"},
-    "webdataset": {"image_extensions", "caption_extension", "caption_field"},
-    "parquet": {"image_column", "image_is_path", "key_column", "caption_column"},
-    "lance": {"image_column", "key_column", "caption_column"},
+    "webdataset": {"image_extensions", "caption_extension", "caption_field", "url_field"},
+    "parquet": {"image_column", "image_is_path", "key_column", "caption_column", "url_column"},
+    "lance": {"image_column", "key_column", "caption_column", "url_column"},
 }
 
 
@@ -48,11 +48,14 @@ class SourceSpec:
     image_extensions: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
     caption_extension: str = "txt"
     caption_field: str = "caption"
+    # webdataset: the field of the sample's .json holding its url (kept for opt-outs by url).
+    url_field: str = "url"
     # parquet / lance: column names.
     image_column: str = "image"
     image_is_path: bool = False
     key_column: str | None = None
     caption_column: str | None = None
+    url_column: str | None = None
 
     def resolved_uri(self, base_dir: Path) -> Path:
         """The uri as an absolute path; relative uris are relative to the sources file."""
@@ -131,7 +134,7 @@ def parse_source(entry: Any, index: int, path: Path | str = "<sources>") -> Sour
 
     kwargs: dict[str, Any] = {"name": name, "kind": kind, "uri": uri, "weight": float(weight)}
     for key in ("license", "description", "caption_suffix", "caption_extension", "caption_field",
-                "image_column", "key_column", "caption_column"):
+                "image_column", "key_column", "caption_column", "url_field", "url_column"):
         if key in entry:
             value = entry[key]
             if not isinstance(value, str) or not value:

@@ -13,12 +13,24 @@ from prx_assets.defs.assets.captions import build_captions, caption_checks
 from prx_assets.defs.assets.mds_shards import build_mds_shards, mds_tree_check
 from prx_assets.defs.assets.labels import (
     build_caption_labels, build_corpus_asset, caption_labels_checks)
+from prx_assets.defs.assets.dedup import build_duplicates
+from prx_assets.defs.assets.opt_outs import build_opt_outs
+from prx_assets.defs.assets.skip_lists import (
+    build_skip_lists_asset, skipped_share_check)
+from prx_assets.defs.sensors import build_opt_out_sensor
+from prx_assets.defs.rewrite import build_rewrite_job
 from prx_assets.defs.checks import jpeg_fidelity_check, table_checks
 from prx_assets.defs.io_managers import RayLanceIOManager
 from prx_assets.defs.partitions import source_partitions
 from prx_assets.defs.recaption import build_recaption_automation
 from prx_assets.defs.resources import (
     ClassifierResource, RayResource, SourcesResource, captioner_from_file)
+
+
+# Assets over every source at once: run on their own, not once per source partition.
+GLOBAL_ASSETS = dg.AssetSelection.assets("duplicates", "opt_outs")
+# Skip lists need the global duplicates, so they run after dedup_job, per source.
+SKIP_LISTS = dg.AssetSelection.assets("skip_lists")
 
 
 def build_defs(sources_file: Path | None = None, captioner_file: Path | None = None
@@ -45,25 +57,35 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
         *caption_checks(partitions),
         mds_tree_check(partitions),
         *caption_labels_checks(partitions),
+        skipped_share_check(partitions),
     ]
+    resources = {
+        "ray_cluster": RayResource(),
+        "sources": SourcesResource(path=str(sources_file)),
+        "lance_io_manager": RayLanceIOManager(),
+        "captioner": captioner,
+        "classifier": ClassifierResource(),
+    }
     return dg.Definitions(
         assets=[raw_images, image_stage, captions, caption_labels, build_mds_shards(partitions),
-                corpus],
+                corpus, build_duplicates(), build_opt_outs(),
+                build_skip_lists_asset(partitions)],
         asset_checks=checks,
-        resources={
-            "ray_cluster": RayResource(),
-            "sources": SourcesResource(path=str(sources_file)),
-            "lance_io_manager": RayLanceIOManager(),
-            "captioner": captioner,
-            "classifier": ClassifierResource(),
-        },
-        sensors=[recaption_sensor],
+        resources=resources,
+        sensors=[recaption_sensor, build_opt_out_sensor(str(sources_file))],
         schedules=[recaption_schedule],
         jobs=[dg.define_asset_job("corpus_job",
-                                  selection=dg.AssetSelection.all() - corpus_selection,
+                                  selection=(dg.AssetSelection.all() - GLOBAL_ASSETS - SKIP_LISTS
+                                             - corpus_selection),
                                   partitions_def=partitions,
                                   description="Every asset of the corpus for one source."),
               captions_job,
               dg.define_asset_job("corpus_table_job", selection=corpus_selection,
-                                  description="The searchable corpus table across sources.")],
+                                  description="The searchable corpus table across sources."),
+              dg.define_asset_job("dedup_job", selection=GLOBAL_ASSETS,
+                                  description="Global duplicates and the opt-out audit."),
+              dg.define_asset_job("skip_lists_job", selection=SKIP_LISTS,
+                                  partitions_def=partitions,
+                                  description="One source's skip lists (after dedup_job)."),
+              build_rewrite_job(partitions)],
     )

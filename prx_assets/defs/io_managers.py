@@ -9,7 +9,7 @@ that was materialised.
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import dagster as dg
 import pyarrow as pa
@@ -40,6 +40,8 @@ class LanceTableOutput:
     # Scratch folders the lazy dataset reads from (e.g. an ingest manifest): removed once
     # the write has finished, whether it succeeded or not.
     scratch: Optional[Path] = None
+    # Metadata computed from the committed table (its uri), e.g. summaries of the result.
+    after_write: Optional[Callable[[str], dict]] = None
 
 
 class RayLanceIOManager(dg.ConfigurableIOManager):
@@ -83,6 +85,7 @@ class RayLanceIOManager(dg.ConfigurableIOManager):
             "ray_nodes": len(report.nodes),
             **(PROFILERS[meta[PROFILE_KEY]](str(uri)) if meta.get(PROFILE_KEY) else {}),
             **(output.metadata or {}),
+            **(output.after_write(str(uri)) if output.after_write else {}),
         })
 
     def load_input(self, context: dg.InputContext) -> ray.data.Dataset:

@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from prx_assets.core import readers
+from prx_assets.core.raw_rows import RAW_IMAGES_SCHEMA, raw_row
 from prx_assets.core.sources import SourceSpec
 from prx_assets_tests.conftest import jpeg_bytes
 
@@ -123,3 +124,19 @@ def test_parquet_missing_column_and_corrupt_file_are_recorded(tmp_path: Path):
     assert missing[0].status == "unreadable" and "missing column" in missing[0].error
     corrupt = list(readers.read_parquet_file(s, tmp_path, "bad.parquet"))
     assert corrupt[0].status == "unreadable"
+
+
+def test_urls_are_kept_when_the_source_carries_them(tmp_path: Path):
+    img = jpeg_bytes(400, 400)
+    make_tar(tmp_path / "s.tar", [
+        ("a.jpg", img), ("a.json", json.dumps({"url": " https://x.org/a.jpg "}).encode()),
+        ("b.jpg", img), ("b.json", b"{broken"), ("c.jpg", img)])
+    items = list(readers.read_tar(spec("webdataset"), tmp_path, "s.tar"))
+    assert [i.url for i in items] == ["https://x.org/a.jpg", None, None]
+    pq.write_table(pa.table({"img": [img, img], "link": ["https://x.org/p", None]}),
+                   tmp_path / "p.parquet")
+    s = spec("parquet", image_column="img", url_column="link")
+    assert [i.url for i in readers.read_parquet_file(s, tmp_path, "p.parquet")] == [
+        "https://x.org/p", None]
+    row = raw_row("web", items[0])
+    assert row["url"] == "https://x.org/a.jpg" and set(row) == set(RAW_IMAGES_SCHEMA.names)
