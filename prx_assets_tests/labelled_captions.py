@@ -1,5 +1,5 @@
 """Captions written for the tests (not in the training set), and a captions table maker
-following issue 4's contract (CAPTIONS_SCHEMA), for tests that run before captions exist."""
+in the captions table's schema (CAPTIONS_SCHEMA), for tests that start from captions."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from pathlib import Path
 
 import lance
 import pyarrow as pa
+
+from prx_assets.core.captions import CAPTIONS_SCHEMA
 
 TEST_CAPTIONS = {
     "visual": [
@@ -44,17 +46,6 @@ TEST_CAPTIONS = {
     ],
 }
 
-CAPTIONS_SCHEMA = pa.schema([
-    pa.field("id", pa.string(), nullable=False),
-    pa.field("caption_version", pa.string(), nullable=False),
-    pa.field("caption", pa.string()),
-    pa.field("n_words", pa.int32()),
-    pa.field("model", pa.string()),
-    pa.field("backend", pa.string()),
-    pa.field("status", pa.string(), nullable=False),
-    pa.field("error", pa.string()),
-    pa.field("created_at", pa.timestamp("us", tz="UTC")),
-])
 
 
 def labelled_test_captions(source: str = "web") -> list[tuple[str, str, str]]:

@@ -22,7 +22,7 @@ import ray.data
 
 from prx_assets.core.captioners import CaptionerSpec, caption_stage
 from prx_assets.core.captions import CAPTIONS_SCHEMA, STATUS_OK, done_filter
-from prx_assets.core.lance_tables import FragmentPolicy, cleanup, compact
+from prx_assets.core.lance_tables import FragmentPolicy, cleanup, compact, upsert
 
 CAPTION_KEYS = ["id", "caption_version"]
 CAPTIONS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
@@ -111,18 +111,6 @@ def _partitions(rows: int) -> int:
     return max(4, min(512, rows // 500_000))
 
 
-def upsert_chunk(uri: Path, chunk: pa.Table) -> int:
-    """Commit one chunk atomically; (id, caption_version) rows are replaced, never doubled."""
-    chunk = chunk.cast(CAPTIONS_SCHEMA)
-    if not uri.exists():
-        uri.parent.mkdir(parents=True, exist_ok=True)
-        return lance.write_dataset(chunk, str(uri), schema=CAPTIONS_SCHEMA, mode="create").version
-    table = lance.dataset(str(uri))
-    (table.merge_insert(CAPTION_KEYS).when_matched_update_all()
-              .when_not_matched_insert_all().execute(chunk))
-    return lance.dataset(str(uri)).version
-
-
 def caption_source(requests: ray.data.Dataset, captions_uri: Path, spec: CaptionerSpec,
                    chunk_rows: int = 1024,
                    on_chunk: Callable[[CaptionRunReport], None] | None = None
@@ -132,7 +120,7 @@ def caption_source(requests: ray.data.Dataset, captions_uri: Path, spec: Caption
     started = time.perf_counter()
     results = caption_stage(requests, spec)
     for chunk in results.iter_batches(batch_size=chunk_rows, batch_format="pyarrow"):
-        report.lance_version = upsert_chunk(captions_uri, chunk)
+        report.lance_version = upsert(captions_uri, chunk, CAPTIONS_SCHEMA, CAPTION_KEYS)
         report.written += chunk.num_rows
         report.chunks += 1
         report.statuses.update(chunk.column("status").to_pylist())

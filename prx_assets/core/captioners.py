@@ -22,9 +22,9 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -33,6 +33,9 @@ from PIL import Image
 from prx_assets.core.captions import (
     CAPTIONS_SCHEMA, DEFAULT_PROMPT, STATUS_EMPTY, STATUS_FAILED, caption_version, clean_caption,
     load_prompt)
+
+if TYPE_CHECKING:
+    import ray.data
 
 BACKENDS = ("original", "transformers", "openai", "vllm")
 USER_TEXT = "Write the caption for this image."
@@ -360,7 +363,3 @@ def caption_stage(requests: "ray.data.Dataset", spec: CaptionerSpec) -> "ray.dat
         raw = build_vllm_captioner(spec)(requests)
     return raw.map_batches(finish_captions, fn_kwargs={"spec": spec, "version": version},
                            batch_format="pyarrow", batch_size=1024)
-
-
-def spec_as_dict(spec: CaptionerSpec) -> dict:
-    return asdict(spec)

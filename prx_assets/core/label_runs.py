@@ -29,7 +29,7 @@ from prx_assets.core.label_backends import (
 from prx_assets.core.labels import (
     DEFAULT_L2, LABELS, LABELS_SCHEMA, EmbeddedLabeler, active_labels_filter,
     embedded_classifier_version, label_rows, version_hash)
-from prx_assets.core.lance_tables import FragmentPolicy, cleanup, compact
+from prx_assets.core.lance_tables import FragmentPolicy, cleanup, compact, upsert
 
 LABEL_KEYS = ["id", "caption_version", "classifier_version"]
 LABELS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
@@ -186,18 +186,6 @@ def _vllm_rows(batch: pa.Table, classifier_version: str) -> pa.Table:
     return _stage_rows(batch, classifier_version, labels, scores, vectors, errors)
 
 
-def upsert_labels(uri: Path, rows: pa.Table) -> int:
-    """Commit one chunk atomically; rows of the same version pair are replaced, not doubled."""
-    rows = rows.cast(LABELS_SCHEMA)
-    if not uri.exists():
-        uri.parent.mkdir(parents=True, exist_ok=True)
-        return lance.write_dataset(rows, str(uri), schema=LABELS_SCHEMA, mode="create").version
-    table = lance.dataset(str(uri))
-    table.merge_insert(LABEL_KEYS).when_matched_update_all().when_not_matched_insert_all() \
-        .execute(rows)
-    return lance.dataset(str(uri)).version
-
-
 def ensure_labels_table(uri: Path) -> int:
     """An empty labels table, so downstream readers and checks always find one."""
     if uri.exists():
@@ -229,7 +217,7 @@ def label_source(captions_uri: Path, labels_uri: Path, caption_version: str,
         errors = chunk.filter(failed).column("error").to_pylist()
         report.errors.extend(errors[: max(0, 5 - len(report.errors))])
         if ok_rows.num_rows:
-            report.lance_version = upsert_labels(labels_uri, ok_rows)
+            report.lance_version = upsert(labels_uri, ok_rows, LABELS_SCHEMA, LABEL_KEYS)
         report.written += ok_rows.num_rows
         report.labels.update(ok_rows.column("label").to_pylist())
         report.chunks += 1

@@ -193,3 +193,15 @@ def describe_write(table: "lance.LanceDataset") -> WriteReport:
         uri=table.uri, version=table.version, rows=table.count_rows(),
         fragments=len(table.get_fragments()), bytes=_data_bytes(table),
     )
+
+
+def upsert(uri: Path, rows: pa.Table, schema: pa.Schema, keys: list[str]) -> int:
+    """Commit `rows` atomically, replacing rows with the same keys (never doubling them);
+    returns the new version. Used for chunked, resumable writes (captions, labels)."""
+    rows = rows.cast(schema)
+    if not uri.exists():
+        uri.parent.mkdir(parents=True, exist_ok=True)
+        return lance.write_dataset(rows, str(uri), schema=schema, mode="create").version
+    table = lance.dataset(str(uri))
+    table.merge_insert(keys).when_matched_update_all().when_not_matched_insert_all().execute(rows)
+    return lance.dataset(str(uri)).version

@@ -1,7 +1,4 @@
-import io
-
 import pytest
-from PIL import Image
 
 from prx_assets.core.captioners import CaptionerSpec, model_image
 from prx_assets.core.captions import (
