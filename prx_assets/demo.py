@@ -103,25 +103,72 @@ class DemoItem:
     caption: str
 
 
-def _caption(kind: str, img: Image.Image) -> str:
-    return f"A {kind} image of {img.width} by {img.height} pixels."
+# What each shipped photo shows, in the dense, literal style the captioner is asked for, so
+# the demo's `original` captions read like real captions (and classify as visual).
+PHOTO_CAPTIONS = {
+    "astronaut": "An astronaut in a white spacesuit poses indoors beside an American flag, "
+                 "holding a helmet, with a model of a spacecraft behind the left shoulder.",
+    "chelsea": "A ginger tabby cat with pale green eyes sits close to the camera, its striped "
+               "fur lit softly from the left against a blurred brown background.",
+    "coffee": "A white cup of coffee with a light brown foam top rests on a white saucer with "
+              "a silver spoon, on a red tablecloth seen from above.",
+    "rocket": "A white rocket stands on a launch pad under a clear blue sky, with a steel "
+              "service tower on its right and small clouds of vapour at its base.",
+    "motorcycle_left": "A red and black motorcycle is parked in a garage, seen from the side, "
+                       "with tools and shelves in the dim background.",
+    "motorcycle_right": "A red and black motorcycle is parked in a garage, seen from the side, "
+                        "with tools and shelves in the dim background.",
+    "hubble_deep_field": "Hundreds of small galaxies in orange, white and blue shine against a "
+                         "black sky, spirals and ellipses scattered across the frame.",
+    "retina": "A close-up of a human retina in orange and red, with dark branching blood vessels "
+              "spreading from a bright yellow disc on the left.",
+    "brick": "A grey brick wall fills the frame, rows of rough rectangular bricks separated by "
+             "lighter mortar lines under even daylight.",
+    "grass": "Dense green grass blades fill the frame, lit from above, with darker shadows "
+             "between the leaves.",
+    "gravel": "A bed of small grey and brown pebbles fills the frame, seen from above in flat "
+              "light.",
+    "camera": "A black and white photograph of a man in a dark coat looking through a camera "
+              "on a tripod, standing on grass with buildings far behind.",
+    "coins": "A black and white photograph of old coins of several sizes laid in rows on a dark "
+             "surface, their rims bright under the light.",
+    "moon": "A black and white close-up of the cratered surface of the moon, grey plains and "
+            "round craters lit from one side.",
+    "ihc": "A microscope image of stained tissue, purple and brown cells packed in a pale "
+           "pink background.",
+    "grace_hopper": "A woman in a dark naval uniform with medals and a white collar poses for a "
+                    "formal portrait in front of a plain grey background.",
+}
+SHAPE_WORDS = ["soft circles", "overlapping rectangles", "blurred blobs", "round spots"]
+COLOUR_WORDS = ["red", "orange", "yellow", "green", "teal", "blue", "purple", "pink", "grey"]
+
+
+def _caption(rng: np.random.Generator, photo: str | None) -> str:
+    if photo:
+        return PHOTO_CAPTIONS.get(photo, "A photograph of an everyday scene in daylight.")
+    first, second = rng.choice(COLOUR_WORDS, size=2, replace=False)
+    shapes = SHAPE_WORDS[int(rng.integers(len(SHAPE_WORDS)))]
+    return (f"An abstract picture of smooth {first} and {second} gradients with {shapes} "
+            f"scattered across it, slightly blurred, with a fine grain over the whole surface.")
 
 
 def generate_items(n: int, seed: int, prefix: str) -> list[DemoItem]:
     rng = np.random.default_rng(seed)
-    photos = [Image.open(p) for p in real_photo_paths()]
+    paths = real_photo_paths()
+    photos, names = [Image.open(p) for p in paths], [p.stem for p in paths]
     items = []
     for i in range(n):
         if photos and i % 3 == 0:
-            img, kind = photo_variant(rng, photos[int(rng.integers(len(photos)))]), "photographic"
+            index = int(rng.integers(len(photos)))
+            img, photo = photo_variant(rng, photos[index]), names[index]
         else:
             w, h = SIZES[int(rng.integers(len(SIZES)))]
-            img, kind = procedural_image(rng, w, h), "generated abstract"
+            img, photo = procedural_image(rng, w, h), None
         fmt = ["JPEG", "JPEG", "JPEG", "PNG", "WEBP"][i % 5]
         if fmt == "PNG" and i % 10 == 3:
             img = img.convert("L") if i % 20 == 3 else img.convert("P")
         ext = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}[fmt]
-        items.append(DemoItem(f"{prefix}{i:05d}.{ext}", encode(img, fmt), _caption(kind, img)))
+        items.append(DemoItem(f"{prefix}{i:05d}.{ext}", encode(img, fmt), _caption(rng, photo)))
     return items
 
 

@@ -344,6 +344,12 @@ def build_vllm_captioner(spec: CaptionerSpec):
 
 # --- the stage ----------------------------------------------------------------------------
 
+def _actor_pool(size: int):
+    import ray.data
+
+    return ray.data.ActorPoolStrategy(size=max(1, size))
+
+
 def caption_stage(requests: "ray.data.Dataset", spec: CaptionerSpec) -> "ray.data.Dataset":
     """Lazy dataset of CAPTIONS_SCHEMA rows for the given requests."""
     version = spec.version()
@@ -353,12 +359,12 @@ def caption_stage(requests: "ray.data.Dataset", spec: CaptionerSpec) -> "ray.dat
     elif spec.backend == "transformers":
         raw = requests.map_batches(
             TransformersCaptioner, fn_constructor_args=(spec,), batch_size=spec.batch_size,
-            concurrency=spec.concurrency, num_gpus=spec.num_gpus or None,
+            compute=_actor_pool(spec.concurrency), num_gpus=spec.num_gpus or None,
             num_cpus=spec.cpus_per_actor, batch_format="numpy")
     elif spec.backend == "openai":
         raw = requests.map_batches(
             OpenAICaptioner, fn_constructor_args=(spec,), batch_size=spec.batch_size,
-            concurrency=spec.concurrency, num_cpus=0.25, batch_format="numpy")
+            compute=_actor_pool(spec.concurrency), num_cpus=0.25, batch_format="numpy")
     else:
         raw = build_vllm_captioner(spec)(requests)
     return raw.map_batches(finish_captions, fn_kwargs={"spec": spec, "version": version},

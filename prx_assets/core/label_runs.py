@@ -161,7 +161,8 @@ class EmbeddedLabelStage(EmbeddedLabeler):
 
 def label_stage(pending: ray.data.Dataset, spec: LabelerSpec) -> ray.data.Dataset:
     """Caption rows in, STAGE_SCHEMA rows out, in an actor pool of `spec.actors`."""
-    pool = dict(batch_format="pyarrow", batch_size=spec.batch_size, concurrency=spec.actors,
+    pool = dict(batch_format="pyarrow", batch_size=spec.batch_size,
+                compute=ray.data.ActorPoolStrategy(size=spec.actors),
                 num_cpus=spec.threads_per_actor)
     version = spec.version()
     if spec.backend == "embedded":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 from collections import Counter
@@ -441,19 +442,36 @@ class LeafCheck:
 def verify_tree(data_root: Path, source: str) -> tuple[list[LeafCheck], list[str]]:
     """Open every leaf of the current tree with `streaming.StreamingDataset` and compare its
     sample count with the mapping table; also report mapping rows of another tree version."""
-    from streaming import StreamingDataset
-
     tree = current_tree(data_root, source)
     mapping = lance.dataset(str(table_uri(data_root, "mds_samples", source))).to_table(
         columns=["leaf", "tree_version"])
     problems = sorted({f"mapping rows of tree {v}, current is {tree.name}"
                        for v in pc.unique(mapping["tree_version"]).to_pylist() if v != tree.name})
     mapped = Counter(mapping["leaf"].to_pylist())
+    leaves = tree_leaves(tree)
+    streamed = streamed_counts([str(leaf) for leaf in leaves]) if leaves else []
     checks = []
-    for leaf in tree_leaves(tree):
+    for leaf, count in zip(leaves, streamed):
         name = str(leaf.relative_to(tree))
-        dataset = StreamingDataset(local=str(leaf), batch_size=1, shuffle=False)
-        checks.append(LeafCheck(name, dataset.num_samples, mapped.pop(name, 0)))
-        del dataset
+        checks.append(LeafCheck(name, count, mapped.pop(name, 0)))
     checks += [LeafCheck(name, 0, n) for name, n in sorted(mapped.items())]  # no such leaf
     return checks, problems
+
+
+def streamed_counts(leaves: list[str]) -> list[int]:
+    """Samples per leaf as one plain StreamingDataset (a stream per leaf) sees them.
+
+    Runs in a spawned process: every StreamingDataset registers shared-memory objects that
+    later datasets in the same process keep open (thousands of descriptors after a few dozen
+    leaves), so a long-lived process such as a Dagster run must not create them itself."""
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        return pool.apply(_streamed_counts, (leaves,))
+
+
+def _streamed_counts(leaves: list[str]) -> list[int]:
+    from streaming import Stream, StreamingDataset
+
+    dataset = StreamingDataset(streams=[Stream(local=leaf) for leaf in leaves], batch_size=1,
+                               shuffle=False)
+    return [int(n) for n in dataset.samples_per_stream]
