@@ -80,7 +80,9 @@ def pipeline_overhead(work: Path, uri: Path, count: int) -> tuple[float, float]:
                        "image": np.array(batch.column("image").to_pylist(), dtype=object)})
 
     direct_s, _ = timed(direct)
-    started = ray_runtime.connect(num_cpus=1)  # one core, like the direct loop
+    # Two CPUs: one for the model actor (one torch thread, like the direct loop), one for the
+    # read and commit tasks (with one CPU the actor would hold it and starve the reads).
+    started = ray_runtime.connect(num_cpus=2)
     try:
         bucketed = ray.data.read_lance(str(uri)).limit(count)
         out = work / "captions.lance"
