@@ -76,9 +76,16 @@ def pending_requests(bucketed: ray.data.Dataset, raw_captions: ray.data.Dataset 
     return requests
 
 
-def _collect_ids(ids: ray.data.Dataset) -> pa.Array:
-    chunks = [b.column("id") for b in ids.iter_batches(batch_format="pyarrow", batch_size=65536)]
-    return pa.chunked_array(chunks, pa.string()).combine_chunks() if chunks else pa.array([], pa.string())
+def _collect_ids(ids: ray.data.Dataset, limit: int | None = None) -> pa.Array | None:
+    """The ids as one array, or None once there are more than `limit` (then join instead)."""
+    chunks, n = [], 0
+    for batch in ids.iter_batches(batch_format="pyarrow", batch_size=65536):
+        chunks.append(batch.column("id"))
+        n += batch.num_rows
+        if limit is not None and n > limit:
+            return None
+    return pa.chunked_array(chunks, pa.string()).combine_chunks() if chunks \
+        else pa.array([], pa.string())
 
 
 def _keep_rows(batch: pa.Table, ids: pa.Array, member: bool) -> pa.Table:
@@ -98,12 +105,11 @@ def with_source_captions(requests: ray.data.Dataset, raw_captions: ray.data.Data
                          ) -> ray.data.Dataset:
     """The `original` backend's input: the source caption of each requested id."""
     captions = raw_captions.select_columns(["id", "original_caption"])
-    wanted = requests.count()
-    if wanted > BROADCAST_IDS:
+    ids = _collect_ids(requests, limit=BROADCAST_IDS)  # one pass over the requests
+    if ids is None:
         return requests.join(captions, join_type="inner", on=("id",),
-                             num_partitions=_partitions(wanted))
-    return captions.map_batches(_keep_rows, fn_kwargs={"ids": _collect_ids(requests),
-                                                       "member": True},
+                             num_partitions=_partitions(BROADCAST_IDS))
+    return captions.map_batches(_keep_rows, fn_kwargs={"ids": ids, "member": True},
                                 batch_format="pyarrow", zero_copy_batch=True)
 
 

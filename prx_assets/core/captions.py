@@ -89,6 +89,7 @@ _REFUSAL = re.compile(
 _PREAMBLE = re.compile(
     r"^\s*(?:\*\*)?(?:caption|description)(?:\*\*)?\s*:\s*", re.IGNORECASE)
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]?(?=\s|$)")
+_FINISHED = re.compile(r"[.!?][\"')\]]?$")
 
 
 def count_words(text: str) -> int:
@@ -110,7 +111,7 @@ def clean_caption(raw: str | None) -> CleanCaption:
 def _trim_unfinished_sentence(text: str) -> str:
     """A generation stopped by max_tokens ends mid-sentence: keep the complete sentences
     when they hold most of the text, else keep it all (a caption without full stops)."""
-    if _SENTENCE_END.search(text[-2:] + " ") and text.rstrip()[-1] in ".!?\"')]":
+    if _FINISHED.search(text):
         return text
     ends = list(_SENTENCE_END.finditer(text))
     if not ends:

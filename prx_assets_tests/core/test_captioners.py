@@ -16,6 +16,7 @@ import pytest
 import ray.data
 from PIL import Image
 
+from prx_assets.core import caption_runs
 from prx_assets.core.caption_runs import caption_source, pending_requests
 from prx_assets.core.captioners import (
     CaptionerSpec, OpenAICaptioner, TransformersCaptioner, caption_stage, vllm_postprocess,
@@ -121,7 +122,10 @@ def test_failed_rows_are_retried_and_versions_coexist(ray_session, tmp_path, pho
     assert versions == {spec.version(): 5, new_spec.version(): 5}
 
 
-def test_original_backend_uses_the_source_caption(ray_session, tmp_path):
+@pytest.mark.parametrize("broadcast_limit", [1_000_000, 0])  # 0: the Ray hash-join path
+def test_original_backend_uses_the_source_caption(ray_session, tmp_path, monkeypatch,
+                                                  broadcast_limit):
+    monkeypatch.setattr(caption_runs, "BROADCAST_IDS", broadcast_limit)
     bucketed = ray.data.from_arrow(pa.table({
         "id": ["a:1", "a:2", "a:3"], "status": ["ok", "ok", "too_small"],
         "image": pa.array([b"x", b"y", b"z"], pa.large_binary())}))
@@ -132,6 +136,8 @@ def test_original_backend_uses_the_source_caption(ray_session, tmp_path):
     caption_source(pending_requests(bucketed, raw, uri, spec), uri, spec)
     rows = {r["id"]: r for r in rows_of(uri)}
     assert set(rows) == {"a:1", "a:2"}  # rejected images are never captioned
+    # Done ids are left out on the next run (anti-join), whichever path is taken.
+    assert pending_requests(bucketed, raw, uri, spec).count() == 0
     assert (rows["a:1"]["caption"], rows["a:1"]["status"], rows["a:1"]["model"]) == \
         ("A red door.", "ok", "source caption")
     assert rows["a:2"]["status"] == "empty" and "no caption" in rows["a:2"]["error"]
