@@ -33,7 +33,7 @@ def _demo(args: argparse.Namespace) -> int:
     from prx_assets.runner import materialize_all, print_summary
 
     results = materialize_all(sources_file)
-    print_summary(results)
+    print_summary(results, sources_file)
     return 0 if all(r.success for r in results) else 1
 
 

@@ -8,7 +8,9 @@ from pathlib import Path
 import dagster as dg
 
 from prx_assets.core import ray_runtime
+from prx_assets.core.funnel import format_funnel, source_funnel
 from prx_assets.core.lance_tables import table_uri
+from prx_assets.core.mds import mds_root
 from prx_assets.core.settings import data_root
 from prx_assets.core.sources import load_sources
 from prx_assets.defs import build_defs
@@ -23,8 +25,10 @@ class PartitionRun:
     checks: dict = field(default_factory=dict)
 
 
-def materialize_all(sources_file: Path, instance: dg.DagsterInstance | None = None
-                    ) -> list[PartitionRun]:
+def materialize_all(sources_file: Path, instance: dg.DagsterInstance | None = None,
+                    corpus_run_config: dict | None = None) -> list[PartitionRun]:
+    """Every asset for every source: corpus_job per source (with `corpus_run_config`), then
+    dedup across sources, each source's skip lists, and the corpus table."""
     instance = instance or dg.DagsterInstance.get()
     defs = build_defs(sources_file)
     job = defs.resolve_job_def("corpus_job")
@@ -32,7 +36,7 @@ def materialize_all(sources_file: Path, instance: dg.DagsterInstance | None = No
     runs = []
     for source in load_sources(sources_file).names:
         result = job.execute_in_process(partition_key=source, instance=instance,
-                                        raise_on_error=False)
+                                        run_config=corpus_run_config, raise_on_error=False)
         runs.append(PartitionRun(source, result.success, result.run_id,
                                  _materialization_metadata(result), _check_results(result)))
     runs += _after_all_sources(defs, instance, load_sources(sources_file).names)
@@ -81,47 +85,39 @@ def _check_results(result: dg.ExecuteInProcessResult) -> dict:
     return checks
 
 
-def print_summary(runs: list[PartitionRun]) -> None:
+def print_summary(runs: list[PartitionRun], sources_file: Path) -> None:
+    """Per source: its runs, the funnel from raw files to streamed samples, where the outputs
+    live; then the global assets, the checks that did not pass, and how to open the UI."""
+    root = data_root()
+    defs = build_defs(sources_file)
+    caption_version = defs.resources["captioner"].caption_version()
+    classifier_version = defs.resources["classifier"].classifier_version()
+    for source in load_sources(sources_file).names:
+        mine = [run for run in runs if run.source.split(" ")[0] == source]
+        outcome = "ok" if mine and all(run.success for run in mine) else "FAILED"
+        print(f"\n== {source}: {outcome} (runs {', '.join(run.run_id[:8] for run in mine)})")
+        for line in format_funnel(source_funnel(root, source, caption_version,
+                                                classifier_version)):
+            print(line)
+        print(f"   tables: {root / 'lance'}/<asset>/{source}.lance")
+        print(f"   shards: {mds_root(root) / source}/<tier>/<W>x<H>/ (skip lists beside them)")
+    print(f"\ncaption version {caption_version}, classifier version {classifier_version}")
     for run in runs:
-        print(f"\n== source {run.source}: {'ok' if run.success else 'FAILED'} (run {run.run_id[:8]})")
-        raw = run.metadata.get("raw_images", {})
-        if raw:
-            print(f"   raw_images: {raw.get('dagster/row_count')} rows, {raw.get('ok_rows')} ok, "
-                  f"{raw.get('rejected_rows')} rejected, {raw.get('fragments')} fragment(s), "
-                  f"lance version {raw.get('lance_version')}")
-            print(f"   -> {raw.get('path')}")
-        bucketed = run.metadata.get("bucketed_images", {})
-        if bucketed:
-            tiers = {r.data["tier"]: r.data["count"] for r in bucketed["images_per_tier"].records}
-            print(f"   bucketed_images: {bucketed.get('kept')} kept "
-                  f"({bucketed.get('kept_share', 0):.0%}), per tier {tiers}")
-            print(f"   -> {bucketed.get('path')}")
-        hashes = run.metadata.get("phashes", {})
-        if hashes:
-            print(f"   phashes: {hashes.get('dagster/row_count')} hashed, "
-                  f"{hashes.get('flat_images')} flat -> {hashes.get('path')}")
-        captions = run.metadata.get("captions", {})
-        if captions:
-            print(f"   captions: {captions.get('captioned_this_run')} new under version "
-                  f"{captions.get('caption_version')} ({captions.get('model')}), coverage "
-                  f"{captions.get('coverage', 0):.0%} -> {captions.get('path')}")
-        labels = run.metadata.get("caption_labels", {})
-        if labels:
-            shares = {r.data["label"]: r.data["count"] for r in labels["label_shares"].records}
-            print(f"   caption_labels: {labels.get('labelled_now')} labelled now "
-                  f"({labels.get('captions_per_s')} captions/s), all: {shares}")
-        corpus = run.metadata.get("corpus", {})
-        if corpus:
-            print(f"   corpus: {corpus.get('dagster/row_count')} rows -> {corpus.get('path')}; "
-                  f"try `prx-assets search \"a few words\"`")
+        if not run.source.startswith("("):
+            continue
+        print(f"{run.source}: {'ok' if run.success else 'FAILED'} (run {run.run_id[:8]})")
         dups = run.metadata.get("duplicates", {})
         if dups:
             print(f"   duplicates: {dups.get('removed')} copies removed in "
                   f"{dups.get('duplicate_groups')} groups -> {dups.get('path')}")
-        skips = run.metadata.get("skip_lists", {})
-        if skips:
-            print(f"   skip_lists: {skips.get('skipped')} of {skips.get('samples')} samples "
-                  f"skipped -> {skips.get('tree')}")
-        for name, outcome in sorted(run.checks.items()):
-            print(f"   check {name}: {outcome}")
-    print("\nOpen the UI with `make ui` (http://127.0.0.1:3000) to see runs, checks and metadata.")
+        corpus = run.metadata.get("corpus", {})
+        if corpus:
+            print(f"   corpus: {corpus.get('dagster/row_count')} rows -> {corpus.get('path')}; "
+                  f"try `prx-assets search \"a cat\"`")
+    checks = {name: outcome for run in runs for name, outcome in run.checks.items()}
+    failing = {name: outcome for name, outcome in sorted(checks.items()) if outcome != "passed"}
+    print(f"\nchecks: {len(checks) - len(failing)} of {len(checks)} passed")
+    for name, outcome in failing.items():
+        print(f"   {name}: {outcome}")
+    print("\nOpen the UI with `make ui` (http://127.0.0.1:3000): every run, check and metadata "
+          "table above is there, per source partition.")

@@ -271,24 +271,44 @@ def _sample(row: dict, caption: str) -> dict:
             "original_height": int(row["original_height"])}
 
 
-_write_part_task = ray.remote(num_cpus=1)(write_part)
-
-
 def run_parts(specs: list[PartSpec], inputs: SampleInputs, options: WriteOptions,
               log: Callable[[str], None]) -> list[list[dict]]:
     """All parts as Ray tasks; results in the order of `specs`; progress logged as they end."""
     if not options.parallel:
         return [write_part(spec, inputs, options) for spec in specs]
     inputs_ref, options_ref = ray.put(inputs), ray.put(options)
-    refs = [_write_part_task.remote(spec, inputs_ref, options_ref) for spec in specs]
+    groups = task_groups(specs, options.rows_per_part)
+    refs = [_write_parts_task.remote(group, inputs_ref, options_ref) for group in groups]
     pending, done = list(refs), 0
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)
         ray.get(ready)  # surface a failed task now
         done += 1
         if done == len(refs) or done % max(1, len(refs) // 10) == 0:
-            log(f"MDS parts written: {done}/{len(refs)}")
-    return ray.get(refs)
+            log(f"MDS tasks done: {done}/{len(refs)} ({len(specs)} parts)")
+    return [entries for group in ray.get(refs) for entries in group]
+
+
+def task_groups(specs: list[PartSpec], rows_per_task: int) -> list[list[PartSpec]]:
+    """Consecutive parts packed into tasks of up to `rows_per_task` rows: a source with many
+    small leaves (one part each) would otherwise pay a task's start-up per leaf."""
+    groups: list[list[PartSpec]] = []
+    rows = 0
+    for spec in specs:
+        if not groups or rows + len(spec.ids) > rows_per_task:
+            groups.append([])
+            rows = 0
+        groups[-1].append(spec)
+        rows += len(spec.ids)
+    return groups
+
+
+def write_parts(specs: list[PartSpec], inputs: SampleInputs, options: WriteOptions
+                ) -> list[list[dict]]:
+    return [write_part(spec, inputs, options) for spec in specs]
+
+
+_write_parts_task = ray.remote(num_cpus=1)(write_parts)
 
 
 def merge_leaf(leaf_dir: Path, parts: list[tuple[PartSpec, list[dict]]]) -> list[dict]:

@@ -86,9 +86,10 @@ def test_empty_dataset_writes_an_empty_table_with_the_schema(ray_session, tmp_pa
     assert report.rows == 0 and lance.dataset(str(uri)).schema == SCHEMA
 
 
-def test_duplicate_ids_are_found(ray_session, tmp_path: Path):
+@pytest.mark.parametrize("driver_max_rows", [1000, 0], ids=["streamed", "ray-shuffle"])
+def test_duplicate_ids_are_found(ray_session, tmp_path: Path, driver_max_rows: int):
     uri = tmp_path / "t.lance"
     ds = blob_rows(20).union(blob_rows(5))
     write_dataset_atomically(ds, uri, FragmentPolicy(), SCHEMA)
-    count, examples = duplicate_ids(str(uri))
-    assert count == 5 and set(examples) <= {f"s:{i}" for i in range(5)}
+    count, examples = duplicate_ids(str(uri), limit=3, driver_max_rows=driver_max_rows)
+    assert count == 5 and len(examples) == 3 and set(examples) <= {f"s:{i}" for i in range(5)}

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import lance
+import numpy as np
 import pytest
 from PIL import Image
 from streaming import Stream, StreamingDataset
@@ -175,3 +176,11 @@ def test_a_real_folder_in_place_of_the_tree_link_is_refused(data_root):
     with pytest.raises(RuntimeError, match="real folder"):
         mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web",
                            mds.WriteOptions(parallel=False))
+
+
+def test_small_parts_share_a_task_and_keep_their_order():
+    specs = [mds.PartSpec(out=Path(f"leaf{i}"), ids=[f"x{i}"] * n, image_rows=np.arange(n),
+                      caption_rows=np.arange(n)) for i, n in enumerate([3, 4, 10, 2, 2])]
+    groups = mds.task_groups(specs, rows_per_task=8)
+    assert [[spec.out.name for spec in group] for group in groups] == [
+        ["leaf0", "leaf1"], ["leaf2"], ["leaf3", "leaf4"]]

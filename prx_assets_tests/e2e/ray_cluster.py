@@ -36,13 +36,29 @@ class TwoNodeCluster:
         self.env.pop("RAY_ADDRESS", None)
         self.cpus = cpus_per_node
         self.processes: list[subprocess.Popen] = []
+        self.starts: list[tuple[list[str], str]] = []
 
     def _start(self, args: list[str], log_name: str) -> None:
-        log = open(Path(self.temp_dir) / log_name, "w")
-        self.processes.append(subprocess.Popen(
+        self.starts.append((args, log_name))
+        self.processes.append(self._spawn(args, log_name))
+
+    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
+        log = open(Path(self.temp_dir) / log_name, "a")
+        return subprocess.Popen(
             [RAY, "start", "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus}",
              "--disable-usage-stats", *args],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _restart_exited(self) -> None:
+        """A node whose `ray start` gave up (its raylet can time out on a loaded machine) is
+        started again; a real cluster's node supervisor would do the same."""
+        for i, process in enumerate(self.processes):
+            if process.poll() is not None:
+                try:  # whatever it left behind in its process group
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.processes[i] = self._spawn(*self.starts[i])
 
     def __enter__(self) -> "TwoNodeCluster":
         self._start(["--head", f"--port={self.port}", "--include-dashboard=false",
@@ -55,7 +71,7 @@ class TwoNodeCluster:
     def driver_env(self) -> dict:
         return {**self.env, "RAY_ADDRESS": self.address}
 
-    def _wait_for_nodes(self, count: int, timeout: float = 120) -> None:
+    def _wait_for_nodes(self, count: int, timeout: float = 300) -> None:
         probe = ("import ray; ray.init(address='%s', _node_ip_address='127.0.0.1', "
                  "logging_level='ERROR'); print(sum(n['Alive'] for n in ray.nodes()))" % self.address)
         deadline = time.time() + timeout
@@ -64,6 +80,7 @@ class TwoNodeCluster:
                                  text=True, timeout=120)
             if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(count)]:
                 return
+            self._restart_exited()
             time.sleep(1)
         logs = "\n".join(p.read_text()[-2000:] for p in Path(self.temp_dir).glob("*.log"))
         raise RuntimeError(f"Ray cluster did not reach {count} node(s):\n{logs}")

@@ -1,48 +1,152 @@
-"""The cluster path: a partition materialised through a real two-node Ray cluster."""
+"""The cluster path: the whole graph for one source through a real two-node Ray cluster,
+compared with the same graph on the embedded Ray: the same tables, byte-identical shards."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import dagster as dg
 import lance
+import numpy as np
+import pyarrow as pa
 import pytest
 
 from prx_assets_tests.conftest import jpeg_bytes, write_sources
 from prx_assets_tests.e2e.ray_cluster import TwoNodeCluster
 
+# One file per ingest task, so a small corpus still gives both nodes work.
+RUN_CONFIG = {"ops": {"raw_images": {"config": {"files_per_task": 1}}}}
+SIZES = [(480, 360), (360, 480), (640, 360), (512, 512), (900, 600), (400, 700)]
+# Columns that record when or where a row was written, not what it holds.
+VOLATILE = {"created_at", "tree_version", "requested_at"}
+# Float vectors and scores: equal up to the order of float sums in differently sized batches.
+APPROXIMATE = {"embedding", "score_visual", "score_text", "score_nsfw"}
+
 DRIVER = """
 import json, sys
+from pathlib import Path
 import dagster as dg
-from prx_assets.defs import build_defs
-job = build_defs(sys.argv[1]).resolve_job_def("corpus_job")
-result = job.execute_in_process(
-    partition_key="web", instance=dg.DagsterInstance.ephemeral(),
-    run_config={"ops": {"raw_images": {"config": {"files_per_task": 1}}}})
-meta = [e.event_specific_data.materialization.metadata
-        for e in result.get_asset_materialization_events()][0]
-print("RESULT" + json.dumps({"success": result.success, "nodes": meta["ray_nodes"].value,
-                             "rows": meta["dagster/row_count"].value}))
+from prx_assets.runner import materialize_all
+runs = materialize_all(Path(sys.argv[1]), dg.DagsterInstance.ephemeral(), json.loads(sys.argv[2]))
+nodes = {name: meta["ray_nodes"] for run in runs for name, meta in run.metadata.items()
+         if "ray_nodes" in meta}
+print("RESULT" + json.dumps({"success": [r.success for r in runs], "nodes": nodes}))
 """
 
 
-@pytest.mark.cluster
-def test_raw_images_through_a_two_node_cluster(tmp_path: Path):
-    images = tmp_path / "images"
+def write_corpus(images: Path) -> None:
     images.mkdir()
-    for i in range(24):
-        (images / f"{i:03d}.jpg").write_bytes(jpeg_bytes(480, 360, i))
-    sources = write_sources(tmp_path / "sources.yaml",
-                            [f"{{name: web, kind: image_folder, uri: {images}}}"])
-    data_root = tmp_path / "data"
+    for i in range(64):
+        width, height = SIZES[i % len(SIZES)]
+        data = jpeg_bytes(width, height, i)
+        (images / f"{i:03d}.jpg").write_bytes(data)
+        (images / f"{i:03d}.txt").write_text(f"A photo of soft coloured shapes, number {i}.")
+        if i % 16 == 0:  # exact copies under another key: duplicates, then skip lists
+            (images / f"copy{i:03d}.jpg").write_bytes(data)
+            (images / f"copy{i:03d}.txt").write_text(f"A copy of picture {i}.")
+
+
+def run_on_cluster(sources: Path, data_root: Path) -> dict:
     with TwoNodeCluster() as cluster:
         env = {**cluster.driver_env(), "PRX_DATA_ROOT": str(data_root)}
-        out = subprocess.run([sys.executable, "-c", DRIVER, str(sources)], env=env,
-                             capture_output=True, text=True, timeout=600)
+        out = subprocess.run([sys.executable, "-c", DRIVER, str(sources), json.dumps(RUN_CONFIG)],
+                             env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
     assert lines, out.stdout[-3000:] + out.stderr[-3000:]
-    result = json.loads(lines[-1][len("RESULT"):])
-    assert result == {"success": True, "nodes": 2, "rows": 24}
-    table = lance.dataset(str(data_root / "lance/raw_images/web.lance"))
-    assert sorted(table.to_table(columns=["source_key"]).column(0).to_pylist()) == [
-        f"{i:03d}.jpg" for i in range(24)]
+    return json.loads(lines[-1][len("RESULT"):])
+
+
+def run_embedded(sources: Path, data_root: Path, monkeypatch: pytest.MonkeyPatch) -> list:
+    from prx_assets.runner import materialize_all
+
+    monkeypatch.setenv("PRX_DATA_ROOT", str(data_root))
+    runs = materialize_all(sources, dg.DagsterInstance.ephemeral(), RUN_CONFIG)
+    assert all(run.success for run in runs), [(r.source, r.checks) for r in runs]
+    return runs
+
+
+def table_contents(path: Path) -> pa.Table:
+    table = lance.dataset(str(path)).to_table()
+    table = table.drop_columns([c for c in table.column_names if c in VOLATILE])
+    keys = [c for c in ("id", "caption_version", "request_id") if c in table.column_names]
+    return table.sort_by([(key, "ascending") for key in keys])
+
+
+def assert_same_table(left: Path, right: Path) -> None:
+    a, b = table_contents(left), table_contents(right)
+    assert a.schema == b.schema and a.num_rows == b.num_rows, left
+    for name in a.column_names:
+        if name in APPROXIMATE:
+            x = np.array(a.column(name).to_pylist(), dtype=np.float64)
+            y = np.array(b.column(name).to_pylist(), dtype=np.float64)
+            np.testing.assert_allclose(x, y, atol=1e-5, err_msg=f"{left}:{name}")
+        else:
+            assert a.column(name).equals(b.column(name)), f"{left}: column {name} differs"
+
+
+def assert_funnel(runs: list, sources: Path, root: Path, capsys) -> None:
+    """68 files, all decodable and kept, 4 planted copies; the summary prints the funnel."""
+    from prx_assets.core.funnel import source_funnel
+    from prx_assets.defs import build_defs
+    from prx_assets.runner import print_summary
+
+    resources = build_defs(sources).resources
+    funnel = source_funnel(root, "web", resources["captioner"].caption_version(),
+                           resources["classifier"].classifier_version())
+    assert (funnel.raw, funnel.decodable, funnel.kept, funnel.captioned, funnel.labelled,
+            funnel.in_shards, funnel.duplicates) == (68, 68, 68, 68, 68, 68, 4)
+    assert 4 <= funnel.skipped < 68 and funnel.streamed == 68 - funnel.skipped
+    print_summary(runs, sources)
+    printed = capsys.readouterr().out
+    assert "samples in shards" in printed and f"{funnel.streamed:>9,}" in printed
+
+
+def lance_tables(root: Path) -> list[str]:
+    """Global tables (lance/<asset>.lance) and per-source ones (lance/<asset>/<source>.lance)."""
+    found = [*root.glob("lance/*.lance"), *root.glob("lance/*/*.lance")]
+    return sorted(str(p.relative_to(root)) for p in found)
+
+
+def tree_files(data_root: Path, source: str) -> dict[str, bytes]:
+    tree = (data_root / "mds" / source).resolve()
+    return {str(p.relative_to(tree)): p.read_bytes() for p in sorted(tree.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.cluster
+def test_whole_graph_on_a_two_node_cluster_matches_embedded(
+        tmp_path: Path, ray_session, monkeypatch: pytest.MonkeyPatch, capsys):
+    write_corpus(tmp_path / "images")
+    sources = write_sources(tmp_path / "sources.yaml",
+                            [f"{{name: web, kind: image_folder, uri: {tmp_path / 'images'}}}"])
+    cluster_root, embedded_root = tmp_path / "cluster", tmp_path / "embedded"
+
+    result = run_on_cluster(sources, cluster_root)
+    assert result["success"] == [True] * 4  # corpus, dedup, skip lists, corpus table
+    # Ingest and the image stage ran tasks on both nodes (the driver records the node of
+    # every written block).
+    assert result["nodes"]["raw_images"] == 2 and result["nodes"]["bucketed_images"] == 2
+
+    runs = run_embedded(sources, embedded_root, monkeypatch)
+    assert_funnel(runs, sources, embedded_root, capsys)
+
+    tables = lance_tables(embedded_root)
+    assert tables == lance_tables(cluster_root)
+    assert {"lance/raw_images/web.lance", "lance/mds_samples/web.lance",
+            "lance/duplicates.lance", "lance/corpus.lance"} <= set(tables)
+    for name in tables:
+        assert_same_table(cluster_root / name, embedded_root / name)
+
+    cluster_tree, embedded_tree = tree_files(cluster_root, "web"), tree_files(embedded_root, "web")
+    assert sorted(cluster_tree) == sorted(embedded_tree)
+    assert any(name.endswith(".skip.json") for name in cluster_tree)  # the planted copies
+    # The tree manifest names its own build (a timestamped version); everything else in it
+    # (the input versions read, the sample count) must agree.
+    manifests = [json.loads(tree.pop("tree.json")) for tree in (cluster_tree, embedded_tree)]
+    assert [{k: v for k, v in m.items() if k != "tree_version"} for m in manifests] == [
+        {k: v for k, v in manifests[1].items() if k != "tree_version"}] * 2
+    different = [name for name in cluster_tree if cluster_tree[name] != embedded_tree[name]]
+    assert different == [], different
+    assert os.path.islink(cluster_root / "mds" / "web")
