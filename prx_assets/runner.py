@@ -114,7 +114,8 @@ def print_summary(runs: list[PartitionRun], sources_file: Path) -> None:
         if corpus:
             print(f"   corpus: {corpus.get('dagster/row_count')} rows -> {corpus.get('path')}; "
                   f"try `prx-assets search \"a cat\"`")
-    checks = {name: outcome for run in runs for name, outcome in run.checks.items()}
+    checks = {f"{run.source}: {name}": outcome for run in runs
+              for name, outcome in run.checks.items()}
     failing = {name: outcome for name, outcome in sorted(checks.items()) if outcome != "passed"}
     print(f"\nchecks: {len(checks) - len(failing)} of {len(checks)} passed")
     for name, outcome in failing.items():
