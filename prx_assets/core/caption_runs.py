@@ -22,7 +22,8 @@ import ray.data
 
 from prx_assets.core.captioners import CaptionerSpec, caption_stage
 from prx_assets.core.captions import CAPTIONS_SCHEMA, STATUS_OK, done_filter
-from prx_assets.core.lance_tables import FragmentPolicy, cleanup, compact, upsert
+from prx_assets.core.lance_tables import (
+    FragmentPolicy, cleanup, compact, prepare_output_dir, upsert)
 
 CAPTION_KEYS = ["id", "caption_version"]
 CAPTIONS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
@@ -148,7 +149,7 @@ def ensure_table(uri: Path) -> int:
     """An empty captions table for a source with nothing to caption (downstream can read it)."""
     if uri.exists():
         return lance.dataset(str(uri)).version
-    uri.parent.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(uri, "Lance table")
     return lance.write_dataset(CAPTIONS_SCHEMA.empty_table(), str(uri),
                                schema=CAPTIONS_SCHEMA, mode="create").version
 
