@@ -16,6 +16,7 @@ import os
 import shutil
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import dagster as dg
@@ -118,7 +119,6 @@ def corpus(ray_session, tmp_path_factory):
     try:
         corpus.run("corpus_job", "web", STAGE_ASSETS)
         corpus.run("dedup_job", None)
-        corpus.run("skip_lists_job", "web", ["skip_lists"])
         yield corpus
     finally:
         corpus.instance.dispose()
@@ -159,14 +159,33 @@ def _assert_tree_streams(corpus: Corpus, source: str, samples: int) -> None:
     assert sum(c.streamed for c in checks) == samples
 
 
+RAY_START_TIMEOUT = "The current node timed out during startup"
+
+
+def start_run(corpus: Corpus, spec: RunSpec, tmp: Path, step: str) -> RunProcess:
+    """Start the run and wait for STEP_START of `step`. Ray gives its node a fixed 30 s to
+    start; on a heavily loaded machine that can pass, so that one failure is retried once."""
+    for attempt in range(2):
+        run = RunProcess(spec, tmp)
+        try:
+            wait_until(lambda: step_started(corpus.instance, spec.run_id, step),
+                       f"STEP_START of {step}", run)
+            return run
+        except AssertionError:
+            run.kill()
+            if attempt or RAY_START_TIMEOUT not in run.output():
+                raise
+            mark_killed_run_failed(corpus.instance, spec.run_id)
+            spec.run_id = str(uuid.uuid4())
+    raise AssertionError("unreachable")
+
+
 def _kill_mid_stage(corpus: Corpus, spec: RunSpec, step: str, evidence, what: str,
                     tmp: Path) -> RunProcess:
     """Start the run, wait for the step to start and for `evidence(run)`, SIGKILL the
     process group; assert the step had started and its asset was not materialised."""
-    run = RunProcess(spec, tmp)
+    run = start_run(corpus, spec, tmp, step)
     try:
-        wait_until(lambda: step_started(corpus.instance, spec.run_id, step),
-                   f"STEP_START of {step}", run)
         wait_until(lambda: evidence(run), what, run)
     finally:
         run.kill()
@@ -373,10 +392,14 @@ def test_two_partitions_at_once(corpus, tmp_path):
     runs = [RunProcess(corpus.spec("corpus_job", source, STAGE_ASSETS), tmp_path)
             for source in ("alt", "more")]
     results = [run.wait(timeout=600) for run in runs]
-    for run, result in zip(runs, results):
-        assert result["success"], run.output()[-6000:]
+    for i, (run, result) in enumerate(zip(runs, results)):
+        if not result["success"] and RAY_START_TIMEOUT in run.output():  # see start_run
+            runs[i] = RunProcess(corpus.spec("corpus_job", run.spec.partition, STAGE_ASSETS),
+                                 tmp_path)
+            result = results[i] = runs[i].wait(timeout=600)
+        assert result["success"], runs[i].output()[-6000:]
     for source in ("alt", "more"):
-        _assert_source_complete(corpus, source, stream=True)
+        _assert_source_complete(corpus, source)
         assert materialized_in_run(corpus.instance, runs[0 if source == "alt" else 1]
                                    .spec.run_id) >= {"raw_images", "mds_shards"}
     assert store_state(corpus.data_root, ["web"]) == before
