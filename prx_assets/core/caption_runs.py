@@ -22,7 +22,8 @@ import ray.data
 
 from prx_assets.core.captioners import CaptionerSpec, caption_stage
 from prx_assets.core.captions import CAPTIONS_SCHEMA, STATUS_OK, done_filter
-from prx_assets.core.lance_tables import FragmentPolicy, cleanup, compact, upsert
+from prx_assets.core.lance_tables import (
+    FragmentPolicy, cleanup, compact, prepare_output_dir, upsert)
 
 CAPTION_KEYS = ["id", "caption_version"]
 CAPTIONS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
@@ -113,6 +114,42 @@ def with_source_captions(requests: ray.data.Dataset, raw_captions: ray.data.Data
                                 batch_format="pyarrow", zero_copy_batch=True)
 
 
+def _item_keys(raw_uri: Path, version: int, with_caption: bool) -> ray.data.Dataset:
+    """One string per raw row, `id`, sha256 of the original bytes (and the source caption):
+    equal keys in two versions mean the same item with the same content."""
+    columns = ["id", "sha256", "original_caption"] if with_caption else ["id", "sha256"]
+
+    def keys(batch: pa.Table) -> pa.Table:
+        parts = [pc.fill_null(batch.column(c), "") for c in columns]
+        return pa.table({"id": pc.binary_join_element_wise(*parts, "\x00")})
+
+    return ray.data.read_lance(str(raw_uri), version=version, columns=columns).map_batches(
+        keys, batch_format="pyarrow")
+
+
+def changed_ids(raw_uri: Path, old_version: int, new_version: int, with_caption: bool
+                ) -> set[str]:
+    """Ids of raw_images `old_version` whose item is gone or different in `new_version`
+    (the same key path, new bytes or a new source caption): their captions are stale."""
+    new_keys = _item_keys(raw_uri, new_version, with_caption)
+    n_new = lance.dataset(str(raw_uri), version=new_version).count_rows()
+    gone = without_ids(_item_keys(raw_uri, old_version, with_caption), new_keys, n_new)
+    return {key.split("\x00", 1)[0] for key in _collect_ids(gone).to_pylist()}
+
+
+def drop_captions(captions_uri: Path, ids: set[str], chunk: int = 10_000) -> int:
+    """Delete every caption row (all versions) of these ids; returns the rows deleted."""
+    if not ids or not captions_uri.exists():
+        return 0
+    table = lance.dataset(str(captions_uri))
+    before = table.count_rows()
+    ordered = sorted(ids)
+    for start in range(0, len(ordered), chunk):
+        quoted = ", ".join("'" + i.replace("'", "''") + "'" for i in ordered[start:start + chunk])
+        table.delete(f"id IN ({quoted})")
+    return before - lance.dataset(str(captions_uri)).count_rows()
+
+
 def _partitions(rows: int) -> int:
     return max(4, min(512, rows // 500_000))
 
@@ -148,7 +185,7 @@ def ensure_table(uri: Path) -> int:
     """An empty captions table for a source with nothing to caption (downstream can read it)."""
     if uri.exists():
         return lance.dataset(str(uri)).version
-    uri.parent.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(uri, "Lance table")
     return lance.write_dataset(CAPTIONS_SCHEMA.empty_table(), str(uri),
                                schema=CAPTIONS_SCHEMA, mode="create").version
 

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import ray.data
 
 from prx_assets.core import readers
-from prx_assets.core.lance_tables import tag_with_node
+from prx_assets.core.lance_tables import prepare_output_dir, tag_with_node
 from prx_assets.core.probe import DEFAULT_MAX_PIXELS
 from prx_assets.core.raw_rows import RAW_IMAGES_SCHEMA, FoundItem, raw_row, rows_to_tables
 from prx_assets.core.sources import SourceSpec
@@ -36,7 +36,8 @@ class IngestOptions:
 
 def write_manifest(spec: SourceSpec, uri: Path, manifest_dir: Path) -> int:
     """List the source's units into parquet chunks; returns how many units there are."""
-    manifest_dir.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(manifest_dir, "ingest manifest")
+    manifest_dir.mkdir(exist_ok=True)
     chunk: list[str] = []
     count = 0
     for unit in readers.list_units(spec, uri):

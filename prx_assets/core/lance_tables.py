@@ -48,6 +48,28 @@ class WriteReport:
     compacted_from: int = 0
 
 
+class OutputPathError(OSError):
+    """An output location that cannot be written: a file sits where a folder must be."""
+
+
+def prepare_output_dir(path: Path, what: str) -> None:
+    """Make sure the folder `path` can be created or written, else fail naming the path and
+    the cause (a write into it would otherwise fail deep inside a Ray task or Lance with an
+    error that names neither). Creates its parent."""
+    path = Path(path)
+    for part in (path, *path.parents):
+        if not part.exists():
+            continue
+        if not part.is_dir():
+            raise OutputPathError(f"cannot write {what} {path}: {part} is a file, not a folder")
+        break
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputPathError(f"cannot write {what} {path}: creating {path.parent} failed: "
+                              f"{exc.strerror or exc}") from exc
+
+
 def table_uri(data_root: Path, asset: str, partition: str | None = None) -> Path:
     """The design's layout: lance/<asset>/<source>.lance, or lance/<asset>.lance if global."""
     base = Path(data_root) / "lance"
@@ -143,7 +165,7 @@ def _existing_schema(uri: str) -> pa.Schema | None:
 def write_dataset_atomically(dataset: "ray.data.Dataset", uri: Path, policy: FragmentPolicy,
                              schema: pa.Schema | None = None) -> WriteReport:
     """Stream a Ray Dataset into `uri` as one new version, then compact its fragments."""
-    uri.parent.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(uri, "Lance table")
     sink = LanceOverwriteSink(str(uri), policy, schema)
     dataset.write_datasink(sink)
     compacted_from = compact(uri, policy)
@@ -199,8 +221,8 @@ def upsert(uri: Path, rows: pa.Table, schema: pa.Schema, keys: list[str]) -> int
     """Commit `rows` atomically, replacing rows with the same keys (never doubling them);
     returns the new version. Used for chunked, resumable writes (captions, labels)."""
     rows = rows.cast(schema)
+    prepare_output_dir(uri, "Lance table")
     if not uri.exists():
-        uri.parent.mkdir(parents=True, exist_ok=True)
         return lance.write_dataset(rows, str(uri), schema=schema, mode="create").version
     table = lance.dataset(str(uri))
     table.merge_insert(keys).when_matched_update_all().when_not_matched_insert_all().execute(rows)

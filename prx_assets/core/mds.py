@@ -37,7 +37,7 @@ import pyarrow.compute as pc
 import ray
 from streaming import MDSWriter
 
-from prx_assets.core.lance_tables import table_uri
+from prx_assets.core.lance_tables import prepare_output_dir, table_uri
 
 logger = logging.getLogger(__name__)
 
@@ -370,6 +370,8 @@ def write_mds_tree(inputs: SampleInputs, data_root: Path, source: str,
     plan, left_out = plan_samples(inputs)
     log(f"{source}: {plan.num_rows:,} samples to write; left out {dict(left_out) or 'none'}")
     trees = mds_root(data_root) / TREES_DIR / source
+    prepare_output_dir(trees, "MDS trees")
+    prepare_output_dir(table_uri(data_root, "mds_samples", source), "Lance table")
     remove_partial_builds(trees)
     version = new_tree_version()
     staging = trees / (version + PARTIAL_SUFFIX)
@@ -417,7 +419,7 @@ def _build_tree(plan: pa.Table, staging: Path, source: str, version: str,
 
 def write_mapping(mapping: pa.Table, uri: Path) -> int:
     """One overwrite commit: readers see the previous mapping or this one, never a mix."""
-    uri.parent.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(uri, "Lance table")
     mode = "overwrite" if uri.exists() else "create"
     return lance.write_dataset(mapping, str(uri), schema=MDS_SAMPLES_SCHEMA, mode=mode).version
 

@@ -27,3 +27,17 @@ def input_versions(context: dg.AssetExecutionContext, *asset_names: str) -> dict
             context.instance, dg.AssetKey(name), partition) or -1
         for name in asset_names
     }
+
+
+def recorded_input_version(instance: dg.DagsterInstance, asset_key: dg.AssetKey,
+                           partition_key: Optional[str], input_name: str) -> Optional[int]:
+    """The `input_version/<input>` the latest materialisation of that partition recorded."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=asset_key,
+                              asset_partitions=[partition_key] if partition_key else None),
+        limit=1,
+    ).records
+    if not records:
+        return None
+    value = records[0].asset_materialization.metadata.get(f"input_version/{input_name}")
+    return int(value.value) if value is not None and int(value.value) >= 0 else None

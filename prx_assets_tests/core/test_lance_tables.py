@@ -93,3 +93,16 @@ def test_duplicate_ids_are_found(ray_session, tmp_path: Path, driver_max_rows: i
     write_dataset_atomically(ds, uri, FragmentPolicy(), SCHEMA)
     count, examples = duplicate_ids(str(uri), limit=3, driver_max_rows=driver_max_rows)
     assert count == 5 and len(examples) == 3 and set(examples) <= {f"s:{i}" for i in range(5)}
+
+
+def test_a_file_in_the_way_of_an_output_folder_is_named(tmp_path):
+    from prx_assets.core.lance_tables import OutputPathError, prepare_output_dir
+
+    (tmp_path / "lance").write_text("not a folder")
+    with pytest.raises(OutputPathError, match=f"{tmp_path / 'lance'} is a file, not a folder"):
+        prepare_output_dir(tmp_path / "lance" / "raw_images" / "web.lance", "Lance table")
+    (tmp_path / "t.lance").write_text("")
+    with pytest.raises(OutputPathError, match="t.lance is a file, not a folder"):
+        prepare_output_dir(tmp_path / "t.lance", "Lance table")
+    prepare_output_dir(tmp_path / "ok" / "x.lance", "Lance table")
+    assert (tmp_path / "ok").is_dir() and not (tmp_path / "ok" / "x.lance").exists()

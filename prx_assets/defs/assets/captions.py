@@ -11,12 +11,14 @@ import dagster as dg
 import ray.data
 
 from prx_assets.core.caption_runs import (
-    CaptionRunReport, caption_source, coverage, ensure_table, pending_requests)
+    CaptionRunReport, caption_source, changed_ids, coverage, drop_captions, ensure_table,
+    pending_requests)
 from prx_assets.core.captions import TARGET_WORDS, word_histogram
 from prx_assets.core.lance_tables import table_uri
 from prx_assets.core.settings import data_root
 from prx_assets.defs.io_managers import COLUMNS_KEY
-from prx_assets.defs.lineage import input_versions
+from prx_assets.defs.lineage import (
+    input_versions, materialized_lance_version, recorded_input_version)
 from prx_assets.defs.metadata import counts_table
 from prx_assets.defs.resources import CaptionerResource, RayResource
 
@@ -49,6 +51,7 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
         spec = captioner.spec()
         source = context.partition_key
         uri = table_uri(data_root(), "captions", source)
+        stale = drop_stale_captions(context, uri, with_caption=not spec.uses_model)
         requests = pending_requests(bucketed_images, raw_images, uri, spec)
         context.log.info(f"captioning {source!r} with {spec.backend} ({spec.model_name}), "
                          f"version {spec.version()}")
@@ -64,6 +67,7 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
             metadata={
                 **input_versions(context, "bucketed_images", "raw_images"),
                 **run_metadata(report, spec, cover),
+                "stale_captions_dropped": stale,
                 "path": dg.MetadataValue.path(str(uri)),
                 "lance_version": lance_version,
             },
@@ -71,6 +75,29 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
         )
 
     return captions
+
+
+def drop_stale_captions(context: dg.AssetExecutionContext, captions_uri, with_caption: bool
+                        ) -> int:
+    """Captions are done per id, and an id is its key in the source: a file replaced under
+    the same name keeps its id. Drop the caption rows of items removed or changed since the
+    raw_images version the last captions run read, so they are captioned again."""
+    source, raw = context.partition_key, dg.AssetKey("raw_images")
+    previous = recorded_input_version(context.instance, context.asset_key, source, "raw_images")
+    current = materialized_lance_version(context.instance, raw, source)
+    if previous is None or current is None or previous == current or not captions_uri.exists():
+        return 0
+    raw_uri = table_uri(data_root(), "raw_images", source)
+    try:
+        ids = changed_ids(raw_uri, previous, current, with_caption)
+    except (ValueError, OSError) as exc:  # that version was cleaned up (kept 7 days)
+        context.log.warning(f"cannot compare raw_images v{previous} with v{current} "
+                            f"({exc}); captions of changed items are not refreshed")
+        return 0
+    dropped = drop_captions(captions_uri, ids)
+    context.log.info(f"{len(ids):,} item(s) removed or changed since raw_images v{previous}: "
+                     f"dropped {dropped:,} caption row(s)")
+    return dropped
 
 
 def run_metadata(report: CaptionRunReport, spec, cover) -> dict:

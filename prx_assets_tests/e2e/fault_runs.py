@@ -1,0 +1,349 @@
+"""Helpers for the fault tests: Dagster runs in killable subprocesses on a shared on-disk
+instance, snapshots of every stored table and shard tree, and waiting for evidence.
+
+A run is `python -m prx_assets_tests.e2e.fault_runs ...` started in its own session
+(process group), so `os.killpg(SIGKILL)` takes its embedded Ray (raylet, GCS, workers) down
+with it, as a crashed machine or an OOM kill of the run would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import lance
+
+PER_SOURCE_TABLES = ("raw_images", "bucketed_images", "phashes", "captions", "caption_labels",
+                     "mds_samples")
+GLOBAL_TABLES = ("duplicates",)
+
+
+def write_instance_config(home: Path) -> Path:
+    """A DAGSTER_HOME like the repo's dagster.yaml (SQLite storage, pools of 1), with
+    absolute paths, so every process opening it shares one instance."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "dagster.yaml").write_text(
+        f"storage:\n  sqlite:\n    base_dir: {home / 'storage'}\n"
+        f"local_artifact_storage:\n  module: dagster._core.storage.root\n"
+        f"  class: LocalArtifactStorage\n  config:\n    base_dir: {home}\n"
+        "concurrency:\n  pools:\n    default_limit: 1\n    granularity: op\n"
+        "telemetry:\n  enabled: false\n")
+    return home
+
+
+def open_instance(home: Path):
+    import dagster as dg
+    from dagster._core.instance.ref import InstanceRef
+
+    return dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home)))
+
+
+# ------------------------------------------------------------------------------ subprocess runs
+
+@dataclass
+class RunSpec:
+    sources: Path
+    job: str
+    partition: str | None
+    home: Path
+    data_root: Path
+    assets: tuple[str, ...] = ()
+    captioner: Path | None = None
+    run_config: dict | None = None
+    run_id: str = ""
+
+    def __post_init__(self) -> None:
+        self.run_id = self.run_id or str(uuid.uuid4())
+
+
+class RunProcess:
+    """One Dagster run in its own process group; stdout/stderr to a log file."""
+
+    def __init__(self, spec: RunSpec, log_dir: Path):
+        self.spec = spec
+        self.log = log_dir / f"run-{spec.job}-{spec.partition}-{spec.run_id[:8]}.log"
+        args = [sys.executable, "-m", "prx_assets_tests.e2e.fault_runs",
+                "--sources", str(spec.sources), "--job", spec.job, "--run-id", spec.run_id,
+                "--partition", spec.partition or "", "--assets", ",".join(spec.assets),
+                "--captioner", str(spec.captioner or ""),
+                "--run-config", json.dumps(spec.run_config or {})]
+        env = {**os.environ, "DAGSTER_HOME": str(spec.home), "PRX_DATA_ROOT": str(spec.data_root),
+               "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1"}
+        env.pop("RAY_ADDRESS", None)  # an embedded Ray per run, as `dagster dev` runs it
+        with open(self.log, "w") as out:
+            self.process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True,
+                                            cwd=Path(__file__).resolve().parents[2])
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: the run, its Ray driver, raylet and workers."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=60)
+        wait_for_group_gone(self.process.pid)
+
+    def wait(self, timeout: float = 300) -> dict:
+        try:
+            self.process.wait(timeout=timeout)
+        finally:
+            if self.alive():
+                self.kill()
+        return self.result()
+
+    def result(self) -> dict:
+        lines = [line for line in self.output().splitlines() if line.startswith("RESULT ")]
+        if not lines:
+            raise AssertionError(f"run {self.spec.run_id} printed no result:\n"
+                                 f"{self.output()[-6000:]}")
+        return json.loads(lines[-1][len("RESULT "):])
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def wait_for_group_gone(pgid: int, timeout: float = 30) -> None:
+    """Until no process of the group is left (Ray workers exit after their raylet)."""
+    import psutil
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        left = []
+        for proc in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(proc.info["pid"]) == pgid:
+                    left.append(proc)
+            except (ProcessLookupError, psutil.Error, OSError):
+                pass
+        if not left:
+            return
+        for proc in left:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        time.sleep(0.1)
+    raise AssertionError(f"processes of group {pgid} still alive after SIGKILL")
+
+
+def wait_until(condition: Callable[[], object], what: str, run: RunProcess | None = None,
+               timeout: float = 180, interval: float = 0.02):
+    """Poll `condition` until it returns something truthy; fail if the run ends first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = condition()
+        if found:
+            return found
+        if run is not None and not run.alive():
+            raise AssertionError(f"the run ended before {what}:\n{run.output()[-6000:]}")
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}"
+                         + (f":\n{run.output()[-6000:]}" if run else ""))
+
+
+def ray_workers(root_pid: int, name_part: str) -> list:
+    """Ray worker processes under `root_pid` whose title (`ray::<task or operator>`) names
+    `name_part`: a worker executing that task right now (idle ones are `ray::IDLE`)."""
+    import psutil
+
+    found = []
+    try:
+        children = psutil.Process(root_pid).children(recursive=True)
+    except psutil.Error:
+        return found
+    for proc in children:
+        try:
+            title = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        if title.startswith("ray::") and name_part in title:
+            found.append(proc)
+    return found
+
+
+def mark_killed_run_failed(instance, run_id: str) -> None:
+    """What an operator (force-terminate in the UI) and the daemon do for a run whose process
+    died: mark it failed, then free the concurrency-pool slots it held (the `gpu` pool),
+    as the daemon does `free_slots_after_run_end_seconds` later (dagster.yaml)."""
+    run = instance.get_run_by_id(run_id)
+    if run is not None and not run.is_finished:
+        instance.report_run_failed(run, "run process killed (SIGKILL) by the fault test")
+    instance.event_log_storage.free_concurrency_slots_for_run(run_id)
+
+
+def step_started(instance, run_id: str, step: str) -> bool:
+    from dagster import DagsterEventType
+
+    records = instance.get_records_for_run(run_id, of_type=DagsterEventType.STEP_START).records
+    return any(r.event_log_entry.step_key == step for r in records)
+
+
+def materialized_in_run(instance, run_id: str) -> set[str]:
+    from dagster import DagsterEventType
+
+    records = instance.get_records_for_run(
+        run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION).records
+    return {r.event_log_entry.asset_materialization.asset_key.path[-1] for r in records}
+
+
+# ------------------------------------------------------------------------------ snapshots
+
+def table_state(uri: Path, version: int | None = None) -> dict:
+    """Version, and every row (image bytes as digests) sorted, of a Lance table version."""
+    table = lance.dataset(str(uri), version=version)
+    rows = table.to_table().to_pylist()
+    for row in rows:
+        for key, value in row.items():
+            if isinstance(value, bytes):
+                row[key] = hashlib.sha256(value).hexdigest()
+            elif not isinstance(value, (str, int, float, bool, type(None))):
+                row[key] = str(value)
+    rows.sort(key=lambda r: json.dumps(r, sort_keys=True))
+    return {"version": table.version, "rows": rows}
+
+
+def tree_state(data_root: Path, source: str, stream: bool = False) -> dict:
+    """The current MDS tree of a source as a reader sees it: every leaf opened with
+    mosaicml-streaming's index (index.json), each shard's bytes digested, each skip
+    sidecar parsed, and the samples a StreamingDataset counts per leaf."""
+    from prx_assets.core.mds import current_tree, streamed_counts, tree_leaves
+    from prx_assets.core.skip_lists import read_sidecar, sidecar_path
+
+    tree = current_tree(data_root, source)
+    leaves = {}
+    for leaf in tree_leaves(tree):
+        index = json.loads((leaf / "index.json").read_text())
+        shards = {}
+        for entry in index["shards"]:
+            name = entry["raw_data"]["basename"]
+            data = (leaf / name).read_bytes()
+            assert len(data) == entry["raw_data"]["bytes"], f"{leaf / name}: truncated"
+            shards[name] = {"sha256": hashlib.sha256(data).hexdigest(),
+                            "samples": entry["samples"],
+                            "skip": read_sidecar(sidecar_path(leaf / name))}
+        leaves[str(leaf.relative_to(tree))] = shards
+    state = {"tree": tree.name, "leaves": leaves}
+    if stream:  # a process importing streaming: seconds, so only where asked
+        names = sorted(leaves)
+        counts = streamed_counts([str(tree / name) for name in names]) if names else []
+        state["streamed"] = dict(zip(names, counts))
+    return state
+
+
+def store_state(data_root: Path, sources: list[str], versions: dict | None = None,
+                stream: bool = False) -> dict:
+    """Every table (latest version, or the version given per name) and every tree."""
+    state = {}
+    for source in sources:
+        for name in PER_SOURCE_TABLES:
+            uri = data_root / "lance" / name / f"{source}.lance"
+            if uri.exists():
+                key = f"{name}/{source}"
+                state[key] = table_state(uri, (versions or {}).get(key))
+        if os.path.lexists(data_root / "mds" / source):
+            state[f"mds/{source}"] = tree_state(data_root, source, stream)
+    for name in GLOBAL_TABLES:
+        uri = data_root / "lance" / f"{name}.lance"
+        if uri.exists():
+            state[name] = table_state(uri, (versions or {}).get(name))
+    return state
+
+
+def new_files(folder: Path, before: set[str]) -> set[str]:
+    try:
+        return {p.name for p in folder.iterdir()} - before
+    except FileNotFoundError:
+        return set()
+
+
+# ------------------------------------------------------------------------------ the run itself
+
+def job_subset(defs, job: str, assets: list[str]):
+    """The job, or only the named assets of it without their checks (checks cost a Ray
+    shuffle each and are tested elsewhere)."""
+    import dagster as dg
+
+    job_def = defs.resolve_job_def(job)
+    if not assets:
+        return job_def
+    return job_def.get_subset(asset_selection={dg.AssetKey(a) for a in assets},
+                              asset_check_selection=set())
+
+
+def run_in_process(defs, job: str, partition: str | None, instance, assets=(),
+                   run_config: dict | None = None):
+    return job_subset(defs, job, list(assets)).execute_in_process(
+        partition_key=partition, instance=instance, raise_on_error=False,
+        run_config=run_config)
+
+
+class CaptionServer:
+    """A local OpenAI-compatible endpoint answering every image with a fixed caption after
+    `delay_s`, so a captions run takes long enough to be caught between chunk commits."""
+
+    def __init__(self, caption: str = "A test pattern of coloured shapes on a plain ground.",
+                 delay_s: float = 0.15):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        answer = json.dumps({"choices": [{"message": {"content": caption}}]}).encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                time.sleep(delay_s)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("sources", "job", "run-id", "partition", "assets", "captioner", "run-config"):
+        parser.add_argument(f"--{name}", default="")
+    args = parser.parse_args()
+    import dagster as dg
+
+    from prx_assets.defs import build_defs
+
+    defs = build_defs(Path(args.sources), Path(args.captioner) if args.captioner else None)
+    job = job_subset(defs, args.job, [a for a in args.assets.split(",") if a])
+    print(f"STARTING {args.run_id}", flush=True)
+    result = job.execute_in_process(
+        partition_key=args.partition or None, instance=dg.DagsterInstance.get(),
+        run_id=args.run_id, raise_on_error=False,
+        run_config=json.loads(args.run_config or "{}") or None)
+    print("RESULT " + json.dumps({"success": result.success, "run_id": result.run_id}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    _main()

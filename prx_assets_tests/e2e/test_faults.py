@@ -1,0 +1,448 @@
+"""Faults (issue 8): runs killed in the middle of each stage, a Ray worker killed mid-task,
+a write that cannot happen, two partitions at once, and inputs changing between runs.
+
+Everything is real: Dagster runs on an on-disk SQLite instance, embedded Ray, Lance tables,
+MDS trees, and SIGKILL of a run's whole process group. A kill waits for evidence that the
+stage is under way (a Ray worker executing the stage's task, a Lance commit of a caption
+chunk, a `.partial` MDS build, the step's STEP_START in the event log), never for a sleep.
+
+One small corpus is built once for the module (in process, on the session's Ray); only runs
+that are killed go through a subprocess. Tests leave the store consistent for the next one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import dagster as dg
+import lance
+import pytest
+from PIL import Image
+
+from prx_assets.core.ids import sample_id
+from prx_assets.core.mds import PARTIAL_SUFFIX, TREES_DIR, current_tree, verify_tree
+from prx_assets.core.skip_lists import read_sidecar, sidecar_files, skipped_ids
+from prx_assets.defs import build_defs
+from prx_assets_tests.conftest import jpeg_bytes, write_sources
+from prx_assets_tests.e2e.fault_runs import (
+    CaptionServer, RunProcess, RunSpec, mark_killed_run_failed, materialized_in_run,
+    open_instance, ray_workers, run_in_process, step_started, store_state, table_state,
+    wait_until, write_instance_config)
+
+STAGE_ASSETS = ("raw_images", "bucketed_images", "phashes", "captions", "mds_shards")
+SMALL = (300, 200)  # below 384² pixels: kept in raw_images, rejected by the image stage
+
+
+def _sizes(n: int) -> list[tuple[int, int]]:
+    return [(480 + 40 * (i % 8), 360 + 30 * (i % 5)) for i in range(n)]
+
+
+def _write_folder(folder: Path, prefix: str, n: int, seed: int) -> dict[str, str]:
+    """n good images with captions, one too small, one exact copy of the first."""
+    folder.mkdir(parents=True, exist_ok=True)
+    captions = {}
+    for i, (w, h) in enumerate(_sizes(n)):
+        name = f"{prefix}{i:02d}.jpg"
+        (folder / name).write_bytes(jpeg_bytes(w, h, seed + i))
+        captions[name] = f"{prefix} photo {i}: coloured shapes, soft light"
+        (folder / name).with_suffix(".txt").write_text(captions[name])
+    (folder / f"{prefix}small.jpg").write_bytes(jpeg_bytes(*SMALL, seed + 99))
+    shutil.copy(folder / f"{prefix}00.jpg", folder / f"{prefix}copy.jpg")
+    captions[f"{prefix}copy.jpg"] = captions[f"{prefix}00.jpg"]
+    (folder / f"{prefix}copy.txt").write_text(captions[f"{prefix}copy.jpg"])
+    return captions
+
+
+class Corpus:
+    """The module's store: sources, data root, Dagster home, and what each source holds."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.data_root = tmp / "data"
+        self.home = write_instance_config(tmp / "dagster_home")
+        self.folders = {s: tmp / "sources" / s for s in ("web", "alt", "more")}
+        self.captions = {"web": _write_folder(self.folders["web"], "w", 14, 0),
+                         "alt": _write_folder(self.folders["alt"], "a", 5, 100),
+                         "more": _write_folder(self.folders["more"], "m", 5, 200)}
+        self.sources = write_sources(tmp / "sources.yaml", [
+            f"{{name: {s}, kind: image_folder, uri: {f}}}" for s, f in self.folders.items()])
+        self.captioner = tmp / "captioner.yaml"
+        self.captioner.write_text("backend: original\nchunk_rows: 4\n")
+        self.defs = build_defs(self.sources, self.captioner)
+        self.instance = open_instance(self.home)
+
+    def files(self, source: str) -> list[str]:
+        return sorted(p.name for p in self.folders[source].iterdir() if p.suffix == ".jpg")
+
+    def ids(self, source: str) -> set[str]:
+        return {sample_id(source, name) for name in self.files(source)}
+
+    def kept(self, source: str) -> set[str]:
+        """Ids the image stage keeps: at least 384² pixels (every aspect here is in range)."""
+        kept = set()
+        for name in self.files(source):
+            with Image.open(self.folders[source] / name) as img:
+                if img.width * img.height >= 384 * 384:
+                    kept.add(sample_id(source, name))
+        return kept
+
+    def uri(self, asset: str, source: str) -> Path:
+        return self.data_root / "lance" / asset / f"{source}.lance"
+
+    def spec(self, job: str, partition: str | None, assets=(), captioner: Path | None = None
+             ) -> RunSpec:
+        return RunSpec(self.sources, job, partition, self.home, self.data_root, tuple(assets),
+                       captioner or self.captioner)
+
+    def run(self, job: str, partition: str | None, assets=(), defs=None) -> dg.ExecuteInProcessResult:
+        result = run_in_process(defs or self.defs, job, partition, self.instance, assets)
+        assert result.success, _failure(result)
+        return result
+
+
+def _failure(result: dg.ExecuteInProcessResult) -> str:
+    return "\n".join(e.event_specific_data.error.to_string() for e in result.all_events
+                     if e.event_type_value == "STEP_FAILURE")
+
+
+@pytest.fixture(scope="module")
+def corpus(ray_session, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("faults")
+    old = os.environ.get("PRX_DATA_ROOT")
+    corpus = Corpus(tmp)
+    os.environ["PRX_DATA_ROOT"] = str(corpus.data_root)
+    try:
+        corpus.run("corpus_job", "web", STAGE_ASSETS)
+        corpus.run("dedup_job", None)
+        yield corpus
+    finally:
+        corpus.instance.dispose()
+        if old is None:
+            os.environ.pop("PRX_DATA_ROOT", None)
+        else:
+            os.environ["PRX_DATA_ROOT"] = old
+
+
+def _ids(uri: Path, filter: str | None = None) -> list[str]:
+    return lance.dataset(str(uri)).to_table(columns=["id"], filter=filter).column(0).to_pylist()
+
+
+def _assert_exact(ids: list[str], expected: set[str]) -> None:
+    assert len(ids) == len(set(ids)), "duplicate ids"
+    assert set(ids) == expected
+
+
+def _assert_source_complete(corpus: Corpus, source: str, stream: bool = False) -> None:
+    """Every table of the source holds exactly the rows its files call for, once; with
+    `stream`, every MDS leaf opens with StreamingDataset (a spawned process: seconds)."""
+    ids, kept = corpus.ids(source), corpus.kept(source)
+    _assert_exact(_ids(corpus.uri("raw_images", source)), ids)
+    _assert_exact(_ids(corpus.uri("bucketed_images", source)), ids)
+    _assert_exact(_ids(corpus.uri("bucketed_images", source), "status = 'ok'"), kept)
+    _assert_exact(_ids(corpus.uri("phashes", source)), kept)  # rejected before decoding
+    # Captions may keep rows of ids no longer kept (they are never read downstream).
+    captioned = _ids(corpus.uri("captions", source), "caption_version LIKE 'original-%'")
+    assert len(captioned) == len(set(captioned)) and set(captioned) >= kept
+    _assert_exact(_ids(corpus.uri("mds_samples", source)), kept)
+    if stream:
+        _assert_tree_streams(corpus, source, len(kept))
+
+
+def _assert_tree_streams(corpus: Corpus, source: str, samples: int) -> None:
+    checks, problems = verify_tree(corpus.data_root, source)
+    assert checks and all(c.ok for c in checks) and not problems, (checks, problems)
+    assert sum(c.streamed for c in checks) == samples
+
+
+RAY_START_TIMEOUT = "The current node timed out during startup"
+
+
+def start_run(corpus: Corpus, spec: RunSpec, tmp: Path, step: str) -> RunProcess:
+    """Start the run and wait for STEP_START of `step`. Ray gives its node a fixed 30 s to
+    start; on a heavily loaded machine that can pass, so that one failure is retried once."""
+    for attempt in range(2):
+        run = RunProcess(spec, tmp)
+        try:
+            wait_until(lambda: step_started(corpus.instance, spec.run_id, step),
+                       f"STEP_START of {step}", run)
+            return run
+        except AssertionError:
+            run.kill()
+            if attempt or RAY_START_TIMEOUT not in run.output():
+                raise
+            mark_killed_run_failed(corpus.instance, spec.run_id)
+            spec.run_id = str(uuid.uuid4())
+    raise AssertionError("unreachable")
+
+
+def _kill_mid_stage(corpus: Corpus, spec: RunSpec, step: str, evidence, what: str,
+                    tmp: Path) -> RunProcess:
+    """Start the run, wait for the step to start and for `evidence(run)`, SIGKILL the
+    process group; assert the step had started and its asset was not materialised."""
+    run = start_run(corpus, spec, tmp, step)
+    try:
+        wait_until(lambda: evidence(run), what, run)
+    finally:
+        run.kill()
+    assert run.process.returncode == -9
+    assert step_started(corpus.instance, spec.run_id, step)
+    assert not materialized_in_run(corpus.instance, spec.run_id) & set(spec.assets), \
+        "the kill came after the stage had finished"
+    mark_killed_run_failed(corpus.instance, spec.run_id)
+    return run
+
+
+# ------------------------------------------------------------------------ killed mid-stage
+
+def test_kill_during_ingest(corpus, tmp_path):
+    before = store_state(corpus.data_root, ["web"])
+    spec = corpus.spec("corpus_job", "web", ["raw_images"])
+    run = _kill_mid_stage(corpus, spec, "raw_images",
+                          lambda run: ray_workers(run.process.pid, "expand_units"),
+                          "a Ray worker expanding ingest units", tmp_path)
+    # The killed run's manifest is left behind: it had listed the source.
+    assert (corpus.data_root / "_work/raw_images/web" / spec.run_id).exists(), run.output()
+    assert store_state(corpus.data_root, ["web"]) == before  # nothing moved during the outage
+
+    result = corpus.run("corpus_job", "web", ["raw_images"])
+    _assert_exact(_ids(corpus.uri("raw_images", "web")), corpus.ids("web"))
+    after = table_state(corpus.uri("raw_images", "web"))
+    assert after["version"] > before["raw_images/web"]["version"]
+    assert after["rows"] == before["raw_images/web"]["rows"]  # same inputs, same rows
+    assert result.success
+
+
+def test_kill_during_image_stage(corpus, tmp_path):
+    before = store_state(corpus.data_root, ["web"])
+    spec = corpus.spec("corpus_job", "web", ["bucketed_images", "phashes"])
+    _kill_mid_stage(corpus, spec, "image_stage",
+                    lambda run: ray_workers(run.process.pid, "bucket_batch"),
+                    "a Ray worker bucketing images", tmp_path)
+    assert store_state(corpus.data_root, ["web"]) == before
+
+    corpus.run("corpus_job", "web", ["bucketed_images", "phashes"])
+    _assert_source_complete(corpus, "web")
+    for name in ("bucketed_images", "phashes"):
+        after = table_state(corpus.uri(name, "web"))
+        assert after["version"] > before[f"{name}/web"]["version"]
+        assert len(after["rows"]) == len(before[f"{name}/web"]["rows"])
+
+
+def test_kill_during_captions(corpus, tmp_path):
+    """A new caption version through a (local) OpenAI-compatible endpoint, committed two
+    rows at a time: killed after its first chunk commit, the rerun finishes the rest."""
+    server = CaptionServer()
+    captioner = tmp_path / "captioner.yaml"
+    captioner.write_text(f"backend: openai\nmodel: test-vlm\nendpoint: {server.url}\n"
+                         "chunk_rows: 2\nbatch_size: 2\nrequest_concurrency: 1\n")
+    captions_uri = corpus.uri("captions", "web")
+    try:
+        before = store_state(corpus.data_root, ["web"])
+        start_version = before["captions/web"]["version"]
+        spec = corpus.spec("captions_job", "web", ["captions"], captioner=captioner)
+        _kill_mid_stage(corpus, spec, "captions",
+                        lambda run: lance.dataset(str(captions_uri)).version > start_version,
+                        "a caption chunk committed", tmp_path)
+        # Everything but captions is untouched; captions' previous version reads as before,
+        # and its latest holds the old rows plus whole committed chunks of the new version.
+        outage = store_state(corpus.data_root, ["web"])
+        assert {k: v for k, v in outage.items() if k != "captions/web"} == \
+            {k: v for k, v in before.items() if k != "captions/web"}
+        assert table_state(captions_uri, start_version) == before["captions/web"]
+        defs = build_defs(corpus.sources, captioner)
+        version = defs.resources["captioner"].produced_version()
+        partial = _ids(captions_uri, f"caption_version = '{version}'")
+        assert 0 < len(partial) < len(corpus.kept("web")), "not killed mid-stage"
+        assert len(partial) % 2 == 0 and set(partial) <= corpus.kept("web")
+        assert len(set(partial)) == len(partial)
+
+        result = corpus.run("captions_job", "web", defs=defs)
+        meta = result.asset_materializations_for_node("captions")[0].metadata
+        assert meta["captioned_this_run"].value == len(corpus.kept("web")) - len(partial)
+        _assert_exact(_ids(captions_uri, f"caption_version = '{version}' AND status = 'ok'"),
+                      corpus.kept("web"))
+        old = [r for r in table_state(captions_uri)["rows"] if r["caption_version"] != version]
+        assert old == before["captions/web"]["rows"]  # the other version's rows untouched
+    finally:
+        server.close()
+
+
+def test_kill_during_mds_shards(corpus, tmp_path):
+    before = store_state(corpus.data_root, ["web"])
+    trees = corpus.data_root / "mds" / TREES_DIR / "web"
+    spec = corpus.spec("corpus_job", "web", ["mds_shards"])
+    _kill_mid_stage(corpus, spec, "mds_shards",
+                    lambda run: list(trees.glob("*" + PARTIAL_SUFFIX)),
+                    "a .partial MDS build", tmp_path)
+    assert list(trees.glob("*" + PARTIAL_SUFFIX)), "the killed build left its staging"
+    # The symlinked tree still resolves to the same whole tree: index.json, shard bytes,
+    # sidecars and what StreamingDataset counts, as well as every table, are unchanged.
+    assert store_state(corpus.data_root, ["web"]) == before
+    _assert_tree_streams(corpus, "web", len(corpus.kept("web")))
+
+    corpus.run("corpus_job", "web", ["mds_shards"])
+    assert not list(trees.glob("*" + PARTIAL_SUFFIX))
+    assert current_tree(corpus.data_root, "web").name != before["mds/web"]["tree"]
+    _assert_source_complete(corpus, "web", stream=True)
+
+
+def test_kill_during_skip_lists(corpus, tmp_path):
+    corpus.run("skip_lists_job", "web", ["skip_lists"])  # the current tree has its sidecars
+    tree = current_tree(corpus.data_root, "web")
+    old_sidecars = {p: read_sidecar(p) for p in sidecar_files(tree)}
+    assert old_sidecars  # the copy is a duplicate: a dedup list exists
+    # A new ablation list changes what the rerun must write.
+    ablated = sorted(corpus.kept("web"))[:3]
+    ablations = corpus.data_root / "ablations"
+    ablations.mkdir(exist_ok=True)
+    (ablations / "faults.txt").write_text("\n".join(ablated) + "\n")
+    before = store_state(corpus.data_root, ["web"])
+    mapping = corpus.uri("mds_samples", "web")
+    dedup = skipped_ids(tree, mapping, ["dedup"])
+    assert dedup == {sample_id("web", "wcopy.jpg")} or dedup == {sample_id("web", "w00.jpg")}
+    try:
+        spec = corpus.spec("skip_lists_job", "web", ["skip_lists"])
+        _kill_mid_stage(corpus, spec, "skip_lists", lambda run: True, "skip_lists started",
+                        tmp_path)
+        outage = store_state(corpus.data_root, ["web"])
+        tables = {k: v for k, v in before.items() if not k.startswith("mds/")}
+        assert {k: v for k, v in outage.items() if not k.startswith("mds/")} == tables
+        # Each sidecar (parsed by store_state) holds the old lists or the new, never a mix.
+        for leaf, shards in outage["mds/web"]["leaves"].items():
+            for name, shard in shards.items():
+                old = before["mds/web"]["leaves"][leaf][name]
+                assert {k: v for k, v in shard.items() if k != "skip"} == \
+                    {k: v for k, v in old.items() if k != "skip"}
+                assert shard["skip"] == old["skip"] or "faults" in shard["skip"]
+
+        result = corpus.run("skip_lists_job", "web", ["skip_lists"])
+        meta = result.asset_materializations_for_node("skip_lists")[0].metadata
+        assert meta["skipped_per_reason"].value.records
+        assert skipped_ids(tree, mapping, ["faults"]) == set(ablated)
+        assert skipped_ids(tree, mapping, ["dedup"]) == dedup
+    finally:
+        shutil.rmtree(ablations)
+        corpus.run("skip_lists_job", "web", ["skip_lists"])
+
+
+# ------------------------------------------------------------------------ a Ray worker dies
+
+def test_ray_worker_killed_mid_task(corpus):
+    """SIGKILL a Ray worker while it executes the image stage's task: Ray Data retries the
+    task and the run commits exactly the expected rows."""
+    killed: list[str] = []
+    stop = threading.Event()
+
+    def killer() -> None:
+        while not stop.is_set() and not killed:
+            for proc in ray_workers(os.getpid(), "bucket_batch"):
+                try:
+                    title = " ".join(proc.cmdline())
+                    proc.kill()
+                    killed.append(title)
+                    break
+                except Exception:
+                    continue
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        corpus.run("corpus_job", "web", ["bucketed_images", "phashes"])
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    assert killed and "bucket_batch" in killed[0], "no worker was caught mid-task"
+    _assert_source_complete(corpus, "web")
+
+
+# ------------------------------------------------------------------------ a write that fails
+
+def test_unwritable_output_fails_clearly(corpus):
+    """A regular file where a folder must be created: the partition fails with a message
+    naming the path and the cause; nothing stored before is touched."""
+    before = store_state(corpus.data_root, ["web"])
+    blocker = corpus.data_root / "lance" / "bucketed_images" / "alt.lance"
+    corpus.run("corpus_job", "alt", ["raw_images"])
+    raw_alt = table_state(corpus.uri("raw_images", "alt"))
+    blocker.write_text("not a table")
+    try:
+        result = run_in_process(corpus.defs, "corpus_job", "alt", corpus.instance,
+                                ["bucketed_images", "phashes"])
+        assert not result.success
+        message = _failure(result)
+        assert str(blocker) in message and "not a folder" in message, message
+        assert store_state(corpus.data_root, ["web"]) == before
+        assert table_state(corpus.uri("raw_images", "alt")) == raw_alt
+        assert blocker.read_text() == "not a table"
+    finally:
+        blocker.unlink()
+
+
+# ------------------------------------------------------------------------ concurrent partitions
+
+def test_two_partitions_at_once(corpus, tmp_path):
+    """Two runs, two sources, two processes with their own embedded Ray, one instance."""
+    before = store_state(corpus.data_root, ["web"])
+    runs = [RunProcess(corpus.spec("corpus_job", source, STAGE_ASSETS), tmp_path)
+            for source in ("alt", "more")]
+    results = [run.wait(timeout=600) for run in runs]
+    for i, (run, result) in enumerate(zip(runs, results)):
+        if not result["success"] and RAY_START_TIMEOUT in run.output():  # see start_run
+            runs[i] = RunProcess(corpus.spec("corpus_job", run.spec.partition, STAGE_ASSETS),
+                                 tmp_path)
+            result = results[i] = runs[i].wait(timeout=600)
+        assert result["success"], runs[i].output()[-6000:]
+    for source in ("alt", "more"):
+        _assert_source_complete(corpus, source)
+        assert materialized_in_run(corpus.instance, runs[0 if source == "alt" else 1]
+                                   .spec.run_id) >= {"raw_images", "mds_shards"}
+    assert store_state(corpus.data_root, ["web"]) == before
+
+
+# ------------------------------------------------------------------------ inputs changing
+
+def test_inputs_changing_between_runs(corpus):
+    """Files added, removed and modified in a folder source: the rerun reflects exactly the
+    new state in every table, the captions downstream sees and the MDS tree."""
+    source, folder = "alt", corpus.folders["alt"]
+    if not corpus.uri("mds_samples", source).exists():
+        corpus.run("corpus_job", source, STAGE_ASSETS)
+    old_raw = {r["source_key"]: r for r in table_state(corpus.uri("raw_images", source))["rows"]}
+    # added
+    (folder / "a_new.jpg").write_bytes(jpeg_bytes(720, 540, 555))
+    (folder / "a_new.txt").write_text("a new photo")
+    # removed (with its caption)
+    (folder / "a01.jpg").unlink()
+    (folder / "a01.txt").unlink()
+    # modified: new pixels and size, new caption; and the small one grows past the filter
+    (folder / "a02.jpg").write_bytes(jpeg_bytes(900, 600, 777))
+    (folder / "a02.txt").write_text("a02 replaced by a wide photo")
+    (folder / "asmall.jpg").write_bytes(jpeg_bytes(640, 480, 778))
+    (folder / "asmall.txt").write_text("the small one, now big enough")
+
+    corpus.run("corpus_job", source, STAGE_ASSETS)
+    _assert_source_complete(corpus, source)  # exact id sets, from the files now present
+    raw = {r["source_key"]: r for r in table_state(corpus.uri("raw_images", source))["rows"]}
+    assert set(raw) == set(corpus.files(source))
+    assert raw["a02.jpg"]["width"] == 900 and raw["a02.jpg"]["image"] != old_raw["a02.jpg"]["image"]
+    assert raw["a03.jpg"] == old_raw["a03.jpg"]  # unchanged file, unchanged row
+    # What the trainer reads: one sample per current file, with its current caption.
+    from streaming import StreamingDataset, Stream
+
+    tree = current_tree(corpus.data_root, source)
+    leaves = [p.parent for p in sorted(tree.glob("*/*/index.json"))]
+    dataset = StreamingDataset(streams=[Stream(local=str(p)) for p in leaves], batch_size=1,
+                               shuffle=False)
+    samples = {dataset[i]["id"]: dataset[i] for i in range(dataset.num_samples)}
+    assert sample_id(source, "asmall.jpg") in corpus.kept(source)
+    assert set(samples) == corpus.kept(source)
+    for name in corpus.files(source):
+        caption = (folder / name).with_suffix(".txt").read_text().strip()
+        assert samples[sample_id(source, name)]["caption"] == caption, name
+    assert samples[sample_id(source, "a02.jpg")]["original_width"] == 900
