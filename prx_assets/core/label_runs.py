@@ -85,13 +85,22 @@ class LabelRunReport:
         return (self.written + self.failed) / self.seconds if self.seconds > 0 else 0.0
 
 
-def labelled_ids(labels_uri: Path, caption_version: str, classifier_version: str) -> pa.Array:
-    """Ids already labelled under the pair (ids only: ~40 bytes each in memory)."""
+def labelled_ids(labels_uri: Path, caption_version: str, classifier_version: str,
+                 captions_uri: Path, caption_filter: str) -> pa.Array:
+    """Ids labelled under the pair from the caption they have now (ids and timestamps only).
+
+    A label older than its caption row is stale: the caption was written again since (its
+    source file changed, see `caption_runs.changed_ids`) and must be labelled again."""
     if not labels_uri.exists():
         return pa.array([], pa.string())
-    table = lance.dataset(str(labels_uri)).to_table(
-        columns=["id"], filter=active_labels_filter(caption_version, classifier_version))
-    return table.column("id").combine_chunks()
+    labels = lance.dataset(str(labels_uri)).to_table(
+        columns=["id", "created_at"],
+        filter=active_labels_filter(caption_version, classifier_version))
+    captions = lance.dataset(str(captions_uri)).to_table(
+        columns=["id", "created_at"], filter=caption_filter)
+    joined = labels.join(captions.rename_columns(["id", "captioned_at"]), "id")
+    fresh = pc.greater_equal(joined.column("created_at"), joined.column("captioned_at"))
+    return joined.filter(fresh).column("id").combine_chunks()
 
 
 def _drop_done(batch: pa.Table, done: pa.Array) -> pa.Table:
@@ -204,7 +213,8 @@ def label_source(captions_uri: Path, labels_uri: Path, caption_version: str,
     ensure_labels_table(labels_uri)
     if not captions_uri.exists():
         raise FileNotFoundError(f"{captions_uri} does not exist: materialise captions first")
-    done = labelled_ids(labels_uri, caption_version, report.classifier_version)
+    done = labelled_ids(labels_uri, caption_version, report.classifier_version, captions_uri,
+                        caption_filter)
     if count_pending(captions_uri, caption_filter, done) == 0:
         report.lance_version = lance.dataset(str(labels_uri)).version
         return report  # nothing to do: no actor pool, no model load

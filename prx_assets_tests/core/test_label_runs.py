@@ -69,3 +69,23 @@ def test_missing_captions_table_is_a_clear_error(ray_session, tmp_path):
     with pytest.raises(FileNotFoundError, match="materialise captions first"):
         label_source(tmp_path / "none.lance", tmp_path / "labels.lance", "v1", _filter("v1"),
                      LabelerSpec())
+
+
+def test_a_caption_written_again_is_labelled_again(ray_session, tmp_path):
+    """A changed source file gets a new caption row under the same id and version (the
+    captions asset drops the stale one): its old label must not survive."""
+    captions, labels = tmp_path / "captions.lance", tmp_path / "labels.lance"
+    rows = labelled_test_captions()
+    write_captions(captions, [(i, c) for i, c, _ in rows], "v1")
+    spec = LabelerSpec(batch_size=8)
+    label_source(captions, labels, "v1", _filter("v1"), spec)
+    changed_id, _, old_label = rows[0]
+    new_caption, new_label = next((c, label) for _, c, label in rows if label != old_label)
+    lance.dataset(str(captions)).delete(f"id = '{changed_id}'")
+    write_captions(captions, [(changed_id, new_caption)], "v1")
+
+    again = label_source(captions, labels, "v1", _filter("v1"), spec)
+    assert again.written == 1
+    table = lance.dataset(str(labels)).to_table().to_pylist()
+    assert len(table) == len(rows)
+    assert [r["label"] for r in table if r["id"] == changed_id] == [new_label]
