@@ -311,7 +311,11 @@ def output_sizes(data_root: Path, source: str, source_folder: Path) -> dict:
 
     lance_root = data_root / "lance"
     tables = {}
-    for uri in sorted(lance_root.rglob("*.lance")):
+    # Tables are lance/<asset>/<source>.lance or lance/<asset>.lance (their data files end
+    # in .lance too, so no recursive glob).
+    for uri in sorted([*lance_root.glob("*/*.lance"), *lance_root.glob("*.lance")]):
+        if not uri.is_dir() or uri.parent.name == "data":
+            continue
         table = lance.dataset(str(uri))
         tables[str(uri.relative_to(lance_root))] = {
             "rows": table.count_rows(), "bytes": dir_bytes(uri),
