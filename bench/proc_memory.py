@@ -1,0 +1,140 @@
+"""Peak memory of a process tree, read from /proc (psutil is not a dependency).
+
+Also the tree's CPU seconds, which on a shared machine compare more fairly than wall time.
+
+RSS counts a shared page in every process that maps it (Ray's plasma store is mapped by the
+raylet and by every worker that read an object), so the RSS sum overstates the tree's
+footprint; PSS splits each shared page between its users and sums to the real total; USS
+is what each process holds alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class TreeSample:
+    rss_kb: int = 0
+    pss_kb: int = 0
+    uss_kb: int = 0
+    processes: int = 0
+    cpu_s: float = 0.0  # CPU seconds of the live processes and the children they reaped
+    by_name: dict[str, int] = field(default_factory=dict)  # PSS kB per process name
+
+
+@dataclass
+class Peaks:
+    rss_kb: int = 0
+    pss_kb: int = 0
+    uss_kb: int = 0
+    samples: int = 0
+    max_processes: int = 0
+    cpu_s: float = 0.0  # the tree's CPU seconds, as of the last sample
+    at_pss_peak: dict[str, int] = field(default_factory=dict)
+
+    def update(self, sample: TreeSample) -> None:
+        self.samples += 1
+        self.rss_kb = max(self.rss_kb, sample.rss_kb)
+        self.uss_kb = max(self.uss_kb, sample.uss_kb)
+        self.max_processes = max(self.max_processes, sample.processes)
+        self.cpu_s = max(self.cpu_s, sample.cpu_s)
+        if sample.pss_kb > self.pss_kb:
+            self.pss_kb, self.at_pss_peak = sample.pss_kb, sample.by_name
+
+
+def children_of() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = defaultdict(list)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # The name may hold spaces and parentheses: the ppid follows the last ')'.
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            tree[ppid].append(int(entry.name))
+    return tree
+
+
+def descendants(root: int) -> list[int]:
+    tree, found, stack = children_of(), [], [root]
+    while stack:
+        pid = stack.pop()
+        found.append(pid)
+        stack.extend(tree.get(pid, []))
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime + cutime + cstime: the process and the children it has reaped."""
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2:].split()
+    return sum(int(v) for v in fields[11:15]) / CLOCK_TICKS
+
+
+def process_memory(pid: int) -> tuple[str, int, int, int] | None:
+    """(name, rss, pss, uss) in kB, or None when the process has gone."""
+    try:
+        name = (Path("/proc") / str(pid) / "comm").read_text().strip()
+        fields = {}
+        for line in (Path("/proc") / str(pid) / "smaps_rollup").read_text().splitlines()[1:]:
+            key, value = line.split(":", 1)
+            fields[key] = int(value.split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    uss = fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)
+    return name, fields.get("Rss", 0), fields.get("Pss", 0), uss
+
+
+def sample_tree(root: int) -> TreeSample:
+    sample = TreeSample(by_name=defaultdict(int))
+    for pid in descendants(root):
+        memory = process_memory(pid)
+        if memory is None:
+            continue
+        name, rss, pss, uss = memory
+        sample.rss_kb += rss
+        sample.pss_kb += pss
+        sample.uss_kb += uss
+        sample.processes += 1
+        sample.cpu_s += cpu_seconds(pid)
+        sample.by_name[name] += pss
+    sample.by_name = dict(sample.by_name)
+    return sample
+
+
+class TreeMemoryMonitor:
+    """Samples the tree under `root` every `interval` seconds on a thread until stopped."""
+
+    def __init__(self, root: int, interval: float = 0.5, dump: Path | None = None):
+        self.root, self.interval, self.peaks, self.dump = root, interval, Peaks(), dump
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "TreeMemoryMonitor":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.perf_counter()
+            self.peaks.update(sample_tree(self.root))
+            if self.dump is not None:  # the peaks so far survive a run that is cut short
+                self.dump.write_text(json.dumps(asdict(self.peaks)))
+            self._stop.wait(max(0.0, self.interval - (time.perf_counter() - started)))

@@ -1,0 +1,486 @@
+"""Scale: the whole graph on a generated corpus of N JPEGs (default 10,000; env
+PRX_SCALE_IMAGES), on the embedded default (`original` captions, embedded classifier), as
+`make demo` runs it: `materialize_all` in a fresh process on a fresh data root and Dagster
+instance.
+
+1. Throughput and overhead. Baseline: the same per-image kernels the stages call (ingest's
+   read + header probe + sha256, the image stage's decode/filter/bucket/Lanczos/Q92/phash,
+   the embedded classifier on the captions, the MDS write of the kept samples and the
+   corpus thumbnail) run alone in a plain 2-process pool over the same files, i.e. the same
+   parallelism as the embedded Ray on this 2-core machine. Overhead = pipeline time /
+   kernel time - 1 (target <= 25 %). Per-stage seconds come from the runs' Dagster event
+   logs (STEP_START to STEP_SUCCESS), next to each stage's kernel seconds.
+2. Memory. Peak RSS, PSS and USS of the whole process tree (driver, GCS, raylet, Ray
+   workers, spawned helpers), sampled every 0.5 s from /proc, for the first N/5 images
+   (2,000) and for all N; target ratio <= 1.3 (memory does not grow with the corpus).
+3. Output sizes for docs/scale.md: raw bytes, bucketed bytes per tier, Lance tables, MDS
+   shards and sidecars, fragment counts.
+
+The corpus is generated once (bench/scale_corpus.py) and reused; data roots live under
+bench/out/scale_run/ and are removed after measuring. Runs for 10,000 images take tens of
+minutes on two cores: PRX_SCALE_IMAGES=1000 is a quick look.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.common import OUT, Figure, cpu_count, report
+from bench.proc_memory import Peaks, TreeMemoryMonitor
+from bench.scale_corpus import corpus_profile, generate_corpus, image_path, link_subset
+
+RUN_DIR = OUT / "scale_run"
+SOURCE_NAMES = {"small": "scale_small", "full": "scale_full"}
+# The Dagster steps whose kernels the baseline runs (the others are checks and global jobs).
+STAGE_STEPS = {"ingest": ["raw_images"], "image": ["image_stage"], "captions": ["captions"],
+               "labels": ["caption_labels"], "mds": ["mds_shards"], "thumbnail": ["corpus"]}
+KERNEL_CHUNK = 32
+DAGSTER_YAML = """\
+storage:
+  sqlite:
+    base_dir: {home}/storage
+local_artifact_storage:
+  module: dagster._core.storage.root
+  class: LocalArtifactStorage
+  config:
+    base_dir: {home}
+concurrency:
+  pools:
+    default_limit: 1
+telemetry:
+  enabled: false
+"""
+
+
+# ------------------------------------------------------------------------ the pipeline run
+
+@dataclass
+class PipelineRun:
+    images: int
+    seconds: float  # the child process, start to exit (imports, Ray start, every job)
+    peaks: Peaks
+    child: dict = field(default_factory=dict)  # what the child measured (see child_main)
+
+
+def write_sources(path: Path, name: str, folder: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"sources:\n  - {{name: {name}, kind: image_folder, uri: {folder}, "
+                    f"license: generated}}\n")
+    return path
+
+
+def run_pipeline(sources_file: Path, data_root: Path, images: int) -> PipelineRun:
+    """materialize_all in a child process on a fresh data root and instance, with the
+    memory of the child's whole process tree sampled while it runs."""
+    shutil.rmtree(data_root, ignore_errors=True)
+    home = data_root / "dagster_home"
+    home.mkdir(parents=True)
+    (home / "dagster.yaml").write_text(DAGSTER_YAML.format(home=home))
+    result = data_root / "child.json"
+    env = {**os.environ, "PRX_DATA_ROOT": str(data_root), "PRX_SOURCES": str(sources_file),
+           "DAGSTER_HOME": str(home), "PRX_CAPTIONER": str(data_root / "no-captioner.yaml"),
+           "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    command = [sys.executable, "-m", "bench.scale", "--child", str(sources_file), str(result)]
+    started = time.perf_counter()
+    log = open(data_root / "child.log", "w")
+    child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                             cwd=Path(__file__).resolve().parent.parent)
+    with TreeMemoryMonitor(child.pid, dump=data_root / "peaks.json") as monitor:
+        _, status, usage = os.wait4(child.pid, 0)  # usage: the child and what it reaped
+    code = os.waitstatus_to_exitcode(status)
+    seconds = time.perf_counter() - started
+    monitor.peaks.cpu_s = max(monitor.peaks.cpu_s, usage.ru_utime + usage.ru_stime)
+    log.close()
+    if code != 0 or not result.exists():
+        tail = (data_root / "child.log").read_text()[-3000:]
+        raise RuntimeError(f"pipeline child failed ({code}):\n{tail}")
+    return PipelineRun(images, seconds, monitor.peaks, json.loads(result.read_text()))
+
+
+def child_main(sources_file: str, result_path: str) -> int:
+    """In the child: start Ray (timed apart), run every job as `make demo` does, record
+    step timings from the instance's event log."""
+    import dagster as dg
+
+    from prx_assets.core import ray_runtime
+    from prx_assets.runner import materialize_all
+
+    started = time.perf_counter()
+    ray_runtime.connect()
+    ray_s = time.perf_counter() - started
+    instance = dg.DagsterInstance.get()
+    runs = materialize_all(Path(sources_file), instance)
+    materialize_s = time.perf_counter() - started - ray_s
+    Path(result_path).write_text(json.dumps({
+        "ray_start_s": ray_s, "materialize_s": materialize_s,
+        "success": all(r.success for r in runs),
+        "failed": [r.source for r in runs if not r.success],
+        "checks": {k: v for r in runs for k, v in r.checks.items()},
+        "steps": step_seconds(instance, [r.run_id for r in runs]),
+        "run_seconds": run_seconds(instance, [r.run_id for r in runs]),
+    }, indent=2))
+    return 0
+
+
+def step_seconds(instance, run_ids: list[str]) -> dict[str, float]:
+    """Seconds per step key, STEP_START to STEP_SUCCESS/FAILURE, summed over the runs."""
+    from dagster import DagsterEventType
+
+    kinds = {DagsterEventType.STEP_START, DagsterEventType.STEP_SUCCESS,
+             DagsterEventType.STEP_FAILURE}
+    totals: dict[str, float] = defaultdict(float)
+    for run_id in run_ids:
+        starts = {}
+        for entry in instance.all_logs(run_id, of_type=kinds):
+            if entry.dagster_event.event_type == DagsterEventType.STEP_START:
+                starts[entry.step_key] = entry.timestamp
+            elif entry.step_key in starts:
+                totals[entry.step_key] += entry.timestamp - starts.pop(entry.step_key)
+    return dict(totals)
+
+
+def run_seconds(instance, run_ids: list[str]) -> dict[str, float]:
+    """Wall seconds of each run (its first to its last event), keyed by job name."""
+    totals: dict[str, float] = defaultdict(float)
+    for run_id in run_ids:
+        logs = instance.all_logs(run_id)
+        if logs:
+            job = instance.get_run_by_id(run_id).job_name
+            totals[job] += logs[-1].timestamp - logs[0].timestamp
+    return dict(totals)
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+_worker: dict = {}
+
+
+def _kernel_worker_init(out_dir: str) -> None:
+    from prx_assets.core.embeddings import MiniLMEmbedder
+    from prx_assets.core.labels import load_embedded_classifier
+
+    started, cpu_started = time.perf_counter(), time.process_time()
+    _worker.update(embedder=MiniLMEmbedder(threads=1), classifier=load_embedded_classifier(),
+                   out=Path(out_dir) / str(os.getpid()), chunks=0)
+    _worker["load_s"] = time.perf_counter() - started
+    _worker["load_cpu_s"] = time.process_time() - cpu_started
+
+
+def kernel_chunk(job: tuple[str, list[str]]) -> dict:
+    """Every kernel on one chunk of files; seconds per kernel (and the one-off model load)."""
+    from streaming import MDSWriter
+
+    from prx_assets.core.corpus import thumbnail
+    from prx_assets.core.imaging import process_image
+    from prx_assets.core.mds import MDS_COLUMNS
+    from prx_assets.core.raw_rows import raw_row
+    from prx_assets.core.readers import read_image_file
+    from prx_assets.core.sources import SourceSpec
+
+    root, files = job
+    spec = SourceSpec(name="kernel", kind="image_folder", uri=root)
+    cpu_started = time.process_time()
+    seconds: Counter = Counter()
+    kept = []
+    for rel in files:
+        t0 = time.perf_counter()
+        row = raw_row(spec.name, read_image_file(spec, Path(root), rel))
+        t1 = time.perf_counter()
+        seconds["ingest"] += t1 - t0
+        if row["status"] != "ok":
+            continue
+        result = process_image(row["image"])
+        seconds["image"] += time.perf_counter() - t1
+        if result.status == "ok":
+            kept.append((row, result))
+    t0 = time.perf_counter()
+    captions = [row["original_caption"] or "" for row, _ in kept]
+    _worker["classifier"].scores(_worker["embedder"].embed(captions))
+    t1 = time.perf_counter()
+    out = _worker["out"] / f"chunk{_worker['chunks']:05d}"
+    _worker["chunks"] += 1
+    with MDSWriter(columns=MDS_COLUMNS, out=str(out), size_limit=128 << 20,
+                   compression=None) as writer:
+        for (row, result), caption in zip(kept, captions):
+            writer.write({"image": result.image, "caption": caption, "id": row["id"],
+                          "source": row["source"], "width": result.width,
+                          "height": result.height, "original_width": result.original_width,
+                          "original_height": result.original_height})
+    t2 = time.perf_counter()
+    for _, result in kept:
+        thumbnail(result.image)
+    t3 = time.perf_counter()
+    shutil.rmtree(out, ignore_errors=True)
+    seconds.update(labels=t1 - t0, mds=t2 - t1, thumbnail=t3 - t2)
+    # The model load is counted once per worker, with its first chunk.
+    load_s, _worker["load_s"] = _worker.get("load_s", 0.0), 0.0
+    load_cpu_s, _worker["load_cpu_s"] = _worker.get("load_cpu_s", 0.0), 0.0
+    return {"files": len(files), "kept": len(kept), "seconds": dict(seconds),
+            "cpu_s": time.process_time() - cpu_started + load_cpu_s, "model_load_s": load_s,
+            "mds_bytes": sum(len(result.image) for _, result in kept)}
+
+
+@dataclass
+class KernelRun:
+    images: int
+    seconds: float  # wall of the pool, start to end (spawn, imports, model loads included)
+    processes: int
+    per_kernel: dict[str, float]  # summed over processes (CPU-ish seconds)
+    kept: int
+    model_load_s: float
+    cpu_seconds: float = 0.0  # process CPU time of the kernels (robust to a loaded machine)
+    mds_bytes: int = 0  # bucketed JPEG bytes written to MDS
+
+    def plus(self, other: "KernelRun") -> "KernelRun":
+        per_kernel = Counter(self.per_kernel)
+        per_kernel.update(other.per_kernel)
+        return KernelRun(self.images + other.images, self.seconds + other.seconds,
+                         self.processes, dict(per_kernel), self.kept + other.kept,
+                         self.model_load_s + other.model_load_s,
+                         self.cpu_seconds + other.cpu_seconds, self.mds_bytes + other.mds_bytes)
+
+
+def kernel_jobs(corpus: Path, start: int, stop: int) -> list[tuple[str, list[str]]]:
+    files = [image_path(corpus, i).name for i in range(start, stop)]
+    root = str(corpus / "images")
+    return [(root, files[i:i + KERNEL_CHUNK]) for i in range(0, len(files), KERNEL_CHUNK)]
+
+
+def run_kernels(corpus: Path, start: int, stop: int, processes: int) -> KernelRun:
+    """The kernels over images start..stop-1 in a plain pool of `processes`."""
+    out = Path(tempfile.mkdtemp(prefix="kernels-", dir=RUN_DIR))
+    started = time.perf_counter()
+    try:
+        with multiprocessing.get_context("spawn").Pool(
+                processes, initializer=_kernel_worker_init, initargs=(str(out),)) as pool:
+            results = pool.map(kernel_chunk, kernel_jobs(corpus, start, stop), chunksize=1)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    seconds = time.perf_counter() - started
+    per_kernel: Counter = Counter()
+    for r in results:
+        per_kernel.update(r["seconds"])
+    return KernelRun(stop - start, seconds, processes, dict(per_kernel),
+                     sum(r["kept"] for r in results), sum(r["model_load_s"] for r in results),
+                     sum(r["cpu_s"] for r in results), sum(r["mds_bytes"] for r in results))
+
+
+# -------------------------------------------------------------------------- output sizes
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def bucketed_bytes(uri: Path) -> tuple[dict[str, int], dict[str, dict]]:
+    """Rows per status, and kept images and JPEG bytes per tier (streamed: the image
+    column of 10,000 images is gigabytes)."""
+    import lance
+    import pyarrow.compute as pc
+
+    statuses: Counter = Counter()
+    images: Counter = Counter()
+    total: Counter = Counter()
+    for batch in lance.dataset(str(uri)).to_batches(columns=["status", "tier", "image"],
+                                                    batch_size=256):
+        statuses.update(batch.column("status").to_pylist())
+        lengths = pc.binary_length(batch.column("image")).to_pylist()
+        for status, tier, length in zip(batch.column("status").to_pylist(),
+                                        batch.column("tier").to_pylist(), lengths):
+            if status == "ok":
+                images[str(tier)] += 1
+                total[str(tier)] += length
+    tiers = {tier: {"images": n, "bytes": total[tier], "mean_bytes": total[tier] / n}
+             for tier, n in sorted(images.items(), key=lambda kv: int(kv[0]))}
+    return dict(statuses), tiers
+
+
+def output_sizes(data_root: Path, source: str, source_folder: Path) -> dict:
+    """Bytes and counts of what the run wrote, for docs/scale.md's projection."""
+    import lance
+
+    lance_root = data_root / "lance"
+    tables = {}
+    # Tables are lance/<asset>/<source>.lance or lance/<asset>.lance (their data files end
+    # in .lance too, so no recursive glob).
+    for uri in sorted([*lance_root.glob("*/*.lance"), *lance_root.glob("*.lance")]):
+        if not uri.is_dir() or uri.parent.name == "data":
+            continue
+        table = lance.dataset(str(uri))
+        tables[str(uri.relative_to(lance_root))] = {
+            "rows": table.count_rows(), "bytes": dir_bytes(uri),
+            "fragments": len(table.get_fragments())}
+    statuses, tiers = bucketed_bytes(lance_root / "bucketed_images" / f"{source}.lance")
+    tree = (data_root / "mds" / source).resolve()
+    shards = list(tree.rglob("shard.*.mds"))
+    raw_files = list(source_folder.glob("*.jpg"))
+    return {
+        "source_files": len(raw_files),
+        "source_bytes": sum(p.stat().st_size for p in raw_files),
+        "statuses": statuses, "tiers": tiers, "tables": tables,
+        "mds": {"shards": len(shards), "bytes": sum(p.stat().st_size for p in shards),
+                "leaves": len(list(tree.rglob("index.json"))),
+                "sidecars": len(list(tree.rglob("shard.*.skip.json"))),
+                "sidecar_bytes": sum(p.stat().st_size for p in tree.rglob("shard.*.skip.json"))},
+    }
+
+
+# ------------------------------------------------------------------------------ reporting
+
+def stage_table(run: PipelineRun, kernels: KernelRun) -> list[tuple[str, float, float]]:
+    """(stage, pipeline step seconds, kernel seconds / processes) per measured stage."""
+    steps = run.child["steps"]
+    rows = []
+    for stage, keys in STAGE_STEPS.items():
+        step_s = sum(s for k, s in steps.items() if k in keys)
+        rows.append((stage, step_s, kernels.per_kernel.get(stage, 0.0) / kernels.processes))
+    other = sum(steps.values()) - sum(r[1] for r in rows)
+    rows.append(("checks + dedup + skip lists", other, 0.0))
+    return rows
+
+
+def print_stages(run: PipelineRun, kernels: KernelRun) -> None:
+    print(f"scale: per stage, {run.images:,} images: Dagster step seconds vs kernel seconds "
+          f"(summed over the pool / {kernels.processes})")
+    for stage, step_s, kernel_s in stage_table(run, kernels):
+        print(f"  {stage:<28} step {step_s:8.1f} s   kernels {kernel_s:8.1f} s")
+    child = run.child
+    print(f"  ray start {child['ray_start_s']:.1f} s; materialize_all {child['materialize_s']:.1f}"
+          f" s; child process {run.seconds:.1f} s; runs by job: "
+          + ", ".join(f"{k} {v:.1f} s" for k, v in child["run_seconds"].items()))
+
+
+def print_memory(label: str, run: PipelineRun) -> None:
+    peaks = run.peaks
+    top = sorted(peaks.at_pss_peak.items(), key=lambda kv: -kv[1])[:6]
+    print(f"scale: memory, {label} ({run.images:,} images): peak RSS {peaks.rss_kb / 1024:.0f} "
+          f"MB, PSS {peaks.pss_kb / 1024:.0f} MB, USS {peaks.uss_kb / 1024:.0f} MB over "
+          f"{peaks.samples} samples, up to {peaks.max_processes} processes; PSS at the peak: "
+          + ", ".join(f"{name} {kb / 1024:.0f}" for name, kb in top))
+
+
+def figures_for(small: PipelineRun, full: PipelineRun | None, kernels_small: KernelRun,
+                kernels_full: KernelRun | None) -> list[Figure]:
+    figures = [Figure("scale", f"{small.images} img end to end img/s",
+                      small.images / small.seconds, f"kernels, {kernels_small.processes} procs",
+                      small.images / kernels_small.seconds, "img/s"),
+               cpu_figure(small, kernels_small)]
+    if full is None or kernels_full is None:
+        return figures
+    n = full.images
+    stage_steps = sum(r[1] for r in stage_table(full, kernels_full)[:-1])
+    return figures + [
+        Figure("scale", f"{n} img end to end img/s", n / full.seconds,
+               f"kernels, {kernels_full.processes} procs", n / kernels_full.seconds, "img/s"),
+        Figure("scale", f"{n} img stage steps img/s", n / stage_steps,
+               f"kernels, {kernels_full.processes} procs", n / kernels_full.seconds, "img/s"),
+        cpu_figure(full, kernels_full),
+        Figure("scale", f"peak RSS MB, {n} img", full.peaks.rss_kb / 1024,
+               f"{small.images} img", small.peaks.rss_kb / 1024, "MB"),
+        Figure("scale", f"peak PSS MB, {n} img", full.peaks.pss_kb / 1024,
+               f"{small.images} img", small.peaks.pss_kb / 1024, "MB"),
+        Figure("scale", f"peak USS MB, {n} img", full.peaks.uss_kb / 1024,
+               f"{small.images} img", small.peaks.uss_kb / 1024, "MB"),
+    ]
+
+
+def cpu_figure(run: PipelineRun, kernels: KernelRun) -> Figure:
+    """CPU milliseconds per image: fair on a shared machine, where wall time is not."""
+    return Figure("scale", f"{run.images} img CPU ms/img (lower)",
+                  1000 * run.peaks.cpu_s / run.images, "kernels",
+                  1000 * kernels.cpu_seconds / kernels.images, "ms")
+
+
+def print_overhead(run: PipelineRun, kernels: KernelRun) -> None:
+    stage_steps = sum(r[1] for r in stage_table(run, kernels)[:-1])
+    print(f"scale      overhead at {run.images:,} images: end to end "
+          f"{100 * (run.seconds / kernels.seconds - 1):.0f}%, stage steps only "
+          f"{100 * (stage_steps / kernels.seconds - 1):.0f}%, CPU seconds of the process "
+          f"tree {100 * (run.peaks.cpu_s / kernels.cpu_seconds - 1):.0f}% "
+          f"(target <= 25%)")
+
+
+def print_memory_ratio(small: PipelineRun, full: PipelineRun) -> None:
+    print(f"scale      memory ratio {full.images:,}/{small.images:,}: RSS "
+          f"{full.peaks.rss_kb / small.peaks.rss_kb:.2f}, PSS "
+          f"{full.peaks.pss_kb / small.peaks.pss_kb:.2f}, USS "
+          f"{full.peaks.uss_kb / small.peaks.uss_kb:.2f} (target <= 1.3)")
+
+
+def save_details(profile: dict, **parts) -> None:
+    """Everything measured so far (rewritten after each step: a killed run keeps its part)."""
+    details = {"profile": profile}
+    for name, part in parts.items():
+        if isinstance(part, PipelineRun):
+            details[name] = {"images": part.images, "seconds": part.seconds,
+                             "peaks": asdict(part.peaks), "child": part.child}
+        elif isinstance(part, KernelRun):
+            details[name] = asdict(part)
+        elif part is not None:
+            details[name] = part
+    (OUT / "scale_details.json").write_text(json.dumps(details, indent=2))
+
+
+# ----------------------------------------------------------------------------------- main
+
+def main() -> list[Figure]:
+    total = int(os.environ.get("PRX_SCALE_IMAGES", "10000"))
+    small_n = int(os.environ.get("PRX_SCALE_SMALL", str(max(1, total // 5))))
+    processes = min(2, cpu_count())
+    corpus = generate_corpus(OUT / "scale_corpus", total, processes)
+    profile = corpus_profile(total)
+    print(f"scale: corpus {corpus} ({profile})")
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    small = measure_run("small", corpus, small_n)
+    print_memory("small", small)
+    kernels_small = run_kernels(corpus, 0, small_n, processes)
+    print_stages(small, kernels_small)
+    save_details(profile, small=small, kernels_small=kernels_small)
+    full = measure_run("full", corpus, total, keep_root=True)
+    print_memory("full", full)
+    try:
+        sizes = output_sizes(RUN_DIR / "root_full", SOURCE_NAMES["full"], RUN_DIR / "src_full")
+    except Exception as exc:  # noqa: BLE001 - the sizes are context; the figures still count
+        sizes = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"scale: output sizes not measured: {sizes['error']}")
+    shutil.rmtree(RUN_DIR / "root_full", ignore_errors=True)
+    save_details(profile, small=small, kernels_small=kernels_small, full=full, sizes=sizes)
+    # The full baseline: the small run's files, then the others (two pool starts).
+    kernels_full = kernels_small.plus(run_kernels(corpus, small_n, total, processes))
+    print_stages(full, kernels_full)
+    figures = figures_for(small, full, kernels_small, kernels_full)
+    report(figures, "scale")
+    print_overhead(small, kernels_small)
+    print_overhead(full, kernels_full)
+    print_memory_ratio(small, full)
+    save_details(profile, small=small, kernels_small=kernels_small, full=full,
+                 kernels_full=kernels_full, sizes=sizes)
+    return figures
+
+
+def measure_run(label: str, corpus: Path, images: int, keep_root: bool = False) -> PipelineRun:
+    source = SOURCE_NAMES[label]
+    folder = link_subset(corpus, RUN_DIR / f"src_{label}", images)
+    sources = write_sources(RUN_DIR / f"{label}.yaml", source, folder)
+    run = run_pipeline(sources, RUN_DIR / f"root_{label}", images)
+    if not run.child["success"]:
+        print(f"scale: WARNING: the {label} run had failures: {run.child['failed']}")
+    if not keep_root:
+        shutil.rmtree(RUN_DIR / f"root_{label}", ignore_errors=True)
+    return run
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        sys.exit(child_main(sys.argv[2], sys.argv[3]))
+    main()
