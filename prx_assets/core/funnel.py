@@ -40,7 +40,7 @@ class Funnel:
         return [("raw", self.raw), ("decodable", self.decodable), ("kept by the filter", self.kept),
                 ("captioned", self.captioned), ("labelled", self.labelled),
                 ("duplicates", self.duplicates), ("skipped", self.skipped),
-                ("samples in shards", self.in_shards)]
+                ("samples in shards", self.in_shards), ("streamed by loader", self.streamed)]
 
     @property
     def streamed(self) -> int:
@@ -88,6 +88,4 @@ def format_funnel(funnel: Funnel) -> list[str]:
     for name, count in funnel.rows():
         share = f"{count / funnel.raw:6.1%}" if funnel.raw else "     -"
         lines.append(f"   {name:<20} {count:>9,}  {share}")
-    lines.append(f"   {'streamed by loader':<20} {funnel.streamed:>9,}  "
-                 + (f"{funnel.streamed / funnel.raw:6.1%}" if funnel.raw else "     -"))
     return lines
