@@ -22,8 +22,8 @@ import pyarrow as pa
 from PIL import Image
 
 from bench.common import Figure, report, timed
-from prx_assets.core.captioners import CaptionerSpec, TransformersCaptioner, vllm_preprocess
-from prx_assets.demo import encode, procedural_image
+from prx_assets.s3_captions.captioners import CaptionerSpec, TransformersCaptioner, vllm_preprocess
+from prx_assets.demo.corpus import encode, procedural_image
 
 H200_IMAGES_PER_S = 20.0
 TIER_SHAPES = ((1024, 1024), (1184, 880), (880, 1184), (1440, 720), (2048, 2048), (512, 512))
@@ -61,9 +61,9 @@ def naive_feed(uri: Path, spec: CaptionerSpec) -> int:
 
 
 def pipeline_overhead(work: Path, uri: Path, count: int) -> tuple[float, float]:
-    from prx_assets.core import ray_runtime
-    from prx_assets.core.caption_runs import caption_source, pending_requests
-    from prx_assets.core.tiny_vlm import build_tiny_qwen3_vl
+    from prx_assets.engine import ray_runtime
+    from prx_assets.s3_captions.runs import caption_source, pending_requests
+    from prx_assets_tests.fixtures.tiny_vlm import build_tiny_qwen3_vl
 
     import ray.data
 

@@ -47,7 +47,7 @@ def generated_jpegs(directory: Path, count: int, seed: int = 0,
                     sizes: tuple[tuple[int, int], ...] = ((1600, 1200), (1200, 1600), (2048, 1365),
                                                           (1024, 1024), (2400, 1600))) -> Path:
     """A folder of generated photo-like JPEGs (cached between runs)."""
-    from prx_assets.demo import encode, procedural_image
+    from prx_assets.demo.corpus import encode, procedural_image
 
     directory.mkdir(parents=True, exist_ok=True)
     existing = len(list(directory.glob("*.jpg")))

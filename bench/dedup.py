@@ -27,17 +27,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from bench.common import Figure, report, timed
-from prx_assets.core import mds
-from prx_assets.core.dedup import bucket_count, bucket_of, group_candidates
-from prx_assets.core.image_stage import BUCKETED_SCHEMA
-from prx_assets.core.imaging import encode_jpeg
-from prx_assets.core.lance_tables import table_uri
-from prx_assets.core.opt_outs import ids_for_source, opt_out_dir, parse_directory, resolve
-from prx_assets.core.captions import active_caption_filter
-from prx_assets.core.rewrite import rewrite_without_skipped
-from prx_assets.core.skip_lists import (
+from prx_assets.s7_shards import mds
+from prx_assets.s5_dedup.dedup import bucket_count, bucket_of, group_candidates
+from prx_assets.s2_images.stage import BUCKETED_SCHEMA
+from prx_assets.s2_images.imaging import encode_jpeg
+from prx_assets.storage.lance_tables import table_uri
+from prx_assets.s6_opt_outs.opt_outs import ids_for_source, opt_out_dir, parse_directory, resolve
+from prx_assets.s3_captions.captions import active_caption_filter
+from prx_assets.s7_shards.rewrite import rewrite_without_skipped
+from prx_assets.s8_skip_lists.skip_lists import (
     apply_skip_lists, build_skip_lists, mapping_batches, mapping_shards, sidecar_files)
-from prx_assets.demo import procedural_image
+from prx_assets.demo.corpus import procedural_image
 
 HASHES = 10_000_000
 ROWS_PER_BUCKET = 1_000_000

@@ -14,11 +14,11 @@ import numpy as np
 from PIL import Image
 
 from bench.common import Figure, report, timed
-from prx_assets.core import phash as phash_mod
-from prx_assets.core.buckets import assign_bucket
-from prx_assets.core.fidelity import psnr
-from prx_assets.core.imaging import ImageOptions, encode_jpeg, process_image, to_rgb
-from prx_assets.demo import encode, photo_variant, procedural_image, real_photo_paths
+from prx_assets.s2_images import phash as phash_mod
+from prx_assets.s2_images.buckets import assign_bucket
+from prx_assets.s2_images.fidelity import psnr
+from prx_assets.s2_images.imaging import ImageOptions, encode_jpeg, process_image, to_rgb
+from prx_assets.demo.corpus import encode, photo_variant, procedural_image, real_photo_paths
 
 EXACT = ImageOptions(draft_margin=None, reducing_gap=None)
 

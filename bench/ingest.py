@@ -14,11 +14,11 @@ import pyarrow as pa
 from PIL import Image
 
 from bench.common import Figure, OUT, generated_jpegs, report, timed
-from prx_assets.core import ray_runtime
-from prx_assets.core.ingest import IngestOptions, build_raw_dataset
-from prx_assets.core.lance_tables import FragmentPolicy, write_dataset_atomically
-from prx_assets.core.raw_rows import RAW_IMAGES_SCHEMA
-from prx_assets.core.sources import SourceSpec
+from prx_assets.engine import ray_runtime
+from prx_assets.s1_ingest.ingest import IngestOptions, build_raw_dataset
+from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
+from prx_assets.s1_ingest.raw_rows import RAW_IMAGES_SCHEMA
+from prx_assets.s1_ingest.sources import SourceSpec
 
 N_IMAGES = 400
 

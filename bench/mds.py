@@ -26,10 +26,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from bench.common import OUT, Figure, report, timed
-from prx_assets.core import mds, ray_runtime
-from prx_assets.core.lance_tables import table_uri
-from prx_assets.core.skip_lists import sidecar_path
-from prx_assets_tests.mds_corpus import build_corpus, inputs_for
+from prx_assets.s7_shards import mds, ray_runtime
+from prx_assets.storage.lance_tables import table_uri
+from prx_assets.s8_skip_lists.skip_lists import sidecar_path
+from prx_assets_tests.fixtures.mds_corpus import build_corpus, inputs_for
 
 WRITE_SHAPES = ((512, 512, 512), (512, 448, 576), (512, 576, 448))
 LOAD_SHAPES = ((1, 64, 64), (1, 48, 80), (1, 80, 48))

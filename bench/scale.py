@@ -113,8 +113,8 @@ def child_main(sources_file: str, result_path: str) -> int:
     step timings from the instance's event log."""
     import dagster as dg
 
-    from prx_assets.core import ray_runtime
-    from prx_assets.runner import materialize_all
+    from prx_assets.engine import ray_runtime
+    from prx_assets.demo.corpus.runner import materialize_all
 
     started = time.perf_counter()
     ray_runtime.connect()
@@ -167,8 +167,8 @@ _worker: dict = {}
 
 
 def _kernel_worker_init(out_dir: str) -> None:
-    from prx_assets.core.embeddings import MiniLMEmbedder
-    from prx_assets.core.labels import load_embedded_classifier
+    from prx_assets.models.embeddings import MiniLMEmbedder
+    from prx_assets.s4_labels.labels import load_embedded_classifier
 
     started, cpu_started = time.perf_counter(), time.process_time()
     _worker.update(embedder=MiniLMEmbedder(threads=1), classifier=load_embedded_classifier(),
@@ -181,12 +181,12 @@ def kernel_chunk(job: tuple[str, list[str]]) -> dict:
     """Every kernel on one chunk of files; seconds per kernel (and the one-off model load)."""
     from streaming import MDSWriter
 
-    from prx_assets.core.corpus import thumbnail
-    from prx_assets.core.imaging import process_image
-    from prx_assets.core.mds import MDS_COLUMNS
-    from prx_assets.core.raw_rows import raw_row
-    from prx_assets.core.readers import read_image_file
-    from prx_assets.core.sources import SourceSpec
+    from prx_assets.s9_corpus.corpus import thumbnail
+    from prx_assets.s2_images.imaging import process_image
+    from prx_assets.s7_shards.mds import MDS_COLUMNS
+    from prx_assets.s1_ingest.raw_rows import raw_row
+    from prx_assets.s1_ingest.readers import read_image_file
+    from prx_assets.s1_ingest.sources import SourceSpec
 
     root, files = job
     spec = SourceSpec(name="kernel", kind="image_folder", uri=root)

@@ -12,7 +12,7 @@ Aspect ratios: the common camera and screen shapes (4:3, 3:2, 16:9, 1:1 and thei
 portraits) plus a 10 % tail log-uniform between 1:3 and 3:1, so a few percent fall
 outside the [0.5, 2] filter. One file in 500 is broken (truncated, empty, not an image).
 
-Images come from `prx_assets.demo.procedural_image` (photo-like gradients, shapes and
+Images come from `prx_assets.demo.corpus.procedural_image` (photo-like gradients, shapes and
 grain; above 2 MP crops of a few large ones, see `picture`), JPEG quality 85-90, generated
 once by a 2-process pool and cached under bench/out; each image's sidecar .txt is its
 `original` caption (~35 words, alt-text length).
@@ -92,7 +92,7 @@ def caption_for(index: int) -> str:
 
 
 def image_bytes(planned: Planned) -> bytes:
-    from prx_assets.demo import encode
+    from prx_assets.demo.corpus import encode
 
     if planned.broken == "empty":
         return b""
@@ -109,7 +109,7 @@ def picture(rng: np.random.Generator, width: int, height: int) -> Image.Image:
     megapixel and a crop almost nothing. Drawn at a quarter size and upscaled like the
     canvases, a crop has the same grain, gradients and edges per pixel as a picture drawn
     at its size, only its shapes are larger."""
-    from prx_assets.demo import procedural_image
+    from prx_assets.demo.corpus import procedural_image
 
     if width * height < CROP_FROM_MP * 1e6 or max(width, height) > CANVAS_SIDE:
         return procedural_image(rng, width, height)
@@ -124,7 +124,7 @@ _CANVAS_CACHE: list[Image.Image] = []
 
 
 def _canvases() -> list[Image.Image]:
-    from prx_assets.demo import procedural_image
+    from prx_assets.demo.corpus import procedural_image
 
     if not _CANVAS_CACHE:
         _CANVAS_CACHE.extend(procedural_image(np.random.default_rng((SEED, k, 3)), CANVAS_SIDE,

@@ -11,7 +11,7 @@ DEFAULT_DEMO_DIR = Path("demo_corpus")
 
 
 def _make_demo_corpus(args: argparse.Namespace) -> int:
-    from prx_assets.demo import make_demo_corpus
+    from prx_assets.demo.corpus import make_demo_corpus
 
     sources = make_demo_corpus(Path(args.dir), scale=args.scale)
     print(f"demo corpus written; sources file: {sources}")
@@ -20,8 +20,8 @@ def _make_demo_corpus(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     """Materialise every asset for every source of the demo corpus, then summarise."""
-    from prx_assets.core.sources import sources_path
-    from prx_assets.demo import make_demo_corpus
+    from prx_assets.s1_ingest.sources import sources_path
+    from prx_assets.demo.corpus import make_demo_corpus
 
     corpus = Path(args.dir)
     if not (corpus / "sources.yaml").exists() or args.rebuild:
@@ -30,7 +30,7 @@ def _demo(args: argparse.Namespace) -> int:
     # The repo's sources.yaml points at the demo corpus; PRX_SOURCES may name another file.
     sources_file = sources_path()
     os.environ["PRX_SOURCES"] = str(sources_file)
-    from prx_assets.runner import materialize_all, print_summary
+    from prx_assets.demo.corpus.runner import materialize_all, print_summary
 
     results = materialize_all(sources_file)
     print_summary(results, sources_file)
@@ -38,14 +38,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _corpus_uri() -> Path:
-    from prx_assets.core.lance_tables import table_uri
-    from prx_assets.core.settings import data_root
+    from prx_assets.storage.lance_tables import table_uri
+    from prx_assets.storage.settings import data_root
 
     return table_uri(data_root(), "corpus")
 
 
 def _search(args: argparse.Namespace) -> int:
-    from prx_assets.core.search import SearchError, format_hits, search_text
+    from prx_assets.s9_corpus.search import SearchError, format_hits, search_text
 
     try:
         hits = search_text(_corpus_uri(), args.text, k=args.k, source=args.source,
@@ -58,7 +58,7 @@ def _search(args: argparse.Namespace) -> int:
 
 
 def _similar(args: argparse.Namespace) -> int:
-    from prx_assets.core.search import SearchError, format_hits, similar
+    from prx_assets.s9_corpus.search import SearchError, format_hits, similar
 
     try:
         hits = similar(_corpus_uri(), args.id, k=args.k, source=args.source, label=args.label)

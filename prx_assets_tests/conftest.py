@@ -18,7 +18,7 @@ os.environ.pop("RAY_ADDRESS", None)  # tests start their own clusters where they
 
 @pytest.fixture(scope="session")
 def ray_session():
-    from prx_assets.core import ray_runtime
+    from prx_assets.engine import ray_runtime
 
     started = ray_runtime.connect(num_cpus=2)
     yield
@@ -34,7 +34,7 @@ def data_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def jpeg_bytes(width: int, height: int, seed: int = 0, quality: int = 90) -> bytes:
-    from prx_assets.demo import encode, procedural_image
+    from prx_assets.demo.corpus import encode, procedural_image
 
     return encode(procedural_image(np.random.default_rng(seed), width, height), "JPEG", quality)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from prx_assets.core.sources import load_sources, sources_path
+from prx_assets.s1_ingest.sources import load_sources, sources_path
 from prx_assets.defs.assets.raw_images import build_raw_images
 from prx_assets.defs.assets.images import build_image_stage
 from prx_assets.defs.assets.captions import build_captions, caption_checks

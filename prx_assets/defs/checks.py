@@ -4,12 +4,12 @@
 import dagster as dg
 
 
-from prx_assets.core.fidelity import fidelity_report
-from prx_assets.core.imaging import DEFAULT_QUALITY, DEFAULT_SUBSAMPLING, ImageOptions
-from prx_assets.core.lance_tables import FragmentPolicy, table_uri
-from prx_assets.core.settings import data_root
-from prx_assets.core.table_checks import duplicate_ids, fragment_health
-from prx_assets.core.table_stats import profile_table
+from prx_assets.s2_images.fidelity import fidelity_report
+from prx_assets.s2_images.imaging import DEFAULT_QUALITY, DEFAULT_SUBSAMPLING, ImageOptions
+from prx_assets.storage.lance_tables import FragmentPolicy, table_uri
+from prx_assets.storage.settings import data_root
+from prx_assets.storage.table_checks import duplicate_ids, fragment_health
+from prx_assets.storage.table_stats import profile_table
 from prx_assets.defs.resources import RayResource
 
 

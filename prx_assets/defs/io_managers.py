@@ -15,9 +15,9 @@ import dagster as dg
 import pyarrow as pa
 import ray.data
 
-from prx_assets.core import lance_tables
-from prx_assets.core.lance_tables import FragmentPolicy, table_uri
-from prx_assets.core.settings import data_root
+from prx_assets.storage import lance_tables
+from prx_assets.storage.lance_tables import FragmentPolicy, table_uri
+from prx_assets.storage.settings import data_root
 from prx_assets.defs.lineage import materialized_lance_version
 from prx_assets.defs.metadata import PROFILERS
 

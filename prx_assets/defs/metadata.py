@@ -6,7 +6,7 @@ from collections import Counter
 
 import dagster as dg
 
-from prx_assets.core.table_stats import BucketProfile, TableProfile, bucket_profile, profile_table
+from prx_assets.storage.table_stats import BucketProfile, TableProfile, bucket_profile, profile_table
 
 
 def counts_table(counts: Counter, key_name: str, total: int | None = None) -> dg.TableMetadataValue:

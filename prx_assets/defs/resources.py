@@ -11,10 +11,10 @@ import yaml
 import dagster as dg
 from pydantic import PrivateAttr
 
-from prx_assets.core import ray_runtime
-from prx_assets.core.captioners import CaptionerSpec
-from prx_assets.core.captions import DEFAULT_PROMPT
-from prx_assets.core.sources import SourcesConfig, load_sources, sources_path
+from prx_assets.engine import ray_runtime
+from prx_assets.s3_captions.captioners import CaptionerSpec
+from prx_assets.s3_captions.captions import DEFAULT_PROMPT
+from prx_assets.s1_ingest.sources import SourcesConfig, load_sources, sources_path
 
 
 class RayResource(dg.ConfigurableResource):
@@ -122,8 +122,8 @@ class ClassifierResource(dg.ConfigurableResource):
     def spec(self):
         import os
 
-        from prx_assets.core.label_backends import DEFAULT_LLM, OpenAISettings, VLLMSettings
-        from prx_assets.core.label_runs import LabelerSpec
+        from prx_assets.s4_labels.backends import DEFAULT_LLM, OpenAISettings, VLLMSettings
+        from prx_assets.s4_labels.runs import LabelerSpec
 
         model = self.model or DEFAULT_LLM
         openai = OpenAISettings(self.base_url, model=model,

@@ -4,10 +4,10 @@ from typing import Optional
 
 import dagster as dg
 
-from prx_assets.core.mds import DEFAULT_ROWS_PER_PART, WriteOptions
-from prx_assets.core.captions import active_caption_filter
-from prx_assets.core.rewrite import pinned_inputs, rewrite_without_skipped
-from prx_assets.core.settings import data_root
+from prx_assets.s7_shards.mds import DEFAULT_ROWS_PER_PART, WriteOptions
+from prx_assets.s3_captions.captions import active_caption_filter
+from prx_assets.s7_shards.rewrite import pinned_inputs, rewrite_without_skipped
+from prx_assets.storage.settings import data_root
 from prx_assets.defs.resources import RayResource
 
 

@@ -5,10 +5,10 @@ import json
 
 import dagster as dg
 
-from prx_assets.core.opt_outs import (
+from prx_assets.s6_opt_outs.opt_outs import (
     affected_sources, fingerprint, opt_out_dir, parse_directory, request_files, resolve)
-from prx_assets.core.settings import data_root
-from prx_assets.core.sources import load_sources
+from prx_assets.storage.settings import data_root
+from prx_assets.s1_ingest.sources import load_sources
 
 
 def build_opt_out_sensor(sources_file: str) -> dg.SensorDefinition:

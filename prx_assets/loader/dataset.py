@@ -30,7 +30,7 @@ import numpy as np
 from numpy.typing import NDArray
 from streaming import StreamingDataset
 
-from prx_assets.core.skip_lists import read_sidecar, sidecar_path
+from prx_assets.s8_skip_lists.skip_lists import read_sidecar, sidecar_path
 
 OPEN_SHARDS = 64  # memory maps kept open per worker (least recently used closed first)
 # mosaicml-streaming's default predownload (8 x batch) makes the ready thread sleep in 7 ms

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from streaming import Stream
 
-from prx_assets.core.mds import current_tree, leaf_samples, tree_leaves
-from prx_assets.core.sources import load_sources
+from prx_assets.s7_shards.mds import current_tree, leaf_samples, tree_leaves
+from prx_assets.s1_ingest.sources import load_sources
 
 
 @dataclass(frozen=True)

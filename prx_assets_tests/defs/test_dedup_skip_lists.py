@@ -9,14 +9,14 @@ import lance
 import pyarrow as pa
 from PIL import Image
 
-from prx_assets.core.ids import sample_id
-from prx_assets.core.image_stage import PHASH_SCHEMA
-from prx_assets.core.lance_tables import table_uri
-from prx_assets.core.phash import phash
-from prx_assets.core.raw_rows import RAW_IMAGES_SCHEMA
-from prx_assets.core.skip_lists import read_sidecar
+from prx_assets.s1_ingest.ids import sample_id
+from prx_assets.s2_images.stage import PHASH_SCHEMA
+from prx_assets.storage.lance_tables import table_uri
+from prx_assets.s2_images.phash import phash
+from prx_assets.s1_ingest.raw_rows import RAW_IMAGES_SCHEMA
+from prx_assets.s8_skip_lists.skip_lists import read_sidecar
 from prx_assets.defs import build_defs
-from prx_assets.demo import encode, real_photo_paths
+from prx_assets.demo.corpus import encode, real_photo_paths
 from prx_assets_tests.conftest import image_bytes, write_sources
 
 

@@ -5,10 +5,10 @@ from prx_assets.defs.assets.labels import (
     build_caption_labels, build_corpus_asset, caption_labels_checks)
 from prx_assets.defs.resources import (
     CaptionerResource, ClassifierResource, RayResource, SourcesResource)
-from prx_assets.core.search import search_text
+from prx_assets.s9_corpus.search import search_text
 from prx_assets_tests.conftest import write_sources
-from prx_assets_tests.corpus_tables import CAPTION_VERSION, write_source
-from prx_assets_tests.labelled_captions import labelled_test_captions
+from prx_assets_tests.fixtures.corpus_tables import CAPTION_VERSION, write_source
+from prx_assets_tests.fixtures.labelled_captions import labelled_test_captions
 
 
 def test_caption_labels_then_corpus(ray_session, data_root, tmp_path):

@@ -1,11 +1,11 @@
 import dagster as dg
 import lance
 
-from prx_assets.core import mds
+from prx_assets.s7_shards import mds
 from prx_assets.defs.assets.mds_shards import build_mds_shards, mds_tree_check
 from prx_assets.defs.resources import CaptionerResource, RayResource
 from prx_assets_tests.defs.test_raw_images import checks
-from prx_assets_tests.mds_corpus import ACTIVE, build_corpus
+from prx_assets_tests.fixtures.mds_corpus import ACTIVE, build_corpus
 
 
 def _materialize(instance, version=ACTIVE):

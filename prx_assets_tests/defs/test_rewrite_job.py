@@ -4,13 +4,13 @@ import dagster as dg
 import lance
 from streaming.base.util import clean_stale_shared_memory
 
-from prx_assets.core import mds
-from prx_assets.core.lance_tables import table_uri
-from prx_assets.core.skip_lists import (
+from prx_assets.s7_shards import mds
+from prx_assets.storage.lance_tables import table_uri
+from prx_assets.s8_skip_lists.skip_lists import (
     apply_skip_lists, build_skip_lists, mapping_batches, mapping_shards, sidecar_files)
 from prx_assets.defs import build_defs
 from prx_assets_tests.conftest import write_sources
-from prx_assets_tests.mds_corpus import ACTIVE, build_corpus, inputs_for
+from prx_assets_tests.fixtures.mds_corpus import ACTIVE, build_corpus, inputs_for
 
 
 def _ids(root) -> set[str]:

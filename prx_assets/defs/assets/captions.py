@@ -10,12 +10,12 @@ from collections import Counter
 import dagster as dg
 import ray.data
 
-from prx_assets.core.caption_runs import (
+from prx_assets.s3_captions.runs import (
     CaptionRunReport, caption_source, changed_ids, coverage, drop_captions, ensure_table,
     pending_requests)
-from prx_assets.core.captions import TARGET_WORDS, word_histogram
-from prx_assets.core.lance_tables import table_uri
-from prx_assets.core.settings import data_root
+from prx_assets.s3_captions.captions import TARGET_WORDS, word_histogram
+from prx_assets.storage.lance_tables import table_uri
+from prx_assets.storage.settings import data_root
 from prx_assets.defs.io_managers import COLUMNS_KEY
 from prx_assets.defs.lineage import (
     input_versions, materialized_lance_version, recorded_input_version)

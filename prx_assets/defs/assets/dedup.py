@@ -2,10 +2,10 @@
 
 import dagster as dg
 
-from prx_assets.core.dedup import (
+from prx_assets.s5_dedup.dedup import (
     DEFAULT_ROWS_PER_BUCKET, DUPLICATES_SCHEMA, duplicates_dataset, hash_inputs, hashed_rows,
     near_duplicate_report, summarise)
-from prx_assets.core.settings import data_root
+from prx_assets.storage.settings import data_root
 from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, FRAGMENT_ROWS_KEY, LanceTableOutput
 from prx_assets.defs.resources import RayResource, SourcesResource
 

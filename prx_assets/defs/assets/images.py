@@ -9,13 +9,13 @@ from typing import Iterator, Optional
 import dagster as dg
 import ray.data
 
-from prx_assets.core.buckets import BucketRule, DEFAULT_TIERS
-from prx_assets.core.image_stage import (
+from prx_assets.s2_images.buckets import BucketRule, DEFAULT_TIERS
+from prx_assets.s2_images.stage import (
     BUCKETED_SCHEMA, PHASH_COLUMNS, PHASH_SCHEMA, RAW_COLUMNS, build_bucketed_dataset)
-from prx_assets.core.imaging import DEFAULT_QUALITY, DEFAULT_SUBSAMPLING, ImageOptions
-from prx_assets.core.lance_tables import table_uri
-from prx_assets.core.settings import data_root
-from prx_assets.core.table_stats import bucket_profile
+from prx_assets.s2_images.imaging import DEFAULT_QUALITY, DEFAULT_SUBSAMPLING, ImageOptions
+from prx_assets.storage.lance_tables import table_uri
+from prx_assets.storage.settings import data_root
+from prx_assets.storage.table_stats import bucket_profile
 from prx_assets.defs.io_managers import (
     COLUMNS_KEY, FRAGMENT_BYTES_KEY, FRAGMENT_ROWS_KEY, PROFILE_KEY, LanceTableOutput)
 from prx_assets.defs.lineage import input_versions

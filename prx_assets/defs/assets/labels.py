@@ -9,12 +9,12 @@ from typing import Optional
 
 import dagster as dg
 
-from prx_assets.core.captions import active_caption_filter
-from prx_assets.core.corpus import SourceTables, build_corpus
-from prx_assets.core.labels import LABELS, active_labels_filter, load_embedded_classifier
-from prx_assets.core.label_runs import label_coverage, label_source
-from prx_assets.core.lance_tables import table_uri
-from prx_assets.core.settings import data_root
+from prx_assets.s3_captions.captions import active_caption_filter
+from prx_assets.s9_corpus.corpus import SourceTables, build_corpus
+from prx_assets.s4_labels.labels import LABELS, active_labels_filter, load_embedded_classifier
+from prx_assets.s4_labels.runs import label_coverage, label_source
+from prx_assets.storage.lance_tables import table_uri
+from prx_assets.storage.settings import data_root
 from prx_assets.defs.lineage import input_versions, materialized_lance_version
 from prx_assets.defs.metadata import counts_table
 from prx_assets.defs.resources import ClassifierResource

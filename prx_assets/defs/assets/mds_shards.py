@@ -4,11 +4,11 @@ from typing import Optional
 
 import dagster as dg
 
-from prx_assets.core.captions import active_caption_filter
-from prx_assets.core.lance_tables import table_uri
-from prx_assets.core.mds import (
+from prx_assets.s3_captions.captions import active_caption_filter
+from prx_assets.storage.lance_tables import table_uri
+from prx_assets.s7_shards.mds import (
     DEFAULT_ROWS_PER_PART, SampleInputs, TreeReport, WriteOptions, verify_tree, write_mds_tree)
-from prx_assets.core.settings import data_root
+from prx_assets.storage.settings import data_root
 from prx_assets.defs.lineage import input_versions, materialized_lance_version
 from prx_assets.defs.metadata import counts_table
 from prx_assets.defs.resources import CaptionerResource, RayResource

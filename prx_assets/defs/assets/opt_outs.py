@@ -6,9 +6,9 @@ import dagster as dg
 import pyarrow as pa
 import ray.data
 
-from prx_assets.core.opt_outs import (
+from prx_assets.s6_opt_outs.opt_outs import (
     AUDIT_SCHEMA, ParsedRequests, opt_out_dir, parse_directory, resolve)
-from prx_assets.core.settings import data_root
+from prx_assets.storage.settings import data_root
 from prx_assets.defs.io_managers import FRAGMENT_ROWS_KEY, LanceTableOutput
 from prx_assets.defs.metadata import counts_table
 from prx_assets.defs.resources import RayResource, SourcesResource

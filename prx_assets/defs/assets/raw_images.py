@@ -3,11 +3,11 @@
 
 import dagster as dg
 
-from prx_assets.core.ingest import IngestOptions, build_raw_dataset
-from prx_assets.core.probe import DEFAULT_MAX_PIXELS
-from prx_assets.core.raw_rows import RAW_IMAGES_SCHEMA
-from prx_assets.core.readers import DEFAULT_MAX_FILE_BYTES, SourceNotFoundError
-from prx_assets.core.settings import data_root
+from prx_assets.s1_ingest.ingest import IngestOptions, build_raw_dataset
+from prx_assets.s1_ingest.probe import DEFAULT_MAX_PIXELS
+from prx_assets.s1_ingest.raw_rows import RAW_IMAGES_SCHEMA
+from prx_assets.s1_ingest.readers import DEFAULT_MAX_FILE_BYTES, SourceNotFoundError
+from prx_assets.storage.settings import data_root
 from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, PROFILE_KEY, LanceTableOutput
 from prx_assets.defs.resources import RayResource, SourcesResource
 

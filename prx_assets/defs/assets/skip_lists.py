@@ -5,11 +5,11 @@ from pathlib import Path
 import dagster as dg
 import lance
 
-from prx_assets.core.lance_tables import table_uri
-from prx_assets.core.mds import current_tree
-from prx_assets.core.opt_outs import ids_for_source, opt_out_dir, parse_directory, resolve
-from prx_assets.core.settings import data_root
-from prx_assets.core.skip_lists import (
+from prx_assets.storage.lance_tables import table_uri
+from prx_assets.s7_shards.mds import current_tree
+from prx_assets.s6_opt_outs.opt_outs import ids_for_source, opt_out_dir, parse_directory, resolve
+from prx_assets.storage.settings import data_root
+from prx_assets.s8_skip_lists.skip_lists import (
     REASON_DEDUP, REASON_OPTOUT, apply_skip_lists, build_skip_lists,
     duplicate_ids, label_ids, mapping_batches, mapping_shards, read_ablations, skip_shares)
 from prx_assets.defs.resources import CaptionerResource, ClassifierResource, SourcesResource

@@ -1,0 +1,91 @@
+"""Where a source's images go: one count per stage, read back from the stored tables.
+
+Counted from what is on disk (not from the last run's metadata), so an incremental rerun
+that skipped a stage still reports the whole source. Each count is a Lance `count_rows`
+with a filter, or a pass over the skip sidecars: nothing is loaded whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import lance
+
+from prx_assets.s2_images.buckets import STATUS_BAD_ASPECT, STATUS_TOO_SMALL
+from prx_assets.s3_captions.captions import active_caption_filter
+from prx_assets.storage.lance_tables import table_uri
+from prx_assets.s7_shards.mds import current_tree, mds_root
+from prx_assets.s8_skip_lists.skip_lists import (
+    duplicate_ids, read_sidecar, sidecar_files, skipped_indices, sql_string)
+
+# Image-stage statuses of rows that decoded (the filter's reasons); any other non-ok
+# status is a file that could not be read as an image.
+DECODED_STATUSES = ("ok", STATUS_TOO_SMALL, STATUS_BAD_ASPECT)
+
+
+@dataclass(frozen=True)
+class Funnel:
+    source: str
+    raw: int
+    decodable: int
+    kept: int
+    captioned: int
+    labelled: int
+    duplicates: int
+    skipped: int
+    in_shards: int
+
+    def rows(self) -> list[tuple[str, int]]:
+        return [("raw", self.raw), ("decodable", self.decodable), ("kept by the filter", self.kept),
+                ("captioned", self.captioned), ("labelled", self.labelled),
+                ("duplicates", self.duplicates), ("skipped", self.skipped),
+                ("samples in shards", self.in_shards), ("streamed by loader", self.streamed)]
+
+    @property
+    def streamed(self) -> int:
+        """What the loader yields: samples in shards minus the skipped ones."""
+        return self.in_shards - self.skipped
+
+
+def _count(uri: Path, condition: str | None = None) -> int:
+    if not Path(uri).exists():
+        return 0
+    return lance.dataset(str(uri)).count_rows(filter=condition)
+
+
+def skipped_in_tree(tree: Path) -> int:
+    """Samples the sidecars skip, any reason (a sample skipped for two reasons counts once)."""
+    return sum(len(skipped_indices(read_sidecar(path))) for path in sidecar_files(tree))
+
+
+def source_funnel(root: Path, source: str, caption_version: str,
+                  classifier_version: str) -> Funnel:
+    statuses = ", ".join(sql_string(s) for s in DECODED_STATUSES)
+    labelled = (f"caption_version = {sql_string(caption_version)} AND "
+                f"classifier_version = {sql_string(classifier_version)}")
+    try:
+        tree = current_tree(mds_root(root), source)
+        skipped = skipped_in_tree(tree)
+    except FileNotFoundError:  # no shards written yet
+        skipped = 0
+    return Funnel(
+        source=source,
+        raw=_count(table_uri(root, "raw_images", source)),
+        decodable=_count(table_uri(root, "bucketed_images", source), f"status IN ({statuses})"),
+        kept=_count(table_uri(root, "bucketed_images", source), "status = 'ok'"),
+        captioned=_count(table_uri(root, "captions", source), active_caption_filter(caption_version)),
+        labelled=_count(table_uri(root, "caption_labels", source), labelled),
+        duplicates=len(duplicate_ids(table_uri(root, "duplicates"), source)),
+        skipped=skipped,
+        in_shards=_count(table_uri(root, "mds_samples", source)),
+    )
+
+
+def format_funnel(funnel: Funnel) -> list[str]:
+    """Aligned lines: count, and the share of the raw rows."""
+    lines = []
+    for name, count in funnel.rows():
+        share = f"{count / funnel.raw:6.1%}" if funnel.raw else "     -"
+        lines.append(f"   {name:<20} {count:>9,}  {share}")
+    return lines

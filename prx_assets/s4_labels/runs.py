@@ -1,0 +1,275 @@
+"""Incremental labelling of one source's captions.
+
+Work = the active caption version's usable captions minus the ids already labelled under
+the same (caption_version, classifier_version) pair. Captions are embedded with MiniLM and
+labelled in a Ray actor pool (one model per actor); results stream back to the driver and
+are committed in chunks with a Lance merge-insert keyed on (id, caption_version,
+classifier_version): a killed run loses at most the chunk in flight, a rerun never doubles a
+row, and the previous table version stays readable throughout.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import lance
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray.data
+
+from prx_assets.models.embeddings import MiniLMEmbedder
+from prx_assets.s4_labels.backends import (
+    QUESTION, OpenAILabelClient, OpenAISettings, VLLMSettings, build_vllm_labeler,
+    vllm_sampling_params)
+from prx_assets.s4_labels.labels import (
+    DEFAULT_L2, LABELS, LABELS_SCHEMA, EmbeddedLabeler, active_labels_filter,
+    embedded_classifier_version, label_rows, version_hash)
+from prx_assets.storage.lance_tables import FragmentPolicy, cleanup, compact, upsert
+
+LABEL_KEYS = ["id", "caption_version", "classifier_version"]
+LABELS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
+CAPTION_COLUMNS = ["id", "caption_version", "caption"]
+# What a label stage yields: LABELS_SCHEMA rows plus an error (label null when it failed).
+STAGE_SCHEMA = pa.schema([f.with_nullable(True) if f.name == "label" else f
+                          for f in LABELS_SCHEMA] + [pa.field("error", pa.string())])
+BACKENDS = ("embedded", "openai", "vllm")
+
+
+@dataclass(frozen=True)
+class LabelerSpec:
+    """Which backend labels captions, and how many workers it runs."""
+
+    backend: str = "embedded"
+    actors: int = 1
+    threads_per_actor: int = 1
+    batch_size: int = 64
+    l2: float = DEFAULT_L2
+    openai: OpenAISettings | None = None
+    vllm: VLLMSettings = VLLMSettings()
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown classifier backend {self.backend!r}; one of {BACKENDS}")
+        if self.backend == "openai" and self.openai is None:
+            raise ValueError("the openai backend needs OpenAISettings(base_url=...)")
+
+    def version(self) -> str:
+        """Short hash of backend, model, training set / prompt and classifier parameters."""
+        if self.backend == "embedded":
+            return f"embedded-{embedded_classifier_version(self.l2)}"
+        model = self.openai.model if self.backend == "openai" else self.vllm.model
+        return f"{self.backend}-" + version_hash(backend=self.backend, model=model,
+                                                prompt=QUESTION, sampling=vllm_sampling_params())
+
+
+@dataclass
+class LabelRunReport:
+    caption_version: str
+    classifier_version: str
+    pending: int = 0
+    written: int = 0
+    failed: int = 0
+    chunks: int = 0
+    seconds: float = 0.0
+    labels: Counter = field(default_factory=Counter)
+    errors: list[str] = field(default_factory=list)  # a few examples
+    lance_version: int | None = None
+
+    @property
+    def captions_per_s(self) -> float:
+        return (self.written + self.failed) / self.seconds if self.seconds > 0 else 0.0
+
+
+def labelled_ids(labels_uri: Path, caption_version: str, classifier_version: str,
+                 captions_uri: Path, caption_filter: str) -> pa.Array:
+    """Ids labelled under the pair from the caption they have now (ids and timestamps only).
+
+    A label older than its caption row is stale: the caption was written again since (its
+    source file changed, see `caption_runs.changed_ids`) and must be labelled again."""
+    if not labels_uri.exists():
+        return pa.array([], pa.string())
+    labels = lance.dataset(str(labels_uri)).to_table(
+        columns=["id", "created_at"],
+        filter=active_labels_filter(caption_version, classifier_version))
+    captions = lance.dataset(str(captions_uri)).to_table(
+        columns=["id", "created_at"], filter=caption_filter)
+    joined = labels.join(captions.rename_columns(["id", "captioned_at"]), "id")
+    fresh = pc.greater_equal(joined.column("created_at"), joined.column("captioned_at"))
+    return joined.filter(fresh).column("id").combine_chunks()
+
+
+def _drop_done(batch: pa.Table, done: pa.Array) -> pa.Table:
+    return batch.filter(pc.invert(pc.is_in(batch.column("id"), value_set=done)))
+
+
+def count_pending(captions_uri: Path, caption_filter: str, done: pa.Array) -> int:
+    scanner = lance.dataset(str(captions_uri)).scanner(columns=["id"], filter=caption_filter)
+    return sum(len(_drop_done(pa.Table.from_batches([b]), done)) for b in scanner.to_batches())
+
+
+def pending_captions(captions_uri: Path, caption_filter: str, done: pa.Array
+                     ) -> ray.data.Dataset:
+    """Usable captions of the active version whose id is not in `done`."""
+    captions = ray.data.read_lance(str(captions_uri), columns=CAPTION_COLUMNS,
+                                   filter=caption_filter)
+    if len(done) == 0:
+        return captions
+    return captions.map_batches(_drop_done, fn_kwargs={"done": done}, batch_format="pyarrow")
+
+
+class EmbeddingStage:
+    """Adds the MiniLM embedding (for backends whose labels come from elsewhere)."""
+
+    def __init__(self, threads: int = 1):
+        self.embedder = MiniLMEmbedder(threads=threads)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        vectors = self.embedder.embed([c or "" for c in batch.column("caption").to_pylist()])
+        return batch.append_column("embedding", pa.FixedSizeListArray.from_arrays(
+            pa.array(vectors.ravel(), pa.float32()), vectors.shape[1]))
+
+
+class OpenAILabelStage(EmbeddingStage):
+    """Embeds with MiniLM, labels through the endpoint; failures carry their error."""
+
+    def __init__(self, settings: OpenAISettings, classifier_version: str, threads: int = 1):
+        super().__init__(threads)
+        self.client = OpenAILabelClient(settings)
+        self.classifier_version = classifier_version
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        captions = [c or "" for c in batch.column("caption").to_pylist()]
+        vectors = self.embedder.embed(captions)
+        replies = self.client.label(captions)
+        return _stage_rows(batch, self.classifier_version, [r.label for r in replies],
+                           np.stack([r.scores for r in replies]), vectors,
+                           [r.error for r in replies])
+
+
+def _stage_rows(batch: pa.Table, classifier_version: str, labels: list, scores: np.ndarray,
+                vectors: np.ndarray, errors: list) -> pa.Table:
+    table = label_rows(batch.column("id").to_pylist(),
+                       batch.column("caption_version").to_pylist(), classifier_version,
+                       ["" if label is None else label for label in labels], scores, vectors)
+    label = pa.array(labels, pa.string())
+    table = table.set_column(table.schema.get_field_index("label"), STAGE_SCHEMA.field("label"),
+                             label)
+    return table.append_column(STAGE_SCHEMA.field("error"), pa.array(errors, pa.string()))
+
+
+class EmbeddedLabelStage(EmbeddedLabeler):
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return super().__call__(batch).cast(LABELS_SCHEMA).append_column(
+            STAGE_SCHEMA.field("error"), pa.nulls(batch.num_rows, pa.string())).cast(STAGE_SCHEMA)
+
+
+def label_stage(pending: ray.data.Dataset, spec: LabelerSpec) -> ray.data.Dataset:
+    """Caption rows in, STAGE_SCHEMA rows out, in an actor pool of `spec.actors`."""
+    pool = dict(batch_format="pyarrow", batch_size=spec.batch_size,
+                compute=ray.data.ActorPoolStrategy(size=spec.actors),
+                num_cpus=spec.threads_per_actor)
+    version = spec.version()
+    if spec.backend == "embedded":
+        return pending.map_batches(EmbeddedLabelStage, fn_constructor_kwargs={
+            "classifier_version": version, "threads": spec.threads_per_actor}, **pool)
+    if spec.backend == "openai":
+        return pending.map_batches(OpenAILabelStage, fn_constructor_kwargs={
+            "settings": spec.openai, "classifier_version": version,
+            "threads": spec.threads_per_actor}, **pool)
+    embedded = pending.map_batches(EmbeddingStage, fn_constructor_kwargs={
+        "threads": spec.threads_per_actor}, **pool)
+    labelled = build_vllm_labeler(spec.vllm)(embedded)
+    return labelled.map_batches(_vllm_rows, fn_kwargs={"classifier_version": version},
+                                batch_format="pyarrow")
+
+
+def _vllm_rows(batch: pa.Table, classifier_version: str) -> pa.Table:
+    labels = batch.column("label").to_pylist()
+    vectors = np.asarray(batch.column("embedding").to_pylist(), dtype=np.float32)
+    scores = np.asarray(batch.column("scores").to_pylist(), dtype=np.float32)
+    errors = [None if label else "not a label" for label in labels]
+    return _stage_rows(batch, classifier_version, labels, scores, vectors, errors)
+
+
+def ensure_labels_table(uri: Path) -> int:
+    """An empty labels table, so downstream readers and checks always find one."""
+    if uri.exists():
+        return lance.dataset(str(uri)).version
+    uri.parent.mkdir(parents=True, exist_ok=True)
+    return lance.write_dataset(LABELS_SCHEMA.empty_table(), str(uri), schema=LABELS_SCHEMA,
+                               mode="create").version
+
+
+def label_source(captions_uri: Path, labels_uri: Path, caption_version: str,
+                 caption_filter: str, spec: LabelerSpec, chunk_rows: int = 4096,
+                 on_chunk: Callable[[LabelRunReport], None] | None = None) -> LabelRunReport:
+    """Label the pending captions of one source and commit them chunk by chunk."""
+    report = LabelRunReport(caption_version, spec.version())
+    ensure_labels_table(labels_uri)
+    if not captions_uri.exists():
+        raise FileNotFoundError(f"{captions_uri} does not exist: materialise captions first")
+    done = labelled_ids(labels_uri, caption_version, report.classifier_version, captions_uri,
+                        caption_filter)
+    if count_pending(captions_uri, caption_filter, done) == 0:
+        report.lance_version = lance.dataset(str(labels_uri)).version
+        return report  # nothing to do: no actor pool, no model load
+    pending = pending_captions(captions_uri, caption_filter, done)
+    started = time.perf_counter()
+    for chunk in label_stage(pending, spec).iter_batches(batch_size=chunk_rows,
+                                                         batch_format="pyarrow"):
+        failed = pc.is_null(chunk.column("label"))
+        ok_rows = chunk.filter(pc.invert(failed)).drop_columns(["error"])
+        report.failed += chunk.num_rows - ok_rows.num_rows
+        errors = chunk.filter(failed).column("error").to_pylist()
+        report.errors.extend(errors[: max(0, 5 - len(report.errors))])
+        if ok_rows.num_rows:
+            report.lance_version = upsert(labels_uri, ok_rows, LABELS_SCHEMA, LABEL_KEYS)
+        report.written += ok_rows.num_rows
+        report.labels.update(ok_rows.column("label").to_pylist())
+        report.chunks += 1
+        report.seconds = time.perf_counter() - started
+        if on_chunk:
+            on_chunk(report)
+    report.seconds = time.perf_counter() - started
+    report.pending = report.written + report.failed
+    if report.chunks > 1:
+        compact(labels_uri, LABELS_FRAGMENTS)
+        cleanup(lance.dataset(str(labels_uri)), LABELS_FRAGMENTS)
+    report.lance_version = lance.dataset(str(labels_uri)).version
+    return report
+
+
+@dataclass(frozen=True)
+class LabelCoverage:
+    captions: int  # usable captions of the active version
+    counts: dict[str, int]  # label -> rows labelled under the active pair
+
+    @property
+    def labelled(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def share(self) -> float:
+        return self.labelled / self.captions if self.captions else 1.0
+
+    @property
+    def shares(self) -> dict[str, float]:
+        total = self.labelled
+        return {label: self.counts.get(label, 0) / total if total else 0.0 for label in LABELS}
+
+
+def label_coverage(captions_uri: Path, labels_uri: Path, caption_filter: str,
+                   caption_version: str, classifier_version: str) -> LabelCoverage:
+    """Counts for the checks and metadata, from the committed tables (no embeddings read)."""
+    captions = lance.dataset(str(captions_uri)).count_rows(filter=caption_filter) \
+        if captions_uri.exists() else 0
+    if not labels_uri.exists():
+        return LabelCoverage(captions, {})
+    labels = lance.dataset(str(labels_uri)).to_table(
+        columns=["label"], filter=active_labels_filter(caption_version, classifier_version))
+    return LabelCoverage(captions, dict(Counter(labels.column("label").to_pylist())))

@@ -1,0 +1,83 @@
+"""Rewriting one source's MDS tree without its skipped samples.
+
+Skip lists are free to change but cost I/O at training time (skipped samples are still
+stored and listed); past ~10 % skipped in a stream a rewrite pays off. The rewrite builds a
+new tree with issue 6's writer from the same pinned inputs as the current tree, minus the
+skipped ids, and swaps it in atomically. Reasons not rewritten (e.g. ablation lists one
+wants to keep toggling) are carried over as sidecars of the new tree, so the loader yields
+exactly the same ids before and after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import lance
+
+from prx_assets.storage.lance_tables import table_uri
+from prx_assets.s7_shards.mds import (
+    TREE_MANIFEST, SampleInputs, TreeReport, WriteOptions, current_tree, write_mds_tree)
+from prx_assets.s8_skip_lists.skip_lists import (
+    ApplyReport, apply_skip_lists, build_skip_lists, mapping_batches, mapping_shards,
+    reasons_in, skipped_ids)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RewriteReport:
+    tree: TreeReport
+    excluded: int
+    rewritten_reasons: list[str]
+    carried_over: ApplyReport
+
+
+def pinned_inputs(data_root: Path, source: str, caption_filter: str) -> SampleInputs:
+    """The inputs of the current tree, at the Lance versions it was built from."""
+    manifest = json.loads((current_tree(data_root, source) / TREE_MANIFEST).read_text())
+    return SampleInputs(
+        bucketed_uri=str(table_uri(data_root, "bucketed_images", source)),
+        captions_uri=str(table_uri(data_root, "captions", source)),
+        caption_filter=caption_filter,
+        bucketed_version=manifest.get("bucketed_version"),
+        captions_version=manifest.get("captions_version"))
+
+
+def _ids(uri: Path, version: int | None = None, condition: str | None = None) -> set[str]:
+    scanner = lance.dataset(str(uri), version=version).scanner(
+        columns=["id"], filter=condition, batch_size=1 << 18)
+    return {i for batch in scanner.to_batches() for i in batch.column("id").to_pylist()}
+
+
+def rewrite_without_skipped(inputs: SampleInputs, data_root: Path, source: str,
+                            reasons: Iterable[str] | None = None,
+                            options: WriteOptions = WriteOptions(),
+                            log: Callable[[str], None] = logger.info) -> RewriteReport:
+    """Rebuild `source`'s tree without the samples skipped for `reasons` (all by default)."""
+    old_tree = current_tree(data_root, source)
+    mapping = table_uri(data_root, "mds_samples", source)
+    present = reasons_in(old_tree)
+    rewritten = sorted(present if reasons is None else set(reasons) & present)
+    excluded = skipped_ids(old_tree, mapping, rewritten)
+    kept_lists = {r: skipped_ids(old_tree, mapping, [r]) - excluded
+                  for r in sorted(present - set(rewritten))}
+    log(f"{source}: rewriting without {len(excluded):,} skipped samples "
+        f"({', '.join(rewritten) or 'no reason'}); carrying over {', '.join(kept_lists) or 'none'}")
+    # The new tree is a subset of the current one: what earlier rewrites (or the current
+    # build's own rules) left out stays out.
+    kept = _ids(mapping) - excluded
+    planned = _ids(Path(inputs.bucketed_uri), inputs.bucketed_version, "status = 'ok'")
+    inputs = dataclasses.replace(inputs, exclude_ids=frozenset(inputs.exclude_ids
+                                                               | (planned - kept)))
+    report = write_mds_tree(inputs, data_root, source, options, log)
+    shards, _ = mapping_shards(report.mapping_uri)
+    carried = apply_skip_lists(report.path, build_skip_lists(
+        mapping_batches(report.mapping_uri), {r: ids for r, ids in kept_lists.items() if ids}),
+        shards)
+    return RewriteReport(tree=report, excluded=len(excluded), rewritten_reasons=rewritten,
+                         carried_over=carried)
