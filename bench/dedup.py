@@ -31,7 +31,7 @@ from prx_assets.s7_shards import mds
 from prx_assets.s5_dedup.dedup import bucket_count, bucket_of, group_candidates
 from prx_assets.s2_images.stage import BUCKETED_SCHEMA
 from prx_assets.s2_images.imaging import encode_jpeg
-from prx_assets.storage.lance_tables import table_uri
+from prx_assets.storage.layout import Storage
 from prx_assets.s6_opt_outs.opt_outs import ids_for_source, opt_out_dir, parse_directory, resolve
 from prx_assets.s3_captions.captions import active_caption_filter
 from prx_assets.s7_shards.rewrite import rewrite_without_skipped
@@ -117,7 +117,7 @@ def _corpus(root: Path, source: str = "web") -> None:
     raw = pa.table({"id": ids, "source_key": [f"k{n}" for n in range(SAMPLES)],
                     "sha256": [f"{n:064x}" for n in range(SAMPLES)]})
     for name, table in [("bucketed_images", bucketed), ("captions", captions), ("raw_images", raw)]:
-        uri = table_uri(root, name, source)
+        uri = Storage(root).table(name, source)
         uri.parent.mkdir(parents=True, exist_ok=True)
         lance.write_dataset(table, str(uri))
 
@@ -126,7 +126,7 @@ def apply_opt_out(root: Path, source: str = "web") -> int:
     """What skip_lists does for opt-outs: parse, resolve, rebuild and write the sidecars."""
     parsed = parse_directory(opt_out_dir(root))
     audit = resolve(parsed.requests, [source], root)
-    mapping = table_uri(root, "mds_samples", source)
+    mapping = Storage(root).table("mds_samples", source)
     shards, _ = mapping_shards(mapping)
     lists = build_skip_lists(mapping_batches(mapping), {"optout": ids_for_source(audit, source)})
     return apply_skip_lists(mds.current_tree(root, source), lists, shards).skipped_total
@@ -137,8 +137,8 @@ def opt_out_figures() -> list[Figure]:
     try:
         _corpus(root)
         inputs = mds.SampleInputs(
-            bucketed_uri=str(table_uri(root, "bucketed_images", "web")),
-            captions_uri=str(table_uri(root, "captions", "web")),
+            bucketed_uri=str(Storage(root).table("bucketed_images", "web")),
+            captions_uri=str(Storage(root).table("captions", "web")),
             caption_filter=active_caption_filter(CAPTION_VERSION))
         options = mds.WriteOptions(size_limit=64 << 20, parallel=False)
         mds.write_mds_tree(inputs, root, "web", options)

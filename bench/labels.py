@@ -24,6 +24,8 @@ from prx_assets.s9_corpus.corpus import create_indexes
 from prx_assets.models.embeddings import EMBEDDING_DIM, MiniLMEmbedder
 from prx_assets.s4_labels.labels import load_caption_set, load_embedded_classifier
 from prx_assets.s9_corpus.search import NPROBES, REFINE_FACTOR, search_text
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.tables import CORPUS
 
 ROWS = 100_000
 K = 10
@@ -82,7 +84,7 @@ def median_ms(fn, queries) -> float:
 
 
 def search_figures(work: Path) -> list[Figure]:
-    uri = work / "lance" / "corpus.lance"
+    uri = Storage(str(work)).table(CORPUS)
     vectors = synthetic_corpus(uri)
     index_s, built = timed(lambda: create_indexes(uri))
     print(f"indexes on {ROWS:,} synthetic captions built in {index_s:.0f} s: {built}")

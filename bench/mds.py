@@ -26,8 +26,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from bench.common import OUT, Figure, report, timed
-from prx_assets.s7_shards import mds, ray_runtime
-from prx_assets.storage.lance_tables import table_uri
+from prx_assets.engine import ray_runtime
+from prx_assets.s7_shards import mds
+from prx_assets.storage.layout import Storage
 from prx_assets.s8_skip_lists.skip_lists import sidecar_path
 from prx_assets_tests.fixtures.mds_corpus import build_corpus, inputs_for
 
@@ -51,7 +52,7 @@ def replicate(root: Path, source: str, times: int) -> None:
     """Grow the bucketed and captions tables `times`-fold with new ids and the same bytes
     (generating ~512x512 images is the slow part of building a bench corpus)."""
     for asset in ("bucketed_images", "captions"):
-        uri = str(table_uri(root, asset, source))
+        uri = str(Storage(root).table(asset, source))
         table = lance.dataset(uri).to_table()
         copies = [table.set_column(table.schema.get_field_index("id"), "id",
                                    pc.binary_join_element_wise(table["id"], f"-{k}", ""))
@@ -70,7 +71,7 @@ def bench_writing(work: Path) -> list[Figure]:
     write_s, tree = timed(lambda: mds.write_mds_tree(inputs, root, "bench", options,
                                                      log=lambda _: None))
     copy_s, copied = timed(lambda: copy_baseline(
-        str(table_uri(root, "bucketed_images", "bench")), work / "copy.bin"))
+        str(Storage(root).table("bucketed_images", "bench")), work / "copy.bin"))
     print(f"mds write: {tree.samples} samples, {tree.shards} shards, {tree.bytes / 1e6:.1f} MB "
           f"in {write_s:.2f} s; copy {copied / 1e6:.1f} MB in {copy_s:.2f} s")
     return [Figure("mds", "write MB/s", tree.bytes / 1e6 / write_s, "read Lance + copy bytes",

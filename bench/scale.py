@@ -114,7 +114,7 @@ def child_main(sources_file: str, result_path: str) -> int:
     import dagster as dg
 
     from prx_assets.engine import ray_runtime
-    from prx_assets.demo.corpus.runner import materialize_all
+    from prx_assets.demo.runner import materialize_all
 
     started = time.perf_counter()
     ray_runtime.connect()
@@ -307,21 +307,21 @@ def bucketed_bytes(uri: Path) -> tuple[dict[str, int], dict[str, dict]]:
 
 def output_sizes(data_root: Path, source: str, source_folder: Path) -> dict:
     """Bytes and counts of what the run wrote, for docs/scale.md's projection."""
-    import lance
+    from prx_assets.storage.layout import Storage
+    from prx_assets.storage.tables import BUCKETED_IMAGES, GLOBAL, PER_SOURCE
 
-    lance_root = data_root / "lance"
+    storage = Storage(str(data_root))
     tables = {}
-    # Tables are lance/<asset>/<source>.lance or lance/<asset>.lance (their data files end
-    # in .lance too, so no recursive glob).
-    for uri in sorted([*lance_root.glob("*/*.lance"), *lance_root.glob("*.lance")]):
-        if not uri.is_dir() or uri.parent.name == "data":
+    for name, table_source in [*((n, source) for n in PER_SOURCE), *((n, None) for n in GLOBAL)]:
+        if not storage.exists(name, table_source):
             continue
-        table = lance.dataset(str(uri))
-        tables[str(uri.relative_to(lance_root))] = {
+        table = storage.open(name, table_source)
+        uri = Path(storage.table(name, table_source))
+        tables[str(uri.relative_to(data_root / "lance"))] = {
             "rows": table.count_rows(), "bytes": dir_bytes(uri),
             "fragments": len(table.get_fragments())}
-    statuses, tiers = bucketed_bytes(lance_root / "bucketed_images" / f"{source}.lance")
-    tree = (data_root / "mds" / source).resolve()
+    statuses, tiers = bucketed_bytes(Path(storage.table(BUCKETED_IMAGES, source)))
+    tree = Path(storage.mds_tree(source)).resolve()
     shards = list(tree.rglob("shard.*.mds"))
     raw_files = list(source_folder.glob("*.jpg"))
     return {

@@ -30,18 +30,18 @@ def _demo(args: argparse.Namespace) -> int:
     # The repo's sources.yaml points at the demo corpus; PRX_SOURCES may name another file.
     sources_file = sources_path()
     os.environ["PRX_SOURCES"] = str(sources_file)
-    from prx_assets.demo.corpus.runner import materialize_all, print_summary
+    from prx_assets.demo.runner import materialize_all, print_summary
 
     results = materialize_all(sources_file)
     print_summary(results, sources_file)
     return 0 if all(r.success for r in results) else 1
 
 
-def _corpus_uri() -> Path:
-    from prx_assets.storage.lance_tables import table_uri
-    from prx_assets.storage.settings import data_root
+def _corpus_uri() -> str:
+    from prx_assets.storage.layout import Storage
+    from prx_assets.storage.tables import CORPUS
 
-    return table_uri(data_root(), "corpus")
+    return Storage.from_env().table(CORPUS)
 
 
 def _search(args: argparse.Namespace) -> int:

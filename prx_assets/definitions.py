@@ -1,5 +1,83 @@
-"""The Dagster code location: `prx_assets.definitions:defs`."""
+"""The Dagster code location: `prx_assets.definitions:defs`.
 
-from prx_assets.defs import build_defs
+`build_defs(sources_file)` builds the same graph for any sources file (tests use it): each
+stage's definitions, in pipeline order, merged with the shared resources and the jobs that
+run them per source or across sources.
+"""
 
-defs = build_defs()
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+
+from prx_assets.s1_ingest.sources import load_sources, sources_path
+from prx_assets.storage.tables import CORPUS, DUPLICATES, OPT_OUTS, SKIP_LISTS
+from prx_assets.defs.io_managers import RayLanceIOManager
+from prx_assets.defs.partitions import source_partitions
+from prx_assets.defs.resources import (
+    ClassifierResource, RayResource, SourcesResource, StorageResource, captioner_from_file)
+from prx_assets.defs.s1_ingest import ingest_defs
+from prx_assets.defs.s2_images import image_defs
+from prx_assets.defs.s3_captions import caption_defs
+from prx_assets.defs.s4_labels import label_defs
+from prx_assets.defs.s5_dedup import dedup_defs
+from prx_assets.defs.s6_opt_outs import opt_out_defs
+from prx_assets.defs.s7_shards import shard_defs
+from prx_assets.defs.s8_skip_lists import skip_list_defs
+from prx_assets.defs.s9_corpus import corpus_defs
+
+# Assets over every source at once: run on their own, not once per source partition.
+GLOBAL_ASSETS = dg.AssetSelection.assets(DUPLICATES, OPT_OUTS)
+# Skip lists need the global duplicates, so they run after dedup_job, per source.
+SKIP_LIST_ASSETS = dg.AssetSelection.assets(SKIP_LISTS)
+CORPUS_ASSETS = dg.AssetSelection.assets(CORPUS)
+
+
+def pipeline_jobs(partitions: dg.PartitionsDefinition) -> list[dg.UnresolvedAssetJobDefinition]:
+    """The jobs `make demo` and the UI run: per source, then across sources."""
+    return [
+        dg.define_asset_job(
+            "corpus_job", partitions_def=partitions,
+            selection=dg.AssetSelection.all() - GLOBAL_ASSETS - SKIP_LIST_ASSETS - CORPUS_ASSETS,
+            description="Every asset of the corpus for one source."),
+        dg.define_asset_job("dedup_job", selection=GLOBAL_ASSETS,
+                            description="Global duplicates and the opt-out audit."),
+        dg.define_asset_job("skip_lists_job", selection=SKIP_LIST_ASSETS, partitions_def=partitions,
+                            description="One source's skip lists (after dedup_job)."),
+    ]
+
+
+def build_defs(sources_file: Path | None = None, captioner_file: Path | None = None
+               ) -> dg.Definitions:
+    sources_file = Path(sources_file) if sources_file else sources_path()
+    captioner = captioner_from_file(captioner_file)
+    partitions = source_partitions(load_sources(sources_file))
+    storage = StorageResource()
+    stages = [
+        ingest_defs(partitions),
+        image_defs(partitions),
+        caption_defs(partitions, captioner),
+        label_defs(partitions),
+        dedup_defs(),
+        opt_out_defs(str(sources_file)),
+        shard_defs(partitions),
+        skip_list_defs(partitions),
+        corpus_defs(partitions),
+    ]
+    shared = dg.Definitions(
+        jobs=pipeline_jobs(partitions),
+        resources={
+            "storage": storage,
+            "ray_cluster": RayResource(),
+            "sources": SourcesResource(path=str(sources_file)),
+            "lance_io_manager": RayLanceIOManager(storage=storage),
+            "captioner": captioner,
+            "classifier": ClassifierResource(),
+        })
+    return dg.Definitions.merge(*stages, shared)
+
+
+@dg.definitions
+def defs() -> dg.Definitions:
+    return build_defs()

@@ -16,10 +16,9 @@ import pyarrow as pa
 import ray.data
 
 from prx_assets.storage import lance_tables
-from prx_assets.storage.lance_tables import FragmentPolicy, table_uri
-from prx_assets.storage.settings import data_root
-from prx_assets.defs.lineage import materialized_lance_version
-from prx_assets.defs.metadata import PROFILERS
+from prx_assets.storage.lance_tables import FragmentPolicy
+from prx_assets.defs.metadata import PROFILERS, materialized_lance_version
+from prx_assets.defs.resources import StorageResource
 
 # Definition-metadata keys an asset may set to size its fragments.
 FRAGMENT_BYTES_KEY = "prx/fragment_bytes"
@@ -47,12 +46,13 @@ class LanceTableOutput:
 class RayLanceIOManager(dg.ConfigurableIOManager):
     """Per-partition Lance tables under `<data_root>/lance/<asset>/<partition>.lance`."""
 
+    storage: StorageResource = StorageResource()
     fragment_bytes: int = lance_tables.DEFAULT_BLOB_FRAGMENT_BYTES
     fragment_rows: int = lance_tables.DEFAULT_METADATA_FRAGMENT_ROWS
 
-    def uri_for(self, context: Union[dg.OutputContext, dg.InputContext]) -> Path:
+    def uri_for(self, context: Union[dg.OutputContext, dg.InputContext]) -> str:
         partition = context.partition_key if context.has_partition_key else None
-        return table_uri(data_root(), context.asset_key.path[-1], partition)
+        return self.storage.get().table(context.asset_key.path[-1], partition)
 
     def handle_output(self, context: dg.OutputContext, obj) -> None:
         if obj is None:
@@ -91,10 +91,10 @@ class RayLanceIOManager(dg.ConfigurableIOManager):
     def load_input(self, context: dg.InputContext) -> ray.data.Dataset:
         """A lazy read of the upstream partition, pinned to the version that was
         materialised (so a concurrent rewrite cannot change what this run reads)."""
-        uri = self.uri_for(context)
-        if not uri.exists():
-            raise dg.Failure(f"upstream table {uri} does not exist; materialise it first")
         partition = context.asset_partition_key if context.has_asset_partitions else None
+        uri = self.uri_for(context)
+        if not self.storage.get().exists(context.asset_key.path[-1], partition):
+            raise dg.Failure(f"upstream table {uri} does not exist; materialise it first")
         version = materialized_lance_version(context.instance, context.asset_key, partition)
         columns = (context.definition_metadata or {}).get(COLUMNS_KEY)
         return ray.data.read_lance(str(uri), version=version, columns=columns)

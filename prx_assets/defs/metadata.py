@@ -1,13 +1,73 @@
-"""Turning table profiles into metadata the Dagster UI renders (tables, not prose)."""
+"""Asset metadata: reading back what materialisations recorded (lineage per source) and
+turning table profiles into what the Dagster UI renders (tables, not prose)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any, Optional
 
 import dagster as dg
 
-from prx_assets.storage.table_stats import BucketProfile, TableProfile, bucket_profile, profile_table
+from prx_assets.storage.table_stats import (
+    BucketProfile, TableProfile, bucket_profile, profile_table)
+from prx_assets.storage.tables import BUCKETED_IMAGES, RAW_IMAGES
 
+
+# ------------------------------------------------------------------ reading what was recorded
+
+def latest_materialization(instance: dg.DagsterInstance, asset_key: dg.AssetKey | str,
+                           partition_key: Optional[str]) -> Optional[dg.AssetMaterialization]:
+    """The latest materialisation of that asset partition (None if it never ran)."""
+    key = dg.AssetKey(asset_key) if isinstance(asset_key, str) else asset_key
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=key,
+                              asset_partitions=[partition_key] if partition_key else None),
+        limit=1,
+    ).records
+    return records[0].asset_materialization if records else None
+
+
+def recorded(materialization: Optional[dg.AssetMaterialization], entry: str) -> Any:
+    """The raw value of one metadata entry of a materialisation, None if absent."""
+    if materialization is None:
+        return None
+    value = materialization.metadata.get(entry)
+    return value.value if value is not None else None
+
+
+def latest_recorded(instance: dg.DagsterInstance, asset_key: dg.AssetKey | str,
+                    partition_key: Optional[str], entry: str) -> Any:
+    """One metadata entry of the latest materialisation of that partition."""
+    return recorded(latest_materialization(instance, asset_key, partition_key), entry)
+
+
+def materialized_lance_version(instance: dg.DagsterInstance, asset_key: dg.AssetKey | str,
+                               partition_key: Optional[str]) -> Optional[int]:
+    """The `lance_version` recorded by the latest materialisation of that partition."""
+    value = latest_recorded(instance, asset_key, partition_key, "lance_version")
+    return int(value) if value is not None else None
+
+
+def input_versions(context: dg.AssetExecutionContext, *asset_names: str) -> dict:
+    """Metadata entries `input_version/<asset>`: the materialised version of each input,
+    which is the version the Lance IO manager pins its reads to."""
+    partition = context.partition_key if context.has_partition_key else None
+    return {
+        f"input_version/{name}": materialized_lance_version(
+            context.instance, dg.AssetKey(name), partition) or -1
+        for name in asset_names
+    }
+
+
+def recorded_input_version(instance: dg.DagsterInstance, asset_key: dg.AssetKey | str,
+                           partition_key: Optional[str], input_name: str) -> Optional[int]:
+    """The `input_version/<input>` the latest materialisation of that partition recorded
+    (-1, recorded when the input had no version, reads as None)."""
+    version = latest_recorded(instance, asset_key, partition_key, f"input_version/{input_name}")
+    return int(version) if version is not None and int(version) >= 0 else None
+
+
+# ------------------------------------------------------------------ rendering for the UI
 
 def counts_table(counts: Counter, key_name: str, total: int | None = None) -> dg.TableMetadataValue:
     total = total if total is not None else sum(counts.values())
@@ -73,4 +133,4 @@ def _bucket_profile(uri: str) -> dict:
 
 
 # What the IO manager adds to an output's metadata, by the asset's `prx/profile` value.
-PROFILERS = {"raw_images": _raw_profile, "bucketed_images": _bucket_profile}
+PROFILERS = {RAW_IMAGES: _raw_profile, BUCKETED_IMAGES: _bucket_profile}

@@ -1,4 +1,4 @@
-"""Dagster resources: the Ray connection, the sources file and the captioner."""
+"""Dagster resources: storage, the Ray connection, the sources file and the models."""
 
 
 import dataclasses
@@ -15,6 +15,18 @@ from prx_assets.engine import ray_runtime
 from prx_assets.s3_captions.captioners import CaptionerSpec
 from prx_assets.s3_captions.captions import DEFAULT_PROMPT
 from prx_assets.s1_ingest.sources import SourcesConfig, load_sources, sources_path
+from prx_assets.storage.layout import Storage
+
+
+class StorageResource(dg.ConfigurableResource):
+    """Where the corpus lives: `root`, or `$PRX_DATA_ROOT` (default ./data) when unset.
+
+    Read at run time, not at definition time, so one code location serves any root."""
+
+    root: Optional[str] = None
+
+    def get(self) -> Storage:
+        return Storage(self.root) if self.root else Storage.from_env()
 
 
 class RayResource(dg.ConfigurableResource):

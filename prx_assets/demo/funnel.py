@@ -14,8 +14,10 @@ import lance
 
 from prx_assets.s2_images.buckets import STATUS_BAD_ASPECT, STATUS_TOO_SMALL
 from prx_assets.s3_captions.captions import active_caption_filter
-from prx_assets.storage.lance_tables import table_uri
-from prx_assets.s7_shards.mds import current_tree, mds_root
+from prx_assets.s7_shards.mds import current_tree
+from prx_assets.storage.layout import Storage, as_storage
+from prx_assets.storage.tables import (
+    BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, DUPLICATES, MDS_SAMPLES, RAW_IMAGES)
 from prx_assets.s8_skip_lists.skip_lists import (
     duplicate_ids, read_sidecar, sidecar_files, skipped_indices, sql_string)
 
@@ -48,10 +50,11 @@ class Funnel:
         return self.in_shards - self.skipped
 
 
-def _count(uri: Path, condition: str | None = None) -> int:
-    if not Path(uri).exists():
+def _count(storage: Storage, table: str, source: str | None,
+           condition: str | None = None) -> int:
+    if not storage.exists(table, source):
         return 0
-    return lance.dataset(str(uri)).count_rows(filter=condition)
+    return storage.open(table, source).count_rows(filter=condition)
 
 
 def skipped_in_tree(tree: Path) -> int:
@@ -59,26 +62,27 @@ def skipped_in_tree(tree: Path) -> int:
     return sum(len(skipped_indices(read_sidecar(path))) for path in sidecar_files(tree))
 
 
-def source_funnel(root: Path, source: str, caption_version: str,
+def source_funnel(storage: Storage | str | Path, source: str, caption_version: str,
                   classifier_version: str) -> Funnel:
+    storage = as_storage(storage)
     statuses = ", ".join(sql_string(s) for s in DECODED_STATUSES)
     labelled = (f"caption_version = {sql_string(caption_version)} AND "
                 f"classifier_version = {sql_string(classifier_version)}")
     try:
-        tree = current_tree(mds_root(root), source)
+        tree = current_tree(Path(storage.mds_root), source)
         skipped = skipped_in_tree(tree)
     except FileNotFoundError:  # no shards written yet
         skipped = 0
     return Funnel(
         source=source,
-        raw=_count(table_uri(root, "raw_images", source)),
-        decodable=_count(table_uri(root, "bucketed_images", source), f"status IN ({statuses})"),
-        kept=_count(table_uri(root, "bucketed_images", source), "status = 'ok'"),
-        captioned=_count(table_uri(root, "captions", source), active_caption_filter(caption_version)),
-        labelled=_count(table_uri(root, "caption_labels", source), labelled),
-        duplicates=len(duplicate_ids(table_uri(root, "duplicates"), source)),
+        raw=_count(storage, RAW_IMAGES, source),
+        decodable=_count(storage, BUCKETED_IMAGES, source, f"status IN ({statuses})"),
+        kept=_count(storage, BUCKETED_IMAGES, source, "status = 'ok'"),
+        captioned=_count(storage, CAPTIONS, source, active_caption_filter(caption_version)),
+        labelled=_count(storage, CAPTION_LABELS, source, labelled),
+        duplicates=len(duplicate_ids(storage.table(DUPLICATES), source)),
         skipped=skipped,
-        in_shards=_count(table_uri(root, "mds_samples", source)),
+        in_shards=_count(storage, MDS_SAMPLES, source),
     )
 
 

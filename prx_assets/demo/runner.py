@@ -8,12 +8,11 @@ from pathlib import Path
 import dagster as dg
 
 from prx_assets.engine import ray_runtime
-from prx_assets.demo.corpus.funnel import format_funnel, source_funnel
-from prx_assets.storage.lance_tables import table_uri
-from prx_assets.s7_shards.mds import mds_root
-from prx_assets.storage.settings import data_root
+from prx_assets.demo.funnel import format_funnel, source_funnel
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.tables import CORPUS, DUPLICATES, MDS_SAMPLES
 from prx_assets.s1_ingest.sources import load_sources
-from prx_assets.defs import build_defs
+from prx_assets.definitions import build_defs
 
 
 @dataclass
@@ -58,7 +57,7 @@ def _after_all_sources(defs: dg.Definitions, instance: dg.DagsterInstance,
     runs = [PartitionRun("(all sources: dedup_job)", result.success, result.run_id,
                          _materialization_metadata(result), _check_results(result))]
     for source in sources:
-        if table_uri(data_root(), "mds_samples", source).exists():
+        if Storage.from_env().exists(MDS_SAMPLES, source):
             result = defs.resolve_job_def("skip_lists_job").execute_in_process(
                 partition_key=source, instance=instance, raise_on_error=False)
             runs.append(PartitionRun(f"{source} (skip_lists_job)", result.success,
@@ -88,7 +87,7 @@ def _check_results(result: dg.ExecuteInProcessResult) -> dict:
 def print_summary(runs: list[PartitionRun], sources_file: Path) -> None:
     """Per source: its runs, the funnel from raw files to streamed samples, where the outputs
     live; then the global assets, the checks that did not pass, and how to open the UI."""
-    root = data_root()
+    storage = Storage.from_env()
     defs = build_defs(sources_file)
     caption_version = defs.resources["captioner"].caption_version()
     classifier_version = defs.resources["classifier"].classifier_version()
@@ -96,21 +95,21 @@ def print_summary(runs: list[PartitionRun], sources_file: Path) -> None:
         mine = [run for run in runs if run.source.split(" ")[0] == source]
         outcome = "ok" if mine and all(run.success for run in mine) else "FAILED"
         print(f"\n== {source}: {outcome} (runs {', '.join(run.run_id[:8] for run in mine)})")
-        for line in format_funnel(source_funnel(root, source, caption_version,
+        for line in format_funnel(source_funnel(storage, source, caption_version,
                                                 classifier_version)):
             print(line)
-        print(f"   tables: {root / 'lance'}/<asset>/{source}.lance")
-        print(f"   shards: {mds_root(root) / source}/<tier>/<W>x<H>/ (skip lists beside them)")
+        print(f"   tables: {storage.root}/lance/<asset>/{source}.lance")
+        print(f"   shards: {storage.mds_tree(source)}/<tier>/<W>x<H>/ (skip lists beside them)")
     print(f"\ncaption version {caption_version}, classifier version {classifier_version}")
     for run in runs:
         if not run.source.startswith("("):
             continue
         print(f"{run.source}: {'ok' if run.success else 'FAILED'} (run {run.run_id[:8]})")
-        dups = run.metadata.get("duplicates", {})
+        dups = run.metadata.get(DUPLICATES, {})
         if dups:
             print(f"   duplicates: {dups.get('removed')} copies removed in "
                   f"{dups.get('duplicate_groups')} groups -> {dups.get('path')}")
-        corpus = run.metadata.get("corpus", {})
+        corpus = run.metadata.get(CORPUS, {})
         if corpus:
             print(f"   corpus: {corpus.get('dagster/row_count')} rows -> {corpus.get('path')}; "
                   f"try `prx-assets search \"a cat\"`")

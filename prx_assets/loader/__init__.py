@@ -3,7 +3,7 @@
 Usable without Dagster:
 
     from prx_assets.loader import build_loader
-    loader = build_loader("data/mds", tier=512, batch_size=32, seed=17)
+    loader = build_loader(None, tier=512, batch_size=32, seed=17)  # None: $PRX_DATA_ROOT/mds
     for batch in loader:            # {"image": uint8 (B, 3, H, W), "caption": [...], ...}
         ...
     state = loader.state_dict()     # mid-epoch resume: loader.load_state_dict(state)
@@ -26,6 +26,7 @@ from prx_assets.loader.dataset import (
     SkipListStreamingDataset,
 )
 from prx_assets.loader.streams import Leaf, default_weights, leaf_streams, plan_leaves
+from prx_assets.storage.layout import Storage
 
 __all__ = [
     "LOCAL_PREDOWNLOAD",
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 
-def build_dataset(mds_root: str | Path, tier: int, batch_size: int, *,
+def build_dataset(mds_root: str | Path | None, tier: int, batch_size: int, *,
                   weights: Mapping[str, float] | None = None,
                   sources_file: Path | None = None,
                   skip_reasons: Iterable[str] | None = None, seed: int = 9176,
@@ -48,15 +49,16 @@ def build_dataset(mds_root: str | Path, tier: int, batch_size: int, *,
     """One stream per leaf of `tier` across the weighted sources' current trees.
 
     weights: per-source weights (default: `weight` in sources.yaml); skip_reasons: `None` for
-    every reason in the sidecars. Extra kwargs go to `StreamingDataset`."""
+    every reason in the sidecars; mds_root: `None` for the configured storage's MDS root.
+    Extra kwargs go to `StreamingDataset`."""
     weights = dict(weights) if weights is not None else default_weights(sources_file)
-    leaves = plan_leaves(Path(mds_root), tier, weights)
+    leaves = plan_leaves(Path(mds_root or Storage.from_env().mds_root), tier, weights)
     return SkipListStreamingDataset(streams=leaf_streams(leaves), batch_size=batch_size,
                                     skip_reasons=skip_reasons, shuffle=shuffle,
                                     shuffle_seed=seed, **kwargs)
 
 
-def build_loader(mds_root: str | Path, tier: int, batch_size: int, *,
+def build_loader(mds_root: str | Path | None, tier: int, batch_size: int, *,
                  encode_captions: CaptionEncoder | None = None, num_workers: int = 0,
                  **dataset_kwargs: Any) -> StreamingDataLoader:
     """`build_dataset` wrapped in a StreamingDataLoader (which carries state_dict for resume).

@@ -23,7 +23,7 @@ import ray.data
 from prx_assets.s3_captions.captioners import CaptionerSpec, caption_stage
 from prx_assets.s3_captions.captions import CAPTIONS_SCHEMA, STATUS_OK, done_filter
 from prx_assets.storage.lance_tables import (
-    FragmentPolicy, cleanup, compact, prepare_output_dir, upsert)
+    FragmentPolicy, cleanup, compact, prepare_output_dir, table_exists, upsert)
 
 CAPTION_KEYS = ["id", "caption_version"]
 CAPTIONS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
@@ -52,7 +52,7 @@ BROADCAST_IDS = 1_000_000
 
 def done_ids(captions_uri: Path, version: str) -> tuple[ray.data.Dataset | None, int]:
     """Ids that need no more work under `version`, and how many there are."""
-    if not captions_uri.exists():
+    if not table_exists(captions_uri):
         return None, 0
     count = lance.dataset(str(captions_uri)).count_rows(filter=done_filter(version))
     if count == 0:
@@ -139,7 +139,7 @@ def changed_ids(raw_uri: Path, old_version: int, new_version: int, with_caption:
 
 def drop_captions(captions_uri: Path, ids: set[str], chunk: int = 10_000) -> int:
     """Delete every caption row (all versions) of these ids; returns the rows deleted."""
-    if not ids or not captions_uri.exists():
+    if not ids or not table_exists(captions_uri):
         return 0
     table = lance.dataset(str(captions_uri))
     before = table.count_rows()
@@ -173,17 +173,17 @@ def caption_source(requests: ray.data.Dataset, captions_uri: Path, spec: Caption
         if on_chunk:
             on_chunk(report)
     report.seconds = time.perf_counter() - started
-    if report.chunks > 1 and captions_uri.exists():
+    if report.chunks > 1 and table_exists(captions_uri):
         compact(captions_uri, CAPTIONS_FRAGMENTS)
         cleanup(lance.dataset(str(captions_uri)), CAPTIONS_FRAGMENTS)
-    if captions_uri.exists():
+    if table_exists(captions_uri):
         report.lance_version = lance.dataset(str(captions_uri)).version
     return report
 
 
 def ensure_table(uri: Path) -> int:
     """An empty captions table for a source with nothing to caption (downstream can read it)."""
-    if uri.exists():
+    if table_exists(uri):
         return lance.dataset(str(uri)).version
     prepare_output_dir(uri, "Lance table")
     return lance.write_dataset(CAPTIONS_SCHEMA.empty_table(), str(uri),
@@ -207,8 +207,8 @@ def coverage(bucketed_uri: Path, captions_uri: Path, version: str,
              target: tuple[int, int] = (100, 200)) -> Coverage:
     """Counts for the checks, read from the committed tables (metadata columns only)."""
     kept = lance.dataset(str(bucketed_uri)).count_rows(filter=f"status = '{STATUS_OK}'") \
-        if bucketed_uri.exists() else 0
-    if not captions_uri.exists():
+        if table_exists(bucketed_uri) else 0
+    if not table_exists(captions_uri):
         return Coverage(kept, 0, 0, 0, 0)
     table = lance.dataset(str(captions_uri))
     rows = table.to_table(columns=["status", "n_words"],

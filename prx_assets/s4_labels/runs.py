@@ -29,7 +29,8 @@ from prx_assets.s4_labels.backends import (
 from prx_assets.s4_labels.labels import (
     DEFAULT_L2, LABELS, LABELS_SCHEMA, EmbeddedLabeler, active_labels_filter,
     embedded_classifier_version, label_rows, version_hash)
-from prx_assets.storage.lance_tables import FragmentPolicy, cleanup, compact, upsert
+from prx_assets.storage.lance_tables import (
+    FragmentPolicy, cleanup, compact, prepare_output_dir, table_exists, upsert)
 
 LABEL_KEYS = ["id", "caption_version", "classifier_version"]
 LABELS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
@@ -91,7 +92,7 @@ def labelled_ids(labels_uri: Path, caption_version: str, classifier_version: str
 
     A label older than its caption row is stale: the caption was written again since (its
     source file changed, see `caption_runs.changed_ids`) and must be labelled again."""
-    if not labels_uri.exists():
+    if not table_exists(labels_uri):
         return pa.array([], pa.string())
     labels = lance.dataset(str(labels_uri)).to_table(
         columns=["id", "created_at"],
@@ -198,9 +199,9 @@ def _vllm_rows(batch: pa.Table, classifier_version: str) -> pa.Table:
 
 def ensure_labels_table(uri: Path) -> int:
     """An empty labels table, so downstream readers and checks always find one."""
-    if uri.exists():
+    if table_exists(uri):
         return lance.dataset(str(uri)).version
-    uri.parent.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(Path(uri), "Lance table")
     return lance.write_dataset(LABELS_SCHEMA.empty_table(), str(uri), schema=LABELS_SCHEMA,
                                mode="create").version
 
@@ -211,7 +212,7 @@ def label_source(captions_uri: Path, labels_uri: Path, caption_version: str,
     """Label the pending captions of one source and commit them chunk by chunk."""
     report = LabelRunReport(caption_version, spec.version())
     ensure_labels_table(labels_uri)
-    if not captions_uri.exists():
+    if not table_exists(captions_uri):
         raise FileNotFoundError(f"{captions_uri} does not exist: materialise captions first")
     done = labelled_ids(labels_uri, caption_version, report.classifier_version, captions_uri,
                         caption_filter)
@@ -267,8 +268,8 @@ def label_coverage(captions_uri: Path, labels_uri: Path, caption_filter: str,
                    caption_version: str, classifier_version: str) -> LabelCoverage:
     """Counts for the checks and metadata, from the committed tables (no embeddings read)."""
     captions = lance.dataset(str(captions_uri)).count_rows(filter=caption_filter) \
-        if captions_uri.exists() else 0
-    if not labels_uri.exists():
+        if table_exists(captions_uri) else 0
+    if not table_exists(labels_uri):
         return LabelCoverage(captions, {})
     labels = lance.dataset(str(labels_uri)).to_table(
         columns=["label"], filter=active_labels_filter(caption_version, classifier_version))

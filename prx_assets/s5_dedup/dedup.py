@@ -27,7 +27,8 @@ import pyarrow.compute as pc
 import ray.data
 from ray.data.context import ShuffleStrategy
 
-from prx_assets.storage.lance_tables import table_uri
+from prx_assets.storage.layout import Storage, as_storage
+from prx_assets.storage.tables import PHASHES
 
 DUPLICATES_SCHEMA = pa.schema([
     pa.field("id", pa.string(), nullable=False),
@@ -212,16 +213,17 @@ def near_duplicate_shares(hashes: Iterator[np.ndarray], probes: np.ndarray,
     return {d: float(np.mean(nearest <= d)) for d in range(1, max_distance + 1)}
 
 
-def hash_inputs(data_root: Path, sources: list[str]) -> tuple[list[HashInput], list[str]]:
+def hash_inputs(storage: Storage | str | Path, sources: list[str]) -> tuple[list[HashInput], list[str]]:
     """Each source's phashes table pinned at its latest version, and the sources that
     have none yet (reported, not fatal: dedup covers what has been hashed)."""
+    storage = as_storage(storage)
     inputs, missing = [], []
     for rank, source in enumerate(sources):
-        uri = table_uri(data_root, "phashes", source)
-        if not uri.exists():
+        version = storage.latest_version(PHASHES, source)
+        if version is None:
             missing.append(source)
             continue
-        inputs.append(HashInput(source, rank, str(uri), lance.dataset(str(uri)).version))
+        inputs.append(HashInput(source, rank, storage.table(PHASHES, source), version))
     return inputs, missing
 
 

@@ -28,7 +28,9 @@ import lance
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prx_assets.storage.lance_tables import table_uri
+from prx_assets.storage.lance_tables import table_exists
+from prx_assets.storage.layout import Storage, as_storage
+from prx_assets.storage.tables import DUPLICATES, RAW_IMAGES
 
 KEY_TYPES = ("id", "sha256", "source_key", "url")
 REQUIRED_FIELDS = ("key_type", "value", "timestamp", "reference")
@@ -87,8 +89,9 @@ class ParsedRequests:
         self.errors += other.errors
 
 
-def opt_out_dir(data_root: Path) -> Path:
-    return Path(data_root) / "opt_outs"
+def opt_out_dir(storage: Storage | str | Path) -> Path:
+    storage = as_storage(storage)
+    return storage.local_path(storage.opt_outs_dir)
 
 
 def request_files(directory: Path) -> list[Path]:
@@ -262,7 +265,7 @@ def _same_bytes(uri: Path, shas: dict[str, set[str]], batch_rows: int
 def _group_members(duplicates_uri: Path, ids: set[str], batch_rows: int
                    ) -> dict[str, set[str]]:
     """For each id in a duplicate group, every other member of its group."""
-    if not ids or not duplicates_uri.exists():
+    if not ids or not table_exists(duplicates_uri):
         return {}
     table = lance.dataset(str(duplicates_uri))
     phash_of: dict[str, int] = {}
@@ -281,17 +284,17 @@ def _group_members(duplicates_uri: Path, ids: set[str], batch_rows: int
     return {i: members.get(p, set()) - {i} for i, p in phash_of.items()}
 
 
-def resolve(requests: list[OptOutRequest], sources: list[str], data_root: Path,
+def resolve(requests: list[OptOutRequest], sources: list[str], storage: Storage | str | Path,
             batch_rows: int = 1 << 18) -> pa.Table:
     """The audit trail: one row per (request, id it removes), AUDIT_SCHEMA.
 
     A request that matches nothing keeps one row with a null id (`via = no_match`), so
     every request is accounted for.
     """
+    storage = as_storage(storage)
     found: dict[str, dict[str, str]] = {}  # request_id -> id -> via
     shas: dict[str, set[str]] = {}  # sha256 -> request ids
-    raw = {s: table_uri(data_root, "raw_images", s) for s in sources}
-    raw = {s: uri for s, uri in raw.items() if uri.exists()}
+    raw = {s: storage.table(RAW_IMAGES, s) for s in sources if storage.exists(RAW_IMAGES, s)}
     for source, uri in raw.items():
         keys = _Keys.of(requests, source)
         if keys.empty():
@@ -305,7 +308,7 @@ def resolve(requests: list[OptOutRequest], sources: list[str], data_root: Path,
             for request_id in shas[sha]:
                 found[request_id].setdefault(sample_id, VIA_SAME_BYTES)
     direct = {i for ids in found.values() for i in ids}
-    members = _group_members(table_uri(data_root, "duplicates"), direct, batch_rows)
+    members = _group_members(storage.table(DUPLICATES), direct, batch_rows)
     for ids in found.values():
         for sample_id in list(ids):
             for other in members.get(sample_id, ()):

@@ -37,7 +37,9 @@ import pyarrow.compute as pc
 import ray
 from streaming import MDSWriter
 
-from prx_assets.storage.lance_tables import prepare_output_dir, table_uri
+from prx_assets.storage.lance_tables import prepare_output_dir, table_exists
+from prx_assets.storage.layout import Storage, as_storage
+from prx_assets.storage.tables import MDS_SAMPLES
 
 logger = logging.getLogger(__name__)
 
@@ -151,10 +153,6 @@ def leaf_name(tier: int, width: int, height: int) -> str:
     return f"{tier}/{width}x{height}"
 
 
-def mds_root(data_root: Path) -> Path:
-    return Path(data_root) / MDS_DIR
-
-
 def _as_mds_root(root: Path, source: str) -> Path:
     """Accept either the MDS root or the data root above it."""
     root = Path(root)
@@ -173,10 +171,6 @@ def current_tree(root: Path, source: str) -> Path:
         raise FileNotFoundError(f"no MDS tree for source {source!r} at {link}; "
                                 "materialise mds_shards first")
     return link.resolve()
-
-
-def current_tree_version(root: Path, source: str) -> str:
-    return current_tree(root, source).name
 
 
 def tree_leaves(tree: Path, tier: int | None = None) -> list[Path]:
@@ -363,15 +357,17 @@ def new_tree_version() -> str:
     return datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
 
 
-def write_mds_tree(inputs: SampleInputs, data_root: Path, source: str,
+def write_mds_tree(inputs: SampleInputs, storage: Storage | str | Path, source: str,
                    options: WriteOptions = WriteOptions(),
                    log: Callable[[str], None] = logger.info) -> TreeReport:
     """Build `mds/<source>` from `inputs` aside, record the mapping table, swap it in."""
+    storage = as_storage(storage)
     plan, left_out = plan_samples(inputs)
     log(f"{source}: {plan.num_rows:,} samples to write; left out {dict(left_out) or 'none'}")
-    trees = mds_root(data_root) / TREES_DIR / source
+    trees = Path(storage.mds_root) / TREES_DIR / source
+    mapping_uri = storage.table(MDS_SAMPLES, source)
     prepare_output_dir(trees, "MDS trees")
-    prepare_output_dir(table_uri(data_root, "mds_samples", source), "Lance table")
+    prepare_output_dir(Path(mapping_uri), "Lance table")
     remove_partial_builds(trees)
     version = new_tree_version()
     staging = trees / (version + PARTIAL_SUFFIX)
@@ -386,9 +382,8 @@ def write_mds_tree(inputs: SampleInputs, data_root: Path, source: str,
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    mapping_uri = table_uri(data_root, "mds_samples", source)
     mapping_version = write_mapping(mapping, mapping_uri)
-    swap_current(mds_root(data_root) / source, final)
+    swap_current(Path(storage.mds_tree(source)), final)
     prune_trees(trees, options.keep_trees)
     log(f"{source}: tree {version} is current ({sum(l.samples for l in leaves):,} samples, "
         f"{sum(l.shards for l in leaves)} shards)")
@@ -420,7 +415,7 @@ def _build_tree(plan: pa.Table, staging: Path, source: str, version: str,
 def write_mapping(mapping: pa.Table, uri: Path) -> int:
     """One overwrite commit: readers see the previous mapping or this one, never a mix."""
     prepare_output_dir(uri, "Lance table")
-    mode = "overwrite" if uri.exists() else "create"
+    mode = "overwrite" if table_exists(uri) else "create"
     return lance.write_dataset(mapping, str(uri), schema=MDS_SAMPLES_SCHEMA, mode=mode).version
 
 
@@ -461,11 +456,12 @@ class LeafCheck:
         return self.streamed == self.mapped
 
 
-def verify_tree(data_root: Path, source: str) -> tuple[list[LeafCheck], list[str]]:
+def verify_tree(storage: Storage | str | Path, source: str) -> tuple[list[LeafCheck], list[str]]:
     """Open every leaf of the current tree with `streaming.StreamingDataset` and compare its
     sample count with the mapping table; also report mapping rows of another tree version."""
-    tree = current_tree(data_root, source)
-    mapping = lance.dataset(str(table_uri(data_root, "mds_samples", source))).to_table(
+    storage = as_storage(storage)
+    tree = current_tree(Path(storage.mds_root), source)
+    mapping = storage.open(MDS_SAMPLES, source).to_table(
         columns=["leaf", "tree_version"])
     problems = sorted({f"mapping rows of tree {v}, current is {tree.name}"
                        for v in pc.unique(mapping["tree_version"]).to_pylist() if v != tree.name})

@@ -19,7 +19,8 @@ from typing import Callable, Iterable
 
 import lance
 
-from prx_assets.storage.lance_tables import table_uri
+from prx_assets.storage.layout import Storage, as_storage
+from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, MDS_SAMPLES
 from prx_assets.s7_shards.mds import (
     TREE_MANIFEST, SampleInputs, TreeReport, WriteOptions, current_tree, write_mds_tree)
 from prx_assets.s8_skip_lists.skip_lists import (
@@ -37,12 +38,13 @@ class RewriteReport:
     carried_over: ApplyReport
 
 
-def pinned_inputs(data_root: Path, source: str, caption_filter: str) -> SampleInputs:
+def pinned_inputs(storage: Storage | str | Path, source: str, caption_filter: str) -> SampleInputs:
     """The inputs of the current tree, at the Lance versions it was built from."""
-    manifest = json.loads((current_tree(data_root, source) / TREE_MANIFEST).read_text())
+    storage = as_storage(storage)
+    manifest = json.loads((current_tree(Path(storage.mds_root), source) / TREE_MANIFEST).read_text())
     return SampleInputs(
-        bucketed_uri=str(table_uri(data_root, "bucketed_images", source)),
-        captions_uri=str(table_uri(data_root, "captions", source)),
+        bucketed_uri=storage.table(BUCKETED_IMAGES, source),
+        captions_uri=storage.table(CAPTIONS, source),
         caption_filter=caption_filter,
         bucketed_version=manifest.get("bucketed_version"),
         captions_version=manifest.get("captions_version"))
@@ -54,13 +56,14 @@ def _ids(uri: Path, version: int | None = None, condition: str | None = None) ->
     return {i for batch in scanner.to_batches() for i in batch.column("id").to_pylist()}
 
 
-def rewrite_without_skipped(inputs: SampleInputs, data_root: Path, source: str,
+def rewrite_without_skipped(inputs: SampleInputs, storage: Storage | str | Path, source: str,
                             reasons: Iterable[str] | None = None,
                             options: WriteOptions = WriteOptions(),
                             log: Callable[[str], None] = logger.info) -> RewriteReport:
     """Rebuild `source`'s tree without the samples skipped for `reasons` (all by default)."""
-    old_tree = current_tree(data_root, source)
-    mapping = table_uri(data_root, "mds_samples", source)
+    storage = as_storage(storage)
+    old_tree = current_tree(Path(storage.mds_root), source)
+    mapping = storage.table(MDS_SAMPLES, source)
     present = reasons_in(old_tree)
     rewritten = sorted(present if reasons is None else set(reasons) & present)
     excluded = skipped_ids(old_tree, mapping, rewritten)
@@ -74,7 +77,7 @@ def rewrite_without_skipped(inputs: SampleInputs, data_root: Path, source: str,
     planned = _ids(Path(inputs.bucketed_uri), inputs.bucketed_version, "status = 'ok'")
     inputs = dataclasses.replace(inputs, exclude_ids=frozenset(inputs.exclude_ids
                                                                | (planned - kept)))
-    report = write_mds_tree(inputs, data_root, source, options, log)
+    report = write_mds_tree(inputs, storage, source, options, log)
     shards, _ = mapping_shards(report.mapping_uri)
     carried = apply_skip_lists(report.path, build_skip_lists(
         mapping_batches(report.mapping_uri), {r: ids for r, ids in kept_lists.items() if ids}),

@@ -53,15 +53,20 @@ IMAGE_COLUMNS = ["id", "source", "tier", "width", "height", "image"]
 
 @dataclass(frozen=True)
 class SourceTables:
-    """Where one source's inputs live, and which rows of them are active."""
+    """Where one source's inputs live, the versions read (pinned once, so what is recorded
+    as lineage is what was read), and which rows of them are active."""
 
     name: str
-    bucketed: Path
-    captions: Path
-    labels: Path
-    phashes: Path
+    bucketed: str
+    captions: str
+    labels: str
+    phashes: str
     caption_filter: str
     labels_filter: str
+    bucketed_version: int | None = None
+    captions_version: int | None = None
+    labels_version: int | None = None
+    phashes_version: int | None = None
 
 
 @dataclass
@@ -85,10 +90,13 @@ def thumbnail(jpeg: bytes, side: int = THUMB_SIDE) -> bytes | None:
         return None
 
 
-def _read(uri: Path, columns: list[str], filter: str | None = None) -> pa.Table:
-    if not uri.exists():
-        raise FileNotFoundError(f"{uri} does not exist: materialise it first")
-    return lance.dataset(str(uri)).to_table(columns=columns, filter=filter)
+def _read(uri: str, version: int | None, columns: list[str], filter: str | None = None
+          ) -> pa.Table:
+    try:
+        dataset = lance.dataset(str(uri), version=version)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        raise FileNotFoundError(f"{uri} cannot be read ({exc}): materialise it first") from exc
+    return dataset.to_table(columns=columns, filter=filter)
 
 
 def _lookup(ids: pa.Array, table: pa.Table, columns: list[str]) -> list[pa.Array]:
@@ -99,9 +107,11 @@ def _lookup(ids: pa.Array, table: pa.Table, columns: list[str]) -> list[pa.Array
 
 def source_metadata(tables: SourceTables) -> pa.Table:
     """id, caption, label, phash, embedding of a source's labelled, captioned images."""
-    labels = _read(tables.labels, ["id", "label", "embedding"], tables.labels_filter)
-    captions = _read(tables.captions, ["id", "caption"], tables.caption_filter)
-    phashes = _read(tables.phashes, ["id", "phash"])
+    labels = _read(tables.labels, tables.labels_version, ["id", "label", "embedding"],
+                   tables.labels_filter)
+    captions = _read(tables.captions, tables.captions_version, ["id", "caption"],
+                     tables.caption_filter)
+    phashes = _read(tables.phashes, tables.phashes_version, ["id", "phash"])
     caption, = _lookup(labels.column("id"), captions, ["caption"])
     phash, = _lookup(labels.column("id"), phashes, ["phash"])
     meta = pa.table({"id": labels.column("id"), "caption": caption,
@@ -123,8 +133,8 @@ def corpus_batch(batch: pa.Table, meta: pa.Table) -> pa.Table:
 
 def source_dataset(tables: SourceTables) -> tuple[ray.data.Dataset, int]:
     meta = source_metadata(tables)
-    kept = ray.data.read_lance(str(tables.bucketed), columns=IMAGE_COLUMNS,
-                               filter="status = 'ok'")
+    kept = ray.data.read_lance(str(tables.bucketed), version=tables.bucketed_version,
+                               columns=IMAGE_COLUMNS, filter="status = 'ok'")
     dataset = kept.map_batches(corpus_batch, fn_kwargs={"meta": meta},
                                batch_format="pyarrow", batch_size=256)
     return dataset, meta.num_rows

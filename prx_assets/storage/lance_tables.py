@@ -70,10 +70,15 @@ def prepare_output_dir(path: Path, what: str) -> None:
                               f"{exc.strerror or exc}") from exc
 
 
-def table_uri(data_root: Path, asset: str, partition: str | None = None) -> Path:
-    """The design's layout: lance/<asset>/<source>.lance, or lance/<asset>.lance if global."""
-    base = Path(data_root) / "lance"
-    return base / asset / f"{partition}.lance" if partition else base / f"{asset}.lance"
+def table_exists(uri: str | Path) -> bool:
+    """Whether a Lance table has been committed at `uri` (a local path or an object-store URI)."""
+    if "://" not in str(uri) and not Path(uri).exists():
+        return False  # the common local case, without opening anything
+    try:
+        lance.dataset(str(uri))
+    except (ValueError, FileNotFoundError, OSError):
+        return False
+    return True
 
 
 class LanceOverwriteSink(Datasink[dict]):
@@ -217,12 +222,12 @@ def describe_write(table: "lance.LanceDataset") -> WriteReport:
     )
 
 
-def upsert(uri: Path, rows: pa.Table, schema: pa.Schema, keys: list[str]) -> int:
+def upsert(uri: str | Path, rows: pa.Table, schema: pa.Schema, keys: list[str]) -> int:
     """Commit `rows` atomically, replacing rows with the same keys (never doubling them);
     returns the new version. Used for chunked, resumable writes (captions, labels)."""
     rows = rows.cast(schema)
-    prepare_output_dir(uri, "Lance table")
-    if not uri.exists():
+    prepare_output_dir(Path(uri), "Lance table")
+    if not table_exists(uri):
         return lance.write_dataset(rows, str(uri), schema=schema, mode="create").version
     table = lance.dataset(str(uri))
     table.merge_insert(keys).when_matched_update_all().when_not_matched_insert_all().execute(rows)

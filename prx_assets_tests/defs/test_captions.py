@@ -4,7 +4,7 @@ and the re-captioning sensor and schedule evaluated with Dagster's built context
 import dagster as dg
 import lance
 
-from prx_assets.defs import build_defs
+from prx_assets.definitions import build_defs
 from prx_assets_tests.conftest import jpeg_bytes, write_sources
 from prx_assets_tests.defs.test_raw_images import checks
 

@@ -11,11 +11,11 @@ from PIL import Image
 
 from prx_assets.s1_ingest.ids import sample_id
 from prx_assets.s2_images.stage import PHASH_SCHEMA
-from prx_assets.storage.lance_tables import table_uri
+from prx_assets.storage.layout import Storage
 from prx_assets.s2_images.phash import phash
 from prx_assets.s1_ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.s8_skip_lists.skip_lists import read_sidecar
-from prx_assets.defs import build_defs
+from prx_assets.definitions import build_defs
 from prx_assets.demo.corpus import encode, real_photo_paths
 from prx_assets_tests.conftest import image_bytes, write_sources
 
@@ -63,9 +63,8 @@ def _write_source(root, source, items):
         shard.write_bytes(b"MDS shard")
     for name, rows, schema in [("raw_images", raw, RAW_IMAGES_SCHEMA),
                                ("phashes", hashes, PHASH_SCHEMA), ("mds_samples", mapping, None)]:
-        uri = table_uri(root, name, source)
-        uri.parent.mkdir(parents=True, exist_ok=True)
-        lance.write_dataset(pa.Table.from_pylist(rows, schema=schema), str(uri))
+        uri = Storage(root).table(name, source)
+        lance.write_dataset(pa.Table.from_pylist(rows, schema=schema), uri)
     return {r["source_key"]: r for r in raw}, {r["id"]: r for r in mapping}
 
 
@@ -83,14 +82,14 @@ def test_duplicates_opt_outs_sensor_and_skip_lists(ray_session, data_root, tmp_p
     instance = dg.DagsterInstance.ephemeral()
     (web, web_mds), (stock, _) = (_write_source(data_root, s, CORPUS[s]) for s in CORPUS)
     hashes = {s: {r["id"]: r["phash"] for r in lance.dataset(
-        str(table_uri(data_root, "phashes", s))).to_table().to_pylist()} for s in CORPUS}
+        str(Storage(data_root).table("phashes", s))).to_table().to_pylist()} for s in CORPUS}
     assert hashes["web"][web["p1.jpg"]["id"]] == hashes["stock"][stock["p1.jpg"]["id"]]
     result = defs.resolve_job_def("dedup_job").execute_in_process(instance=instance)
     assert result.success
 
     # Cross-source, cross-resolution groups keep the most pixels; exact ties go to the
     # first source, then to the smaller id; flat images are never duplicates.
-    dups = lance.dataset(str(table_uri(data_root, "duplicates"))).to_table().to_pylist()
+    dups = lance.dataset(str(Storage(data_root).table("duplicates"))).to_table().to_pylist()
     groups = {}
     for row in dups:
         groups.setdefault(row["kept_id"], set()).add(row["id"])
@@ -115,18 +114,21 @@ def test_duplicates_opt_outs_sensor_and_skip_lists(ray_session, data_root, tmp_p
         "source_key,u2.jpg,2026-11-01T00:00:00Z,ticket-1\n"
         "id,nonsense,2026-11-01T00:00:00Z,ticket-2\n")
     sensor = defs.get_sensor_def("opt_out_sensor")
-    first = sensor(dg.build_sensor_context(instance=instance))
+    sensor_resources = {"storage": defs.resources["storage"]}
+    first = sensor(dg.build_sensor_context(instance=instance, resources=sensor_resources))
     assert _requested(first) == [("opt_outs", None), ("skip_lists", "stock")]
     (requests / "002.jsonl").write_text(json.dumps({
         "key_type": "sha256", "value": stock["p2.jpg"]["sha256"], "timestamp": "2026-11-02",
         "reference": "ticket-3"}) + "\n" + json.dumps({
         "key_type": "id", "value": web["u1.jpg"]["id"], "timestamp": "2026-11-02",
         "reference": "ticket-4"}) + "\n")
-    second = sensor(dg.build_sensor_context(instance=instance, cursor=first.cursor))
+    second = sensor(dg.build_sensor_context(instance=instance, cursor=first.cursor,
+                                            resources=sensor_resources))
     # stock:p2 opted out by bytes; its duplicate web:p2 goes too, so both are affected.
     assert _requested(second) == [("opt_outs", None), ("skip_lists", "stock"),
                                   ("skip_lists", "web")]
-    third = sensor(dg.build_sensor_context(instance=instance, cursor=second.cursor))
+    third = sensor(dg.build_sensor_context(instance=instance, cursor=second.cursor,
+                                           resources=sensor_resources))
     assert isinstance(third, dg.SkipReason)
 
     audit_run = defs.resolve_job_def("dedup_job").execute_in_process(instance=instance)

@@ -8,7 +8,7 @@ from PIL import Image
 
 from prx_assets.s2_images.phash import hash_hex
 from prx_assets.demo.corpus import encode, photo_variant, real_photo_paths
-from prx_assets.defs import build_defs
+from prx_assets.definitions import build_defs
 from prx_assets_tests.conftest import jpeg_bytes, write_sources
 from prx_assets_tests.defs.test_raw_images import checks
 

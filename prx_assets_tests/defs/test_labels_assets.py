@@ -1,10 +1,10 @@
 import dagster as dg
 import lance
 
-from prx_assets.defs.assets.labels import (
-    build_caption_labels, build_corpus_asset, caption_labels_checks)
 from prx_assets.defs.resources import (
-    CaptionerResource, ClassifierResource, RayResource, SourcesResource)
+    CaptionerResource, ClassifierResource, RayResource, SourcesResource, StorageResource)
+from prx_assets.defs.s4_labels import build_caption_labels, caption_labels_checks
+from prx_assets.defs.s9_corpus import build_corpus_asset
 from prx_assets.s9_corpus.search import search_text
 from prx_assets_tests.conftest import write_sources
 from prx_assets_tests.fixtures.corpus_tables import CAPTION_VERSION, write_source
@@ -19,7 +19,8 @@ def test_caption_labels_then_corpus(ray_session, data_root, tmp_path):
                             [f"{{name: web, kind: image_folder, uri: {tmp_path / 'imgs'}}}"])
     partitions = dg.StaticPartitionsDefinition(["web"])
     resources = {"captioner": CaptionerResource(active_version=CAPTION_VERSION), "classifier": ClassifierResource(),
-                 "ray_cluster": RayResource(), "sources": SourcesResource(path=str(sources))}
+                 "ray_cluster": RayResource(), "sources": SourcesResource(path=str(sources)),
+                 "storage": StorageResource()}
     instance = dg.DagsterInstance.ephemeral()
 
     labelled = dg.materialize([build_caption_labels(partitions), *caption_labels_checks(partitions)],

@@ -2,8 +2,8 @@ import dagster as dg
 import lance
 
 from prx_assets.s7_shards import mds
-from prx_assets.defs.assets.mds_shards import build_mds_shards, mds_tree_check
-from prx_assets.defs.resources import CaptionerResource, RayResource
+from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
+from prx_assets.defs.s7_shards import build_mds_shards, mds_tree_check
 from prx_assets_tests.defs.test_raw_images import checks
 from prx_assets_tests.fixtures.mds_corpus import ACTIVE, build_corpus
 
@@ -13,7 +13,8 @@ def _materialize(instance, version=ACTIVE):
     return dg.materialize(
         [build_mds_shards(partitions), mds_tree_check(partitions)], partition_key="web",
         instance=instance, raise_on_error=False,
-        resources={"ray_cluster": RayResource(), "captioner": CaptionerResource(active_version=version)})
+        resources={"ray_cluster": RayResource(), "storage": StorageResource(),
+                   "captioner": CaptionerResource(active_version=version)})
 
 
 def test_mds_shards_writes_the_tree_with_metadata_and_check(ray_session, data_root):
@@ -59,7 +60,7 @@ def test_check_fails_when_a_leaf_and_the_mapping_disagree(ray_session, data_root
 
 
 def test_build_defs_wires_mds_shards_after_bucketed_images_and_captions(tmp_path):
-    from prx_assets.defs import build_defs
+    from prx_assets.definitions import build_defs
     from prx_assets_tests.conftest import write_sources
 
     sources = write_sources(tmp_path / "s.yaml", [f"{{name: web, kind: image_folder, uri: {tmp_path}}}"])

@@ -8,7 +8,7 @@ import dagster as dg
 import lance
 import pytest
 
-from prx_assets.defs import build_defs
+from prx_assets.definitions import build_defs
 from prx_assets_tests.conftest import jpeg_bytes, write_sources
 
 

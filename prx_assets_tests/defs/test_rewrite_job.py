@@ -5,16 +5,16 @@ import lance
 from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.s7_shards import mds
-from prx_assets.storage.lance_tables import table_uri
+from prx_assets.storage.layout import Storage
 from prx_assets.s8_skip_lists.skip_lists import (
     apply_skip_lists, build_skip_lists, mapping_batches, mapping_shards, sidecar_files)
-from prx_assets.defs import build_defs
+from prx_assets.definitions import build_defs
 from prx_assets_tests.conftest import write_sources
 from prx_assets_tests.fixtures.mds_corpus import ACTIVE, build_corpus, inputs_for
 
 
 def _ids(root) -> set[str]:
-    uri = table_uri(root, "mds_samples", "web")
+    uri = Storage(root).table("mds_samples", "web")
     return set(lance.dataset(str(uri)).to_table(columns=["id"]).column("id").to_pylist())
 
 
@@ -26,7 +26,7 @@ def test_rewrite_job_drops_skipped_samples_and_records_the_new_tree(data_root, t
     instance = dg.DagsterInstance.ephemeral()
     instance.report_runless_asset_event(dg.AssetMaterialization(
         "mds_shards", partition="web", metadata={"caption_version": ACTIVE}))
-    mapping = table_uri(data_root, "mds_samples", "web")
+    mapping = Storage(data_root).table("mds_samples", "web")
     before = _ids(data_root)
     skipped = set(sorted(before)[::3])
     shards, _ = mapping_shards(mapping)

@@ -332,7 +332,7 @@ def _main() -> None:
     args = parser.parse_args()
     import dagster as dg
 
-    from prx_assets.defs import build_defs
+    from prx_assets.definitions import build_defs
 
     defs = build_defs(Path(args.sources), Path(args.captioner) if args.captioner else None)
     job = job_subset(defs, args.job, [a for a in args.assets.split(",") if a])

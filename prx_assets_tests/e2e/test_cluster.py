@@ -28,7 +28,7 @@ DRIVER = """
 import json, sys
 from pathlib import Path
 import dagster as dg
-from prx_assets.demo.corpus.runner import materialize_all
+from prx_assets.demo.runner import materialize_all
 runs = materialize_all(Path(sys.argv[1]), dg.DagsterInstance.ephemeral(), json.loads(sys.argv[2]))
 nodes = {name: meta["ray_nodes"] for run in runs for name, meta in run.metadata.items()
          if "ray_nodes" in meta}
@@ -59,7 +59,7 @@ def run_on_cluster(sources: Path, data_root: Path) -> dict:
 
 
 def run_embedded(sources: Path, data_root: Path, monkeypatch: pytest.MonkeyPatch) -> list:
-    from prx_assets.demo.corpus.runner import materialize_all
+    from prx_assets.demo.runner import materialize_all
 
     monkeypatch.setenv("PRX_DATA_ROOT", str(data_root))
     runs = materialize_all(sources, dg.DagsterInstance.ephemeral(), RUN_CONFIG)
@@ -88,9 +88,9 @@ def assert_same_table(left: Path, right: Path) -> None:
 
 def assert_funnel(runs: list, sources: Path, root: Path, capsys) -> None:
     """68 files, all decodable and kept, 4 planted copies; the summary prints the funnel."""
-    from prx_assets.demo.corpus.funnel import source_funnel
-    from prx_assets.defs import build_defs
-    from prx_assets.demo.corpus.runner import print_summary
+    from prx_assets.demo.funnel import source_funnel
+    from prx_assets.definitions import build_defs
+    from prx_assets.demo.runner import print_summary
 
     resources = build_defs(sources).resources
     funnel = source_funnel(root, "web", resources["captioner"].caption_version(),

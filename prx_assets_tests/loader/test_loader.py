@@ -16,7 +16,7 @@ from PIL import Image
 from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.s7_shards import mds
-from prx_assets.storage.lance_tables import table_uri
+from prx_assets.storage.layout import Storage
 from prx_assets.s8_skip_lists.skip_lists import sidecar_path
 from prx_assets.loader import SkipListMismatch, build_dataset, build_loader
 from prx_assets_tests.fixtures.mds_corpus import build_corpus, inputs_for
@@ -36,7 +36,7 @@ def corpus(tmp_path_factory):
         mds.write_mds_tree(inputs_for(root, source), root, source, options)
     mapping = {}
     for source in WEIGHTS:
-        rows = lance.dataset(str(table_uri(root, "mds_samples", source))).to_table().to_pylist()
+        rows = lance.dataset(str(Storage(root).table("mds_samples", source))).to_table().to_pylist()
         mapping.update({(source, r["leaf"], r["shard"], r["sample_index"]): r["id"] for r in rows})
     skipped = {"dedup": set(), "nsfw": set()}
     for (source, leaf, shard, index), sample_id in mapping.items():

@@ -2,7 +2,7 @@ import lance
 import pyarrow as pa
 
 from prx_assets.s5_dedup.dedup import DUPLICATES_SCHEMA
-from prx_assets.storage.lance_tables import table_uri
+from prx_assets.storage.layout import Storage
 from prx_assets.s6_opt_outs.opt_outs import (
     affected_sources, ids_for_source, parse_directory, parse_file, resolve)
 
@@ -59,7 +59,7 @@ def _raw(root, source, rows):
     schema = pa.schema([("id", pa.string()), ("source_key", pa.string()),
                         ("sha256", pa.string()), ("url", pa.string())])
     lance.write_dataset(pa.Table.from_pylist(rows, schema=schema),
-                        str(table_uri(root, "raw_images", source)))
+                        str(Storage(root).table("raw_images", source)))
 
 
 def test_every_key_type_resolves_and_copies_elsewhere_are_removed_too(tmp_path):
@@ -78,7 +78,7 @@ def test_every_key_type_resolves_and_copies_elsewhere_are_removed_too(tmp_path):
     lance.write_dataset(pa.Table.from_pylist([
         {"id": "web:2", "kept_id": "art:3", "phash": 42, "group_size": 2},
         {"id": "art:3", "kept_id": "art:3", "phash": 42, "group_size": 2}],
-        schema=DUPLICATES_SCHEMA), str(table_uri(root, "duplicates")))
+        schema=DUPLICATES_SCHEMA), str(Storage(root).table("duplicates")))
     requests = root / "opt_outs"
     requests.mkdir()
     (requests / "batch.jsonl").write_text("\n".join([

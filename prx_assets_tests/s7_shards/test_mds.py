@@ -15,7 +15,7 @@ from streaming import Stream, StreamingDataset
 from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.s7_shards import mds
-from prx_assets.storage.lance_tables import table_uri
+from prx_assets.storage.layout import Storage
 from prx_assets_tests.fixtures.mds_corpus import build_corpus, inputs_for
 
 SMALL = mds.WriteOptions(size_limit=60_000, rows_per_part=7)  # several parts and shards per leaf
@@ -45,7 +45,7 @@ def test_tree_holds_the_kept_captioned_rows_byte_for_byte(ray_session, data_root
     assert tree == report.path and os.path.islink(data_root / "mds" / "web")
     assert mds.current_tree(data_root / "mds", "web") == tree  # the MDS root works too
 
-    mapping = lance.dataset(str(table_uri(data_root, "mds_samples", "web"))).to_table()
+    mapping = lance.dataset(str(Storage(data_root).table("mds_samples", "web"))).to_table()
     assert mapping.schema == mds.MDS_SAMPLES_SCHEMA
     assert sorted(mapping["id"].to_pylist()) == sorted(corpus["images"])
     assert set(mapping["tree_version"].to_pylist()) == {report.tree_version}
@@ -124,7 +124,7 @@ def test_a_killed_build_leaves_the_previous_tree_current(data_root, tmp_path):
     corpus = build_corpus(data_root, "web", per_shape=6)
     before = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web",
                                 mds.WriteOptions(size_limit=60_000, parallel=False))
-    mapping_uri = str(table_uri(data_root, "mds_samples", "web"))
+    mapping_uri = str(Storage(data_root).table("mds_samples", "web"))
     mapping_version = lance.dataset(mapping_uri).version
     build_corpus(data_root, "web", per_shape=3)  # new inputs: the killed build differs
 

@@ -5,7 +5,7 @@ import pytest
 from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.s7_shards import mds
-from prx_assets.storage.lance_tables import table_uri
+from prx_assets.storage.layout import Storage
 from prx_assets.s7_shards.rewrite import rewrite_without_skipped
 from prx_assets.s8_skip_lists.skip_lists import (
     apply_skip_lists, build_skip_lists, mapping_batches, mapping_shards, sidecar_files)
@@ -39,7 +39,7 @@ def test_rewrite_yields_the_same_ids_and_empties_the_skip_lists(tmp_path):
     options = mds.WriteOptions(size_limit=8_000, parallel=False)
     build_corpus(root, "web", per_shape=20, shapes=SHAPES, uncaptioned=0)
     mds.write_mds_tree(inputs_for(root, "web"), root, "web", options)
-    mapping = table_uri(root, "mds_samples", "web")
+    mapping = Storage(root).table("mds_samples", "web")
     ids = sorted(lance.dataset(str(mapping)).to_table(columns=["id"]).column("id").to_pylist())
     reasons = {"dedup": set(ids[::4]), "nsfw": set(ids[1:6]), "no_blue": set(ids[::7])}
     shards, _ = mapping_shards(mapping)

@@ -7,7 +7,8 @@ import pytest
 import ray.data
 
 from prx_assets.storage.lance_tables import (
-    FragmentPolicy, compact, table_uri, write_dataset_atomically)
+    FragmentPolicy, compact, write_dataset_atomically)
+from prx_assets.storage.layout import Storage
 from prx_assets.storage.table_checks import duplicate_ids, fragment_health
 
 SCHEMA = pa.schema([("id", pa.string()), ("blob", pa.large_binary())])
@@ -25,8 +26,8 @@ def blob_rows(n: int, size: int = 10_000, start: int = 0) -> ray.data.Dataset:
 
 
 def test_layout_follows_the_design(tmp_path: Path):
-    assert table_uri(tmp_path, "raw_images", "web") == tmp_path / "lance/raw_images/web.lance"
-    assert table_uri(tmp_path, "duplicates") == tmp_path / "lance/duplicates.lance"
+    assert Storage(tmp_path).table("raw_images", "web") == str(tmp_path / "lance/raw_images/web.lance")
+    assert Storage(tmp_path).table("duplicates") == str(tmp_path / "lance/duplicates.lance")
 
 
 def test_write_commits_once_and_compacts_by_bytes(ray_session, tmp_path: Path):

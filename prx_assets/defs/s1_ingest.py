@@ -1,5 +1,6 @@
 """raw_images: every configured source ingested into Lance, one partition per source."""
 
+from pathlib import Path
 
 import dagster as dg
 
@@ -7,9 +8,10 @@ from prx_assets.s1_ingest.ingest import IngestOptions, build_raw_dataset
 from prx_assets.s1_ingest.probe import DEFAULT_MAX_PIXELS
 from prx_assets.s1_ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.s1_ingest.readers import DEFAULT_MAX_FILE_BYTES, SourceNotFoundError
-from prx_assets.storage.settings import data_root
+from prx_assets.storage.tables import RAW_IMAGES
 from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, PROFILE_KEY, LanceTableOutput
-from prx_assets.defs.resources import RayResource, SourcesResource
+from prx_assets.defs.resources import RayResource, SourcesResource, StorageResource
+from prx_assets.defs.table_checks import table_checks
 
 
 class IngestConfig(dg.Config):
@@ -20,22 +22,23 @@ class IngestConfig(dg.Config):
 
 def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefinition:
     @dg.asset(
+        name=RAW_IMAGES,
         partitions_def=partitions_def,
         io_manager_key="lance_io_manager",
         group_name="ingest",
         kinds={"ray", "lance"},
         code_version="1",
-        metadata={FRAGMENT_BYTES_KEY: 512 << 20, PROFILE_KEY: "raw_images"},
+        metadata={FRAGMENT_BYTES_KEY: 512 << 20, PROFILE_KEY: RAW_IMAGES},
         description="Original image bytes of one source, with header size, format, sha256, "
                     "original caption and a status per item (ok or the reason it is unusable).",
     )
     def raw_images(context: dg.AssetExecutionContext, config: IngestConfig, ray_cluster: RayResource,
-                   sources: SourcesResource) -> LanceTableOutput:
+                   sources: SourcesResource, storage: StorageResource) -> LanceTableOutput:
         catalog = sources.load()
         spec = catalog.get(context.partition_key)
         uri = catalog.uri_of(spec.name)
         # Per run, so two runs of one source never share a manifest; the IO manager removes it.
-        work_dir = data_root() / "_work" / "raw_images" / spec.name / context.run.run_id
+        work_dir = Path(storage.get().work_dir(RAW_IMAGES, spec.name, context.run.run_id))
         try:
             dataset = build_raw_dataset(
                 spec, uri, work_dir,
@@ -50,3 +53,8 @@ def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
         })
 
     return raw_images
+
+
+def ingest_defs(partitions_def: dg.PartitionsDefinition) -> dg.Definitions:
+    return dg.Definitions(assets=[build_raw_images(partitions_def)],
+                          asset_checks=table_checks(RAW_IMAGES, partitions_def))

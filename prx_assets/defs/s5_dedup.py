@@ -5,9 +5,9 @@ import dagster as dg
 from prx_assets.s5_dedup.dedup import (
     DEFAULT_ROWS_PER_BUCKET, DUPLICATES_SCHEMA, duplicates_dataset, hash_inputs, hashed_rows,
     near_duplicate_report, summarise)
-from prx_assets.storage.settings import data_root
+from prx_assets.storage.tables import DUPLICATES, PHASHES
 from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, FRAGMENT_ROWS_KEY, LanceTableOutput
-from prx_assets.defs.resources import RayResource, SourcesResource
+from prx_assets.defs.resources import RayResource, SourcesResource, StorageResource
 
 
 class DuplicatesConfig(dg.Config):
@@ -20,7 +20,8 @@ class DuplicatesConfig(dg.Config):
 
 def build_duplicates() -> dg.AssetsDefinition:
     @dg.asset(
-        deps=[dg.AssetDep("phashes", partition_mapping=dg.AllPartitionMapping())],
+        name=DUPLICATES,
+        deps=[dg.AssetDep(PHASHES, partition_mapping=dg.AllPartitionMapping())],
         io_manager_key="lance_io_manager",
         group_name="dedup",
         kinds={"ray", "lance"},
@@ -31,9 +32,10 @@ def build_duplicates() -> dg.AssetsDefinition:
                     "order, then id. Non-kept copies are skipped by skip_lists.",
     )
     def duplicates(context: dg.AssetExecutionContext, config: DuplicatesConfig,
-                   ray_cluster: RayResource, sources: SourcesResource) -> LanceTableOutput:
+                   ray_cluster: RayResource, sources: SourcesResource,
+                   storage: StorageResource) -> LanceTableOutput:
         names = sources.load().names
-        inputs, missing = hash_inputs(data_root(), names)
+        inputs, missing = hash_inputs(storage.get(), names)
         if missing:
             context.log.warning(f"no phashes table yet for {', '.join(missing)}: not deduplicated")
         totals = hashed_rows(inputs)
@@ -41,7 +43,7 @@ def build_duplicates() -> dg.AssetsDefinition:
         near = near_duplicate_report(inputs, config.near_duplicate_probes,
                                      config.near_duplicate_max_rows,
                                      config.near_duplicate_max_distance)
-        lineage = {f"input_version/phashes/{i.source}": i.version for i in inputs}
+        lineage = {f"input_version/{PHASHES}/{i.source}": i.version for i in inputs}
         return LanceTableOutput(
             duplicates_dataset(inputs, config.rows_per_bucket), DUPLICATES_SCHEMA,
             metadata={**lineage, "sources_missing": ", ".join(missing) or "none",
@@ -77,3 +79,7 @@ def _near_table(shares: dict[int, float]) -> dg.TableMetadataValue:
                for d, s in shares.items()]
     return dg.MetadataValue.table(records, schema=dg.TableSchema(columns=[
         dg.TableColumn("hamming_distance_at_most", "int"), dg.TableColumn("share", "float")]))
+
+
+def dedup_defs() -> dg.Definitions:
+    return dg.Definitions(assets=[build_duplicates()])

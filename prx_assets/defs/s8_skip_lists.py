@@ -3,18 +3,17 @@
 from pathlib import Path
 
 import dagster as dg
-import lance
 
-from prx_assets.storage.lance_tables import table_uri
-from prx_assets.s7_shards.mds import current_tree
 from prx_assets.s6_opt_outs.opt_outs import ids_for_source, opt_out_dir, parse_directory, resolve
-from prx_assets.storage.settings import data_root
+from prx_assets.s7_shards.mds import current_tree
 from prx_assets.s8_skip_lists.skip_lists import (
     REASON_DEDUP, REASON_OPTOUT, apply_skip_lists, build_skip_lists,
     duplicate_ids, label_ids, mapping_batches, mapping_shards, read_ablations, skip_shares)
-from prx_assets.defs.resources import CaptionerResource, ClassifierResource, SourcesResource
-
-MAPPING_TABLE = "mds_samples"  # issue 6's id -> (leaf, shard, sample_index) table
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.tables import (
+    CAPTION_LABELS, DUPLICATES, MDS_SAMPLES, MDS_SHARDS, OPT_OUTS, SKIP_LISTS)
+from prx_assets.defs.resources import (
+    CaptionerResource, ClassifierResource, SourcesResource, StorageResource)
 
 
 class SkipListsConfig(dg.Config):
@@ -31,7 +30,8 @@ def build_skip_lists_asset(partitions_def: dg.PartitionsDefinition) -> dg.Assets
 
     @dg.asset(
         partitions_def=partitions_def,
-        deps=["mds_shards", "duplicates", "caption_labels", "opt_outs"],
+        name=SKIP_LISTS,
+        deps=[MDS_SHARDS, DUPLICATES, CAPTION_LABELS, OPT_OUTS],
         group_name="dedup",
         kinds={"json"},
         description="Per-shard skip lists (shard.NNNNN.skip.json beside each shard): "
@@ -40,22 +40,24 @@ def build_skip_lists_asset(partitions_def: dg.PartitionsDefinition) -> dg.Assets
     )
     def skip_lists(context: dg.AssetExecutionContext, config: SkipListsConfig,
                    sources: SourcesResource, captioner: CaptionerResource,
-                   classifier: ClassifierResource) -> dg.MaterializeResult:
+                   classifier: ClassifierResource, storage: StorageResource
+                   ) -> dg.MaterializeResult:
         source = context.partition_key
-        root = data_root()
-        mapping = table_uri(root, MAPPING_TABLE, source)
-        if not mapping.exists():
+        store = storage.get()
+        mapping_version = store.latest_version(MDS_SAMPLES, source)
+        mapping = store.table(MDS_SAMPLES, source)
+        if mapping_version is None:
             raise dg.Failure(f"{mapping} does not exist: materialise mds_shards for {source}")
         versions = (captioner.caption_version(), classifier.classifier_version())
-        reasons, lineage = _reasons(context, config, root, source, sources.load().names,
+        reasons, lineage = _reasons(context, config, store, source, sources.load().names,
                                     versions)
         shards, per_leaf = mapping_shards(mapping)
         lists = build_skip_lists(mapping_batches(mapping), reasons)
-        tree = current_tree(root, source)
+        tree = current_tree(Path(store.mds_root), source)
         report = apply_skip_lists(tree, lists, shards)
         context.log.info(f"{source}: {report.written} sidecar(s) written, {report.removed} "
                          f"removed, {report.unchanged} unchanged under {tree}")
-        lineage[f"input_version/{MAPPING_TABLE}"] = lance.dataset(str(mapping)).version
+        lineage[f"input_version/{MDS_SAMPLES}"] = mapping_version
         total = sum(per_leaf.values())
         return dg.MaterializeResult(metadata={
             **lineage, "tree": dg.MetadataValue.path(str(tree)),
@@ -69,31 +71,30 @@ def build_skip_lists_asset(partitions_def: dg.PartitionsDefinition) -> dg.Assets
     return skip_lists
 
 
-def _reasons(context: dg.AssetExecutionContext, config: SkipListsConfig, root: Path,
+def _reasons(context: dg.AssetExecutionContext, config: SkipListsConfig, store: Storage,
              source: str, all_sources: list[str], versions: tuple[str, str]
              ) -> tuple[dict[str, set[str]], dict]:
     """The ids each reason removes from this source, and the input versions read."""
     reasons: dict[str, set[str]] = {}
     lineage: dict = {}
-    duplicates = table_uri(root, "duplicates")
-    if config.dedup and duplicates.exists():
-        reasons[REASON_DEDUP] = duplicate_ids(duplicates, source)
-        lineage["input_version/duplicates"] = lance.dataset(str(duplicates)).version
-    labels = table_uri(root, "caption_labels", source)
-    if config.skip_labels and labels.exists():
-        reasons.update(label_ids(labels, config.skip_labels, *versions))
-        lineage["input_version/caption_labels"] = lance.dataset(str(labels)).version
+    if config.dedup and store.exists(DUPLICATES):
+        reasons[REASON_DEDUP] = duplicate_ids(store.table(DUPLICATES), source)
+        lineage[f"input_version/{DUPLICATES}"] = store.latest_version(DUPLICATES)
+    if config.skip_labels and store.exists(CAPTION_LABELS, source):
+        reasons.update(label_ids(store.table(CAPTION_LABELS, source), config.skip_labels,
+                                 *versions))
+        lineage[f"input_version/{CAPTION_LABELS}"] = store.latest_version(CAPTION_LABELS, source)
         lineage["caption_version"], lineage["classifier_version"] = versions
     elif config.skip_labels:
         context.log.warning(f"{source}: no caption_labels table yet; label reasons not applied")
     if config.opt_outs:
-        parsed = parse_directory(opt_out_dir(root))
-        audit = resolve(parsed.requests, all_sources, root)
+        parsed = parse_directory(opt_out_dir(store))
+        audit = resolve(parsed.requests, all_sources, store)
         reasons[REASON_OPTOUT] = ids_for_source(audit, source)
         lineage["opt_out_requests"] = len(parsed.requests)
         lineage["opt_out_malformed_rows"] = len(parsed.errors)
     if config.ablations:
-        for name, ids in read_ablations(root / "ablations").items():
+        for name, ids in read_ablations(store.local_path(store.ablations_dir)).items():
             reasons[name] = {i for i in ids if i.startswith(f"{source}:")}
     return reasons, lineage
 
@@ -112,16 +113,16 @@ class SkipShareConfig(dg.Config):
 
 
 def skipped_share_check(partitions_def: dg.PartitionsDefinition) -> dg.AssetChecksDefinition:
-    @dg.asset_check(asset=dg.AssetKey("skip_lists"), name="skipped_share",
+    @dg.asset_check(asset=dg.AssetKey(SKIP_LISTS), name="skipped_share",
                     partitions_def=partitions_def,
                     description="Share of skipped samples per stream (MDS leaf), read back from "
                                 "the sidecars; above the bound a rewrite of the source is "
                                 "recommended (skipping is free to change, but wastes I/O).")
-    def skipped_share(context: dg.AssetCheckExecutionContext,
-                      config: SkipShareConfig) -> dg.AssetCheckResult:
-        source = context.partition_key
-        shards, per_leaf = mapping_shards(table_uri(data_root(), MAPPING_TABLE, source))
-        shares = skip_shares(current_tree(data_root(), source), per_leaf, shards)
+    def skipped_share(context: dg.AssetCheckExecutionContext, config: SkipShareConfig,
+                      storage: StorageResource) -> dg.AssetCheckResult:
+        source, store = context.partition_key, storage.get()
+        shards, per_leaf = mapping_shards(store.table(MDS_SAMPLES, source))
+        shares = skip_shares(current_tree(Path(store.mds_root), source), per_leaf, shards)
         records = [dg.TableRecord({"stream": leaf, "samples": n, "skipped": k,
                                    "share": round(k / n, 4) if n else 0.0})
                    for leaf, (n, k) in shares.items()]
@@ -139,3 +140,8 @@ def skipped_share_check(partitions_def: dg.PartitionsDefinition) -> dg.AssetChec
                                    dg.TableColumn("share", "float")]))})
 
     return skipped_share
+
+
+def skip_list_defs(partitions_def: dg.PartitionsDefinition) -> dg.Definitions:
+    return dg.Definitions(assets=[build_skip_lists_asset(partitions_def)],
+                          asset_checks=[skipped_share_check(partitions_def)])

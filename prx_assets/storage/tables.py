@@ -1,0 +1,24 @@
+"""Every Lance table the pipeline writes, by name: the one list of them.
+
+Per-source tables live at `lance/<name>/<source>.lance`, global ones at `lance/<name>.lance`
+(the design's layout); `Storage` turns a name and a source into that location.
+"""
+
+RAW_IMAGES = "raw_images"
+BUCKETED_IMAGES = "bucketed_images"
+PHASHES = "phashes"
+CAPTIONS = "captions"
+CAPTION_LABELS = "caption_labels"
+MDS_SAMPLES = "mds_samples"  # which shard and index holds each sample of the current tree
+
+DUPLICATES = "duplicates"
+OPT_OUTS = "opt_outs"
+CORPUS = "corpus"
+
+PER_SOURCE = (RAW_IMAGES, BUCKETED_IMAGES, PHASHES, CAPTIONS, CAPTION_LABELS, MDS_SAMPLES)
+GLOBAL = (DUPLICATES, OPT_OUTS, CORPUS)
+
+# Artifacts that are not Lance tables: each source's MDS tree and the skip-list sidecars
+# beside its shards (assets of these names record them).
+MDS_SHARDS = "mds_shards"
+SKIP_LISTS = "skip_lists"
