@@ -3,7 +3,7 @@
 1. CPU feed rate per core: read bucketed JPEGs from Lance, decode with DCT-domain downscale to
    the VLM pixel budget and build the vLLM request (what the CPU side must sustain so a GPU
    never waits), against a naive full decode + resize. Stated as the cores one H200 at the
-   seeds' ~20 images/s needs.
+   design's ~20 images/s needs.
 2. Pipeline overhead: the tiny Qwen3-VL through our Ray Data path (actor pool, chunked Lance
    commits) against calling its generate loop directly on the same batches in one process.
 """

@@ -1,6 +1,6 @@
 """JPEG fidelity: PSNR after repeated decode/encode cycles at the pipeline's quality.
 
-The seeds' table (PSNR after 1 and 10 re-encodes at Q92) is the reference we report next to.
+The design's reference figures (PSNR after 1 and 10 re-encodes at Q92) are reported alongside.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class _Desc:
 
 def fidelity_report(bucketed_uri: str, raw_uri: str, options: ImageOptions,
                     per_band: int = 16) -> list[BandReport]:
-    """Per band: PSNR of 1 and 10 Q-encodes of the lossless bucket image (what the seeds
+    """Per band: PSNR of 1 and 10 Q-encodes of the lossless bucket image (what the reference
     measured), and of the stored JPEG against it (JPEG plus our decode/resize shortcuts)."""
     bucketed, raw = lance.dataset(bucketed_uri), lance.dataset(raw_uri)
     reports = []

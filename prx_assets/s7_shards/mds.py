@@ -70,7 +70,7 @@ MDS_SAMPLES_SCHEMA = pa.schema([
     pa.field("tree_version", pa.string(), nullable=False),
 ])
 
-DEFAULT_SIZE_LIMIT = 128 << 20  # the seeds' ~128 MB shards
+DEFAULT_SIZE_LIMIT = 128 << 20  # ~128 MB shards, the design's size
 DEFAULT_ROWS_PER_PART = 50_000  # one Ray task per part: ~5-20 GB of JPEGs, a few dozen shards
 TAKE_ROWS = 64  # rows fetched from Lance per read inside a task (bounded memory)
 MDS_DIR = "mds"

@@ -2,7 +2,7 @@
 
 Skip lists are free to change but cost I/O at training time (skipped samples are still
 stored and listed); past ~10 % skipped in a stream a rewrite pays off. The rewrite builds a
-new tree with issue 6's writer from the same pinned inputs as the current tree, minus the
+new tree with the shard writer from the same pinned inputs as the current tree, minus the
 skipped ids, and swaps it in atomically. Reasons not rewritten (e.g. ablation lists one
 wants to keep toggling) are carried over as sidecars of the new tree, so the loader yields
 exactly the same ids before and after.

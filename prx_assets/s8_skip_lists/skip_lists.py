@@ -36,7 +36,7 @@ REASON_DEDUP, REASON_OPTOUT = "dedup", "optout"
 ABLATION_NAME = re.compile(r"^[a-z0-9_]+$")
 # An ablation list is its own reason, so it cannot take a built-in reason's name.
 RESERVED_REASONS = frozenset({"dedup", "optout", "text", "nsfw", "visual"})
-# Columns of the MDS mapping table (issue 6) a skip list needs.
+# Columns of the MDS mapping table (`mds_samples`) a skip list needs.
 MAPPING_COLUMNS = ["id", "leaf", "shard", "sample_index"]
 
 ShardKey = tuple[str, str]  # (leaf relative to the source's tree, shard file name)
@@ -51,7 +51,7 @@ def sidecar_path(shard_path: str | Path) -> Path:
 
 def read_sidecar(path: str | Path) -> dict[str, list[int]]:
     """The skip lists of one shard by reason; {} when the sidecar does not exist.
-    (The loader, issue 6, reads sidecars through this function.)"""
+    (The training loader reads sidecars through this function.)"""
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:

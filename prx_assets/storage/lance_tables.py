@@ -23,7 +23,7 @@ from ray.data.datasource.datasink import Datasink, WriteResult
 
 # Image-blob tables: ~512 MB fragments. A 1M-row fragment of images would be ~hundreds of GB.
 DEFAULT_BLOB_FRAGMENT_BYTES = 512 << 20
-# Metadata-only tables: the seeds' ~1M rows per fragment.
+# Metadata-only tables: ~1M rows per fragment (docs/architecture.md, fragment hygiene).
 DEFAULT_METADATA_FRAGMENT_ROWS = 1 << 20
 NODE_TAG = b"prx.ray_node"
 

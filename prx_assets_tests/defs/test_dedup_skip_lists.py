@@ -41,7 +41,7 @@ CORPUS = {
 def _write_source(root, source, items):
     """raw_images (key columns) and phashes rows as the image stage writes them, with the
     pipeline's own phash of each real image; plus an MDS mapping table and shard files
-    laid out as issue 6 does (two shards per leaf)."""
+    laid out as the shard writer does (two shards per leaf)."""
     raw, hashes, mapping = [], [], []
     for key, spec in sorted(items.items()):
         data = (image_bytes(Image.new("RGB", (600, 600), (90, 90, 90)), "PNG") if spec is None

@@ -51,7 +51,7 @@ def test_tree_holds_the_kept_captioned_rows_byte_for_byte(ray_session, data_root
     assert set(mapping["tree_version"].to_pylist()) == {report.tree_version}
     where = {r["id"]: r for r in mapping.to_pylist()}
 
-    # Photoroom's PRX loader: one stream per folder holding an index.json under the source.
+    # The trainer's loader: one stream per folder holding an index.json under the source.
     walked = sorted(Path(d) for d, _, files in os.walk(data_root / "mds" / "web")
                     if "index.json" in files)
     assert [p.relative_to(data_root / "mds" / "web") for p in walked] == [
