@@ -8,8 +8,6 @@ into rows, probe headers, and stream bounded Arrow tables to the writer.
 from __future__ import annotations
 
 import functools
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -122,11 +120,3 @@ def build_raw_dataset(spec: SourceSpec, uri: Path, work_dir: Path,
         functools.partial(expand_units, spec=spec, uri=str(uri), options=options),
         batch_format="pyarrow", batch_size=per_task,
     )
-
-
-def new_work_dir(root: Path, source: str) -> Path:
-    return root / "_work" / f"{source}-{uuid.uuid4().hex[:12]}"
-
-
-def remove_work_dir(work_dir: Path) -> None:
-    shutil.rmtree(work_dir, ignore_errors=True)

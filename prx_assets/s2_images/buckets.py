@@ -103,11 +103,6 @@ def tier_shapes(tier: int, alignment: int = DEFAULT_ALIGNMENT,
     return tuple(shapes)
 
 
-def all_shapes(rule: BucketRule = BucketRule()) -> dict[int, tuple[Shape, ...]]:
-    return {t: tier_shapes(t, rule.alignment, rule.shapes_per_tier, rule.min_aspect,
-                           rule.max_aspect) for t in rule.tiers}
-
-
 def choose_tier(width: int, height: int, rule: BucketRule = BucketRule()) -> int | None:
     """The largest tier reached without upscaling by more than `max_upscale` (by area)."""
     pixels = width * height

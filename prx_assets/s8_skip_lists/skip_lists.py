@@ -132,12 +132,7 @@ class ApplyReport:
     shards: int = 0
     skipped_per_reason: Counter = field(default_factory=Counter)
     skipped_total: int = 0
-    samples_per_leaf: dict[str, int] = field(default_factory=dict)
     skipped_per_leaf: dict[str, int] = field(default_factory=dict)
-
-    def leaf_shares(self) -> dict[str, float]:
-        return {leaf: self.skipped_per_leaf.get(leaf, 0) / n if n else 0.0
-                for leaf, n in self.samples_per_leaf.items()}
 
 
 def apply_skip_lists(tree: Path, lists: SkipLists, shards: Iterable[ShardKey]) -> ApplyReport:
