@@ -74,7 +74,9 @@ def expand_units(units: pa.Table, spec: SourceSpec, uri: str, options: IngestOpt
 
 def _items_of_unit(spec: SourceSpec, root: Path, unit: str, options: IngestOptions
                    ) -> Iterator[FoundItem]:
-    if spec.kind == "image_folder":
+    if readers.is_folder_unit(unit):
+        yield readers.unreadable_folder_item(unit)
+    elif spec.kind == "image_folder":
         yield readers.read_image_file(spec, root, unit, options.max_file_bytes)
     elif spec.kind == "webdataset":
         yield from readers.read_tar(spec, root, unit, options.max_file_bytes)

@@ -21,6 +21,7 @@ from prx_assets.s1_ingest.sources import SourceSpec
 IMAGE_FOLDER_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 DEFAULT_MAX_FILE_BYTES = 512 << 20  # a single image above this is refused, not loaded
 STATUS_FILE_TOO_LARGE = "file_too_large"
+STATUS_UNREADABLE_FOLDER = "unreadable_folder"
 
 
 class SourceNotFoundError(FileNotFoundError):
@@ -33,7 +34,8 @@ def check_source_exists(spec: SourceSpec, uri: Path) -> None:
 
 
 def list_units(spec: SourceSpec, uri: Path) -> Iterator[str]:
-    """Paths (relative to `uri`, POSIX, sorted per directory) of the units to read."""
+    """Paths (relative to `uri`, POSIX, sorted per directory) of the units to read, and a
+    `folder_unit` for each folder that could not be listed."""
     check_source_exists(spec, uri)
     if spec.kind == "image_folder":
         suffixes: tuple[str, ...] = IMAGE_FOLDER_EXTENSIONS
@@ -50,16 +52,42 @@ def list_units(spec: SourceSpec, uri: Path) -> Iterator[str]:
 
 
 def _walk_sorted(root: Path, directory: Path, suffixes: tuple[str, ...]) -> Iterator[str]:
-    """A streaming, deterministic recursive walk (no full listing held in memory)."""
+    """A streaming, deterministic recursive walk (no full listing held in memory).
+
+    A folder that cannot be listed becomes a unit of its own (see `folder_unit`), so its
+    images are not dropped silently: the partition gets a row saying which folder and why.
+    """
     try:
         entries = sorted(os.scandir(directory), key=lambda e: e.name)
-    except OSError:
-        return  # an unreadable sub-directory holds nothing we can read
+    except OSError as exc:
+        yield folder_unit(directory.relative_to(root).as_posix(), exc)
+        return
     for entry in entries:
         if entry.is_dir(follow_symlinks=False):
             yield from _walk_sorted(root, Path(entry.path), suffixes)
         elif entry.name.lower().endswith(suffixes):
             yield Path(entry.path).relative_to(root).as_posix()
+
+
+# An unlistable folder's unit: its path, a "/" (no listed file ends with one), a NUL (no
+# POSIX path holds one) and the error, so the unit alone carries everything its row needs.
+_FOLDER_UNIT_MARK = "/\0"
+
+
+def folder_unit(rel: str, exc: OSError) -> str:
+    return f"{rel}{_FOLDER_UNIT_MARK}{type(exc).__name__}: {exc}"
+
+
+def is_folder_unit(unit: str) -> bool:
+    return _FOLDER_UNIT_MARK in unit
+
+
+def unreadable_folder_item(unit: str) -> FoundItem:
+    """The row of a folder that could not be listed: key `<folder>/`, the cause in `error`."""
+    folder, _, error = unit.partition(_FOLDER_UNIT_MARK)
+    return FoundItem(key=f"{folder}/", status=STATUS_UNREADABLE_FOLDER,
+                     error=f"folder {folder}/ could not be listed, its files were not read: "
+                           f"{error}")
 
 
 def read_file_bytes(path: Path, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> FoundItem | bytes:

@@ -1,5 +1,6 @@
 import io
 import json
+import os
 import tarfile
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from prx_assets.s1_ingest import readers
+from prx_assets.s1_ingest.ingest import IngestOptions, expand_units, write_manifest
 from prx_assets.s1_ingest.raw_rows import RAW_IMAGES_SCHEMA, raw_row
 from prx_assets.s1_ingest.sources import SourceSpec
 from prx_assets_tests.conftest import jpeg_bytes
@@ -27,6 +29,47 @@ def test_image_folder_listing_is_recursive_sorted_and_filtered(small_folder: Pat
     units = list(readers.list_units(spec("image_folder"), small_folder))
     assert units == ["a/b/two.png", "a/one.jpg", "anim.png", "cut.jpg", "dangling.jpg",
                      "empty.jpg", "notes.jpg", "three.webp"]
+
+
+def _unlistable(monkeypatch, folder: Path) -> None:
+    """os.scandir refuses `folder` as it would without permission (tests run as root, so a
+    chmod would not stop them)."""
+    scandir = os.scandir
+
+    def refusing(path):
+        if Path(path) == folder:
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(readers.os, "scandir", refusing)
+
+
+def test_unlistable_folder_becomes_a_row_naming_it(small_folder: Path, tmp_path: Path,
+                                                   monkeypatch):
+    _unlistable(monkeypatch, small_folder / "a" / "b")
+    units = list(readers.list_units(spec("image_folder"), small_folder))
+    assert units[1:] == ["a/one.jpg", "anim.png", "cut.jpg", "dangling.jpg", "empty.jpg",
+                         "notes.jpg", "three.webp"]
+    assert readers.is_folder_unit(units[0]) and not any(map(readers.is_folder_unit, units[1:]))
+    # Through the manifest (parquet) and a task's expansion, as a run takes it.
+    count = write_manifest(spec("image_folder"), small_folder, tmp_path / "manifest")
+    assert count == len(units)
+    manifest = pq.read_table(sorted((tmp_path / "manifest").glob("*.parquet"))[0])
+    tables = list(expand_units(manifest, spec("image_folder"), str(small_folder),
+                               IngestOptions()))
+    rows = {r["source_key"]: r for t in tables for r in t.to_pylist()}
+    assert "a/b/two.png" not in rows and rows["a/one.jpg"]["status"] == "ok"
+    folder = rows["a/b/"]
+    assert folder["status"] == "unreadable_folder" and folder["image"] is None
+    assert "a/b/" in folder["error"] and "PermissionError" in folder["error"]
+
+
+def test_unlistable_source_root_is_one_row(small_folder: Path, monkeypatch):
+    _unlistable(monkeypatch, small_folder)
+    (unit,) = readers.list_units(spec("image_folder"), small_folder)
+    item = readers.unreadable_folder_item(unit)
+    assert item.key == "./" and item.status == "unreadable_folder"
+    assert "Permission denied" in item.error
 
 
 def test_image_file_reader_keeps_bytes_and_sidecar_caption(small_folder: Path):
