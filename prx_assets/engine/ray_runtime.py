@@ -7,6 +7,8 @@ import os
 
 import ray
 
+from prx_assets.engine import failpoints
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -20,8 +22,10 @@ def connect(address: str | None = None, num_cpus: int | None = None,
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
     os.environ.setdefault("LANCE_LOG", "error")  # "creating a new dataset" is not a warning
+    # Workers of a cluster do not inherit this process's environment (embedded ones do).
     runtime_env = {"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-                                "LANCE_LOG": os.environ["LANCE_LOG"]}}
+                                "LANCE_LOG": os.environ["LANCE_LOG"],
+                                **failpoints.forwarded_env()}}
     if address:
         ray.init(address=address, _node_ip_address=LOOPBACK if _is_local(address) else None,
                  logging_level=logging.WARNING, runtime_env=runtime_env)

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray.data
 
+from prx_assets.engine.failpoints import failpoint
 from prx_assets.s1_ingest import readers
 from prx_assets.storage.lance_tables import prepare_output_dir, tag_with_node
 from prx_assets.s1_ingest.probe import DEFAULT_MAX_PIXELS
@@ -70,6 +71,7 @@ def expand_units(units: pa.Table, spec: SourceSpec, uri: str, options: IngestOpt
         for item in _items_of_unit(spec, root, unit, options)
     ):
         yield tag_with_node(table)
+        failpoint("ingest.expand_units")
 
 
 def _items_of_unit(spec: SourceSpec, root: Path, unit: str, options: IngestOptions

@@ -9,6 +9,7 @@ import functools
 import pyarrow as pa
 import ray.data
 
+from prx_assets.engine.failpoints import failpoint
 from prx_assets.s2_images.imaging import ImageOptions, process_image
 from prx_assets.storage.lance_tables import tag_with_node
 
@@ -52,6 +53,7 @@ def bucket_batch(batch: pa.Table, options: ImageOptions) -> pa.Table:
             if result.phash is not None:
                 row["pixels"] = row["original_width"] * row["original_height"]
         rows.append(row)
+    failpoint("images.bucket_batch")
     return tag_with_node(pa.Table.from_pylist(rows, schema=BUCKETED_SCHEMA))
 
 

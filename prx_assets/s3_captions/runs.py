@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
+from prx_assets.engine.failpoints import failpoint
 from prx_assets.s3_captions.captioners import CaptionerSpec, caption_stage
 from prx_assets.s3_captions.captions import CAPTIONS_SCHEMA, STATUS_OK, done_filter
 from prx_assets.storage.lance_tables import (
@@ -172,6 +173,7 @@ def caption_source(requests: ray.data.Dataset, captions_uri: Path, spec: Caption
         report.seconds = time.perf_counter() - started
         if on_chunk:
             on_chunk(report)
+        failpoint("captions.chunk_committed")
     report.seconds = time.perf_counter() - started
     if report.chunks > 1 and table_exists(captions_uri):
         compact(captions_uri, CAPTIONS_FRAGMENTS)

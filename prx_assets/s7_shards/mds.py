@@ -37,6 +37,7 @@ import pyarrow.compute as pc
 import ray
 from streaming import MDSWriter
 
+from prx_assets.engine.failpoints import failpoint
 from prx_assets.storage.lance_tables import prepare_output_dir, table_exists
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.tables import MDS_SAMPLES
@@ -251,6 +252,7 @@ def write_part(spec: PartSpec, inputs: SampleInputs, options: WriteOptions) -> l
                                                     columns=["id", "caption"]))
             for sample_id in spec.ids[start:stop]:
                 writer.write(_sample(images[sample_id], texts[sample_id]["caption"]))
+            failpoint("mds.write_part")
     return json.loads((spec.out / "index.json").read_text())["shards"]
 
 

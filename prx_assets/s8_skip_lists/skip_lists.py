@@ -29,6 +29,8 @@ import lance
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prx_assets.engine.failpoints import failpoint
+
 SIDECAR_VERSION = 1
 SHARD_SUFFIX = ".mds"
 SIDECAR_SUFFIX = ".skip.json"
@@ -147,6 +149,7 @@ def apply_skip_lists(tree: Path, lists: SkipLists, shards: Iterable[ShardKey]) -
             report.unchanged += 1
             continue
         write_sidecar(path, new)
+        failpoint("skip_lists.sidecar_written")
         if new:
             report.written += 1
         else:

@@ -1,0 +1,97 @@
+"""Named failpoints: places where a stage can be held still mid-work, so a fault test kills
+it at a known point instead of racing the run.
+
+A stage calls `failpoint("<stage>.<point>")` where it has something half-written. Nothing
+happens unless the process was started with
+
+    PRX_FAILPOINT=<name>[,<name>...]    the points that are armed
+    PRX_FAILPOINT_FILE=<path>           the marker file the test waits for
+
+Then the first process to reach an armed point creates the marker (atomically, holding
+`{"failpoint", "pid", "module"}`) and blocks there until it is killed. Every later hit, in
+any process, finds the marker and passes through: a Ray task retried after its worker was
+killed at the point then runs to the end. The marker names the blocked process, so a test
+can kill exactly that one (a Ray worker) or the run's whole process group.
+
+Both variables are read once, when this module is imported; an unarmed point costs one
+set-membership test. Embedded Ray workers inherit the driver's environment; for a cluster
+(`RAY_ADDRESS`) `ray_runtime.connect` forwards these variables in the job's runtime env.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+ENV_POINTS = "PRX_FAILPOINT"
+ENV_MARKER = "PRX_FAILPOINT_FILE"
+
+# Every failpoint a stage calls, and where it holds the stage.
+POINTS = {
+    "ingest.expand_units": "a Ray task expanding ingest units, after yielding a block of rows "
+                           "(manifest listed, nothing committed)",
+    "images.bucket_batch": "a Ray task of the image stage, a batch resized but not yet handed "
+                           "to the writer",
+    "captions.chunk_committed": "the captions driver, right after a chunk's merge-insert "
+                                "committed (before compaction)",
+    "mds.write_part": "a Ray task writing an MDS part inside the `.partial` tree, after its "
+                      "first samples",
+    "skip_lists.sidecar_written": "the skip-lists driver, right after one sidecar was "
+                                  "replaced (others still old)",
+}
+
+_ARMED = frozenset(name for name in os.environ.get(ENV_POINTS, "").split(",") if name)
+_MARKER = os.environ.get(ENV_MARKER) or None
+
+
+def failpoint(name: str) -> None:
+    """Hold this process here forever if `name` is armed and has not fired yet."""
+    if name in _ARMED:
+        _hold(name)
+
+
+def env(names: str | list[str], marker: Path) -> dict[str, str]:
+    """The environment variables that arm `names` with `marker` (for a test's subprocess)."""
+    names = [names] if isinstance(names, str) else list(names)
+    unknown = [n for n in names if n not in POINTS]
+    if unknown:
+        raise ValueError(f"unknown failpoint(s) {unknown}; known: {sorted(POINTS)}")
+    return {ENV_POINTS: ",".join(names), ENV_MARKER: str(marker)}
+
+
+def forwarded_env() -> dict[str, str]:
+    """This process's failpoint variables, for a Ray runtime env (empty when unarmed)."""
+    return {k: os.environ[k] for k in (ENV_POINTS, ENV_MARKER) if os.environ.get(k)}
+
+
+def read_marker(marker: Path) -> dict | None:
+    """The marker's content, or None while no process has reached the point."""
+    try:
+        return json.loads(Path(marker).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _hold(name: str) -> None:
+    if _MARKER is None:
+        raise RuntimeError(f"failpoint {name!r} is armed by {ENV_POINTS} but {ENV_MARKER} "
+                           "is not set")
+    marker = Path(_MARKER)
+    if marker.exists():
+        return  # fired once already: pass through
+    body = json.dumps({"failpoint": name, "pid": os.getpid(), "module": __file__})
+    # Written aside, then hard-linked into place: the link fails if the marker exists, so
+    # exactly one process holds, and a reader never sees a half-written marker.
+    temporary = marker.with_name(f".{marker.name}.{os.getpid()}.{threading.get_ident()}")
+    temporary.write_text(body)
+    try:
+        os.link(temporary, marker)
+    except FileExistsError:
+        return
+    finally:
+        temporary.unlink(missing_ok=True)
+    while True:
+        time.sleep(3600)
