@@ -1,9 +1,12 @@
 """Helpers for the fault tests: Dagster runs in killable subprocesses on a shared on-disk
-instance, snapshots of every stored table and shard tree, and waiting for evidence.
+instance, armed with a failpoint, and snapshots of every stored table and shard tree.
 
 A run is `python -m prx_assets_tests.e2e.fault_runs ...` started in its own session
 (process group), so `os.killpg(SIGKILL)` takes its embedded Ray (raylet, GCS, workers) down
-with it, as a crashed machine or an OOM kill of the run would.
+with it, as a crashed machine or an OOM kill of the run would. A run armed with a failpoint
+(`prx_assets.engine.failpoints`) holds at that point, in its own process or in the Ray
+worker that reached it, until killed: the test waits for the marker file, so the kill lands
+at the same place however loaded the machine is.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from pathlib import Path
 from typing import Callable
 
 import lance
+
+from prx_assets.engine import failpoints
 
 PER_SOURCE_TABLES = ("raw_images", "bucketed_images", "phashes", "captions", "caption_labels",
                      "mds_samples")
@@ -61,6 +66,14 @@ class RunSpec:
     captioner: Path | None = None
     run_config: dict | None = None
     run_id: str = ""
+    failpoint: str | None = None  # armed in the run (and its Ray workers)
+    marker: Path | None = None  # where the failpoint's holder writes its marker
+
+    def arm(self, failpoint: str, marker_dir: Path) -> "RunSpec":
+        """Arm `failpoint` with a marker file of its own for this run id."""
+        self.failpoint = failpoint
+        self.marker = marker_dir / f"failpoint-{self.run_id[:8]}-{failpoint}.json"
+        return self
 
     def __post_init__(self) -> None:
         self.run_id = self.run_id or str(uuid.uuid4())
@@ -80,6 +93,10 @@ class RunProcess:
         env = {**os.environ, "DAGSTER_HOME": str(spec.home), "PRX_DATA_ROOT": str(spec.data_root),
                "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1"}
         env.pop("RAY_ADDRESS", None)  # an embedded Ray per run, as `dagster dev` runs it
+        for name in (failpoints.ENV_POINTS, failpoints.ENV_MARKER):
+            env.pop(name, None)
+        if spec.failpoint:
+            env.update(failpoints.env(spec.failpoint, spec.marker))
         with open(self.log, "w") as out:
             self.process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
                                             start_new_session=True,
@@ -155,24 +172,20 @@ def wait_until(condition: Callable[[], object], what: str, run: RunProcess | Non
                          + (f":\n{run.output()[-6000:]}" if run else ""))
 
 
-def ray_workers(root_pid: int, name_part: str) -> list:
-    """Ray worker processes under `root_pid` whose title (`ray::<task or operator>`) names
-    `name_part`: a worker executing that task right now (idle ones are `ray::IDLE`)."""
+def wait_for_failpoint(run: RunProcess) -> dict:
+    """The marker of the run's armed failpoint, once a process of the run holds there.
+    The run cannot finish without passing the point, so this is no race; the timeout of
+    `wait_until` is only a safety net for a run that never gets there."""
+    assert run.spec.failpoint and run.spec.marker, "the run is not armed"
+    return wait_until(lambda: failpoints.read_marker(run.spec.marker),
+                      f"failpoint {run.spec.failpoint}", run, timeout=600)
+
+
+def process_title(pid: int) -> str:
+    """A process's command line; a Ray worker's reads `ray::<task or operator>`."""
     import psutil
 
-    found = []
-    try:
-        children = psutil.Process(root_pid).children(recursive=True)
-    except psutil.Error:
-        return found
-    for proc in children:
-        try:
-            title = " ".join(proc.cmdline())
-        except psutil.Error:
-            continue
-        if title.startswith("ray::") and name_part in title:
-            found.append(proc)
-    return found
+    return " ".join(psutil.Process(pid).cmdline())
 
 
 def mark_killed_run_failed(instance, run_id: str) -> None:
@@ -263,13 +276,6 @@ def store_state(data_root: Path, sources: list[str], versions: dict | None = Non
     return state
 
 
-def new_files(folder: Path, before: set[str]) -> set[str]:
-    try:
-        return {p.name for p in folder.iterdir()} - before
-    except FileNotFoundError:
-        return set()
-
-
 # ------------------------------------------------------------------------------ the run itself
 
 def job_subset(defs, job: str, assets: list[str]):
@@ -293,10 +299,10 @@ def run_in_process(defs, job: str, partition: str | None, instance, assets=(),
 
 class CaptionServer:
     """A local OpenAI-compatible endpoint answering every image with a fixed caption after
-    `delay_s`, so a captions run takes long enough to be caught between chunk commits."""
+    `delay_s`."""
 
     def __init__(self, caption: str = "A test pattern of coloured shapes on a plain ground.",
-                 delay_s: float = 0.15):
+                 delay_s: float = 0.0):
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 

@@ -1,10 +1,12 @@
-"""Faults (issue 8): runs killed in the middle of each stage, a Ray worker killed mid-task,
-a write that cannot happen, two partitions at once, and inputs changing between runs.
+"""Faults: runs killed in the middle of each stage, a Ray worker killed mid-task, a write
+that cannot happen, two partitions at once, and inputs changing between runs.
 
 Everything is real: Dagster runs on an on-disk SQLite instance, embedded Ray, Lance tables,
-MDS trees, and SIGKILL of a run's whole process group. A kill waits for evidence that the
-stage is under way (a Ray worker executing the stage's task, a Lance commit of a caption
-chunk, a `.partial` MDS build, the step's STEP_START in the event log), never for a sleep.
+MDS trees, and SIGKILL of a run's whole process group. A killed run is armed with one of the
+stages' failpoints (`prx_assets.engine.failpoints`): the stage holds there, mid-work with
+something half-written (a Ray task expanding ingest units, a batch of the image stage, a
+committed caption chunk, a part of a `.partial` MDS tree, one replaced skip sidecar), and
+the test kills it once the marker file says so. No kill waits for a sleep or races the run.
 
 One small corpus is built once for the module (in process, on the session's Ray); only runs
 that are killed go through a subprocess. Tests leave the store consistent for the next one.
@@ -14,8 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
-import time
+import signal
 import uuid
 from pathlib import Path
 
@@ -31,9 +32,10 @@ from prx_assets.definitions import build_defs
 from prx_assets_tests.conftest import jpeg_bytes, write_sources
 from prx_assets_tests.e2e.fault_runs import (
     CaptionServer, RunProcess, RunSpec, mark_killed_run_failed, materialized_in_run,
-    open_instance, ray_workers, run_in_process, step_started, store_state, table_state,
-    wait_until, write_instance_config)
+    open_instance, process_title, run_in_process, step_started, store_state, table_state,
+    wait_for_failpoint, write_instance_config)
 
+REPO = Path(__file__).resolve().parents[2]
 STAGE_ASSETS = ("raw_images", "bucketed_images", "phashes", "captions", "mds_shards")
 SMALL = (300, 200)  # below 384² pixels: kept in raw_images, rejected by the image stage
 
@@ -162,33 +164,35 @@ def _assert_tree_streams(corpus: Corpus, source: str, samples: int) -> None:
 RAY_START_TIMEOUT = "The current node timed out during startup"
 
 
-def start_run(corpus: Corpus, spec: RunSpec, tmp: Path, step: str) -> RunProcess:
-    """Start the run and wait for STEP_START of `step`. Ray gives its node a fixed 30 s to
-    start; on a heavily loaded machine that can pass, so that one failure is retried once."""
+def start_run(corpus: Corpus, spec: RunSpec, tmp: Path, failpoint: str
+              ) -> tuple[RunProcess, dict]:
+    """Start the run armed with `failpoint` and wait until a process of it holds there;
+    returns the run and the failpoint's marker. Ray gives its node a fixed 30 s to start;
+    on a heavily loaded machine that can pass, so that one failure is retried once."""
     for attempt in range(2):
-        run = RunProcess(spec, tmp)
+        run = RunProcess(spec.arm(failpoint, tmp), tmp)
         try:
-            wait_until(lambda: step_started(corpus.instance, spec.run_id, step),
-                       f"STEP_START of {step}", run)
-            return run
+            held = wait_for_failpoint(run)
         except AssertionError:
             run.kill()
             if attempt or RAY_START_TIMEOUT not in run.output():
                 raise
             mark_killed_run_failed(corpus.instance, spec.run_id)
             spec.run_id = str(uuid.uuid4())
+            continue
+        assert held["failpoint"] == failpoint
+        # The run and its Ray workers import this checkout's code (the marker says whose).
+        assert Path(held["module"]).is_relative_to(REPO), held
+        return run, held
     raise AssertionError("unreachable")
 
 
-def _kill_mid_stage(corpus: Corpus, spec: RunSpec, step: str, evidence, what: str,
+def _kill_mid_stage(corpus: Corpus, spec: RunSpec, step: str, failpoint: str,
                     tmp: Path) -> RunProcess:
-    """Start the run, wait for the step to start and for `evidence(run)`, SIGKILL the
-    process group; assert the step had started and its asset was not materialised."""
-    run = start_run(corpus, spec, tmp, step)
-    try:
-        wait_until(lambda: evidence(run), what, run)
-    finally:
-        run.kill()
+    """Start the run, wait until it holds at `failpoint`, SIGKILL the process group; assert
+    the step had started and its asset was not materialised."""
+    run, _ = start_run(corpus, spec, tmp, failpoint)
+    run.kill()
     assert run.process.returncode == -9
     assert step_started(corpus.instance, spec.run_id, step)
     assert not materialized_in_run(corpus.instance, spec.run_id) & set(spec.assets), \
@@ -202,9 +206,7 @@ def _kill_mid_stage(corpus: Corpus, spec: RunSpec, step: str, evidence, what: st
 def test_kill_during_ingest(corpus, tmp_path):
     before = store_state(corpus.data_root, ["web"])
     spec = corpus.spec("corpus_job", "web", ["raw_images"])
-    run = _kill_mid_stage(corpus, spec, "raw_images",
-                          lambda run: ray_workers(run.process.pid, "expand_units"),
-                          "a Ray worker expanding ingest units", tmp_path)
+    run = _kill_mid_stage(corpus, spec, "raw_images", "ingest.expand_units", tmp_path)
     # The killed run's manifest is left behind: it had listed the source.
     assert (corpus.data_root / "_work/raw_images/web" / spec.run_id).exists(), run.output()
     assert store_state(corpus.data_root, ["web"]) == before  # nothing moved during the outage
@@ -220,9 +222,7 @@ def test_kill_during_ingest(corpus, tmp_path):
 def test_kill_during_image_stage(corpus, tmp_path):
     before = store_state(corpus.data_root, ["web"])
     spec = corpus.spec("corpus_job", "web", ["bucketed_images", "phashes"])
-    _kill_mid_stage(corpus, spec, "image_stage",
-                    lambda run: ray_workers(run.process.pid, "bucket_batch"),
-                    "a Ray worker bucketing images", tmp_path)
+    _kill_mid_stage(corpus, spec, "image_stage", "images.bucket_batch", tmp_path)
     assert store_state(corpus.data_root, ["web"]) == before
 
     corpus.run("corpus_job", "web", ["bucketed_images", "phashes"])
@@ -235,7 +235,7 @@ def test_kill_during_image_stage(corpus, tmp_path):
 
 def test_kill_during_captions(corpus, tmp_path):
     """A new caption version through a (local) OpenAI-compatible endpoint, committed two
-    rows at a time: killed after its first chunk commit, the rerun finishes the rest."""
+    rows at a time: killed right after its first chunk commit, the rerun finishes the rest."""
     server = CaptionServer()
     captioner = tmp_path / "captioner.yaml"
     captioner.write_text(f"backend: openai\nmodel: test-vlm\nendpoint: {server.url}\n"
@@ -245,9 +245,8 @@ def test_kill_during_captions(corpus, tmp_path):
         before = store_state(corpus.data_root, ["web"])
         start_version = before["captions/web"]["version"]
         spec = corpus.spec("captions_job", "web", ["captions"], captioner=captioner)
-        _kill_mid_stage(corpus, spec, "captions",
-                        lambda run: lance.dataset(str(captions_uri)).version > start_version,
-                        "a caption chunk committed", tmp_path)
+        _kill_mid_stage(corpus, spec, "captions", "captions.chunk_committed", tmp_path)
+        assert lance.dataset(str(captions_uri)).version > start_version
         # Everything but captions is untouched; captions' previous version reads as before,
         # and its latest holds the old rows plus whole committed chunks of the new version.
         outage = store_state(corpus.data_root, ["web"])
@@ -276,9 +275,7 @@ def test_kill_during_mds_shards(corpus, tmp_path):
     before = store_state(corpus.data_root, ["web"])
     trees = corpus.data_root / "mds" / TREES_DIR / "web"
     spec = corpus.spec("corpus_job", "web", ["mds_shards"])
-    _kill_mid_stage(corpus, spec, "mds_shards",
-                    lambda run: list(trees.glob("*" + PARTIAL_SUFFIX)),
-                    "a .partial MDS build", tmp_path)
+    _kill_mid_stage(corpus, spec, "mds_shards", "mds.write_part", tmp_path)
     assert list(trees.glob("*" + PARTIAL_SUFFIX)), "the killed build left its staging"
     # The symlinked tree still resolves to the same whole tree: index.json, shard bytes,
     # sidecars and what StreamingDataset counts, as well as every table, are unchanged.
@@ -307,8 +304,7 @@ def test_kill_during_skip_lists(corpus, tmp_path):
     assert dedup == {sample_id("web", "wcopy.jpg")} or dedup == {sample_id("web", "w00.jpg")}
     try:
         spec = corpus.spec("skip_lists_job", "web", ["skip_lists"])
-        _kill_mid_stage(corpus, spec, "skip_lists", lambda run: True, "skip_lists started",
-                        tmp_path)
+        _kill_mid_stage(corpus, spec, "skip_lists", "skip_lists.sidecar_written", tmp_path)
         outage = store_state(corpus.data_root, ["web"])
         tables = {k: v for k, v in before.items() if not k.startswith("mds/")}
         assert {k: v for k, v in outage.items() if not k.startswith("mds/")} == tables
@@ -332,31 +328,23 @@ def test_kill_during_skip_lists(corpus, tmp_path):
 
 # ------------------------------------------------------------------------ a Ray worker dies
 
-def test_ray_worker_killed_mid_task(corpus):
-    """SIGKILL a Ray worker while it executes the image stage's task: Ray Data retries the
-    task and the run commits exactly the expected rows."""
+def test_ray_worker_killed_mid_task(corpus, tmp_path):
+    """SIGKILL the Ray worker held inside the image stage's task: Ray Data retries the task,
+    the retry passes the failpoint (it fires once per run), and the run commits exactly the
+    expected rows."""
+    spec = corpus.spec("corpus_job", "web", ["bucketed_images", "phashes"])
+    run, held = start_run(corpus, spec, tmp_path, "images.bucket_batch")
     killed: list[str] = []
-    stop = threading.Event()
-
-    def killer() -> None:
-        while not stop.is_set() and not killed:
-            for proc in ray_workers(os.getpid(), "bucket_batch"):
-                try:
-                    title = " ".join(proc.cmdline())
-                    proc.kill()
-                    killed.append(title)
-                    break
-                except Exception:
-                    continue
-            time.sleep(0.02)
-
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
     try:
-        corpus.run("corpus_job", "web", ["bucketed_images", "phashes"])
+        title = process_title(held["pid"])
+        assert held["pid"] != run.process.pid and title.startswith("ray::"), title
+        os.kill(held["pid"], signal.SIGKILL)
+        killed.append(title)
+        result = run.wait(timeout=600)
     finally:
-        stop.set()
-        thread.join(timeout=10)
+        if run.alive():
+            run.kill()
+    assert result["success"], run.output()[-6000:]
     assert killed and "bucket_batch" in killed[0], "no worker was caught mid-task"
     _assert_source_complete(corpus, "web")
 
