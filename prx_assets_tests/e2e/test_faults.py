@@ -8,8 +8,10 @@ something half-written (a Ray task expanding ingest units, a batch of the image 
 committed caption chunk, a part of a `.partial` MDS tree, one replaced skip sidecar), and
 the test kills it once the marker file says so. No kill waits for a sleep or races the run.
 
-One small corpus is built once for the module (in process, on the session's Ray); only runs
-that are killed go through a subprocess. Tests leave the store consistent for the next one.
+One small corpus is built once for the module (in process, on the session's Ray); runs armed
+with a failpoint and the concurrent partitions go through subprocesses (each with its own
+embedded Ray, which inherits the failpoint variables). Tests leave the store consistent
+for the next one.
 """
 
 from __future__ import annotations
