@@ -22,6 +22,7 @@ import ray.data
 
 from prx_assets.s3_captions.captioners import CaptionerSpec, caption_stage
 from prx_assets.s3_captions.captions import CAPTIONS_SCHEMA, STATUS_OK, done_filter
+from prx_assets.storage.filters import eq_filter, in_filter
 from prx_assets.storage.lance_tables import (
     FragmentPolicy, cleanup, compact, prepare_output_dir, table_exists, upsert)
 
@@ -145,8 +146,7 @@ def drop_captions(captions_uri: Path, ids: set[str], chunk: int = 10_000) -> int
     before = table.count_rows()
     ordered = sorted(ids)
     for start in range(0, len(ordered), chunk):
-        quoted = ", ".join("'" + i.replace("'", "''") + "'" for i in ordered[start:start + chunk])
-        table.delete(f"id IN ({quoted})")
+        table.delete(in_filter("id", ordered[start:start + chunk]))
     return before - lance.dataset(str(captions_uri)).count_rows()
 
 
@@ -206,13 +206,13 @@ class Coverage:
 def coverage(bucketed_uri: Path, captions_uri: Path, version: str,
              target: tuple[int, int] = (100, 200)) -> Coverage:
     """Counts for the checks, read from the committed tables (metadata columns only)."""
-    kept = lance.dataset(str(bucketed_uri)).count_rows(filter=f"status = '{STATUS_OK}'") \
+    kept = lance.dataset(str(bucketed_uri)).count_rows(filter=eq_filter("status", STATUS_OK)) \
         if table_exists(bucketed_uri) else 0
     if not table_exists(captions_uri):
         return Coverage(kept, 0, 0, 0, 0)
     table = lance.dataset(str(captions_uri))
     rows = table.to_table(columns=["status", "n_words"],
-                          filter=f"caption_version = '{version}'")
+                          filter=eq_filter("caption_version", version))
     statuses = Counter(rows.column("status").to_pylist())
     words = rows.filter(pc.equal(rows.column("status"), STATUS_OK)).column("n_words")
     in_target = pc.sum(pc.and_(pc.greater_equal(words, target[0]),
