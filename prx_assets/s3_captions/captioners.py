@@ -26,6 +26,7 @@ import pyarrow as pa
 from PIL import Image
 
 from prx_assets.models.openai_client import EndpointError, OpenAIClient
+from prx_assets.models.vllm import VLLMEngine
 from prx_assets.s3_captions.captions import (
     CAPTIONS_SCHEMA, DEFAULT_PROMPT, STATUS_EMPTY, STATUS_FAILED, caption_version, clean_caption,
     load_prompt)
@@ -260,22 +261,19 @@ class OpenAICaptioner:
 
 # --- backend: vLLM through ray.data.llm ---------------------------------------------------
 
-def vllm_processor_config(spec: CaptionerSpec):
-    """The `ray.data.llm` processor configuration for a multimodal vLLM engine."""
-    from ray.data.llm import PrepareMultimodalStageConfig, vLLMEngineProcessorConfig
-
+def vllm_engine(spec: CaptionerSpec) -> VLLMEngine:
+    """The multimodal vLLM stage: one image per prompt, the spec's engine arguments on top."""
     engine_kwargs = {"max_model_len": 8192, "limit_mm_per_prompt": {"image": 1},
                      **spec.engine_kwargs}
-    return vLLMEngineProcessorConfig(
-        model_source=spec.model,
-        engine_kwargs=engine_kwargs,
-        batch_size=spec.batch_size,
-        concurrency=spec.concurrency,
-        accelerator_type=spec.accelerator_type,
-        should_continue_on_error=spec.continue_on_error,
-        prepare_multimodal_stage=PrepareMultimodalStageConfig(
-            enabled=True, chat_template_content_format="openai"),
-    )
+    return VLLMEngine(model=spec.model, engine_kwargs=engine_kwargs,
+                      batch_size=spec.batch_size, concurrency=spec.concurrency,
+                      accelerator_type=spec.accelerator_type,
+                      continue_on_error=spec.continue_on_error, images=True)
+
+
+def vllm_processor_config(spec: CaptionerSpec):
+    """The `ray.data.llm` processor configuration for the captioning vLLM stage."""
+    return vllm_engine(spec).processor_config()
 
 
 def vllm_preprocess(spec: CaptionerSpec) -> Callable[[dict], dict]:
@@ -300,10 +298,7 @@ def vllm_postprocess(row: dict) -> dict:
 
 
 def build_vllm_captioner(spec: CaptionerSpec):
-    from ray.data.llm import build_processor
-
-    return build_processor(vllm_processor_config(spec), preprocess=vllm_preprocess(spec),
-                           postprocess=vllm_postprocess)
+    return vllm_engine(spec).processor(vllm_preprocess(spec), vllm_postprocess)
 
 
 # --- the stage ----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from prx_assets.models.openai_client import ChatReply, EndpointError, OpenAIClient
+from prx_assets.models.vllm import VLLMEngine
 from prx_assets.s4_labels.labels import LABELS
 
 QUESTION = (
@@ -80,12 +81,10 @@ def vllm_sampling_params() -> dict[str, Any]:
     return {"temperature": 0.0, "max_tokens": 4, "structured_outputs": {"choice": list(LABELS)}}
 
 
-def vllm_processor_config(settings: VLLMSettings):
-    """The ray.data.llm config for the label stage (vLLM is needed only by build_processor)."""
-    from ray.data.llm import ChatTemplateStageConfig, vLLMEngineProcessorConfig
-
-    return vLLMEngineProcessorConfig(
-        model_source=settings.model,
+def vllm_engine(settings: VLLMSettings) -> VLLMEngine:
+    """The text-only vLLM stage of the labeller."""
+    return VLLMEngine(
+        model=settings.model,
         engine_kwargs={"max_model_len": settings.max_model_len,
                        "tensor_parallel_size": settings.tensor_parallel_size,
                        "enable_prefix_caching": True},  # the question prefix is shared
@@ -93,11 +92,13 @@ def vllm_processor_config(settings: VLLMSettings):
         batch_size=settings.batch_size,
         accelerator_type=settings.accelerator_type,
         # Qwen3 thinks aloud unless told not to; a one-word answer needs no reasoning.
-        chat_template_stage=ChatTemplateStageConfig(
-            chat_template_kwargs={"enable_thinking": False}),
-        tokenize_stage=True,
-        detokenize_stage=True,
+        chat_template_kwargs={"enable_thinking": False},
     )
+
+
+def vllm_processor_config(settings: VLLMSettings):
+    """The ray.data.llm config for the label stage (vLLM is needed only when it runs)."""
+    return vllm_engine(settings).processor_config()
 
 
 def vllm_preprocess(row: dict[str, Any]) -> dict[str, Any]:
@@ -113,10 +114,7 @@ def vllm_postprocess(row: dict[str, Any]) -> dict[str, Any]:
 
 def build_vllm_labeler(settings: VLLMSettings):
     """A ray.data.llm Processor mapping caption rows to (id, label, scores) rows."""
-    from ray.data.llm import build_processor
-
-    return build_processor(vllm_processor_config(settings),
-                           preprocess=vllm_preprocess, postprocess=vllm_postprocess)
+    return vllm_engine(settings).processor(vllm_preprocess, vllm_postprocess)
 
 
 # --- OpenAI-compatible endpoint ----------------------------------------------------------
