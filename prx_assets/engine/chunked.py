@@ -22,7 +22,7 @@ and its Ray stage, and keeps its own report.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -70,6 +70,31 @@ class ChunkedRun:
     @property
     def rows_per_s(self) -> float:
         return self.rows / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class ChunkedReport:
+    """Base of a stage's run report: the runner's counts (`commits`, replaced after each
+    chunk) read through, beside whatever the stage counts itself."""
+
+    commits: ChunkedRun = field(default_factory=ChunkedRun, kw_only=True)
+
+    @property
+    def written(self) -> int:
+        """Rows committed."""
+        return self.commits.committed
+
+    @property
+    def chunks(self) -> int:
+        return self.commits.chunks
+
+    @property
+    def seconds(self) -> float:
+        return self.commits.seconds
+
+    @property
+    def lance_version(self) -> int | None:
+        return self.commits.lance_version
 
 
 ChunkCallback = Callable[[pa.Table, ChunkedRun], None]

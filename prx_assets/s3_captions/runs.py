@@ -24,7 +24,7 @@ from prx_assets.s3_captions.captions import CAPTIONS_SCHEMA, STATUS_OK, done_fil
 from prx_assets.storage.filters import eq_filter, in_filter
 from prx_assets.engine.chunked import BROADCAST_IDS as DEFAULT_BROADCAST_IDS
 from prx_assets.engine.chunked import (
-    ChunkedRun, CommitTarget, collect_ids, hash_partitions, keep_ids, pending_rows, run_chunked,
+    ChunkedReport, ChunkedRun, CommitTarget, collect_ids, hash_partitions, keep_ids, pending_rows, run_chunked,
     without_ids)
 from prx_assets.storage.lance_tables import FragmentPolicy, prepare_output_dir, table_exists
 
@@ -33,27 +33,10 @@ CAPTIONS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
 
 
 @dataclass
-class CaptionRunReport:
+class CaptionRunReport(ChunkedReport):
     version: str
-    commits: ChunkedRun = field(default_factory=ChunkedRun)
     statuses: Counter = field(default_factory=Counter)
     word_counts: list[int] = field(default_factory=list)
-
-    @property
-    def written(self) -> int:
-        return self.commits.committed
-
-    @property
-    def chunks(self) -> int:
-        return self.commits.chunks
-
-    @property
-    def seconds(self) -> float:
-        return self.commits.seconds
-
-    @property
-    def lance_version(self) -> int | None:
-        return self.commits.lance_version
 
     @property
     def images_per_s(self) -> float:

@@ -30,7 +30,7 @@ from prx_assets.s4_labels.labels import (
     DEFAULT_L2, LABELS, LABELS_SCHEMA, EmbeddedLabeler, active_labels_filter,
     embedded_classifier_version, label_rows, version_hash)
 from prx_assets.engine.chunked import (
-    ChunkedRun, CommitTarget, drop_ids, keep_ids, run_chunked)
+    ChunkedReport, ChunkedRun, CommitTarget, drop_ids, keep_ids, run_chunked)
 from prx_assets.storage.lance_tables import FragmentPolicy, prepare_output_dir, table_exists
 
 LABEL_KEYS = ["id", "caption_version", "classifier_version"]
@@ -70,17 +70,11 @@ class LabelerSpec:
 
 
 @dataclass
-class LabelRunReport:
+class LabelRunReport(ChunkedReport):
     caption_version: str
     classifier_version: str
-    commits: ChunkedRun = field(default_factory=ChunkedRun)
     labels: Counter = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)  # a few examples
-
-    @property
-    def written(self) -> int:
-        """Labels committed."""
-        return self.commits.committed
 
     @property
     def failed(self) -> int:
@@ -90,18 +84,6 @@ class LabelRunReport:
     @property
     def pending(self) -> int:
         return self.commits.rows
-
-    @property
-    def chunks(self) -> int:
-        return self.commits.chunks
-
-    @property
-    def seconds(self) -> float:
-        return self.commits.seconds
-
-    @property
-    def lance_version(self) -> int | None:
-        return self.commits.lance_version
 
     @property
     def captions_per_s(self) -> float:

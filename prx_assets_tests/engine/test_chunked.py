@@ -10,7 +10,7 @@ import pytest
 import ray.data
 
 from prx_assets.engine.chunked import (
-    ChunkedRun, CommitTarget, drop_ids, pending_rows, run_chunked, without_ids)
+    ChunkedReport, ChunkedRun, CommitTarget, drop_ids, pending_rows, run_chunked, without_ids)
 
 SCHEMA = pa.schema([pa.field("id", pa.string(), nullable=False), pa.field("value", pa.int64()),
                     pa.field("ok", pa.bool_())])
@@ -116,3 +116,18 @@ def test_done_rows_are_selected_out_by_broadcast_or_join(ray_session, tmp_path,
     done = ray.data.from_arrow(pa.table({"id": IDS[:10]}))
     assert sorted(without_ids(inputs(), done, 10, broadcast_limit).to_pandas()["id"]) == IDS[10:]
     assert drop_ids(inputs(), pa.array([], pa.string())).count() == 20
+
+
+def test_a_stage_report_reads_the_runner_counts_through():
+    from dataclasses import dataclass
+
+    @dataclass
+    class StageReport(ChunkedReport):
+        version: str
+
+    report = StageReport("v1")
+    assert (report.written, report.chunks, report.lance_version) == (0, 0, None)
+    report.commits = ChunkedRun(chunks=2, commits=2, rows=9, committed=7, seconds=1.5,
+                                lance_version=4)
+    assert (report.written, report.chunks, report.seconds, report.lance_version) == \
+        (7, 2, 1.5, 4)
