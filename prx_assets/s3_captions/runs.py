@@ -24,8 +24,8 @@ from prx_assets.s3_captions.captions import CAPTIONS_SCHEMA, STATUS_OK, done_fil
 from prx_assets.storage.filters import eq_filter, in_filter
 from prx_assets.engine.chunked import BROADCAST_IDS as DEFAULT_BROADCAST_IDS
 from prx_assets.engine.chunked import (
-    ChunkedReport, ChunkedRun, CommitTarget, collect_ids, hash_partitions, keep_ids, pending_rows, run_chunked,
-    without_ids)
+    ChunkedReport, ChunkedRun, CommitTarget, collect_ids, hash_partitions, keep_ids,
+    pending_rows, run_chunked, without_ids)
 from prx_assets.storage.lance_tables import FragmentPolicy, prepare_output_dir, table_exists
 
 CAPTION_KEYS = ["id", "caption_version"]
