@@ -1,10 +1,15 @@
-"""Dagster resources: storage, the Ray connection, the sources file and the models."""
+"""Dagster resources: storage, the Ray connection, the sources file and the models.
+
+The captioner and classifier settings are declared once, on their specs (CaptionerSpec,
+LabelerSpec); the resources take those fields from the specs and add only what belongs to
+the Dagster side (where the API key comes from, commit size, schedule, active version)."""
 
 
 import dataclasses
 import os
+import typing
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import yaml
 
@@ -13,7 +18,8 @@ from pydantic import PrivateAttr
 
 from prx_assets.engine import ray_runtime
 from prx_assets.s3_captions.captioners import CaptionerSpec
-from prx_assets.s3_captions.captions import DEFAULT_PROMPT
+from prx_assets.s4_labels.backends import DEFAULT_LLM, OpenAISettings, VLLMSettings
+from prx_assets.s4_labels.runs import LabelerSpec
 from prx_assets.s1_ingest.sources import SourcesConfig, load_sources, sources_path
 from prx_assets.storage.layout import Storage
 
@@ -55,44 +61,50 @@ class SourcesResource(dg.ConfigurableResource):
         return load_sources(Path(self.path) if self.path else sources_path())
 
 
-class CaptionerResource(dg.ConfigurableResource):
+def spec_fields(spec: type, exclude: Iterable[str] = ()) -> type[dg.ConfigurableResource]:
+    """A resource base class whose config fields are the fields of the dataclass `spec`
+    (same names, types and defaults, less `exclude`), so a setting is declared once, on the
+    spec, and reaches the Dagster config (launchpad, YAML) without being copied."""
+    hints = typing.get_type_hints(spec)
+    namespace: dict = {"__annotations__": {}, "__module__": __name__,
+                       "__doc__": f"The fields of {spec.__name__} as resource config."}
+    for f in dataclasses.fields(spec):
+        if f.name in exclude:
+            continue
+        namespace["__annotations__"][f.name] = hints[f.name]
+        namespace[f.name] = f.default if f.default is not dataclasses.MISSING \
+            else f.default_factory()
+    return type(f"{spec.__name__}Fields", (dg.ConfigurableResource,), namespace)
+
+
+def spec_values(resource: dg.ConfigurableResource, spec: type,
+                exclude: Iterable[str] = ()) -> dict:
+    """The resource's values of the `spec` fields it took from the spec (see spec_fields)."""
+    return {f.name: getattr(resource, f.name) for f in dataclasses.fields(spec)
+            if f.name not in set(exclude)}
+
+
+# The API key is never part of the config: the resource names the variable holding it.
+CAPTIONER_SECRETS = ("api_key",)
+
+
+class CaptionerResource(spec_fields(CaptionerSpec, exclude=CAPTIONER_SECRETS)):
     """Which model captions images, how, and which caption version downstream reads.
 
-    Defaults come from `captioner.yaml` (or `$PRX_CAPTIONER`) when present; the `original`
-    backend (the source's own captions) needs no model and is the default.
+    Every field of CaptionerSpec is a field here, with the spec's default. Defaults come
+    from `captioner.yaml` (or `$PRX_CAPTIONER`) when present; the `original` backend (the
+    source's own captions) needs no model and is the default.
     """
 
-    backend: str = "original"
-    model: str = ""
-    prompt_name: str = DEFAULT_PROMPT
-    max_tokens: int = 320
-    temperature: float = 0.2
-    top_p: float = 0.9
-    repetition_penalty: float = 1.05
-    image_budget: int = 448 * 448
-    seed: int = 0
-    batch_size: int = 16
-    concurrency: int = 1
-    num_gpus: float = 0.0
-    cpus_per_actor: float = 1.0
-    engine_kwargs: dict = {}
-    accelerator_type: Optional[str] = None
-    continue_on_error: bool = True
-    endpoint: str = ""
     api_key_env: str = "OPENAI_API_KEY"  # the key is read from this variable, never stored
-    request_concurrency: int = 8
-    timeout_s: float = 120.0
-    max_retries: int = 4
-    backoff_s: float = 1.0
     chunk_rows: int = 1024  # rows per commit: a killed run loses at most this many
     backfill_cron: str = "0 3 * * *"  # the re-captioning schedule (off until turned on)
     # The version downstream assets read; empty means the version this config produces.
     active_version: str = ""
 
     def spec(self) -> CaptionerSpec:
-        fields = {f.name for f in dataclasses.fields(CaptionerSpec)} - {"api_key"}
-        values = {name: getattr(self, name) for name in fields}
-        return CaptionerSpec(**values, api_key=os.environ.get(self.api_key_env, ""))
+        return CaptionerSpec(**spec_values(self, CaptionerSpec, exclude=CAPTIONER_SECRETS),
+                             api_key=os.environ.get(self.api_key_env, ""))
 
     def produced_version(self) -> str:
         """The caption version a run with this configuration writes."""
@@ -116,34 +128,29 @@ def captioner_from_file(path: Optional[Path] = None) -> CaptionerResource:
     except Exception as exc:
         raise ValueError(f"{path}: {exc}") from None
 
-class ClassifierResource(dg.ConfigurableResource):
+
+# The LLM backends' nested settings: built from the flat LLM fields of the resource.
+LABELER_NESTED = ("openai", "vllm")
+
+
+class ClassifierResource(spec_fields(LabelerSpec, exclude=LABELER_NESTED)):
     """Which backend labels captions visual / text / nsfw: `embedded` (MiniLM + a small
     classifier on the CPU, the default), `openai` (an OpenAI-compatible endpoint) or `vllm`
-    (Qwen3-8B through ray.data.llm)."""
+    (Qwen3-8B through ray.data.llm). Every scalar field of LabelerSpec is a field here."""
 
-    backend: str = "embedded"
-    actors: int = 1
-    threads_per_actor: int = 1
-    batch_size: int = 64
     model: Optional[str] = None  # LLM backends; default Qwen/Qwen3-8B
     base_url: Optional[str] = None  # openai: e.g. http://127.0.0.1:8000/v1
     api_key_env: str = "OPENAI_API_KEY"
     concurrency: int = 8  # openai: requests in flight per actor; vllm: engine replicas
     retries: int = 4
 
-    def spec(self):
-        import os
-
-        from prx_assets.s4_labels.backends import DEFAULT_LLM, OpenAISettings, VLLMSettings
-        from prx_assets.s4_labels.runs import LabelerSpec
-
+    def spec(self) -> LabelerSpec:
         model = self.model or DEFAULT_LLM
         openai = OpenAISettings(self.base_url, model=model,
                                 api_key=os.environ.get(self.api_key_env),
                                 concurrency=self.concurrency, retries=self.retries) \
             if self.base_url else None
-        return LabelerSpec(self.backend, actors=self.actors,
-                           threads_per_actor=self.threads_per_actor, batch_size=self.batch_size,
+        return LabelerSpec(**spec_values(self, LabelerSpec, exclude=LABELER_NESTED),
                            openai=openai, vllm=VLLMSettings(model=model,
                                                             concurrency=self.concurrency))
 

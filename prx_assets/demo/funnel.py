@@ -19,7 +19,9 @@ from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.tables import (
     BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, DUPLICATES, MDS_SAMPLES, RAW_IMAGES)
 from prx_assets.s8_skip_lists.skip_lists import (
-    duplicate_ids, read_sidecar, sidecar_files, skipped_indices, sql_string)
+    duplicate_ids, read_sidecar, sidecar_files, skipped_indices)
+from prx_assets.s4_labels.labels import active_labels_filter
+from prx_assets.storage.filters import in_filter
 
 # Image-stage statuses of rows that decoded (the filter's reasons); any other non-ok
 # status is a file that could not be read as an image.
@@ -65,9 +67,6 @@ def skipped_in_tree(tree: Path) -> int:
 def source_funnel(storage: Storage | str | Path, source: str, caption_version: str,
                   classifier_version: str) -> Funnel:
     storage = as_storage(storage)
-    statuses = ", ".join(sql_string(s) for s in DECODED_STATUSES)
-    labelled = (f"caption_version = {sql_string(caption_version)} AND "
-                f"classifier_version = {sql_string(classifier_version)}")
     try:
         tree = current_tree(Path(storage.mds_root), source)
         skipped = skipped_in_tree(tree)
@@ -76,10 +75,12 @@ def source_funnel(storage: Storage | str | Path, source: str, caption_version: s
     return Funnel(
         source=source,
         raw=_count(storage, RAW_IMAGES, source),
-        decodable=_count(storage, BUCKETED_IMAGES, source, f"status IN ({statuses})"),
+        decodable=_count(storage, BUCKETED_IMAGES, source,
+                         in_filter("status", DECODED_STATUSES)),
         kept=_count(storage, BUCKETED_IMAGES, source, "status = 'ok'"),
         captioned=_count(storage, CAPTIONS, source, active_caption_filter(caption_version)),
-        labelled=_count(storage, CAPTION_LABELS, source, labelled),
+        labelled=_count(storage, CAPTION_LABELS, source,
+                        active_labels_filter(caption_version, classifier_version)),
         duplicates=len(duplicate_ids(storage.table(DUPLICATES), source)),
         skipped=skipped,
         in_shards=_count(storage, MDS_SAMPLES, source),

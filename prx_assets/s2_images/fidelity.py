@@ -14,6 +14,7 @@ import numpy as np
 from PIL import Image
 
 from prx_assets.s2_images.buckets import assign_bucket
+from prx_assets.storage.filters import in_filter
 from prx_assets.s2_images.imaging import (
     ImageOptions, encode_jpeg, oriented_rgb, oriented_size, resize_to_shape)
 
@@ -116,9 +117,8 @@ def fidelity_report(bucketed_uri: str, raw_uri: str, options: ImageOptions,
     for band, ids in deterministic_sample(bucketed_uri, per_band).items():
         report = BandReport(band)
         if ids:
-            quoted = ", ".join(f"'{i}'" for i in ids)
-            stored = dict(_rows(bucketed, ["id", "image"], quoted))
-            originals = dict(_rows(raw, ["id", "image"], quoted))
+            stored = dict(_rows(bucketed, ["id", "image"], ids))
+            originals = dict(_rows(raw, ["id", "image"], ids))
             for sample_id in ids:
                 reference = lossless_bucket(originals[sample_id], options)
                 result = cycle_psnr(reference, options.quality, options.subsampling)
@@ -130,6 +130,6 @@ def fidelity_report(bucketed_uri: str, raw_uri: str, options: ImageOptions,
     return reports
 
 
-def _rows(table: "lance.LanceDataset", columns: list[str], quoted_ids: str):
-    data = table.to_table(columns=columns, filter=f"id IN ({quoted_ids})").to_pydict()
+def _rows(table: "lance.LanceDataset", columns: list[str], ids: list[str]):
+    data = table.to_table(columns=columns, filter=in_filter("id", ids)).to_pydict()
     return zip(data[columns[0]], data[columns[1]])

@@ -15,12 +15,7 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import math
-import random
-import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -30,6 +25,8 @@ import numpy as np
 import pyarrow as pa
 from PIL import Image
 
+from prx_assets.models.openai_client import EndpointError, OpenAIClient
+from prx_assets.models.vllm import VLLMEngine
 from prx_assets.s3_captions.captions import (
     CAPTIONS_SCHEMA, DEFAULT_PROMPT, STATUS_EMPTY, STATUS_FAILED, caption_version, clean_caption,
     load_prompt)
@@ -224,19 +221,16 @@ class TransformersCaptioner:
 
 # --- backend: openai-compatible endpoint --------------------------------------------------
 
-class EndpointError(RuntimeError):
-    def __init__(self, message: str, retryable: bool):
-        super().__init__(message)
-        self.retryable = retryable
-
-
 class OpenAICaptioner:
-    """Concurrent chat-completions requests with exponential backoff and jitter."""
+    """Concurrent chat-completions requests through the shared endpoint client (exponential
+    backoff with jitter: many actors retry a busy server out of step)."""
 
     def __init__(self, spec: CaptionerSpec):
         self.spec = spec
         self.prompt = spec.prompt()
-        self.url = spec.endpoint.rstrip("/") + "/chat/completions"
+        self.client = OpenAIClient(spec.endpoint, api_key=spec.api_key or None,
+                                   timeout_s=spec.timeout_s, max_retries=spec.max_retries,
+                                   backoff_s=spec.backoff_s, jitter=0.5)
         self.pool = ThreadPoolExecutor(max_workers=max(1, spec.request_concurrency))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict:
@@ -246,72 +240,40 @@ class OpenAICaptioner:
 
     def caption_one(self, jpeg: bytes) -> tuple[str | None, str | None]:
         try:
-            body = self.request_body(jpeg)
+            payload = self.request(jpeg)
         except Exception as exc:
             return None, f"image: {type(exc).__name__}: {exc}"
-        delay = self.spec.backoff_s
-        for attempt in range(self.spec.max_retries + 1):
-            try:
-                return self.post(body), None
-            except EndpointError as exc:
-                if not exc.retryable or attempt == self.spec.max_retries:
-                    return None, f"{exc} (after {attempt + 1} attempt(s))"
-            time.sleep(delay * (0.5 + random.random()))
-            delay *= 2
-        raise AssertionError("unreachable")
+        try:
+            return self.client.complete(payload).content, None
+        except EndpointError as exc:
+            return None, str(exc)
 
-    def request_body(self, jpeg: bytes) -> bytes:
+    def request(self, jpeg: bytes) -> dict:
         img = model_image(jpeg, self.spec.image_budget)
         buffer = io.BytesIO()
         img.save(buffer, "JPEG", quality=92)
         url = "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
         part = {"type": "image_url", "image_url": {"url": url}}
-        return json.dumps({
-            "model": self.spec.model,
-            "messages": chat_messages(self.prompt, part, image_part="raw"),
-            **{k: v for k, v in self.spec.sampling().items()},
-        }).encode()
-
-    def post(self, body: bytes) -> str:
-        headers = {"Content-Type": "application/json"}
-        if self.spec.api_key:
-            headers["Authorization"] = f"Bearer {self.spec.api_key}"
-        request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=self.spec.timeout_s) as response:
-                payload = json.load(response)
-        except urllib.error.HTTPError as exc:
-            retryable = exc.code == 429 or exc.code >= 500
-            raise EndpointError(f"HTTP {exc.code} from {self.url}", retryable) from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
-            raise EndpointError(f"{type(exc).__name__}: {exc}", True) from None
-        except json.JSONDecodeError:
-            raise EndpointError(f"{self.url} answered with something that is not JSON",
-                                False) from None
-        try:
-            return payload["choices"][0]["message"]["content"] or ""
-        except (KeyError, IndexError, TypeError):
-            raise EndpointError(f"unexpected answer shape: {str(payload)[:200]}", False) from None
+        return {"model": self.spec.model,
+                "messages": chat_messages(self.prompt, part, image_part="raw"),
+                **self.spec.sampling()}
 
 
 # --- backend: vLLM through ray.data.llm ---------------------------------------------------
 
-def vllm_processor_config(spec: CaptionerSpec):
-    """The `ray.data.llm` processor configuration for a multimodal vLLM engine."""
-    from ray.data.llm import PrepareMultimodalStageConfig, vLLMEngineProcessorConfig
-
+def vllm_engine(spec: CaptionerSpec) -> VLLMEngine:
+    """The multimodal vLLM stage: one image per prompt, the spec's engine arguments on top."""
     engine_kwargs = {"max_model_len": 8192, "limit_mm_per_prompt": {"image": 1},
                      **spec.engine_kwargs}
-    return vLLMEngineProcessorConfig(
-        model_source=spec.model,
-        engine_kwargs=engine_kwargs,
-        batch_size=spec.batch_size,
-        concurrency=spec.concurrency,
-        accelerator_type=spec.accelerator_type,
-        should_continue_on_error=spec.continue_on_error,
-        prepare_multimodal_stage=PrepareMultimodalStageConfig(
-            enabled=True, chat_template_content_format="openai"),
-    )
+    return VLLMEngine(model=spec.model, engine_kwargs=engine_kwargs,
+                      batch_size=spec.batch_size, concurrency=spec.concurrency,
+                      accelerator_type=spec.accelerator_type,
+                      continue_on_error=spec.continue_on_error, images=True)
+
+
+def vllm_processor_config(spec: CaptionerSpec):
+    """The `ray.data.llm` processor configuration for the captioning vLLM stage."""
+    return vllm_engine(spec).processor_config()
 
 
 def vllm_preprocess(spec: CaptionerSpec) -> Callable[[dict], dict]:
@@ -336,10 +298,7 @@ def vllm_postprocess(row: dict) -> dict:
 
 
 def build_vllm_captioner(spec: CaptionerSpec):
-    from ray.data.llm import build_processor
-
-    return build_processor(vllm_processor_config(spec), preprocess=vllm_preprocess(spec),
-                           postprocess=vllm_postprocess)
+    return vllm_engine(spec).processor(vllm_preprocess(spec), vllm_postprocess)
 
 
 # --- the stage ----------------------------------------------------------------------------

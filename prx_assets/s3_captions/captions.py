@@ -15,6 +15,8 @@ from importlib import resources
 
 import pyarrow as pa
 
+from prx_assets.storage.filters import all_of, eq_filter, in_filter
+
 CAPTIONS_SCHEMA = pa.schema([
     pa.field("id", pa.string(), nullable=False),
     pa.field("caption_version", pa.string(), nullable=False),
@@ -40,16 +42,19 @@ DEFAULT_PROMPT = "caption_v1"
 
 def active_caption_filter(version: str) -> str:
     """Lance SQL filter for the usable captions of one version."""
-    return f"caption_version = '{_sql_literal(version)}' AND status = '{STATUS_OK}'"
+    return all_of(eq_filter("caption_version", _checked_version(version)),
+                  eq_filter("status", STATUS_OK))
 
 
 def done_filter(version: str) -> str:
     """Rows of a version that need no more work (failures are retried)."""
-    statuses = ", ".join(f"'{s}'" for s in FINAL_STATUSES)
-    return f"caption_version = '{_sql_literal(version)}' AND status IN ({statuses})"
+    return all_of(eq_filter("caption_version", _checked_version(version)),
+                  in_filter("status", FINAL_STATUSES))
 
 
-def _sql_literal(text: str) -> str:
+def _checked_version(text: str) -> str:
+    """A caption version as versions are made (backend and hash); anything else is a config
+    mistake worth stopping on, not a value to look up."""
     if not re.fullmatch(r"[A-Za-z0-9_.:-]+", text):
         raise ValueError(f"caption version {text!r} has characters a version never has")
     return text

@@ -1,15 +1,14 @@
 """Incremental, resumable captioning of one source.
 
 Work = kept images (bucketed_images, status "ok") minus the ids already done under the
-version (broadcast set membership for small sets, a Ray hash join past a million ids). Results stream back
-to the driver and are committed to the captions table in chunks with a Lance merge-insert
-keyed on (id, caption_version): a killed run loses at most the chunk in flight, a rerun
-never duplicates a row, and a retried failure replaces its failed row.
+version. The chunked-commit runner (`engine.chunked`) streams the captions back to the
+driver and merge-inserts them in chunks keyed on (id, caption_version): a killed run loses
+at most the chunk in flight, a rerun never duplicates a row, and a retried failure replaces
+its failed row.
 """
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,43 +22,36 @@ import ray.data
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.s3_captions.captioners import CaptionerSpec, caption_stage
 from prx_assets.s3_captions.captions import CAPTIONS_SCHEMA, STATUS_OK, done_filter
-from prx_assets.storage.lance_tables import (
-    FragmentPolicy, cleanup, compact, prepare_output_dir, table_exists, upsert)
+from prx_assets.storage.filters import eq_filter, in_filter
+from prx_assets.engine.chunked import BROADCAST_IDS as DEFAULT_BROADCAST_IDS
+from prx_assets.engine.chunked import (
+    ChunkedReport, ChunkedRun, CommitTarget, collect_ids, hash_partitions, keep_ids,
+    pending_rows, run_chunked, without_ids)
+from prx_assets.storage.lance_tables import FragmentPolicy, prepare_output_dir, table_exists
 
 CAPTION_KEYS = ["id", "caption_version"]
 CAPTIONS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
 
 
 @dataclass
-class CaptionRunReport:
+class CaptionRunReport(ChunkedReport):
     version: str
-    pending: int = 0
-    written: int = 0
-    chunks: int = 0
-    seconds: float = 0.0
     statuses: Counter = field(default_factory=Counter)
     word_counts: list[int] = field(default_factory=list)
-    lance_version: int | None = None
 
     @property
     def images_per_s(self) -> float:
         return self.written / self.seconds if self.seconds > 0 else 0.0
 
 
-# Below this many ids, set membership is broadcast to every task (no shuffle); above it,
-# a hash-partitioned Ray join keeps memory bounded per node.
-BROADCAST_IDS = 1_000_000
+# Up to this many ids the id sets captioning compares are broadcast to the tasks, past it
+# they are joined (read at call time, so a test can force the join path).
+BROADCAST_IDS = DEFAULT_BROADCAST_IDS
 
 
-def done_ids(captions_uri: Path, version: str) -> tuple[ray.data.Dataset | None, int]:
-    """Ids that need no more work under `version`, and how many there are."""
-    if not table_exists(captions_uri):
-        return None, 0
-    count = lance.dataset(str(captions_uri)).count_rows(filter=done_filter(version))
-    if count == 0:
-        return None, 0
-    ids = ray.data.read_lance(str(captions_uri), columns=["id"], filter=done_filter(version))
-    return ids, count
+def captions_target(captions_uri: Path) -> CommitTarget:
+    """A source's captions table: one row per (id, caption version)."""
+    return CommitTarget(captions_uri, CAPTIONS_SCHEMA, CAPTION_KEYS, CAPTIONS_FRAGMENTS)
 
 
 def pending_requests(bucketed: ray.data.Dataset, raw_captions: ray.data.Dataset | None,
@@ -69,49 +61,22 @@ def pending_requests(bucketed: ray.data.Dataset, raw_captions: ray.data.Dataset 
     # Project first so the read skips image bytes when the backend needs none.
     kept = bucketed.select_columns([*columns, "status"]).filter(
         lambda row: row["status"] == STATUS_OK)
-    requests = kept.select_columns(columns)
-    done, n_done = done_ids(captions_uri, spec.version())
-    if done is not None:
-        requests = without_ids(requests, done, n_done)
+    requests = pending_rows(kept.select_columns(columns), captions_uri,
+                            done_filter(spec.version()), BROADCAST_IDS)
     if not spec.uses_model and raw_captions is not None:
         requests = with_source_captions(requests, raw_captions)
     return requests
-
-
-def _collect_ids(ids: ray.data.Dataset, limit: int | None = None) -> pa.Array | None:
-    """The ids as one array, or None once there are more than `limit` (then join instead)."""
-    chunks, n = [], 0
-    for batch in ids.iter_batches(batch_format="pyarrow", batch_size=65536):
-        chunks.append(batch.column("id"))
-        n += batch.num_rows
-        if limit is not None and n > limit:
-            return None
-    return pa.chunked_array(chunks, pa.string()).combine_chunks() if chunks \
-        else pa.array([], pa.string())
-
-
-def _keep_rows(batch: pa.Table, ids: pa.Array, member: bool) -> pa.Table:
-    mask = pc.is_in(batch.column("id"), value_set=ids)
-    return batch.filter(mask if member else pc.invert(mask))
-
-
-def without_ids(rows: ray.data.Dataset, ids: ray.data.Dataset, n_ids: int) -> ray.data.Dataset:
-    """Anti-join on id: broadcast for small id sets, hash-partitioned join for large ones."""
-    if n_ids > BROADCAST_IDS:
-        return rows.join(ids, join_type="left_anti", on=("id",), num_partitions=_partitions(n_ids))
-    return rows.map_batches(_keep_rows, fn_kwargs={"ids": _collect_ids(ids), "member": False},
-                            batch_format="pyarrow", zero_copy_batch=True)
 
 
 def with_source_captions(requests: ray.data.Dataset, raw_captions: ray.data.Dataset
                          ) -> ray.data.Dataset:
     """The `original` backend's input: the source caption of each requested id."""
     captions = raw_captions.select_columns(["id", "original_caption"])
-    ids = _collect_ids(requests, limit=BROADCAST_IDS)  # one pass over the requests
+    ids = collect_ids(requests, limit=BROADCAST_IDS)  # one pass over the requests
     if ids is None:
         return requests.join(captions, join_type="inner", on=("id",),
-                             num_partitions=_partitions(BROADCAST_IDS))
-    return captions.map_batches(_keep_rows, fn_kwargs={"ids": ids, "member": True},
+                             num_partitions=hash_partitions(BROADCAST_IDS))
+    return captions.map_batches(keep_ids, fn_kwargs={"ids": ids, "member": True},
                                 batch_format="pyarrow", zero_copy_batch=True)
 
 
@@ -134,8 +99,9 @@ def changed_ids(raw_uri: Path, old_version: int, new_version: int, with_caption:
     (the same key path, new bytes or a new source caption): their captions are stale."""
     new_keys = _item_keys(raw_uri, new_version, with_caption)
     n_new = lance.dataset(str(raw_uri), version=new_version).count_rows()
-    gone = without_ids(_item_keys(raw_uri, old_version, with_caption), new_keys, n_new)
-    return {key.split("\x00", 1)[0] for key in _collect_ids(gone).to_pylist()}
+    gone = without_ids(_item_keys(raw_uri, old_version, with_caption), new_keys, n_new,
+                       BROADCAST_IDS)
+    return {key.split("\x00", 1)[0] for key in collect_ids(gone).to_pylist()}
 
 
 def drop_captions(captions_uri: Path, ids: set[str], chunk: int = 10_000) -> int:
@@ -146,13 +112,8 @@ def drop_captions(captions_uri: Path, ids: set[str], chunk: int = 10_000) -> int
     before = table.count_rows()
     ordered = sorted(ids)
     for start in range(0, len(ordered), chunk):
-        quoted = ", ".join("'" + i.replace("'", "''") + "'" for i in ordered[start:start + chunk])
-        table.delete(f"id IN ({quoted})")
+        table.delete(in_filter("id", ordered[start:start + chunk]))
     return before - lance.dataset(str(captions_uri)).count_rows()
-
-
-def _partitions(rows: int) -> int:
-    return max(4, min(512, rows // 500_000))
 
 
 def caption_source(requests: ray.data.Dataset, captions_uri: Path, spec: CaptionerSpec,
@@ -161,25 +122,19 @@ def caption_source(requests: ray.data.Dataset, captions_uri: Path, spec: Caption
                    ) -> CaptionRunReport:
     """Caption `requests` and commit the results chunk by chunk."""
     report = CaptionRunReport(version=spec.version())
-    started = time.perf_counter()
-    results = caption_stage(requests, spec)
-    for chunk in results.iter_batches(batch_size=chunk_rows, batch_format="pyarrow"):
-        report.lance_version = upsert(captions_uri, chunk, CAPTIONS_SCHEMA, CAPTION_KEYS)
-        report.written += chunk.num_rows
-        report.chunks += 1
+
+    def count(chunk: pa.Table, run: ChunkedRun) -> None:
+        report.commits = run
         report.statuses.update(chunk.column("status").to_pylist())
         ok = pc.equal(chunk.column("status"), STATUS_OK)
         report.word_counts.extend(chunk.filter(ok).column("n_words").to_pylist())
-        report.seconds = time.perf_counter() - started
         if on_chunk:
             on_chunk(report)
+        # A killed run keeps every chunk committed so far: tests hold the run here.
         failpoint("captions.chunk_committed")
-    report.seconds = time.perf_counter() - started
-    if report.chunks > 1 and table_exists(captions_uri):
-        compact(captions_uri, CAPTIONS_FRAGMENTS)
-        cleanup(lance.dataset(str(captions_uri)), CAPTIONS_FRAGMENTS)
-    if table_exists(captions_uri):
-        report.lance_version = lance.dataset(str(captions_uri)).version
+
+    report.commits = run_chunked(requests, lambda rows: caption_stage(rows, spec),
+                                 captions_target(captions_uri), chunk_rows, on_chunk=count)
     return report
 
 
@@ -208,13 +163,13 @@ class Coverage:
 def coverage(bucketed_uri: Path, captions_uri: Path, version: str,
              target: tuple[int, int] = (100, 200)) -> Coverage:
     """Counts for the checks, read from the committed tables (metadata columns only)."""
-    kept = lance.dataset(str(bucketed_uri)).count_rows(filter=f"status = '{STATUS_OK}'") \
+    kept = lance.dataset(str(bucketed_uri)).count_rows(filter=eq_filter("status", STATUS_OK)) \
         if table_exists(bucketed_uri) else 0
     if not table_exists(captions_uri):
         return Coverage(kept, 0, 0, 0, 0)
     table = lance.dataset(str(captions_uri))
     rows = table.to_table(columns=["status", "n_words"],
-                          filter=f"caption_version = '{version}'")
+                          filter=eq_filter("caption_version", version))
     statuses = Counter(rows.column("status").to_pylist())
     words = rows.filter(pc.equal(rows.column("status"), STATUS_OK)).column("n_words")
     in_target = pc.sum(pc.and_(pc.greater_equal(words, target[0]),

@@ -9,17 +9,16 @@ as the last line of defence (anything else is recorded as status "failed", never
 
 from __future__ import annotations
 
-import json
 import math
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
+from prx_assets.models.openai_client import ChatReply, EndpointError, OpenAIClient
+from prx_assets.models.vllm import VLLMEngine
 from prx_assets.s4_labels.labels import LABELS
 
 QUESTION = (
@@ -82,12 +81,10 @@ def vllm_sampling_params() -> dict[str, Any]:
     return {"temperature": 0.0, "max_tokens": 4, "structured_outputs": {"choice": list(LABELS)}}
 
 
-def vllm_processor_config(settings: VLLMSettings):
-    """The ray.data.llm config for the label stage (vLLM is needed only by build_processor)."""
-    from ray.data.llm import ChatTemplateStageConfig, vLLMEngineProcessorConfig
-
-    return vLLMEngineProcessorConfig(
-        model_source=settings.model,
+def vllm_engine(settings: VLLMSettings) -> VLLMEngine:
+    """The text-only vLLM stage of the labeller."""
+    return VLLMEngine(
+        model=settings.model,
         engine_kwargs={"max_model_len": settings.max_model_len,
                        "tensor_parallel_size": settings.tensor_parallel_size,
                        "enable_prefix_caching": True},  # the question prefix is shared
@@ -95,11 +92,13 @@ def vllm_processor_config(settings: VLLMSettings):
         batch_size=settings.batch_size,
         accelerator_type=settings.accelerator_type,
         # Qwen3 thinks aloud unless told not to; a one-word answer needs no reasoning.
-        chat_template_stage=ChatTemplateStageConfig(
-            chat_template_kwargs={"enable_thinking": False}),
-        tokenize_stage=True,
-        detokenize_stage=True,
+        chat_template_kwargs={"enable_thinking": False},
     )
+
+
+def vllm_processor_config(settings: VLLMSettings):
+    """The ray.data.llm config for the label stage (vLLM is needed only when it runs)."""
+    return vllm_engine(settings).processor_config()
 
 
 def vllm_preprocess(row: dict[str, Any]) -> dict[str, Any]:
@@ -115,10 +114,7 @@ def vllm_postprocess(row: dict[str, Any]) -> dict[str, Any]:
 
 def build_vllm_labeler(settings: VLLMSettings):
     """A ray.data.llm Processor mapping caption rows to (id, label, scores) rows."""
-    from ray.data.llm import build_processor
-
-    return build_processor(vllm_processor_config(settings),
-                           preprocess=vllm_preprocess, postprocess=vllm_postprocess)
+    return vllm_engine(settings).processor(vllm_preprocess, vllm_postprocess)
 
 
 # --- OpenAI-compatible endpoint ----------------------------------------------------------
@@ -144,31 +140,29 @@ class LabelReply:
 
 @dataclass
 class OpenAILabelClient:
-    """Labels captions through `POST {base_url}/chat/completions`, `concurrency` requests
-    at a time, retrying transient failures (connection errors, 429, 5xx) with exponential
-    backoff; a caption that still fails gets a LabelReply with an error, not an exception."""
+    """Labels captions through the shared endpoint client, `concurrency` requests at a
+    time; a caption that still fails after its retries gets a LabelReply with an error, not
+    an exception."""
 
     settings: OpenAISettings
     _sleep: Any = field(default=time.sleep, repr=False)
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.client = OpenAIClient(s.base_url, api_key=s.api_key, timeout_s=s.timeout_s,
+                                   max_retries=s.retries, backoff_s=s.backoff_s,
+                                   sleep=self._sleep)
 
     def label(self, captions: Sequence[str]) -> list[LabelReply]:
         with ThreadPoolExecutor(max_workers=max(1, self.settings.concurrency)) as pool:
             return list(pool.map(self.label_one, captions))
 
     def label_one(self, caption: str) -> LabelReply:
-        last_error = ""
-        for attempt in range(1, self.settings.retries + 2):
-            try:
-                reply = self._post(self._payload(caption))
-                return _reply_from_completion(reply, attempt)
-            except _Retryable as err:
-                last_error = str(err)
-                if attempt <= self.settings.retries:
-                    self._sleep(self.settings.backoff_s * 2 ** (attempt - 1))
-            except _Fatal as err:
-                return LabelReply(None, one_hot(None), str(err), attempt)
-        return LabelReply(None, one_hot(None), f"gave up after retries: {last_error}",
-                          self.settings.retries + 1)
+        try:
+            reply = self.client.complete(self._payload(caption))
+        except EndpointError as err:
+            return LabelReply(None, one_hot(None), str(err), err.attempts)
+        return _label_reply(reply)
 
     def _payload(self, caption: str) -> dict[str, Any]:
         return {
@@ -179,41 +173,13 @@ class OpenAILabelClient:
             "chat_template_kwargs": {"enable_thinking": False},
         }
 
-    def _post(self, payload: dict[str, Any]) -> dict[str, Any]:
-        url = self.settings.base_url.rstrip("/") + "/chat/completions"
-        headers = {"Content-Type": "application/json"}
-        if self.settings.api_key:
-            headers["Authorization"] = f"Bearer {self.settings.api_key}"
-        request = urllib.request.Request(url, json.dumps(payload).encode(), headers)
-        try:
-            with urllib.request.urlopen(request, timeout=self.settings.timeout_s) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as err:
-            message = f"HTTP {err.code} from {url}"
-            raise (_Retryable if err.code == 429 or err.code >= 500 else _Fatal)(message) from err
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
-            raise _Retryable(f"{url}: {err}") from err
-        except json.JSONDecodeError as err:
-            raise _Fatal(f"{url}: reply is not JSON") from err
 
-
-class _Retryable(Exception):
-    pass
-
-
-class _Fatal(Exception):
-    pass
-
-
-def _reply_from_completion(reply: dict[str, Any], attempts: int) -> LabelReply:
-    try:
-        choice = reply["choices"][0]
-        text = choice["message"]["content"]
-    except (KeyError, IndexError, TypeError):
-        return LabelReply(None, one_hot(None), "malformed completion", attempts)
-    label = parse_label(text)
+def _label_reply(reply: ChatReply) -> LabelReply:
+    label = parse_label(reply.content)
     if label is None:
-        return LabelReply(None, one_hot(None), f"not a label: {text!r}"[:200], attempts)
-    content = ((choice.get("logprobs") or {}).get("content") or [])
+        return LabelReply(None, one_hot(None), f"not a label: {reply.content!r}"[:200],
+                          reply.attempts)
+    content = ((reply.choice.get("logprobs") or {}).get("content") or [])
     scores = scores_from_top_logprobs(content[0].get("top_logprobs", [])) if content else None
-    return LabelReply(label, scores if scores is not None else one_hot(label), None, attempts)
+    return LabelReply(label, scores if scores is not None else one_hot(label), None,
+                      reply.attempts)

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import scipy.optimize
 
+from prx_assets.storage.filters import all_of, eq_filter
 from prx_assets.models.embeddings import EMBEDDING_DIM, MODEL_ID, MiniLMEmbedder, model_fingerprint
 
 LABELS = ("visual", "text", "nsfw")
@@ -44,12 +45,8 @@ LABELS_SCHEMA = pa.schema([
 
 def active_labels_filter(caption_version: str, classifier_version: str) -> str:
     """Lance SQL filter selecting the rows downstream assets read."""
-    return (f"caption_version = {_sql_str(caption_version)} "
-            f"AND classifier_version = {_sql_str(classifier_version)}")
-
-
-def _sql_str(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
+    return all_of(eq_filter("caption_version", caption_version),
+                  eq_filter("classifier_version", classifier_version))
 
 
 @dataclass(frozen=True)

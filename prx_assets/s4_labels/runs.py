@@ -2,15 +2,15 @@
 
 Work = the active caption version's usable captions minus the ids already labelled under
 the same (caption_version, classifier_version) pair. Captions are embedded with MiniLM and
-labelled in a Ray actor pool (one model per actor); results stream back to the driver and
-are committed in chunks with a Lance merge-insert keyed on (id, caption_version,
-classifier_version): a killed run loses at most the chunk in flight, a rerun never doubles a
-row, and the previous table version stays readable throughout.
+labelled in a Ray actor pool (one model per actor); the chunked-commit runner
+(`engine.chunked`) streams results back to the driver and merge-inserts them in chunks keyed
+on (id, caption_version, classifier_version): a killed run loses at most the chunk in
+flight, a rerun never doubles a row, and the previous table version stays readable
+throughout.
 """
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +29,9 @@ from prx_assets.s4_labels.backends import (
 from prx_assets.s4_labels.labels import (
     DEFAULT_L2, LABELS, LABELS_SCHEMA, EmbeddedLabeler, active_labels_filter,
     embedded_classifier_version, label_rows, version_hash)
-from prx_assets.storage.lance_tables import (
-    FragmentPolicy, cleanup, compact, prepare_output_dir, table_exists, upsert)
+from prx_assets.engine.chunked import (
+    ChunkedReport, ChunkedRun, CommitTarget, drop_ids, keep_ids, run_chunked)
+from prx_assets.storage.lance_tables import FragmentPolicy, prepare_output_dir, table_exists
 
 LABEL_KEYS = ["id", "caption_version", "classifier_version"]
 LABELS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
@@ -69,21 +70,24 @@ class LabelerSpec:
 
 
 @dataclass
-class LabelRunReport:
+class LabelRunReport(ChunkedReport):
     caption_version: str
     classifier_version: str
-    pending: int = 0
-    written: int = 0
-    failed: int = 0
-    chunks: int = 0
-    seconds: float = 0.0
     labels: Counter = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)  # a few examples
-    lance_version: int | None = None
+
+    @property
+    def failed(self) -> int:
+        """Captions that got no label (left out of the table, retried on the next run)."""
+        return self.commits.rows - self.commits.committed
+
+    @property
+    def pending(self) -> int:
+        return self.commits.rows
 
     @property
     def captions_per_s(self) -> float:
-        return (self.written + self.failed) / self.seconds if self.seconds > 0 else 0.0
+        return self.commits.rows_per_s
 
 
 def labelled_ids(labels_uri: Path, caption_version: str, classifier_version: str,
@@ -104,13 +108,10 @@ def labelled_ids(labels_uri: Path, caption_version: str, classifier_version: str
     return joined.filter(fresh).column("id").combine_chunks()
 
 
-def _drop_done(batch: pa.Table, done: pa.Array) -> pa.Table:
-    return batch.filter(pc.invert(pc.is_in(batch.column("id"), value_set=done)))
-
-
 def count_pending(captions_uri: Path, caption_filter: str, done: pa.Array) -> int:
     scanner = lance.dataset(str(captions_uri)).scanner(columns=["id"], filter=caption_filter)
-    return sum(len(_drop_done(pa.Table.from_batches([b]), done)) for b in scanner.to_batches())
+    return sum(keep_ids(pa.Table.from_batches([b]), done, member=False).num_rows
+               for b in scanner.to_batches())
 
 
 def pending_captions(captions_uri: Path, caption_filter: str, done: pa.Array
@@ -118,9 +119,7 @@ def pending_captions(captions_uri: Path, caption_filter: str, done: pa.Array
     """Usable captions of the active version whose id is not in `done`."""
     captions = ray.data.read_lance(str(captions_uri), columns=CAPTION_COLUMNS,
                                    filter=caption_filter)
-    if len(done) == 0:
-        return captions
-    return captions.map_batches(_drop_done, fn_kwargs={"done": done}, batch_format="pyarrow")
+    return drop_ids(captions, done)
 
 
 class EmbeddingStage:
@@ -206,6 +205,17 @@ def ensure_labels_table(uri: Path) -> int:
                                mode="create").version
 
 
+def labels_target(labels_uri: Path) -> CommitTarget:
+    """A source's labels table: one row per (id, caption version, classifier version)."""
+    return CommitTarget(labels_uri, LABELS_SCHEMA, LABEL_KEYS, LABELS_FRAGMENTS)
+
+
+def labelled_rows(chunk: pa.Table) -> pa.Table:
+    """The rows of a stage chunk that got a label, as LABELS_SCHEMA rows: a failure is not
+    written, so the next run labels it again."""
+    return chunk.filter(pc.is_valid(chunk.column("label"))).drop_columns(["error"])
+
+
 def label_source(captions_uri: Path, labels_uri: Path, caption_version: str,
                  caption_filter: str, spec: LabelerSpec, chunk_rows: int = 4096,
                  on_chunk: Callable[[LabelRunReport], None] | None = None) -> LabelRunReport:
@@ -216,32 +226,22 @@ def label_source(captions_uri: Path, labels_uri: Path, caption_version: str,
         raise FileNotFoundError(f"{captions_uri} does not exist: materialise captions first")
     done = labelled_ids(labels_uri, caption_version, report.classifier_version, captions_uri,
                         caption_filter)
-    if count_pending(captions_uri, caption_filter, done) == 0:
-        report.lance_version = lance.dataset(str(labels_uri)).version
-        return report  # nothing to do: no actor pool, no model load
-    pending = pending_captions(captions_uri, caption_filter, done)
-    started = time.perf_counter()
-    for chunk in label_stage(pending, spec).iter_batches(batch_size=chunk_rows,
-                                                         batch_format="pyarrow"):
+    # Nothing to do: no actor pool, no model load.
+    pending = pending_captions(captions_uri, caption_filter, done) \
+        if count_pending(captions_uri, caption_filter, done) else None
+
+    def count(chunk: pa.Table, run: ChunkedRun) -> None:
+        report.commits = run
         failed = pc.is_null(chunk.column("label"))
-        ok_rows = chunk.filter(pc.invert(failed)).drop_columns(["error"])
-        report.failed += chunk.num_rows - ok_rows.num_rows
         errors = chunk.filter(failed).column("error").to_pylist()
         report.errors.extend(errors[: max(0, 5 - len(report.errors))])
-        if ok_rows.num_rows:
-            report.lance_version = upsert(labels_uri, ok_rows, LABELS_SCHEMA, LABEL_KEYS)
-        report.written += ok_rows.num_rows
-        report.labels.update(ok_rows.column("label").to_pylist())
-        report.chunks += 1
-        report.seconds = time.perf_counter() - started
+        report.labels.update(chunk.filter(pc.invert(failed)).column("label").to_pylist())
         if on_chunk:
             on_chunk(report)
-    report.seconds = time.perf_counter() - started
-    report.pending = report.written + report.failed
-    if report.chunks > 1:
-        compact(labels_uri, LABELS_FRAGMENTS)
-        cleanup(lance.dataset(str(labels_uri)), LABELS_FRAGMENTS)
-    report.lance_version = lance.dataset(str(labels_uri)).version
+
+    report.commits = run_chunked(pending, lambda rows: label_stage(rows, spec),
+                                 labels_target(labels_uri), chunk_rows,
+                                 to_commit=labelled_rows, on_chunk=count)
     return report
 
 

@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.engine.failpoints import failpoint
+from prx_assets.storage.filters import all_of, eq_filter, in_filter, sql_string
 
 SIDECAR_VERSION = 1
 SHARD_SUFFIX = ".mds"
@@ -189,10 +190,6 @@ def sidecar_files(tree: Path) -> list[Path]:
 
 
 
-def sql_string(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
 def duplicate_ids(duplicates_uri: Path, source: str, batch_rows: int = 1 << 18) -> set[str]:
     """The source's non-kept copies (the kept copy of a group is listed with id == kept_id)."""
     if not Path(duplicates_uri).exists():
@@ -210,9 +207,9 @@ def label_ids(labels_uri: Path, labels: Iterable[str], caption_version: str,
     found: dict[str, set[str]] = {label: set() for label in labels}
     if not labels or not Path(labels_uri).exists():
         return found
-    condition = (f"caption_version = {sql_string(caption_version)} AND "
-                 f"classifier_version = {sql_string(classifier_version)} AND "
-                 f"label IN ({', '.join(sql_string(label) for label in labels)})")
+    condition = all_of(eq_filter("caption_version", caption_version),
+                       eq_filter("classifier_version", classifier_version),
+                       in_filter("label", labels))
     scanner = lance.dataset(str(labels_uri)).scanner(
         columns=["id", "label"], filter=condition, batch_size=batch_rows)
     for batch in scanner.to_batches():

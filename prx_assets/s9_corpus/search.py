@@ -13,6 +13,8 @@ import lance
 import numpy as np
 import pyarrow as pa
 
+from prx_assets.storage.filters import all_of, eq_filter
+
 RESULT_COLUMNS = ["id", "source", "label", "tier", "width", "height", "caption"]
 # Vector search settings: probe enough IVF partitions and re-rank PQ candidates on exact
 # distances; bench/labels.py measures the recall these give.
@@ -63,14 +65,9 @@ def open_corpus(uri: Path) -> lance.LanceDataset:
     return table
 
 
-def _sql_str(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
 def _filters(source: str | None, label: str | None) -> str | None:
-    parts = [f"source = {_sql_str(source)}" if source else None,
-             f"label = {_sql_str(label)}" if label else None]
-    return " AND ".join(p for p in parts if p) or None
+    return all_of(eq_filter("source", source) if source else None,
+                  eq_filter("label", label) if label else None)
 
 
 def _has_index(table: lance.LanceDataset, column: str) -> bool:
@@ -92,7 +89,7 @@ def search_text(uri: Path, text: str, k: int = 10, source: str | None = None,
 
 
 def embedding_of(table: lance.LanceDataset, sample_id: str) -> np.ndarray:
-    rows = table.to_table(columns=["embedding"], filter=f"id = {_sql_str(sample_id)}", limit=1)
+    rows = table.to_table(columns=["embedding"], filter=eq_filter("id", sample_id), limit=1)
     if rows.num_rows == 0:
         raise UnknownId(f"no image with id {sample_id!r} in the corpus")
     return np.asarray(rows.column("embedding")[0].as_py(), dtype=np.float32)

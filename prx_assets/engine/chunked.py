@@ -1,0 +1,203 @@
+"""Incremental, resumable work on one Lance table, committed chunk by chunk.
+
+A per-source stage that takes hours (captioning a source on GPUs, labelling its captions)
+must not lose its work when it is killed, and must not redo or double what it already
+wrote. The pattern, shared by every such stage:
+
+1. **select pending rows**: the input rows whose key is not yet committed in the target
+   (`pending_rows`, or `without_ids` / `drop_ids` when the stage knows its done ids);
+2. **run a Ray stage** over them, lazily, results streaming back to the driver;
+3. **merge-insert** the results into the target in chunks of `chunk_rows`, keyed on the
+   target's keys: each chunk is one atomic Lance commit, so a run killed after chunk k has
+   committed exactly k chunks, a rerun selects only the rest, and a retried row replaces
+   its earlier row instead of doubling it (keys stay unique at every table version);
+4. **compact** the small fragments the chunks left and **clean up** old versions;
+5. **report** what was done (`ChunkedRun`), with a callback after each commit for progress
+   and for the stage's own counts.
+
+Nothing here knows Dagster or a stage's schema: a stage passes its target (`CommitTarget`)
+and its Ray stage, and keeps its own report.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import lance
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray.data
+
+from prx_assets.storage.lance_tables import (
+    FragmentPolicy, cleanup, compact, table_exists, upsert)
+
+# Below this many ids, set membership is broadcast to every task (no shuffle); above it, a
+# hash-partitioned Ray join keeps memory bounded per node.
+BROADCAST_IDS = 1_000_000
+ID = "id"
+
+
+@dataclass(frozen=True)
+class CommitTarget:
+    """The Lance table a chunked run writes: where, its schema, the columns that identify a
+    row (a merge-insert on them replaces, never doubles) and how big its fragments get."""
+
+    uri: str | Path  # a local path or an object-store URI
+    schema: pa.Schema
+    keys: Sequence[str]
+    fragments: FragmentPolicy = FragmentPolicy()
+
+    def version(self) -> int | None:
+        """The table's latest version, None while it does not exist."""
+        return lance.dataset(str(self.uri)).version if table_exists(self.uri) else None
+
+
+@dataclass
+class ChunkedRun:
+    """What one chunked run did; updated after every commit, so a callback sees it grow."""
+
+    chunks: int = 0  # chunks the stage yielded (a chunk with nothing to commit counts too)
+    commits: int = 0  # merge-inserts committed
+    rows: int = 0  # rows the stage yielded
+    committed: int = 0  # rows merge-inserted
+    seconds: float = 0.0
+    lance_version: int | None = None  # the target's version after the run (or the commit)
+    compacted_from: int | None = None  # fragments before compaction; None: not compacted
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class ChunkedReport:
+    """Base of a stage's run report: the runner's counts (`commits`, replaced after each
+    chunk) read through, beside whatever the stage counts itself."""
+
+    commits: ChunkedRun = field(default_factory=ChunkedRun, kw_only=True)
+
+    @property
+    def written(self) -> int:
+        """Rows committed."""
+        return self.commits.committed
+
+    @property
+    def chunks(self) -> int:
+        return self.commits.chunks
+
+    @property
+    def seconds(self) -> float:
+        return self.commits.seconds
+
+    @property
+    def lance_version(self) -> int | None:
+        return self.commits.lance_version
+
+
+ChunkCallback = Callable[[pa.Table, ChunkedRun], None]
+
+
+def run_chunked(pending: ray.data.Dataset | None,
+                stage: Callable[[ray.data.Dataset], ray.data.Dataset],
+                target: CommitTarget, chunk_rows: int, *,
+                to_commit: Callable[[pa.Table], pa.Table] | None = None,
+                on_chunk: ChunkCallback | None = None) -> ChunkedRun:
+    """Run `stage` over `pending` and commit its output to `target` chunk by chunk.
+
+    `pending=None` means nothing to do: the stage is not even built (no actor pool starts,
+    no model loads). `to_commit` picks the rows of a chunk to write (default: all), e.g. to
+    leave failed rows out so the next run retries them. `on_chunk(chunk, run)` runs after
+    each chunk is committed; whatever it raises stops the run with the commits so far kept.
+    After the last chunk, a run of more than one commit compacts the target and cleans up
+    its old versions.
+    """
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be at least 1, not {chunk_rows}")
+    run = ChunkedRun(lance_version=target.version())
+    if pending is None:
+        return run
+    started = time.perf_counter()
+    for chunk in stage(pending).iter_batches(batch_size=chunk_rows, batch_format="pyarrow"):
+        rows = to_commit(chunk) if to_commit else chunk
+        if rows.num_rows:
+            run.lance_version = upsert(target.uri, rows, target.schema, list(target.keys))
+            run.commits += 1
+        run.chunks += 1
+        run.rows += chunk.num_rows
+        run.committed += rows.num_rows
+        run.seconds = time.perf_counter() - started
+        if on_chunk:
+            on_chunk(chunk, run)
+    if run.commits > 1:
+        run.compacted_from = compact(target.uri, target.fragments)
+        cleanup(lance.dataset(str(target.uri)), target.fragments)
+    run.lance_version = target.version()
+    run.seconds = time.perf_counter() - started
+    return run
+
+
+# --- selecting pending rows ---------------------------------------------------------------
+
+def committed_ids(uri: str | Path, filter: str | None = None
+                  ) -> tuple[ray.data.Dataset | None, int]:
+    """The ids committed in the table at `uri` (those matching `filter`), and how many; (None,
+    0) when there are none or no table yet."""
+    if not table_exists(uri):
+        return None, 0
+    count = lance.dataset(str(uri)).count_rows(filter=filter)
+    if count == 0:
+        return None, 0
+    return ray.data.read_lance(str(uri), columns=[ID], filter=filter), count
+
+
+def pending_rows(rows: ray.data.Dataset, target_uri: str | Path, done_filter: str | None = None,
+                 broadcast_limit: int = BROADCAST_IDS) -> ray.data.Dataset:
+    """`rows` whose id is not committed in the target yet (among the target's rows matching
+    `done_filter`, e.g. one version's finished rows)."""
+    done, n_done = committed_ids(target_uri, done_filter)
+    return rows if done is None else without_ids(rows, done, n_done, broadcast_limit)
+
+
+def collect_ids(ids: ray.data.Dataset, limit: int | None = None) -> pa.Array | None:
+    """The `id` column as one array, or None once there are more than `limit` (then join
+    instead of broadcasting)."""
+    chunks, n = [], 0
+    for batch in ids.iter_batches(batch_format="pyarrow", batch_size=65536):
+        chunks.append(batch.column(ID))
+        n += batch.num_rows
+        if limit is not None and n > limit:
+            return None
+    return pa.chunked_array(chunks, pa.string()).combine_chunks() if chunks \
+        else pa.array([], pa.string())
+
+
+def keep_ids(batch: pa.Table, ids: pa.Array, member: bool) -> pa.Table:
+    """The rows of `batch` whose id is (member=True) or is not (member=False) in `ids`."""
+    mask = pc.is_in(batch.column(ID), value_set=ids)
+    return batch.filter(mask if member else pc.invert(mask))
+
+
+def drop_ids(rows: ray.data.Dataset, ids: pa.Array) -> ray.data.Dataset:
+    """`rows` without the ids in `ids` (an array the driver holds, broadcast to the tasks)."""
+    if len(ids) == 0:
+        return rows
+    return rows.map_batches(keep_ids, fn_kwargs={"ids": ids, "member": False},
+                            batch_format="pyarrow", zero_copy_batch=True)
+
+
+def without_ids(rows: ray.data.Dataset, ids: ray.data.Dataset, n_ids: int,
+                broadcast_limit: int = BROADCAST_IDS) -> ray.data.Dataset:
+    """Anti-join on id: broadcast for up to `broadcast_limit` ids, a hash-partitioned join
+    past that."""
+    if n_ids > broadcast_limit:
+        return rows.join(ids, join_type="left_anti", on=(ID,),
+                         num_partitions=hash_partitions(n_ids))
+    return drop_ids(rows, collect_ids(ids))
+
+
+def hash_partitions(rows: int) -> int:
+    """Partitions for a Ray hash join over `rows` rows: ~500k rows each, 4 to 512."""
+    return max(4, min(512, rows // 500_000))
