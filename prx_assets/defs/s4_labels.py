@@ -11,7 +11,7 @@ from prx_assets.s3_captions.captions import active_caption_filter
 from prx_assets.s4_labels.labels import LABELS, load_embedded_classifier
 from prx_assets.s4_labels.runs import label_coverage, label_source
 from prx_assets.storage.tables import CAPTION_LABELS, CAPTIONS
-from prx_assets.defs.metadata import counts_table, input_versions
+from prx_assets.defs.metadata import counts_table
 from prx_assets.defs.resources import ClassifierResource
 
 
@@ -33,6 +33,9 @@ def build_caption_labels(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDe
         caption_version = context.resources.captioner.caption_version()
         store = context.resources.storage.get()
         captions, labels = store.table(CAPTIONS, source), store.table(CAPTION_LABELS, source)
+        # Captions commit chunks outside materialisations: pin the latest once, label that
+        # version and record it.
+        captions_version = store.latest_version(CAPTIONS, source)
 
         def progress(report) -> None:
             context.log.info(f"{report.written + report.failed:,} captions labelled "
@@ -40,12 +43,13 @@ def build_caption_labels(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDe
 
         caption_filter = active_caption_filter(caption_version)
         report = label_source(captions, labels, caption_version, caption_filter,
-                              classifier.spec(), config.chunk_rows, progress)
+                              classifier.spec(), config.chunk_rows, progress,
+                              captions_version=captions_version)
         coverage = label_coverage(captions, labels, caption_filter, caption_version,
                                   report.classifier_version)
         return dg.MaterializeResult(data_version=dg.DataVersion(
             f"{caption_version}/{report.classifier_version}@{report.lance_version}"), metadata={
-            **input_versions(context, CAPTIONS),
+            f"input_version/{CAPTIONS}": -1 if captions_version is None else captions_version,
             "lance_version": report.lance_version,
             "caption_version": caption_version,
             "classifier_version": report.classifier_version,

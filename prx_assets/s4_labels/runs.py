@@ -91,7 +91,8 @@ class LabelRunReport(ChunkedReport):
 
 
 def labelled_ids(labels_uri: Path, caption_version: str, classifier_version: str,
-                 captions_uri: Path, caption_filter: str) -> pa.Array:
+                 captions_uri: Path, caption_filter: str,
+                 captions_version: int | None = None) -> pa.Array:
     """Ids labelled under the pair from the caption they have now (ids and timestamps only).
 
     A label older than its caption row is stale: the caption was written again since (its
@@ -101,24 +102,26 @@ def labelled_ids(labels_uri: Path, caption_version: str, classifier_version: str
     labels = lance.dataset(str(labels_uri)).to_table(
         columns=["id", "created_at"],
         filter=active_labels_filter(caption_version, classifier_version))
-    captions = lance.dataset(str(captions_uri)).to_table(
+    captions = lance.dataset(str(captions_uri), version=captions_version).to_table(
         columns=["id", "created_at"], filter=caption_filter)
     joined = labels.join(captions.rename_columns(["id", "captioned_at"]), "id")
     fresh = pc.greater_equal(joined.column("created_at"), joined.column("captioned_at"))
     return joined.filter(fresh).column("id").combine_chunks()
 
 
-def count_pending(captions_uri: Path, caption_filter: str, done: pa.Array) -> int:
-    scanner = lance.dataset(str(captions_uri)).scanner(columns=["id"], filter=caption_filter)
+def count_pending(captions_uri: Path, caption_filter: str, done: pa.Array,
+                  captions_version: int | None = None) -> int:
+    scanner = lance.dataset(str(captions_uri), version=captions_version).scanner(
+        columns=["id"], filter=caption_filter)
     return sum(keep_ids(pa.Table.from_batches([b]), done, member=False).num_rows
                for b in scanner.to_batches())
 
 
-def pending_captions(captions_uri: Path, caption_filter: str, done: pa.Array
-                     ) -> ray.data.Dataset:
+def pending_captions(captions_uri: Path, caption_filter: str, done: pa.Array,
+                     captions_version: int | None = None) -> ray.data.Dataset:
     """Usable captions of the active version whose id is not in `done`."""
-    captions = ray.data.read_lance(str(captions_uri), columns=CAPTION_COLUMNS,
-                                   filter=caption_filter)
+    captions = ray.data.read_lance(str(captions_uri), version=captions_version,
+                                   columns=CAPTION_COLUMNS, filter=caption_filter)
     return drop_ids(captions, done)
 
 
@@ -218,17 +221,21 @@ def labelled_rows(chunk: pa.Table) -> pa.Table:
 
 def label_source(captions_uri: Path, labels_uri: Path, caption_version: str,
                  caption_filter: str, spec: LabelerSpec, chunk_rows: int = 4096,
-                 on_chunk: Callable[[LabelRunReport], None] | None = None) -> LabelRunReport:
-    """Label the pending captions of one source and commit them chunk by chunk."""
+                 on_chunk: Callable[[LabelRunReport], None] | None = None,
+                 captions_version: int | None = None) -> LabelRunReport:
+    """Label the pending captions of one source and commit them chunk by chunk.
+
+    `captions_version` pins the captions read (default: the latest), so the version the
+    caller records as lineage is the one labelled."""
     report = LabelRunReport(caption_version, spec.version())
     ensure_labels_table(labels_uri)
     if not table_exists(captions_uri):
         raise FileNotFoundError(f"{captions_uri} does not exist: materialise captions first")
     done = labelled_ids(labels_uri, caption_version, report.classifier_version, captions_uri,
-                        caption_filter)
+                        caption_filter, captions_version)
     # Nothing to do: no actor pool, no model load.
-    pending = pending_captions(captions_uri, caption_filter, done) \
-        if count_pending(captions_uri, caption_filter, done) else None
+    pending = pending_captions(captions_uri, caption_filter, done, captions_version) \
+        if count_pending(captions_uri, caption_filter, done, captions_version) else None
 
     def count(chunk: pa.Table, run: ChunkedRun) -> None:
         report.commits = run

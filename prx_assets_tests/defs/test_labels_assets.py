@@ -34,6 +34,9 @@ def test_caption_labels_then_corpus(ray_session, data_root, tmp_path):
                 for r in meta["classifier_validation"].value.records}
     assert set(accuracy) == {"visual", "text", "nsfw"}
     assert meta["classifier_version"].value == ClassifierResource().classifier_version()
+    # Lineage: the captions version labelled is the one recorded (not the instance's view).
+    captions_read = lance.dataset(str(data_root / "lance/captions/web.lance")).version
+    assert meta["input_version/captions"].value == captions_read
     checks = {e.check_name: e for e in labelled.get_asset_check_evaluations()}
     assert checks["label_coverage"].passed
     shares_check = checks["label_shares"]
@@ -49,3 +52,6 @@ def test_caption_labels_then_corpus(ray_session, data_root, tmp_path):
     corpus_meta = built.get_asset_materialization_events()[0].materialization.metadata
     assert corpus_meta["dagster/row_count"].value == 6
     assert "INVERTED" in corpus_meta["indexes"].value
+    labels_read = lance.dataset(str(data_root / "lance/caption_labels/web.lance")).version
+    assert corpus_meta["input_version/caption_labels/web"].value == labels_read
+    assert corpus_meta["input_version/captions/web"].value == captions_read
