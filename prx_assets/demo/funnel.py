@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import lance
 
 from prx_assets.s2_images.buckets import STATUS_BAD_ASPECT, STATUS_TOO_SMALL
 from prx_assets.s3_captions.captions import active_caption_filter

@@ -96,7 +96,7 @@ def labelled_ids(labels_uri: Path, caption_version: str, classifier_version: str
     """Ids labelled under the pair from the caption they have now (ids and timestamps only).
 
     A label older than its caption row is stale: the caption was written again since (its
-    source file changed, see `caption_runs.changed_ids`) and must be labelled again."""
+    source file changed, see `s3_captions.runs.changed_ids`) and must be labelled again."""
     if not table_exists(labels_uri):
         return pa.array([], pa.string())
     labels = lance.dataset(str(labels_uri)).to_table(
