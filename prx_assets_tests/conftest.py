@@ -68,3 +68,32 @@ def small_folder(tmp_path: Path) -> Path:
 def write_sources(path: Path, entries: list[str]) -> Path:
     path.write_text("sources:\n" + "".join(f"  - {e}\n" for e in entries))
     return path
+
+
+S3_TEST_BUCKET = "prx-tests"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server (SeaweedFS) on a free port of 127.0.0.1 for the session."""
+    from prx_assets_tests.fixtures.s3_server import start_seaweedfs
+
+    server = start_seaweedfs(tmp_path_factory.mktemp("s3-server"))
+    server.create_bucket(S3_TEST_BUCKET)
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def s3_root(s3_server, request, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh `s3://` data root per test, with the standard AWS variables pointing at the
+    test server and PRX_DATA_ROOT set to it."""
+    import re
+    import uuid
+
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    name = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower())[:60]
+    root = f"s3://{S3_TEST_BUCKET}/{name}-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("PRX_DATA_ROOT", root)
+    return root

@@ -64,9 +64,10 @@ class RayLanceIOManager(dg.ConfigurableIOManager):
             max_rows=int(meta.get(FRAGMENT_ROWS_KEY, self.fragment_rows)),
         )
         uri = self.uri_for(context)
+        storage = self.storage.get()
         try:
             report = lance_tables.write_dataset_atomically(output.dataset, uri, policy,
-                                                           output.schema)
+                                                           output.schema, storage.storage_options)
         finally:
             if output.scratch is not None:
                 shutil.rmtree(output.scratch, ignore_errors=True)
@@ -83,7 +84,8 @@ class RayLanceIOManager(dg.ConfigurableIOManager):
             "fragments_before_compaction": report.compacted_from,
             "mean_fragment_mb": round(report.bytes / max(1, report.fragments) / 1e6, 2),
             "ray_nodes": len(report.nodes),
-            **(PROFILERS[meta[PROFILE_KEY]](str(uri)) if meta.get(PROFILE_KEY) else {}),
+            **(PROFILERS[meta[PROFILE_KEY]](str(uri), storage.storage_options)
+               if meta.get(PROFILE_KEY) else {}),
             **(output.metadata or {}),
             **(output.after_write(str(uri)) if output.after_write else {}),
         })
@@ -93,8 +95,10 @@ class RayLanceIOManager(dg.ConfigurableIOManager):
         materialised (so a concurrent rewrite cannot change what this run reads)."""
         partition = context.asset_partition_key if context.has_asset_partitions else None
         uri = self.uri_for(context)
-        if not self.storage.get().exists(context.asset_key.path[-1], partition):
+        storage = self.storage.get()
+        if not storage.exists(context.asset_key.path[-1], partition):
             raise dg.Failure(f"upstream table {uri} does not exist; materialise it first")
         version = materialized_lance_version(context.instance, context.asset_key, partition)
         columns = (context.definition_metadata or {}).get(COLUMNS_KEY)
-        return ray.data.read_lance(str(uri), version=version, columns=columns)
+        return ray.data.read_lance(str(uri), version=version, columns=columns,
+                                   storage_options=storage.lance_options())

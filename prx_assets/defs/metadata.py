@@ -124,12 +124,12 @@ def _aspect(shape: str) -> float:
     return int(w) / int(h)
 
 
-def _raw_profile(uri: str) -> dict:
-    return profile_metadata(profile_table(uri))
+def _raw_profile(uri: str, storage_options: Optional[dict] = None) -> dict:
+    return profile_metadata(profile_table(uri, storage_options=storage_options))
 
 
-def _bucket_profile(uri: str) -> dict:
-    return bucket_metadata(bucket_profile(uri))
+def _bucket_profile(uri: str, storage_options: Optional[dict] = None) -> dict:
+    return bucket_metadata(bucket_profile(uri, storage_options=storage_options))
 
 
 # What the IO manager adds to an output's metadata, by the asset's `prx/profile` value.

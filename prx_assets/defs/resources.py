@@ -27,12 +27,15 @@ from prx_assets.storage.layout import Storage
 class StorageResource(dg.ConfigurableResource):
     """Where the corpus lives: `root`, or `$PRX_DATA_ROOT` (default ./data) when unset.
 
-    Read at run time, not at definition time, so one code location serves any root."""
+    Read at run time, not at definition time, so one code location serves any root. On an
+    object store (`s3://bucket/prefix`) the standard AWS variables give the endpoint and
+    credentials; `storage_options` (Lance's key names) override them for every table call."""
 
     root: Optional[str] = None
+    storage_options: Optional[dict[str, str]] = None
 
     def get(self) -> Storage:
-        return Storage(self.root) if self.root else Storage.from_env()
+        return Storage(self.root or Storage.from_env().root, self.storage_options)
 
 
 class RayResource(dg.ConfigurableResource):

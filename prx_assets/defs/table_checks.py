@@ -27,7 +27,9 @@ def table_checks(table: str, partitions_def: dg.PartitionsDefinition,
                     description="No sample id appears twice in the partition's table.")
     def ids_unique(context: dg.AssetCheckExecutionContext, ray_cluster: RayResource,
                    storage: StorageResource) -> dg.AssetCheckResult:
-        repeated, examples = duplicate_ids(storage.get().table(table, context.partition_key))
+        store = storage.get()
+        repeated, examples = duplicate_ids(store.table(table, context.partition_key),
+                                           storage_options=store.storage_options)
         return dg.AssetCheckResult(passed=repeated == 0, metadata={
             "repeated_ids": repeated, "examples": ", ".join(examples) or "none"})
 
@@ -35,9 +37,10 @@ def table_checks(table: str, partitions_def: dg.PartitionsDefinition,
                     description="Fragment count near what the byte target needs (few, large).")
     def fragments_healthy(context: dg.AssetCheckExecutionContext, config: FragmentConfig,
                           storage: StorageResource) -> dg.AssetCheckResult:
-        health = fragment_health(storage.get().table(table, context.partition_key),
+        store = storage.get()
+        health = fragment_health(store.table(table, context.partition_key),
                                  FragmentPolicy(target_bytes=config.target_mb << 20),
-                                 slack=config.slack)
+                                 slack=config.slack, storage_options=store.storage_options)
         return dg.AssetCheckResult(passed=health.healthy, metadata={
             "fragments": health.fragments, "allowed": health.allowed,
             "mean_fragment_mb": round(health.mean_bytes / 1e6, 2), "rows": health.rows})
@@ -46,7 +49,9 @@ def table_checks(table: str, partitions_def: dg.PartitionsDefinition,
                     description="Share of rows whose status is not ok (warns above a bound).")
     def reject_share(context: dg.AssetCheckExecutionContext, config: RejectShareConfig,
                      storage: StorageResource) -> dg.AssetCheckResult:
-        profile = profile_table(storage.get().table(table, context.partition_key))
+        store = storage.get()
+        profile = profile_table(store.table(table, context.partition_key),
+                                storage_options=store.storage_options)
         share = profile.not_ok_share
         return dg.AssetCheckResult(
             passed=share <= config.warn_above, severity=dg.AssetCheckSeverity.WARN,

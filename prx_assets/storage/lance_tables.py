@@ -4,6 +4,11 @@ Ray tasks write data files in parallel; nothing is visible until the driver comm
 `Overwrite` with every fragment. A run killed before that commit leaves the previous
 version as the latest (its orphan files are removed by `cleanup_old_versions` later), and
 a rerun replaces the whole table, so it can never hold duplicate rows.
+
+Every function takes a location as a local path or an object-store URI (`s3://...`) and
+optional `storage_options` (overrides of the standard AWS variables, see
+`object_store.lance_options`); on an object store the options are resolved once, on the
+driver, and handed to the Ray tasks that write fragments.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import pickle
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping, Optional
 
 import lance
 import pyarrow as pa
@@ -20,6 +25,9 @@ import ray
 from lance.fragment import write_fragments
 from ray.data.block import Block, BlockAccessor
 from ray.data.datasource.datasink import Datasink, WriteResult
+
+from prx_assets.storage import object_store
+from prx_assets.storage.object_store import as_uri, is_object_store
 
 # Image-blob tables: ~512 MB fragments. A 1M-row fragment of images would be ~hundreds of GB.
 DEFAULT_BLOB_FRAGMENT_BYTES = 512 << 20
@@ -52,10 +60,15 @@ class OutputPathError(OSError):
     """An output location that cannot be written: a file sits where a folder must be."""
 
 
-def prepare_output_dir(path: Path, what: str) -> None:
+def prepare_output_dir(path: "Path | str", what: str,
+                       storage_options: Optional[Mapping[str, str]] = None) -> None:
     """Make sure the folder `path` can be created or written, else fail naming the path and
     the cause (a write into it would otherwise fail deep inside a Ray task or Lance with an
-    error that names neither). Creates its parent."""
+    error that names neither). Creates its parent. On an object store there are no folders
+    to make: the bucket, the credentials and the endpoint are checked instead."""
+    if is_object_store(path):
+        object_store.check_reachable(as_uri(path), storage_options)
+        return
     path = Path(path)
     for part in (path, *path.parents):
         if not part.exists():
@@ -70,24 +83,40 @@ def prepare_output_dir(path: Path, what: str) -> None:
                               f"{exc.strerror or exc}") from exc
 
 
-def table_exists(uri: str | Path) -> bool:
-    """Whether a Lance table has been committed at `uri` (a local path or an object-store URI)."""
-    if "://" not in str(uri) and not Path(uri).exists():
-        return False  # the common local case, without opening anything
+def table_exists(uri: str | Path, storage_options: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether a Lance table has been committed at `uri` (a local path or an object-store URI).
+    On an object store a missing bucket, refused credentials or a dead endpoint raise
+    `ObjectStoreError` rather than reading as "no table"."""
+    if not is_object_store(uri):
+        if not Path(uri).exists():
+            return False  # the common local case, without opening anything
+        try:
+            lance.dataset(str(uri))
+        except (ValueError, FileNotFoundError, OSError):
+            return False
+        return True
+    uri = as_uri(uri)
+    object_store.check_reachable(uri, storage_options)
     try:
-        lance.dataset(str(uri))
-    except (ValueError, FileNotFoundError, OSError):
-        return False
+        lance.dataset(uri, storage_options=object_store.lance_options(uri, storage_options))
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        if object_store.is_not_found(exc):
+            return False
+        raise object_store.ObjectStoreError(f"cannot read Lance table {uri}: {exc}") from exc
     return True
 
 
 class LanceOverwriteSink(Datasink[dict]):
     """Writes fragments from Ray tasks, then commits them as one Overwrite on the driver."""
 
-    def __init__(self, uri: str, policy: FragmentPolicy, schema: pa.Schema | None = None):
+    def __init__(self, uri: str, policy: FragmentPolicy, schema: pa.Schema | None = None,
+                 storage_options: Optional[dict[str, str]] = None):
         self.uri = uri
         self.policy = policy
         self.schema = schema
+        # Resolved on the driver (object_store.lance_options): tasks must not depend on
+        # the environment their worker process started with.
+        self.storage_options = storage_options
         self.nodes: list[str] = []  # Ray nodes that produced the written blocks
 
     def get_name(self) -> str:
@@ -111,6 +140,7 @@ class LanceOverwriteSink(Datasink[dict]):
             reader, self.uri, schema=schema,
             max_rows_per_file=self.policy.max_rows,
             max_bytes_per_file=self.policy.target_bytes,
+            storage_options=self.storage_options,
         )
         return {"fragments": [pickle.dumps(f) for f in fragments],
                 "schema": pickle.dumps(schema), "nodes": nodes}
@@ -119,12 +149,14 @@ class LanceOverwriteSink(Datasink[dict]):
         returns = list(write_result.write_returns)
         fragments = [pickle.loads(f) for r in returns for f in r["fragments"]]
         schemas = [pickle.loads(r["schema"]) for r in returns if r["schema"] is not None]
-        schema = self.schema or (pa.unify_schemas(schemas) if schemas else _existing_schema(self.uri))
+        schema = self.schema or (pa.unify_schemas(schemas) if schemas
+                                 else _existing_schema(self.uri, self.storage_options))
         if schema is None:
             raise ValueError(f"{self.uri}: nothing was written and no schema is known")
-        read_version = _latest_version(self.uri)
+        read_version = _latest_version(self.uri, self.storage_options)
         lance.LanceDataset.commit(
             self.uri, lance.LanceOperation.Overwrite(schema, fragments), read_version=read_version,
+            storage_options=self.storage_options,
         )
         self.nodes = sorted(set().union(*(r["nodes"] for r in returns)))
 
@@ -153,28 +185,31 @@ def _chain_first(first: pa.RecordBatch, rest, schema: pa.Schema):
         yield batch.cast(schema) if batch.schema != schema else batch
 
 
-def _latest_version(uri: str) -> int | None:
+def _latest_version(uri: str, storage_options: Optional[dict] = None) -> int | None:
     try:
-        return lance.dataset(uri).version
+        return lance.dataset(uri, storage_options=storage_options).version
     except (ValueError, FileNotFoundError, OSError):
         return None
 
 
-def _existing_schema(uri: str) -> pa.Schema | None:
+def _existing_schema(uri: str, storage_options: Optional[dict] = None) -> pa.Schema | None:
     try:
-        return lance.dataset(uri).schema
+        return lance.dataset(uri, storage_options=storage_options).schema
     except (ValueError, FileNotFoundError, OSError):
         return None
 
 
-def write_dataset_atomically(dataset: "ray.data.Dataset", uri: Path, policy: FragmentPolicy,
-                             schema: pa.Schema | None = None) -> WriteReport:
+def write_dataset_atomically(dataset: "ray.data.Dataset", uri: "Path | str", policy: FragmentPolicy,
+                             schema: pa.Schema | None = None,
+                             storage_options: Optional[Mapping[str, str]] = None) -> WriteReport:
     """Stream a Ray Dataset into `uri` as one new version, then compact its fragments."""
-    prepare_output_dir(uri, "Lance table")
-    sink = LanceOverwriteSink(str(uri), policy, schema)
+    uri = as_uri(uri)
+    prepare_output_dir(uri, "Lance table", storage_options)
+    options = object_store.lance_options(uri, storage_options)
+    sink = LanceOverwriteSink(uri, policy, schema, options)
     dataset.write_datasink(sink)
-    compacted_from = compact(uri, policy)
-    table = lance.dataset(str(uri))
+    compacted_from = compact(uri, policy, storage_options)
+    table = lance.dataset(uri, storage_options=options)
     cleanup(table, policy)
     report = describe_write(table)
     report.nodes = sink.nodes
@@ -182,9 +217,11 @@ def write_dataset_atomically(dataset: "ray.data.Dataset", uri: Path, policy: Fra
     return report
 
 
-def compact(uri: Path, policy: FragmentPolicy) -> int:
+def compact(uri: "Path | str", policy: FragmentPolicy,
+            storage_options: Optional[Mapping[str, str]] = None) -> int:
     """Merge small fragments toward the byte target; returns the fragment count before."""
-    table = lance.dataset(str(uri))
+    table = lance.dataset(as_uri(uri),
+                          storage_options=object_store.lance_options(uri, storage_options))
     fragments = table.get_fragments()
     if len(fragments) <= 1:
         return len(fragments)
@@ -209,8 +246,10 @@ def _data_bytes(table: "lance.LanceDataset") -> int:
     for fragment in table.get_fragments():
         for data_file in fragment.data_files():
             size = getattr(data_file, "file_size_bytes", None)
-            if size is None:
+            if size is None and not is_object_store(table.uri):
                 size = (Path(table.uri) / "data" / data_file.path).stat().st_size
+            if size is None:
+                raise ValueError(f"{table.uri}: data file {data_file.path} records no size")
             total += size
     return total
 
@@ -222,13 +261,27 @@ def describe_write(table: "lance.LanceDataset") -> WriteReport:
     )
 
 
-def upsert(uri: str | Path, rows: pa.Table, schema: pa.Schema, keys: list[str]) -> int:
+def upsert(uri: str | Path, rows: pa.Table, schema: pa.Schema, keys: list[str],
+           storage_options: Optional[Mapping[str, str]] = None) -> int:
     """Commit `rows` atomically, replacing rows with the same keys (never doubling them);
-    returns the new version. Used for chunked, resumable writes (captions, labels)."""
+    returns the new version. Used for chunked, resumable writes (captions, labels).
+
+    Two writers racing on one table both land: Lance commits a version with a put that fails
+    if that version exists (a conditional put on S3) and retries the merge on top of the
+    winner, so neither writer's rows are lost and keys stay unique."""
+    uri = as_uri(uri)
     rows = rows.cast(schema)
-    prepare_output_dir(Path(uri), "Lance table")
-    if not table_exists(uri):
-        return lance.write_dataset(rows, str(uri), schema=schema, mode="create").version
-    table = lance.dataset(str(uri))
-    table.merge_insert(keys).when_matched_update_all().when_not_matched_insert_all().execute(rows)
-    return lance.dataset(str(uri)).version
+    prepare_output_dir(uri, "Lance table", storage_options)
+    options = object_store.lance_options(uri, storage_options)
+    if not table_exists(uri, storage_options):
+        try:
+            return lance.write_dataset(rows, uri, schema=schema, mode="create",
+                                       storage_options=options).version
+        except OSError as exc:
+            if "already exists" not in str(exc).lower():
+                raise
+            # Another writer created the table first: merge into what it committed.
+    table = lance.dataset(uri, storage_options=options)
+    table.merge_insert(keys).when_matched_update_all().when_not_matched_insert_all() \
+        .execute(rows)
+    return lance.dataset(uri, storage_options=options).version

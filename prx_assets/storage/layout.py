@@ -8,12 +8,14 @@ a local folder today and an object-store prefix without changing any caller.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import lance
 
+from prx_assets.storage import object_store
 from prx_assets.storage.tables import GLOBAL, PER_SOURCE
 
 DATA_ROOT_ENV = "PRX_DATA_ROOT"
@@ -33,12 +35,20 @@ def _normalise_root(root: str) -> str:
 
 @dataclass(frozen=True)
 class Storage:
-    """The corpus's storage root (`PRX_DATA_ROOT`) and what lies under it."""
+    """The corpus's storage root (`PRX_DATA_ROOT`) and what lies under it.
+
+    On an object store, credentials and endpoint come from the standard AWS variables;
+    `storage_options` (Lance's key names, e.g. `aws_endpoint`, `aws_access_key_id`,
+    `allow_http`, `timeout`) override them and go with every Lance call made through here.
+    """
 
     root: str
+    storage_options: Optional[Mapping[str, str]] = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", _normalise_root(str(self.root)))
+        if self.storage_options is not None:
+            object.__setattr__(self, "storage_options", dict(self.storage_options))
 
     @classmethod
     def from_env(cls) -> "Storage":
@@ -47,6 +57,18 @@ class Storage:
     @property
     def is_local(self) -> bool:
         return "://" not in self.root
+
+    def lance_options(self) -> Optional[dict[str, str]]:
+        """Storage options for a Lance or Ray Data call on a location under this root: None
+        locally; on an object store the bounded timeouts and retries, the standard variables
+        and this Storage's overrides, resolved here (on the driver) so that Ray tasks get
+        them whatever their own environment holds."""
+        return object_store.lance_options(self.root, self.storage_options)
+
+    def check_reachable(self) -> None:
+        """On an object store, fail at once naming the root and the cause (missing bucket,
+        refused credentials, unreachable endpoint); locally nothing to check."""
+        object_store.check_reachable(self.root, self.storage_options)
 
     def _join(self, *parts: str) -> str:
         return "/".join((self.root, *parts))
@@ -70,8 +92,9 @@ class Storage:
              version: Optional[int] = None) -> lance.LanceDataset:
         """The table at `version` (the latest if None); fails naming the URI if absent."""
         uri = self.table(name, source)
+        self.check_reachable()
         try:
-            return lance.dataset(uri, version=version)
+            return lance.dataset(uri, version=version, storage_options=self.lance_options())
         except (ValueError, FileNotFoundError, OSError) as exc:
             raise FileNotFoundError(f"cannot open Lance table {uri}"
                                     + (f" at version {version}" if version is not None else "")
@@ -82,10 +105,13 @@ class Storage:
         uri = self.table(name, source)
         if self.is_local and not Path(uri).exists():
             return None
+        self.check_reachable()
         try:
-            return lance.dataset(uri).version
-        except (ValueError, FileNotFoundError, OSError):
-            return None
+            return lance.dataset(uri, storage_options=self.lance_options()).version
+        except (ValueError, FileNotFoundError, OSError) as exc:
+            if self.is_local or object_store.is_not_found(exc):
+                return None
+            raise object_store.ObjectStoreError(f"cannot read Lance table {uri}: {exc}") from exc
 
     @property
     def mds_root(self) -> str:
@@ -106,8 +132,16 @@ class Storage:
         return self._join(ABLATIONS_DIR)
 
     def work_dir(self, *parts: str) -> str:
-        """Scratch space for a run (e.g. an ingest manifest), removed when the run ends."""
-        return self._join(WORK_DIR, *parts)
+        """Scratch space for a run (e.g. an ingest manifest), removed when the run ends.
+
+        Under a local root it is `<root>/_work/...`, which every node of a cluster on a shared
+        file system sees. Under an object-store root it is a local temporary folder: the
+        scratch users write it with POSIX calls, and nothing of a run's scratch belongs in
+        the bucket (so a multi-node run on an object store needs its manifest moved into the
+        bucket first)."""
+        if self.is_local:
+            return self._join(WORK_DIR, *parts)
+        return str(Path(tempfile.gettempdir(), "prx-work", *parts))
 
     def local_path(self, uri: str) -> Path:
         """A location under a local root as a Path, for code that needs a POSIX folder
