@@ -274,14 +274,32 @@ def upsert(uri: str | Path, rows: pa.Table, schema: pa.Schema, keys: list[str],
     prepare_output_dir(uri, "Lance table", storage_options)
     options = object_store.lance_options(uri, storage_options)
     if not table_exists(uri, storage_options):
-        try:
-            return lance.write_dataset(rows, uri, schema=schema, mode="create",
-                                       storage_options=options).version
-        except OSError as exc:
-            if "already exists" not in str(exc).lower():
-                raise
-            # Another writer created the table first: merge into what it committed.
+        created = _create_if_absent(uri, rows, schema, options)
+        if created is not None:
+            return created
+        # Another writer created the table first: merge into what it committed.
     table = lance.dataset(uri, storage_options=options)
     table.merge_insert(keys).when_matched_update_all().when_not_matched_insert_all() \
         .execute(rows)
     return lance.dataset(uri, storage_options=options).version
+
+
+def _create_if_absent(uri: str, rows: pa.Table, schema: pa.Schema,
+                      options: Optional[dict[str, str]]) -> Optional[int]:
+    """Commit `rows` as the table's first version, or return None if another writer created
+    the table meanwhile. `write_dataset(mode="create")` is not enough for racing writers:
+    its commit is an Overwrite, which Lance rebases over a concurrent first commit, so the
+    loser silently replaces the winner's rows. An Overwrite committed with no read version
+    and no retries fails instead when the table exists (or its first version appears while
+    committing), and the caller merges."""
+    fragments = write_fragments(rows, uri, schema=schema, storage_options=options)
+    try:
+        return lance.LanceDataset.commit(
+            uri, lance.LanceOperation.Overwrite(schema, fragments), read_version=None,
+            max_retries=0, storage_options=options).version
+    except OSError:
+        # Lost the race (the written files are orphans for cleanup to remove), or a real
+        # failure, which must not be mistaken for "someone else created it".
+        if table_exists(uri, options):
+            return None
+        raise

@@ -259,3 +259,57 @@ def test_the_partition_fails_naming_the_uri_when_the_bucket_is_missing(
     [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     message = str(failure.event_specific_data.error)
     assert "s3://no-such-bucket-here/corpus" in message and "does not exist" in message
+
+
+def test_two_writers_creating_the_same_table_both_land(s3_server, s3_root):
+    """The first commit of a table races too: the writer that loses the create merges into
+    the table the winner made."""
+    uri = Storage.from_env().table(CAPTIONS, "fresh")
+    start, errors = threading.Barrier(2), []
+
+    def writer(name: str) -> None:
+        start.wait()
+        try:
+            upsert(uri, rows([name, "shared"]), SCHEMA, ["id"])
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in ("x", "y")]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert errors == []
+    ids = lance.dataset(uri, storage_options=lance_options(uri)).to_table()["id"].to_pylist()
+    assert sorted(ids) == ["shared", "x", "y"]
+
+
+def test_scratch_of_an_object_store_root_is_a_local_temporary_folder(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert Storage("s3://bucket/corpus").work_dir("raw_images", "web", "run1") \
+        == str(tmp_path / "prx-work" / "raw_images" / "web" / "run1")
+    assert Storage(str(tmp_path / "data")).work_dir("x") == str(tmp_path / "data" / "_work" / "x")
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_a_create_that_finds_the_table_created_meanwhile_merges_into_it(
+        where, request, tmp_path, monkeypatch):
+    """The create race made deterministic: the other writer's whole upsert lands after this
+    writer found no table and wrote its files, before it commits. A create committed as a
+    plain Overwrite would replace the other's rows; this one must merge."""
+    from prx_assets.storage import lance_tables
+
+    root = request.getfixturevalue("s3_root") if where == "s3" else str(tmp_path)
+    uri = Storage(root).table(CAPTIONS, "web")
+    real_write = lance_tables.write_fragments
+
+    def write_then_lose_the_race(*args, **kwargs):
+        fragments = real_write(*args, **kwargs)
+        monkeypatch.setattr(lance_tables, "write_fragments", real_write)
+        upsert(uri, rows(["first", "shared"], v=1), SCHEMA, ["id"])  # the other writer
+        return fragments
+
+    monkeypatch.setattr(lance_tables, "write_fragments", write_then_lose_the_race)
+    upsert(uri, rows(["second", "shared"], v=2), SCHEMA, ["id"])
+    table = lance.dataset(uri, storage_options=lance_options(uri)).to_table().to_pydict()
+    assert sorted(zip(table["id"], table["v"])) == [("first", 1), ("second", 2), ("shared", 2)]
