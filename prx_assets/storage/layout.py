@@ -96,6 +96,9 @@ class Storage:
         try:
             return lance.dataset(uri, version=version, storage_options=self.lance_options())
         except (ValueError, FileNotFoundError, OSError) as exc:
+            if not (self.is_local or object_store.is_not_found(exc)):
+                raise object_store.ObjectStoreError(f"cannot read Lance table {uri}: {exc}") \
+                    from exc
             raise FileNotFoundError(f"cannot open Lance table {uri}"
                                     + (f" at version {version}" if version is not None else "")
                                     + f": {exc}") from exc
