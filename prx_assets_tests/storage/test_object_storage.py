@@ -313,3 +313,29 @@ def test_a_create_that_finds_the_table_created_meanwhile_merges_into_it(
     upsert(uri, rows(["second", "shared"], v=2), SCHEMA, ["id"])
     table = lance.dataset(uri, storage_options=lance_options(uri)).to_table().to_pydict()
     assert sorted(zip(table["id"], table["v"])) == [("first", 1), ("second", 2), ("shared", 2)]
+
+
+def test_the_io_manager_hands_downstream_a_pinned_read_from_the_bucket(
+        ray_session, s3_server, s3_root):
+    """Downstream reads run in Ray tasks, whose environment has no AWS variables (the
+    cluster started before this test set them): they work only on the options the IO
+    manager resolved and passed."""
+    import dagster as dg
+
+    from prx_assets.defs.io_managers import RayLanceIOManager
+    from prx_assets.defs.resources import StorageResource
+
+    @dg.asset(name="duplicates", io_manager_key="lance_io_manager")
+    def upstream() -> ray.data.Dataset:
+        return ray.data.from_items([{"id": f"d{i}", "v": i} for i in range(5)])
+
+    @dg.asset(name="corpus", io_manager_key="lance_io_manager",
+              ins={"duplicates": dg.AssetIn("duplicates")})
+    def downstream(duplicates: ray.data.Dataset) -> ray.data.Dataset:
+        return duplicates.filter(lambda row: row["v"] % 2 == 0)
+
+    io_manager = RayLanceIOManager(storage=StorageResource(root=s3_root))
+    result = dg.materialize([upstream, downstream], resources={"lance_io_manager": io_manager})
+    assert result.success
+    corpus = Storage(s3_root).open("corpus").to_table()
+    assert sorted(corpus["id"].to_pylist()) == ["d0", "d2", "d4"]
