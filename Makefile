@@ -13,12 +13,16 @@ export RAY_ENABLE_UV_RUN_RUNTIME_ENV := 0
 
 .PHONY: install demo test bench ui validate clean
 
+# The image stage's Pillow build goes in last (scripts/image_backend.sh says why); every
+# install also puts the cached pillow-simd wheel back if a pip run replaced it since.
 install: $(STAMP)
+	@scripts/image_backend.sh $(VENV) ensure
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml scripts/image_backend.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
+	scripts/image_backend.sh $(VENV)
 	touch $(STAMP)
 
 demo: install
