@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml scripts/image_backend.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
-	scripts/image_backend.sh $(VENV)
+	scripts/image_backend.sh $(VENV) build
 	touch $(STAMP)
 
 demo: install

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The image stage's Pillow build, run by `make install` after the project's dependencies.
 #
-#   scripts/image_backend.sh VENV          build (once) and install pillow-simd when possible
+#   scripts/image_backend.sh VENV [build]  build (once) and install pillow-simd when possible
 #   scripts/image_backend.sh VENV ensure   put the cached pillow-simd wheel back if a later
 #                                          pip install replaced it with stock Pillow (no build)
 #
@@ -17,6 +17,7 @@ set -euo pipefail
 
 VENV=${1:?usage: image_backend.sh VENV [ensure]}
 MODE=${2:-build}
+[[ "$MODE" == build || "$MODE" == ensure ]] || { echo "image_backend.sh: unknown mode $MODE" >&2; exit 2; }
 PY="$VENV/bin/python"
 PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
 DIR="$VENV/image-backend"
@@ -105,6 +106,7 @@ if [[ "$MODE" == ensure ]]; then
     say "stock Pillow replaced pillow-simd (a later pip install): putting pillow-simd back"
     install_wheel "$wheel"
   fi
+  backend
   exit 0
 fi
 
