@@ -103,7 +103,7 @@ save_stock_reference
 wheel=$(cached_wheel)
 if [[ "$MODE" == ensure ]]; then
   if [[ -n "$wheel" && "$(loaded_dist)" != pillow-simd ]]; then
-    say "stock Pillow replaced pillow-simd (a later pip install): putting pillow-simd back"
+    say "stock Pillow is loaded (a later pip install?): putting the cached pillow-simd back"
     install_wheel "$wheel"
   fi
   backend
