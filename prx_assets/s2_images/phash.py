@@ -34,6 +34,7 @@ _LANCZOS_SUPPORT = 3.0
 # ITU-R 601-2 luma weights as stock Pillow has them (x 65536, adding up to 65536).
 _LUMA_MATRIX = (19595 / 65536, 38470 / 65536, 7471 / 65536, 0.0)
 _ROWS_PER_BAND = 64  # float64 bands of ~64 rows stay in cache
+_WEIGHT_GROUPS = 4  # measured: 42 -> 28 ms for a 17 MP horizontal pass (2 and 8: 31 ms)
 
 
 def _lanczos(x: np.ndarray) -> np.ndarray:
@@ -102,26 +103,48 @@ def grey_pixels(image: Image.Image) -> np.ndarray:
     return np.asarray(image.convert("L"))
 
 
-def _horizontal(grey: np.ndarray, matrix: np.ndarray) -> np.ndarray:
+@lru_cache(maxsize=256)
+def _weight_groups(in_size: int, out_size: int) -> tuple[tuple[int, int, int, int, np.ndarray], ...]:
+    """The weight matrix cut into column groups, each with the input span its weights cover:
+    a downscale's matrix is mostly zeros, and skipping them saves a third of the products."""
+    matrix = lanczos_matrix(in_size, out_size)
+    used = matrix != 0
+    groups = []
+    bounds = np.linspace(0, out_size, min(_WEIGHT_GROUPS, out_size) + 1).astype(int)
+    for first, last in zip(bounds[:-1], bounds[1:]):
+        rows = np.flatnonzero(used[:, first:last].any(axis=1))
+        lo, hi = (int(rows[0]), int(rows[-1]) + 1) if len(rows) else (0, 1)
+        groups.append((lo, hi, int(first), int(last),
+                       np.ascontiguousarray(matrix[lo:hi, first:last])))
+    return tuple(groups)
+
+
+def _horizontal(grey: np.ndarray, out_size: int) -> np.ndarray:
     """Rows times the weight matrix, in bands of rows: converting the whole image to float64
     at once would cost more (memory traffic) than the products."""
-    out = np.empty((grey.shape[0], matrix.shape[1]))
-    band = np.empty((min(_ROWS_PER_BAND, grey.shape[0]), grey.shape[1]))
-    for top in range(0, grey.shape[0], _ROWS_PER_BAND):
-        rows = band[:min(_ROWS_PER_BAND, grey.shape[0] - top)]
+    height, width = grey.shape
+    groups = _weight_groups(width, out_size)
+    out = np.empty((height, out_size))
+    band = np.empty((min(_ROWS_PER_BAND, height), width))
+    for top in range(0, height, _ROWS_PER_BAND):
+        rows = band[:min(_ROWS_PER_BAND, height - top)]
         np.copyto(rows, grey[top:top + len(rows)])
-        np.matmul(rows, matrix, out=out[top:top + len(rows)])
+        for lo, hi, first, last, weights in groups:
+            out[top:top + len(rows), first:last] = rows[:, lo:hi] @ weights
     return _clip8(out)
 
 
-def _vertical(grey: np.ndarray, matrix: np.ndarray) -> np.ndarray:
+def _vertical(grey: np.ndarray, out_size: int) -> np.ndarray:
     """The weight matrix (transposed) times columns, in bands of columns."""
-    out = np.empty((matrix.shape[1], grey.shape[1]))
-    band = np.empty((grey.shape[0], min(_ROWS_PER_BAND, grey.shape[1])))
-    for left in range(0, grey.shape[1], _ROWS_PER_BAND):
-        cols = band[:, :min(_ROWS_PER_BAND, grey.shape[1] - left)]
+    height, width = grey.shape
+    groups = _weight_groups(height, out_size)
+    out = np.empty((out_size, width))
+    band = np.empty((height, min(_ROWS_PER_BAND, width)))
+    for left in range(0, width, _ROWS_PER_BAND):
+        cols = band[:, :min(_ROWS_PER_BAND, width - left)]
         np.copyto(cols, grey[:, left:left + cols.shape[1]])
-        np.matmul(matrix.T, cols, out=out[:, left:left + cols.shape[1]])
+        for lo, hi, first, last, weights in groups:
+            out[first:last, left:left + cols.shape[1]] = weights.T @ cols[lo:hi]
     return _clip8(out)
 
 
@@ -135,9 +158,9 @@ def resize_lanczos(grey: np.ndarray, width: int, height: int) -> np.ndarray:
     vertical_first = in_h - height > 0 and in_h - height > (in_w - width) * 2
     for axis in ((0, 1) if vertical_first else (1, 0)):
         if axis == 1 and in_w != width:  # Pillow skips a pass whose size does not change
-            out = _horizontal(out, lanczos_matrix(in_w, width))
+            out = _horizontal(out, width)
         elif axis == 0 and in_h != height:
-            out = _vertical(out, lanczos_matrix(in_h, height))
+            out = _vertical(out, height)
     return np.asarray(out, dtype=np.float64)
 
 
