@@ -69,6 +69,15 @@ def _similar(args: argparse.Namespace) -> int:
     return 0
 
 
+def _browse(args: argparse.Namespace) -> int:
+    from prx_assets.browser.app import serve
+    from prx_assets.core.settings import data_root
+
+    print(f"corpus browser on http://{args.host}:{args.port}/ over {data_root()}")
+    serve(data_root(), host=args.host, port=args.port)
+    return 0
+
+
 def _add_query_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", help="only this source")
     parser.add_argument("--label", choices=["visual", "text", "nsfw"], help="only this label")
@@ -94,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     near.add_argument("id")
     _add_query_args(near)
     near.set_defaults(func=_similar)
+    browse = sub.add_parser("browse", help="serve the corpus browser (a web app over the tables)")
+    browse.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default 127.0.0.1: this machine only)")
+    browse.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    browse.set_defaults(func=_browse)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,34 @@
+"""URLs of corpus-browser views, for Dagster asset metadata (when a browser is configured).
+
+`PRX_BROWSER_URL` (e.g. `http://127.0.0.1:8080`) is where `prx-assets browse` serves; when it
+is unset no link is added.
+"""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlencode
+
+BROWSER_URL_ENV = "PRX_BROWSER_URL"
+# Which view matches which asset: per-source assets open the grid narrowed to the source.
+GLOBAL_VIEWS = {"corpus": "/", "duplicates": "/duplicates", "opt_outs": "/?skip=optout"}
+SOURCE_VIEWS = {"skip_lists": {"skip": "any"}, "caption_labels": {}, "captions": {},
+                "bucketed_images": {}, "raw_images": {}, "phashes": {}, "mds_shards": {}}
+
+
+def browser_base() -> str | None:
+    base = os.environ.get(BROWSER_URL_ENV, "").strip().rstrip("/")
+    return base or None
+
+
+def view_url(asset: str, partition: str | None = None) -> str | None:
+    """The browser view of an asset (of one source partition), or None."""
+    base = browser_base()
+    if base is None:
+        return None
+    if asset in GLOBAL_VIEWS:
+        return base + GLOBAL_VIEWS[asset]
+    if asset in SOURCE_VIEWS:
+        params = {"source": partition, **SOURCE_VIEWS[asset]} if partition else {}
+        return base + "/" + (f"?{urlencode(params)}" if params else "")
+    return None

@@ -1,0 +1,93 @@
+"""Browser-test fixtures: the tiny corpus built once, the corpus browser served from a
+thread on a free port, and Debian's Chromium driven headless through Playwright."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from prx_assets_tests.browser import tiny_corpus
+
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-default-apps"]
+
+
+def chromium_path() -> str:
+    """Debian's chromium (`make install` installs it); PRX_CHROMIUM names another binary."""
+    path = os.environ.get("PRX_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+    if not Path(path).exists():
+        pytest.fail(f"no Chromium at {path}: run `make install` (apt-get install chromium) "
+                    "or set PRX_CHROMIUM", pytrace=False)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory, ray_session) -> tiny_corpus.TinyCorpus:
+    return tiny_corpus.build(tmp_path_factory.mktemp("tiny_corpus"))
+
+
+class ServedApp:
+    def __init__(self, data_root: Path):
+        import uvicorn
+
+        from prx_assets.browser.app import create_app
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(create_app(data_root), host="127.0.0.1", port=self.port,
+                                log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "ServedApp":
+        self.thread.start()
+        # uvicorn sets `started` once the socket listens; bounded by a generous safety net.
+        for _ in range(600):
+            if self.server.started:
+                return self
+            if not self.thread.is_alive():
+                raise RuntimeError("the browser app's server thread died on start")
+            self.thread.join(0.05)
+        raise RuntimeError("the browser app did not start listening within 30 s")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def served(tiny) -> ServedApp:
+    with ServedApp(tiny.data_root) as app:
+        yield app
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium_path(), headless=True,
+                                             args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture()
+def page(chromium):
+    context = chromium.new_context(viewport={"width": 1400, "height": 1000})
+    context.set_default_timeout(30_000)  # a safety net: every wait is on an element or event
+    page = context.new_page()
+    yield page
+    context.close()
