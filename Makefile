@@ -11,12 +11,19 @@ export HF_HUB_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV := 0
 
-.PHONY: install demo test bench ui validate clean
+.PHONY: install chromium demo test bench ui validate browse clean
 
 # The image stage's Pillow build goes in last (scripts/image_backend.sh says why); every
 # install also puts the cached pillow-simd wheel back if a pip run replaced it since.
-install: $(STAMP)
+install: chromium $(STAMP)
 	@scripts/image_backend.sh $(VENV) ensure
+
+# The browser tests drive Debian's chromium through Playwright, which cannot download
+# browsers here; installed once when missing (as root, or through sudo).
+chromium:
+	@command -v chromium >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium; }
 
 $(STAMP): pyproject.toml scripts/image_backend.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +43,9 @@ bench: install
 
 ui: install
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+browse: install
+	$(BIN)/prx-assets browse --host 127.0.0.1 --port 8080
 
 validate: install
 	$(BIN)/dagster definitions validate -w workspace.yaml

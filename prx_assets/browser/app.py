@@ -77,7 +77,7 @@ def create_app(data_root: Path, tokens: Tokens | None = None) -> Starlette:
             return not_found(request, str(err))
         return render(request, "sample.html", s=found, token=tokens.token(found.id),
                       requested=pending_requests(catalog.root, found.id),
-                      notice=request.query_params.get("notice", ""))
+                      opted=request.query_params.get("opted") == "1")
 
     async def opt_out(request: Request) -> Response:
         sample_id = request.path_params["sample_id"]
@@ -95,10 +95,8 @@ def create_app(data_root: Path, tokens: Tokens | None = None) -> Starlette:
         if form.get("confirm") != "yes":
             return render(request, "error.html", status=400, title="Not confirmed",
                           message="tick the confirmation box to opt this image out")
-        path = write_request(catalog.root, row["id"], str(form.get("reference", "")))
-        notice = f"opt-out request written to opt_outs/{path.name}"
-        return RedirectResponse(f"/sample/{row['id']}?{urlencode({'notice': notice})}",
-                                status_code=303)
+        write_request(catalog.root, row["id"], str(form.get("reference", "")))
+        return RedirectResponse(f"/sample/{row['id']}?opted=1", status_code=303)
 
     async def duplicates(request: Request) -> Response:
         page_text = request.query_params.get("page", "0")

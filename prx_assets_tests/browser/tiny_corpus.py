@@ -10,9 +10,11 @@ duplicate), and an image too small to keep.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Iterator
 
 import lance
 import pyarrow as pa
@@ -49,6 +51,8 @@ PHOTOS = {
     },
 }
 OLD_VERSION = "hand-v0"
+# Where the runs' metadata links point (the browser need not be serving while they run).
+BROWSER_URL = "http://127.0.0.1:8080"
 
 
 @dataclass(frozen=True)
@@ -101,29 +105,49 @@ def add_old_caption_version(data_root: Path, source: str) -> None:
                         mode="append")
 
 
-def build(root: Path) -> TinyCorpus:
-    """Everything on disk under `root`; DAGSTER_HOME and PRX_DATA_ROOT point there while the
-    graph runs (restored after)."""
-    from prx_assets.runner import materialize_all
-    from prx_assets_tests.e2e.fault_runs import open_instance, write_instance_config
-
-    corpus = TinyCorpus(root, root / "data", write_sources(root), root / "dagster_home")
-    saved = {k: os.environ.get(k) for k in ("PRX_DATA_ROOT", "PRX_SOURCES", "DAGSTER_HOME")}
+@contextmanager
+def environment(corpus: TinyCorpus) -> Iterator[None]:
+    """DAGSTER_HOME, PRX_DATA_ROOT and PRX_SOURCES pointing at the tiny corpus, and
+    PRX_BROWSER_URL set so metadata carries browser links; all restored after."""
+    names = ("PRX_DATA_ROOT", "PRX_SOURCES", "DAGSTER_HOME", "PRX_BROWSER_URL")
+    saved = {k: os.environ.get(k) for k in names}
     os.environ.update(PRX_DATA_ROOT=str(corpus.data_root), PRX_SOURCES=str(corpus.sources_file),
-                      DAGSTER_HOME=str(write_instance_config(corpus.home)))
+                      DAGSTER_HOME=str(corpus.home), PRX_BROWSER_URL=BROWSER_URL)
     try:
-        runs = materialize_all(corpus.sources_file, instance=open_instance(corpus.home))
-        failed = [r.source for r in runs if not r.success]
-        if failed:
-            raise RuntimeError(f"tiny corpus: runs failed: {failed}")
-        add_old_caption_version(corpus.data_root, "web")
+        yield
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def build(root: Path) -> TinyCorpus:
+    """The whole graph over the tiny sources, everything on disk under `root`."""
+    from prx_assets.runner import materialize_all
+    from prx_assets_tests.e2e.fault_runs import open_instance, write_instance_config
+
+    corpus = TinyCorpus(root, root / "data", write_sources(root),
+                        write_instance_config(root / "dagster_home"))
+    with environment(corpus):
+        runs = materialize_all(corpus.sources_file, instance=open_instance(corpus.home))
+        failed = [r.source for r in runs if not r.success]
+        if failed:
+            raise RuntimeError(f"tiny corpus: runs failed: {failed}")
+        add_old_caption_version(corpus.data_root, "web")
     return corpus
+
+
+def run_job(corpus: TinyCorpus, job: str, partition: str | None = None) -> None:
+    """One job of the graph in process on the tiny corpus' instance (as the demo runs it)."""
+    from prx_assets.defs import build_defs
+    from prx_assets_tests.e2e.fault_runs import open_instance
+
+    with environment(corpus):
+        result = build_defs(corpus.sources_file).resolve_job_def(job).execute_in_process(
+            partition_key=partition, instance=open_instance(corpus.home))
+        assert result.success, f"{job} failed"
 
 
 if __name__ == "__main__":

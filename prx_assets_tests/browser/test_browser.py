@@ -1,0 +1,281 @@
+"""The corpus browser in a real headless Chromium, over a tiny corpus the whole graph made.
+
+Every wait is on evidence in the page (an element, a URL, a loaded image); the context's
+default timeout is only a safety net. The opt-out test changes the corpus' skip lists, so it
+runs last.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import re
+from urllib.parse import quote
+
+import lance
+import pytest
+from PIL import Image
+
+from prx_assets.core.lance_tables import table_uri
+from prx_assets.core.mds import current_tree
+from prx_assets.core.skip_lists import read_sidecar
+from prx_assets_tests.browser import tiny_corpus
+
+pytestmark = pytest.mark.browser
+
+ALL_THUMBS_LOADED = """() => {
+  const imgs = [...document.querySelectorAll('#grid .tile img')];
+  return imgs.length > 0 && imgs.every(i => i.complete && i.naturalWidth > 0);
+}"""
+
+
+def corpus_ids(tiny) -> list[str]:
+    table = lance.dataset(str(table_uri(tiny.data_root, "corpus")))
+    return table.to_table(columns=["id"]).column("id").to_pylist()
+
+
+def tile_ids(page) -> list[str]:
+    return page.locator("#grid .tile").evaluate_all("els => els.map(e => e.dataset.id)")
+
+
+def facet(page, name: str) -> dict[str, int]:
+    items = page.locator(f'[data-facet="{name}"] li')
+    return {items.nth(i).locator("a").inner_text(): int(items.nth(i).locator(".count")
+                                                         .inner_text())
+            for i in range(items.count())}
+
+
+def test_grid_loads_real_thumbnails(served, tiny, page):
+    page.goto(served.url + "/")
+    page.wait_for_function(ALL_THUMBS_LOADED)
+    ids = corpus_ids(tiny)
+    assert sorted(tile_ids(page)) == sorted(ids)
+    assert page.locator("#total").inner_text() == str(len(ids))
+    # Each thumbnail is the corpus table's JPEG (longest side 256), decoded by the browser.
+    sizes = page.locator("#grid .tile img").evaluate_all(
+        "els => els.map(e => [e.naturalWidth, e.naturalHeight])")
+    assert all(max(w, h) == 256 for w, h in sizes), sizes
+    response = page.request.get(served.url + f"/thumb/{ids[0]}")
+    assert response.status == 200 and response.headers["content-type"] == "image/jpeg"
+    assert "max-age" in response.headers["cache-control"]
+    stored = lance.dataset(str(table_uri(tiny.data_root, "corpus"))).to_table(
+        columns=["thumbnail"], filter=f"id = '{ids[0]}'").column("thumbnail")[0].as_py()
+    assert response.body() == stored
+    assert Image.open(io.BytesIO(response.body())).format == "JPEG"
+    again = page.request.get(served.url + f"/thumb/{ids[0]}",
+                             headers={"If-None-Match": response.headers["etag"]})
+    assert again.status == 304
+
+
+def test_caption_search_finds_the_right_sample(served, tiny, page):
+    page.goto(served.url + "/")
+    page.fill('input[type="search"]', "tabby cat")
+    page.press('input[type="search"]', "Enter")
+    page.wait_for_url(re.compile(r"q=tabby"))
+    page.wait_for_function(ALL_THUMBS_LOADED)
+    assert tile_ids(page) == [tiny.id("web", "cat.jpg")]
+    assert page.locator('input[type="search"]').input_value() == "tabby cat"
+
+
+def test_a_facet_narrows_the_counts(served, tiny, page):
+    page.goto(served.url + "/")
+    before = facet(page, "source")
+    assert before == {"web": 5, "stock": 4}
+    assert sum(facet(page, "shape").values()) == 9
+    page.locator('[data-facet="source"] a[data-value="stock"]').click()
+    page.wait_for_url(re.compile(r"source=stock"))
+    assert page.locator("#total").inner_text() == "4"
+    assert facet(page, "source") == {"stock": 4}
+    assert sum(facet(page, "shape").values()) == 4
+    assert all(i.startswith("stock:") for i in tile_ids(page)) and len(tile_ids(page)) == 4
+    assert facet(page, "dup") == {"duplicate": 2, "unique": 2}
+    # Combined with a search: the facet keeps narrowing the matches of the query.
+    page.fill('input[type="search"]', "latte")
+    page.press('input[type="search"]', "Enter")
+    page.wait_for_url(re.compile(r"q=latte"))
+    assert set(facet(page, "source")) == {"web", "stock"}
+    page.locator('[data-facet="source"] a[data-value="stock"]').click()
+    page.wait_for_url(re.compile(r"q=latte.*source=stock|source=stock.*q=latte"))
+    assert tile_ids(page) == [tiny.id("stock", "coffee-bright.jpg")]
+    page.locator('[data-facet="dup"] a[data-value="duplicate"]').click()
+    page.wait_for_url(re.compile(r"dup=duplicate"))
+    assert tile_ids(page) == [tiny.id("stock", "coffee-bright.jpg")]
+
+
+def test_sample_page_shows_every_caption_version(served, tiny, page):
+    sample = tiny.id("web", "astronaut.jpg")
+    page.goto(served.url + "/")
+    page.locator(f'#grid .tile[data-id="{sample}"] a').click()
+    page.wait_for_url(f"**/sample/{sample}")
+    versions = page.locator(".caption-version").evaluate_all(
+        "els => els.map(e => e.dataset.version)")
+    captions = lance.dataset(str(table_uri(tiny.data_root, "captions", "web"))).to_table(
+        columns=["caption_version"], filter=f"id = '{sample}'")
+    assert sorted(versions) == sorted(captions.column("caption_version").to_pylist())
+    assert tiny_corpus.OLD_VERSION in versions and len(versions) == 2
+    assert "old caption: astronaut" in page.locator("#captions").inner_text()
+    page.wait_for_function("() => { const i = document.querySelector('#full-image');"
+                           " return i.complete && i.naturalWidth > 0; }")
+    assert page.locator("#full-image").evaluate("i => i.naturalWidth") == 512
+    # The exact copy in the other source, with the kept one marked; lineage and labels.
+    group = page.locator("#group").inner_text()
+    assert tiny.id("stock", "spaceman.jpg") in group and "kept" in group
+    raw = lance.dataset(str(table_uri(tiny.data_root, "raw_images", "web"))).to_table(
+        columns=["sha256"], filter=f"id = '{sample}'").column("sha256")[0].as_py()
+    assert raw in page.locator("#lineage").inner_text()
+    assert "astronaut.jpg" in page.locator("#lineage").inner_text()
+    assert page.locator("#labels tr").count() == 2  # header + the active label row
+    assert "512x512" in page.locator("#skips").inner_text()
+
+
+def test_removed_copy_shows_its_skip_reason(served, tiny, page):
+    page.goto(served.url + f"/sample/{tiny.id('stock', 'spaceman.jpg')}")
+    assert page.locator("#skips .reasons").inner_text() == "dedup"
+    assert "removed copy" in page.locator("#group").inner_text()
+
+
+def test_more_like_this(served, tiny, page):
+    sample = tiny.id("web", "astronaut.jpg")
+    page.goto(served.url + f"/sample/{sample}")
+    page.click("#more-like-this")
+    page.wait_for_url(re.compile(r"similar="))
+    ids = tile_ids(page)
+    assert sample not in ids and len(ids) == 8
+    assert ids[0] == tiny.id("stock", "spaceman.jpg")  # its copy's caption is nearest
+
+
+def test_duplicates_page_has_near_and_exact_clusters(served, tiny, page):
+    page.goto(served.url + "/")
+    page.click("text=Duplicates")
+    page.wait_for_url("**/duplicates")
+    near = page.locator("#near-clusters .cluster")
+    assert near.count() == 1
+    titles = near.locator("a").evaluate_all("els => els.map(e => e.title)")
+    assert sorted(titles) == sorted([tiny.id("web", "motorbike.jpg"),
+                                     tiny.id("stock", "motorbike-crop.jpg")])
+    exact = page.locator("#exact-groups .cluster")
+    assert exact.count() == 2
+    kept = page.locator("#exact-groups a.kept").evaluate_all("els => els.map(e => e.title)")
+    assert sorted(kept) == sorted([tiny.id("web", "astronaut.jpg"),
+                                   tiny.id("web", "coffee.jpg")])
+    page.goto(served.url + f"/sample/{tiny.id('web', 'motorbike.jpg')}")
+    assert "distance 2" in page.locator("#near").inner_text()
+
+
+def test_random_sample(served, tiny, page):
+    page.goto(served.url + "/")
+    page.click("#random")
+    page.wait_for_url(re.compile(r"/sample/"))
+    assert page.locator("h1.sample-id").inner_text() in corpus_ids(tiny)
+
+
+def _raw_get(served, path: str) -> tuple[int, bytes]:
+    """A request with the path exactly as written (a browser would normalise `..`)."""
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("path", [
+    "/thumb/..%2F..%2F..%2Fetc%2Fpasswd",
+    "/image/../../pyproject.toml",
+    "/image/web:..%2F..%2Flance%2Fcorpus.lance",
+    "/sample/..%2F..%2Fetc%2Fpasswd",
+    "/sample/%2e%2e%2f%2e%2e%2fetc%2fpasswd",
+    "/sample/web:x'%20OR%20'1'='1",
+    "/static/../app.py",
+    "/static/..%2Fapp.py",
+    "/static/%2e%2e/queries.py",
+    "/thumb/%00",
+    "/etc/passwd",
+])
+def test_traversal_style_urls_get_404(served, path):
+    status, body = _raw_get(served, path)
+    assert status == 404, (path, status)
+    assert b"root:" not in body and b"import" not in body and b"[project]" not in body
+
+
+def test_inputs_are_escaped_and_bad_ones_rejected(served, page):
+    dialogs = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    script = "<script>alert(1)</script>"
+    page.goto(served.url + "/?q=" + quote(script))
+    assert page.locator('input[type="search"]').input_value() == script
+    assert "<script>alert" not in page.content().split("</header>", 1)[1]
+    assert not dialogs
+    for bad in ("/?label=cat", "/?tier=abc", "/?shape=1x1%27", "/?page=-1", "/?source=..%2F"):
+        response = page.request.get(served.url + bad)
+        assert response.status == 400, bad
+    assert page.request.get(served.url + "/?similar=nope").status == 404
+
+
+def test_opt_out_post_needs_the_page_token(served, tiny, page):
+    sample = tiny.id("web", "coffee.jpg")
+    response = page.request.post(served.url + f"/sample/{sample}/opt-out",
+                                 form={"token": "forged", "confirm": "yes"})
+    assert response.status == 403
+    assert not list((tiny.data_root / "opt_outs").glob("browser-*.jsonl"))
+
+
+def test_links_to_the_browser_in_asset_metadata(tiny):
+    import dagster as dg
+
+    from prx_assets_tests.e2e.fault_runs import open_instance
+
+    instance = open_instance(tiny.home)
+
+    def latest(asset: str, partition: str | None = None) -> dict:
+        records = instance.fetch_materializations(dg.AssetRecordsFilter(
+            asset_key=dg.AssetKey(asset),
+            asset_partitions=[partition] if partition else None), limit=1).records
+        return records[0].asset_materialization.metadata
+
+    base = tiny_corpus.BROWSER_URL
+    assert latest("corpus")["browser"].value == base + "/"
+    assert latest("raw_images", "web")["browser"].value == base + "/?source=web"
+    assert latest("skip_lists", "stock")["browser"].value == base + "/?source=stock&skip=any"
+    assert latest("duplicates")["browser"].value == base + "/duplicates"
+
+
+def test_opt_out_from_the_page_reaches_audit_and_skip_lists(served, tiny, page):
+    """Runs last: it opts a sample out for good."""
+    sample = tiny.id("web", "rocket.jpg")
+    page.goto(served.url + f"/sample/{sample}")
+    page.click("#opt-out")
+    page.wait_for_url(f"**/sample/{sample}/opt-out")
+    page.fill('input[name="reference"]', "ticket-42 <b>")
+    # Not confirmed: the browser refuses to submit the form, and so does the server.
+    assert page.locator('input[name="confirm"]').evaluate("e => e.validity.valueMissing")
+    token = page.locator('input[name="token"]').input_value()
+    unconfirmed = page.request.post(page.url, form={"token": token, "reference": "x"})
+    assert unconfirmed.status == 400
+    assert not list((tiny.data_root / "opt_outs").glob("browser-*.jsonl"))
+    page.check('input[name="confirm"]')
+    page.click("#confirm-opt-out")
+    page.wait_for_selector("#notice")
+    assert f"/sample/{sample}" in page.url
+    files = list((tiny.data_root / "opt_outs").glob("browser-*.jsonl"))
+    assert len(files) == 1 and files[0].name in page.locator("#notice").inner_text()
+    assert files[0].name in page.locator("#requested").inner_text()
+
+    tiny_corpus.run_job(tiny, "dedup_job")  # the opt_outs audit
+    tiny_corpus.run_job(tiny, "skip_lists_job", "web")
+    audit = lance.dataset(str(table_uri(tiny.data_root, "opt_outs"))).to_table(
+        filter=f"id = '{sample}'").to_pylist()
+    assert [(r["key_type"], r["value"], r["via"], r["reference"]) for r in audit] == [
+        ("id", sample, "direct", "ticket-42 <b>")]
+    place = lance.dataset(str(table_uri(tiny.data_root, "mds_samples", "web"))).to_table(
+        filter=f"id = '{sample}'").to_pylist()[0]
+    sidecar = (current_tree(tiny.data_root, "web") / place["leaf"] /
+               place["shard"].replace(".mds", ".skip.json"))
+    assert place["sample_index"] in read_sidecar(sidecar)["optout"]
+
+    page.reload()
+    assert "optout" in page.locator("#skips .reasons").inner_text()
+    assert "direct" in page.locator("#opted-out").inner_text()
+    page.goto(served.url + "/?skip=optout")
+    assert tile_ids(page) == [sample]
