@@ -71,7 +71,7 @@ def _similar(args: argparse.Namespace) -> int:
 
 def _browse(args: argparse.Namespace) -> int:
     from prx_assets.browser.app import serve
-    from prx_assets.core.settings import data_root
+    from prx_assets.storage.settings import data_root
 
     print(f"corpus browser on http://{args.host}:{args.port}/ over {data_root()}")
     serve(data_root(), host=args.host, port=args.port)

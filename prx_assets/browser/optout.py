@@ -21,7 +21,7 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from prx_assets.core.opt_outs import opt_out_dir, parse_file
+from prx_assets.s6_opt_outs.opt_outs import opt_out_dir, parse_file
 
 MAX_REFERENCE = 500
 

@@ -23,10 +23,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prx_assets.core.labels import LABELS
-from prx_assets.core.mds import current_tree
-from prx_assets.core.search import NPROBES, REFINE_FACTOR
-from prx_assets.core.skip_lists import read_sidecar, sidecar_files, sidecar_path
+from prx_assets.s4_labels.labels import LABELS
+from prx_assets.s7_shards.mds import current_tree
+from prx_assets.s9_corpus.search import NPROBES, REFINE_FACTOR
+from prx_assets.s8_skip_lists.skip_lists import read_sidecar, sidecar_files, sidecar_path
 
 PAGE_SIZE = 48
 # A search's facet counts are over its best hits, not every match (BM25 needs a limit).

@@ -16,9 +16,9 @@ import lance
 import pytest
 from PIL import Image
 
-from prx_assets.core.lance_tables import table_uri
-from prx_assets.core.mds import current_tree
-from prx_assets.core.skip_lists import read_sidecar
+from prx_assets.storage.lance_tables import table_uri
+from prx_assets.s7_shards.mds import current_tree
+from prx_assets.s8_skip_lists.skip_lists import read_sidecar
 from prx_assets_tests.browser import tiny_corpus
 
 pytestmark = pytest.mark.browser

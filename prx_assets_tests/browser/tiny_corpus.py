@@ -20,10 +20,10 @@ import lance
 import pyarrow as pa
 from PIL import Image, ImageEnhance
 
-from prx_assets.core.captions import CAPTIONS_SCHEMA
-from prx_assets.core.ids import sample_id
-from prx_assets.core.lance_tables import table_uri
-from prx_assets.demo import encode
+from prx_assets.s3_captions.captions import CAPTIONS_SCHEMA
+from prx_assets.s1_ingest.ids import sample_id
+from prx_assets.storage.lance_tables import table_uri
+from prx_assets.demo.corpus import encode
 
 SKIMAGE = Path(__import__("skimage").__file__).parent / "data"
 # source -> key -> (photo, caption); captions carry words the tests search for.
@@ -125,7 +125,7 @@ def environment(corpus: TinyCorpus) -> Iterator[None]:
 
 def build(root: Path) -> TinyCorpus:
     """The whole graph over the tiny sources, everything on disk under `root`."""
-    from prx_assets.runner import materialize_all
+    from prx_assets.demo.runner import materialize_all
     from prx_assets_tests.e2e.fault_runs import open_instance, write_instance_config
 
     corpus = TinyCorpus(root, root / "data", write_sources(root),
