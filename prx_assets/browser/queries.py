@@ -50,6 +50,26 @@ GRID_COLUMNS = ["id", "source", "label", "tier", "width", "height", "caption"]
 FACET_COLUMNS = ["id", "source", "label", "tier", "width", "height"]
 
 
+@dataclass(frozen=True)
+class IdSet:
+    """Ids behind one facet value, as a set and as the sorted Arrow array that counts and
+    filters use (built once per table version, not per request)."""
+
+    ids: frozenset[str]
+    array: pa.Array
+
+    @classmethod
+    def of(cls, ids) -> "IdSet":
+        ids = frozenset(ids)
+        return cls(ids, pa.array(sorted(ids), pa.string()))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __contains__(self, sample_id: str) -> bool:
+        return sample_id in self.ids
+
+
 class NotFound(Exception):
     """The thing asked for does not exist (the web app answers 404)."""
 
@@ -206,41 +226,46 @@ class Query:
                     self.skip))
 
 
-def id_sets(catalog: Catalog) -> dict[str, dict[str, frozenset[str]]]:
+def id_sets(catalog: Catalog) -> dict[str, dict[str, IdSet]]:
     """Ids behind the `dup` and `skip` facets: {"dup": {value: ids}, "skip": {reason: ids}}."""
     return {"dup": duplicate_sets(catalog), "skip": skipped_sets(catalog)}
 
 
-def duplicate_sets(catalog: Catalog) -> dict[str, frozenset[str]]:
+def duplicate_sets(catalog: Catalog) -> dict[str, IdSet]:
     """Members of exact-duplicate groups: the copies removed and the copies kept."""
     table = catalog.table("duplicates")
     if table is None:
-        return {"duplicate": frozenset(), "kept": frozenset()}
+        return {"duplicate": IdSet.of(()), "kept": IdSet.of(())}
 
-    def compute() -> dict[str, frozenset[str]]:
+    def compute() -> dict[str, IdSet]:
         rows = table.to_table(columns=["id", "kept_id"], limit=MAX_ID_SET)
         kept = pc.equal(rows.column("id"), rows.column("kept_id"))
-        return {"duplicate": frozenset(rows.filter(pc.invert(kept)).column("id").to_pylist()),
-                "kept": frozenset(rows.filter(kept).column("id").to_pylist())}
+        return {"duplicate": IdSet.of(rows.filter(pc.invert(kept)).column("id").to_pylist()),
+                "kept": IdSet.of(rows.filter(kept).column("id").to_pylist())}
 
     return catalog.cached(("dup", table.uri, table.version), compute)
 
 
 def _sidecar_stamps(catalog: Catalog) -> tuple:
-    stamps = []
-    for source in catalog.sources_of("mds_samples"):
-        tree = catalog.mds_tree(source)
-        if tree is not None:
-            stamps += [(str(p), p.stat().st_mtime_ns) for p in sidecar_files(tree)]
-    return tuple(stamps)
+    """Path and mtime of every sidecar (a changed skip list changes the key); re-listed at
+    most every TABLE_TTL_S seconds, like the tables."""
+    def listing() -> tuple:
+        stamps = []
+        for source in catalog.sources_of("mds_samples"):
+            tree = catalog.mds_tree(source)
+            if tree is not None:
+                stamps += [(str(p), p.stat().st_mtime_ns) for p in sidecar_files(tree)]
+        return tuple(stamps)
+
+    return catalog.cached(("stamps", int(time.monotonic() / TABLE_TTL_S)), listing)
 
 
-def skipped_sets(catalog: Catalog) -> dict[str, frozenset[str]]:
+def skipped_sets(catalog: Catalog) -> dict[str, IdSet]:
     """Ids each skip reason removes, read back from the sidecars of every source's current
     MDS tree through its mapping table (the same files the loader reads)."""
     stamps = _sidecar_stamps(catalog)
 
-    def compute() -> dict[str, frozenset[str]]:
+    def compute() -> dict[str, IdSet]:
         ids: dict[str, set[str]] = {}
         for source in catalog.sources_of("mds_samples"):
             tree, mapping = catalog.mds_tree(source), catalog.table("mds_samples", source)
@@ -257,12 +282,12 @@ def skipped_sets(catalog: Catalog) -> dict[str, frozenset[str]]:
                         filter=f"leaf = {sql_str(leaf)} AND shard = {sql_str(shard)} AND "
                                f"sample_index IN ({', '.join(str(int(i)) for i in indices)})")
                     ids.setdefault(reason, set()).update(rows.column("id").to_pylist())
-        return {reason: frozenset(v) for reason, v in sorted(ids.items())}
+        return {reason: IdSet.of(v) for reason, v in sorted(ids.items())}
 
     return catalog.cached(("skip", stamps), compute)
 
 
-def corpus_filter(query: Query, sets: dict[str, dict[str, frozenset[str]]] | None) -> str | None:
+def corpus_filter(query: Query, sets: dict[str, dict[str, IdSet]] | None) -> str | None:
     """The Lance filter of the query's facets over the corpus table."""
     parts = []
     if query.source:
@@ -277,17 +302,18 @@ def corpus_filter(query: Query, sets: dict[str, dict[str, frozenset[str]]] | Non
     if query.dup and sets is not None:
         dups = sets["dup"]
         if query.dup == "unique":
-            members = sorted(dups["duplicate"] | dups["kept"])
+            members = sorted(dups["duplicate"].ids | dups["kept"].ids)
             if members:
                 parts.append(f"id NOT IN {sql_in(members)}")
         else:
-            parts.append(f"id IN {sql_in(sorted(dups[query.dup]))}")
+            parts.append(f"id IN {sql_in(dups[query.dup].array.to_pylist())}")
     if query.skip and sets is not None:
         if query.skip == "any":
-            skipped = set().union(*sets["skip"].values()) if sets["skip"] else set()
+            skipped = sorted(set().union(*(s.ids for s in sets["skip"].values())))
         else:
-            skipped = sets["skip"].get(query.skip, set())
-        parts.append(f"id IN {sql_in(sorted(skipped))}")
+            chosen = sets["skip"].get(query.skip)
+            skipped = chosen.array.to_pylist() if chosen is not None else []
+        parts.append(f"id IN {sql_in(skipped)}")
     return " AND ".join(parts) or None
 
 
@@ -379,7 +405,7 @@ def _ranked(table: lance.LanceDataset, query: Query, where: str | None,
     return hits.filter(pc.not_equal(hits.column("id"), query.similar))
 
 
-def facet_counts(rows: pa.Table, sets: dict[str, dict[str, frozenset[str]]] | None
+def facet_counts(rows: pa.Table, sets: dict[str, dict[str, IdSet]] | None
                  ) -> dict[str, list[tuple[str, int]]]:
     """Counts per value of each facet among `rows` (the current matches)."""
     def counts(values: pa.Array) -> list[tuple[str, int]]:
@@ -387,19 +413,21 @@ def facet_counts(rows: pa.Table, sets: dict[str, dict[str, frozenset[str]]] | No
                  for v in pc.value_counts(values).to_pylist() if v["values"] is not None]
         return sorted(pairs, key=lambda p: (-p[1], p[0]))
 
-    shapes = pc.binary_join_element_wise(pc.cast(rows.column("width"), pa.string()),
-                                         pc.cast(rows.column("height"), pa.string()), "x")
+    by_shape = rows.select(["width", "height"]).group_by(["width", "height"]).aggregate(
+        [([], "count_all")]).to_pylist()
+    shapes = sorted(((f"{r['width']}x{r['height']}", int(r["count_all"])) for r in by_shape
+                     if r["width"] is not None and r["height"] is not None),
+                    key=lambda p: (-p[1], p[0]))
     facets = {"source": counts(rows.column("source")), "label": counts(rows.column("label")),
               "tier": sorted(counts(rows.column("tier")), key=lambda p: int(p[0])),
-              "shape": counts(shapes)}
+              "shape": shapes}
     if sets is not None:
         ids = rows.column("id")
 
-        def member_count(members: frozenset[str]) -> int:
-            if not members:
+        def member_count(members: IdSet) -> int:
+            if not len(members):
                 return 0
-            return int(pc.sum(pc.is_in(ids, value_set=pa.array(sorted(members), pa.string())))
-                       .as_py() or 0)
+            return int(pc.sum(pc.is_in(ids, value_set=members.array)).as_py() or 0)
 
         dup_counts = {v: member_count(sets["dup"][v]) for v in ("duplicate", "kept")}
         dup_counts["unique"] = rows.num_rows - sum(dup_counts.values())
@@ -505,10 +533,10 @@ def skip_reasons(catalog: Catalog, mapping: lance.LanceDataset | None, source: s
     for place in places:
         reasons = []
         if tree is not None:
-            # The shard's location comes from the mapping table and the tree on disk; it is
-            # only used if it is one of the sidecar paths listed under that tree.
+            # The shard's location comes from the mapping table and the tree on disk (no
+            # request input); a value that would leave the tree is ignored all the same.
             candidate = sidecar_path(tree / place["leaf"] / place["shard"])
-            if candidate in set(sidecar_files(tree)):
+            if candidate.resolve().is_relative_to(tree.resolve()):
                 lists = read_sidecar(candidate)
                 reasons = sorted(r for r, ids in lists.items() if place["sample_index"] in ids)
         out.append({**place, "reasons": reasons})
@@ -598,13 +626,17 @@ def near_clusters(catalog: Catalog, max_rows: int = NEAR_MAX_ROWS) -> list[NearC
 
 def near_duplicates_of(catalog: Catalog, sample_id: str) -> list[dict]:
     """The other members of the sample's near-duplicate cluster, with their distance."""
-    for cluster in near_clusters(catalog):
-        mine = next((m for m in cluster.members if m["id"] == sample_id), None)
-        if mine is not None:
-            return [{**m, "distance": int(_popcount(np.array([mine["phash"] ^ m["phash"]],
-                                                             np.int64).view(np.uint64))[0])}
-                    for m in cluster.members if m["id"] != sample_id]
-    return []
+    clusters = near_clusters(catalog)
+    table = catalog.corpus()
+    index = catalog.cached(("near-index", table.uri, table.version), lambda: {
+        m["id"]: cluster for cluster in clusters for m in cluster.members})
+    cluster = index.get(sample_id)
+    if cluster is None:
+        return []
+    mine = next(m for m in cluster.members if m["id"] == sample_id)
+    return [{**m, "distance": int(_popcount(np.array([mine["phash"] ^ m["phash"]],
+                                                     np.int64).view(np.uint64))[0])}
+            for m in cluster.members if m["id"] != sample_id]
 
 
 @dataclass

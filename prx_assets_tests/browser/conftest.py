@@ -3,35 +3,13 @@ thread on a free port, and Debian's Chromium driven headless through Playwright.
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
 import threading
 from pathlib import Path
 
 import pytest
 
 from prx_assets_tests.browser import tiny_corpus
-
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run", "--disable-default-apps"]
-
-
-def chromium_path() -> str:
-    """Debian's chromium (`make install` installs it); PRX_CHROMIUM names another binary."""
-    path = os.environ.get("PRX_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-    if not Path(path).exists():
-        pytest.fail(f"no Chromium at {path}: run `make install` (apt-get install chromium) "
-                    "or set PRX_CHROMIUM", pytrace=False)
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
+from prx_assets_tests.browser.chromium import CHROMIUM_ARGS, chromium_path, free_port
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory, ray_session) -> tiny_corpus.TinyCorpus:
@@ -78,7 +56,11 @@ def chromium():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium_path(), headless=True,
+        try:
+            executable = chromium_path()
+        except FileNotFoundError as err:
+            pytest.fail(str(err), pytrace=False)
+        browser = playwright.chromium.launch(executable_path=executable, headless=True,
                                              args=CHROMIUM_ARGS)
         yield browser
         browser.close()

@@ -1,0 +1,94 @@
+"""The first thing a user does, in a real browser: open the Dagster UI (`dagster dev` on a
+temporary instance with the repo's dagster.yaml), launch one source partition of
+`raw_images` from the asset page, watch the run succeed through the queued run coordinator
+and the daemon, and read the asset's metadata tables and check results.
+
+Every wait is on something the UI shows (the dialog, the toast, the run's status tag, the
+metadata rows); the long timeouts only stop a broken run from hanging the suite: on this
+machine a run spends most of its time starting step processes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+
+import pytest
+
+from prx_assets_tests.browser import tiny_corpus
+from prx_assets_tests.browser.chromium import free_port
+from prx_assets_tests.browser.dagster_ui import DagsterDev
+
+pytestmark = pytest.mark.browser
+
+RUN_SAFETY_NET_MS = 900_000
+SOURCE = "ui_src"
+
+
+@pytest.fixture(scope="module")
+def dagster_dev(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dagster_ui")
+    folder = root / SOURCE
+    folder.mkdir()
+    for key, photo in (("astronaut.jpg", "astronaut.png"), ("coins.jpg", "coins.png")):
+        (folder / key).write_bytes(tiny_corpus._image(photo, key))
+        (folder / key).with_suffix(".txt").write_text(f"a photo: {photo}")
+    (folder / "broken.jpg").write_bytes(b"not an image at all")
+    sources = root / "sources.yaml"
+    sources.write_text(f"sources:\n  - name: {SOURCE}\n    kind: image_folder\n    uri: {folder}\n")
+    env = {"PRX_SOURCES": str(sources), "PRX_DATA_ROOT": str(root / "data"),
+           "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    env.pop("RAY_ADDRESS", None)
+    with DagsterDev(root / "dagster_home", free_port(), env, root / "dagster.log") as dev:
+        # The first-visit community dialog covers the page; mark it seen, as a user would.
+        request = urllib.request.Request(
+            dev.url + "/graphql", data=json.dumps({"query": "mutation { setNuxSeen }"}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.loads(response.read())["data"]["setNuxSeen"] is True
+        yield dev
+
+
+@pytest.mark.timeout(1500)  # dagster dev's start and a run's step processes, on 2 busy cores
+def test_launch_a_partition_from_the_asset_page(dagster_dev, page):
+    page.goto(dagster_dev.url + "/assets/raw_images")
+    page.get_by_role("button", name="Materialize…").click()
+    dialog = page.get_by_role("dialog")
+    dialog.get_by_text("Launch runs to materialize raw_images").wait_for()
+    # The partition picker: open it, tick the source, close it.
+    dialog.get_by_text("Select a partition or create one").click()
+    page.get_by_text(SOURCE, exact=True).filter(visible=True).click()
+    dialog.get_by_text("Launch runs to materialize raw_images").click()
+    dialog.get_by_role("button", name="Launch 1 run").click()
+
+    toast = page.get_by_text(re.compile(r"^Launched run [0-9a-f]{8}$"))
+    toast.wait_for()
+    run_id = toast.inner_text().split()[-1]
+    page.get_by_role("button", name="View").or_(page.get_by_role("link", name="View")) \
+        .first.click()
+    page.wait_for_url(f"**/runs/{run_id}*")
+    # The queued run coordinator hands the run to the daemon, which launches it; its status
+    # tag in the run header ends on one of these.
+    header = page.locator("text=/^(Success|Failure|Canceled)$/").first
+    header.wait_for(timeout=RUN_SAFETY_NET_MS)
+    assert header.inner_text() == "Success"
+
+    # The partition's latest materialisation: its metadata, tables rendered inline.
+    page.goto(dagster_dev.url + f"/assets/raw_images?partition={SOURCE}")
+    for key in ("rejects_by_reason", "formats", "lance_version", "ok_rows", "rejected_rows"):
+        page.get_by_text(key, exact=True).first.wait_for()
+    row = page.locator("tr", has=page.get_by_text("rejects_by_reason", exact=True)).first
+    row.get_by_text("not_an_image", exact=True).wait_for()  # the broken file's reason
+    assert row.locator("td", has_text=re.compile(r"^1$")).count() >= 1
+
+    # Check results of that run: two pass, the reject share (1 of 3 files) warns.
+    page.goto(dagster_dev.url + "/assets/raw_images?view=checks")
+    expected = {"fragments_healthy": "Succeeded", "ids_unique": "Succeeded",
+                "reject_share": "Failed"}
+    for check, status in expected.items():
+        item = page.locator("a, button, div", has=page.get_by_text(check, exact=True)) \
+            .filter(has=page.get_by_text(status, exact=True)).last
+        item.wait_for()
+    assert page.get_by_text("In Progress", exact=True).count() == 0
