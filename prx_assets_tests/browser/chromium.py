@@ -26,3 +26,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+SCREENSHOTS_ENV = "PRX_BROWSER_SCREENSHOTS"
+
+
+def screenshot(page, name: str, full_page: bool = False) -> None:
+    """`$PRX_BROWSER_SCREENSHOTS/<name>.png` when that folder is set (how docs/browser/ is
+    regenerated: run the browser tests with it set); nothing otherwise."""
+    folder = os.environ.get(SCREENSHOTS_ENV)
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(folder) / f"{name}.png"), full_page=full_page)

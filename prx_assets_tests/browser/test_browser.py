@@ -20,6 +20,7 @@ from prx_assets.storage.lance_tables import table_uri
 from prx_assets.s7_shards.mds import current_tree
 from prx_assets.s8_skip_lists.skip_lists import read_sidecar
 from prx_assets_tests.browser import tiny_corpus
+from prx_assets_tests.browser.chromium import screenshot
 
 pytestmark = pytest.mark.browser
 
@@ -48,6 +49,7 @@ def facet(page, name: str) -> dict[str, int]:
 def test_grid_loads_real_thumbnails(served, tiny, page):
     page.goto(served.url + "/")
     page.wait_for_function(ALL_THUMBS_LOADED)
+    screenshot(page, "grid")
     ids = corpus_ids(tiny)
     assert sorted(tile_ids(page)) == sorted(ids)
     assert page.locator("#total").inner_text() == str(len(ids))
@@ -73,6 +75,7 @@ def test_caption_search_finds_the_right_sample(served, tiny, page):
     page.press('input[type="search"]', "Enter")
     page.wait_for_url(re.compile(r"q=tabby"))
     page.wait_for_function(ALL_THUMBS_LOADED)
+    screenshot(page, "search")
     assert tile_ids(page) == [tiny.id("web", "cat.jpg")]
     assert page.locator('input[type="search"]').input_value() == "tabby cat"
 
@@ -89,6 +92,8 @@ def test_a_facet_narrows_the_counts(served, tiny, page):
     assert sum(facet(page, "shape").values()) == 4
     assert all(i.startswith("stock:") for i in tile_ids(page)) and len(tile_ids(page)) == 4
     assert facet(page, "dup") == {"duplicate": 2, "unique": 2}
+    page.wait_for_function(ALL_THUMBS_LOADED)
+    screenshot(page, "facet")
     # Combined with a search: the facet keeps narrowing the matches of the query.
     page.fill('input[type="search"]', "latte")
     page.press('input[type="search"]', "Enter")
@@ -117,6 +122,7 @@ def test_sample_page_shows_every_caption_version(served, tiny, page):
     page.wait_for_function("() => { const i = document.querySelector('#full-image');"
                            " return i.complete && i.naturalWidth > 0; }")
     assert page.locator("#full-image").evaluate("i => i.naturalWidth") == 512
+    screenshot(page, "sample", full_page=True)
     # The exact copy in the other source, with the kept one marked; lineage and labels.
     group = page.locator("#group").inner_text()
     assert tiny.id("stock", "spaceman.jpg") in group and "kept" in group
@@ -160,6 +166,10 @@ def test_duplicates_page_has_near_and_exact_clusters(served, tiny, page):
                                    tiny.id("web", "coffee.jpg")])
     page.goto(served.url + f"/sample/{tiny.id('web', 'motorbike.jpg')}")
     assert "distance 2" in page.locator("#near").inner_text()
+    page.goto(served.url + "/duplicates")
+    page.wait_for_function("() => [...document.querySelectorAll('.cluster img')]"
+                           ".every(i => i.complete && i.naturalWidth > 0)")
+    screenshot(page, "duplicates")
 
 
 def test_random_sample(served, tiny, page):
@@ -255,6 +265,7 @@ def test_opt_out_from_the_page_reaches_audit_and_skip_lists(served, tiny, page):
     assert unconfirmed.status == 400
     assert not list((tiny.data_root / "opt_outs").glob("browser-*.jsonl"))
     page.check('input[name="confirm"]')
+    screenshot(page, "optout")
     page.click("#confirm-opt-out")
     page.wait_for_selector("#notice")
     assert f"/sample/{sample}" in page.url

@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 
 from prx_assets_tests.browser import tiny_corpus
-from prx_assets_tests.browser.chromium import free_port
+from prx_assets_tests.browser.chromium import free_port, screenshot
 from prx_assets_tests.browser.dagster_ui import DagsterDev
 
 pytestmark = pytest.mark.browser
@@ -61,7 +61,10 @@ def test_launch_a_partition_from_the_asset_page(dagster_dev, page):
     dialog.get_by_text("Select a partition or create one").click()
     page.get_by_text(SOURCE, exact=True).filter(visible=True).click()
     dialog.get_by_text("Launch runs to materialize raw_images").click()
-    dialog.get_by_role("button", name="Launch 1 run").click()
+    launch = dialog.get_by_role("button", name="Launch 1 run")
+    launch.wait_for()
+    screenshot(page, "dagster_launch")
+    launch.click()
 
     toast = page.get_by_text(re.compile(r"^Launched run [0-9a-f]{8}$"))
     toast.wait_for()
@@ -74,6 +77,7 @@ def test_launch_a_partition_from_the_asset_page(dagster_dev, page):
     header = page.locator("text=/^(Success|Failure|Canceled)$/").first
     header.wait_for(timeout=RUN_SAFETY_NET_MS)
     assert header.inner_text() == "Success"
+    screenshot(page, "dagster_run")
 
     # The partition's latest materialisation: its metadata, tables rendered inline.
     page.goto(dagster_dev.url + f"/assets/raw_images?partition={SOURCE}")
@@ -82,6 +86,7 @@ def test_launch_a_partition_from_the_asset_page(dagster_dev, page):
     row = page.locator("tr", has=page.get_by_text("rejects_by_reason", exact=True)).first
     row.get_by_text("not_an_image", exact=True).wait_for()  # the broken file's reason
     assert row.locator("td", has_text=re.compile(r"^1$")).count() >= 1
+    screenshot(page, "dagster_metadata", full_page=True)
 
     # Check results of that run: two pass, the reject share (1 of 3 files) warns.
     page.goto(dagster_dev.url + "/assets/raw_images?view=checks")
@@ -92,3 +97,4 @@ def test_launch_a_partition_from_the_asset_page(dagster_dev, page):
             .filter(has=page.get_by_text(status, exact=True)).last
         item.wait_for()
     assert page.get_by_text("In Progress", exact=True).count() == 0
+    screenshot(page, "dagster_checks")
