@@ -67,7 +67,8 @@ def create_app(data_root: Path, tokens: Tokens | None = None) -> Starlette:
         except queries.NotFound as err:
             return not_found(request, str(err))
         return render(request, "grid.html", query=query, grid=result, info=info,
-                      page_size=queries.PAGE_SIZE, max_hits=queries.MAX_SEARCH_HITS)
+                      page_size=queries.PAGE_SIZE, max_hits=queries.MAX_SEARCH_HITS,
+                      max_facet_rows=queries.MAX_FACET_ROWS)
 
     async def sample(request: Request) -> Response:
         sample_id = request.path_params["sample_id"]

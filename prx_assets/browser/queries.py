@@ -32,6 +32,9 @@ PAGE_SIZE = 48
 # A search's facet counts are over its best hits, not every match (BM25 needs a limit).
 MAX_SEARCH_HITS = 1000
 SIMILAR_K = 96
+# Facet counts read the facet columns of at most this many matches (the page says when the
+# counts cover only part of a larger match set).
+MAX_FACET_ROWS = 1_000_000
 # Id sets that feed a facet filter (duplicates, skip reasons) are read with this limit.
 MAX_ID_SET = 100_000
 # Near-duplicate clusters are found among the first rows of the corpus' phash column.
@@ -338,6 +341,7 @@ class Grid:
     page: int
     pages: int
     capped: bool = False  # a search with more matches than MAX_SEARCH_HITS
+    facets_partial: bool = False  # facet counts over the first MAX_FACET_ROWS matches
     facets: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
 
 
@@ -378,9 +382,12 @@ def grid(catalog: Catalog, query: Query, with_facets: bool = True) -> Grid:
         tiles = _tiles(table.to_table(columns=GRID_COLUMNS, filter=where, offset=start,
                                       limit=PAGE_SIZE))
         capped = False
-        facet_rows = table.to_table(columns=FACET_COLUMNS, filter=where) if with_facets else None
+        facet_rows = table.to_table(columns=FACET_COLUMNS, filter=where,
+                                    limit=MAX_FACET_ROWS) if with_facets else None
     facets = facet_counts(facet_rows, sets) if facet_rows is not None else {}
-    return Grid(tiles, total, query.page, max(1, -(-total // PAGE_SIZE)), capped, facets)
+    partial = facet_rows is not None and facet_rows.num_rows < total
+    return Grid(tiles, total, query.page, max(1, -(-total // PAGE_SIZE)), capped, facets,
+                partial)
 
 
 def _ranked(table: lance.LanceDataset, query: Query, where: str | None,

@@ -107,6 +107,18 @@ def test_a_facet_narrows_the_counts(served, tiny, page):
     assert tile_ids(page) == [tiny.id("stock", "coffee-bright.jpg")]
 
 
+def test_facet_counts_say_when_they_cover_part_of_the_matches(served, page, monkeypatch):
+    from prx_assets.browser import queries
+
+    page.goto(served.url + "/")
+    assert page.locator("#facets-partial").count() == 0
+    monkeypatch.setattr(queries, "MAX_FACET_ROWS", 3)
+    page.goto(served.url + "/")
+    assert "first 3 matches" in page.locator("#facets-partial").inner_text()
+    assert sum(facet(page, "source").values()) == 3
+    assert page.locator("#total").inner_text() == "9"
+
+
 def test_sample_page_shows_every_caption_version(served, tiny, page):
     sample = tiny.id("web", "astronaut.jpg")
     page.goto(served.url + "/")
