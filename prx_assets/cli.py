@@ -71,10 +71,11 @@ def _similar(args: argparse.Namespace) -> int:
 
 def _browse(args: argparse.Namespace) -> int:
     from prx_assets.browser.app import serve
-    from prx_assets.storage.settings import data_root
+    from prx_assets.storage.layout import Storage
 
-    print(f"corpus browser on http://{args.host}:{args.port}/ over {data_root()}")
-    serve(data_root(), host=args.host, port=args.port)
+    storage = Storage.from_env()
+    print(f"corpus browser on http://{args.host}:{args.port}/ over {storage.root}")
+    serve(storage, host=args.host, port=args.port)
     return 0
 
 

@@ -32,6 +32,7 @@ from starlette.staticfiles import StaticFiles
 
 from prx_assets.browser import queries
 from prx_assets.browser.optout import Tokens, pending_requests, write_request
+from prx_assets.storage.layout import Storage
 
 HERE = Path(__file__).parent
 # Immutable per corpus version: the ETag names the version, so a rebuilt corpus is refetched.
@@ -39,8 +40,9 @@ THUMB_CACHE = "public, max-age=86400"
 IMAGE_CACHE = "public, max-age=3600"
 
 
-def create_app(data_root: Path, tokens: Tokens | None = None) -> Starlette:
-    catalog = queries.Catalog(Path(data_root))
+def create_app(storage: Storage | str | Path, tokens: Tokens | None = None) -> Starlette:
+    """The app over `storage` (a Storage, or its root folder / URI)."""
+    catalog = queries.Catalog(storage)
     tokens = tokens or Tokens()
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
                              autoescape=True, undefined=jinja2.StrictUndefined)
@@ -77,7 +79,7 @@ def create_app(data_root: Path, tokens: Tokens | None = None) -> Starlette:
         except queries.NotFound as err:
             return not_found(request, str(err))
         return render(request, "sample.html", s=found, token=tokens.token(found.id),
-                      requested=pending_requests(catalog.root, found.id),
+                      requested=pending_requests(catalog.storage, found.id),
                       opted=request.query_params.get("opted") == "1")
 
     async def opt_out(request: Request) -> Response:
@@ -96,7 +98,7 @@ def create_app(data_root: Path, tokens: Tokens | None = None) -> Starlette:
         if form.get("confirm") != "yes":
             return render(request, "error.html", status=400, title="Not confirmed",
                           message="tick the confirmation box to opt this image out")
-        write_request(catalog.root, row["id"], str(form.get("reference", "")))
+        write_request(catalog.storage, row["id"], str(form.get("reference", "")))
         return RedirectResponse(f"/sample/{row['id']}?opted=1", status_code=303)
 
     async def duplicates(request: Request) -> Response:
@@ -162,8 +164,8 @@ def create_app(data_root: Path, tokens: Tokens | None = None) -> Starlette:
     return app
 
 
-def serve(data_root: Path, host: str = "127.0.0.1", port: int = 8080) -> None:
+def serve(storage: Storage | str | Path, host: str = "127.0.0.1", port: int = 8080) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(data_root), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(storage), host=host, port=port, log_level="info")
 

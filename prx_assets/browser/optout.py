@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from prx_assets.s6_opt_outs.opt_outs import opt_out_dir, parse_file
+from prx_assets.storage.layout import Storage
 
 MAX_REFERENCE = 500
 
@@ -37,7 +38,7 @@ class Tokens:
         return hmac.compare_digest(self.token(sample_id), str(token or ""))
 
 
-def write_request(data_root: Path, sample_id: str, reference: str,
+def write_request(storage: Storage | str | Path, sample_id: str, reference: str,
                   now: datetime | None = None) -> Path:
     """A new request file opting `sample_id` out; returns its path. The file is parsed back
     with the pipeline's parser before it is moved into place, so what lands is valid."""
@@ -45,7 +46,7 @@ def write_request(data_root: Path, sample_id: str, reference: str,
     reference = " ".join(str(reference or "").split())[:MAX_REFERENCE] or "corpus browser"
     record = {"key_type": "id", "value": sample_id, "timestamp": now.isoformat(),
               "reference": reference}
-    folder = opt_out_dir(data_root)
+    folder = opt_out_dir(storage)
     folder.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256(f"{sample_id}\n{now.isoformat()}".encode()).hexdigest()[:10]
     name = f"browser-{now:%Y%m%dT%H%M%S}-{digest}.jsonl"
@@ -64,9 +65,10 @@ def write_request(data_root: Path, sample_id: str, reference: str,
     return target
 
 
-def pending_requests(data_root: Path, sample_id: str, limit: int = 20) -> list[str]:
+def pending_requests(storage: Storage | str | Path, sample_id: str, limit: int = 20
+                     ) -> list[str]:
     """Browser request files naming this sample (so the page can say it was requested)."""
-    folder = opt_out_dir(data_root)
+    folder = opt_out_dir(storage)
     if not folder.is_dir():
         return []
     found = []

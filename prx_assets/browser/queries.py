@@ -4,9 +4,11 @@ No Dagster and no web framework here, so every view's data can be tested and ben
 on its own. Every query projects the columns it needs and carries a limit (or counts rows
 without reading them); no view reads a whole table into memory.
 
-Table locations come from listing `$PRX_DATA_ROOT/lance/` (the design's layout): a request
-names a sample id or a source, which is looked up in that listing or in a table, and never
-joined into a path. Values that reach a Lance filter are validated first and quoted.
+Table locations come from the storage layer (`Storage.table`), for sources found by listing
+the storage root (or, on object storage, named in the sources file): a request names a
+sample id, which is looked up in a table, and a source only counts once it is one of those;
+nothing from a request is joined into a path. Values that reach a Lance filter are validated
+first and quoted.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.s4_labels.labels import LABELS
+from prx_assets.storage.layout import Storage, as_storage
+from prx_assets.storage.tables import CORPUS, DUPLICATES, MDS_SAMPLES, PER_SOURCE
 from prx_assets.s7_shards.mds import current_tree
 from prx_assets.s9_corpus.search import NPROBES, REFINE_FACTOR
 from prx_assets.s8_skip_lists.skip_lists import read_sidecar, sidecar_files, sidecar_path
@@ -98,60 +102,64 @@ def sql_in(values: list[str]) -> str:
 # ----------------------------------------------------------------------------- table catalog
 
 class Catalog:
-    """The data root's tables, found by listing its folders; datasets are opened once and
-    re-checked for a newer version every TABLE_TTL_S seconds."""
+    """The storage root's tables; datasets are opened once and re-checked for a newer
+    version every TABLE_TTL_S seconds."""
 
-    def __init__(self, data_root: Path):
-        self.root = Path(data_root)
+    def __init__(self, storage: Storage | str | Path):
+        self.storage = as_storage(storage)
         self._lock = threading.Lock()
-        self._open: dict[Path, tuple[float, lance.LanceDataset]] = {}
+        self._open: dict[str, tuple[float, lance.LanceDataset | None]] = {}
         self._cache: dict[tuple, Any] = {}
 
-    def _dataset(self, uri: Path) -> lance.LanceDataset | None:
+    def _dataset(self, uri: str) -> lance.LanceDataset | None:
         now = time.monotonic()
         with self._lock:
             held = self._open.get(uri)
         if held and now - held[0] < TABLE_TTL_S:
             return held[1]
-        if not uri.exists():
-            return None
-        if held:
-            dataset = held[1]
-            if dataset.latest_version != dataset.version:
-                dataset = lance.dataset(str(uri))
-        else:
-            dataset = lance.dataset(str(uri))
+        dataset = held[1] if held else None
+        try:
+            if dataset is None or dataset.latest_version != dataset.version:
+                dataset = lance.dataset(uri)
+        except (ValueError, FileNotFoundError, OSError):
+            dataset = None  # not written yet
         with self._lock:
             self._open[uri] = (now, dataset)
         return dataset
 
-    def sources_of(self, asset: str) -> dict[str, Path]:
-        """Per-source tables of an asset: source name -> its table, from the listing."""
-        folder = self.root / "lance" / asset
+    def sources_of(self, asset: str) -> list[str]:
+        """Sources that have a table of the per-source `asset`: listed from the local
+        storage root, or on object storage the sources file's names."""
+        if asset not in PER_SOURCE:
+            return []
+        if not self.storage.is_local:
+            return self.cached(("sources",), _configured_sources)
+        folder = Path(self.storage.table(asset, "x")).parent
         if not folder.is_dir():
-            return {}
-        return {p.name.removesuffix(".lance"): p for p in sorted(folder.glob("*.lance"))
-                if NAME.match(p.name.removesuffix(".lance"))}
+            return []
+        return [p.name.removesuffix(".lance") for p in sorted(folder.glob("*.lance"))
+                if NAME.match(p.name.removesuffix(".lance"))]
 
     def table(self, asset: str, source: str | None = None) -> lance.LanceDataset | None:
-        """The global table `asset`, or its table for a listed `source` (else None)."""
+        """The global table `asset`, or its table for a known `source` (else None)."""
         if source is None:
-            return self._dataset(self.root / "lance" / f"{asset}.lance")
-        uri = self.sources_of(asset).get(source)
-        return self._dataset(uri) if uri is not None else None
+            return self._dataset(self.storage.table(asset))
+        if source not in self.sources_of(asset):
+            return None
+        return self._dataset(self.storage.table(asset, source))
 
     def corpus(self) -> lance.LanceDataset:
-        table = self.table("corpus")
+        table = self.table(CORPUS)
         if table is None:
             raise NotFound("no corpus table yet: materialise the `corpus` asset "
                            "(e.g. `make demo`)")
         return table
 
     def mds_tree(self, source: str) -> Path | None:
-        if source not in self.sources_of("mds_samples"):
+        if source not in self.sources_of(MDS_SAMPLES) or not self.storage.is_local:
             return None
         try:
-            return current_tree(self.root, source)
+            return current_tree(self.storage.local_path(self.storage.mds_root), source)
         except FileNotFoundError:
             return None
 
@@ -167,6 +175,12 @@ class Catalog:
                 self._cache.clear()
             self._cache[key] = value
         return value
+
+
+def _configured_sources() -> list[str]:
+    from prx_assets.s1_ingest.sources import load_sources
+
+    return list(load_sources().names)
 
 
 # ----------------------------------------------------------------------------------- filters
@@ -236,7 +250,7 @@ def id_sets(catalog: Catalog) -> dict[str, dict[str, IdSet]]:
 
 def duplicate_sets(catalog: Catalog) -> dict[str, IdSet]:
     """Members of exact-duplicate groups: the copies removed and the copies kept."""
-    table = catalog.table("duplicates")
+    table = catalog.table(DUPLICATES)
     if table is None:
         return {"duplicate": IdSet.of(()), "kept": IdSet.of(())}
 
@@ -254,7 +268,7 @@ def _sidecar_stamps(catalog: Catalog) -> tuple:
     most every TABLE_TTL_S seconds, like the tables."""
     def listing() -> tuple:
         stamps = []
-        for source in catalog.sources_of("mds_samples"):
+        for source in catalog.sources_of(MDS_SAMPLES):
             tree = catalog.mds_tree(source)
             if tree is not None:
                 stamps += [(str(p), p.stat().st_mtime_ns) for p in sidecar_files(tree)]
@@ -270,8 +284,8 @@ def skipped_sets(catalog: Catalog) -> dict[str, IdSet]:
 
     def compute() -> dict[str, IdSet]:
         ids: dict[str, set[str]] = {}
-        for source in catalog.sources_of("mds_samples"):
-            tree, mapping = catalog.mds_tree(source), catalog.table("mds_samples", source)
+        for source in catalog.sources_of(MDS_SAMPLES):
+            tree, mapping = catalog.mds_tree(source), catalog.table(MDS_SAMPLES, source)
             if tree is None or mapping is None:
                 continue
             for sidecar in sidecar_files(tree):
@@ -341,8 +355,8 @@ class Grid:
     page: int
     pages: int
     capped: bool = False  # a search with more matches than MAX_SEARCH_HITS
-    facets_partial: bool = False  # facet counts over the first MAX_FACET_ROWS matches
     facets: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    facets_partial: bool = False  # facet counts over the first MAX_FACET_ROWS matches
 
 
 def _tiles(rows: pa.Table, score: str | None = None) -> list[Tile]:
@@ -493,7 +507,7 @@ def sample(catalog: Catalog, sample_id: str) -> Sample:
     source = row["source"]
     tables = {name: catalog.table(name, source) for name in
               ("raw_images", "bucketed_images", "captions", "caption_labels", "mds_samples")}
-    tables.update(duplicates=catalog.table("duplicates"), opt_outs=catalog.table("opt_outs"))
+    tables.update(duplicates=catalog.table(DUPLICATES), opt_outs=catalog.table("opt_outs"))
     image = _one(tables["bucketed_images"], sample_id,
                  ["status", "tier", "width", "height", "original_width", "original_height",
                   "error", "pixels", "flat"])
@@ -654,7 +668,7 @@ class ExactGroup:
 
 def exact_groups(catalog: Catalog, page: int = 0, per_page: int = 20) -> tuple[list[ExactGroup], int]:
     """A page of exact-duplicate groups (one query for the kept copies, one for members)."""
-    table = catalog.table("duplicates")
+    table = catalog.table(DUPLICATES)
     if table is None:
         return [], 0
     kept_filter = "id = kept_id"
@@ -707,4 +721,4 @@ def overview(catalog: Catalog) -> dict:
     """Counts for the header: corpus rows and its version, sources present."""
     table = catalog.corpus()
     return {"rows": table.count_rows(), "version": table.version,
-            "sources": sorted(catalog.sources_of("bucketed_images"))}
+            "sources": catalog.sources_of("bucketed_images")}

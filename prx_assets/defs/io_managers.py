@@ -17,7 +17,7 @@ import ray.data
 
 from prx_assets.storage import lance_tables
 from prx_assets.storage.lance_tables import FragmentPolicy
-from prx_assets.defs.metadata import PROFILERS, materialized_lance_version
+from prx_assets.defs.metadata import PROFILERS, browser_link, materialized_lance_version
 from prx_assets.defs.resources import StorageResource
 
 # Definition-metadata keys an asset may set to size its fragments.
@@ -87,6 +87,7 @@ class RayLanceIOManager(dg.ConfigurableIOManager):
             **(PROFILERS[meta[PROFILE_KEY]](str(uri), storage.storage_options)
                if meta.get(PROFILE_KEY) else {}),
             **(output.metadata or {}),
+            **browser_link(context),
             **(output.after_write(str(uri)) if output.after_write else {}),
         })
 

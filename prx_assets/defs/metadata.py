@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import dagster as dg
 
+from prx_assets.browser.links import view_url
 from prx_assets.storage.table_stats import (
     BucketProfile, TableProfile, bucket_profile, profile_table)
 from prx_assets.storage.tables import BUCKETED_IMAGES, RAW_IMAGES
@@ -134,3 +135,11 @@ def _bucket_profile(uri: str, storage_options: Optional[dict] = None) -> dict:
 
 # What the IO manager adds to an output's metadata, by the asset's `prx/profile` value.
 PROFILERS = {RAW_IMAGES: _raw_profile, BUCKETED_IMAGES: _bucket_profile}
+
+
+def browser_link(context: dg.AssetExecutionContext | dg.OutputContext) -> dict:
+    """`browser`: the corpus browser's view of this asset (partition) when PRX_BROWSER_URL
+    says where `prx-assets browse` serves; nothing otherwise."""
+    partition = context.partition_key if context.has_partition_key else None
+    url = view_url(context.asset_key.path[-1], partition)
+    return {"browser": dg.MetadataValue.url(url)} if url else {}

@@ -26,7 +26,8 @@ from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, RAW_IMAGES
 from prx_assets.defs.io_managers import COLUMNS_KEY
 from prx_assets.defs.metadata import (
-    counts_table, input_versions, latest_materialization, materialized_lance_version, recorded,
+    browser_link, counts_table, input_versions, latest_materialization,
+    materialized_lance_version, recorded,
     recorded_input_version)
 from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
 
@@ -80,7 +81,7 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
                 **run_metadata(report, spec, cover),
                 "stale_captions_dropped": stale,
                 "path": dg.MetadataValue.path(str(uri)),
-                "lance_version": lance_version,
+                "lance_version": lance_version, **browser_link(context),
             },
             data_version=dg.DataVersion(f"{report.version}@{lance_version}"),
         )

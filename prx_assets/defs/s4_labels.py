@@ -11,7 +11,7 @@ from prx_assets.s3_captions.captions import active_caption_filter
 from prx_assets.s4_labels.labels import LABELS, load_embedded_classifier
 from prx_assets.s4_labels.runs import label_coverage, label_source
 from prx_assets.storage.tables import CAPTION_LABELS, CAPTIONS
-from prx_assets.defs.metadata import counts_table
+from prx_assets.defs.metadata import browser_link, counts_table
 from prx_assets.defs.resources import ClassifierResource
 
 
@@ -50,6 +50,7 @@ def build_caption_labels(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDe
         return dg.MaterializeResult(data_version=dg.DataVersion(
             f"{caption_version}/{report.classifier_version}@{report.lance_version}"), metadata={
             f"input_version/{CAPTIONS}": -1 if captions_version is None else captions_version,
+            **browser_link(context),
             "lance_version": report.lance_version,
             "caption_version": caption_version,
             "classifier_version": report.classifier_version,

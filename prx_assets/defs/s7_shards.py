@@ -12,7 +12,7 @@ from prx_assets.s7_shards.rewrite import pinned_inputs, rewrite_without_skipped
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, MDS_SHARDS, SKIP_LISTS
 from prx_assets.defs.metadata import (
-    counts_table, input_versions, latest_recorded, materialized_lance_version)
+    browser_link, counts_table, input_versions, latest_recorded, materialized_lance_version)
 from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
 
 class MdsShardsConfig(dg.Config):
@@ -54,7 +54,8 @@ def build_mds_shards(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
                                 context.partition_key, config.options(), log=context.log.info)
         return dg.MaterializeResult(
             metadata={**tree_metadata(report), "caption_version": caption_version,
-                      **input_versions(context, BUCKETED_IMAGES, CAPTIONS)},
+                      **input_versions(context, BUCKETED_IMAGES, CAPTIONS),
+                      **browser_link(context)},
             data_version=dg.DataVersion(f"{report.tree_version}@{report.mapping_version}"))
 
     return mds_shards

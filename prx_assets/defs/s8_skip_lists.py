@@ -12,6 +12,7 @@ from prx_assets.s8_skip_lists.skip_lists import (
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import (
     CAPTION_LABELS, DUPLICATES, MDS_SAMPLES, MDS_SHARDS, OPT_OUTS, SKIP_LISTS)
+from prx_assets.defs.metadata import browser_link
 from prx_assets.defs.resources import (
     CaptionerResource, ClassifierResource, SourcesResource, StorageResource)
 
@@ -65,7 +66,7 @@ def build_skip_lists_asset(partitions_def: dg.PartitionsDefinition) -> dg.Assets
             "skipped_share": round(report.skipped_total / total, 4) if total else 0.0,
             "skipped_per_reason": _reason_table(report.skipped_per_reason, total),
             "sidecars_written": report.written, "sidecars_removed": report.removed,
-            "sidecars_unchanged": report.unchanged,
+            "sidecars_unchanged": report.unchanged, **browser_link(context),
         })
 
     return skip_lists

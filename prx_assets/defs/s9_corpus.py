@@ -10,7 +10,7 @@ from prx_assets.s9_corpus.corpus import SourceTables, build_corpus
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import (
     BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, CORPUS, PHASHES)
-from prx_assets.defs.metadata import counts_table
+from prx_assets.defs.metadata import browser_link, counts_table
 
 INPUTS = (BUCKETED_IMAGES, PHASHES, CAPTIONS, CAPTION_LABELS)
 
@@ -71,7 +71,7 @@ def build_corpus_asset(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefi
             "rows_per_source": counts_table(Counter(report.rows_per_source), "source"),
             "indexes": dg.MetadataValue.md("\n".join(
                 f"- `{column}`: {kind}" for column, kind in report.indexes.items())),
-            "sources_left_out": ", ".join(skipped) or "none",
+            "sources_left_out": ", ".join(skipped) or "none", **browser_link(context),
             **{k: v for t in tables for k, v in pinned_versions(t).items()},
         })
 

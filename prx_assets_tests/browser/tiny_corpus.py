@@ -22,7 +22,7 @@ from PIL import Image, ImageEnhance
 
 from prx_assets.s3_captions.captions import CAPTIONS_SCHEMA
 from prx_assets.s1_ingest.ids import sample_id
-from prx_assets.storage.lance_tables import table_uri
+from prx_assets.storage.layout import Storage
 from prx_assets.demo.corpus import encode
 
 SKIMAGE = Path(__import__("skimage").__file__).parent / "data"
@@ -53,6 +53,10 @@ PHOTOS = {
 OLD_VERSION = "hand-v0"
 # Where the runs' metadata links point (the browser need not be serving while they run).
 BROWSER_URL = "http://127.0.0.1:8080"
+
+
+def table_uri(root, name: str, source: str | None = None) -> str:
+    return Storage(str(root)).table(name, source)
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,7 @@ def build(root: Path) -> TinyCorpus:
 
 def run_job(corpus: TinyCorpus, job: str, partition: str | None = None) -> None:
     """One job of the graph in process on the tiny corpus' instance (as the demo runs it)."""
-    from prx_assets.defs import build_defs
+    from prx_assets.definitions import build_defs
     from prx_assets_tests.e2e.fault_runs import open_instance
 
     with environment(corpus):
