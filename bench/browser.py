@@ -179,12 +179,14 @@ def bare_grid(catalog: queries.Catalog) -> None:
     table = catalog.corpus()
     table.count_rows()
     table.to_table(columns=queries.GRID_COLUMNS, limit=queries.PAGE_SIZE)
-    table.to_table(columns=queries.FACET_COLUMNS)
+    table.to_table(columns=queries.FACET_COLUMNS, limit=queries.MAX_FACET_ROWS,
+                   with_row_address=True)
 
 
 def bare_search(catalog: queries.Catalog, text: str) -> None:
-    catalog.corpus().to_table(columns=queries.FACET_COLUMNS + ["caption", "_score"],
-                              full_text_query=text, limit=queries.MAX_SEARCH_HITS)
+    catalog.corpus().to_table(columns=queries.FACET_COLUMNS + ["id", "caption", "_score"],
+                              full_text_query=text, limit=queries.MAX_SEARCH_HITS,
+                              with_row_address=True)
 
 
 def bare_sample(catalog: queries.Catalog, sample_id: str) -> None:

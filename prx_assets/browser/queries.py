@@ -54,7 +54,9 @@ NAME = re.compile(r"^[a-z0-9_]+$")
 SHAPE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
 DUP_VALUES = ("duplicate", "kept", "unique")
 GRID_COLUMNS = ["id", "source", "label", "tier", "width", "height", "caption"]
-FACET_COLUMNS = ["id", "source", "label", "tier", "width", "height"]
+# Read with each row's address: the duplicate and skip facets are counted from it, so the
+# facet scan reads no strings but the two low-cardinality ones.
+FACET_COLUMNS = ["source", "label", "tier", "width", "height"]
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class Catalog:
         self._lock = threading.Lock()
         self._open: dict[str, tuple[float, lance.LanceDataset | None]] = {}
         self._cache: dict[tuple, Any] = {}
+        self._fresh: dict[str, tuple[float, Any]] = {}
 
     def _dataset(self, uri: str) -> lance.LanceDataset | None:
         now = time.monotonic()
@@ -171,9 +174,22 @@ class Catalog:
                 return self._cache[key]
         value = compute()
         with self._lock:
-            if len(self._cache) > 64:
-                self._cache.clear()
+            while len(self._cache) >= 64:  # the oldest keys are the stale versions
+                self._cache.pop(next(iter(self._cache)))
             self._cache[key] = value
+        return value
+
+    def fresh(self, name: str, compute: Callable[[], Any]) -> Any:
+        """`compute()`, reused for TABLE_TTL_S seconds (for things without a version, such
+        as the list of sidecar files)."""
+        now = time.monotonic()
+        with self._lock:
+            held = self._fresh.get(name)
+        if held and now - held[0] < TABLE_TTL_S:
+            return held[1]
+        value = compute()
+        with self._lock:
+            self._fresh[name] = (now, value)
         return value
 
 
@@ -274,7 +290,7 @@ def _sidecar_stamps(catalog: Catalog) -> tuple:
                 stamps += [(str(p), p.stat().st_mtime_ns) for p in sidecar_files(tree)]
         return tuple(stamps)
 
-    return catalog.cached(("stamps", int(time.monotonic() / TABLE_TTL_S)), listing)
+    return catalog.fresh("sidecar stamps", listing)
 
 
 def skipped_sets(catalog: Catalog) -> dict[str, IdSet]:
@@ -384,21 +400,22 @@ def grid(catalog: Catalog, query: Query, with_facets: bool = True) -> Grid:
     where = corpus_filter(query, sets)
     start = query.page * PAGE_SIZE
     if query.text or query.similar:
-        hits = _ranked(table, query, where, FACET_COLUMNS + ["caption"])
+        hits = _ranked(table, query, where, FACET_COLUMNS + ["id", "caption"])
         total = hits.num_rows
         page_rows = hits.slice(start, PAGE_SIZE)
         score = "_score" if query.text else "_distance"
         tiles = _tiles(page_rows, score)
         capped = bool(query.text) and total >= MAX_SEARCH_HITS
-        facet_rows = hits.select(FACET_COLUMNS) if with_facets else None
+        facet_rows = hits.select(FACET_COLUMNS + ["_rowaddr"]) if with_facets else None
     else:
         total = table.count_rows(filter=where) if where else table.count_rows()
         tiles = _tiles(table.to_table(columns=GRID_COLUMNS, filter=where, offset=start,
                                       limit=PAGE_SIZE))
         capped = False
-        facet_rows = table.to_table(columns=FACET_COLUMNS, filter=where,
-                                    limit=MAX_FACET_ROWS) if with_facets else None
-    facets = facet_counts(facet_rows, sets) if facet_rows is not None else {}
+        facet_rows = table.to_table(columns=FACET_COLUMNS, filter=where, limit=MAX_FACET_ROWS,
+                                    with_row_address=True) if with_facets else None
+    facets = (facet_counts(facet_rows, sets, membership(catalog, table, sets))
+              if facet_rows is not None else {})
     partial = facet_rows is not None and facet_rows.num_rows < total
     return Grid(tiles, total, query.page, max(1, -(-total // PAGE_SIZE)), capped, facets,
                 partial)
@@ -412,7 +429,8 @@ def _ranked(table: lance.LanceDataset, query: Query, where: str | None,
             raise NotFound("the corpus has no full-text index on caption: rematerialise "
                            "`corpus`")
         return table.to_table(columns=columns + ["_score"], full_text_query=query.text,
-                              filter=where, prefilter=where is not None, limit=MAX_SEARCH_HITS)
+                              filter=where, prefilter=where is not None, limit=MAX_SEARCH_HITS,
+                              with_row_address=True)
     vector = table.to_table(columns=["embedding"], filter=f"id = {sql_str(query.similar)}",
                             limit=1)
     if vector.num_rows == 0:
@@ -422,38 +440,96 @@ def _ranked(table: lance.LanceDataset, query: Query, where: str | None,
         columns=columns + ["_distance"], filter=where, prefilter=where is not None,
         nearest={"column": "embedding", "k": SIMILAR_K + 1, "metric": "cosine",
                  "q": np.asarray(vector.column("embedding")[0].as_py(), np.float32),
-                 "nprobes": NPROBES, "refine_factor": REFINE_FACTOR})
+                 "nprobes": NPROBES, "refine_factor": REFINE_FACTOR},
+        with_row_address=True)
     return hits.filter(pc.not_equal(hits.column("id"), query.similar))
 
 
-def facet_counts(rows: pa.Table, sets: dict[str, dict[str, IdSet]] | None
-                 ) -> dict[str, list[tuple[str, int]]]:
-    """Counts per value of each facet among `rows` (the current matches)."""
+class Membership:
+    """Which rows of one corpus version belong to each facet id set, by row address
+    (fragment id << 32 | offset): a boolean mask per fragment, built with one scan of the
+    id column per corpus version and facet set, so counting a facet over the current
+    matches reads no ids."""
+
+    def __init__(self, masks: dict[tuple[str, str], dict[int, np.ndarray]]):
+        self.masks = masks
+
+    @classmethod
+    def build(cls, table: lance.LanceDataset, sets: dict[str, dict[str, IdSet]],
+              batch_rows: int = 1 << 18) -> "Membership":
+        wanted = {(facet, value): ids for facet, values in sets.items()
+                  for value, ids in values.items() if len(ids)}
+        found: dict[tuple[str, str], list[np.ndarray]] = {key: [] for key in wanted}
+        scanner = table.scanner(columns=["id"], with_row_address=True, batch_size=batch_rows)
+        for batch in scanner.to_batches():
+            addresses = batch.column("_rowaddr").to_numpy()
+            for key, ids in wanted.items():
+                hit = pc.fill_null(pc.is_in(batch.column("id"), value_set=ids.array), False)
+                found[key].append(addresses[hit.to_numpy(zero_copy_only=False)])
+        masks = {}
+        for key, parts in found.items():
+            addresses = np.concatenate(parts) if parts else np.empty(0, np.uint64)
+            fragments, offsets = addresses >> np.uint64(32), addresses & np.uint64(0xFFFFFFFF)
+            per_fragment = {}
+            for fragment in np.unique(fragments):
+                mine = offsets[fragments == fragment].astype(np.int64)
+                mask = np.zeros(int(mine.max()) + 1, bool)
+                mask[mine] = True
+                per_fragment[int(fragment)] = mask
+            masks[key] = per_fragment
+        return cls(masks)
+
+    def count(self, key: tuple[str, str], addresses: np.ndarray) -> int:
+        per_fragment = self.masks.get(key)
+        if not per_fragment or addresses.size == 0:
+            return 0
+        fragments = addresses >> np.uint64(32)
+        offsets = (addresses & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        total = 0
+        for fragment, mask in per_fragment.items():
+            mine = offsets[fragments == fragment]
+            total += int(mask[mine[mine < mask.size]].sum())
+        return total
+
+
+def membership(catalog: Catalog, table: lance.LanceDataset,
+               sets: dict[str, dict[str, IdSet]] | None) -> Membership | None:
+    if sets is None:
+        return None
+    key = ("membership", table.uri, table.version,
+           tuple((facet, value, len(ids), hash(ids.ids)) for facet, values in sets.items()
+                 for value, ids in values.items()))
+    return catalog.cached(key, lambda: Membership.build(table, sets))
+
+
+def facet_counts(rows: pa.Table, sets: dict[str, dict[str, IdSet]] | None,
+                 members: Membership | None = None) -> dict[str, list[tuple[str, int]]]:
+    """Counts per value of each facet among `rows` (the current matches, with `_rowaddr`
+    when `members` counts the duplicate and skip facets)."""
     def counts(values: pa.Array) -> list[tuple[str, int]]:
         pairs = [(str(v["values"]), int(v["counts"]))
                  for v in pc.value_counts(values).to_pylist() if v["values"] is not None]
         return sorted(pairs, key=lambda p: (-p[1], p[0]))
 
-    by_shape = rows.select(["width", "height"]).group_by(["width", "height"]).aggregate(
-        [([], "count_all")]).to_pylist()
-    shapes = sorted(((f"{r['width']}x{r['height']}", int(r["count_all"])) for r in by_shape
-                     if r["width"] is not None and r["height"] is not None),
+    widths = rows.column("width").to_numpy(zero_copy_only=False)
+    heights = rows.column("height").to_numpy(zero_copy_only=False)
+    known = ~(np.isnan(widths) | np.isnan(heights)) if widths.dtype.kind == "f" else \
+        np.ones(widths.size, bool)
+    shape_codes, shape_counts = np.unique(
+        widths[known].astype(np.int64) * 65536 + heights[known].astype(np.int64),
+        return_counts=True)
+    shapes = sorted(((f"{code // 65536}x{code % 65536}", int(n))
+                     for code, n in zip(shape_codes.tolist(), shape_counts.tolist())),
                     key=lambda p: (-p[1], p[0]))
     facets = {"source": counts(rows.column("source")), "label": counts(rows.column("label")),
               "tier": sorted(counts(rows.column("tier")), key=lambda p: int(p[0])),
               "shape": shapes}
-    if sets is not None:
-        ids = rows.column("id")
-
-        def member_count(members: IdSet) -> int:
-            if not len(members):
-                return 0
-            return int(pc.sum(pc.is_in(ids, value_set=members.array)).as_py() or 0)
-
-        dup_counts = {v: member_count(sets["dup"][v]) for v in ("duplicate", "kept")}
+    if sets is not None and members is not None:
+        addresses = rows.column("_rowaddr").to_numpy()
+        dup_counts = {v: members.count(("dup", v), addresses) for v in ("duplicate", "kept")}
         dup_counts["unique"] = rows.num_rows - sum(dup_counts.values())
         facets["dup"] = [(v, n) for v, n in dup_counts.items() if n]
-        skip = [(reason, member_count(members)) for reason, members in sets["skip"].items()]
+        skip = [(reason, members.count(("skip", reason), addresses)) for reason in sets["skip"]]
         facets["skip"] = [(r, n) for r, n in skip if n]
     return facets
 

@@ -99,3 +99,24 @@ def test_view_urls_only_when_the_browser_is_configured(monkeypatch):
     assert links.view_url("skip_lists", "a_b") == "http://127.0.0.1:8080/?source=a_b&skip=any"
     assert links.view_url("duplicates") == "http://127.0.0.1:8080/duplicates"
     assert links.view_url("unknown_asset") is None
+
+
+def test_membership_counts_match_the_ids_over_several_fragments(tmp_path):
+    import lance
+    import pyarrow as pa
+
+    ids = [f"s:{i:04d}" for i in range(1000)]
+    table = lance.write_dataset(pa.table({"id": ids, "n": list(range(1000))}),
+                                str(tmp_path / "t.lance"), max_rows_per_file=300)
+    table.delete("n % 7 = 0")  # holes: row addresses are not positions
+    assert len(table.get_fragments()) == 4
+    rng = np.random.default_rng(0)
+    chosen = {name: set(rng.choice(ids, 150, replace=False).tolist()) for name in ("a", "b")}
+    sets = {"dup": {name: queries.IdSet.of(v) for name, v in chosen.items()}, "skip": {}}
+    members = queries.Membership.build(table, sets, batch_rows=128)
+    rows = table.to_table(columns=["id"], filter="n % 3 = 0", with_row_address=True)
+    addresses = rows.column("_rowaddr").to_numpy()
+    for name, wanted in chosen.items():
+        expected = sum(1 for i in rows.column("id").to_pylist() if i in wanted)
+        assert members.count(("dup", name), addresses) == expected
+    assert members.count(("skip", "none"), addresses) == 0
