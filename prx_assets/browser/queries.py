@@ -479,17 +479,32 @@ class Membership:
             masks[key] = per_fragment
         return cls(masks)
 
-    def count(self, key: tuple[str, str], addresses: np.ndarray) -> int:
+    def count(self, key: tuple[str, str], addresses: "RowAddresses") -> int:
         per_fragment = self.masks.get(key)
         if not per_fragment or addresses.size == 0:
             return 0
-        fragments = addresses >> np.uint64(32)
-        offsets = (addresses & np.uint64(0xFFFFFFFF)).astype(np.int64)
         total = 0
         for fragment, mask in per_fragment.items():
-            mine = offsets[fragments == fragment]
+            mine = addresses.offsets_in(fragment)
             total += int(mask[mine[mine < mask.size]].sum())
         return total
+
+
+class RowAddresses:
+    """Row addresses split once into fragment ids and offsets, for several counts."""
+
+    def __init__(self, addresses: np.ndarray):
+        addresses = np.asarray(addresses, np.uint64)
+        self.size = addresses.size
+        self.fragments = addresses >> np.uint64(32)
+        self.offsets = (addresses & np.uint64(0xFFFFFFFF)).astype(np.int64)
+        self.single = int(self.fragments[0]) if self.size and \
+            (self.fragments == self.fragments[0]).all() else None
+
+    def offsets_in(self, fragment: int) -> np.ndarray:
+        if self.single is not None:
+            return self.offsets if fragment == self.single else self.offsets[:0]
+        return self.offsets[self.fragments == fragment]
 
 
 def membership(catalog: Catalog, table: lance.LanceDataset,
@@ -506,26 +521,27 @@ def facet_counts(rows: pa.Table, sets: dict[str, dict[str, IdSet]] | None,
                  members: Membership | None = None) -> dict[str, list[tuple[str, int]]]:
     """Counts per value of each facet among `rows` (the current matches, with `_rowaddr`
     when `members` counts the duplicate and skip facets)."""
-    def counts(values: pa.Array) -> list[tuple[str, int]]:
-        pairs = [(str(v["values"]), int(v["counts"]))
-                 for v in pc.value_counts(values).to_pylist() if v["values"] is not None]
-        return sorted(pairs, key=lambda p: (-p[1], p[0]))
+    # One grouping over every facet column at once (a few thousand groups at most), then
+    # each facet's counts summed from the groups: one pass over the matches, not four.
+    groups = rows.select(["source", "label", "tier", "width", "height"]).group_by(
+        ["source", "label", "tier", "width", "height"]).aggregate([([], "count_all")])
+    sums: dict[str, dict[str, int]] = {"source": {}, "label": {}, "tier": {}, "shape": {}}
+    columns = {name: groups.column(name).to_pylist()
+               for name in ("source", "label", "tier", "width", "height", "count_all")}
+    for source, label, tier, width, height, n in zip(*columns.values()):
+        for facet, value in (("source", source), ("label", label), ("tier", tier),
+                             ("shape", f"{width}x{height}" if width and height else None)):
+            if value is not None:
+                sums[facet][str(value)] = sums[facet].get(str(value), 0) + n
 
-    widths = rows.column("width").to_numpy(zero_copy_only=False)
-    heights = rows.column("height").to_numpy(zero_copy_only=False)
-    known = ~(np.isnan(widths) | np.isnan(heights)) if widths.dtype.kind == "f" else \
-        np.ones(widths.size, bool)
-    shape_codes, shape_counts = np.unique(
-        widths[known].astype(np.int64) * 65536 + heights[known].astype(np.int64),
-        return_counts=True)
-    shapes = sorted(((f"{code // 65536}x{code % 65536}", int(n))
-                     for code, n in zip(shape_codes.tolist(), shape_counts.tolist())),
-                    key=lambda p: (-p[1], p[0]))
-    facets = {"source": counts(rows.column("source")), "label": counts(rows.column("label")),
-              "tier": sorted(counts(rows.column("tier")), key=lambda p: int(p[0])),
-              "shape": shapes}
+    def ordered(facet: str) -> list[tuple[str, int]]:
+        return sorted(sums[facet].items(), key=lambda p: (-p[1], p[0]))
+
+    facets = {"source": ordered("source"), "label": ordered("label"),
+              "tier": sorted(sums["tier"].items(), key=lambda p: int(p[0])),
+              "shape": ordered("shape")}
     if sets is not None and members is not None:
-        addresses = rows.column("_rowaddr").to_numpy()
+        addresses = RowAddresses(rows.column("_rowaddr").to_numpy())
         dup_counts = {v: members.count(("dup", v), addresses) for v in ("duplicate", "kept")}
         dup_counts["unique"] = rows.num_rows - sum(dup_counts.values())
         facets["dup"] = [(v, n) for v, n in dup_counts.items() if n]

@@ -115,7 +115,7 @@ def test_membership_counts_match_the_ids_over_several_fragments(tmp_path):
     sets = {"dup": {name: queries.IdSet.of(v) for name, v in chosen.items()}, "skip": {}}
     members = queries.Membership.build(table, sets, batch_rows=128)
     rows = table.to_table(columns=["id"], filter="n % 3 = 0", with_row_address=True)
-    addresses = rows.column("_rowaddr").to_numpy()
+    addresses = queries.RowAddresses(rows.column("_rowaddr").to_numpy())
     for name, wanted in chosen.items():
         expected = sum(1 for i in rows.column("id").to_pylist() if i in wanted)
         assert members.count(("dup", name), addresses) == expected
