@@ -14,6 +14,10 @@ Views (each a few bounded Lance queries, see `queries`):
 
 Path parameters are sample ids, validated and looked up in tables; nothing from a request
 is joined into a file path. Templates autoescape everything.
+
+Views are plain functions, which Starlette runs in its thread pool: Lance queries block (and
+release the GIL), so the thumbnails of one page are read in parallel rather than one after
+another on the event loop.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from urllib.parse import urlencode
 
 import jinja2
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
@@ -55,7 +60,7 @@ def create_app(storage: Storage | str | Path, tokens: Tokens | None = None) -> S
     def not_found(request: Request, message: str) -> HTMLResponse:
         return render(request, "error.html", status=404, title="Not found", message=message)
 
-    async def home(request: Request) -> Response:
+    def home(request: Request) -> Response:
         try:
             query = queries.Query.parse(dict(request.query_params))
         except queries.BadQuery as err:
@@ -72,7 +77,7 @@ def create_app(storage: Storage | str | Path, tokens: Tokens | None = None) -> S
                       page_size=queries.PAGE_SIZE, max_hits=queries.MAX_SEARCH_HITS,
                       max_facet_rows=queries.MAX_FACET_ROWS)
 
-    async def sample(request: Request) -> Response:
+    def sample(request: Request) -> Response:
         sample_id = request.path_params["sample_id"]
         try:
             found = queries.sample(catalog, sample_id)
@@ -85,7 +90,8 @@ def create_app(storage: Storage | str | Path, tokens: Tokens | None = None) -> S
     async def opt_out(request: Request) -> Response:
         sample_id = request.path_params["sample_id"]
         try:
-            row = queries.corpus_row(catalog, sample_id, ["id", "source", "caption"])
+            row = await run_in_threadpool(queries.corpus_row, catalog, sample_id,
+                                          ["id", "source", "caption"])
         except queries.NotFound as err:
             return not_found(request, str(err))
         if request.method == "GET":
@@ -98,10 +104,11 @@ def create_app(storage: Storage | str | Path, tokens: Tokens | None = None) -> S
         if form.get("confirm") != "yes":
             return render(request, "error.html", status=400, title="Not confirmed",
                           message="tick the confirmation box to opt this image out")
-        write_request(catalog.storage, row["id"], str(form.get("reference", "")))
+        await run_in_threadpool(write_request, catalog.storage, row["id"],
+                                str(form.get("reference", "")))
         return RedirectResponse(f"/sample/{row['id']}?opted=1", status_code=303)
 
-    async def duplicates(request: Request) -> Response:
+    def duplicates(request: Request) -> Response:
         page_text = request.query_params.get("page", "0")
         if not page_text.isdigit() or int(page_text) > 100_000:
             return render(request, "error.html", status=400, title="Bad request",
@@ -114,7 +121,7 @@ def create_app(storage: Storage | str | Path, tokens: Tokens | None = None) -> S
         return render(request, "duplicates.html", near=near[:100], near_total=len(near),
                       groups=groups, groups_total=total, page=int(page_text))
 
-    async def random_sample(request: Request) -> Response:
+    def random_sample(request: Request) -> Response:
         try:
             sample_id = queries.random_id(catalog)
         except queries.NotFound as err:
@@ -129,14 +136,14 @@ def create_app(storage: Storage | str | Path, tokens: Tokens | None = None) -> S
             return Response(status_code=304, headers=headers)
         return Response(data, media_type="image/jpeg", headers=headers)
 
-    async def thumb(request: Request) -> Response:
+    def thumb(request: Request) -> Response:
         try:
             data, version = queries.thumbnail(catalog, request.path_params["sample_id"])
         except queries.NotFound:
             raise HTTPException(404)
         return _jpeg(request, data, version, THUMB_CACHE)
 
-    async def image(request: Request) -> Response:
+    def image(request: Request) -> Response:
         try:
             data, version = queries.full_image(catalog, request.path_params["sample_id"])
         except queries.NotFound:
