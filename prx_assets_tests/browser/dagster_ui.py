@@ -75,7 +75,7 @@ class DagsterDev:
             return
         os.killpg(self.process.pid, signal.SIGINT)
         try:
-            self.process.wait(15)
+            self.process.wait(5)
         except subprocess.TimeoutExpired:
             pass
         try:
