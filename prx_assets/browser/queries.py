@@ -123,7 +123,7 @@ class Catalog:
         dataset = held[1] if held else None
         try:
             if dataset is None or dataset.latest_version != dataset.version:
-                dataset = lance.dataset(uri)
+                dataset = lance.dataset(uri, storage_options=self.storage.lance_options())
         except (ValueError, FileNotFoundError, OSError):
             dataset = None  # not written yet
         with self._lock:
