@@ -483,10 +483,41 @@ def streamed_counts(leaves: list[str]) -> list[int]:
 
     Runs in a spawned process: every StreamingDataset registers shared-memory objects that
     later datasets in the same process keep open (thousands of descriptors after a few dozen
-    leaves), so a long-lived process such as a Dagster run must not create them itself."""
+    leaves), so a long-lived process such as a Dagster run must not create them itself.
+
+    A Pool is not used: leaving it terminates its worker with SIGTERM, which the worker may
+    ignore once streaming is imported, and `terminate()` then waits for it forever. The child
+    sends its answer down a pipe and exits on its own; one that lingers after answering is
+    killed."""
     context = multiprocessing.get_context("spawn")
-    with context.Pool(1) as pool:
-        return pool.apply(_streamed_counts, (leaves,))
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_send_streamed_counts, args=(leaves, send), daemon=True)
+    child.start()
+    send.close()
+    try:
+        answer = receive.recv()
+    except EOFError:
+        child.join()
+        raise RuntimeError("the StreamingDataset check process died before answering "
+                           f"(exit code {child.exitcode})") from None
+    finally:
+        receive.close()
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer
+
+
+def _send_streamed_counts(leaves: list[str], send) -> None:
+    try:
+        answer: object = _streamed_counts(leaves)
+    except BaseException as exc:  # sent back and raised in the caller, with its message
+        answer = exc
+    send.send(answer)
+    send.close()
 
 
 def _streamed_counts(leaves: list[str]) -> list[int]:

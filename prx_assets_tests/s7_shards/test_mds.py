@@ -184,3 +184,12 @@ def test_small_parts_share_a_task_and_keep_their_order():
     groups = mds.task_groups(specs, rows_per_task=8)
     assert [[spec.out.name for spec in group] for group in groups] == [
         ["leaf0", "leaf1"], ["leaf2"], ["leaf3", "leaf4"]]
+
+
+def test_streamed_counts_answer_from_a_child_that_exits_and_errors_come_back(ray_session, data_root):
+    build_corpus(data_root, "web", per_shape=3)
+    report = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", SMALL)
+    leaves = [str(leaf) for leaf in mds.tree_leaves(report.path)]
+    assert mds.streamed_counts(leaves) == [mds.leaf_samples(leaf) for leaf in leaves]
+    with pytest.raises(Exception, match="no-such-leaf"):
+        mds.streamed_counts([str(data_root / "no-such-leaf")])
