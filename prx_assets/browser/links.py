@@ -9,11 +9,15 @@ from __future__ import annotations
 import os
 from urllib.parse import urlencode
 
+from prx_assets.storage.tables import (
+    BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, CORPUS, DUPLICATES, MDS_SHARDS, OPT_OUTS, PHASHES,
+    RAW_IMAGES, SKIP_LISTS)
+
 BROWSER_URL_ENV = "PRX_BROWSER_URL"
 # Which view matches which asset: per-source assets open the grid narrowed to the source.
-GLOBAL_VIEWS = {"corpus": "/", "duplicates": "/duplicates", "opt_outs": "/?skip=optout"}
-SOURCE_VIEWS = {"skip_lists": {"skip": "any"}, "caption_labels": {}, "captions": {},
-                "bucketed_images": {}, "raw_images": {}, "phashes": {}, "mds_shards": {}}
+GLOBAL_VIEWS = {CORPUS: "/", DUPLICATES: "/duplicates", OPT_OUTS: "/?skip=optout"}
+SOURCE_VIEWS = {SKIP_LISTS: {"skip": "any"}, CAPTION_LABELS: {}, CAPTIONS: {},
+                BUCKETED_IMAGES: {}, RAW_IMAGES: {}, PHASHES: {}, MDS_SHARDS: {}}
 
 
 def browser_base() -> str | None:

@@ -27,7 +27,9 @@ import pyarrow.compute as pc
 
 from prx_assets.s4_labels.labels import LABELS
 from prx_assets.storage.layout import Storage, as_storage
-from prx_assets.storage.tables import CORPUS, DUPLICATES, MDS_SAMPLES, PER_SOURCE
+from prx_assets.storage.tables import (
+    BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, CORPUS, DUPLICATES, MDS_SAMPLES, OPT_OUTS,
+    PER_SOURCE, RAW_IMAGES)
 from prx_assets.s7_shards.mds import current_tree
 from prx_assets.s9_corpus.search import NPROBES, REFINE_FACTOR
 from prx_assets.s8_skip_lists.skip_lists import read_sidecar, sidecar_files, sidecar_path
@@ -598,28 +600,28 @@ def sample(catalog: Catalog, sample_id: str) -> Sample:
                                           "label", "phash"])
     source = row["source"]
     tables = {name: catalog.table(name, source) for name in
-              ("raw_images", "bucketed_images", "captions", "caption_labels", "mds_samples")}
-    tables.update(duplicates=catalog.table(DUPLICATES), opt_outs=catalog.table("opt_outs"))
-    image = _one(tables["bucketed_images"], sample_id,
+              (RAW_IMAGES, BUCKETED_IMAGES, CAPTIONS, CAPTION_LABELS, MDS_SAMPLES)}
+    tables.update({DUPLICATES: catalog.table(DUPLICATES), OPT_OUTS: catalog.table(OPT_OUTS)})
+    image = _one(tables[BUCKETED_IMAGES], sample_id,
                  ["status", "tier", "width", "height", "original_width", "original_height",
                   "error", "pixels", "flat"])
-    raw = _one(tables["raw_images"], sample_id,
+    raw = _one(tables[RAW_IMAGES], sample_id,
                ["source_key", "sha256", "format", "n_bytes", "width", "height", "url",
                 "status"])
     where = f"id = {sql_str(sample_id)}"
-    captions = sorted(_all(tables["captions"], where,
+    captions = sorted(_all(tables[CAPTIONS], where,
                            ["caption_version", "caption", "n_words", "model", "backend",
                             "status", "error", "created_at"]),
                       key=lambda c: str(c.get("created_at") or ""), reverse=True)
-    labels = _all(tables["caption_labels"], where,
+    labels = _all(tables[CAPTION_LABELS], where,
                   ["caption_version", "classifier_version", "label", "score_visual",
                    "score_text", "score_nsfw", "created_at"])
-    group = exact_group(tables["duplicates"], sample_id)
-    skips = skip_reasons(catalog, tables["mds_samples"], source, sample_id)
-    opt_outs = _all(tables["opt_outs"], where, ["request_id", "key_type", "value", "reference",
+    group = exact_group(tables[DUPLICATES], sample_id)
+    skips = skip_reasons(catalog, tables[MDS_SAMPLES], source, sample_id)
+    opt_outs = _all(tables[OPT_OUTS], where, ["request_id", "key_type", "value", "reference",
                                                 "requested_at", "via"])
-    versions = {("corpus" if name == "corpus" else name): (t.version if t is not None else None)
-                for name, t in [("corpus", corpus), *tables.items()]}
+    versions = {name: (t.version if t is not None else None)
+                for name, t in [(CORPUS, corpus), *tables.items()]}
     return Sample(sample_id, row, image, raw, captions, labels, group,
                   near_duplicates_of(catalog, sample_id), skips, versions, opt_outs)
 
@@ -793,7 +795,7 @@ def thumbnail(catalog: Catalog, sample_id: str) -> tuple[bytes, int]:
 def full_image(catalog: Catalog, sample_id: str) -> tuple[bytes, int]:
     """The bucketed JPEG of a corpus sample (its source is looked up, not parsed)."""
     source = corpus_row(catalog, sample_id, ["source"])["source"]
-    table = catalog.table("bucketed_images", source)
+    table = catalog.table(BUCKETED_IMAGES, source)
     row = _one(table, sample_id, ["image"])
     if row is None or not row["image"]:
         raise NotFound(f"no bucketed image for {sample_id!r}")
@@ -813,4 +815,4 @@ def overview(catalog: Catalog) -> dict:
     """Counts for the header: corpus rows and its version, sources present."""
     table = catalog.corpus()
     return {"rows": table.count_rows(), "version": table.version,
-            "sources": catalog.sources_of("bucketed_images")}
+            "sources": catalog.sources_of(BUCKETED_IMAGES)}
