@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 
 from prx_assets.s4_labels.labels import LABELS
 from prx_assets.storage.layout import Storage, as_storage
+from prx_assets.storage.filters import in_filter, sql_string
 from prx_assets.storage.tables import (
     BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, CORPUS, DUPLICATES, MDS_SAMPLES, OPT_OUTS,
     PER_SOURCE, RAW_IMAGES)
@@ -93,14 +94,6 @@ def valid_id(sample_id: str) -> str:
     if not isinstance(sample_id, str) or not SAMPLE_ID.match(sample_id):
         raise NotFound(f"no sample with id {sample_id!r}")
     return sample_id
-
-
-def sql_str(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
-def sql_in(values: list[str]) -> str:
-    return "(" + ", ".join(sql_str(v) for v in values) + ")" if values else "(NULL)"
 
 
 # ----------------------------------------------------------------------------- table catalog
@@ -314,7 +307,7 @@ def skipped_sets(catalog: Catalog) -> dict[str, IdSet]:
                         continue
                     rows = mapping.to_table(
                         columns=["id"], limit=min(len(indices), MAX_ID_SET),
-                        filter=f"leaf = {sql_str(leaf)} AND shard = {sql_str(shard)} AND "
+                        filter=f"leaf = {sql_string(leaf)} AND shard = {sql_string(shard)} AND "
                                f"sample_index IN ({', '.join(str(int(i)) for i in indices)})")
                     ids.setdefault(reason, set()).update(rows.column("id").to_pylist())
         return {reason: IdSet.of(v) for reason, v in sorted(ids.items())}
@@ -326,9 +319,9 @@ def corpus_filter(query: Query, sets: dict[str, dict[str, IdSet]] | None) -> str
     """The Lance filter of the query's facets over the corpus table."""
     parts = []
     if query.source:
-        parts.append(f"source = {sql_str(query.source)}")
+        parts.append(f"source = {sql_string(query.source)}")
     if query.label:
-        parts.append(f"label = {sql_str(query.label)}")
+        parts.append(f"label = {sql_string(query.label)}")
     if query.tier is not None:
         parts.append(f"tier = {int(query.tier)}")
     if query.shape:
@@ -339,16 +332,16 @@ def corpus_filter(query: Query, sets: dict[str, dict[str, IdSet]] | None) -> str
         if query.dup == "unique":
             members = sorted(dups["duplicate"].ids | dups["kept"].ids)
             if members:
-                parts.append(f"id NOT IN {sql_in(members)}")
+                parts.append(f"NOT ({in_filter('id', members)})")
         else:
-            parts.append(f"id IN {sql_in(dups[query.dup].array.to_pylist())}")
+            parts.append(in_filter("id", dups[query.dup].array.to_pylist()))
     if query.skip and sets is not None:
         if query.skip == "any":
             skipped = sorted(set().union(*(s.ids for s in sets["skip"].values())))
         else:
             chosen = sets["skip"].get(query.skip)
             skipped = chosen.array.to_pylist() if chosen is not None else []
-        parts.append(f"id IN {sql_in(skipped)}")
+        parts.append(in_filter("id", skipped))
     return " AND ".join(parts) or None
 
 
@@ -433,7 +426,7 @@ def _ranked(table: lance.LanceDataset, query: Query, where: str | None,
         return table.to_table(columns=columns + ["_score"], full_text_query=query.text,
                               filter=where, prefilter=where is not None, limit=MAX_SEARCH_HITS,
                               with_row_address=True)
-    vector = table.to_table(columns=["embedding"], filter=f"id = {sql_str(query.similar)}",
+    vector = table.to_table(columns=["embedding"], filter=f"id = {sql_string(query.similar)}",
                             limit=1)
     if vector.num_rows == 0:
         raise NotFound(f"no sample with id {query.similar!r} in the corpus")
@@ -574,7 +567,7 @@ def _one(table: lance.LanceDataset | None, sample_id: str, columns: list[str],
     if table is None:
         return None
     present = [c for c in columns if c in table.schema.names]
-    rows = table.to_table(columns=present, filter=f"{column} = {sql_str(sample_id)}", limit=1)
+    rows = table.to_table(columns=present, filter=f"{column} = {sql_string(sample_id)}", limit=1)
     return rows.to_pylist()[0] if rows.num_rows else None
 
 
@@ -608,7 +601,7 @@ def sample(catalog: Catalog, sample_id: str) -> Sample:
     raw = _one(tables[RAW_IMAGES], sample_id,
                ["source_key", "sha256", "format", "n_bytes", "width", "height", "url",
                 "status"])
-    where = f"id = {sql_str(sample_id)}"
+    where = f"id = {sql_string(sample_id)}"
     captions = sorted(_all(tables[CAPTIONS], where,
                            ["caption_version", "caption", "n_words", "model", "backend",
                             "status", "error", "created_at"]),
@@ -631,7 +624,7 @@ def exact_group(duplicates: lance.LanceDataset | None, sample_id: str) -> list[d
     me = _one(duplicates, sample_id, ["kept_id", "phash", "group_size"])
     if me is None:
         return []
-    members = _all(duplicates, f"kept_id = {sql_str(me['kept_id'])}",
+    members = _all(duplicates, f"kept_id = {sql_string(me['kept_id'])}",
                    ["id", "kept_id", "phash", "group_size"], limit=max(2, me["group_size"]))
     for member in members:
         member["kept"] = member["id"] == member["kept_id"]
@@ -642,7 +635,7 @@ def skip_reasons(catalog: Catalog, mapping: lance.LanceDataset | None, source: s
                  sample_id: str) -> list[dict]:
     """Where the sample sits in its source's current shards and what each sidecar skips."""
     tree = catalog.mds_tree(source)
-    places = _all(mapping, f"id = {sql_str(sample_id)}", ["leaf", "shard", "sample_index",
+    places = _all(mapping, f"id = {sql_string(sample_id)}", ["leaf", "shard", "sample_index",
                                                           "tree_version"], limit=16)
     out = []
     for place in places:
@@ -771,7 +764,7 @@ def exact_groups(catalog: Catalog, page: int = 0, per_page: int = 20) -> tuple[l
                           offset=page * per_page, limit=per_page)
     kept_ids = kept.column("kept_id").to_pylist()
     members = table.to_table(columns=["id", "kept_id", "phash"],
-                             filter=f"kept_id IN {sql_in(kept_ids)}",
+                             filter=in_filter("kept_id", kept_ids),
                              limit=max(1, per_page) * 1000).to_pylist()
     groups = []
     for kept_id, phash in zip(kept_ids, kept.column("phash").to_pylist()):
