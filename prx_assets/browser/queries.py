@@ -32,7 +32,7 @@ from prx_assets.storage.tables import (
     BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, CORPUS, DUPLICATES, MDS_SAMPLES, OPT_OUTS,
     PER_SOURCE, RAW_IMAGES)
 from prx_assets.s7_shards.mds import current_tree
-from prx_assets.s9_corpus.search import NPROBES, REFINE_FACTOR
+from prx_assets.s9_corpus.search import NPROBES, REFINE_FACTOR, Hit as Tile
 from prx_assets.s8_skip_lists.skip_lists import read_sidecar, sidecar_files, sidecar_path
 
 PAGE_SIZE = 48
@@ -346,18 +346,6 @@ def corpus_filter(query: Query, sets: dict[str, dict[str, IdSet]] | None) -> str
 
 
 # --------------------------------------------------------------------------------------- grid
-
-@dataclass
-class Tile:
-    id: str
-    source: str
-    label: str | None
-    tier: int | None
-    width: int | None
-    height: int | None
-    caption: str
-    score: float | None = None
-
 
 @dataclass
 class Grid:

@@ -47,7 +47,9 @@ class Hit:
     width: int | None
     height: int | None
     caption: str
-    score: float  # BM25 for text search, cosine similarity for `similar`
+    # BM25 for text search, cosine similarity for `similar`; None in a plain listing (the
+    # corpus browser's grid shows its tiles as hits too).
+    score: float | None = None
 
     @property
     def shape(self) -> str:
