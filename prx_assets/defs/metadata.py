@@ -143,3 +143,37 @@ def browser_link(context: dg.AssetExecutionContext | dg.OutputContext) -> dict:
     partition = context.partition_key if context.has_partition_key else None
     url = view_url(context.asset_key.path[-1], partition)
     return {"browser": dg.MetadataValue.url(url)} if url else {}
+
+
+# ------------------------------------------------------------------ incremental runs
+
+# Contract keys (design.md, "incremental metadata"): other tools read these exact names.
+ROWS_PROCESSED = "rows_processed"  # rows whose work ran in this run
+ROWS_REUSED = "rows_reused"  # rows carried over unchanged
+ROWS_REMOVED = "rows_removed"  # rows that left the partition
+
+
+def incremental_metadata(processed: int, reused: int, removed: int) -> dict[str, int]:
+    """The three counts every per-source stage reports, under the contract's names."""
+    return {ROWS_PROCESSED: int(processed), ROWS_REUSED: int(reused),
+            ROWS_REMOVED: int(removed)}
+
+
+def content_data_version(previous: Optional[str], changed: bool, lance_version: Optional[int],
+                         table_uuid: str = "") -> dg.DataVersion:
+    """The partition's Dagster data version: unchanged when this run changed no row (so
+    downstream partitions stay fresh in the UI), else a new one naming the table version
+    the change produced. `table_uuid` tells a recreated table's version 1 from the old one's.
+    """
+    if not changed and previous:
+        return dg.DataVersion(previous)
+    return dg.DataVersion(f"lance-{table_uuid}{'-' if table_uuid else ''}v{lance_version}")
+
+
+def latest_data_version(instance: dg.DagsterInstance, asset_key: dg.AssetKey | str,
+                        partition_key: Optional[str]) -> Optional[str]:
+    """The data version the latest materialisation of that partition recorded."""
+    materialization = latest_materialization(instance, asset_key, partition_key)
+    if materialization is None:
+        return None
+    return materialization.tags.get("dagster/data_version") if materialization.tags else None
