@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from prx_assets.s1_ingest import readers
-from prx_assets.s1_ingest.ingest import IngestOptions, expand_units, write_manifest
+from prx_assets.s1_ingest.ingest import IngestOptions, expand_units
 from prx_assets.s1_ingest.raw_rows import RAW_IMAGES_SCHEMA, raw_row
 from prx_assets.s1_ingest.sources import SourceSpec
 from prx_assets_tests.conftest import jpeg_bytes
@@ -51,11 +51,13 @@ def test_unlistable_folder_becomes_a_row_naming_it(small_folder: Path, tmp_path:
     assert units[1:] == ["a/one.jpg", "anim.png", "cut.jpg", "dangling.jpg", "empty.jpg",
                          "notes.jpg", "three.webp"]
     assert readers.is_folder_unit(units[0]) and not any(map(readers.is_folder_unit, units[1:]))
-    # Through the manifest (parquet) and a task's expansion, as a run takes it.
-    count = write_manifest(spec("image_folder"), small_folder, tmp_path / "manifest")
-    assert count == len(units)
-    manifest = pq.read_table(sorted((tmp_path / "manifest").glob("*.parquet"))[0])
-    tables = list(expand_units(manifest, spec("image_folder"), str(small_folder),
+    # Through a task's expansion, as a run takes it.
+    entries = list(readers.list_unit_entries(spec("image_folder"),
+                                             readers.resolve_location(spec("image_folder"),
+                                                                      small_folder)))
+    assert [unit for unit, _ in entries] == units and entries[0][1] == readers.UNLISTABLE
+    block = pa.table({"unit": [u for u, _ in entries], "unit_signature": [s for _, s in entries]})
+    tables = list(expand_units(block, spec("image_folder"), str(small_folder),
                                IngestOptions()))
     rows = {r["source_key"]: r for t in tables for r in t.to_pylist()}
     assert "a/b/two.png" not in rows and rows["a/one.jpg"]["status"] == "ok"
