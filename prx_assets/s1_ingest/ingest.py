@@ -44,6 +44,8 @@ from prx_assets.storage.lance_tables import tag_with_node
 
 # Units per in-memory block handed to Ray (a block is a few hundred KB of paths).
 UNIT_BLOCK = 10_000
+# The Ray node that read a row, carried beside the row up to its commit (ray_nodes metadata).
+NODE_COLUMN = "_ray_node"
 UNIT_FIELDS = pa.schema([pa.field("unit", pa.string()), pa.field("unit_signature", pa.string())])
 
 
@@ -148,8 +150,10 @@ def _put_block(units: list[tuple[str, str]]) -> "ray.ObjectRef":
 # ------------------------------------------------------------------ reading units (Ray tasks)
 
 def expand_units(units: pa.Table, spec: SourceSpec, location: "SourceLocation | str",
-                 options: IngestOptions) -> Iterator[pa.Table]:
-    """Ray map_batches UDF: a batch of units -> bounded tables of raw rows."""
+                 options: IngestOptions, node_column: bool = False) -> Iterator[pa.Table]:
+    """Ray map_batches UDF: a batch of units -> bounded tables of raw rows, marked with the
+    Ray node that read them (schema metadata, or with `node_column` a column that survives
+    the runner's re-batching; the committer drops it)."""
     if not isinstance(location, SourceLocation):
         location = SourceLocation.of(location)
     signatures = (units.column("unit_signature").to_pylist()
@@ -159,8 +163,17 @@ def expand_units(units: pa.Table, spec: SourceSpec, location: "SourceLocation | 
         for unit, signature in zip(units.column("unit").to_pylist(), signatures)
         for row in _unit_rows(spec, location, unit, signature, options)
     ):
-        yield tag_with_node(table)
+        yield _with_node_column(table) if node_column else tag_with_node(table)
         failpoint("ingest.expand_units")
+
+
+def _with_node_column(table: pa.Table) -> pa.Table:
+    node = ray.get_runtime_context().get_node_id()
+    return table.append_column(NODE_COLUMN, pa.array([node] * table.num_rows, pa.string()))
+
+
+def _without_node_column(chunk: pa.Table) -> pa.Table:
+    return chunk.drop_columns([NODE_COLUMN]) if NODE_COLUMN in chunk.column_names else chunk
 
 
 def _unit_rows(spec: SourceSpec, location: SourceLocation, unit: str,
@@ -198,13 +211,14 @@ def _items_of_unit(spec: SourceSpec, location: SourceLocation, unit: str,
 
 
 def read_units(units: ray.data.Dataset, spec: SourceSpec, location: SourceLocation,
-               options: IngestOptions) -> ray.data.Dataset:
+               options: IngestOptions, node_column: bool = False) -> ray.data.Dataset:
     """The lazy dataset of raw rows of `units` (the Ray stage of an ingest)."""
     # Tars, parquet files and fragments are big units: one per task keeps them parallel;
     # small blocks of units let the expensive expansion spread over every node.
     per_task = options.units_per_task if spec.kind == "image_folder" else 1
     return units.repartition(target_num_rows_per_block=per_task).map_batches(
-        functools.partial(expand_units, spec=spec, location=location, options=options),
+        functools.partial(expand_units, spec=spec, location=location, options=options,
+                          node_column=node_column),
         batch_format="pyarrow", batch_size=per_task,
     )
 
@@ -268,17 +282,15 @@ def ingest_source(spec: SourceSpec, uri: "str | Path | SourceLocation", target: 
     log(f"{spec.name}: {report.units_listed:,} unit(s) listed, {report.units_read:,} to read")
 
     def committed(chunk: pa.Table, run: ChunkedRun) -> None:
-        node = (chunk.schema.metadata or {}).get(b"prx.ray_node")
-        if node:
-            report.nodes.add(node.decode())
+        report.nodes.update(pc.unique(chunk.column(NODE_COLUMN)).to_pylist())
         failpoint("ingest.chunk_committed")
         if on_chunk:
             on_chunk(chunk, run)
 
     pending = plan.pending()
     report.commits = run_chunked(
-        pending, lambda units: read_units(units, spec, plan.location, options), target,
-        options.chunk_rows, on_chunk=committed)
+        pending, lambda units: read_units(units, spec, plan.location, options, node_column=True),
+        target, options.chunk_rows, to_commit=_without_node_column, on_chunk=committed)
     report.rows_removed = delete_stale_rows(target, plan.listed)
     table = target.open() if target.version() is not None else None
     if table is None:  # an empty source never written: an empty table all the same

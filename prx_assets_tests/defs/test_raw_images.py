@@ -120,6 +120,7 @@ def test_reruns_report_what_changed_and_keep_the_data_version_when_nothing_did(
     meta = materialization(first)
     assert counts(meta) == (4, 0, 0) and meta["dagster/row_count"] == 4 and meta["ok_rows"] == 4
     assert meta["path"] == str(data_root / "lance/raw_images/web.lance") and meta["fragments"] == 1
+    assert meta["ray_nodes"] == 1 and meta["units_read"] == 4
 
     same = run_partition(sources, "web", instance)
     assert same.success and counts(materialization(same)) == (0, 4, 0)
