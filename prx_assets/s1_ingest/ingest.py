@@ -28,8 +28,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 import ray.data
+from ray.data.aggregate import Count, Max
 
-from prx_assets.engine.chunked import ChunkedReport, ChunkedRun, CommitTarget, run_chunked
+from prx_assets.engine.chunked import (
+    BROADCAST_IDS, ChunkedReport, ChunkedRun, CommitTarget, hash_partitions, run_chunked)
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.s1_ingest import readers
 from prx_assets.s1_ingest.location import SourceLocation
@@ -46,6 +48,10 @@ from prx_assets.storage.lance_tables import tag_with_node
 UNIT_BLOCK = 10_000
 # The Ray node that read a row, carried beside the row up to its commit (ray_nodes metadata).
 NODE_COLUMN = "_ray_node"
+UNIT_KEYS = ("unit", "unit_signature")
+# Up to this many rows the comparison runs on the driver (as engine.chunked broadcasts up to
+# a million ids); past it, in Ray hash joins.
+DRIVER_COMPARE_ROWS = BROADCAST_IDS
 UNIT_FIELDS = pa.schema([pa.field("unit", pa.string()), pa.field("unit_signature", pa.string())])
 
 
@@ -109,25 +115,41 @@ def _lance_options(target: CommitTarget) -> Optional[dict]:
 
 @dataclass
 class IngestPlan:
-    """What the listing found: every unit's signature now, and the pending units in blocks
-    in Ray's object store."""
+    """What the listing found and what is left to read.
+
+    Two ways to compare, picked by the table's size: on the driver (the listing kept as a
+    dict, compared with `completed_units`), or past `DRIVER_COMPARE_ROWS` with Ray
+    hash joins (the listing stays in Ray's object store, nothing per unit on the driver)."""
 
     location: SourceLocation
-    listed: dict[str, str] = field(default_factory=dict)
-    blocks: list = field(default_factory=list)  # ObjectRefs of pa.Tables (UNIT_FIELDS)
+    units_listed: int = 0
     pending_units: int = 0
+    blocks: list = field(default_factory=list)  # ObjectRefs of pa.Tables (UNIT_FIELDS)
+    listed: Optional[dict[str, str]] = None  # driver comparison: unit -> signature now
+    pending_rows: Optional[ray.data.Dataset] = None  # Ray comparison: units left to read
 
     def pending(self) -> Optional[ray.data.Dataset]:
+        if self.listed is None:
+            return self.pending_rows if self.pending_units else None
         return ray.data.from_arrow_refs(self.blocks) if self.blocks else None
+
+    def stale_ids(self, target: CommitTarget) -> list[str]:
+        if self.listed is not None:
+            return stale_ids(target, self.listed)
+        return stale_ids_joined(target, ray.data.from_arrow_refs(self.blocks),
+                                self.units_listed)
 
 
 def plan_ingest(spec: SourceSpec, uri: "str | Path | SourceLocation", done: dict[str, str],
-                block_units: int = UNIT_BLOCK) -> IngestPlan:
-    """List the source and queue every unit whose listed signature is not done."""
-    plan = IngestPlan(readers.resolve_location(spec, uri))
+                block_units: int = UNIT_BLOCK, keep_listing: bool = True) -> IngestPlan:
+    """List the source and queue, in blocks, every unit whose listed signature is not
+    done (with `keep_listing=False`, every unit, and no dict of them on the driver)."""
+    plan = IngestPlan(readers.resolve_location(spec, uri), listed={} if keep_listing else None)
     block: list[tuple[str, str]] = []
     for unit, signature in list_source(spec, plan.location):
-        plan.listed[unit] = signature
+        plan.units_listed += 1
+        if plan.listed is not None:
+            plan.listed[unit] = signature
         if done.get(unit) == signature:
             continue
         block.append((unit, signature))
@@ -139,6 +161,34 @@ def plan_ingest(spec: SourceSpec, uri: "str | Path | SourceLocation", done: dict
         plan.blocks.append(_put_block(block))
         plan.pending_units += len(block)
     return plan
+
+
+def plan_ingest_joined(spec: SourceSpec, uri: "str | Path | SourceLocation",
+                       target: CommitTarget, block_units: int = UNIT_BLOCK) -> IngestPlan:
+    """The plan for a big table: the listing anti-joined with the completed units of the
+    table in Ray (hash-partitioned), materialised once (unit names only)."""
+    plan = plan_ingest(spec, uri, done={}, block_units=block_units, keep_listing=False)
+    if not plan.blocks:
+        return plan
+    listed = ray.data.from_arrow_refs(plan.blocks)
+    pending = listed.join(completed_pairs(target), join_type="left_anti", on=UNIT_KEYS,
+                          num_partitions=hash_partitions(plan.units_listed)).materialize()
+    plan.pending_rows, plan.pending_units = pending, pending.count()
+    return plan
+
+
+def completed_pairs(target: CommitTarget) -> ray.data.Dataset:
+    """(unit, unit_signature) of every complete unit of the table, computed in Ray."""
+    grouped = ray.data.read_lance(as_uri(target.uri), columns=list(UNIT_COLUMNS),
+                                  storage_options=_lance_options(target)) \
+        .groupby(list(UNIT_KEYS)).aggregate(Count(alias_name="rows"),
+                                            Max("unit_items", alias_name="expected"))
+    return grouped.map_batches(_complete_only, batch_format="pyarrow")
+
+
+def _complete_only(groups: pa.Table) -> pa.Table:
+    complete = groups.filter(pc.fill_null(pc.equal(groups["rows"], groups["expected"]), False))
+    return complete.select(list(UNIT_KEYS))
 
 
 def _put_block(units: list[tuple[str, str]]) -> "ray.ObjectRef":
@@ -277,8 +327,10 @@ def ingest_source(spec: SourceSpec, uri: "str | Path | SourceLocation", target: 
         log(f"{target.uri}: rebuilding in full once, {reason} (change detection needs them)")
         reset_table(target)
         report.rebuilt_because = reason
-    plan = plan_ingest(spec, uri, completed_units(target))
-    report.units_listed, report.units_read = len(plan.listed), plan.pending_units
+    rows_before = target.open().count_rows() if target.version() is not None else 0
+    plan = (plan_ingest(spec, uri, completed_units(target))
+            if rows_before <= DRIVER_COMPARE_ROWS else plan_ingest_joined(spec, uri, target))
+    report.units_listed, report.units_read = plan.units_listed, plan.pending_units
     log(f"{spec.name}: {report.units_listed:,} unit(s) listed, {report.units_read:,} to read")
 
     def committed(chunk: pa.Table, run: ChunkedRun) -> None:
@@ -291,7 +343,7 @@ def ingest_source(spec: SourceSpec, uri: "str | Path | SourceLocation", target: 
     report.commits = run_chunked(
         pending, lambda units: read_units(units, spec, plan.location, options, node_column=True),
         target, options.chunk_rows, to_commit=_without_node_column, on_chunk=committed)
-    report.rows_removed = delete_stale_rows(target, plan.listed)
+    report.rows_removed = delete_stale_rows(target, plan)
     table = target.open() if target.version() is not None else None
     if table is None:  # an empty source never written: an empty table all the same
         lance.write_dataset(RAW_IMAGES_SCHEMA.empty_table(), as_uri(target.uri),
@@ -318,9 +370,24 @@ def stale_ids(target: CommitTarget, listed: dict[str, str]) -> list[str]:
     return stale
 
 
-def delete_stale_rows(target: CommitTarget, listed: dict[str, str]) -> int:
+def stale_ids_joined(target: CommitTarget, listed: ray.data.Dataset, n_listed: int
+                     ) -> list[str]:
+    """`stale_ids` for a big table: the table's (unit, signature) anti-joined in Ray with
+    the listing; only the stale ids come back to the driver."""
+    if target.version() is None:
+        return []
+    rows = ray.data.read_lance(as_uri(target.uri), columns=["id", *UNIT_KEYS],
+                               storage_options=_lance_options(target))
+    stale = rows.join(listed, join_type="left_anti", on=UNIT_KEYS,
+                      num_partitions=hash_partitions(max(n_listed, target.open().count_rows())))
+    # A join's output may hold large_string: read the ids whatever their string type.
+    return [id_ for batch in stale.select_columns(["id"]).iter_batches(batch_format="pyarrow")
+            for id_ in batch.column("id").to_pylist()]
+
+
+def delete_stale_rows(target: CommitTarget, plan: IngestPlan) -> int:
     """Delete rows the source no longer holds, in one commit; returns how many."""
-    ids = stale_ids(target, listed)
+    ids = plan.stale_ids(target)
     if ids:
         target.open().delete(in_filter("id", ids))
     return len(ids)

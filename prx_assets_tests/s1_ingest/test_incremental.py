@@ -221,3 +221,43 @@ def test_a_table_of_the_old_schema_is_rebuilt_once(ray_session, tmp_path):
     assert report.rows == N and report.rows_processed == N
     assert ingest(spec, table).rebuilt_because is None
     assert_equals_full_rebuild(spec, table, tmp_path)
+
+
+def test_a_big_table_compares_in_ray_hash_joins_with_the_same_result(
+        ray_session, tmp_path, monkeypatch):
+    """Past DRIVER_COMPARE_ROWS the listing and the table meet in Ray joins: changed,
+    removed, added and cut-off units come out as on the driver."""
+    from prx_assets.s1_ingest import ingest as ingest_module
+
+    root = tmp_path / "source"
+    root.mkdir()
+    write_tar(root / "a.tar", {k: jpeg_bytes(400, 300, i) for i, k in enumerate("pqrs")})
+    write_tar(root / "b.tar", {"t": jpeg_bytes(400, 300, 9)})
+    write_tar(root / "c.tar", {"v": jpeg_bytes(400, 300, 10)})
+    spec = SourceSpec(name="tars", kind="webdataset", uri=str(root))
+    table = tmp_path / "raw.lance"
+    ingest(spec, table)
+    monkeypatch.setattr(ingest_module, "DRIVER_COMPARE_ROWS", 0)
+    write_tar(root / "a.tar", {"p": jpeg_bytes(400, 300, 0), "r": jpeg_bytes(500, 300, 77),
+                               "s": jpeg_bytes(400, 300, 3), "u": jpeg_bytes(400, 300, 8)})
+    stat = (root / "a.tar").stat()
+    os.utime(root / "a.tar", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    (root / "c.tar").unlink()
+    write_tar(root / "d.tar", {"w": jpeg_bytes(400, 300, 11)})
+
+    class Stop(Exception):
+        pass
+
+    def stop(chunk, run):
+        raise Stop
+
+    with pytest.raises(Stop):
+        ingest_source(spec, spec.uri, target(table), IngestOptions(chunk_rows=2), on_chunk=stop)
+    report = ingest(spec, table, chunk_rows=2)
+    assert report.rows_removed == 2 and report.rows == 6  # a.tar/q and c.tar/v
+    assert 0 < report.rows_processed <= 5 and report.units_listed == 3
+    unchanged = ingest(spec, table)
+    assert unchanged.rows_processed == 0 and not unchanged.changed
+    assert unchanged.rows_reused == 6 and unchanged.rows_removed == 0
+    monkeypatch.setattr(ingest_module, "DRIVER_COMPARE_ROWS", 1_000_000)
+    assert_equals_full_rebuild(spec, table, tmp_path)
