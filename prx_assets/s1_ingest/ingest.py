@@ -222,18 +222,34 @@ def _with_node_column(table: pa.Table) -> pa.Table:
     return table.append_column(NODE_COLUMN, pa.array([node] * table.num_rows, pa.string()))
 
 
-def _without_node_column(chunk: pa.Table) -> pa.Table:
-    return chunk.drop_columns([NODE_COLUMN]) if NODE_COLUMN in chunk.column_names else chunk
+def rows_to_commit(chunk: pa.Table) -> pa.Table:
+    """A chunk as it is merge-inserted: without the node column, and with one row per id
+    (the last), since a merge-insert refuses two source rows for one key (a key found in
+    two units of a source: the unit read later wins)."""
+    if NODE_COLUMN in chunk.column_names:
+        chunk = chunk.drop_columns([NODE_COLUMN])
+    ids = chunk.column("id")
+    if pc.count_distinct(ids).as_py() == chunk.num_rows:
+        return chunk
+    positions = pa.table({"id": ids, "position": pa.array(range(chunk.num_rows), pa.int64())})
+    last = positions.group_by("id").aggregate([("position", "max")])["position_max"]
+    return chunk.take(pc.take(last, pc.sort_indices(last)))  # in chunk order
 
 
 def _unit_rows(spec: SourceSpec, location: SourceLocation, unit: str,
                signature: Optional[str], options: IngestOptions) -> Iterator[dict]:
     """The unit's rows, each naming its unit and signature; the last one also says how
-    many rows the unit yielded (held back one row to know which is last)."""
+    many rows the unit yielded (held back one row to know which is last). A key repeated
+    within the unit (a tar whose members of one sample are not adjacent) keeps its first
+    item: one id is one row."""
     previous: Optional[dict] = None
     count = 0
+    seen: set[str] = set()
     for item in _items_of_unit(spec, location, unit, signature, options):
         row = raw_row(spec.name, item, options.max_pixels)
+        if row["id"] in seen:
+            continue
+        seen.add(row["id"])
         row.update(unit=unit, unit_signature=signature)
         if previous is not None:
             yield previous
@@ -342,7 +358,7 @@ def ingest_source(spec: SourceSpec, uri: "str | Path | SourceLocation", target: 
     pending = plan.pending()
     report.commits = run_chunked(
         pending, lambda units: read_units(units, spec, plan.location, options, node_column=True),
-        target, options.chunk_rows, to_commit=_without_node_column, on_chunk=committed)
+        target, options.chunk_rows, to_commit=rows_to_commit, on_chunk=committed)
     report.rows_removed = delete_stale_rows(target, plan)
     table = target.open() if target.version() is not None else None
     if table is None:  # an empty source never written: an empty table all the same
