@@ -32,7 +32,9 @@ ENV_MARKER = "PRX_FAILPOINT_FILE"
 # Every failpoint a stage calls, and where it holds the stage.
 POINTS = {
     "ingest.expand_units": "a Ray task expanding ingest units, after yielding a block of rows "
-                           "(manifest listed, nothing committed)",
+                           "(units listed, that block not committed)",
+    "ingest.chunk_committed": "the ingest driver, right after a chunk's merge-insert into "
+                              "raw_images committed (more units pending)",
     "images.bucket_batch": "a Ray task of the image stage, a batch resized but not yet handed "
                            "to the writer",
     "captions.chunk_committed": "the captions driver, right after a chunk's merge-insert "
