@@ -13,6 +13,7 @@ driver, and handed to the Ray tasks that write fragments.
 
 from __future__ import annotations
 
+import logging
 import pickle
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -26,14 +27,19 @@ from lance.fragment import write_fragments
 from ray.data.block import Block, BlockAccessor
 from ray.data.datasource.datasink import Datasink, WriteResult
 
+from prx_assets.engine.failpoints import failpoint
 from prx_assets.storage import object_store
 from prx_assets.storage.object_store import as_uri, is_object_store
+
+log = logging.getLogger(__name__)
 
 # Image-blob tables: ~512 MB fragments. A 1M-row fragment of images would be ~hundreds of GB.
 DEFAULT_BLOB_FRAGMENT_BYTES = 512 << 20
 # Metadata-only tables: ~1M rows per fragment (docs/architecture.md, fragment hygiene).
 DEFAULT_METADATA_FRAGMENT_ROWS = 1 << 20
 NODE_TAG = b"prx.ray_node"
+# How often an upsert redoes its merge after losing the commit to a concurrent writer.
+UPSERT_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,11 @@ class WriteReport:
 
 class OutputPathError(OSError):
     """An output location that cannot be written: a file sits where a folder must be."""
+
+
+class CommitConflictError(RuntimeError):
+    """An upsert lost its commit to concurrent writers every time it tried; nothing of it was
+    committed (the table holds the other writers' rows), so a rerun redoes exactly it."""
 
 
 def prepare_output_dir(path: "Path | str", what: str,
@@ -104,6 +115,39 @@ def table_exists(uri: str | Path, storage_options: Optional[Mapping[str, str]] =
             return False
         raise object_store.ObjectStoreError(f"cannot read Lance table {uri}: {exc}") from exc
     return True
+
+
+def open_table(uri: "str | Path", version: int | None = None,
+               storage_options: Optional[Mapping[str, str]] = None) -> lance.LanceDataset:
+    """`lance.dataset` on a local path or an object-store URI (even one that went through
+    `Path`), with the resolved storage options (standard variables, then overrides)."""
+    uri = as_uri(uri)
+    return lance.dataset(uri, version=version,
+                         storage_options=object_store.lance_options(uri, storage_options))
+
+
+def read_table(uri: "str | Path", version: int | None = None,
+               storage_options: Optional[Mapping[str, str]] = None,
+               **kwargs: Any) -> "ray.data.Dataset":
+    """`ray.data.read_lance` with the options resolved here, on the driver: Ray tasks read
+    with them whatever environment their worker process started with."""
+    uri = as_uri(uri)
+    return ray.data.read_lance(uri, version=version,
+                               storage_options=object_store.lance_options(uri, storage_options),
+                               **kwargs)
+
+
+def create_empty(uri: "str | Path", schema: pa.Schema,
+                 storage_options: Optional[Mapping[str, str]] = None) -> int:
+    """The table's version, creating it empty first if it was never written (so downstream
+    readers and checks always find one); a concurrent creator's table is kept, not replaced."""
+    if table_exists(uri, storage_options):
+        return open_table(uri, storage_options=storage_options).version
+    prepare_output_dir(uri, "Lance table", storage_options)
+    uri = as_uri(uri)
+    created = _create_if_absent(uri, schema.empty_table(), schema,
+                                object_store.lance_options(uri, storage_options))
+    return created if created is not None else open_table(uri, None, storage_options).version
 
 
 class LanceOverwriteSink(Datasink[dict]):
@@ -266,9 +310,11 @@ def upsert(uri: str | Path, rows: pa.Table, schema: pa.Schema, keys: list[str],
     """Commit `rows` atomically, replacing rows with the same keys (never doubling them);
     returns the new version. Used for chunked, resumable writes (captions, labels).
 
-    Two writers racing on one table both land: Lance commits a version with a put that fails
-    if that version exists (a conditional put on S3) and retries the merge on top of the
-    winner, so neither writer's rows are lost and keys stay unique."""
+    Two writers racing on one table: Lance commits a version with a put that fails if that
+    version exists (a conditional put on S3), so one commit wins; the other finds its merge
+    preempted, merges again on top of the winner's version and commits that (up to
+    `UPSERT_ATTEMPTS` times, then `CommitConflictError`). Neither writer's rows are lost and
+    keys stay unique."""
     uri = as_uri(uri)
     rows = rows.cast(schema)
     prepare_output_dir(uri, "Lance table", storage_options)
@@ -278,10 +324,23 @@ def upsert(uri: str | Path, rows: pa.Table, schema: pa.Schema, keys: list[str],
         if created is not None:
             return created
         # Another writer created the table first: merge into what it committed.
-    table = lance.dataset(uri, storage_options=options)
-    table.merge_insert(keys).when_matched_update_all().when_not_matched_insert_all() \
-        .execute(rows)
-    return lance.dataset(uri, storage_options=options).version
+    for attempt in range(1, UPSERT_ATTEMPTS + 1):
+        table = lance.dataset(uri, storage_options=options)
+        # The merge writes its files first and commits separately, so a lost commit is
+        # redone from the winner's version (a merge's own retries are not bounded by us).
+        transaction, _ = table.merge_insert(keys).when_matched_update_all() \
+            .when_not_matched_insert_all().execute_uncommitted(rows)
+        failpoint("storage.upsert_uncommitted")
+        try:
+            return lance.LanceDataset.commit(uri, transaction, storage_options=options).version
+        except lance.commit.CommitConflictError as exc:
+            log.warning("upsert into %s lost its commit on version %d to a concurrent writer "
+                        "(attempt %d of %d): merging again on top (%s)", uri, table.version,
+                        attempt, UPSERT_ATTEMPTS, str(exc).split(",")[0])
+    raise CommitConflictError(
+        f"upsert into {uri}: lost the commit to concurrent writers {UPSERT_ATTEMPTS} times; "
+        "none of these rows were committed, the other writers' rows are kept: rerun to "
+        "commit them")
 
 
 def _create_if_absent(uri: str, rows: pa.Table, schema: pa.Schema,
