@@ -219,3 +219,80 @@ def test_a_bad_data_root_fails_the_partition_at_once_naming_the_uri_and_cause(
     assert root in message and cause in message, message
     assert result.get_asset_materialization_events() == []
     assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.timeout(900)
+def test_captions_labels_dedup_and_opt_outs_pass_the_storage_options_to_ray_tasks(
+        ray_session, s3_server, s3_root, monkeypatch):
+    """Here the Ray workers started before the test set the AWS variables, and the
+    environment holds a wrong secret: these stages work only on the options the Storage
+    resolved and handed to every Lance call and Ray read (the right secret, an override)."""
+    import pyarrow as pa
+    import ray.data
+
+    from prx_assets.s3_captions.captioners import CaptionerSpec
+    from prx_assets.s3_captions.captions import active_caption_filter
+    from prx_assets.s3_captions.runs import caption_source, coverage, pending_requests
+    from prx_assets.s4_labels.runs import LabelerSpec, label_coverage, label_source
+    from prx_assets.s5_dedup.dedup import (
+        DUPLICATES_SCHEMA, duplicates_dataset, hash_inputs, summarise)
+    from prx_assets.s6_opt_outs.opt_outs import opt_out_dir, parse_directory, resolve
+    from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    options = {"aws_secret_access_key": s3_server.secret_key}
+    store = Storage(s3_root, options)
+    ids = [f"web:{i:02d}" for i in range(6)]
+    inputs = {
+        RAW_IMAGES: pa.table({"id": ids, "sha256": [f"{i:064x}" for i in range(6)],
+                              "source_key": [f"k{i}" for i in range(6)],
+                              "original_caption": [f"A red square, number {i}." for i in
+                                                   range(6)]}),
+        BUCKETED_IMAGES: pa.table({"id": ids, "status": ["ok"] * 6}),
+        PHASHES: pa.table({"id": ids, "phash": pa.array([7, 7, 1, 2, 3, 4], pa.int64()),
+                           "pixels": pa.array([10, 20, 1, 1, 1, 1], pa.int64()),
+                           "flat": [False] * 6}),
+    }
+    for name, table in inputs.items():
+        write_dataset_atomically(ray.data.from_arrow(table), store.table(name, "web"),
+                                 FragmentPolicy(), table.schema, options)
+
+    spec = CaptionerSpec()
+    captions_uri = store.table(CAPTIONS, "web")
+    requests = pending_requests(
+        ray.data.read_lance(store.table(BUCKETED_IMAGES, "web"),
+                            storage_options=store.lance_options()),
+        ray.data.read_lance(store.table(RAW_IMAGES, "web"), storage_options=store.lance_options()),
+        captions_uri, spec, options)
+    assert caption_source(requests, captions_uri, spec, chunk_rows=4,
+                          storage_options=options).written == 6
+    cover = coverage(store.table(BUCKETED_IMAGES, "web"), captions_uri, spec.version(),
+                     storage_options=options)
+    assert (cover.kept, cover.done) == (6, 6)
+    again = pending_requests(ray.data.read_lance(store.table(BUCKETED_IMAGES, "web"),
+                                                 storage_options=store.lance_options()),
+                             None, captions_uri, CaptionerSpec(), options)
+    assert again.count() == 0  # done ids read from the bucket
+
+    labels_uri, caption_filter = store.table(CAPTION_LABELS, "web"), active_caption_filter(
+        spec.version())
+    report = label_source(captions_uri, labels_uri, spec.version(), caption_filter,
+                          LabelerSpec(), chunk_rows=4, storage_options=options)
+    assert report.written == 6
+    assert label_coverage(captions_uri, labels_uri, caption_filter, spec.version(),
+                          report.classifier_version, options).labelled == 6
+
+    hashes, missing = hash_inputs(store, ["web"])
+    assert missing == []
+    duplicates_uri = store.table(DUPLICATES)
+    write_dataset_atomically(duplicates_dataset(hashes), duplicates_uri, FragmentPolicy(),
+                             DUPLICATES_SCHEMA, options)
+    summary = summarise(duplicates_uri, {"web": 6}, storage_options=options)
+    assert summary.groups == 1 and summary.removed_per_source == {"web": 1}
+
+    put_opt_out(s3_server, s3_root, "web:00")
+    parsed = parse_directory(opt_out_dir(store), storage_options=options)
+    assert [r.value for r in parsed.requests] == ["web:00"] and parsed.errors == []
+    audit = resolve(parsed.requests, ["web"], store).to_pylist()
+    assert sorted((r["id"], r["via"]) for r in audit) == [("web:00", "direct"),
+                                                         ("web:01", "duplicate")]
