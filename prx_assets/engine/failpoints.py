@@ -55,6 +55,9 @@ POINTS = {
                                   "replaced (others still old)",
     "storage.upsert_uncommitted": "an upsert (a chunk of a chunked run) after its merge "
                                   "wrote its data files, before the commit",
+    "storage.overwrite_uncommitted": "the driver of a whole-table write "
+                                     "(write_dataset_atomically), every fragment written, "
+                                     "before the commit",
 }
 
 _ARMED = frozenset(name for name in os.environ.get(ENV_POINTS, "").split(",") if name)

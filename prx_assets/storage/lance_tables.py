@@ -3,7 +3,9 @@
 Ray tasks write data files in parallel; nothing is visible until the driver commits one
 `Overwrite` with every fragment. A run killed before that commit leaves the previous
 version as the latest (its orphan files are removed by `cleanup_old_versions` later), and
-a rerun replaces the whole table, so it can never hold duplicate rows.
+a rerun replaces the whole table, so it can never hold duplicate rows. The commit names the
+version the write started from: a write that another writer's commit overtook fails with
+`CommitConflictError` instead of replacing that commit unseen.
 
 Every function takes a location as a local path or an object-store URI (`s3://...`) and
 optional `storage_options` (overrides of the standard AWS variables, see
@@ -67,8 +69,9 @@ class OutputPathError(OSError):
 
 
 class CommitConflictError(RuntimeError):
-    """An upsert lost its commit to concurrent writers every time it tried; nothing of it was
-    committed (the table holds the other writers' rows), so a rerun redoes exactly it."""
+    """A write lost its commit to concurrent writers (an upsert: every time it tried; a whole
+    table rewrite: once, since it would replace what the other wrote); nothing of it was
+    committed, the table holds the other writers' rows, and a rerun redoes exactly it."""
 
 
 def prepare_output_dir(path: "Path | str", what: str,
@@ -154,8 +157,13 @@ class LanceOverwriteSink(Datasink[dict]):
     """Writes fragments from Ray tasks, then commits them as one Overwrite on the driver."""
 
     def __init__(self, uri: str, policy: FragmentPolicy, schema: pa.Schema | None = None,
-                 storage_options: Optional[dict[str, str]] = None):
+                 storage_options: Optional[dict[str, str]] = None,
+                 read_version: int | None = None):
         self.uri = uri
+        # The version this write replaces (None: the table did not exist when it started).
+        # Its commit fails if another writer committed since, rather than replacing that
+        # writer's version unseen.
+        self.read_version = read_version
         self.policy = policy
         self.schema = schema
         # Resolved on the driver (object_store.lance_options): tasks must not depend on
@@ -197,11 +205,21 @@ class LanceOverwriteSink(Datasink[dict]):
                                  else _existing_schema(self.uri, self.storage_options))
         if schema is None:
             raise ValueError(f"{self.uri}: nothing was written and no schema is known")
-        read_version = _latest_version(self.uri, self.storage_options)
-        lance.LanceDataset.commit(
-            self.uri, lance.LanceOperation.Overwrite(schema, fragments), read_version=read_version,
-            storage_options=self.storage_options,
-        )
+        failpoint("storage.overwrite_uncommitted")
+        try:
+            lance.LanceDataset.commit(
+                self.uri, lance.LanceOperation.Overwrite(schema, fragments),
+                read_version=self.read_version, max_retries=0,
+                storage_options=self.storage_options)
+        except OSError as exc:
+            latest = _latest_version(self.uri, self.storage_options)
+            if latest == self.read_version:
+                raise  # not a lost race: a real failure
+            raise CommitConflictError(
+                f"cannot commit {self.uri}: another writer committed version {latest} while "
+                f"this write (based on version {self.read_version}) ran; this write's "
+                f"{len(fragments)} fragment(s) were not committed and the table keeps the "
+                "other writer's version: rerun to replace it") from exc
         self.nodes = sorted(set().union(*(r["nodes"] for r in returns)))
 
 
@@ -250,7 +268,8 @@ def write_dataset_atomically(dataset: "ray.data.Dataset", uri: "Path | str", pol
     uri = as_uri(uri)
     prepare_output_dir(uri, "Lance table", storage_options)
     options = object_store.lance_options(uri, storage_options)
-    sink = LanceOverwriteSink(uri, policy, schema, options)
+    sink = LanceOverwriteSink(uri, policy, schema, options,
+                              read_version=_latest_version(uri, options))
     dataset.write_datasink(sink)
     compacted_from = compact(uri, policy, storage_options)
     table = lance.dataset(uri, storage_options=options)

@@ -5,6 +5,8 @@
     upsert URI NAME          one upsert of NAME0..NAME2 plus the key `shared`
     chunked URI ROWS CHUNK   ids c000.. committed by `engine.chunked.run_chunked` in chunks
                              of CHUNK, resuming: only ids not yet in the table are written
+    overwrite URI NAME       the whole table replaced by NAME0..NAME4 through Ray
+                             (`write_dataset_atomically`)
 
 Each prints one line `RESULT{json}` when it finishes; warnings go to stderr.
 """
@@ -108,11 +110,28 @@ def wait_until(condition, writers: list[WriterProcess], what: str, guard_s: floa
         time.sleep(0.05)
 
 
+def overwrite_main(uri: str, name: str) -> dict:
+    import ray.data
+
+    from prx_assets.engine import ray_runtime
+    from prx_assets.storage.lance_tables import (
+        CommitConflictError, FragmentPolicy, write_dataset_atomically)
+
+    ray_runtime.connect(num_cpus=1)
+    data = ray.data.from_arrow(rows([f"{name}{i}" for i in range(5)], sum(name.encode())))
+    try:
+        return {"version": write_dataset_atomically(data, uri, FragmentPolicy(), SCHEMA).version}
+    except CommitConflictError as exc:
+        return {"conflict": str(exc)}
+
+
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     mode, uri, *rest = argv
     if mode == "upsert":
         result = upsert_main(uri, rest[0])
+    elif mode == "overwrite":
+        result = overwrite_main(uri, rest[0])
     elif mode == "chunked":
         result = chunked_main(uri, int(rest[0]), int(rest[1]))
     else:

@@ -57,6 +57,32 @@ def test_two_processes_committing_at_once_both_land_and_the_loser_retried(
     assert len(retried) == 1, [w.output()[-2000:] for w in writers]
 
 
+@pytest.mark.timeout(900)
+def test_two_whole_table_rewrites_at_once_one_commits_the_other_fails_clearly(
+        s3_server, s3_root, tmp_path: Path):
+    """Two runs replacing one table (`write_dataset_atomically`), both started from version
+    1 and held at the barrier with every fragment written: one commit wins, the other fails
+    with CommitConflictError naming the table; the table is exactly the winner's rows."""
+    uri = Storage(s3_root).table(CAPTIONS, "web")
+    upsert(uri, rows(["old"], 0), SCHEMA, ["id"])
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    point = "storage.overwrite_uncommitted"
+    env = {**s3_server.env(), **failpoints.barrier_env(point, barrier)}
+    writers = [WriterProcess(["overwrite", uri, name], env, tmp_path / f"{name}.log")
+               for name in ("a", "b")]
+    wait_until(lambda: len(failpoints.ready_at_barrier(barrier, point)) == 2, writers,
+               "both writers wrote their fragments")
+    failpoints.release_barrier(barrier, point)
+    results = [writer.result() for writer in writers]
+
+    [winner] = [n for n, r in zip("ab", results) if "version" in r]
+    [loser] = [r for r in results if "conflict" in r]
+    assert uri in loser["conflict"] and "another writer committed version 2" in loser["conflict"]
+    assert table_rows(uri) == {f"{winner}{i}": sum(winner.encode()) for i in range(5)}
+    assert open_table(uri).version == 2 and sorted(table_rows(uri, 1)) == ["old"]
+
+
 def test_an_upsert_that_loses_every_commit_fails_naming_the_table_and_keeps_the_winner(
         s3_server, s3_root, monkeypatch):
     """The loser's merge is preempted on each attempt (here: its one attempt): it raises a
