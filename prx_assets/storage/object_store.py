@@ -182,7 +182,7 @@ def filesystem(uri: "str | PurePath", overrides: Optional[Mapping[str, str]] = N
         access_key=options.get("aws_access_key_id"),
         secret_key=options.get("aws_secret_access_key"),
         session_token=options.get("aws_session_token"),
-        region=options.get("aws_region") or "us-east-1",
+        region=options.get("aws_region"),  # None: the SDK's own resolution (AWS)
         endpoint_override=endpoint, scheme="http" if http else "https",
         connect_timeout=PREFLIGHT_CONNECT_TIMEOUT_S, request_timeout=_seconds(options["timeout"]),
         retry_strategy=pafs.AwsStandardS3RetryStrategy(
