@@ -46,6 +46,15 @@ def write_webdataset(folder: Path, items: int = 12) -> Path:
     return folder
 
 
+def upload_source(server, folder: Path, uri: str) -> str:
+    """Put every file of a local source folder under `uri` in the bucket; returns `uri`."""
+    _, bucket, prefix = object_store.split_uri(uri)
+    client = server.client()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder).as_posix()}")
+    return uri
+
+
 def keys_under(server, root: str) -> list[str]:
     _, bucket, prefix = object_store.split_uri(root)
     pages = server.client().get_paginator("list_objects_v2").paginate(

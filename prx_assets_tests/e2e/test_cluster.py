@@ -162,11 +162,13 @@ def test_the_graph_on_a_two_node_cluster_with_the_data_root_in_a_bucket(
     (the s3_root fixture has put them in this process's environment)."""
     from prx_assets_tests.e2e.s3_runs import (
         GLOBAL_TABLES, NOT_YET_ON_OBJECT_STORAGE, PER_SOURCE_TABLES, SOURCE, keys_under,
-        run_graph, write_webdataset)
+        run_graph, upload_source, write_webdataset)
 
-    tars = write_webdataset(tmp_path / "wds", items=16)
+    # The source is in the bucket too: no node reads a local copy of it.
+    source_uri = upload_source(s3_server, write_webdataset(tmp_path / "wds", items=16),
+                               f"{s3_root}-sources")
     sources = write_sources(tmp_path / "sources.yaml",
-                            [f"{{name: {SOURCE}, kind: webdataset, uri: {tars}}}"])
+                            [f"{{name: {SOURCE}, kind: webdataset, uri: {source_uri}}}"])
     folders = {name: tmp_path / name for name in ("head", "worker", "driver", "cwd")}
     for folder in folders.values():
         folder.mkdir()

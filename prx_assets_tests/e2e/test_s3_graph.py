@@ -18,7 +18,7 @@ from prx_assets.storage.tables import (
     RAW_IMAGES)
 from prx_assets_tests.conftest import write_sources
 from prx_assets_tests.e2e.s3_runs import (
-    GLOBAL_TABLES, PER_SOURCE_TABLES, SOURCE, keys_under, put_opt_out, run_graph,
+    GLOBAL_TABLES, PER_SOURCE_TABLES, SOURCE, keys_under, put_opt_out, run_graph, upload_source,
     write_webdataset)
 
 @pytest.mark.timeout(1800)
@@ -28,12 +28,12 @@ def test_the_whole_graph_of_a_webdataset_source_lives_in_the_bucket(
     from prx_assets.defs.resources import StorageResource
     from prx_assets.s1_ingest.ids import sample_id
 
-    # The source stays a local tar on this branch (s3:// sources are the ingest branch's
-    # work); once they land: upload the tar to f"{s3_root}-sources/shard-000.tar" and point
-    # `uri` there.
+    # The source is a tar in the bucket too, streamed from there (never downloaded whole).
     tars = write_webdataset(tmp_path / "wds")
+    source_uri = upload_source(s3_server, tars, f"{s3_root}-sources")
+    shutil.rmtree(tars)  # nothing of the source stays on local disk
     sources = write_sources(tmp_path / "sources.yaml",
-                            [f"{{name: {SOURCE}, kind: webdataset, uri: {tars}}}"])
+                            [f"{{name: {SOURCE}, kind: webdataset, uri: {source_uri}}}"])
     opted_out = sample_id(SOURCE, "shard-000.tar/003")
     put_opt_out(s3_server, s3_root, opted_out)
     # A relative or mistaken local path would land in one of these two folders.
