@@ -16,7 +16,8 @@ import pyarrow as pa
 import ray.data
 
 from prx_assets.storage import lance_tables
-from prx_assets.storage.lance_tables import FragmentPolicy
+from prx_assets.storage.lance_tables import FragmentPolicy, WriteReport
+from prx_assets.storage.layout import Storage
 from prx_assets.defs.metadata import PROFILERS, browser_link, materialized_lance_version
 from prx_assets.defs.resources import StorageResource
 
@@ -41,6 +42,25 @@ class LanceTableOutput:
     scratch: Optional[Path] = None
     # Metadata computed from the committed table (its uri), e.g. summaries of the result.
     after_write: Optional[Callable[[str], dict]] = None
+
+
+def committed_table_metadata(uri: str, storage: Storage, report: WriteReport,
+                             profile: Optional[str] = None) -> dict:
+    """What a materialisation records about the table it committed: where, which version,
+    rows, bytes, fragments, the Ray nodes that wrote it, and the tables of the profiler
+    named `profile` (a key of metadata.PROFILERS). The IO manager's outputs and the assets
+    that commit their own tables (chunked, incremental) record the same entries."""
+    return {
+        "path": dg.MetadataValue.path(str(uri)),
+        "lance_version": report.version,
+        "dagster/row_count": report.rows,
+        "table_bytes": report.bytes,
+        "fragments": report.fragments,
+        "fragments_before_compaction": report.compacted_from,
+        "mean_fragment_mb": round(report.bytes / max(1, report.fragments) / 1e6, 2),
+        "ray_nodes": len(report.nodes),
+        **(PROFILERS[profile](str(uri), storage.storage_options) if profile else {}),
+    }
 
 
 class RayLanceIOManager(dg.ConfigurableIOManager):
@@ -76,16 +96,7 @@ class RayLanceIOManager(dg.ConfigurableIOManager):
             f"({report.fragments} fragment(s), compacted from {report.compacted_from})"
         )
         context.add_output_metadata({
-            "path": dg.MetadataValue.path(str(uri)),
-            "lance_version": report.version,
-            "dagster/row_count": report.rows,
-            "table_bytes": report.bytes,
-            "fragments": report.fragments,
-            "fragments_before_compaction": report.compacted_from,
-            "mean_fragment_mb": round(report.bytes / max(1, report.fragments) / 1e6, 2),
-            "ray_nodes": len(report.nodes),
-            **(PROFILERS[meta[PROFILE_KEY]](str(uri), storage.storage_options)
-               if meta.get(PROFILE_KEY) else {}),
+            **committed_table_metadata(uri, storage, report, meta.get(PROFILE_KEY)),
             **(output.metadata or {}),
             **browser_link(context),
             **(output.after_write(str(uri)) if output.after_write else {}),

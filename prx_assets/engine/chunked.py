@@ -24,13 +24,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import lance
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
+from prx_assets.storage import object_store
 from prx_assets.storage.lance_tables import (
     FragmentPolicy, cleanup, compact, table_exists, upsert)
 
@@ -49,10 +50,17 @@ class CommitTarget:
     schema: pa.Schema
     keys: Sequence[str]
     fragments: FragmentPolicy = FragmentPolicy()
+    # Overrides for an object store (`Storage.storage_options`); None: the standard variables.
+    storage_options: Optional[Mapping[str, str]] = None
+
+    def open(self) -> lance.LanceDataset:
+        uri = str(self.uri)
+        return lance.dataset(uri, storage_options=object_store.lance_options(
+            uri, self.storage_options))
 
     def version(self) -> int | None:
         """The table's latest version, None while it does not exist."""
-        return lance.dataset(str(self.uri)).version if table_exists(self.uri) else None
+        return self.open().version if table_exists(self.uri, self.storage_options) else None
 
 
 @dataclass
@@ -123,7 +131,8 @@ def run_chunked(pending: ray.data.Dataset | None,
     for chunk in stage(pending).iter_batches(batch_size=chunk_rows, batch_format="pyarrow"):
         rows = to_commit(chunk) if to_commit else chunk
         if rows.num_rows:
-            run.lance_version = upsert(target.uri, rows, target.schema, list(target.keys))
+            run.lance_version = upsert(target.uri, rows, target.schema, list(target.keys),
+                                       target.storage_options)
             run.commits += 1
         run.chunks += 1
         run.rows += chunk.num_rows
@@ -132,8 +141,8 @@ def run_chunked(pending: ray.data.Dataset | None,
         if on_chunk:
             on_chunk(chunk, run)
     if run.commits > 1:
-        run.compacted_from = compact(target.uri, target.fragments)
-        cleanup(lance.dataset(str(target.uri)), target.fragments)
+        run.compacted_from = compact(target.uri, target.fragments, target.storage_options)
+        cleanup(target.open(), target.fragments)
     run.lance_version = target.version()
     run.seconds = time.perf_counter() - started
     return run
