@@ -88,8 +88,11 @@ def build_image_stage(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefin
         # The same raw version the IO manager pinned `raw_images` to.
         raw = store.open(RAW_IMAGES, source,
                          materialized_lance_version(context.instance, RAW_IMAGES, source))
-        raw_ids = ray.data.read_lance(raw.uri, version=raw.version, columns=["id"],
-                                      storage_options=store.lance_options())
+
+        def raw_ids() -> ray.data.Dataset:
+            return ray.data.read_lance(raw.uri, version=raw.version, columns=["id"],
+                                       storage_options=store.lance_options())
+
         tables = ImageTables(store.table(BUCKETED_IMAGES, source), store.table(PHASHES, source),
                              store.storage_options)
         options = config.options()
@@ -98,7 +101,7 @@ def build_image_stage(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefin
             context.log.info(f"committed chunk {report.chunks}: {report.written:,} image(s) "
                              f"this run, {report.commits.rows_per_s:.1f}/s")
 
-        report = run_image_stage(raw_images, raw_ids, raw.count_rows(), tables, options,
+        report = run_image_stage(raw_images, raw, raw_ids, tables, options,
                                  config.chunk_rows, BUCKETED_FRAGMENTS, PHASH_FRAGMENTS,
                                  on_chunk=progress)
         context.log.info(f"{source}: {report.written:,} image(s) processed, {report.removed:,} "

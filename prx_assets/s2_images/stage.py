@@ -142,50 +142,66 @@ class ImageTables:
         return table_exists(uri, self.storage_options)
 
 
-def fresh_rows(tables: ImageTables, fingerprint: str) -> tuple[ray.data.Dataset | None, int]:
-    """The bucketed rows made under `fingerprint` (their id and raw sha256), and how many."""
+def fresh_rows(tables: ImageTables, fingerprint: str) -> tuple[lance.LanceDataset | None, str,
+                                                                int]:
+    """The bucketed table, the filter selecting its rows made under `fingerprint`, and how
+    many rows match (None, "", 0 when there are none)."""
     if not tables.exists(tables.bucketed):
-        return None, 0
+        return None, "", 0
     table = tables.open(tables.bucketed)
     if "settings" not in table.schema.names:  # made before rows recorded their settings
-        return None, 0
+        return None, "", 0
     where = f"settings = {sql_string(fingerprint)}"
     count = table.count_rows(filter=where)
-    if count == 0:
-        return None, 0
-    return ray.data.read_lance(tables.bucketed, version=table.version,
-                               columns=["id", "raw_sha256"], filter=where,
-                               storage_options=tables.options(tables.bucketed)), count
+    return (table, where, count) if count else (None, "", 0)
 
 
-def pending_raw(raw: ray.data.Dataset, fresh: ray.data.Dataset | None, n_fresh: int,
+def pending_raw(raw: ray.data.Dataset, tables: ImageTables, fingerprint: str,
                 broadcast_limit: int = BROADCAST_IDS) -> ray.data.Dataset:
     """The raw rows (with a `sha256` column) that have no bucketed row made from these very
-    bytes under these settings: new, changed, or made under other settings."""
-    if fresh is None:
+    bytes under these settings: new, changed, or made under other settings.
+
+    Up to `broadcast_limit` fresh rows, their (id, sha256) keys are read on the driver
+    (ids and digests only, ~100 bytes a row) and broadcast to the tasks; past it, a
+    hash-partitioned Ray join."""
+    table, where, n_fresh = fresh_rows(tables, fingerprint)
+    if table is None:
         return raw
-    keys = fresh.map_batches(_with_key, fn_kwargs={"sha_column": "raw_sha256"},
-                             batch_format="pyarrow").select_columns([KEY])
     if n_fresh > broadcast_limit:
+        keys = ray.data.read_lance(tables.bucketed, version=table.version,
+                                   columns=["id", "raw_sha256"], filter=where,
+                                   storage_options=tables.options(tables.bucketed)) \
+            .map_batches(_with_key, fn_kwargs={"sha_column": "raw_sha256"},
+                         batch_format="pyarrow").select_columns([KEY])
         return raw.map_batches(_with_key, fn_kwargs={"sha_column": "sha256"},
                                batch_format="pyarrow") \
             .join(keys, join_type="left_anti", on=(KEY,),
                   num_partitions=hash_partitions(n_fresh)).drop_columns([KEY])
-    fresh_keys = collect_ids(keys.rename_columns({KEY: "id"}))
-    return raw.map_batches(_drop_keys, fn_kwargs={"keys": fresh_keys}, batch_format="pyarrow",
+    fresh = table.to_table(columns=["id", "raw_sha256"], filter=where)
+    keys = made_from_key(fresh.column("id"), fresh.column("raw_sha256")).combine_chunks()
+    return raw.map_batches(_drop_keys, fn_kwargs={"keys": keys}, batch_format="pyarrow",
                            zero_copy_batch=True)
 
 
-def removed_ids(tables: ImageTables, raw_ids: ray.data.Dataset, n_raw: int) -> pa.Array:
-    """Ids with a bucketed row but no raw row any more (removed from the source)."""
+def removed_ids(tables: ImageTables, raw_ids: Callable[[], ray.data.Dataset],
+                raw: lance.LanceDataset, broadcast_limit: int = BROADCAST_IDS) -> pa.Array:
+    """Ids with a bucketed row but no row in `raw` (the pinned raw_images version) any
+    more: removed from the source. Compared on the driver (ids only) up to
+    `broadcast_limit` rows, with a Ray anti-join past that (`raw_ids` builds its dataset)."""
     if not tables.exists(tables.bucketed):
         return pa.array([], pa.string())
     table = tables.open(tables.bucketed)
+    n_raw, n_bucketed = raw.count_rows(), table.count_rows()
+    if n_bucketed == 0:
+        return pa.array([], pa.string())
+    if max(n_raw, n_bucketed) <= broadcast_limit:
+        bucketed = table.to_table(columns=["id"]).column("id")
+        present = raw.to_table(columns=["id"]).column("id")
+        return bucketed.filter(pc.invert(pc.is_in(bucketed, value_set=present))) \
+            .combine_chunks()
     bucketed_ids = ray.data.read_lance(tables.bucketed, version=table.version, columns=["id"],
                                        storage_options=tables.options(tables.bucketed))
-    if n_raw == 0:
-        return collect_ids(bucketed_ids)
-    return collect_ids(without_ids(bucketed_ids, raw_ids, n_raw))
+    return collect_ids(without_ids(bucketed_ids, raw_ids(), n_raw, broadcast_limit))
 
 
 def delete_ids(uri: str, tables: ImageTables, ids: pa.Array) -> int:
@@ -230,13 +246,14 @@ class ImageRunReport(ChunkedReport):
     nodes: set[str] = field(default_factory=set)  # Ray nodes whose tasks produced the rows
 
 
-def run_image_stage(raw: ray.data.Dataset, raw_ids: ray.data.Dataset, n_raw: int,
+def run_image_stage(raw: ray.data.Dataset, raw_table: lance.LanceDataset,
+                    raw_ids: Callable[[], ray.data.Dataset],
                     tables: ImageTables, options: ImageOptions, chunk_rows: int,
                     bucketed_policy: FragmentPolicy, phash_policy: FragmentPolicy,
                     on_chunk: Callable[[ImageRunReport], None] | None = None) -> ImageRunReport:
-    """Bring both tables up to date with `raw` (rows with RAW_COLUMNS; `raw_ids` its ids,
-    `n_raw` of them): delete removed ids, then decode what is pending and commit it in
-    chunks of `chunk_rows`.
+    """Bring both tables up to date with `raw` (rows with RAW_COLUMNS read from `raw_table`,
+    the pinned raw_images version; `raw_ids` builds a dataset of its ids): delete removed
+    ids, then decode what is pending and commit it in chunks of `chunk_rows`.
 
     Ordering, so that a kill anywhere is repaired by the rerun and readers never see an
     id twice: every commit is keyed on id (a merge-insert or a delete), and phashes is
@@ -249,7 +266,7 @@ def run_image_stage(raw: ray.data.Dataset, raw_ids: ray.data.Dataset, n_raw: int
     ensure_table(tables.bucketed, BUCKETED_SCHEMA, tables)
     ensure_table(tables.phashes, PHASH_SCHEMA, tables)
     report = ImageRunReport()
-    gone = removed_ids(tables, raw_ids, n_raw)
+    gone = removed_ids(tables, raw_ids, raw_table)
     report.hashes_removed += delete_ids(tables.phashes, tables, gone)
     report.removed = delete_ids(tables.bucketed, tables, gone)
 
@@ -272,8 +289,7 @@ def run_image_stage(raw: ray.data.Dataset, raw_ids: ray.data.Dataset, n_raw: int
         if on_chunk:
             on_chunk(report)
 
-    fresh, n_fresh = fresh_rows(tables, settings_fingerprint(options))
-    pending = pending_raw(raw, fresh, n_fresh)
+    pending = pending_raw(raw, tables, settings_fingerprint(options))
     target = CommitTarget(tables.bucketed, BUCKETED_SCHEMA, ["id"], bucketed_policy,
                           storage_options=tables.storage_options)
     report.commits = run_chunked(pending, functools.partial(build_bucketed_dataset,
