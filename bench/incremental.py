@@ -4,14 +4,16 @@ On a generated image_folder source (`--images N`, default a small smoke run), wi
 project's definitions on an on-disk instance and a fresh data root in a temp folder:
 
 1. a full run of raw_images -> bucketed_images / phashes -> captions -> mds_shards (captions
-   from the files' sidecars, backend `original`, so the chain to shards is complete);
+   from the files' sidecars, backend `original`, so the chain to shards is complete), then
+   an unchanged rerun: each step's fixed cost, named apart;
 2. +1 % new files and -1 % removed, then the rerun: each step's time as a ratio of the
-   full run's, with the run's fixed cost (run wall time outside its steps) and Ray's
-   start-up named apart;
-3. the image stage under new settings (every row to redo), uninterrupted: the baseline;
-4. the image stage under other new settings in a subprocess, held by the failpoint
-   `images.chunk_committed` after its first chunk (half the rows) and SIGKILLed, then
-   rerun: rows processed and step seconds, killed plus rerun, as a ratio of the baseline.
+   full run's (with the run's cost outside its steps and Ray's start-up named apart);
+3. the image stage in cold child processes (each its own embedded Ray, as a new run is):
+   under new settings (every row to redo) uninterrupted, the baseline; under other new
+   settings, held by the failpoint `images.chunk_committed` after its first chunk (half the
+   rows) and SIGKILLed, then rerun; then once more with nothing left, the fixed cost the
+   second run adds. Work, killed plus rerun, as a ratio of the baseline: rows processed
+   (the killed run's committed rows counted from the table) and step seconds.
 
 The bench measures whatever each stage does: ingest and shards become incremental on
 other branches, and their ratios move once they land.
@@ -204,45 +206,72 @@ class Runner:
                 "call_s": time.perf_counter() - started, "meta": materialized(result)}
 
 
-# ----------------------------------------------------------------------------- the killed run
+# ----------------------------------------------------------------------------- runs in a child
 
-def killed_image_run(setup: Setup, instance, chunk_rows: int) -> dict:
-    """The image stage in a child process, held at its first chunk commit and SIGKILLed
-    there (the whole process group, its embedded Ray included)."""
+def child_run(setup: Setup, instance, settings: dict, chunk_rows: int | None = None,
+              kill_after_first_chunk: bool = False) -> dict:
+    """The image stage alone in a child process (cold, as a new run is: its own embedded
+    Ray), on the shared instance; with `kill_after_first_chunk`, held by the failpoint
+    `images.chunk_committed` and SIGKILLed there (its whole process group). Returns the
+    run id and the image stage's seconds (to the kill, for a killed run)."""
+    from dagster import DagsterEventType
+
     from prx_assets.engine import failpoints
 
     marker = setup.tmp / f"failpoint-{time.time_ns()}.json"
-    result = setup.tmp / "child.json"
-    env = setup.env() | failpoints.env("images.chunk_committed", marker)
+    env = setup.env()
     env.pop("RAY_ADDRESS", None)
-    config = image_config(KILLED_SETTINGS, chunk_rows)
-    log = open(setup.tmp / "killed.log", "w")
-    child = subprocess.Popen(
-        [sys.executable, "-m", "bench.incremental", "--child", str(setup.sources),
-         str(setup.captioner), json.dumps(config), str(result)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        cwd=Path(__file__).resolve().parent.parent)
-    try:
-        while failpoints.read_marker(marker) is None:  # the run cannot end without passing
-            if child.poll() is not None:
-                raise RuntimeError("the killed run ended before its failpoint:\n"
-                                   + (setup.tmp / "killed.log").read_text()[-3000:])
-            time.sleep(0.05)
-        killed_at = time.time()
-    finally:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
-        log.close()
-        _wait_group_gone(child.pid)
-    run_id = (setup.tmp / "killed.log").read_text().split("RUN ", 1)[1].split()[0]
-    run = instance.get_run_by_id(run_id)
+    if kill_after_first_chunk:
+        env |= failpoints.env("images.chunk_committed", marker)
+    log_path = setup.tmp / f"child-{time.time_ns()}.log"
+    with open(log_path, "w") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "bench.incremental", "--child", str(setup.sources),
+             str(setup.captioner), json.dumps(image_config(settings, chunk_rows))],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=Path(__file__).resolve().parent.parent)
+        try:
+            if kill_after_first_chunk:
+                while failpoints.read_marker(marker) is None:  # no run ends without passing
+                    if child.poll() is not None:
+                        raise RuntimeError("the run ended before its failpoint:\n"
+                                           + log_path.read_text()[-3000:])
+                    time.sleep(0.05)
+                ended = time.time()
+            else:
+                child.wait()
+        finally:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+            _wait_group_gone(child.pid)
+    output = log_path.read_text()
+    if "RUN " not in output:
+        raise RuntimeError(f"the child printed no run id:\n{output[-3000:]}")
+    run_id = output.split("RUN ", 1)[1].split()[0]
+    if kill_after_first_chunk:
+        start = [e.timestamp for e in instance.all_logs(
+            run_id, of_type=DagsterEventType.STEP_START) if e.step_key == "image_stage"][0]
+        run = instance.get_run_by_id(run_id)
+        if run is not None and not run.is_finished:
+            instance.report_run_failed(run, "SIGKILLed by the incremental bench")
+        return {"run_id": run_id, "image_stage_s": ended - start}
+    if "SUCCESS True" not in output:
+        raise RuntimeError(f"child run {run_id} failed:\n{output[-3000:]}")
+    processed = _bucketed_processed(instance, run_id)
+    return {"run_id": run_id, "image_stage_s": step_seconds(instance, run_id)["image_stage"],
+            "processed": processed}
+
+
+def _bucketed_processed(instance, run_id: str) -> int:
     from dagster import DagsterEventType
 
-    start = [e.timestamp for e in instance.all_logs(run_id, of_type=DagsterEventType.STEP_START)
-             if e.step_key == "image_stage"][0]
-    if run is not None and not run.is_finished:
-        instance.report_run_failed(run, "SIGKILLed by the incremental bench")
-    return {"image_stage_s": killed_at - start, "committed": rows_made_under(setup, KILLED_SETTINGS)}
+    for record in instance.get_records_for_run(
+            run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION).records:
+        materialization = record.event_log_entry.asset_materialization
+        if materialization.asset_key.path[-1] == "bucketed_images":
+            return int(materialization.metadata["rows_processed"].value)
+    raise RuntimeError(f"run {run_id} materialised no bucketed_images")
 
 
 def rows_made_under(setup: Setup, settings: dict) -> int:
@@ -281,7 +310,7 @@ def _in_group(proc, pgid: int) -> bool:
         return False
 
 
-def child_main(sources: str, captioner: str, run_config: str, result_path: str) -> int:
+def child_main(sources: str, captioner: str, run_config: str) -> int:
     """In the child: the image stage alone, with `run_config`, on the shared instance."""
     import uuid
 
@@ -294,7 +323,7 @@ def child_main(sources: str, captioner: str, run_config: str, result_path: str) 
                             instance=open_instance(Path(os.environ["DAGSTER_HOME"])),
                             run_id=run_id, run_config=json.loads(run_config),
                             raise_on_error=False)
-    Path(result_path).write_text(json.dumps({"success": result.success}))
+    print(f"SUCCESS {result.success}", flush=True)
     return 0
 
 
@@ -312,49 +341,66 @@ def measure(images: int) -> list[Figure]:
         runner = Runner(setup)
         with BusyWorkers() as busy:
             full = runner.run(CHAIN)
-        # +1 % new files, -1 % removed.
+        noop = runner.run(CHAIN)  # nothing changed: each step's fixed cost
         pool = sorted(setup.pool.glob("*.jpg"))
-        for path in pool[images:images + extra(images)]:
+        for path in pool[images:images + extra(images)]:  # +1 %
             setup.add(path)
-        for path in pool[:extra(images)]:
+        for path in pool[:extra(images)]:  # -1 %
             setup.remove(path.name)
         rerun = runner.run(CHAIN)
-        baseline = runner.run(IMAGE_ASSETS, image_config(BASELINE_SETTINGS))
-        rows = baseline["meta"]["bucketed_images"]["dagster/row_count"]
-        killed = killed_image_run(setup, runner.instance, chunk_rows=math.ceil(rows / 2))
-        resumed = runner.run(IMAGE_ASSETS, image_config(KILLED_SETTINGS))
+        # Kill and resume, each run a cold child process; the baseline too.
+        instance = runner.instance
+        baseline = child_run(setup, instance, BASELINE_SETTINGS)
+        rows = baseline["processed"]
+        killed = child_run(setup, instance, KILLED_SETTINGS, chunk_rows=math.ceil(rows / 2),
+                           kill_after_first_chunk=True)
+        killed["committed"] = rows_made_under(setup, KILLED_SETTINGS)
+        resumed = child_run(setup, instance, KILLED_SETTINGS)
+        idle = child_run(setup, instance, KILLED_SETTINGS)  # nothing left: a cold run's cost
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return print_figures(images, ray_start, full, rerun, baseline, killed, resumed, busy.most)
+    return print_figures(images, ray_start, full, noop, rerun,
+                         {"baseline": baseline, "killed": killed, "resumed": resumed,
+                          "idle": idle}, busy.most)
 
 
-def print_figures(images: int, ray_start: float, full: dict, rerun: dict, baseline: dict,
-                  killed: dict, resumed: dict, busy_workers: int) -> list[Figure]:
-    print(f"incremental bench: {images} images, +{extra(images)} / -{extra(images)}; Ray "
-          f"start {ray_start:.1f} s (once per process); run outside its steps: full "
-          f"{full['outside_steps']:.1f} s, rerun {rerun['outside_steps']:.1f} s")
-    print(f"  image stage busy Ray workers (max, > 50 % CPU): {busy_workers}")
+def print_figures(images: int, ray_start: float, full: dict, noop: dict, rerun: dict,
+                  kill: dict, busy_workers: int) -> list[Figure]:
+    print(f"incremental bench: {images} images, then +{extra(images)} / -{extra(images)}; "
+          f"Ray start {ray_start:.1f} s (once per process)")
+    print(f"  run cost outside its steps: full {full['outside_steps']:.1f} s, rerun "
+          f"{rerun['outside_steps']:.1f} s; image stage busy Ray workers (max, > 50 % CPU): "
+          f"{busy_workers}")
     figures = []
     for step in STEPS:
         full_s, rerun_s = full["steps"].get(step, 0.0), rerun["steps"].get(step, 0.0)
+        fixed = noop["steps"].get(step, 0.0)
+        print(f"  {step}: full {full_s:.1f} s, rerun {rerun_s:.1f} s, of which fixed cost "
+              f"(an unchanged rerun) {fixed:.1f} s; rerun minus fixed "
+              f"{max(0.0, rerun_s - fixed):.1f} s = "
+              f"{max(0.0, rerun_s - fixed) / full_s if full_s else float('nan'):.3f}x full")
         figures.append(Figure(step, "rerun step s (+1%/-1%)", rerun_s, "full run", full_s, "s"))
-    meta = rerun["meta"]
-    for asset in ("bucketed_images", "phashes", "captions"):
-        if "rows_processed" in meta.get(asset, {}):
-            m = meta[asset]
+    for asset in ("raw_images", "bucketed_images", "phashes", "captions", "mds_shards"):
+        m = rerun["meta"].get(asset, {})
+        if "rows_processed" in m:
             print(f"  rerun {asset}: processed {m['rows_processed']}, reused "
                   f"{m['rows_reused']}, removed {m['rows_removed']}")
-    rows = baseline["meta"]["bucketed_images"]["rows_processed"]
-    resumed_rows = resumed["meta"]["bucketed_images"]["rows_processed"]
-    killed_rows = killed["committed"]
-    figures.append(Figure("images", "killed+rerun rows processed", killed_rows + resumed_rows,
-                          "one uninterrupted run", rows, "rows"))
-    figures.append(Figure("images", "killed+rerun step s", killed["image_stage_s"]
-                          + resumed["steps"]["image_stage"], "one uninterrupted run",
-                          baseline["steps"]["image_stage"], "s"))
-    print(f"  killed run committed {killed_rows} of {rows} rows in "
-          f"{killed['image_stage_s']:.1f} s before the kill; the rerun did {resumed_rows} in "
-          f"{resumed['steps']['image_stage']:.1f} s")
+    baseline, killed, resumed, idle = (kill[k] for k in ("baseline", "killed", "resumed",
+                                                         "idle"))
+    rows = baseline["processed"]
+    print(f"  kill at 50 %: the killed run committed {killed['committed']} of {rows} rows in "
+          f"{killed['image_stage_s']:.1f} s before the kill; the rerun did "
+          f"{resumed['processed']} in {resumed['image_stage_s']:.1f} s; uninterrupted "
+          f"{baseline['image_stage_s']:.1f} s; a cold run with nothing to do "
+          f"{idle['image_stage_s']:.1f} s (the second run's fixed cost)")
+    figures.append(Figure("images", "killed+rerun rows processed",
+                          killed["committed"] + resumed["processed"], "one uninterrupted run",
+                          rows, "rows"))
+    both = killed["image_stage_s"] + resumed["image_stage_s"]
+    figures.append(Figure("images", "killed+rerun step s", both, "one uninterrupted run",
+                          baseline["image_stage_s"], "s"))
+    figures.append(Figure("images", "killed+rerun - fixed s", both - idle["image_stage_s"],
+                          "one uninterrupted run", baseline["image_stage_s"], "s"))
     return figures
 
 
@@ -362,7 +408,7 @@ def main(argv: list[str] | None = None) -> list[Figure]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--images", type=int,
                         default=int(os.environ.get("PRX_INCREMENTAL_IMAGES", DEFAULT_IMAGES)))
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv if argv is not None else [])
     if args.child:
         sys.exit(child_main(*args.child))
