@@ -218,19 +218,22 @@ def delete_ids(uri: str, tables: ImageTables, ids: pa.Array) -> int:
     return before - tables.open(uri).count_rows()
 
 
-def ensure_table(uri: str, schema: pa.Schema, tables: ImageTables) -> None:
+def ensure_table(uri: str, schema: pa.Schema, tables: ImageTables, replace: bool = False
+                 ) -> bool:
     """An empty table where none is yet, so downstream can read a source with no rows;
-    a bucketed table from before rows recorded what they were made from is replaced (its
-    rows lack `settings`, so every one of them would be redone anyway)."""
+    a table lacking columns of `schema` (a bucketed table from before rows recorded what
+    they were made from: every row would be redone anyway), or any with `replace`, is
+    replaced by an empty one. Returns whether it replaced a table."""
     if tables.exists(uri):
-        if set(schema.names) <= set(tables.open(uri).schema.names):
-            return
+        if not replace and set(schema.names) <= set(tables.open(uri).schema.names):
+            return False
         mode = "overwrite"
     else:
         prepare_output_dir(uri, "Lance table", tables.storage_options)
         mode = "create"
     lance.write_dataset(schema.empty_table(), uri, schema=schema, mode=mode,
                         storage_options=tables.options(uri))
+    return mode == "overwrite"
 
 
 # --- one run ------------------------------------------------------------------------------
@@ -263,8 +266,9 @@ def run_image_stage(raw: ray.data.Dataset, raw_table: lance.LanceDataset,
     at most one chunk, never behind it. (Syncing phashes from bucketed at the end would
     need a full comparison of the two tables on every run to find what a kill left out.)
     """
-    ensure_table(tables.bucketed, BUCKETED_SCHEMA, tables)
-    ensure_table(tables.phashes, PHASH_SCHEMA, tables)
+    # A replaced bucketed table can no longer say which ids left: phashes starts over too.
+    replaced = ensure_table(tables.bucketed, BUCKETED_SCHEMA, tables)
+    ensure_table(tables.phashes, PHASH_SCHEMA, tables, replace=replaced)
     report = ImageRunReport()
     gone = removed_ids(tables, raw_ids, raw_table)
     report.hashes_removed += delete_ids(tables.phashes, tables, gone)

@@ -53,3 +53,21 @@ def test_nothing_is_fresh_without_a_table(ray_session, tmp_path):
     tables = ImageTables(str(tmp_path / "bucketed.lance"), str(tmp_path / "phashes.lance"))
     assert pending_raw(ray.data.read_lance(raw_uri), tables, CURRENT).count() == 1
     assert len(removed_ids(tables, lambda: None, lance.dataset(raw_uri))) == 0
+
+
+def test_tables_from_before_the_made_from_columns_start_over(tmp_path):
+    from prx_assets.s2_images.stage import PHASH_SCHEMA, ensure_table
+
+    tables = ImageTables(str(tmp_path / "bucketed.lance"), str(tmp_path / "phashes.lance"))
+    old_schema = pa.schema([f for f in BUCKETED_SCHEMA if f.name not in ("raw_sha256",
+                                                                         "settings")])
+    lance.write_dataset(pa.Table.from_pylist([{"id": "a", "source": "s", "status": "ok"}],
+                                             schema=old_schema), tables.bucketed)
+    lance.write_dataset(pa.Table.from_pylist([{"id": "a", "phash": 1}], schema=PHASH_SCHEMA),
+                        tables.phashes)
+    assert ensure_table(tables.bucketed, BUCKETED_SCHEMA, tables)
+    assert not ensure_table(tables.bucketed, BUCKETED_SCHEMA, tables)  # current now
+    assert lance.dataset(tables.bucketed).schema == BUCKETED_SCHEMA
+    assert lance.dataset(tables.bucketed).count_rows() == 0
+    assert ensure_table(tables.phashes, PHASH_SCHEMA, tables, replace=True)
+    assert lance.dataset(tables.phashes).count_rows() == 0
