@@ -179,3 +179,27 @@ def test_image_stage_redoes_only_changed_rows(ray_session, data_root, tmp_path):
     assert set(after) == set(incremental["bucketed_images"])
     kept = [i for i, r in after.items() if r["status"] == "ok"]
     assert all(after[i]["image"] != incremental["bucketed_images"][i]["image"] for i in kept)
+
+
+def test_image_stage_incremental_in_a_bucket(ray_session, s3_server, s3_root, tmp_path):
+    """The same per-row rerun with PRX_DATA_ROOT=s3://: every table read and commit goes
+    through the storage options."""
+    from prx_assets.storage.layout import Storage
+
+    folder = _image_folder(tmp_path, 3)
+    sources = write_sources(tmp_path / "s.yaml",
+                            [f"{{name: web, kind: image_folder, uri: {folder}}}"])
+    defs, instance = build_defs(sources), dg.DagsterInstance.ephemeral()
+    first = _stage_run(defs, instance)
+    assert _counts(first["bucketed_images"]) == (4, 0, 0)
+    (folder / "p99.jpg").write_bytes(jpeg_bytes(640, 480, 1234))
+    (folder / "p01.jpg").unlink()
+    changed = _stage_run(defs, instance)
+    assert _counts(changed["bucketed_images"]) == (1, 3, 1)
+    assert _counts(changed["phashes"]) == (1, 2, 1)
+    meta = changed["bucketed_images"].materialization.metadata
+    assert meta["path"].value == f"{s3_root}/lance/bucketed_images/web.lance"
+    ids = Storage(s3_root).open("bucketed_images", "web").to_table(columns=["id"])
+    assert sorted(ids.column("id").to_pylist()) == sorted(
+        sample_id("web", p.name) for p in folder.iterdir())
+    assert not (tmp_path / "data").exists()
