@@ -31,7 +31,7 @@ from prx_assets.s2_images.imaging import ImageOptions, process_image
 from prx_assets.storage import object_store
 from prx_assets.storage.filters import in_filter, sql_string
 from prx_assets.storage.lance_tables import (
-    NODE_TAG, FragmentPolicy, cleanup, compact, prepare_output_dir, table_exists, tag_with_node,
+    FragmentPolicy, cleanup, compact, prepare_output_dir, table_exists, tag_with_node,
     upsert)
 
 # Bump when the stage's output for the same raw bytes and settings changes (a new resize,
@@ -238,6 +238,17 @@ def ensure_table(uri: str, schema: pa.Schema, tables: ImageTables, replace: bool
 
 # --- one run ------------------------------------------------------------------------------
 
+NODE_COLUMN = "_ray_node"  # transient: which Ray node produced the row (for the metadata)
+
+
+def with_node_column(batch: pa.Table) -> pa.Table:
+    """The batch with the id of the Ray node running this task (fused into the decoding
+    task, so it names where the work ran); a schema tag would not survive the driver's
+    rebatching into chunks."""
+    node = ray.get_runtime_context().get_node_id()
+    return batch.append_column(NODE_COLUMN, pa.array([node] * batch.num_rows, pa.string()))
+
+
 @dataclass
 class ImageRunReport(ChunkedReport):
     """What one run of the stage did to its two tables (`commits` counts bucketed chunks)."""
@@ -275,9 +286,8 @@ def run_image_stage(raw: ray.data.Dataset, raw_table: lance.LanceDataset,
     report.removed = delete_ids(tables.bucketed, tables, gone)
 
     def hashes_first(chunk: pa.Table) -> pa.Table:
-        node = (chunk.schema.metadata or {}).get(NODE_TAG)
-        if node:
-            report.nodes.add(node.decode())
+        report.nodes.update(pc.unique(chunk.column(NODE_COLUMN)).to_pylist())
+        chunk = chunk.drop_columns([NODE_COLUMN])
         hashed = chunk.filter(pc.is_valid(chunk.column("phash")))
         unhashed = chunk.filter(pc.is_null(chunk.column("phash"))).column("id")
         report.hashes_removed += delete_ids(tables.phashes, tables, unhashed.combine_chunks())
@@ -296,10 +306,10 @@ def run_image_stage(raw: ray.data.Dataset, raw_table: lance.LanceDataset,
     pending = pending_raw(raw, tables, settings_fingerprint(options))
     target = CommitTarget(tables.bucketed, BUCKETED_SCHEMA, ["id"], bucketed_policy,
                           storage_options=tables.storage_options)
-    report.commits = run_chunked(pending, functools.partial(build_bucketed_dataset,
-                                                            options=options),
-                                 target, chunk_rows, to_commit=hashes_first,
-                                 on_chunk=committed)
+    report.commits = run_chunked(
+        pending, lambda rows: build_bucketed_dataset(rows, options).map_batches(
+            with_node_column, batch_format="pyarrow", zero_copy_batch=True),
+        target, chunk_rows, to_commit=hashes_first, on_chunk=committed)
     if report.commits.commits > 1:
         report.hashes_compacted_from = compact(tables.phashes, phash_policy,
                                                tables.storage_options)

@@ -136,6 +136,7 @@ def test_image_stage_redoes_only_changed_rows(ray_session, data_root, tmp_path):
     first = _stage_run(defs, instance)
     assert _counts(first["bucketed_images"]) == (7, 0, 0)
     assert _counts(first["phashes"]) == (6, 0, 0)
+    assert first["bucketed_images"].materialization.metadata["ray_nodes"].value == 1
 
     # Nothing changed: nothing redone, both data versions kept (downstream stays fresh).
     again = _stage_run(defs, instance)
