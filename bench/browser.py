@@ -127,7 +127,9 @@ def generate(root: Path, rows: int = ROWS, seed: int = 0) -> dict:
             "format": ["JPEG"] * n, "width": widths[mine] * 2, "height": heights[mine] * 2,
             "n_bytes": np.full(n, 200_000, np.int64), "sha256": [f"{i:064x}" for i in mine],
             "original_caption": [captions[i] for i in mine], "status": ["ok"] * n,
-            "error": pa.nulls(n, pa.string()), "url": pa.nulls(n, pa.string())},
+            "error": pa.nulls(n, pa.string()), "url": pa.nulls(n, pa.string()),
+            "unit": [f"img/{i}.jpg" for i in mine], "unit_signature": ["generated"] * n,
+            "unit_items": np.ones(n, np.int64)},
         ).cast(RAW_IMAGES_SCHEMA))
         versions = []
         for version, text in (("v2", [captions[i] for i in mine]), ("v1", ["an old caption"] * n)):

@@ -44,12 +44,12 @@ class LanceTableOutput:
     after_write: Optional[Callable[[str], dict]] = None
 
 
-def committed_table_metadata(uri: str, storage: Storage, report: WriteReport,
-                             profile: Optional[str] = None) -> dict:
-    """What a materialisation records about the table it committed: where, which version,
-    rows, bytes, fragments, the Ray nodes that wrote it, and the tables of the profiler
-    named `profile` (a key of metadata.PROFILERS). The IO manager's outputs and the assets
-    that commit their own tables (chunked, incremental) record the same entries."""
+def table_metadata(uri: str, report: WriteReport, storage: Storage,
+                   profile: Optional[str] = None) -> dict:
+    """What a materialisation of a Lance table records: where, the version written (which
+    downstream reads pin to), its size and fragments, and the profile named by `profile`
+    (a key of metadata.PROFILERS). Shared by this IO manager and by assets that commit
+    their table themselves (chunked, incremental runs)."""
     return {
         "path": dg.MetadataValue.path(str(uri)),
         "lance_version": report.version,
@@ -96,7 +96,7 @@ class RayLanceIOManager(dg.ConfigurableIOManager):
             f"({report.fragments} fragment(s), compacted from {report.compacted_from})"
         )
         context.add_output_metadata({
-            **committed_table_metadata(uri, storage, report, meta.get(PROFILE_KEY)),
+            **table_metadata(uri, report, storage, meta.get(PROFILE_KEY)),
             **(output.metadata or {}),
             **browser_link(context),
             **(output.after_write(str(uri)) if output.after_write else {}),

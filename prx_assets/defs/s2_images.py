@@ -23,7 +23,7 @@ from prx_assets.storage.layout import Storage
 from prx_assets.storage.table_stats import bucket_profile
 from prx_assets.storage.tables import BUCKETED_IMAGES, PHASHES, RAW_IMAGES
 from prx_assets.defs.io_managers import (
-    COLUMNS_KEY, FRAGMENT_BYTES_KEY, FRAGMENT_ROWS_KEY, committed_table_metadata)
+    COLUMNS_KEY, FRAGMENT_BYTES_KEY, FRAGMENT_ROWS_KEY, table_metadata)
 from prx_assets.defs.metadata import (
     bucket_metadata, browser_link, content_data_version, incremental_metadata, input_versions,
     latest_data_version, materialized_lance_version)
@@ -138,7 +138,7 @@ def _result(context: dg.AssetExecutionContext, store: Storage, name: str,
     key = dg.AssetKey(name)
     return dg.MaterializeResult(
         asset_key=key,
-        metadata={**committed_table_metadata(table.uri, store, write),
+        metadata={**table_metadata(table.uri, write, store),
                   **incremental_metadata(processed, max(0, write.rows - processed), removed),
                   **metadata, **browser_link(context, name)},
         data_version=content_data_version(

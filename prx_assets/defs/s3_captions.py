@@ -64,7 +64,8 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
         store = storage.get()
         uri = store.table(CAPTIONS, source)
         stale = drop_stale_captions(context, store, with_caption=not spec.uses_model)
-        requests = pending_requests(bucketed_images, raw_images, uri, spec)
+        options = store.storage_options
+        requests = pending_requests(bucketed_images, raw_images, uri, spec, options)
         context.log.info(f"captioning {source!r} with {spec.backend} ({spec.model_name}), "
                          f"version {spec.version()}")
 
@@ -72,9 +73,11 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
             context.log.info(f"committed chunk {report.chunks}: {report.written:,} captions, "
                              f"{report.images_per_s:.1f} images/s")
 
-        report = caption_source(requests, uri, spec, captioner.chunk_rows, on_chunk=progress)
-        lance_version = report.lance_version or ensure_table(uri)
-        cover = coverage(store.table(BUCKETED_IMAGES, source), uri, report.version)
+        report = caption_source(requests, uri, spec, captioner.chunk_rows, on_chunk=progress,
+                                storage_options=options)
+        lance_version = report.lance_version or ensure_table(uri, options)
+        cover = coverage(store.table(BUCKETED_IMAGES, source), uri, report.version,
+                         storage_options=options)
         return dg.MaterializeResult(
             metadata={
                 **input_versions(context, BUCKETED_IMAGES, RAW_IMAGES),
@@ -105,12 +108,13 @@ def drop_stale_captions(context: dg.AssetExecutionContext, store: Storage, with_
         return 0
     captions_uri = store.table(CAPTIONS, source)
     try:
-        ids = changed_ids(store.table(RAW_IMAGES, source), previous, current, with_caption)
+        ids = changed_ids(store.table(RAW_IMAGES, source), previous, current, with_caption,
+                          store.storage_options)
     except (ValueError, OSError) as exc:  # that version was cleaned up (kept 7 days)
         context.log.warning(f"cannot compare raw_images v{previous} with v{current} "
                             f"({exc}); captions of changed items are not refreshed")
         return 0
-    dropped = drop_captions(captions_uri, ids)
+    dropped = drop_captions(captions_uri, ids, storage_options=store.storage_options)
     context.log.info(f"{len(ids):,} item(s) removed or changed since raw_images v{previous}: "
                      f"dropped {dropped:,} caption row(s)")
     return dropped
@@ -179,7 +183,7 @@ def caption_checks(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetChec
     def counts(context, captioner: CaptionerResource, storage: StorageResource):
         source, store = context.partition_key, storage.get()
         return coverage(store.table(BUCKETED_IMAGES, source), store.table(CAPTIONS, source),
-                        captioner.caption_version())
+                        captioner.caption_version(), storage_options=store.storage_options)
 
     @dg.asset_check(asset=asset, name="coverage", partitions_def=partitions_def,
                     description="Share of kept images captioned under the active version.")

@@ -44,9 +44,10 @@ def build_caption_labels(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDe
         caption_filter = active_caption_filter(caption_version)
         report = label_source(captions, labels, caption_version, caption_filter,
                               classifier.spec(), config.chunk_rows, progress,
-                              captions_version=captions_version)
+                              captions_version=captions_version,
+                              storage_options=store.storage_options)
         coverage = label_coverage(captions, labels, caption_filter, caption_version,
-                                  report.classifier_version)
+                                  report.classifier_version, store.storage_options)
         return dg.MaterializeResult(data_version=dg.DataVersion(
             f"{caption_version}/{report.classifier_version}@{report.lance_version}"), metadata={
             f"input_version/{CAPTIONS}": -1 if captions_version is None else captions_version,
@@ -107,7 +108,7 @@ def caption_labels_checks(partitions_def: dg.PartitionsDefinition
         source, store = context.partition_key, context.resources.storage.get()
         return label_coverage(store.table(CAPTIONS, source), store.table(CAPTION_LABELS, source),
                               active_caption_filter(version), version,
-                              classifier.classifier_version())
+                              classifier.classifier_version(), store.storage_options)
 
     @dg.asset_check(asset=asset, name="label_coverage", partitions_def=partitions_def,
                     required_resource_keys={"captioner", "classifier", "storage"},

@@ -35,7 +35,8 @@ def build_duplicates() -> dg.AssetsDefinition:
                    ray_cluster: RayResource, sources: SourcesResource,
                    storage: StorageResource) -> LanceTableOutput:
         names = sources.load().names
-        inputs, missing = hash_inputs(storage.get(), names)
+        store = storage.get()
+        inputs, missing = hash_inputs(store, names)
         if missing:
             context.log.warning(f"no phashes table yet for {', '.join(missing)}: not deduplicated")
         totals = hashed_rows(inputs)
@@ -48,13 +49,13 @@ def build_duplicates() -> dg.AssetsDefinition:
             duplicates_dataset(inputs, config.rows_per_bucket), DUPLICATES_SCHEMA,
             metadata={**lineage, "sources_missing": ", ".join(missing) or "none",
                       "near_duplicate_share": _near_table(near)},
-            after_write=lambda uri: _summary_metadata(uri, totals))
+            after_write=lambda uri: _summary_metadata(uri, totals, store.storage_options))
 
     return duplicates
 
 
-def _summary_metadata(uri: str, totals: dict[str, int]) -> dict:
-    summary = summarise(uri, totals)
+def _summary_metadata(uri: str, totals: dict[str, int], storage_options=None) -> dict:
+    summary = summarise(uri, totals, storage_options=storage_options)
     per_source = [
         dg.TableRecord({"source": source, "hashed": total,
                         "removed": summary.removed_per_source.get(source, 0),

@@ -26,14 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-import lance
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
-from prx_assets.storage import object_store
 from prx_assets.storage.lance_tables import (
-    FragmentPolicy, cleanup, compact, table_exists, upsert)
+    FragmentPolicy, cleanup, compact, open_table, read_table, table_exists, upsert)
 
 # Below this many ids, set membership is broadcast to every task (no shuffle); above it, a
 # hash-partitioned Ray join keeps memory bounded per node.
@@ -50,13 +48,12 @@ class CommitTarget:
     schema: pa.Schema
     keys: Sequence[str]
     fragments: FragmentPolicy = FragmentPolicy()
-    # Overrides for an object store (`Storage.storage_options`); None: the standard variables.
-    storage_options: Optional[Mapping[str, str]] = None
+    # Object-store options (e.g. `Storage.lance_options()`); None: the standard variables.
+    storage_options: Optional[Mapping[str, str]] = field(default=None, hash=False,
+                                                         compare=False)
 
     def open(self) -> lance.LanceDataset:
-        uri = str(self.uri)
-        return lance.dataset(uri, storage_options=object_store.lance_options(
-            uri, self.storage_options))
+        return open_table(self.uri, storage_options=self.storage_options)
 
     def version(self) -> int | None:
         """The table's latest version, None while it does not exist."""
@@ -150,23 +147,27 @@ def run_chunked(pending: ray.data.Dataset | None,
 
 # --- selecting pending rows ---------------------------------------------------------------
 
-def committed_ids(uri: str | Path, filter: str | None = None
+def committed_ids(uri: str | Path, filter: str | None = None,
+                  storage_options: Optional[Mapping[str, str]] = None
                   ) -> tuple[ray.data.Dataset | None, int]:
     """The ids committed in the table at `uri` (those matching `filter`), and how many; (None,
     0) when there are none or no table yet."""
-    if not table_exists(uri):
+    if not table_exists(uri, storage_options):
         return None, 0
-    count = lance.dataset(str(uri)).count_rows(filter=filter)
+    table = open_table(uri, storage_options=storage_options)
+    count = table.count_rows(filter=filter)
     if count == 0:
         return None, 0
-    return ray.data.read_lance(str(uri), columns=[ID], filter=filter), count
+    # Pinned: the count and the ids read are of one version.
+    return read_table(uri, table.version, storage_options, columns=[ID], filter=filter), count
 
 
 def pending_rows(rows: ray.data.Dataset, target_uri: str | Path, done_filter: str | None = None,
-                 broadcast_limit: int = BROADCAST_IDS) -> ray.data.Dataset:
+                 broadcast_limit: int = BROADCAST_IDS,
+                 storage_options: Optional[Mapping[str, str]] = None) -> ray.data.Dataset:
     """`rows` whose id is not committed in the target yet (among the target's rows matching
     `done_filter`, e.g. one version's finished rows)."""
-    done, n_done = committed_ids(target_uri, done_filter)
+    done, n_done = committed_ids(target_uri, done_filter, storage_options)
     return rows if done is None else without_ids(rows, done, n_done, broadcast_limit)
 
 

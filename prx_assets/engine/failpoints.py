@@ -13,7 +13,17 @@ any process, finds the marker and passes through: a Ray task retried after its w
 killed at the point then runs to the end. The marker names the blocked process, so a test
 can kill exactly that one (a Ray worker) or the run's whole process group.
 
-Both variables are read once, when this module is imported; an unarmed point costs one
+A point can also be armed as a *barrier*, to line up several processes at one place (two
+writers committing to one table at once):
+
+    PRX_BARRIER=<name>[,<name>...]      the points that wait
+    PRX_BARRIER_DIR=<path>              the folder of ready files and the release file
+
+Each process reaching an armed barrier writes `<name>.<pid>.ready` there and waits until
+`<name>.released` exists (the test creates it once every process is ready); after the
+release, every later hit passes through.
+
+The variables are read once, when this module is imported; an unarmed point costs one
 set-membership test. Embedded Ray workers inherit the driver's environment; for a cluster
 (`RAY_ADDRESS`) `ray_runtime.connect` forwards these variables in the job's runtime env.
 """
@@ -28,11 +38,15 @@ from pathlib import Path
 
 ENV_POINTS = "PRX_FAILPOINT"
 ENV_MARKER = "PRX_FAILPOINT_FILE"
+ENV_BARRIERS = "PRX_BARRIER"
+ENV_BARRIER_DIR = "PRX_BARRIER_DIR"
 
 # Every failpoint a stage calls, and where it holds the stage.
 POINTS = {
     "ingest.expand_units": "a Ray task expanding ingest units, after yielding a block of rows "
-                           "(manifest listed, nothing committed)",
+                           "(units listed, that block not committed)",
+    "ingest.chunk_committed": "the ingest driver, right after a chunk's merge-insert into "
+                              "raw_images committed (more units pending)",
     "images.bucket_batch": "a Ray task of the image stage, a batch resized but not yet handed "
                            "to the writer",
     "images.chunk_committed": "the image stage's driver, right after a chunk of bucketed_images "
@@ -43,16 +57,26 @@ POINTS = {
                       "first samples",
     "skip_lists.sidecar_written": "the skip-lists driver, right after one sidecar was "
                                   "replaced (others still old)",
+    "storage.upsert_uncommitted": "an upsert (a chunk of a chunked run) after its merge "
+                                  "wrote its data files, before the commit",
+    "storage.overwrite_uncommitted": "the driver of a whole-table write "
+                                     "(write_dataset_atomically), every fragment written, "
+                                     "before the commit",
 }
 
 _ARMED = frozenset(name for name in os.environ.get(ENV_POINTS, "").split(",") if name)
 _MARKER = os.environ.get(ENV_MARKER) or None
+_BARRIERS = frozenset(name for name in os.environ.get(ENV_BARRIERS, "").split(",") if name)
+_BARRIER_DIR = os.environ.get(ENV_BARRIER_DIR) or None
 
 
 def failpoint(name: str) -> None:
-    """Hold this process here forever if `name` is armed and has not fired yet."""
+    """Hold this process here forever if `name` is armed and has not fired yet; wait for
+    the release if `name` is armed as a barrier."""
     if name in _ARMED:
         _hold(name)
+    if name in _BARRIERS:
+        _wait_for_release(name)
 
 
 def env(names: str | list[str], marker: Path) -> dict[str, str]:
@@ -64,9 +88,28 @@ def env(names: str | list[str], marker: Path) -> dict[str, str]:
     return {ENV_POINTS: ",".join(names), ENV_MARKER: str(marker)}
 
 
+def barrier_env(names: str | list[str], folder: Path) -> dict[str, str]:
+    """The environment variables that arm `names` as barriers in `folder`."""
+    names = [names] if isinstance(names, str) else list(names)
+    unknown = [n for n in names if n not in POINTS]
+    if unknown:
+        raise ValueError(f"unknown failpoint(s) {unknown}; known: {sorted(POINTS)}")
+    return {ENV_BARRIERS: ",".join(names), ENV_BARRIER_DIR: str(folder)}
+
+
+def ready_at_barrier(folder: Path, name: str) -> list[int]:
+    """The pids waiting at (or released from) barrier `name` in `folder`."""
+    return sorted(int(p.name.split(".")[-2]) for p in Path(folder).glob(f"{name}.*.ready"))
+
+
+def release_barrier(folder: Path, name: str) -> None:
+    (Path(folder) / f"{name}.released").touch()
+
+
 def forwarded_env() -> dict[str, str]:
     """This process's failpoint variables, for a Ray runtime env (empty when unarmed)."""
-    return {k: os.environ[k] for k in (ENV_POINTS, ENV_MARKER) if os.environ.get(k)}
+    return {k: os.environ[k] for k in (ENV_POINTS, ENV_MARKER, ENV_BARRIERS, ENV_BARRIER_DIR)
+            if os.environ.get(k)}
 
 
 def read_marker(marker: Path) -> dict | None:
@@ -97,3 +140,16 @@ def _hold(name: str) -> None:
         temporary.unlink(missing_ok=True)
     while True:
         time.sleep(3600)
+
+
+def _wait_for_release(name: str) -> None:
+    if _BARRIER_DIR is None:
+        raise RuntimeError(f"barrier {name!r} is armed by {ENV_BARRIERS} but {ENV_BARRIER_DIR} "
+                           "is not set")
+    folder = Path(_BARRIER_DIR)
+    released = folder / f"{name}.released"
+    if released.exists():
+        return
+    (folder / f"{name}.{os.getpid()}.ready").write_text(json.dumps({"barrier": name}))
+    while not released.exists():  # the test's signal, however long the others take
+        time.sleep(0.01)

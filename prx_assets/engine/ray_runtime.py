@@ -8,6 +8,7 @@ import os
 import ray
 
 from prx_assets.engine import failpoints
+from prx_assets.engine.progress import quiet_ray_data
 
 LOOPBACK = "127.0.0.1"
 
@@ -17,7 +18,9 @@ def connect(address: str | None = None, num_cpus: int | None = None,
     """Initialise Ray once per process; returns True when this call started it.
 
     An already-initialised Ray (a test session, a notebook) is reused and left running.
+    Ray Data's own progress dumps are turned off here: stages report their own line.
     """
+    quiet_ray_data()
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None

@@ -26,8 +26,18 @@ RAW_IMAGES_SCHEMA = pa.schema(
         pa.field("error", pa.string()),
         # Where the item was fetched from, when the source says (opt-outs by url).
         pa.field("url", pa.string()),
+        # Change detection (docs/sources.md): the unit the row came from (a file, a tar, a
+        # parquet file, a Lance fragment), what the listing said of that unit when it was
+        # read (size and mtime, or the Lance version), and, on the unit's last row only, how
+        # many rows the unit yielded: a unit is complete once that many rows carry its
+        # signature, so a unit cut off by a kill between chunks is read again.
+        pa.field("unit", pa.string()),
+        pa.field("unit_signature", pa.string()),
+        pa.field("unit_items", pa.int64()),
     ]
 )
+# The columns change detection reads back from a committed table.
+UNIT_COLUMNS = ("unit", "unit_signature", "unit_items")
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,9 @@ def raw_row(source: str, item: FoundItem, max_pixels: int = DEFAULT_MAX_PIXELS) 
         "status": item.status,
         "error": item.error,
         "url": item.url,
+        "unit": None,
+        "unit_signature": None,
+        "unit_items": None,
     }
     if item.status is not None:
         return row

@@ -57,6 +57,15 @@ class SourceSpec:
     caption_column: str | None = None
     url_column: str | None = None
 
+    @property
+    def in_object_store(self) -> bool:
+        return "://" in self.uri and not self.uri.startswith("file://")
+
+    def resolved_location(self, base_dir: Path) -> str:
+        """The uri as a location string: an object-store URI as given, else an absolute
+        local path (relative uris are relative to the sources file)."""
+        return self.uri.rstrip("/") if self.in_object_store else str(self.resolved_uri(base_dir))
+
     def resolved_uri(self, base_dir: Path) -> Path:
         """The uri as an absolute path; relative uris are relative to the sources file."""
         path = Path(os.path.expanduser(self.uri))
@@ -82,6 +91,10 @@ class SourcesConfig:
 
     def uri_of(self, name: str) -> Path:
         return self.get(name).resolved_uri(self.base_dir)
+
+    def location_of(self, name: str) -> str:
+        """Where the source lives: an absolute local path or an `s3://` URI."""
+        return self.get(name).resolved_location(self.base_dir)
 
 
 def sources_path() -> Path:
@@ -124,7 +137,7 @@ def parse_source(entry: Any, index: int, path: Path | str = "<sources>") -> Sour
         raise fail("kind", f"{kind!r} is not one of {', '.join(SOURCE_KINDS)}")
     uri = entry.get("uri")
     if not isinstance(uri, str) or not uri.strip():
-        raise fail("uri", "required, a path to the source")
+        raise fail("uri", "required, a path or s3:// URI of the source")
     unknown = set(entry) - _COMMON_FIELDS - _KIND_FIELDS[kind]
     if unknown:
         raise fail(sorted(unknown)[0], f"not a field of kind {kind!r}")

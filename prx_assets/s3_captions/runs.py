@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping, Optional
 
-import lance
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
@@ -27,10 +26,14 @@ from prx_assets.engine.chunked import BROADCAST_IDS as DEFAULT_BROADCAST_IDS
 from prx_assets.engine.chunked import (
     ChunkedReport, ChunkedRun, CommitTarget, collect_ids, hash_partitions, keep_ids,
     pending_rows, run_chunked, without_ids)
-from prx_assets.storage.lance_tables import FragmentPolicy, prepare_output_dir, table_exists
+from prx_assets.storage.lance_tables import (
+    FragmentPolicy, create_empty, open_table, read_table, table_exists)
 
 CAPTION_KEYS = ["id", "caption_version"]
 CAPTIONS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
+# Every function taking a table location also takes `storage_options`: overrides of the
+# standard AWS variables for an object-store root (`Storage.storage_options`).
+Options = Optional[Mapping[str, str]]
 
 
 @dataclass
@@ -49,20 +52,22 @@ class CaptionRunReport(ChunkedReport):
 BROADCAST_IDS = DEFAULT_BROADCAST_IDS
 
 
-def captions_target(captions_uri: Path) -> CommitTarget:
+def captions_target(captions_uri: str | Path, storage_options: Options = None) -> CommitTarget:
     """A source's captions table: one row per (id, caption version)."""
-    return CommitTarget(captions_uri, CAPTIONS_SCHEMA, CAPTION_KEYS, CAPTIONS_FRAGMENTS)
+    return CommitTarget(captions_uri, CAPTIONS_SCHEMA, CAPTION_KEYS, CAPTIONS_FRAGMENTS,
+                        storage_options)
 
 
 def pending_requests(bucketed: ray.data.Dataset, raw_captions: ray.data.Dataset | None,
-                     captions_uri: Path, spec: CaptionerSpec) -> ray.data.Dataset:
+                     captions_uri: str | Path, spec: CaptionerSpec,
+                     storage_options: Options = None) -> ray.data.Dataset:
     """Rows {id, image?, original_caption?} of kept images not yet captioned."""
     columns = ["id", "image"] if spec.uses_model else ["id"]
     # Project first so the read skips image bytes when the backend needs none.
     kept = bucketed.select_columns([*columns, "status"]).filter(
         lambda row: row["status"] == STATUS_OK)
     requests = pending_rows(kept.select_columns(columns), captions_uri,
-                            done_filter(spec.version()), BROADCAST_IDS)
+                            done_filter(spec.version()), BROADCAST_IDS, storage_options)
     if not spec.uses_model and raw_captions is not None:
         requests = with_source_captions(requests, raw_captions)
     return requests
@@ -80,7 +85,8 @@ def with_source_captions(requests: ray.data.Dataset, raw_captions: ray.data.Data
                                 batch_format="pyarrow", zero_copy_batch=True)
 
 
-def _item_keys(raw_uri: Path, version: int, with_caption: bool) -> ray.data.Dataset:
+def _item_keys(raw_uri: str | Path, version: int, with_caption: bool,
+               storage_options: Options = None) -> ray.data.Dataset:
     """One string per raw row, `id`, sha256 of the original bytes (and the source caption):
     equal keys in two versions mean the same item with the same content."""
     columns = ["id", "sha256", "original_caption"] if with_caption else ["id", "sha256"]
@@ -89,37 +95,38 @@ def _item_keys(raw_uri: Path, version: int, with_caption: bool) -> ray.data.Data
         parts = [pc.fill_null(batch.column(c), "") for c in columns]
         return pa.table({"id": pc.binary_join_element_wise(*parts, "\x00")})
 
-    return ray.data.read_lance(str(raw_uri), version=version, columns=columns).map_batches(
+    return read_table(raw_uri, version, storage_options, columns=columns).map_batches(
         keys, batch_format="pyarrow")
 
 
-def changed_ids(raw_uri: Path, old_version: int, new_version: int, with_caption: bool
-                ) -> set[str]:
+def changed_ids(raw_uri: str | Path, old_version: int, new_version: int, with_caption: bool,
+                storage_options: Options = None) -> set[str]:
     """Ids of raw_images `old_version` whose item is gone or different in `new_version`
     (the same key path, new bytes or a new source caption): their captions are stale."""
-    new_keys = _item_keys(raw_uri, new_version, with_caption)
-    n_new = lance.dataset(str(raw_uri), version=new_version).count_rows()
-    gone = without_ids(_item_keys(raw_uri, old_version, with_caption), new_keys, n_new,
-                       BROADCAST_IDS)
+    new_keys = _item_keys(raw_uri, new_version, with_caption, storage_options)
+    n_new = open_table(raw_uri, new_version, storage_options).count_rows()
+    gone = without_ids(_item_keys(raw_uri, old_version, with_caption, storage_options),
+                       new_keys, n_new, BROADCAST_IDS)
     return {key.split("\x00", 1)[0] for key in collect_ids(gone).to_pylist()}
 
 
-def drop_captions(captions_uri: Path, ids: set[str], chunk: int = 10_000) -> int:
+def drop_captions(captions_uri: str | Path, ids: set[str], chunk: int = 10_000,
+                  storage_options: Options = None) -> int:
     """Delete every caption row (all versions) of these ids; returns the rows deleted."""
-    if not ids or not table_exists(captions_uri):
+    if not ids or not table_exists(captions_uri, storage_options):
         return 0
-    table = lance.dataset(str(captions_uri))
+    table = open_table(captions_uri, storage_options=storage_options)
     before = table.count_rows()
     ordered = sorted(ids)
     for start in range(0, len(ordered), chunk):
         table.delete(in_filter("id", ordered[start:start + chunk]))
-    return before - lance.dataset(str(captions_uri)).count_rows()
+    return before - open_table(captions_uri, storage_options=storage_options).count_rows()
 
 
-def caption_source(requests: ray.data.Dataset, captions_uri: Path, spec: CaptionerSpec,
+def caption_source(requests: ray.data.Dataset, captions_uri: str | Path, spec: CaptionerSpec,
                    chunk_rows: int = 1024,
-                   on_chunk: Callable[[CaptionRunReport], None] | None = None
-                   ) -> CaptionRunReport:
+                   on_chunk: Callable[[CaptionRunReport], None] | None = None,
+                   storage_options: Options = None) -> CaptionRunReport:
     """Caption `requests` and commit the results chunk by chunk."""
     report = CaptionRunReport(version=spec.version())
 
@@ -134,17 +141,14 @@ def caption_source(requests: ray.data.Dataset, captions_uri: Path, spec: Caption
         failpoint("captions.chunk_committed")
 
     report.commits = run_chunked(requests, lambda rows: caption_stage(rows, spec),
-                                 captions_target(captions_uri), chunk_rows, on_chunk=count)
+                                 captions_target(captions_uri, storage_options), chunk_rows,
+                                 on_chunk=count)
     return report
 
 
-def ensure_table(uri: Path) -> int:
+def ensure_table(uri: str | Path, storage_options: Options = None) -> int:
     """An empty captions table for a source with nothing to caption (downstream can read it)."""
-    if table_exists(uri):
-        return lance.dataset(str(uri)).version
-    prepare_output_dir(uri, "Lance table")
-    return lance.write_dataset(CAPTIONS_SCHEMA.empty_table(), str(uri),
-                               schema=CAPTIONS_SCHEMA, mode="create").version
+    return create_empty(uri, CAPTIONS_SCHEMA, storage_options)
 
 
 @dataclass(frozen=True)
@@ -160,14 +164,15 @@ class Coverage:
         return self.done / self.kept if self.kept else 1.0
 
 
-def coverage(bucketed_uri: Path, captions_uri: Path, version: str,
-             target: tuple[int, int] = (100, 200)) -> Coverage:
+def coverage(bucketed_uri: str | Path, captions_uri: str | Path, version: str,
+             target: tuple[int, int] = (100, 200), storage_options: Options = None) -> Coverage:
     """Counts for the checks, read from the committed tables (metadata columns only)."""
-    kept = lance.dataset(str(bucketed_uri)).count_rows(filter=eq_filter("status", STATUS_OK)) \
-        if table_exists(bucketed_uri) else 0
-    if not table_exists(captions_uri):
+    kept = open_table(bucketed_uri, storage_options=storage_options).count_rows(
+        filter=eq_filter("status", STATUS_OK)) \
+        if table_exists(bucketed_uri, storage_options) else 0
+    if not table_exists(captions_uri, storage_options):
         return Coverage(kept, 0, 0, 0, 0)
-    table = lance.dataset(str(captions_uri))
+    table = open_table(captions_uri, storage_options=storage_options)
     rows = table.to_table(columns=["status", "n_words"],
                           filter=eq_filter("caption_version", version))
     statuses = Counter(rows.column("status").to_pylist())

@@ -14,9 +14,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping, Optional
 
-import lance
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -31,7 +30,8 @@ from prx_assets.s4_labels.labels import (
     embedded_classifier_version, label_rows, version_hash)
 from prx_assets.engine.chunked import (
     ChunkedReport, ChunkedRun, CommitTarget, drop_ids, keep_ids, run_chunked)
-from prx_assets.storage.lance_tables import FragmentPolicy, prepare_output_dir, table_exists
+from prx_assets.storage.lance_tables import (
+    FragmentPolicy, create_empty, open_table, read_table, table_exists)
 
 LABEL_KEYS = ["id", "caption_version", "classifier_version"]
 LABELS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
@@ -40,6 +40,9 @@ CAPTION_COLUMNS = ["id", "caption_version", "caption"]
 STAGE_SCHEMA = pa.schema([f.with_nullable(True) if f.name == "label" else f
                           for f in LABELS_SCHEMA] + [pa.field("error", pa.string())])
 BACKENDS = ("embedded", "openai", "vllm")
+# Every function taking a table location also takes `storage_options`: overrides of the
+# standard AWS variables for an object-store root (`Storage.storage_options`).
+Options = Optional[Mapping[str, str]]
 
 
 @dataclass(frozen=True)
@@ -90,38 +93,40 @@ class LabelRunReport(ChunkedReport):
         return self.commits.rows_per_s
 
 
-def labelled_ids(labels_uri: Path, caption_version: str, classifier_version: str,
-                 captions_uri: Path, caption_filter: str,
-                 captions_version: int | None = None) -> pa.Array:
+def labelled_ids(labels_uri: str | Path, caption_version: str, classifier_version: str,
+                 captions_uri: str | Path, caption_filter: str,
+                 captions_version: int | None = None, storage_options: Options = None
+                 ) -> pa.Array:
     """Ids labelled under the pair from the caption they have now (ids and timestamps only).
 
     A label older than its caption row is stale: the caption was written again since (its
     source file changed, see `s3_captions.runs.changed_ids`) and must be labelled again."""
-    if not table_exists(labels_uri):
+    if not table_exists(labels_uri, storage_options):
         return pa.array([], pa.string())
-    labels = lance.dataset(str(labels_uri)).to_table(
+    labels = open_table(labels_uri, storage_options=storage_options).to_table(
         columns=["id", "created_at"],
         filter=active_labels_filter(caption_version, classifier_version))
-    captions = lance.dataset(str(captions_uri), version=captions_version).to_table(
+    captions = open_table(captions_uri, captions_version, storage_options).to_table(
         columns=["id", "created_at"], filter=caption_filter)
     joined = labels.join(captions.rename_columns(["id", "captioned_at"]), "id")
     fresh = pc.greater_equal(joined.column("created_at"), joined.column("captioned_at"))
     return joined.filter(fresh).column("id").combine_chunks()
 
 
-def count_pending(captions_uri: Path, caption_filter: str, done: pa.Array,
-                  captions_version: int | None = None) -> int:
-    scanner = lance.dataset(str(captions_uri), version=captions_version).scanner(
+def count_pending(captions_uri: str | Path, caption_filter: str, done: pa.Array,
+                  captions_version: int | None = None, storage_options: Options = None) -> int:
+    scanner = open_table(captions_uri, captions_version, storage_options).scanner(
         columns=["id"], filter=caption_filter)
     return sum(keep_ids(pa.Table.from_batches([b]), done, member=False).num_rows
                for b in scanner.to_batches())
 
 
-def pending_captions(captions_uri: Path, caption_filter: str, done: pa.Array,
-                     captions_version: int | None = None) -> ray.data.Dataset:
+def pending_captions(captions_uri: str | Path, caption_filter: str, done: pa.Array,
+                     captions_version: int | None = None, storage_options: Options = None
+                     ) -> ray.data.Dataset:
     """Usable captions of the active version whose id is not in `done`."""
-    captions = ray.data.read_lance(str(captions_uri), version=captions_version,
-                                   columns=CAPTION_COLUMNS, filter=caption_filter)
+    captions = read_table(captions_uri, captions_version, storage_options,
+                          columns=CAPTION_COLUMNS, filter=caption_filter)
     return drop_ids(captions, done)
 
 
@@ -199,18 +204,15 @@ def _vllm_rows(batch: pa.Table, classifier_version: str) -> pa.Table:
     return _stage_rows(batch, classifier_version, labels, scores, vectors, errors)
 
 
-def ensure_labels_table(uri: Path) -> int:
+def ensure_labels_table(uri: str | Path, storage_options: Options = None) -> int:
     """An empty labels table, so downstream readers and checks always find one."""
-    if table_exists(uri):
-        return lance.dataset(str(uri)).version
-    prepare_output_dir(Path(uri), "Lance table")
-    return lance.write_dataset(LABELS_SCHEMA.empty_table(), str(uri), schema=LABELS_SCHEMA,
-                               mode="create").version
+    return create_empty(uri, LABELS_SCHEMA, storage_options)
 
 
-def labels_target(labels_uri: Path) -> CommitTarget:
+def labels_target(labels_uri: str | Path, storage_options: Options = None) -> CommitTarget:
     """A source's labels table: one row per (id, caption version, classifier version)."""
-    return CommitTarget(labels_uri, LABELS_SCHEMA, LABEL_KEYS, LABELS_FRAGMENTS)
+    return CommitTarget(labels_uri, LABELS_SCHEMA, LABEL_KEYS, LABELS_FRAGMENTS,
+                        storage_options)
 
 
 def labelled_rows(chunk: pa.Table) -> pa.Table:
@@ -219,23 +221,26 @@ def labelled_rows(chunk: pa.Table) -> pa.Table:
     return chunk.filter(pc.is_valid(chunk.column("label"))).drop_columns(["error"])
 
 
-def label_source(captions_uri: Path, labels_uri: Path, caption_version: str,
+def label_source(captions_uri: str | Path, labels_uri: str | Path, caption_version: str,
                  caption_filter: str, spec: LabelerSpec, chunk_rows: int = 4096,
                  on_chunk: Callable[[LabelRunReport], None] | None = None,
-                 captions_version: int | None = None) -> LabelRunReport:
+                 captions_version: int | None = None, storage_options: Options = None
+                 ) -> LabelRunReport:
     """Label the pending captions of one source and commit them chunk by chunk.
 
     `captions_version` pins the captions read (default: the latest), so the version the
     caller records as lineage is the one labelled."""
     report = LabelRunReport(caption_version, spec.version())
-    ensure_labels_table(labels_uri)
-    if not table_exists(captions_uri):
+    options = storage_options
+    ensure_labels_table(labels_uri, options)
+    if not table_exists(captions_uri, options):
         raise FileNotFoundError(f"{captions_uri} does not exist: materialise captions first")
     done = labelled_ids(labels_uri, caption_version, report.classifier_version, captions_uri,
-                        caption_filter, captions_version)
+                        caption_filter, captions_version, options)
     # Nothing to do: no actor pool, no model load.
-    pending = pending_captions(captions_uri, caption_filter, done, captions_version) \
-        if count_pending(captions_uri, caption_filter, done, captions_version) else None
+    pending = pending_captions(captions_uri, caption_filter, done, captions_version, options) \
+        if count_pending(captions_uri, caption_filter, done, captions_version, options) \
+        else None
 
     def count(chunk: pa.Table, run: ChunkedRun) -> None:
         report.commits = run
@@ -247,7 +252,7 @@ def label_source(captions_uri: Path, labels_uri: Path, caption_version: str,
             on_chunk(report)
 
     report.commits = run_chunked(pending, lambda rows: label_stage(rows, spec),
-                                 labels_target(labels_uri), chunk_rows,
+                                 labels_target(labels_uri, options), chunk_rows,
                                  to_commit=labelled_rows, on_chunk=count)
     return report
 
@@ -271,13 +276,14 @@ class LabelCoverage:
         return {label: self.counts.get(label, 0) / total if total else 0.0 for label in LABELS}
 
 
-def label_coverage(captions_uri: Path, labels_uri: Path, caption_filter: str,
-                   caption_version: str, classifier_version: str) -> LabelCoverage:
+def label_coverage(captions_uri: str | Path, labels_uri: str | Path, caption_filter: str,
+                   caption_version: str, classifier_version: str,
+                   storage_options: Options = None) -> LabelCoverage:
     """Counts for the checks and metadata, from the committed tables (no embeddings read)."""
-    captions = lance.dataset(str(captions_uri)).count_rows(filter=caption_filter) \
-        if table_exists(captions_uri) else 0
-    if not table_exists(labels_uri):
+    captions = open_table(captions_uri, storage_options=storage_options).count_rows(
+        filter=caption_filter) if table_exists(captions_uri, storage_options) else 0
+    if not table_exists(labels_uri, storage_options):
         return LabelCoverage(captions, {})
-    labels = lance.dataset(str(labels_uri)).to_table(
+    labels = open_table(labels_uri, storage_options=storage_options).to_table(
         columns=["label"], filter=active_labels_filter(caption_version, classifier_version))
     return LabelCoverage(captions, dict(Counter(labels.column("label").to_pylist())))

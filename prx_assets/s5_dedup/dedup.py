@@ -18,15 +18,15 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Mapping, Optional
 
-import lance
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 from ray.data.context import ShuffleStrategy
 
+from prx_assets.storage.lance_tables import open_table, read_table
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.tables import PHASHES
 
@@ -54,6 +54,11 @@ class HashInput:
     rank: int
     uri: str
     version: int
+    # Overrides of the standard AWS variables when the table is on an object store.
+    storage_options: Optional[Mapping[str, str]] = field(default=None, compare=False)
+
+    def open(self):
+        return open_table(self.uri, self.version, self.storage_options)
 
 
 def bucket_of(phash: np.ndarray, buckets: int) -> np.ndarray:
@@ -139,11 +144,11 @@ def duplicates_dataset(inputs: list[HashInput],
     datasets = []
     total = 0
     for item in inputs:
-        total += lance.dataset(item.uri, version=item.version).count_rows(filter=NOT_FLAT)
+        total += item.open().count_rows(filter=NOT_FLAT)
     buckets = bucket_count(total, rows_per_bucket)
     for item in inputs:
-        ds = ray.data.read_lance(item.uri, version=item.version,
-                                 columns=["id", "phash", "pixels"], filter=NOT_FLAT)
+        ds = read_table(item.uri, item.version, item.storage_options,
+                        columns=["id", "phash", "pixels"], filter=NOT_FLAT)
         datasets.append(ds.map_batches(
             functools.partial(_candidates, rank=item.rank, buckets=buckets),
             batch_format="pyarrow", batch_size=65_536))
@@ -171,11 +176,12 @@ def source_of(sample_id: str) -> str:
 
 
 def summarise(duplicates_uri: str, rows_per_source: dict[str, int], top: int = 10,
-              batch_rows: int = 1 << 20) -> DuplicateSummary:
+              batch_rows: int = 1 << 20,
+              storage_options: Optional[Mapping[str, str]] = None) -> DuplicateSummary:
     """Removed copies per source and the largest groups, streamed in bounded batches."""
     summary = DuplicateSummary(rows_per_source=rows_per_source)
     largest: list[tuple[int, int, str]] = []
-    scanner = lance.dataset(duplicates_uri).scanner(
+    scanner = open_table(duplicates_uri, storage_options=storage_options).scanner(
         columns=["id", "kept_id", "phash", "group_size"], batch_size=batch_rows)
     for batch in scanner.to_batches():
         ids = batch.column("id").to_pylist()
@@ -223,14 +229,14 @@ def hash_inputs(storage: Storage | str | Path, sources: list[str]) -> tuple[list
         if version is None:
             missing.append(source)
             continue
-        inputs.append(HashInput(source, rank, storage.table(PHASHES, source), version))
+        inputs.append(HashInput(source, rank, storage.table(PHASHES, source), version,
+                                storage.storage_options))
     return inputs, missing
 
 
 def hashed_rows(inputs: list[HashInput]) -> dict[str, int]:
     """Non-flat hashed images per source: the denominator of the removed share."""
-    return {i.source: lance.dataset(i.uri, version=i.version).count_rows(filter=NOT_FLAT)
-            for i in inputs}
+    return {i.source: i.open().count_rows(filter=NOT_FLAT) for i in inputs}
 
 
 def near_duplicate_report(inputs: list[HashInput], probes: int = 256,
@@ -241,7 +247,7 @@ def near_duplicate_report(inputs: list[HashInput], probes: int = 256,
     per_source = max(1, probes // max(1, len(inputs)))
     samples = []
     for item in inputs:
-        table = lance.dataset(item.uri, version=item.version).to_table(
+        table = item.open().to_table(
             columns=["phash"], filter=NOT_FLAT, limit=max(per_source * 16, 4096))
         hashes = table.column("phash").to_numpy(zero_copy_only=False)
         if hashes.size:
@@ -251,7 +257,7 @@ def near_duplicate_report(inputs: list[HashInput], probes: int = 256,
     def chunks() -> Iterator[np.ndarray]:
         seen = 0
         for item in inputs:
-            scanner = lance.dataset(item.uri, version=item.version).scanner(
+            scanner = item.open().scanner(
                 columns=["phash"], filter=NOT_FLAT, batch_size=chunk_rows)
             for batch in scanner.to_batches():
                 if seen >= max_rows:

@@ -22,13 +22,14 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Mapping, Optional
 
-import lance
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 
-from prx_assets.storage.lance_tables import table_exists
+from prx_assets.storage import object_store
+from prx_assets.storage.lance_tables import open_table, table_exists
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.tables import DUPLICATES, RAW_IMAGES
 
@@ -89,22 +90,48 @@ class ParsedRequests:
         self.errors += other.errors
 
 
-def opt_out_dir(storage: Storage | str | Path) -> Path:
+# A request file or folder: a local Path, or an `s3://` URI under an object-store root.
+Location = Path | str
+Options = Optional[Mapping[str, str]]
+
+
+def opt_out_dir(storage: Storage | str | Path) -> Location:
+    """The request folder: a Path under a local root, its `s3://` URI under an object-store
+    root (read through pyarrow's file systems, see `request_files`)."""
     storage = as_storage(storage)
-    return storage.local_path(storage.opt_outs_dir)
+    return Path(storage.opt_outs_dir) if storage.is_local else storage.opt_outs_dir
 
 
-def request_files(directory: Path) -> list[Path]:
-    """Request files in name order (hidden and temporary files are not requests)."""
-    if not directory.is_dir():
-        return []
-    return sorted(p for p in directory.iterdir()
-                  if p.is_file() and p.suffix in REQUEST_SUFFIXES and not p.name.startswith("."))
+def name_of(location: Location) -> str:
+    return object_store.as_uri(location).rstrip("/").rsplit("/", 1)[-1]
 
 
-def fingerprint(path: Path) -> str:
+def child(directory: Location, name: str) -> Location:
+    if isinstance(directory, Path):
+        return directory / name
+    return f"{object_store.as_uri(directory).rstrip('/')}/{name}"
+
+
+def request_files(directory: Location, storage_options: Options = None) -> list[Location]:
+    """Request files in name order (hidden and temporary files are not requests); a folder
+    that does not exist (no request yet; on S3, no object under the prefix) has none."""
+    fs, path = object_store.filesystem(directory, storage_options)
+    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    names = sorted(info.base_name for info in infos if info.type == pafs.FileType.File
+                   and info.base_name.endswith(REQUEST_SUFFIXES)
+                   and not info.base_name.startswith("."))
+    return [child(directory, name) for name in names]
+
+
+def read_bytes(location: Location, storage_options: Options = None) -> bytes:
+    fs, path = object_store.filesystem(location, storage_options)
+    with fs.open_input_stream(path) as stream:
+        return stream.read()
+
+
+def fingerprint(location: Location, storage_options: Options = None) -> str:
     """Content hash: a rewritten file counts as new, a touched one does not."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return hashlib.sha256(read_bytes(location, storage_options)).hexdigest()[:16]
 
 
 def parse_request(record: dict, file: str, line: int) -> OptOutRequest:
@@ -140,32 +167,36 @@ def parse_timestamp(text: str) -> datetime:
         timezone.utc)
 
 
-def parse_file(path: Path) -> ParsedRequests:
+def parse_file(location: Location, storage_options: Options = None) -> ParsedRequests:
     """Every valid request of a file, and every malformed row with its line number."""
     parsed = ParsedRequests()
+    name = name_of(location)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_bytes(location, storage_options).decode("utf-8")
+    except object_store.ObjectStoreError:
+        raise  # the store itself is unusable: not a property of this one file
     except (OSError, UnicodeDecodeError) as exc:
-        parsed.errors.append(RowError(path.name, 0, f"unreadable: {exc}"))
+        parsed.errors.append(RowError(name, 0, f"unreadable: {exc}"))
         return parsed
-    rows = _csv_rows(text) if path.suffix == ".csv" else _jsonl_rows(text)
+    rows = _csv_rows(text) if name.endswith(".csv") else _jsonl_rows(text)
     for line, record in rows:
         try:
             if isinstance(record, Exception):
                 raise record
-            parsed.requests.append(parse_request(record, path.name, line))
+            parsed.requests.append(parse_request(record, name, line))
         except ValueError as exc:
-            parsed.errors.append(RowError(path.name, line, str(exc)))
+            parsed.errors.append(RowError(name, line, str(exc)))
     return parsed
 
 
-def parse_directory(directory: Path, names: Iterable[str] | None = None) -> ParsedRequests:
+def parse_directory(directory: Location, names: Iterable[str] | None = None,
+                    storage_options: Options = None) -> ParsedRequests:
     """All request files of the folder (or only those named)."""
     wanted = set(names) if names is not None else None
     parsed = ParsedRequests()
-    for path in request_files(directory):
-        if wanted is None or path.name in wanted:
-            parsed.extend(parse_file(path))
+    for location in request_files(directory, storage_options):
+        if wanted is None or name_of(location) in wanted:
+            parsed.extend(parse_file(location, storage_options))
     return parsed
 
 
@@ -226,16 +257,17 @@ class _Keys:
         return not any(self.by_type.values())
 
 
-def _scan(uri: Path, columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
-    table = lance.dataset(str(uri))
+def _scan(uri: Location, columns: list[str], batch_rows: int, storage_options: Options = None
+          ) -> Iterator[pa.RecordBatch]:
+    table = open_table(uri, storage_options=storage_options)
     present = [c for c in columns if c in table.schema.names]
     yield from table.scanner(columns=present, batch_size=batch_rows).to_batches()
 
 
-def _direct_matches(uri: Path, keys: _Keys, batch_rows: int
+def _direct_matches(uri: Location, keys: _Keys, batch_rows: int, storage_options: Options = None
                     ) -> Iterator[tuple[OptOutRequest, str, str | None]]:
     """(request, id, sha256) for every raw_images row a request names directly."""
-    for batch in _scan(uri, ["id", "sha256", "source_key", "url"], batch_rows):
+    for batch in _scan(uri, ["id", "sha256", "source_key", "url"], batch_rows, storage_options):
         for key_type, values in keys.by_type.items():
             if not values or key_type not in batch.schema.names:
                 continue
@@ -248,12 +280,12 @@ def _direct_matches(uri: Path, keys: _Keys, batch_rows: int
                     yield request, sample_id, shas[i] if shas else None
 
 
-def _same_bytes(uri: Path, shas: dict[str, set[str]], batch_rows: int
-                ) -> Iterator[tuple[str, str]]:
+def _same_bytes(uri: Location, shas: dict[str, set[str]], batch_rows: int,
+                storage_options: Options = None) -> Iterator[tuple[str, str]]:
     """(sha256, id) of rows whose bytes equal an opted-out image's."""
     if not shas:
         return
-    for batch in _scan(uri, ["id", "sha256"], batch_rows):
+    for batch in _scan(uri, ["id", "sha256"], batch_rows, storage_options):
         if "sha256" not in batch.schema.names:
             return
         hit = pc.fill_null(pc.is_in(batch.column("sha256"), value_set=pa.array(list(shas))),
@@ -262,12 +294,12 @@ def _same_bytes(uri: Path, shas: dict[str, set[str]], batch_rows: int
         yield from zip(rows.column("sha256").to_pylist(), rows.column("id").to_pylist())
 
 
-def _group_members(duplicates_uri: Path, ids: set[str], batch_rows: int
-                   ) -> dict[str, set[str]]:
+def _group_members(duplicates_uri: Location, ids: set[str], batch_rows: int,
+                   storage_options: Options = None) -> dict[str, set[str]]:
     """For each id in a duplicate group, every other member of its group."""
-    if not ids or not table_exists(duplicates_uri):
+    if not ids or not table_exists(duplicates_uri, storage_options):
         return {}
-    table = lance.dataset(str(duplicates_uri))
+    table = open_table(duplicates_uri, storage_options=storage_options)
     phash_of: dict[str, int] = {}
     for batch in table.scanner(columns=["id", "phash"], batch_size=batch_rows).to_batches():
         rows = batch.filter(pc.is_in(batch.column("id"), value_set=pa.array(list(ids))))
@@ -292,6 +324,7 @@ def resolve(requests: list[OptOutRequest], sources: list[str], storage: Storage 
     every request is accounted for.
     """
     storage = as_storage(storage)
+    options = storage.storage_options
     found: dict[str, dict[str, str]] = {}  # request_id -> id -> via
     shas: dict[str, set[str]] = {}  # sha256 -> request ids
     raw = {s: storage.table(RAW_IMAGES, s) for s in sources if storage.exists(RAW_IMAGES, s)}
@@ -299,16 +332,16 @@ def resolve(requests: list[OptOutRequest], sources: list[str], storage: Storage 
         keys = _Keys.of(requests, source)
         if keys.empty():
             continue
-        for request, sample_id, sha in _direct_matches(uri, keys, batch_rows):
+        for request, sample_id, sha in _direct_matches(uri, keys, batch_rows, options):
             found.setdefault(request.request_id, {})[sample_id] = VIA_DIRECT
             if sha:
                 shas.setdefault(sha, set()).add(request.request_id)
     for uri in raw.values():
-        for sha, sample_id in _same_bytes(uri, shas, batch_rows):
+        for sha, sample_id in _same_bytes(uri, shas, batch_rows, options):
             for request_id in shas[sha]:
                 found[request_id].setdefault(sample_id, VIA_SAME_BYTES)
     direct = {i for ids in found.values() for i in ids}
-    members = _group_members(storage.table(DUPLICATES), direct, batch_rows)
+    members = _group_members(storage.table(DUPLICATES), direct, batch_rows, options)
     for ids in found.values():
         for sample_id in list(ids):
             for other in members.get(sample_id, ()):

@@ -3,7 +3,9 @@
 Ray tasks write data files in parallel; nothing is visible until the driver commits one
 `Overwrite` with every fragment. A run killed before that commit leaves the previous
 version as the latest (its orphan files are removed by `cleanup_old_versions` later), and
-a rerun replaces the whole table, so it can never hold duplicate rows.
+a rerun replaces the whole table, so it can never hold duplicate rows. The commit names the
+version the write started from: a write that another writer's commit overtook fails with
+`CommitConflictError` instead of replacing that commit unseen.
 
 Every function takes a location as a local path or an object-store URI (`s3://...`) and
 optional `storage_options` (overrides of the standard AWS variables, see
@@ -13,6 +15,7 @@ driver, and handed to the Ray tasks that write fragments.
 
 from __future__ import annotations
 
+import logging
 import pickle
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -26,14 +29,19 @@ from lance.fragment import write_fragments
 from ray.data.block import Block, BlockAccessor
 from ray.data.datasource.datasink import Datasink, WriteResult
 
+from prx_assets.engine.failpoints import failpoint
 from prx_assets.storage import object_store
 from prx_assets.storage.object_store import as_uri, is_object_store
+
+log = logging.getLogger(__name__)
 
 # Image-blob tables: ~512 MB fragments. A 1M-row fragment of images would be ~hundreds of GB.
 DEFAULT_BLOB_FRAGMENT_BYTES = 512 << 20
 # Metadata-only tables: ~1M rows per fragment (docs/architecture.md, fragment hygiene).
 DEFAULT_METADATA_FRAGMENT_ROWS = 1 << 20
 NODE_TAG = b"prx.ray_node"
+# How often an upsert redoes its merge after losing the commit to a concurrent writer.
+UPSERT_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,12 @@ class WriteReport:
 
 class OutputPathError(OSError):
     """An output location that cannot be written: a file sits where a folder must be."""
+
+
+class CommitConflictError(RuntimeError):
+    """A write lost its commit to concurrent writers (an upsert: every time it tried; a whole
+    table rewrite: once, since it would replace what the other wrote); nothing of it was
+    committed, the table holds the other writers' rows, and a rerun redoes exactly it."""
 
 
 def prepare_output_dir(path: "Path | str", what: str,
@@ -106,12 +120,50 @@ def table_exists(uri: str | Path, storage_options: Optional[Mapping[str, str]] =
     return True
 
 
+def open_table(uri: "str | Path", version: int | None = None,
+               storage_options: Optional[Mapping[str, str]] = None) -> lance.LanceDataset:
+    """`lance.dataset` on a local path or an object-store URI (even one that went through
+    `Path`), with the resolved storage options (standard variables, then overrides)."""
+    uri = as_uri(uri)
+    return lance.dataset(uri, version=version,
+                         storage_options=object_store.lance_options(uri, storage_options))
+
+
+def read_table(uri: "str | Path", version: int | None = None,
+               storage_options: Optional[Mapping[str, str]] = None,
+               **kwargs: Any) -> "ray.data.Dataset":
+    """`ray.data.read_lance` with the options resolved here, on the driver: Ray tasks read
+    with them whatever environment their worker process started with."""
+    uri = as_uri(uri)
+    return ray.data.read_lance(uri, version=version,
+                               storage_options=object_store.lance_options(uri, storage_options),
+                               **kwargs)
+
+
+def create_empty(uri: "str | Path", schema: pa.Schema,
+                 storage_options: Optional[Mapping[str, str]] = None) -> int:
+    """The table's version, creating it empty first if it was never written (so downstream
+    readers and checks always find one); a concurrent creator's table is kept, not replaced."""
+    if table_exists(uri, storage_options):
+        return open_table(uri, storage_options=storage_options).version
+    prepare_output_dir(uri, "Lance table", storage_options)
+    uri = as_uri(uri)
+    created = _create_if_absent(uri, schema.empty_table(), schema,
+                                object_store.lance_options(uri, storage_options))
+    return created if created is not None else open_table(uri, None, storage_options).version
+
+
 class LanceOverwriteSink(Datasink[dict]):
     """Writes fragments from Ray tasks, then commits them as one Overwrite on the driver."""
 
     def __init__(self, uri: str, policy: FragmentPolicy, schema: pa.Schema | None = None,
-                 storage_options: Optional[dict[str, str]] = None):
+                 storage_options: Optional[dict[str, str]] = None,
+                 read_version: int | None = None):
         self.uri = uri
+        # The version this write replaces (None: the table did not exist when it started).
+        # Its commit fails if another writer committed since, rather than replacing that
+        # writer's version unseen.
+        self.read_version = read_version
         self.policy = policy
         self.schema = schema
         # Resolved on the driver (object_store.lance_options): tasks must not depend on
@@ -153,11 +205,21 @@ class LanceOverwriteSink(Datasink[dict]):
                                  else _existing_schema(self.uri, self.storage_options))
         if schema is None:
             raise ValueError(f"{self.uri}: nothing was written and no schema is known")
-        read_version = _latest_version(self.uri, self.storage_options)
-        lance.LanceDataset.commit(
-            self.uri, lance.LanceOperation.Overwrite(schema, fragments), read_version=read_version,
-            storage_options=self.storage_options,
-        )
+        failpoint("storage.overwrite_uncommitted")
+        try:
+            lance.LanceDataset.commit(
+                self.uri, lance.LanceOperation.Overwrite(schema, fragments),
+                read_version=self.read_version, max_retries=0,
+                storage_options=self.storage_options)
+        except OSError as exc:
+            latest = _latest_version(self.uri, self.storage_options)
+            if latest == self.read_version:
+                raise  # not a lost race: a real failure
+            raise CommitConflictError(
+                f"cannot commit {self.uri}: another writer committed version {latest} while "
+                f"this write (based on version {self.read_version}) ran; this write's "
+                f"{len(fragments)} fragment(s) were not committed and the table keeps the "
+                "other writer's version: rerun to replace it") from exc
         self.nodes = sorted(set().union(*(r["nodes"] for r in returns)))
 
 
@@ -206,7 +268,8 @@ def write_dataset_atomically(dataset: "ray.data.Dataset", uri: "Path | str", pol
     uri = as_uri(uri)
     prepare_output_dir(uri, "Lance table", storage_options)
     options = object_store.lance_options(uri, storage_options)
-    sink = LanceOverwriteSink(uri, policy, schema, options)
+    sink = LanceOverwriteSink(uri, policy, schema, options,
+                              read_version=_latest_version(uri, options))
     dataset.write_datasink(sink)
     compacted_from = compact(uri, policy, storage_options)
     table = lance.dataset(uri, storage_options=options)
@@ -266,9 +329,11 @@ def upsert(uri: str | Path, rows: pa.Table, schema: pa.Schema, keys: list[str],
     """Commit `rows` atomically, replacing rows with the same keys (never doubling them);
     returns the new version. Used for chunked, resumable writes (captions, labels).
 
-    Two writers racing on one table both land: Lance commits a version with a put that fails
-    if that version exists (a conditional put on S3) and retries the merge on top of the
-    winner, so neither writer's rows are lost and keys stay unique."""
+    Two writers racing on one table: Lance commits a version with a put that fails if that
+    version exists (a conditional put on S3), so one commit wins; the other finds its merge
+    preempted, merges again on top of the winner's version and commits that (up to
+    `UPSERT_ATTEMPTS` times, then `CommitConflictError`). Neither writer's rows are lost and
+    keys stay unique."""
     uri = as_uri(uri)
     rows = rows.cast(schema)
     prepare_output_dir(uri, "Lance table", storage_options)
@@ -278,10 +343,23 @@ def upsert(uri: str | Path, rows: pa.Table, schema: pa.Schema, keys: list[str],
         if created is not None:
             return created
         # Another writer created the table first: merge into what it committed.
-    table = lance.dataset(uri, storage_options=options)
-    table.merge_insert(keys).when_matched_update_all().when_not_matched_insert_all() \
-        .execute(rows)
-    return lance.dataset(uri, storage_options=options).version
+    for attempt in range(1, UPSERT_ATTEMPTS + 1):
+        table = lance.dataset(uri, storage_options=options)
+        # The merge writes its files first and commits separately, so a lost commit is
+        # redone from the winner's version (a merge's own retries are not bounded by us).
+        transaction, _ = table.merge_insert(keys).when_matched_update_all() \
+            .when_not_matched_insert_all().execute_uncommitted(rows)
+        failpoint("storage.upsert_uncommitted")
+        try:
+            return lance.LanceDataset.commit(uri, transaction, storage_options=options).version
+        except lance.commit.CommitConflictError as exc:
+            log.warning("upsert into %s lost its commit on version %d to a concurrent writer "
+                        "(attempt %d of %d): merging again on top (%s)", uri, table.version,
+                        attempt, UPSERT_ATTEMPTS, str(exc).split(",")[0])
+    raise CommitConflictError(
+        f"upsert into {uri}: lost the commit to concurrent writers {UPSERT_ATTEMPTS} times; "
+        "none of these rows were committed, the other writers' rows are kept: rerun to "
+        "commit them")
 
 
 def _create_if_absent(uri: str, rows: pa.Table, schema: pa.Schema,

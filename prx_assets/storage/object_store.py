@@ -156,3 +156,44 @@ def is_not_found(exc: BaseException) -> bool:
     credential or network problem, which must not read as "absent")."""
     text = str(exc)
     return isinstance(exc, FileNotFoundError) or ("was not found" in text and "Dataset" in text)
+
+
+def filesystem(uri: "str | PurePath", overrides: Optional[Mapping[str, str]] = None):
+    """(pyarrow FileSystem, path inside it) for a location that is not a Lance table (a
+    folder of request files, a pointer object): the local file system for a local path; for
+    `s3://bucket/key` an S3FileSystem on the same resolved settings Lance gets (endpoint,
+    credentials, plain HTTP, bounded timeouts and retries), after the preflight."""
+    import pyarrow.fs as pafs
+
+    uri = as_uri(uri)
+    if not is_object_store(uri):
+        return pafs.LocalFileSystem(), str(PurePath(uri.removeprefix("file://")))
+    scheme, bucket, key = split_uri(uri)
+    if scheme not in ("s3", "s3a"):
+        raise ObjectStoreError(f"cannot use {uri}: only s3:// object stores are supported here")
+    check_reachable(uri, overrides)
+    options = lance_options(uri, overrides) or {}
+    endpoint = options.get("aws_endpoint")
+    http = options.get("allow_http", "false").lower() == "true"
+    if endpoint and "://" in endpoint:
+        endpoint_scheme, _, endpoint = endpoint.partition("://")
+        http = endpoint_scheme == "http"
+    fs = pafs.S3FileSystem(
+        access_key=options.get("aws_access_key_id"),
+        secret_key=options.get("aws_secret_access_key"),
+        session_token=options.get("aws_session_token"),
+        region=options.get("aws_region"),  # None: the SDK's own resolution (AWS)
+        endpoint_override=endpoint, scheme="http" if http else "https",
+        connect_timeout=PREFLIGHT_CONNECT_TIMEOUT_S, request_timeout=_seconds(options["timeout"]),
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(
+            max_attempts=int(options["client_max_retries"])))
+    return fs, f"{bucket}/{key}".rstrip("/")
+
+
+def _seconds(duration: str) -> float:
+    """`60s` / `500ms` / `2m` (object_store's duration strings) as seconds."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|m|h)?\s*", duration)
+    if not match:
+        raise ValueError(f"not a duration: {duration!r}")
+    value, unit = float(match.group(1)), match.group(2) or "s"
+    return value * {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]

@@ -1,4 +1,5 @@
 import io
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -9,6 +10,7 @@ import lance
 import pytest
 
 from prx_assets.definitions import build_defs
+from prx_assets.s1_ingest.ids import sample_id
 from prx_assets_tests.conftest import jpeg_bytes, write_sources
 
 
@@ -90,3 +92,181 @@ def test_code_location_validates_from_the_workspace():
     result = subprocess.run([str(dagster), "definitions", "validate", "-w", "workspace.yaml"],
                             cwd=root, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ------------------------------------------------------------------ incremental reruns
+
+def data_version(result, asset: str = "raw_images") -> str:
+    [event] = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()
+               if e.event_specific_data.materialization.asset_key.path[-1] == asset]
+    return event.tags["dagster/data_version"]
+
+
+def counts(meta: dict) -> tuple[int, int, int]:
+    return meta["rows_processed"], meta["rows_reused"], meta["rows_removed"]
+
+
+def test_reruns_report_what_changed_and_keep_the_data_version_when_nothing_did(
+        ray_session, data_root, tmp_path):
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i in range(4):
+        (folder / f"{i}.jpg").write_bytes(jpeg_bytes(480, 400, i))
+    sources = write_sources(tmp_path / "sources.yaml",
+                            [f"{{name: web, kind: image_folder, uri: {folder}}}"])
+    instance = dg.DagsterInstance.ephemeral()
+    first = run_partition(sources, "web", instance)
+    assert first.success
+    meta = materialization(first)
+    assert counts(meta) == (4, 0, 0) and meta["dagster/row_count"] == 4 and meta["ok_rows"] == 4
+    assert meta["path"] == str(data_root / "lance/raw_images/web.lance") and meta["fragments"] == 1
+    assert meta["ray_nodes"] == 1 and meta["units_read"] == 4
+
+    same = run_partition(sources, "web", instance)
+    assert same.success and counts(materialization(same)) == (0, 4, 0)
+    assert materialization(same)["lance_version"] == meta["lance_version"]
+    assert data_version(same) == data_version(first)
+
+    (folder / "new.jpg").write_bytes(jpeg_bytes(500, 400, 9))
+    (folder / "0.jpg").unlink()
+    changed = run_partition(sources, "web", instance)
+    assert changed.success
+    after = materialization(changed)
+    assert counts(after) == (1, 3, 1) and after["dagster/row_count"] == 4
+    assert after["lance_version"] > meta["lance_version"]
+    assert data_version(changed) != data_version(first)
+
+    # Downstream loads raw_images through the IO manager, pinned to the recorded version.
+    job = build_defs(sources).resolve_job_def("corpus_job")
+    images = job.execute_in_process(
+        partition_key="web", instance=instance, raise_on_error=False,
+        asset_selection=[dg.AssetKey(k) for k in ("bucketed_images", "phashes")])
+    assert images.success
+    assert materialization(images, "bucketed_images")["input_version/raw_images"] == \
+        after["lance_version"]
+    ids = lance.dataset(str(data_root / "lance/bucketed_images/web.lance")).to_table(
+        columns=["id"]).column(0).to_pylist()
+    assert sorted(ids) == sorted(sample_id("web", n) for n in ("1.jpg", "2.jpg", "3.jpg",
+                                                              "new.jpg"))
+
+
+def test_a_run_killed_after_a_chunk_commit_resumes_with_only_the_rest(
+        ray_session, data_root, tmp_path):
+    """SIGKILL of the run's whole process group right after its first chunk committed (the
+    `ingest.chunk_committed` failpoint holds the driver there); the rerun reads only the
+    units not committed, and the table equals a fresh full run's."""
+    from prx_assets_tests.e2e.fault_runs import (
+        RunProcess, RunSpec, mark_killed_run_failed, open_instance, table_state,
+        wait_for_failpoint, write_instance_config)
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    total = 12
+    for i in range(total):
+        (folder / f"{i:02d}.jpg").write_bytes(jpeg_bytes(480, 400, i))
+    sources = write_sources(tmp_path / "sources.yaml",
+                            [f"{{name: web, kind: image_folder, uri: {folder}}}"])
+    home = write_instance_config(tmp_path / "home")
+    config = {"ops": {"raw_images": {"config": {"chunk_rows": 4, "files_per_task": 4}}}}
+    spec = RunSpec(sources, "corpus_job", "web", home, data_root, ("raw_images",),
+                   run_config=config).arm("ingest.chunk_committed", tmp_path)
+    run = RunProcess(spec, tmp_path)
+    try:
+        held = wait_for_failpoint(run)
+        assert held["pid"] == run.process.pid  # the driver, between two commits
+    finally:
+        run.kill()
+    uri = data_root / "lance/raw_images/web.lance"
+    committed = lance.dataset(str(uri)).count_rows()
+    assert 0 < committed < total  # readable, one chunk in
+
+    instance = open_instance(home)
+    try:
+        mark_killed_run_failed(instance, spec.run_id)
+        job = build_defs(sources).resolve_job_def("corpus_job").get_subset(
+            asset_selection={dg.AssetKey("raw_images")}, asset_check_selection=set())
+        rerun = job.execute_in_process(partition_key="web", instance=instance,
+                                       run_config=config)
+        assert rerun.success
+        meta = materialization(rerun)
+        assert 0 < meta["rows_processed"] < total
+        assert meta["rows_processed"] + meta["rows_reused"] == total == meta["dagster/row_count"]
+        resumed = table_state(uri)["rows"]
+        shutil.rmtree(uri)
+        fresh = job.execute_in_process(partition_key="web", instance=instance, run_config=config)
+        assert fresh.success and materialization(fresh)["rows_processed"] == total
+        assert table_state(uri)["rows"] == resumed  # same ids, bytes, sha256, everything
+    finally:
+        instance.dispose()
+
+
+def test_sources_in_the_bucket_ingest_into_the_bucket_and_rerun_incrementally(
+        ray_session, s3_server, s3_root, tmp_path):
+    """A webdataset and a parquet source uploaded to the S3 server, the data root in the same
+    bucket: both stream from there, and a rerun after one tar is added and one parquet file
+    removed reads exactly those."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from prx_assets.storage.layout import Storage
+
+    client = s3_server.client()
+    bucket, prefix = s3_root.partition("://")[2].split("/", 1)
+
+    def put(key: str, data: bytes) -> None:
+        client.put_object(Bucket=bucket, Key=f"{prefix}/sources/{key}", Body=data)
+
+    def tar_bytes(keys: list[str], seed: int) -> bytes:
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            for i, key in enumerate(keys):
+                for name, data in ((f"{key}.jpg", jpeg_bytes(480, 400, seed + i)),
+                                   (f"{key}.txt", f"caption {key}".encode())):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        return buffer.getvalue()
+
+    def parquet_bytes(keys: list[str], seed: int) -> bytes:
+        buffer = io.BytesIO()
+        pq.write_table(pa.table({"k": keys, "img": [jpeg_bytes(480, 400, seed + i)
+                                                    for i in range(len(keys))]}), buffer)
+        return buffer.getvalue()
+
+    put("wds/a.tar", tar_bytes(["a0", "a1"], 0))
+    put("wds/b.tar", tar_bytes(["b0"], 10))
+    put("pq/one.parquet", parquet_bytes(["k1", "k2"], 20))
+    put("pq/two.parquet", parquet_bytes(["k3"], 30))
+    sources = write_sources(tmp_path / "sources.yaml", [
+        f"{{name: tars, kind: webdataset, uri: '{s3_root}/sources/wds'}}",
+        f"{{name: pq, kind: parquet, uri: '{s3_root}/sources/pq', image_column: img, "
+        f"key_column: k}}"])
+    instance = dg.DagsterInstance.ephemeral()
+    for source, n in (("tars", 3), ("pq", 3)):
+        result = run_partition(sources, source, instance)
+        assert result.success, result.all_events
+        meta = materialization(result)
+        assert counts(meta) == (n, 0, 0) and meta["ok_rows"] == n
+        assert meta["path"] == f"{s3_root}/lance/raw_images/{source}.lance"
+    assert not (tmp_path / "data").exists() and not list(tmp_path.rglob("*.lance"))
+
+    put("wds/c.tar", tar_bytes(["c0"], 40))
+    client.delete_object(Bucket=bucket, Key=f"{prefix}/sources/pq/two.parquet")
+    tars = materialization(run_partition(sources, "tars", instance))
+    pqs = materialization(run_partition(sources, "pq", instance))
+    assert counts(tars) == (1, 3, 0) and counts(pqs) == (0, 2, 1)
+    table = Storage(s3_root).open("raw_images", "tars").to_table(columns=["source_key", "image"])
+    assert sorted(table["source_key"].to_pylist()) == ["a.tar/a0", "a.tar/a1", "b.tar/b0",
+                                                       "c.tar/c0"]
+    assert sorted(Storage(s3_root).open("raw_images", "pq").to_table(
+        columns=["source_key"])["source_key"].to_pylist()) == ["k1", "k2"]
+
+
+def test_a_source_in_a_missing_bucket_fails_at_once_naming_the_uri(
+        ray_session, s3_server, s3_root, tmp_path):
+    sources = write_sources(tmp_path / "sources.yaml", [
+        "{name: tars, kind: webdataset, uri: 's3://no-such-source-bucket/wds'}"])
+    result = run_partition(sources, "tars", dg.DagsterInstance.ephemeral())
+    assert not result.success
+    message = result.failure_data_for_node("raw_images").error.message
+    assert "s3://no-such-source-bucket/wds" in message and "does not exist" in message

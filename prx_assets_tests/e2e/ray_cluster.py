@@ -27,16 +27,23 @@ def free_port() -> int:
 
 
 class TwoNodeCluster:
-    def __init__(self, cpus_per_node: int = 1):
+    def __init__(self, cpus_per_node: int = 1,
+                 node_envs: tuple[dict, dict] | None = None):
+        """`node_envs`: extra variables for the head and the worker node (each its own
+        TMPDIR, say, so the nodes share no work folder)."""
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.temp_dir = tempfile.mkdtemp(prefix="prxray-", dir="/tmp")  # short: unix sockets
-        self.env = {**os.environ, "RAY_AUTH_MODE": "token",
+        # RAY_TMPDIR: Ray's sockets stay under the short temp dir whatever TMPDIR a node has.
+        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_TMPDIR": self.temp_dir,
                     "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"}
         self.env.pop("RAY_ADDRESS", None)
         self.cpus = cpus_per_node
         self.processes: list[subprocess.Popen] = []
         self.starts: list[tuple[list[str], str]] = []
+        self.node_envs = {"head.log": {}, "worker.log": {}}
+        if node_envs:
+            self.node_envs = {"head.log": dict(node_envs[0]), "worker.log": dict(node_envs[1])}
 
     def _start(self, args: list[str], log_name: str) -> None:
         self.starts.append((args, log_name))
@@ -47,7 +54,8 @@ class TwoNodeCluster:
         return subprocess.Popen(
             [RAY, "start", "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus}",
              "--disable-usage-stats", *args],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            env={**self.env, **self.node_envs.get(log_name, {})}, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True)
 
     def _restart_exited(self) -> None:
         """A node whose `ray start` gave up (its raylet can time out on a loaded machine) is

@@ -150,3 +150,42 @@ def test_whole_graph_on_a_two_node_cluster_matches_embedded(
     different = [name for name in cluster_tree if cluster_tree[name] != embedded_tree[name]]
     assert different == [], different
     assert os.path.islink(cluster_root / "mds" / "web")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(2400)
+def test_the_graph_on_a_two_node_cluster_with_the_data_root_in_a_bucket(
+        tmp_path: Path, s3_server, s3_root):
+    """PRX_DATA_ROOT in the bucket, each node (and the driver) with a work folder of its own:
+    every table lands in the bucket, both nodes did work, no node keeps scratch behind.
+    The nodes get the AWS variables when they start, as a deployment sets them on every node
+    (the s3_root fixture has put them in this process's environment)."""
+    from prx_assets_tests.e2e.s3_runs import (
+        GLOBAL_TABLES, NOT_YET_ON_OBJECT_STORAGE, PER_SOURCE_TABLES, SOURCE, keys_under,
+        run_graph, write_webdataset)
+
+    tars = write_webdataset(tmp_path / "wds", items=16)
+    sources = write_sources(tmp_path / "sources.yaml",
+                            [f"{{name: {SOURCE}, kind: webdataset, uri: {tars}}}"])
+    folders = {name: tmp_path / name for name in ("head", "worker", "driver", "cwd")}
+    for folder in folders.values():
+        folder.mkdir()
+    with TwoNodeCluster(node_envs=({"TMPDIR": str(folders["head"])},
+                                   {"TMPDIR": str(folders["worker"])})) as cluster:
+        env = {**cluster.driver_env(), "PRX_DATA_ROOT": s3_root,
+               "TMPDIR": str(folders["driver"]), "DAGSTER_HOME": str(tmp_path),
+               "HF_HUB_OFFLINE": "1"}
+        report = run_graph(sources, env, folders["cwd"])
+    for job, outcome in report.items():
+        assert outcome["success"], (job, outcome["failures"])
+        assert set(outcome["failed_checks"].values()) <= {"WARN"}, (job, outcome)
+    assert report["corpus_job"]["ray_nodes"]["raw_images"] == 2, report["corpus_job"]
+    keys = keys_under(s3_server, s3_root)
+    for table in PER_SOURCE_TABLES:
+        assert any(k.startswith(f"lance/{table}/{SOURCE}.lance/_versions/") for k in keys), table
+    for table in GLOBAL_TABLES:
+        assert any(k.startswith(f"lance/{table}.lance/_versions/") for k in keys), table
+    for name, folder in folders.items():
+        left = [p for p in folder.rglob("*") if p.is_file() and "prx-work" in p.parts]
+        assert left == [], (name, left)
+    assert list(folders["cwd"].iterdir()) == []

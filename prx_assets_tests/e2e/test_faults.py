@@ -4,7 +4,7 @@ that cannot happen, two partitions at once, and inputs changing between runs.
 Everything is real: Dagster runs on an on-disk SQLite instance, embedded Ray, Lance tables,
 MDS trees, and SIGKILL of a run's whole process group. A killed run is armed with one of the
 stages' failpoints (`prx_assets.engine.failpoints`): the stage holds there, mid-work with
-something half-written (a Ray task expanding ingest units, a batch of the image stage, a
+something half-written (ingest between two chunk commits, a batch of the image stage, a
 committed caption chunk, a part of a `.partial` MDS tree, one replaced skip sidecar), and
 the test kills it once the marker file says so. No kill waits for a sleep or races the run.
 
@@ -212,20 +212,44 @@ def _kill_mid_stage(corpus: Corpus, spec: RunSpec, step: str, failpoint: str,
 
 # ------------------------------------------------------------------------ killed mid-stage
 
-def test_kill_during_ingest(corpus, tmp_path):
-    before = store_state(corpus.data_root, ["web"])
-    spec = corpus.spec("corpus_job", "web", ["raw_images"])
-    run = _kill_mid_stage(corpus, spec, "raw_images", "ingest.expand_units", tmp_path)
-    # The killed run's manifest is left behind: it had listed the source.
-    assert (corpus.data_root / "_work/raw_images/web" / spec.run_id).exists(), run.output()
-    assert store_state(corpus.data_root, ["web"]) == before  # nothing moved during the outage
+def _without(rows: list[dict], column: str) -> list[dict]:
+    return sorted(({k: v for k, v in r.items() if k != column} for r in rows),
+                  key=lambda r: r["id"])
 
-    result = corpus.run("corpus_job", "web", ["raw_images"])
+
+def test_kill_during_ingest(corpus, tmp_path):
+    """Every file of the source touched (same bytes, a later mtime), so the run reads them
+    all again; killed right after its first chunk commit, it leaves a readable table with
+    every id once, and the rerun reads only the units not committed."""
+    before = store_state(corpus.data_root, ["web"])
+    files = sorted(corpus.folders["web"].glob("*.jpg"))
+    for path in files:
+        stat = path.stat()
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    config = {"ops": {"raw_images": {"config": {"chunk_rows": 4, "files_per_task": 4}}}}
+    spec = corpus.spec("corpus_job", "web", ["raw_images"])
+    spec.run_config = config
+    _kill_mid_stage(corpus, spec, "raw_images", "ingest.chunk_committed", tmp_path)
+    killed = table_state(corpus.uri("raw_images", "web"))
+    _assert_exact(_ids(corpus.uri("raw_images", "web")), corpus.ids("web"))
+    assert _without(killed["rows"], "unit_signature") == \
+        _without(before["raw_images/web"]["rows"], "unit_signature")  # same content
+    others = {k: v for k, v in store_state(corpus.data_root, ["web"]).items()
+              if k != "raw_images/web"}
+    assert others == {k: v for k, v in before.items() if k != "raw_images/web"}
+
+    result = run_in_process(corpus.defs, "corpus_job", "web", corpus.instance, ["raw_images"],
+                            run_config=config)
+    assert result.success, _failure(result)
+    [event] = result.get_asset_materialization_events()
+    meta = {k: v.value for k, v in event.event_specific_data.materialization.metadata.items()}
+    assert 0 < meta["rows_processed"] < len(files)  # only what the killed run had not committed
+    assert meta["rows_processed"] + meta["rows_reused"] == len(files)
     _assert_exact(_ids(corpus.uri("raw_images", "web")), corpus.ids("web"))
     after = table_state(corpus.uri("raw_images", "web"))
     assert after["version"] > before["raw_images/web"]["version"]
-    assert after["rows"] == before["raw_images/web"]["rows"]  # same inputs, same rows
-    assert result.success
+    assert _without(after["rows"], "unit_signature") == \
+        _without(before["raw_images/web"]["rows"], "unit_signature")  # same inputs, same rows
 
 
 def test_kill_during_image_stage(corpus, tmp_path):

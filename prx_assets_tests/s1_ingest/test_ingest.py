@@ -5,7 +5,7 @@ import pyarrow as pa
 import pytest
 
 from prx_assets.s1_ingest.ids import sample_id
-from prx_assets.s1_ingest.ingest import IngestOptions, build_raw_dataset, write_manifest
+from prx_assets.s1_ingest.ingest import IngestOptions, build_raw_dataset, plan_ingest
 from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
 from prx_assets.s1_ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.s1_ingest.readers import SourceNotFoundError
@@ -15,7 +15,7 @@ from prx_assets_tests.conftest import jpeg_bytes
 
 def ingest(spec: SourceSpec, uri: Path, tmp_path: Path, **options) -> pa.Table:
     out = tmp_path / f"{spec.name}-{len(list(tmp_path.iterdir()))}.lance"
-    dataset = build_raw_dataset(spec, uri, tmp_path / "work", IngestOptions(**options))
+    dataset = build_raw_dataset(spec, uri, options=IngestOptions(**options))
     write_dataset_atomically(dataset, out, FragmentPolicy(), RAW_IMAGES_SCHEMA)
     return lance.dataset(str(out)).to_table().sort_by("source_key")
 
@@ -66,14 +66,17 @@ def test_lance_source_is_read_by_key(ray_session, tmp_path):
 def test_missing_source_is_a_clear_error(ray_session, tmp_path):
     spec = SourceSpec(name="gone", kind="webdataset", uri="x")
     with pytest.raises(SourceNotFoundError, match="source 'gone'"):
-        build_raw_dataset(spec, tmp_path / "missing", tmp_path / "work")
+        build_raw_dataset(spec, tmp_path / "missing")
 
 
-def test_manifest_is_chunked_and_complete(tmp_path, monkeypatch, small_folder):
-    import prx_assets.s1_ingest.ingest as ingest_module
+def test_units_reach_ray_in_bounded_blocks_without_a_manifest(ray_session, small_folder):
+    import ray
 
-    monkeypatch.setattr(ingest_module, "MANIFEST_CHUNK", 3)
     spec = SourceSpec(name="web", kind="image_folder", uri=str(small_folder))
-    count = write_manifest(spec, small_folder, tmp_path / "m")
-    parts = sorted((tmp_path / "m").iterdir())
-    assert count == 8 and len(parts) == 3
+    plan = plan_ingest(spec, small_folder, done={}, block_units=3)
+    blocks = [ray.get(ref) for ref in plan.blocks]
+    assert [b.num_rows for b in blocks] == [3, 3, 2] and plan.pending_units == 8
+    assert sum((b.column("unit").to_pylist() for b in blocks), []) == list(plan.listed)
+    done = dict(list(plan.listed.items())[:5])  # already committed under these signatures
+    again = plan_ingest(spec, small_folder, done=done, block_units=3)
+    assert again.pending_units == 3 and again.listed == plan.listed

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from prx_assets.s1_ingest import readers
-from prx_assets.s1_ingest.ingest import IngestOptions, expand_units, write_manifest
+from prx_assets.s1_ingest.ingest import IngestOptions, expand_units
 from prx_assets.s1_ingest.raw_rows import RAW_IMAGES_SCHEMA, raw_row
 from prx_assets.s1_ingest.sources import SourceSpec
 from prx_assets_tests.conftest import jpeg_bytes
@@ -51,11 +51,13 @@ def test_unlistable_folder_becomes_a_row_naming_it(small_folder: Path, tmp_path:
     assert units[1:] == ["a/one.jpg", "anim.png", "cut.jpg", "dangling.jpg", "empty.jpg",
                          "notes.jpg", "three.webp"]
     assert readers.is_folder_unit(units[0]) and not any(map(readers.is_folder_unit, units[1:]))
-    # Through the manifest (parquet) and a task's expansion, as a run takes it.
-    count = write_manifest(spec("image_folder"), small_folder, tmp_path / "manifest")
-    assert count == len(units)
-    manifest = pq.read_table(sorted((tmp_path / "manifest").glob("*.parquet"))[0])
-    tables = list(expand_units(manifest, spec("image_folder"), str(small_folder),
+    # Through a task's expansion, as a run takes it.
+    entries = list(readers.list_unit_entries(spec("image_folder"),
+                                             readers.resolve_location(spec("image_folder"),
+                                                                      small_folder)))
+    assert [unit for unit, _ in entries] == units and entries[0][1] == readers.UNLISTABLE
+    block = pa.table({"unit": [u for u, _ in entries], "unit_signature": [s for _, s in entries]})
+    tables = list(expand_units(block, spec("image_folder"), str(small_folder),
                                IngestOptions()))
     rows = {r["source_key"]: r for t in tables for r in t.to_pylist()}
     assert "a/b/two.png" not in rows and rows["a/one.jpg"]["status"] == "ok"
@@ -183,3 +185,42 @@ def test_urls_are_kept_when_the_source_carries_them(tmp_path: Path):
         "https://x.org/p", None]
     row = raw_row("web", items[0])
     assert row["url"] == "https://x.org/a.jpg" and set(row) == set(RAW_IMAGES_SCHEMA.names)
+
+
+# ------------------------------------------------------------------ sources on s3://
+
+def test_object_store_sources_list_with_signatures_and_stream(s3_server, s3_root, tmp_path):
+    """An image folder (with a caption file) and a Lance table in the bucket: the listing
+    walks prefixes like folders, signatures change with a new PUT of a caption, and the
+    readers stream bytes through the resolved options."""
+    import lance
+
+    from prx_assets.s1_ingest.location import SourceLocation
+
+    bucket, prefix = s3_root.partition("://")[2].split("/", 1)
+    client = s3_server.client()
+    img = jpeg_bytes(400, 300)
+    for key, body in (("imgs/a/one.jpg", img), ("imgs/a/one.txt", b"a caption"),
+                      ("imgs/two.png", img), ("imgs/readme.md", b"not listed")):
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=body)
+    folder = readers.resolve_location(spec("image_folder"), f"{s3_root}/imgs")
+    entries = dict(readers.list_unit_entries(spec("image_folder"), folder))
+    assert list(entries) == ["a/one.jpg", "two.png"]
+    item = readers.read_image_file(spec("image_folder"), folder, "a/one.jpg")
+    assert item.data == img and item.caption == "a caption"
+    client.put_object(Bucket=bucket, Key=f"{prefix}/imgs/a/one.txt", Body=b"a longer caption")
+    again = dict(readers.list_unit_entries(spec("image_folder"), folder))
+    assert again["a/one.jpg"] != entries["a/one.jpg"] and again["two.png"] == entries["two.png"]
+
+    table_uri = f"{s3_root}/src.lance"
+    location = SourceLocation.of(table_uri)
+    lance.write_dataset(pa.table({"key": ["k1", "k2"], "image": [img, img]}), table_uri,
+                        storage_options=location.storage_options)
+    lance_spec = spec("lance", key_column="key")
+    units = list(readers.lance_unit_entries(lance_spec, readers.resolve_location(lance_spec,
+                                                                                 table_uri)))
+    assert [signature for _, signature in units] == ["v1"]
+    items = list(readers.read_lance_fragment(lance_spec, location, *units[0]))
+    assert [(i.key, i.data == img) for i in items] == [("k1", True), ("k2", True)]
+    with pytest.raises(readers.SourceNotFoundError, match="nothing at"):
+        readers.resolve_location(spec("webdataset"), f"{s3_root}/no-such-prefix")

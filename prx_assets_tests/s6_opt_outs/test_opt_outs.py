@@ -103,3 +103,36 @@ def test_every_key_type_resolves_and_copies_elsewhere_are_removed_too(tmp_path):
         "r5": {(None, "no_match")}}
     assert affected_sources(audit) == ["art", "web"]
     assert ids_for_source(audit, "art") == {"art:1", "art:2", "art:3"}
+
+
+def test_request_files_in_a_bucket_are_listed_fingerprinted_and_parsed(s3_server, s3_root):
+    """Under an s3:// root the request folder is a prefix: listed (hidden files and other
+    suffixes ignored), fingerprinted by content, parsed; the browser's request is one put."""
+    from prx_assets.browser.optout import pending_requests, write_request
+    from prx_assets.s6_opt_outs.opt_outs import (
+        fingerprint, name_of, opt_out_dir, request_files)
+    from prx_assets.storage import object_store
+
+    store = Storage(s3_root)
+    folder = opt_out_dir(store)
+    assert folder == f"{s3_root}/opt_outs" and request_files(folder) == []  # none yet
+    _, bucket, prefix = object_store.split_uri(folder)
+    client = s3_server.client()
+    for name, body in (("a.csv", "key_type,value,timestamp,reference\nid,web:1,2026-11-01,t\n"),
+                       ("b.jsonl", '{"key_type": "id", "value": "web:2"}\n'),
+                       (".hidden.csv", "x"), ("notes.txt", "x")):
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=body.encode())
+    files = request_files(folder)
+    assert [name_of(f) for f in files] == ["a.csv", "b.jsonl"]
+    parsed = parse_directory(folder)
+    assert [r.value for r in parsed.requests] == ["web:1"]
+    assert [(e.file, e.line) for e in parsed.errors] == [("b.jsonl", 1)]  # fields missing
+    before = fingerprint(files[0])
+    client.put_object(Bucket=bucket, Key=f"{prefix}/a.csv",
+                      Body=b"key_type,value,timestamp,reference\nid,web:3,2026-11-01,t\n")
+    assert fingerprint(files[0]) != before
+
+    written = write_request(store, "web:9", "from the browser")
+    assert written.startswith(f"{folder}/browser-")
+    assert pending_requests(store, "web:9") == [name_of(written)]
+    assert [r.value for r in parse_file(written).requests] == ["web:9"]

@@ -1,0 +1,211 @@
+"""The whole graph for one webdataset source with PRX_DATA_ROOT in a bucket of the real S3
+test server: every table it writes is in the bucket, nothing is left on local disk, the
+checks pass, and the opt-out folder in the bucket drives the audit and the sensor."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.tables import (
+    BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, CORPUS, DUPLICATES, OPT_OUTS, PHASHES,
+    RAW_IMAGES)
+from prx_assets_tests.conftest import write_sources
+from prx_assets_tests.e2e.s3_runs import (
+    GLOBAL_TABLES, PER_SOURCE_TABLES, SOURCE, keys_under, put_opt_out, run_graph,
+    write_webdataset)
+
+@pytest.mark.timeout(1800)
+def test_the_whole_graph_of_a_webdataset_source_lives_in_the_bucket(
+        s3_server, s3_root, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from prx_assets.defs.s6_opt_outs import build_opt_out_sensor
+    from prx_assets.defs.resources import StorageResource
+    from prx_assets.s1_ingest.ids import sample_id
+
+    # The source stays a local tar on this branch (s3:// sources are the ingest branch's
+    # work); once they land: upload the tar to f"{s3_root}-sources/shard-000.tar" and point
+    # `uri` there.
+    tars = write_webdataset(tmp_path / "wds")
+    sources = write_sources(tmp_path / "sources.yaml",
+                            [f"{{name: {SOURCE}, kind: webdataset, uri: {tars}}}"])
+    opted_out = sample_id(SOURCE, "shard-000.tar/003")
+    put_opt_out(s3_server, s3_root, opted_out)
+    # A relative or mistaken local path would land in one of these two folders.
+    workdir, scratch = tmp_path / "cwd", tmp_path / "tmp"
+    workdir.mkdir()
+    scratch.mkdir()
+    ray_tmp = tempfile.mkdtemp(prefix="prxray-", dir="/tmp")
+    env = {**os.environ, **s3_server.env(), "PRX_DATA_ROOT": s3_root, "TMPDIR": str(scratch),
+           "RAY_TMPDIR": ray_tmp,  # short socket paths
+           "DAGSTER_HOME": str(tmp_path / "dagster"), "RAY_USAGE_STATS_ENABLED": "0",
+           "HF_HUB_OFFLINE": "1"}
+    env.pop("RAY_ADDRESS", None)
+    (tmp_path / "dagster").mkdir()
+
+    try:
+        report = run_graph(sources, env, workdir)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    for job, outcome in report.items():
+        assert outcome["success"], (job, outcome["failures"])
+        # WARN checks may fail on a corpus this small (label shares of a dozen pictures).
+        assert set(outcome["failed_checks"].values()) <= {"WARN"}, (job, outcome)
+    assert set(PER_SOURCE_TABLES) <= set(report["corpus_job"]["materialized"])
+
+    keys = keys_under(s3_server, s3_root)
+    for table in PER_SOURCE_TABLES:
+        versions = [k for k in keys if k.startswith(f"lance/{table}/{SOURCE}.lance/_versions/")]
+        assert versions, f"no {table} table in the bucket; keys: {sorted(keys)[:20]}"
+    for table in GLOBAL_TABLES:
+        assert any(k.startswith(f"lance/{table}.lance/_versions/") for k in keys), table
+    assert any(k.startswith(f"lance/{RAW_IMAGES}/{SOURCE}.lance/data/") for k in keys)
+    # Nothing on local disk: no ./data or other output in the working folder, and the run's
+    # scratch (the ingest manifest) removed.
+    assert list(workdir.iterdir()) == []
+    assert [p for p in (scratch / "prx-work").rglob("*") if p.is_file()] == []
+
+    store = Storage(s3_root)
+    assert store.open(RAW_IMAGES, SOURCE).count_rows() == 14
+    assert store.open(CAPTIONS, SOURCE).count_rows() == 14
+    assert store.open(CAPTION_LABELS, SOURCE).count_rows() == 14
+    assert store.open(DUPLICATES).count_rows() == 4  # two groups of two
+    audit = store.open(OPT_OUTS).to_table(columns=["id", "via"]).to_pylist()
+    assert {"id": opted_out, "via": "direct"} in audit
+    assert store.open(CORPUS).count_rows() == 14
+
+    # The opt-out sensor reads the same folder in the bucket: one new file, one run for
+    # the audit and one skip-lists run for the source it hits.
+    sensor = build_opt_out_sensor(str(sources))
+    instance = dg.DagsterInstance.ephemeral()
+    with dg.build_sensor_context(instance=instance,
+                                 resources={"storage": StorageResource()}) as context:
+        result = sensor(context)
+    assert sorted(r.asset_selection[0].path[-1] + ":" + str(r.partition_key)
+                  for r in result.run_requests) == [f"{OPT_OUTS}:None", f"skip_lists:{SOURCE}"]
+    with dg.build_sensor_context(instance=instance, cursor=result.cursor,
+                                 resources={"storage": StorageResource()}) as context:
+        assert isinstance(sensor(context), dg.SkipReason)  # nothing new since
+
+
+def refused_endpoint() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: connections refused
+
+
+@pytest.mark.timeout(300)  # a hang guard only: each case is one preflight request
+@pytest.mark.parametrize("case", ["missing bucket", "wrong credentials", "unreachable endpoint"])
+def test_a_bad_data_root_fails_the_partition_at_once_naming_the_uri_and_cause(
+        ray_session, s3_server, s3_root, small_folder, tmp_path: Path, monkeypatch, case):
+    """The partition's first asset fails in one step (no retries), with the data root's URI
+    and the cause in the error, and nothing is written anywhere."""
+    from prx_assets.definitions import build_defs
+
+    root, cause = s3_root, {"missing bucket": "bucket 'no-such-bucket-here' does not exist",
+                            "wrong credentials": "credentials refused",
+                            "unreachable endpoint": "is unreachable"}[case]
+    if case == "missing bucket":
+        root = "s3://no-such-bucket-here/corpus"
+    elif case == "wrong credentials":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    else:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", refused_endpoint())
+    monkeypatch.setenv("PRX_DATA_ROOT", root)
+    monkeypatch.chdir(tmp_path)
+    sources = write_sources(tmp_path / "sources.yaml",
+                            [f"{{name: web, kind: image_folder, uri: {small_folder}}}"])
+    result = build_defs(sources).resolve_job_def("corpus_job").execute_in_process(
+        partition_key="web", instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
+    assert not result.success
+    failures = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    assert len(failures) == 1 and not [e for e in result.all_events
+                                       if e.event_type_value == "STEP_RESTARTED"]
+    message = str(failures[0].event_specific_data.error)
+    assert root in message and cause in message, message
+    assert result.get_asset_materialization_events() == []
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.timeout(900)
+def test_captions_labels_dedup_and_opt_outs_pass_the_storage_options_to_ray_tasks(
+        ray_session, s3_server, s3_root, monkeypatch):
+    """Here the Ray workers started before the test set the AWS variables, and the
+    environment holds a wrong secret: these stages work only on the options the Storage
+    resolved and handed to every Lance call and Ray read (the right secret, an override)."""
+    import pyarrow as pa
+    import ray.data
+
+    from prx_assets.s3_captions.captioners import CaptionerSpec
+    from prx_assets.s3_captions.captions import active_caption_filter
+    from prx_assets.s3_captions.runs import caption_source, coverage, pending_requests
+    from prx_assets.s4_labels.runs import LabelerSpec, label_coverage, label_source
+    from prx_assets.s5_dedup.dedup import (
+        DUPLICATES_SCHEMA, duplicates_dataset, hash_inputs, summarise)
+    from prx_assets.s6_opt_outs.opt_outs import opt_out_dir, parse_directory, resolve
+    from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    options = {"aws_secret_access_key": s3_server.secret_key}
+    store = Storage(s3_root, options)
+    ids = [f"web:{i:02d}" for i in range(6)]
+    inputs = {
+        RAW_IMAGES: pa.table({"id": ids, "sha256": [f"{i:064x}" for i in range(6)],
+                              "source_key": [f"k{i}" for i in range(6)],
+                              "original_caption": [f"A red square, number {i}." for i in
+                                                   range(6)]}),
+        BUCKETED_IMAGES: pa.table({"id": ids, "status": ["ok"] * 6}),
+        PHASHES: pa.table({"id": ids, "phash": pa.array([7, 7, 1, 2, 3, 4], pa.int64()),
+                           "pixels": pa.array([10, 20, 1, 1, 1, 1], pa.int64()),
+                           "flat": [False] * 6}),
+    }
+    for name, table in inputs.items():
+        write_dataset_atomically(ray.data.from_arrow(table), store.table(name, "web"),
+                                 FragmentPolicy(), table.schema, options)
+
+    spec = CaptionerSpec()
+    captions_uri = store.table(CAPTIONS, "web")
+    requests = pending_requests(
+        ray.data.read_lance(store.table(BUCKETED_IMAGES, "web"),
+                            storage_options=store.lance_options()),
+        ray.data.read_lance(store.table(RAW_IMAGES, "web"), storage_options=store.lance_options()),
+        captions_uri, spec, options)
+    assert caption_source(requests, captions_uri, spec, chunk_rows=4,
+                          storage_options=options).written == 6
+    cover = coverage(store.table(BUCKETED_IMAGES, "web"), captions_uri, spec.version(),
+                     storage_options=options)
+    assert (cover.kept, cover.done) == (6, 6)
+    again = pending_requests(ray.data.read_lance(store.table(BUCKETED_IMAGES, "web"),
+                                                 storage_options=store.lance_options()),
+                             None, captions_uri, CaptionerSpec(), options)
+    assert again.count() == 0  # done ids read from the bucket
+
+    labels_uri, caption_filter = store.table(CAPTION_LABELS, "web"), active_caption_filter(
+        spec.version())
+    report = label_source(captions_uri, labels_uri, spec.version(), caption_filter,
+                          LabelerSpec(), chunk_rows=4, storage_options=options)
+    assert report.written == 6
+    assert label_coverage(captions_uri, labels_uri, caption_filter, spec.version(),
+                          report.classifier_version, options).labelled == 6
+
+    hashes, missing = hash_inputs(store, ["web"])
+    assert missing == []
+    duplicates_uri = store.table(DUPLICATES)
+    write_dataset_atomically(duplicates_dataset(hashes), duplicates_uri, FragmentPolicy(),
+                             DUPLICATES_SCHEMA, options)
+    summary = summarise(duplicates_uri, {"web": 6}, storage_options=options)
+    assert summary.groups == 1 and summary.removed_per_source == {"web": 1}
+
+    put_opt_out(s3_server, s3_root, "web:00")
+    parsed = parse_directory(opt_out_dir(store), storage_options=options)
+    assert [r.value for r in parsed.requests] == ["web:00"] and parsed.errors == []
+    audit = resolve(parsed.requests, ["web"], store).to_pylist()
+    assert sorted((r["id"], r["via"]) for r in audit) == [("web:00", "direct"),
+                                                         ("web:01", "duplicate")]

@@ -1,0 +1,143 @@
+"""Writer processes for the concurrency and kill tests on the S3 server: each is
+`python -m prx_assets_tests.storage.s3_writers <mode> ...` in a process of its own, armed
+(or not) with a failpoint or a barrier through its environment (`engine.failpoints`).
+
+    upsert URI NAME          one upsert of NAME0..NAME2 plus the key `shared`
+    chunked URI ROWS CHUNK   ids c000.. committed by `engine.chunked.run_chunked` in chunks
+                             of CHUNK, resuming: only ids not yet in the table are written
+    overwrite URI NAME       the whole table replaced by NAME0..NAME4 through Ray
+                             (`write_dataset_atomically`)
+
+Each prints one line `RESULT{json}` when it finishes; warnings go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+
+SCHEMA = pa.schema([("id", pa.string()), ("v", pa.int64())])
+REPO = Path(__file__).resolve().parents[2]
+
+
+def rows(ids: list[str], value: int) -> pa.Table:
+    return pa.table({"id": ids, "v": [value] * len(ids)}, schema=SCHEMA)
+
+
+def chunk_ids(count: int) -> list[str]:
+    return [f"c{i:03d}" for i in range(count)]
+
+
+def upsert_main(uri: str, name: str) -> dict:
+    from prx_assets.storage.lance_tables import upsert
+
+    value = sum(name.encode())
+    return {"version": upsert(uri, rows([f"{name}{i}" for i in range(3)] + ["shared"], value),
+                              SCHEMA, ["id"])}
+
+
+def chunked_main(uri: str, count: int, chunk: int) -> dict:
+    import ray.data
+
+    from prx_assets.engine import ray_runtime
+    from prx_assets.engine.chunked import CommitTarget, pending_rows, run_chunked
+
+    ray_runtime.connect(num_cpus=1)
+    wanted = ray.data.from_arrow(rows(chunk_ids(count), 0).select(["id"]))
+    pending = pending_rows(wanted, uri)
+    run = run_chunked(pending, lambda ds: ds.map_batches(
+        lambda batch: batch.append_column("v", pa.array([1] * batch.num_rows, pa.int64())),
+        batch_format="pyarrow"), CommitTarget(uri, SCHEMA, ["id"]), chunk)
+    return {"commits": run.commits, "committed": run.committed, "version": run.lance_version}
+
+
+class WriterProcess:
+    """One writer in its own session, so a SIGKILL of its group takes its Ray down too."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path):
+        self.log = log
+        environment = {**os.environ, **env, "RAY_USAGE_STATS_ENABLED": "0",
+                       "PYTHONPATH": str(REPO)}
+        environment.pop("RAY_ADDRESS", None)
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "prx_assets_tests.storage.s3_writers", *args],
+                env=environment, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def result(self, timeout: float = 600) -> dict:
+        self.process.wait(timeout)
+        lines = [line for line in self.output().splitlines() if line.startswith("RESULT")]
+        assert self.process.returncode == 0 and lines, self.output()[-4000:]
+        return json.loads(lines[-1][len("RESULT"):])
+
+    def kill(self) -> None:
+        from prx_assets_tests.e2e.fault_runs import wait_for_group_gone
+
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(60)
+        wait_for_group_gone(self.process.pid)
+
+
+def wait_until(condition, writers: list[WriterProcess], what: str, guard_s: float = 900) -> None:
+    """Poll `condition` until it holds; fail at once if a writer exits first. `guard_s` only
+    stops a hung test: nothing here races a timer."""
+    deadline = time.monotonic() + guard_s
+    while not condition():
+        for writer in writers:
+            if not writer.alive():
+                raise AssertionError(f"a writer exited before {what}:\n"
+                                     f"{writer.output()[-4000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"hung waiting for {what}")
+        time.sleep(0.05)
+
+
+def overwrite_main(uri: str, name: str) -> dict:
+    import ray.data
+
+    from prx_assets.engine import ray_runtime
+    from prx_assets.storage.lance_tables import (
+        CommitConflictError, FragmentPolicy, write_dataset_atomically)
+
+    ray_runtime.connect(num_cpus=1)
+    data = ray.data.from_arrow(rows([f"{name}{i}" for i in range(5)], sum(name.encode())))
+    try:
+        return {"version": write_dataset_atomically(data, uri, FragmentPolicy(), SCHEMA).version}
+    except CommitConflictError as exc:
+        return {"conflict": str(exc)}
+
+
+def main(argv: list[str]) -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    mode, uri, *rest = argv
+    if mode == "upsert":
+        result = upsert_main(uri, rest[0])
+    elif mode == "overwrite":
+        result = overwrite_main(uri, rest[0])
+    elif mode == "chunked":
+        result = chunked_main(uri, int(rest[0]), int(rest[1]))
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    print("RESULT" + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
