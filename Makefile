@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV := 0
 
-.PHONY: install chromium demo test bench ui validate browse clean
+.PHONY: install chromium demo test bench bench-incremental ui validate browse clean
 
 # The image stage's Pillow build goes in last (scripts/image_backend.sh says why); every
 # install also puts the cached pillow-simd wheel back if a pip run replaced it since.
@@ -38,8 +38,13 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
+# PRX_INCREMENTAL_IMAGES sizes bench.incremental inside `make bench` (default a smoke run).
 bench: install
 	$(BIN)/python -m bench.run_all
+
+# Incremental reruns and a killed, resumed image stage: make bench-incremental IMAGES=2000
+bench-incremental: install
+	$(BIN)/python -m bench.incremental --images $(or $(IMAGES),200)
 
 ui: install
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000

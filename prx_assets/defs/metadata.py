@@ -137,11 +137,13 @@ def _bucket_profile(uri: str, storage_options: Optional[dict] = None) -> dict:
 PROFILERS = {RAW_IMAGES: _raw_profile, BUCKETED_IMAGES: _bucket_profile}
 
 
-def browser_link(context: dg.AssetExecutionContext | dg.OutputContext) -> dict:
+def browser_link(context: dg.AssetExecutionContext | dg.OutputContext,
+                 asset: Optional[str] = None) -> dict:
     """`browser`: the corpus browser's view of this asset (partition) when PRX_BROWSER_URL
-    says where `prx-assets browse` serves; nothing otherwise."""
+    says where `prx-assets browse` serves; nothing otherwise. `asset` names one asset of
+    a multi-asset (whose context has no single asset key)."""
     partition = context.partition_key if context.has_partition_key else None
-    url = view_url(context.asset_key.path[-1], partition)
+    url = view_url(asset or context.asset_key.path[-1], partition)
     return {"browser": dg.MetadataValue.url(url)} if url else {}
 
 

@@ -1,7 +1,10 @@
-"""bucketed_images and phashes: one decode per image, two tables.
+"""bucketed_images and phashes: one decode per image, two tables, incremental per row.
 
-The Ray pass writes bucketed_images with the hash columns riding along; phashes is then a
-projection of the freshly committed table (no second decode, no image bytes read).
+The asset commits its own tables in bounded chunks (s2_images.stage.run_image_stage): a
+run redoes only the raw rows that are new, changed (sha256) or made under other settings,
+removes the ids gone from raw_images, and a killed run keeps every committed chunk. It
+records `lance_version` per table, so downstream inputs load through the Lance IO manager
+pinned to what was materialised, and a data version that moves only when rows changed.
 """
 
 from typing import Iterator, Optional
@@ -14,14 +17,21 @@ from prx_assets.s2_images.buckets import BucketRule, DEFAULT_TIERS
 from prx_assets.s2_images.fidelity import fidelity_report
 from prx_assets.s2_images.imaging import DEFAULT_QUALITY, DEFAULT_SUBSAMPLING, ImageOptions
 from prx_assets.s2_images.stage import (
-    BUCKETED_SCHEMA, PHASH_COLUMNS, PHASH_SCHEMA, RAW_COLUMNS, build_bucketed_dataset)
+    RAW_COLUMNS, ImageRunReport, ImageTables, run_image_stage, settings_fingerprint)
+from prx_assets.storage.lance_tables import FragmentPolicy, describe_write
+from prx_assets.storage.layout import Storage
 from prx_assets.storage.table_stats import bucket_profile
 from prx_assets.storage.tables import BUCKETED_IMAGES, PHASHES, RAW_IMAGES
 from prx_assets.defs.io_managers import (
-    COLUMNS_KEY, FRAGMENT_BYTES_KEY, FRAGMENT_ROWS_KEY, PROFILE_KEY, LanceTableOutput)
-from prx_assets.defs.metadata import input_versions
+    COLUMNS_KEY, FRAGMENT_BYTES_KEY, FRAGMENT_ROWS_KEY, table_metadata)
+from prx_assets.defs.metadata import (
+    bucket_metadata, browser_link, content_data_version, incremental_metadata, input_versions,
+    latest_data_version, materialized_lance_version)
 from prx_assets.defs.resources import RayResource, StorageResource
 from prx_assets.defs.table_checks import table_checks
+
+BUCKETED_FRAGMENTS = FragmentPolicy(target_bytes=512 << 20)
+PHASH_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
 
 
 class ImageStageConfig(dg.Config):
@@ -35,6 +45,9 @@ class ImageStageConfig(dg.Config):
     draft_margin: Optional[float] = 2.0
     reducing_gap: Optional[float] = 3.0
     max_pixels: int = 200_000_000
+    # Rows per commit: what a kill can lose, and what the driver holds at once (resized
+    # JPEGs, ~100-300 KB each). Not a setting of the output: changing it redoes nothing.
+    chunk_rows: int = 512
 
     def options(self) -> ImageOptions:
         rule = BucketRule(tiers=tuple(self.tiers), alignment=self.alignment,
@@ -44,6 +57,10 @@ class ImageStageConfig(dg.Config):
                             reducing_gap=self.reducing_gap, max_pixels=self.max_pixels)
 
 
+def _fragment_metadata(policy: FragmentPolicy) -> dict:
+    return {FRAGMENT_BYTES_KEY: policy.target_bytes, FRAGMENT_ROWS_KEY: policy.max_rows}
+
+
 def build_image_stage(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefinition:
     @dg.multi_asset(
         partitions_def=partitions_def,
@@ -51,39 +68,82 @@ def build_image_stage(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefin
         ins={RAW_IMAGES: dg.AssetIn(metadata={COLUMNS_KEY: RAW_COLUMNS})},
         outs={
             BUCKETED_IMAGES: dg.AssetOut(
-                io_manager_key="lance_io_manager", kinds={"ray", "lance"}, code_version="1",
-                metadata={FRAGMENT_BYTES_KEY: 512 << 20, PROFILE_KEY: BUCKETED_IMAGES},
+                io_manager_key="lance_io_manager", kinds={"ray", "lance"}, code_version="2",
+                metadata=_fragment_metadata(BUCKETED_FRAGMENTS),
                 description="Every raw image filtered, bucketed to a tier and shape, resized "
-                            "with Lanczos and stored as JPEG Q92; rejects keep their reason."),
+                            "with Lanczos and stored as JPEG Q92; rejects keep their reason. "
+                            "Incremental per row (raw sha256 and settings) and resumable."),
             PHASHES: dg.AssetOut(
-                io_manager_key="lance_io_manager", kinds={"lance"}, code_version="1",
-                metadata={FRAGMENT_ROWS_KEY: 1 << 20, FRAGMENT_BYTES_KEY: 1 << 30},
+                io_manager_key="lance_io_manager", kinds={"lance"}, code_version="2",
+                metadata=_fragment_metadata(PHASH_FRAGMENTS),
                 description="imagehash-compatible 64-bit DCT phash of each decodable original, "
                             "its pixel count, and whether it is flat (never a duplicate)."),
         },
     )
     def image_stage(context: dg.AssetExecutionContext, config: ImageStageConfig,
                     ray_cluster: RayResource, storage: StorageResource,
-                    raw_images: ray.data.Dataset) -> Iterator[dg.Output]:
+                    raw_images: ray.data.Dataset) -> Iterator[dg.MaterializeResult]:
+        store, source = storage.get(), context.partition_key
         lineage = input_versions(context, RAW_IMAGES)
-        bucketed = build_bucketed_dataset(raw_images, config.options())
+        # The same raw version the IO manager pinned `raw_images` to.
+        raw = store.open(RAW_IMAGES, source,
+                         materialized_lance_version(context.instance, RAW_IMAGES, source))
+
+        def raw_ids() -> ray.data.Dataset:
+            return ray.data.read_lance(raw.uri, version=raw.version, columns=["id"],
+                                       storage_options=store.lance_options())
+
+        tables = ImageTables(store.table(BUCKETED_IMAGES, source), store.table(PHASHES, source),
+                             store.storage_options)
+        options = config.options()
+
+        def progress(report: ImageRunReport) -> None:
+            context.log.info(f"committed chunk {report.chunks}: {report.written:,} image(s) "
+                             f"this run, {report.commits.rows_per_s:.1f}/s")
+
+        report = run_image_stage(raw_images, raw, raw_ids, tables, options,
+                                 config.chunk_rows, BUCKETED_FRAGMENTS, PHASH_FRAGMENTS,
+                                 on_chunk=progress)
+        context.log.info(f"{source}: {report.written:,} image(s) processed, {report.removed:,} "
+                         f"removed, settings {settings_fingerprint(options)}")
         # The Pillow build decides speed and (within 0.2 dB) pixels: the workers run this
         # environment's, so the driver's is the one that ran.
         backend = pil_backend.current()
-        yield dg.Output(LanceTableOutput(bucketed, BUCKETED_SCHEMA, metadata={
-            **lineage, "image_backend": backend.name, "image_backend_version": backend.version}),
-            output_name=BUCKETED_IMAGES)
-        # The IO manager has committed bucketed_images: project its hash columns from the
-        # version just written (a concurrent rewrite cannot change what phashes holds).
-        bucketed_table = storage.get().open(BUCKETED_IMAGES, context.partition_key)
-        profile = bucket_profile(bucketed_table.uri)
-        hashes = ray.data.read_lance(bucketed_table.uri, version=bucketed_table.version,
-                                     columns=PHASH_COLUMNS, filter="phash IS NOT NULL")
-        yield dg.Output(LanceTableOutput(hashes, PHASH_SCHEMA, metadata={
-            **lineage, "flat_images": profile.flat, "hashed_images": profile.hashed}),
-            output_name=PHASHES)
+        profile = bucket_profile(tables.bucketed, storage_options=store.storage_options)
+        yield _result(context, store, BUCKETED_IMAGES, report, processed=report.written,
+                      removed=report.removed, compacted_from=report.commits.compacted_from,
+                      metadata={**lineage, **bucket_metadata(profile),
+                                "image_backend": backend.name,
+                                "image_backend_version": backend.version,
+                                "settings": settings_fingerprint(options),
+                                "chunks_committed": report.commits.commits})
+        yield _result(context, store, PHASHES, report, processed=report.hashes_written,
+                      removed=report.hashes_removed, compacted_from=report.hashes_compacted_from,
+                      metadata={**lineage, "flat_images": profile.flat,
+                                "hashed_images": profile.hashed})
 
     return image_stage
+
+
+def _result(context: dg.AssetExecutionContext, store: Storage, name: str,
+            report: ImageRunReport, processed: int, removed: int,
+            compacted_from: Optional[int], metadata: dict) -> dg.MaterializeResult:
+    """One table's materialisation: the IO manager's table entries, the incremental counts,
+    and a data version that moves only when this run changed a row of it."""
+    source = context.partition_key
+    table = store.open(name, source)
+    write = describe_write(table)
+    write.nodes = sorted(report.nodes)
+    write.compacted_from = compacted_from if compacted_from is not None else write.fragments
+    key = dg.AssetKey(name)
+    return dg.MaterializeResult(
+        asset_key=key,
+        metadata={**table_metadata(table.uri, write, store),
+                  **incremental_metadata(processed, max(0, write.rows - processed), removed),
+                  **metadata, **browser_link(context, name)},
+        data_version=content_data_version(
+            latest_data_version(context.instance, key, source),
+            changed=bool(processed or removed), lance_version=write.version))
 
 
 class FidelityConfig(dg.Config):

@@ -26,7 +26,7 @@ from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, RAW_IMAGES
 from prx_assets.defs.io_managers import COLUMNS_KEY
 from prx_assets.defs.metadata import (
-    browser_link, counts_table, input_versions, latest_materialization,
+    browser_link, counts_table, incremental_metadata, input_versions, latest_materialization,
     materialized_lance_version, recorded,
     recorded_input_version)
 from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
@@ -82,10 +82,13 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
             metadata={
                 **input_versions(context, BUCKETED_IMAGES, RAW_IMAGES),
                 **run_metadata(report, spec, cover),
+                **captions_counts(report, cover, stale),
                 "stale_captions_dropped": stale,
                 "path": dg.MetadataValue.path(str(uri)),
                 "lance_version": lance_version, **browser_link(context),
             },
+            # Content-driven already: the table's version moves only when a chunk was
+            # committed or stale rows were dropped.
             data_version=dg.DataVersion(f"{report.version}@{lance_version}"),
         )
 
@@ -115,6 +118,13 @@ def drop_stale_captions(context: dg.AssetExecutionContext, store: Storage, with_
     context.log.info(f"{len(ids):,} item(s) removed or changed since raw_images v{previous}: "
                      f"dropped {dropped:,} caption row(s)")
     return dropped
+
+
+def captions_counts(report: CaptionRunReport, cover, stale: int) -> dict:
+    """The incremental counts: captions written this run, rows of the active version kept
+    from earlier runs, and rows dropped because their item was removed or changed."""
+    rows = cover.done + cover.failed  # rows of the active version now in the table
+    return incremental_metadata(report.written, max(0, rows - report.written), stale)
 
 
 def run_metadata(report: CaptionRunReport, spec, cover) -> dict:

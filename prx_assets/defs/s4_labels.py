@@ -11,7 +11,7 @@ from prx_assets.s3_captions.captions import active_caption_filter
 from prx_assets.s4_labels.labels import LABELS, load_embedded_classifier
 from prx_assets.s4_labels.runs import label_coverage, label_source
 from prx_assets.storage.tables import CAPTION_LABELS, CAPTIONS
-from prx_assets.defs.metadata import browser_link, counts_table
+from prx_assets.defs.metadata import browser_link, counts_table, incremental_metadata
 from prx_assets.defs.resources import ClassifierResource
 
 
@@ -55,6 +55,10 @@ def build_caption_labels(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDe
             "lance_version": report.lance_version,
             "caption_version": caption_version,
             "classifier_version": report.classifier_version,
+            # Labels are replaced in place (keyed per caption and classifier version), never
+            # dropped: removed is 0; a failed row is not written, so not processed either.
+            **incremental_metadata(report.written, max(0, coverage.labelled - report.written),
+                                   0),
             "labelled_now": report.written, "failed_now": report.failed,
             "failures": "; ".join(report.errors) or "none",
             "captions_per_s": round(report.captions_per_s, 2),

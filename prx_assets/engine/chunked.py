@@ -176,7 +176,8 @@ def collect_ids(ids: ray.data.Dataset, limit: int | None = None) -> pa.Array | N
     instead of broadcasting)."""
     chunks, n = [], 0
     for batch in ids.iter_batches(batch_format="pyarrow", batch_size=65536):
-        chunks.append(batch.column(ID))
+        # A Ray join's output may hold the ids as large_string.
+        chunks.append(batch.column(ID).cast(pa.string()))
         n += batch.num_rows
         if limit is not None and n > limit:
             return None

@@ -49,6 +49,8 @@ POINTS = {
                               "raw_images committed (more units pending)",
     "images.bucket_batch": "a Ray task of the image stage, a batch resized but not yet handed "
                            "to the writer",
+    "images.chunk_committed": "the image stage's driver, right after a chunk of bucketed_images "
+                              "(and its phashes) committed",
     "captions.chunk_committed": "the captions driver, right after a chunk's merge-insert "
                                 "committed (before compaction)",
     "mds.write_part": "a Ray task writing an MDS part inside the `.partial` tree, after its "

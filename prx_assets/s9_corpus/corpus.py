@@ -7,15 +7,23 @@ tier, shape, caption, label, phash, caption embedding and a small JPEG thumbnail
 Built per source: the source's caption, label and phash columns (no image bytes) are joined
 in memory by id (~2 KB a row: a 10M-image source needs ~20 GB on the driver; past that,
 split the source), then the kept images stream through Ray, each batch looked up in that
-join and thumbnailed. The result is written as one atomic Overwrite (the previous corpus
-stays readable until the commit), compacted, then indexed.
+join and thumbnailed.
+
+Two ways to write it: `build_corpus` writes every source as one atomic Overwrite (the
+previous corpus stays readable until the commit), compacted, then indexed from scratch;
+`update_corpus` replaces only the rows of the sources whose inputs changed (a delete of
+the source's rows, then its new rows appended in bounded chunks, each an atomic commit)
+and brings the existing indexes up to date with `optimize_indices` instead of retraining.
 """
 
 from __future__ import annotations
 
 import io
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping, Optional
 
 import lance
 import numpy as np
@@ -25,7 +33,10 @@ import ray.data
 from PIL import Image
 
 from prx_assets.models.embeddings import EMBEDDING_DIM
-from prx_assets.storage.lance_tables import FragmentPolicy, WriteReport, write_dataset_atomically
+from prx_assets.storage.filters import eq_filter
+from prx_assets.storage.lance_tables import (
+    FragmentPolicy, WriteReport, cleanup, compact, describe_write, write_dataset_atomically)
+from prx_assets.storage.object_store import lance_options
 
 THUMB_SIDE = 256
 THUMB_QUALITY = 85
@@ -34,6 +45,11 @@ THUMB_QUALITY = 85
 MIN_ROWS_FOR_VECTOR_INDEX = 4096
 PQ_SUB_VECTORS = 48  # 384 / 48 = 8 dimensions per code
 CORPUS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
+CHUNK_ROWS = 16_384  # rows per append when a source is replaced (~30 KB each with thumbnail)
+# The indexes the corpus carries, by column (the vector one only past MIN_ROWS_FOR_VECTOR_INDEX).
+SCALAR_INDEXES = {"caption": "INVERTED", "source": "BITMAP", "label": "BITMAP",
+                  "tier": "BITMAP"}
+VECTOR_INDEX = ("embedding", "IVF_PQ")
 
 CORPUS_SCHEMA = pa.schema([
     pa.field("id", pa.string(), nullable=False),
@@ -67,6 +83,9 @@ class SourceTables:
     captions_version: int | None = None
     labels_version: int | None = None
     phashes_version: int | None = None
+    # Object-store overrides (`Storage.storage_options`); None: the standard variables.
+    storage_options: Optional[Mapping[str, str]] = field(default=None, hash=False,
+                                                         compare=False)
 
 
 @dataclass
@@ -74,6 +93,16 @@ class CorpusReport:
     write: WriteReport
     rows_per_source: dict[str, int] = field(default_factory=dict)
     indexes: dict[str, str] = field(default_factory=dict)  # column -> index type or reason
+    inserted: dict[str, int] = field(default_factory=dict)  # rows written, per source
+    deleted: dict[str, int] = field(default_factory=dict)  # rows deleted, per source
+
+    @property
+    def processed(self) -> int:
+        return sum(self.inserted.values())
+
+    @property
+    def removed(self) -> int:
+        return sum(self.deleted.values())
 
 
 def thumbnail(jpeg: bytes, side: int = THUMB_SIDE) -> bytes | None:
@@ -90,10 +119,11 @@ def thumbnail(jpeg: bytes, side: int = THUMB_SIDE) -> bytes | None:
         return None
 
 
-def _read(uri: str, version: int | None, columns: list[str], filter: str | None = None
-          ) -> pa.Table:
+def _read(uri: str, version: int | None, columns: list[str], filter: str | None = None,
+          storage_options: Optional[Mapping[str, str]] = None) -> pa.Table:
     try:
-        dataset = lance.dataset(str(uri), version=version)
+        dataset = lance.dataset(str(uri), version=version,
+                                storage_options=lance_options(str(uri), storage_options))
     except (ValueError, FileNotFoundError, OSError) as exc:
         raise FileNotFoundError(f"{uri} cannot be read ({exc}): materialise it first") from exc
     return dataset.to_table(columns=columns, filter=filter)
@@ -107,11 +137,13 @@ def _lookup(ids: pa.Array, table: pa.Table, columns: list[str]) -> list[pa.Array
 
 def source_metadata(tables: SourceTables) -> pa.Table:
     """id, caption, label, phash, embedding of a source's labelled, captioned images."""
+    options = tables.storage_options
     labels = _read(tables.labels, tables.labels_version, ["id", "label", "embedding"],
-                   tables.labels_filter)
+                   tables.labels_filter, options)
     captions = _read(tables.captions, tables.captions_version, ["id", "caption"],
-                     tables.caption_filter)
-    phashes = _read(tables.phashes, tables.phashes_version, ["id", "phash"])
+                     tables.caption_filter, options)
+    phashes = _read(tables.phashes, tables.phashes_version, ["id", "phash"],
+                    storage_options=options)
     caption, = _lookup(labels.column("id"), captions, ["caption"])
     phash, = _lookup(labels.column("id"), phashes, ["phash"])
     meta = pa.table({"id": labels.column("id"), "caption": caption,
@@ -134,14 +166,17 @@ def corpus_batch(batch: pa.Table, meta: pa.Table) -> pa.Table:
 def source_dataset(tables: SourceTables) -> tuple[ray.data.Dataset, int]:
     meta = source_metadata(tables)
     kept = ray.data.read_lance(str(tables.bucketed), version=tables.bucketed_version,
-                               columns=IMAGE_COLUMNS, filter="status = 'ok'")
+                               columns=IMAGE_COLUMNS, filter="status = 'ok'",
+                               storage_options=lance_options(str(tables.bucketed),
+                                                             tables.storage_options))
     dataset = kept.map_batches(corpus_batch, fn_kwargs={"meta": meta},
                                batch_format="pyarrow", batch_size=256)
     return dataset, meta.num_rows
 
 
-def build_corpus(uri: Path, sources: list[SourceTables],
-                 policy: FragmentPolicy = CORPUS_FRAGMENTS) -> CorpusReport:
+def build_corpus(uri: Path | str, sources: list[SourceTables],
+                 policy: FragmentPolicy = CORPUS_FRAGMENTS,
+                 storage_options: Optional[Mapping[str, str]] = None) -> CorpusReport:
     """Write the corpus table for `sources` (one new version), then index it."""
     datasets, expected = [], {}
     for tables in sources:
@@ -151,14 +186,85 @@ def build_corpus(uri: Path, sources: list[SourceTables],
     if not datasets:
         raise ValueError("no sources to build the corpus from")
     union = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
-    write = write_dataset_atomically(union, uri, policy, CORPUS_SCHEMA)
-    report = CorpusReport(write, rows_per_source=count_by(uri, "source"))
-    report.indexes = create_indexes(uri)
+    previous = _rows(uri, storage_options)
+    write = write_dataset_atomically(union, uri, policy, CORPUS_SCHEMA, storage_options)
+    report = CorpusReport(write, rows_per_source=count_by(uri, "source", storage_options))
+    report.inserted = dict(report.rows_per_source)
+    report.deleted = {"(every source)": previous} if previous else {}
+    report.indexes = create_indexes(uri, storage_options)
     return report
 
 
-def count_by(uri: Path, column: str) -> dict[str, int]:
-    values = lance.dataset(str(uri)).to_table(columns=[column]).column(column)
+def update_corpus(uri: Path | str, changed: list[SourceTables], gone: list[str],
+                  keep: list[str], chunk_rows: int = CHUNK_ROWS,
+                  policy: FragmentPolicy = CORPUS_FRAGMENTS,
+                  storage_options: Optional[Mapping[str, str]] = None,
+                  rebuild_indexes: bool = False) -> CorpusReport:
+    """Replace the rows of the `changed` sources, delete those of the `gone` ones, keep the
+    rows of `keep` as they are; then update the indexes (`rebuild_indexes`: retrain them).
+
+    Each source is deleted, then appended in chunks of `chunk_rows`: every step one atomic
+    commit. A run killed in between leaves that source short of rows, never doubled (ids
+    hold their source's name, so appending a source whose rows were just deleted cannot
+    repeat an id), and since the corpus records the input versions it read only once
+    everything is written, the rerun finds the source changed again and redoes it."""
+    report = CorpusReport(write=None)  # type: ignore[arg-type]
+    for name in [*gone, *(t.name for t in changed)]:
+        report.deleted[name] = delete_source(uri, name, storage_options)
+    for tables in changed:
+        report.inserted[tables.name] = append_source(uri, tables, chunk_rows, storage_options)
+    table = _open(uri, storage_options)
+    if len(table.get_fragments()) > 1 and (report.processed or report.removed):
+        compact(uri, policy, storage_options)
+        cleanup(_open(uri, storage_options), policy)
+    report.write = describe_write(_open(uri, storage_options))
+    report.rows_per_source = {name: _open(uri, storage_options).count_rows(
+        filter=eq_filter("source", name)) for name in [*keep, *(t.name for t in changed)]}
+    report.indexes = create_indexes(uri, storage_options) if rebuild_indexes \
+        else update_indexes(uri, storage_options)
+    return report
+
+
+def delete_source(uri: Path | str, source: str,
+                  storage_options: Optional[Mapping[str, str]] = None) -> int:
+    """Delete a source's rows; returns how many (no commit when there are none)."""
+    table = _open(uri, storage_options)
+    where = eq_filter("source", source)
+    rows = table.count_rows(filter=where)
+    if rows:
+        table.delete(where)
+    return rows
+
+
+def append_source(uri: Path | str, tables: SourceTables, chunk_rows: int,
+                  storage_options: Optional[Mapping[str, str]] = None) -> int:
+    """Append a source's corpus rows in chunks (one atomic Append each); returns the rows."""
+    dataset, _ = source_dataset(tables)
+    written = 0
+    for chunk in dataset.iter_batches(batch_size=chunk_rows, batch_format="pyarrow"):
+        if chunk.num_rows:
+            lance.write_dataset(chunk.cast(CORPUS_SCHEMA), str(uri), schema=CORPUS_SCHEMA,
+                                mode="append",
+                                storage_options=lance_options(str(uri), storage_options))
+            written += chunk.num_rows
+    return written
+
+
+def _open(uri: Path | str, storage_options: Optional[Mapping[str, str]] = None
+          ) -> lance.LanceDataset:
+    return lance.dataset(str(uri), storage_options=lance_options(str(uri), storage_options))
+
+
+def _rows(uri: Path | str, storage_options: Optional[Mapping[str, str]] = None) -> int:
+    try:
+        return _open(uri, storage_options).count_rows()
+    except (ValueError, FileNotFoundError, OSError):
+        return 0
+
+
+def count_by(uri: Path | str, column: str,
+             storage_options: Optional[Mapping[str, str]] = None) -> dict[str, int]:
+    values = _open(uri, storage_options).to_table(columns=[column]).column(column)
     counts = pc.value_counts(values).to_pylist()
     return {str(c["values"]): int(c["counts"]) for c in counts}
 
@@ -169,24 +275,68 @@ def vector_index_partitions(rows: int) -> int:
     return int(max(1, min(int(np.sqrt(rows)), rows // 2048)))
 
 
-def create_indexes(uri: Path) -> dict[str, str]:
+def index_config() -> str:
+    """A digest of how the indexes are built: a change means retraining, not updating."""
+    spec = {"scalar": SCALAR_INDEXES, "vector": VECTOR_INDEX, "metric": "cosine",
+            "sub_vectors": PQ_SUB_VECTORS, "min_rows": MIN_ROWS_FOR_VECTOR_INDEX}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def expected_indexes(rows: int) -> dict[str, str]:
+    expected = dict(SCALAR_INDEXES)
+    if rows >= MIN_ROWS_FOR_VECTOR_INDEX:
+        expected[VECTOR_INDEX[0]] = VECTOR_INDEX[1]
+    return expected
+
+
+def present_indexes(table: lance.LanceDataset) -> dict[str, str]:
+    """column -> index type of the indexes the table has (delta segments counted once)."""
+    return {index["fields"][0]: str(index["type"]).upper() for index in table.list_indices()
+            if len(index["fields"]) == 1}
+
+
+def create_indexes(uri: Path | str, storage_options: Optional[Mapping[str, str]] = None,
+                   columns: Optional[list[str]] = None) -> dict[str, str]:
     """FTS on caption, bitmap indexes on source/label/tier, a vector index on embedding when
-    the table is large enough to train one (else Lance's exact flat search is used)."""
-    table = lance.dataset(str(uri))
+    the table is large enough to train one (else Lance's exact flat search is used);
+    trained from scratch. `columns`: only those."""
+    table = _open(uri, storage_options)
     built = {}
     rows = table.count_rows()
     if rows == 0:
         return {"all": "none (empty table)"}
-    table.create_scalar_index("caption", index_type="INVERTED", replace=True)
-    built["caption"] = "INVERTED"
-    for column in ("source", "label", "tier"):
-        table.create_scalar_index(column, index_type="BITMAP", replace=True)
-        built[column] = "BITMAP"
-    if rows >= MIN_ROWS_FOR_VECTOR_INDEX:
-        table.create_index("embedding", index_type="IVF_PQ", metric="cosine", replace=True,
-                           num_partitions=vector_index_partitions(rows),
-                           num_sub_vectors=PQ_SUB_VECTORS)
-        built["embedding"] = "IVF_PQ"
-    else:
-        built["embedding"] = f"none: exact flat search below {MIN_ROWS_FOR_VECTOR_INDEX} rows"
+    for column, kind in expected_indexes(rows).items():
+        if columns is not None and column not in columns:
+            continue
+        if kind == VECTOR_INDEX[1]:
+            table.create_index(column, index_type=kind, metric="cosine", replace=True,
+                               num_partitions=vector_index_partitions(rows),
+                               num_sub_vectors=PQ_SUB_VECTORS)
+        else:
+            table.create_scalar_index(column, index_type=kind, replace=True)
+        built[column] = kind
+    if rows < MIN_ROWS_FOR_VECTOR_INDEX and (columns is None or VECTOR_INDEX[0] in columns):
+        built[VECTOR_INDEX[0]] = \
+            f"none: exact flat search below {MIN_ROWS_FOR_VECTOR_INDEX} rows"
     return built
+
+
+def update_indexes(uri: Path | str, storage_options: Optional[Mapping[str, str]] = None
+                   ) -> dict[str, str]:
+    """Add the rows written since to the existing indexes (`optimize_indices`: new data is
+    assigned to the trained partitions and tokenised into the FTS index, no retraining);
+    an index the table should have but lacks (the first past the vector-index threshold)
+    is created."""
+    table = _open(uri, storage_options)
+    rows = table.count_rows()
+    if rows == 0:
+        return {"all": "none (empty table)"}
+    present = present_indexes(table)
+    missing = [c for c, kind in expected_indexes(rows).items() if present.get(c) != kind]
+    if present:
+        table.optimize.optimize_indices()
+    report = {c: f"{kind} (updated)" for c, kind in present.items()}
+    report.update(create_indexes(uri, storage_options, missing) if missing else {})
+    if VECTOR_INDEX[0] not in present and rows < MIN_ROWS_FOR_VECTOR_INDEX:
+        report[VECTOR_INDEX[0]] = f"none: exact flat search below {MIN_ROWS_FOR_VECTOR_INDEX} rows"
+    return report

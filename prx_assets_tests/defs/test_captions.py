@@ -63,6 +63,8 @@ def run_captions_scenario(instance, data_root, tmp_path):
     version = defs.resources["captioner"].produced_version()
     assert meta["caption_version"].value == version
     assert meta["kept_images"].value == 4 and meta["coverage"].value == 1.0
+    assert (meta["rows_processed"].value, meta["rows_reused"].value,
+            meta["rows_removed"].value) == (4, 0, 0)
     statuses = {r.data["status"]: r.data["count"] for r in meta["rows_by_status"].value.records}
     assert statuses == {"ok": 3, "empty": 1}
     assert outcome_of(checks(run)) == {"coverage": True, "length_in_target": True,
@@ -84,10 +86,17 @@ def run_captions_scenario(instance, data_root, tmp_path):
     assert new_defs.resolve_asset_graph().get(dg.AssetKey("captions")).code_version == new_version
     assert sensor_partitions(new_defs) == {"web": "new caption version"}
 
-    # New images (the image stage ran again) make the old version's partition stale too.
+    # The image stage run again over the same images changes nothing: captions stay current.
+    image_stage = [dg.AssetKey(k) for k in ("raw_images", "bucketed_images", "phashes")]
     again = defs.resolve_job_def("corpus_job").execute_in_process(
-        partition_key="web", instance=instance, asset_selection=[dg.AssetKey("bucketed_images"),
-                                                                 dg.AssetKey("phashes")])
+        partition_key="web", instance=instance, asset_selection=image_stage)
+    assert again.success
+    assert materializations(again)["bucketed_images"]["rows_processed"].value == 0
+    assert sensor_partitions() == {}
+    # New images make the old version's partition stale too.
+    (folder / "p9.jpg").write_bytes(jpeg_bytes(720, 560, 19))
+    again = defs.resolve_job_def("corpus_job").execute_in_process(
+        partition_key="web", instance=instance, asset_selection=image_stage)
     assert again.success
     assert sensor_partitions() == {"web": "new images"}
 

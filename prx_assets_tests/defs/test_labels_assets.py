@@ -28,6 +28,8 @@ def test_caption_labels_then_corpus(ray_session, data_root, tmp_path):
     assert labelled.success
     meta = labelled.get_asset_materialization_events()[0].materialization.metadata
     assert meta["labelled_now"].value == 6 and meta["coverage"].value == 1.0
+    assert (meta["rows_processed"].value, meta["rows_reused"].value,
+            meta["rows_removed"].value) == (6, 0, 0)
     shares = {r.data["label"]: r.data["count"] for r in meta["label_shares"].value.records}
     assert shares == {"visual": 2, "text": 2, "nsfw": 2}
     accuracy = {r.data["label"]: r.data["accuracy"]

@@ -28,8 +28,10 @@ import pytest
 from PIL import Image
 
 from prx_assets.s1_ingest.ids import sample_id
+from prx_assets.s2_images.stage import settings_fingerprint
 from prx_assets.s7_shards.mds import PARTIAL_SUFFIX, TREES_DIR, current_tree, verify_tree
 from prx_assets.s8_skip_lists.skip_lists import read_sidecar, sidecar_files, skipped_ids
+from prx_assets.defs.s2_images import ImageStageConfig
 from prx_assets.definitions import build_defs
 from prx_assets_tests.conftest import jpeg_bytes, write_sources
 from prx_assets_tests.e2e.fault_runs import (
@@ -40,6 +42,11 @@ from prx_assets_tests.e2e.fault_runs import (
 REPO = Path(__file__).resolve().parents[2]
 STAGE_ASSETS = ("raw_images", "bucketed_images", "phashes", "captions", "mds_shards")
 SMALL = (300, 200)  # below 384² pixels: kept in raw_images, rejected by the image stage
+
+
+# Image-stage settings other than the defaults (every row to redo), in chunks of 4 rows.
+NEW_SETTINGS = {"ops": {"image_stage": {"config": {"jpeg_quality": 90, "chunk_rows": 4}}}}
+NEW_FINGERPRINT = settings_fingerprint(ImageStageConfig(jpeg_quality=90).options())
 
 
 def _sizes(n: int) -> list[tuple[int, int]]:
@@ -246,17 +253,45 @@ def test_kill_during_ingest(corpus, tmp_path):
 
 
 def test_kill_during_image_stage(corpus, tmp_path):
+    """A settings change (every row to redo) committed four rows at a time, killed right
+    after its first chunk: the chunk is kept, the rerun does only the rest and equals a
+    full run under those settings; a full redo under the old settings gives back the old
+    bytes."""
+    assets = ["bucketed_images", "phashes"]
     before = store_state(corpus.data_root, ["web"])
-    spec = corpus.spec("corpus_job", "web", ["bucketed_images", "phashes"])
-    _kill_mid_stage(corpus, spec, "image_stage", "images.bucket_batch", tmp_path)
-    assert store_state(corpus.data_root, ["web"]) == before
+    bucketed = corpus.uri("bucketed_images", "web")
+    spec = corpus.spec("corpus_job", "web", assets)
+    spec.run_config = NEW_SETTINGS
+    _kill_mid_stage(corpus, spec, "image_stage", "images.chunk_committed", tmp_path)
+    outage = table_state(bucketed)
+    assert outage["version"] > before["bucketed_images/web"]["version"]
+    _assert_exact([r["id"] for r in outage["rows"]], corpus.ids("web"))  # none lost, none doubled
+    redone = [r["id"] for r in outage["rows"] if r["settings"] == NEW_FINGERPRINT]
+    assert len(redone) == 4, "not killed after exactly one chunk"
 
-    corpus.run("corpus_job", "web", ["bucketed_images", "phashes"])
+    meta = _image_run(corpus, NEW_SETTINGS)
+    assert (meta["rows_processed"].value, meta["rows_reused"].value) == \
+        (len(corpus.ids("web")) - 4, 4)
+    resumed = store_state(corpus.data_root, ["web"])
+    assert {r["settings"] for r in resumed["bucketed_images/web"]["rows"]} == {NEW_FINGERPRINT}
     _assert_source_complete(corpus, "web")
-    for name in ("bucketed_images", "phashes"):
-        after = table_state(corpus.uri(name, "web"))
-        assert after["version"] > before[f"{name}/web"]["version"]
-        assert len(after["rows"]) == len(before[f"{name}/web"]["rows"])
+
+    assert _image_run(corpus)["rows_processed"].value == len(corpus.ids("web"))
+    for name in assets:  # the old settings again: the old bytes
+        assert table_state(corpus.uri(name, "web"))["rows"] == before[f"{name}/web"]["rows"]
+    _image_run(corpus, NEW_SETTINGS)  # a full run under the new settings: what resuming made
+    for name in assets:
+        assert table_state(corpus.uri(name, "web"))["rows"] == resumed[f"{name}/web"]["rows"]
+    _image_run(corpus)  # leave the store as the other tests expect it
+
+
+def _image_run(corpus: Corpus, run_config: dict | None = None) -> dict:
+    """The image stage on "web" in process; bucketed_images' materialisation metadata."""
+    result = run_in_process(corpus.defs, "corpus_job", "web", corpus.instance,
+                            ["bucketed_images", "phashes"], run_config)
+    assert result.success, _failure(result)
+    return next(m.metadata for m in result.asset_materializations_for_node("image_stage")
+                if m.asset_key == dg.AssetKey("bucketed_images"))
 
 
 def test_kill_during_captions(corpus, tmp_path):
@@ -357,8 +392,9 @@ def test_kill_during_skip_lists(corpus, tmp_path):
 def test_ray_worker_killed_mid_task(corpus, tmp_path):
     """SIGKILL the Ray worker held inside the image stage's task: Ray Data retries the task,
     the retry passes the failpoint (it fires once per run), and the run commits exactly the
-    expected rows."""
+    expected rows. (New settings, so that every row has to be redone.)"""
     spec = corpus.spec("corpus_job", "web", ["bucketed_images", "phashes"])
+    spec.run_config = NEW_SETTINGS
     run, held = start_run(corpus, spec, tmp_path, "images.bucket_batch")
     killed: list[str] = []
     try:
@@ -373,6 +409,9 @@ def test_ray_worker_killed_mid_task(corpus, tmp_path):
     assert result["success"], run.output()[-6000:]
     assert killed and "bucket_batch" in killed[0], "no worker was caught mid-task"
     _assert_source_complete(corpus, "web")
+    rows = table_state(corpus.uri("bucketed_images", "web"))["rows"]
+    assert {r["settings"] for r in rows} == {NEW_FINGERPRINT}
+    _image_run(corpus)  # back to the default settings
 
 
 # ------------------------------------------------------------------------ a write that fails
