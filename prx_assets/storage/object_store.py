@@ -156,3 +156,82 @@ def is_not_found(exc: BaseException) -> bool:
     credential or network problem, which must not read as "absent")."""
     text = str(exc)
     return isinstance(exc, FileNotFoundError) or ("was not found" in text and "Dataset" in text)
+
+
+# ------------------------------------------------------------------ files (not Lance tables)
+
+def filesystem(uri: "str | PurePath", overrides: Optional[Mapping[str, str]] = None):
+    """(pyarrow FileSystem, path inside it) for a location: the local file system for a
+    folder, an S3FileSystem with the same resolved settings Lance gets for `s3://...`.
+    For plain files under the root (MDS shards, sidecars, pointers, opt-out and ablation
+    lists); S3FileSystem.copy_file is a server-side CopyObject (no bytes through us)."""
+    import pyarrow.fs as pafs
+
+    uri = as_uri(uri)
+    if not is_object_store(uri):
+        return pafs.LocalFileSystem(), str(PurePath(uri.removeprefix("file://")))
+    scheme, bucket, key = split_uri(uri)
+    if scheme not in ("s3", "s3a"):
+        raise ObjectStoreError(f"{uri}: only s3:// object stores are supported for files")
+    options = lance_options(uri, overrides) or {}
+    endpoint = options.get("aws_endpoint")
+    allow_http = options.get("allow_http", "false").lower() == "true"
+    fs = pafs.S3FileSystem(
+        access_key=options.get("aws_access_key_id"),
+        secret_key=options.get("aws_secret_access_key"),
+        session_token=options.get("aws_session_token"),
+        region=options.get("aws_region") or "us-east-1",
+        endpoint_override=endpoint,
+        scheme="http" if allow_http or (endpoint or "").startswith("http://") else "https",
+        connect_timeout=PREFLIGHT_CONNECT_TIMEOUT_S,
+        request_timeout=float(options.get("timeout", "60s").rstrip("s") or 60),
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=3),
+        check_directory_existence_before_creation=False,
+        allow_bucket_creation=False, allow_bucket_deletion=False)
+    return fs, f"{bucket}/{key}".rstrip("/")
+
+
+def streaming_env(uri: "str | PurePath",
+                  overrides: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The environment mosaicml-streaming's S3 client (boto3) needs for `uri`: it reads
+    `S3_ENDPOINT_URL`, not `AWS_ENDPOINT_URL`, so the endpoint is passed under both names."""
+    options = lance_options(uri, overrides)
+    if not options:
+        return {}
+    env = {"AWS_ACCESS_KEY_ID": options.get("aws_access_key_id"),
+           "AWS_SECRET_ACCESS_KEY": options.get("aws_secret_access_key"),
+           "AWS_SESSION_TOKEN": options.get("aws_session_token"),
+           "AWS_REGION": options.get("aws_region"),
+           "AWS_DEFAULT_REGION": options.get("aws_region"),
+           "AWS_ENDPOINT_URL": options.get("aws_endpoint"),
+           "S3_ENDPOINT_URL": options.get("aws_endpoint")}
+    return {name: value for name, value in env.items() if value}
+
+
+def read_text(uri: "str | PurePath", overrides: Optional[Mapping[str, str]] = None) -> str:
+    """A small file's text (local or object store); FileNotFoundError if absent."""
+    fs, path = filesystem(uri, overrides)
+    with fs.open_input_stream(path) as stream:
+        return stream.read().decode()
+
+
+def write_text(uri: "str | PurePath", text: str,
+               overrides: Optional[Mapping[str, str]] = None) -> None:
+    """Write a small file. On S3 one PUT, visible whole or not at all (the pointer objects
+    rely on this); locally callers that need atomicity rename a temporary file instead."""
+    fs, path = filesystem(uri, overrides)
+    with fs.open_output_stream(path) as stream:
+        stream.write(text.encode())
+
+
+def list_files(uri: "str | PurePath", suffix: str = "",
+               overrides: Optional[Mapping[str, str]] = None) -> list[str]:
+    """Files directly in a folder/prefix whose names end with `suffix`, as sorted full URIs
+    (one listing request per 1,000 keys on S3); [] when the folder does not exist."""
+    import pyarrow.fs as pafs
+
+    fs, path = filesystem(uri, overrides)
+    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    base = as_uri(uri).rstrip("/")
+    return sorted(f"{base}/{info.base_name}" for info in infos
+                  if info.type == pafs.FileType.File and info.base_name.endswith(suffix))
