@@ -21,10 +21,13 @@ class MdsShardsConfig(dg.Config):
     compression: Optional[str] = None  # JPEG does not compress further
     rows_per_part: int = DEFAULT_ROWS_PER_PART
     keep_trees: int = 2
+    # False: a full build even when only a few samples changed (new shards for everything).
+    incremental: bool = True
 
     def options(self) -> WriteOptions:
         return WriteOptions(size_limit=self.size_limit_mb << 20, compression=self.compression,
-                            rows_per_part=self.rows_per_part, keep_trees=self.keep_trees)
+                            rows_per_part=self.rows_per_part, keep_trees=self.keep_trees,
+                            incremental=self.incremental)
 
 
 def sample_inputs(context: dg.AssetExecutionContext, store: Storage,
