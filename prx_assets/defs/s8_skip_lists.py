@@ -121,7 +121,9 @@ def skipped_share_check(partitions_def: dg.PartitionsDefinition) -> dg.AssetChec
     def skipped_share(context: dg.AssetCheckExecutionContext, config: SkipShareConfig,
                       storage: StorageResource) -> dg.AssetCheckResult:
         source, store = context.partition_key, storage.get()
-        shares = skip_shares(current_tree_uri(store, source), store.storage_options)
+        _, per_leaf = mapping_shards(store.table(MDS_SAMPLES, source),
+                                     storage_options=store.lance_options())
+        shares = skip_shares(current_tree_uri(store, source), per_leaf, store.storage_options)
         records = [dg.TableRecord({"stream": leaf, "samples": n, "skipped": k,
                                    "share": round(k / n, 4) if n else 0.0})
                    for leaf, (n, k) in shares.items()]

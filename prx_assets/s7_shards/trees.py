@@ -82,12 +82,8 @@ class TreeStore:
     def current_version(self) -> Optional[str]:
         if self.is_local:
             link = Path(self.link)
-            if not link.exists():
-                return None
-            if not link.is_symlink():
-                raise RuntimeError(f"{link} is a real folder, not the tree symlink; "
-                                   "move it away first")
-            return link.resolve().name
+            # A real folder in place of the link reads as a tree (publishing refuses it).
+            return link.resolve().name if link.exists() else None
         try:
             return str(json.loads(self.read_text(self.link))["version"])
         except FileNotFoundError:

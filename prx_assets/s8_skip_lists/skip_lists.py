@@ -338,23 +338,21 @@ def label_ids(labels_uri: Path, labels: Iterable[str], caption_version: str,
     return found
 
 
-def skip_shares(tree: Path | str, storage_options: Mapping[str, str] | None = None
-                ) -> dict[str, tuple[int, int]]:
-    """(stored samples, skipped) per stream (leaf), read back from the tree's indexes and
-    sidecars: stale samples count as skipped, since they are stored and read past."""
-    from prx_assets.s7_shards.trees import TreeStore, leaf_names
-
+def skip_shares(tree: Path | str, per_leaf: Mapping[str, int],
+                storage_options: Mapping[str, str] | None = None) -> dict[str, tuple[int, int]]:
+    """(stored samples, skipped) per stream (leaf), read back from the tree's sidecars;
+    `per_leaf` is the mapping table's live samples per leaf. Stale samples are stored and
+    read past but not in the mapping: they count as stored and as skipped."""
     tree = str(tree)
-    store = TreeStore(tree.rsplit("/", 1)[0], "", storage_options)
     skipped: Counter = Counter()
+    stale: Counter = Counter()
     for path in tree_sidecars(tree, storage_options):
         leaf = path[len(tree) + 1:].rsplit("/", 1)[0]
-        skipped[leaf] += len(skipped_indices(read_sidecar(path, storage_options)))
-    shares = {}
-    for leaf in leaf_names(store, tree):
-        index = json.loads(object_store.read_text(f"{tree}/{leaf}/index.json", storage_options))
-        shares[leaf] = (sum(s["samples"] for s in index["shards"]), skipped.get(leaf, 0))
-    return shares
+        lists = read_sidecar(path, storage_options)
+        skipped[leaf] += len(skipped_indices(lists))
+        stale[leaf] += len(lists.get(REASON_STALE, []))
+    leaves = sorted(set(per_leaf) | set(stale))
+    return {leaf: (per_leaf.get(leaf, 0) + stale[leaf], skipped.get(leaf, 0)) for leaf in leaves}
 
 
 def skipped_ids(tree: Path | str, mapping_uri: Path | str, reasons: Iterable[str] | None = None,
