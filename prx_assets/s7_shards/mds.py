@@ -567,7 +567,7 @@ def _full_build(plan: pa.Table, left_out: Counter, store: TreeStore, storage: St
                                              options, {}, log)
         leaves = _leaf_reports({}, {}, written)
         _write_manifest(store, staging, source, version, inputs, settings, base_version,
-                        lineage=[version], samples=plan.num_rows,
+                        carried=[], samples=plan.num_rows,
                         keep_trees=options.keep_trees)
         final = store.finish(version)
     except BaseException:
@@ -596,7 +596,7 @@ def _append_build(delta: Delta, left_out: Counter, store: TreeStore, storage: St
                                             inputs, options, existing, log)
         leaves = _leaf_reports(existing, stale_per_shard, leaves)
         _write_manifest(store, staging, source, version, inputs, settings, base_version,
-                        lineage=[*old_manifest.get("lineage", [current]), version],
+                        carried=_lineage(old_manifest, current),
                         samples=sum(l.samples for l in leaves),
                         keep_trees=options.keep_trees, parent=current)
         final = store.finish(version)
@@ -698,19 +698,26 @@ def _leaf_key(name: str) -> tuple[int, int, int]:
 
 def _write_manifest(store: TreeStore, staging: str, source: str, version: str,
                     inputs: SampleInputs, settings: dict, base_version: Optional[int], *,
-                    lineage: list[str], samples: int, keep_trees: int,
+                    carried: list[str], samples: int, keep_trees: int,
                     parent: Optional[str] = None) -> None:
-    """tree.json, last inside the version: complete means it exists. `lineage` names the
-    versions whose shards this one holds (the mapping's tree_version values);
+    """tree.json, last inside the version: complete means it exists. `carried_versions`
+    names the older versions whose shards this one also holds (with this version: the
+    mapping's tree_version values; see `_lineage`);
     `mapping_base_version` lets a later run tell whether this build's mapping commit
     happened before a kill (see finish_interrupted_publish)."""
     store.write_text(f"{staging}/{TREE_MANIFEST}", json.dumps({
         "source": source, "tree_version": version, "samples": samples,
         "bucketed_version": inputs.bucketed_version, "captions_version": inputs.captions_version,
-        "settings": settings, "lineage": lineage, "parent": parent,
+        "settings": settings, "carried_versions": carried, "parent": parent,
         "commits_mapping": True, "mapping_base_version": base_version,
         "keep_trees": keep_trees,
     }, indent=2, sort_keys=True))
+
+
+def _lineage(manifest: dict, version: str) -> list[str]:
+    """Every version whose shards the tree `version` holds (itself included)."""
+    own = manifest.get("shards_of", version)  # a skip-lists version holds its parent's shards
+    return sorted({*manifest.get("carried_versions", []), own})
 
 
 def _publish(store: TreeStore, source: str, version: str, final: str, mapping_version: int,
@@ -823,7 +830,7 @@ def verify_tree(storage: Storage | str | Path, source: str) -> tuple[list[LeafCh
     store = tree_store(storage, source)
     tree = store.current_tree()
     version = store.current_version()
-    lineage = set((store.manifest(version) or {}).get("lineage", [version]))
+    lineage = set(_lineage(store.manifest(version) or {}, version))
     mapping = storage.open(MDS_SAMPLES, source).to_table(columns=["leaf", "tree_version"])
     problems = sorted({f"mapping rows of tree {v}, current is {version}"
                        for v in pc.unique(mapping["tree_version"]).to_pylist()

@@ -254,9 +254,10 @@ def publish_skip_lists(storage, source: str, lists: SkipLists, shards: Iterable[
                 else:
                     report.removed += 1
         manifest = json.loads(store.read_text(f"{old_tree}/{TREE_MANIFEST}"))
+        # Same shards as the parent (whose version wrote them): the mapping stays right.
         manifest.update(tree_version=version, parent=current, commits_mapping=False,
                         mapping_base_version=None,
-                        lineage=manifest.get("lineage", [current]))
+                        shards_of=manifest.get("shards_of", current))
         store.write_text(f"{staging}/{TREE_MANIFEST}", json.dumps(manifest, indent=2,
                                                                    sort_keys=True))
     except BaseException:

@@ -7,9 +7,11 @@ import json
 import os
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import lance
+import numpy as np
 import pyarrow as pa
 import pytest
 from streaming import StreamingDataset
@@ -41,9 +43,6 @@ def fresh_shared_memory():
 
 def add_sample(data_root: Path, sample_id: str, shape=(1, 64, 64)) -> None:
     """One new kept, captioned row in both input tables (an append commit each)."""
-    import numpy as np
-    from datetime import UTC, datetime
-
     tier, w, h = shape
     data = encode_jpeg(procedural_image(np.random.default_rng(99), w, h))
     storage = Storage(data_root)
@@ -139,10 +138,10 @@ def test_a_changed_sample_is_rewritten_and_its_old_copy_skipped(data_root):
     before = next(r for r in mapping(data_root) if r["id"] == changed)
     captions = lance.dataset(Storage(data_root).table("captions", "web"))
     captions.delete(f"id = '{changed}' AND caption_version = '{ACTIVE}'")  # re-captioned:
-    lance.write_dataset(pa.Table.from_pylist([_caption(  # a new row, a new created_at
-        changed, ACTIVE, "a new caption", "ok", __import__("datetime").datetime(
-            2026, 3, 1, tzinfo=__import__("datetime").UTC))], schema=CAPTIONS_SCHEMA),
-        Storage(data_root).table("captions", "web"), mode="append")
+    recaptioned = _caption(changed, ACTIVE, "a new caption", "ok",  # a new row, created later
+                           datetime(2026, 3, 1, tzinfo=UTC))
+    lance.write_dataset(pa.Table.from_pylist([recaptioned], schema=CAPTIONS_SCHEMA),
+                        Storage(data_root).table("captions", "web"), mode="append")
     report = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
     assert (report.processed, report.removed) == (1, 1)
     after = [r for r in mapping(data_root) if r["id"] == changed]
@@ -184,10 +183,9 @@ def test_a_kill_mid_append_leaves_the_previous_tree_and_the_rerun_has_no_duplica
     child = subprocess.Popen([sys.executable, "-c", _APPEND, str(data_root)], env=env)
     try:
         while failpoints.read_marker(marker) is None:  # held at the point, not raced
-            assert child.poll() is None, "the writer exited before reaching the failpoint"
-            child_wait = 0.2
             try:
-                child.wait(child_wait)
+                child.wait(0.2)
+                pytest.fail("the writer exited before reaching the failpoint")
             except subprocess.TimeoutExpired:
                 pass
         child.kill()

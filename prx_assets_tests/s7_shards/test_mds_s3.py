@@ -3,6 +3,7 @@ object written last, `prx-assets mds-uri`, plain StreamingDataset and the loader
 from the remote, an incremental append and a skip-lists version on S3."""
 
 import contextlib
+import dataclasses
 import gc
 import io
 import json
@@ -66,12 +67,16 @@ def _stream_count(remote: str, cache) -> tuple[int, list[str]]:
     return len(ids), ids
 
 
-def test_tree_on_s3_streams_appends_and_versions_its_skip_lists(s3_root, tmp_path, monkeypatch):
+def test_tree_on_s3_streams_appends_and_versions_its_skip_lists(ray_session, s3_root, tmp_path,
+                                                               monkeypatch):
     storage = Storage(s3_root)
     local = tmp_path / "local"
     corpus = build_corpus(local, "web", per_shape=5)
     _upload_tables(local, storage)
-    first = mds.write_mds_tree(_inputs(storage), storage, "web", OPTIONS)
+    # The first build in Ray tasks (the parts upload from the workers; their environment was
+    # fixed before this test set the AWS variables, so the settings travel with the inputs).
+    first = mds.write_mds_tree(_inputs(storage), storage, "web",
+                               dataclasses.replace(OPTIONS, parallel=True))
     assert isinstance(first.path, str) and first.path.startswith(s3_root + "/mds/.trees/web/")
     assert first.samples == len(corpus["images"])
     store = tree_store(storage, "web")
