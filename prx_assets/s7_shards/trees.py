@@ -105,7 +105,7 @@ class TreeStore:
 
     def versions(self) -> list[str]:
         """Complete versions (their manifest written), oldest first."""
-        fs, path = self._fs(self.trees_dir)
+        fs, path = self.fs(self.trees_dir)
         import pyarrow.fs as pafs
 
         names = sorted(info.base_name for info in fs.get_file_info(
@@ -119,7 +119,7 @@ class TreeStore:
     def exists(self, uri: str) -> bool:
         import pyarrow.fs as pafs
 
-        fs, path = self._fs(uri)
+        fs, path = self.fs(uri)
         return fs.get_file_info(path).type != pafs.FileType.NotFound
 
     def files(self, folder: str, suffix: str = "") -> list[str]:
@@ -157,8 +157,8 @@ class TreeStore:
         """An older version's file into a new version without moving its bytes through us:
         a hard link locally (a copy only across devices), a server-side copy on S3."""
         if not self.is_local:
-            fs, source = self._fs(src)
-            fs.copy_file(source, self._fs(dst)[1])
+            fs, source = self.fs(src)
+            fs.copy_file(source, self.fs(dst)[1])
             return
         Path(dst).parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -173,15 +173,15 @@ class TreeStore:
         if self.is_local:
             os.replace(src, dst)
             return
-        fs, source = self._fs(src)
-        fs.copy_file(source, self._fs(dst)[1])
+        fs, source = self.fs(src)
+        fs.copy_file(source, self.fs(dst)[1])
         fs.delete_file(source)
 
     def delete_tree(self, uri: str) -> None:
         if self.is_local:
             shutil.rmtree(uri, ignore_errors=True)
             return
-        fs, path = self._fs(uri)
+        fs, path = self.fs(uri)
         try:
             fs.delete_dir(path)
         except FileNotFoundError:
@@ -235,11 +235,12 @@ class TreeStore:
     def _all_version_dirs(self) -> list[str]:
         import pyarrow.fs as pafs
 
-        fs, path = self._fs(self.trees_dir)
+        fs, path = self.fs(self.trees_dir)
         return sorted(info.base_name for info in fs.get_file_info(
             pafs.FileSelector(path, allow_not_found=True)) if info.type == pafs.FileType.Directory)
 
-    def _fs(self, uri: str):
+    def fs(self, uri: str):
+        """(pyarrow FileSystem, path) for a location under this store."""
         return object_store.filesystem(uri, self.storage_options)
 
 
@@ -252,7 +253,7 @@ def leaf_names(store: TreeStore, tree: str) -> list[str]:
     """Leaves (`<tier>/<W>x<H>`, the folders holding an index.json) of a tree, sorted."""
     import pyarrow.fs as pafs
 
-    fs, path = store._fs(tree)
+    fs, path = store.fs(tree)
     infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
     root = path.rstrip("/") + "/"
     names = []

@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.engine.failpoints import failpoint
+from prx_assets.s7_shards.trees import TREE_MANIFEST, leaf_names, new_tree_version, tree_store
 from prx_assets.storage import object_store
 from prx_assets.storage.filters import all_of, eq_filter, in_filter, sql_string
 
@@ -214,9 +215,6 @@ def publish_skip_lists(storage, source: str, lists: SkipLists, shards: Iterable[
     (each atomically). On an object store a new tree version is made: every shard and index
     server-side copied into it, a new sidecar set written, the pointer moved last, so a
     reader holding the old pointer still reads the old version whole."""
-    from prx_assets.s7_shards.trees import (
-        TREE_MANIFEST, leaf_names, new_tree_version, tree_store)
-
     store = tree_store(storage, source)
     if store.is_local:
         return apply_skip_lists(Path(store.current_tree()), lists, shards)
