@@ -50,8 +50,9 @@ import ray
 from streaming import MDSWriter
 
 from prx_assets.engine.failpoints import failpoint
-from prx_assets.s7_shards.trees import (
-    PARTIAL_SUFFIX, TREE_MANIFEST, TREES_DIR, TreeStore, leaf_names, new_tree_version, tree_store)
+from prx_assets.s7_shards.trees import (  # layout names re-exported for existing callers
+    PARTIAL_SUFFIX, TREE_MANIFEST, TREES_DIR, TreeStore, leaf_names, new_tree_version,  # noqa: F401
+    tree_store)
 from prx_assets.s8_skip_lists.skip_lists import (
     REASON_STALE, read_sidecar, sidecar_body, sidecar_uri)
 from prx_assets.storage import object_store
@@ -61,8 +62,6 @@ from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.tables import MDS_SAMPLES
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["PARTIAL_SUFFIX", "TREE_MANIFEST", "TREES_DIR", "new_tree_version"]
 
 # The design's MDS sample. `image` is declared `jpeg` so any StreamingDataset decodes it to a
 # PIL image, but we hand MDSWriter the bytes: `mds_encode` stores bytes as they are, so the
@@ -623,6 +622,7 @@ def _carry_old_leaves(store: TreeStore, old_tree: str, staging: str, stale: pa.T
         newly.setdefault((leaf, shard), []).append(int(index))
     existing: dict[str, list[dict]] = {}
     stale_counts: dict[tuple[str, str], int] = {}
+    carried: list[tuple[str, str]] = []
     for leaf in leaf_names(store, old_tree):
         entries = read_index(f"{old_tree}/{leaf}", store.storage_options)
         existing[leaf] = entries
@@ -632,7 +632,7 @@ def _carry_old_leaves(store: TreeStore, old_tree: str, staging: str, stale: pa.T
             for kind in ("raw_data", "zip_data"):
                 if entry.get(kind):
                     name = entry[kind]["basename"]
-                    store.carry(f"{old_tree}/{leaf}/{name}", f"{staging}/{leaf}/{name}")
+                    carried.append((f"{old_tree}/{leaf}/{name}", f"{staging}/{leaf}/{name}"))
             shard = entry["raw_data"]["basename"]
             old_sidecar = sidecar_uri(f"{old_tree}/{leaf}/{shard}")
             lists = read_sidecar(old_sidecar, store.storage_options) \
@@ -642,12 +642,13 @@ def _carry_old_leaves(store: TreeStore, old_tree: str, staging: str, stale: pa.T
                 lists[REASON_STALE] = sorted(set(lists.get(REASON_STALE, [])) | set(added))
                 store.write_text(sidecar_uri(f"{staging}/{leaf}/{shard}"), sidecar_body(lists))
             elif old_sidecar in sidecars:
-                store.carry(old_sidecar, sidecar_uri(f"{staging}/{leaf}/{shard}"))
+                carried.append((old_sidecar, sidecar_uri(f"{staging}/{leaf}/{shard}")))
             stale_counts[(leaf, shard)] = len(lists.get(REASON_STALE, []))
         store.write_text(f"{staging}/{leaf}/index.json",
                          json.dumps({"version": 2, "shards": entries}, sort_keys=True))
     if newly:
         raise RuntimeError(f"mapping rows name shards the current tree lacks: {sorted(newly)[:3]}")
+    store.carry_many(carried)
     return existing, stale_counts
 
 

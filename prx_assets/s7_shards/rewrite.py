@@ -11,7 +11,6 @@ exactly the same ids before and after.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path

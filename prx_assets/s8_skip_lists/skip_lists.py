@@ -228,9 +228,8 @@ def publish_skip_lists(storage, source: str, lists: SkipLists, shards: Iterable[
     try:
         for leaf in leaf_names(store, old_tree):
             names = object_store.list_files(f"{old_tree}/{leaf}", "", options)
-            for uri in names:
-                if not uri.endswith(SIDECAR_SUFFIX):
-                    store.carry(uri, f"{staging}/{leaf}/{uri.rsplit('/', 1)[1]}")
+            store.carry_many([(uri, f"{staging}/{leaf}/{uri.rsplit('/', 1)[1]}")
+                              for uri in names if not uri.endswith(SIDECAR_SUFFIX)])
             old_sidecars = {uri.rsplit("/", 1)[1] for uri in names if uri.endswith(SIDECAR_SUFFIX)}
             leaf_shards = {shard for l, shard in set(shards) | set(lists) if l == leaf}
             leaf_shards |= {n.removesuffix(SIDECAR_SUFFIX) + SHARD_SUFFIX for n in old_sidecars}

@@ -15,6 +15,7 @@ request with short timeouts before Lance sees the location.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import PurePath
@@ -174,9 +175,19 @@ def filesystem(uri: "str | PurePath", overrides: Optional[Mapping[str, str]] = N
     if scheme not in ("s3", "s3a"):
         raise ObjectStoreError(f"{uri}: only s3:// object stores are supported for files")
     options = lance_options(uri, overrides) or {}
+    return _s3_filesystem(tuple(sorted(options.items()))), f"{bucket}/{key}".rstrip("/")
+
+
+@functools.lru_cache(maxsize=8)
+def _s3_filesystem(settings: tuple[tuple[str, str], ...]):
+    """One S3FileSystem per configuration (thread-safe, reused: building one per file would
+    dominate copying a version's thousands of small requests)."""
+    import pyarrow.fs as pafs
+
+    options = dict(settings)
     endpoint = options.get("aws_endpoint")
     allow_http = options.get("allow_http", "false").lower() == "true"
-    fs = pafs.S3FileSystem(
+    return pafs.S3FileSystem(
         access_key=options.get("aws_access_key_id"),
         secret_key=options.get("aws_secret_access_key"),
         session_token=options.get("aws_session_token"),
@@ -188,7 +199,6 @@ def filesystem(uri: "str | PurePath", overrides: Optional[Mapping[str, str]] = N
         retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=3),
         check_directory_existence_before_creation=False,
         allow_bucket_creation=False, allow_bucket_deletion=False)
-    return fs, f"{bucket}/{key}".rstrip("/")
 
 
 def streaming_env(uri: "str | PurePath",

@@ -9,7 +9,6 @@ import io
 import json
 
 import lance
-import pyarrow as pa
 import pytest
 from streaming import StreamingDataset
 from streaming.base.util import clean_stale_shared_memory
