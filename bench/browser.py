@@ -157,7 +157,8 @@ def generate(root: Path, rows: int = ROWS, seed: int = 0) -> dict:
             "width": widths[mine], "height": heights[mine], "leaf": [leaf] * n,
             "shard": [f"shard.{s:05d}.mds" for s in shard_of],
             "sample_index": (np.arange(n) % SAMPLES_PER_SHARD).astype(np.int64),
-            "tree_version": ["t1"] * n}).cast(MDS_SAMPLES_SCHEMA))
+            "tree_version": ["t1"] * n, "fingerprint": np.zeros(n, np.int64)}
+            ).cast(MDS_SAMPLES_SCHEMA))
         skipped = copies[mine]
         for s in range(int(shard_of.max()) + 1):
             (tree / leaf / f"shard.{s:05d}.mds").write_bytes(b"")

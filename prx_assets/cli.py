@@ -79,6 +79,19 @@ def _browse(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mds_uri(args: argparse.Namespace) -> int:
+    """The current tree's location: `StreamingDataset(remote=<it>/<tier>/<W>x<H>)` reads it."""
+    from prx_assets.s7_shards.mds import current_tree_uri
+    from prx_assets.storage.layout import Storage
+
+    try:
+        print(current_tree_uri(Storage.from_env(), args.source))
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _add_query_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", help="only this source")
     parser.add_argument("--label", choices=["visual", "text", "nsfw"], help="only this label")
@@ -104,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     near.add_argument("id")
     _add_query_args(near)
     near.set_defaults(func=_similar)
+    uri = sub.add_parser("mds-uri", help="print the URI of SOURCE's current MDS tree (a "
+                                          "folder or s3:// prefix; <uri>/<tier>/<W>x<H> is a "
+                                          "stream)")
+    uri.add_argument("source")
+    uri.set_defaults(func=_mds_uri)
     browse = sub.add_parser("browse", help="serve the corpus browser (a web app over the tables)")
     browse.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only)")

@@ -12,7 +12,8 @@ from prx_assets.s7_shards.rewrite import pinned_inputs, rewrite_without_skipped
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, MDS_SHARDS, SKIP_LISTS
 from prx_assets.defs.metadata import (
-    browser_link, counts_table, input_versions, latest_recorded, materialized_lance_version)
+    browser_link, content_data_version, counts_table, incremental_metadata, input_versions,
+    latest_data_version, latest_recorded, materialized_lance_version)
 from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
 
 class MdsShardsConfig(dg.Config):
@@ -20,10 +21,13 @@ class MdsShardsConfig(dg.Config):
     compression: Optional[str] = None  # JPEG does not compress further
     rows_per_part: int = DEFAULT_ROWS_PER_PART
     keep_trees: int = 2
+    # False: a full build even when only a few samples changed (new shards for everything).
+    incremental: bool = True
 
     def options(self) -> WriteOptions:
         return WriteOptions(size_limit=self.size_limit_mb << 20, compression=self.compression,
-                            rows_per_part=self.rows_per_part, keep_trees=self.keep_trees)
+                            rows_per_part=self.rows_per_part, keep_trees=self.keep_trees,
+                            incremental=self.incremental)
 
 
 def sample_inputs(context: dg.AssetExecutionContext, store: Storage,
@@ -35,7 +39,8 @@ def sample_inputs(context: dg.AssetExecutionContext, store: Storage,
         captions_uri=store.table(CAPTIONS, source),
         caption_filter=active_caption_filter(caption_version),
         bucketed_version=materialized_lance_version(context.instance, BUCKETED_IMAGES, source),
-        captions_version=materialized_lance_version(context.instance, CAPTIONS, source))
+        captions_version=materialized_lance_version(context.instance, CAPTIONS, source),
+        storage_options=store.lance_options())
 
 
 def build_mds_shards(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefinition:
@@ -50,13 +55,19 @@ def build_mds_shards(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
                    storage: StorageResource) -> dg.MaterializeResult:
         caption_version = captioner.caption_version()
         store = storage.get()
+        source = context.partition_key
         report = write_mds_tree(sample_inputs(context, store, caption_version), store,
-                                context.partition_key, config.options(), log=context.log.info)
+                                source, config.options(), log=context.log.info)
+        previous = latest_data_version(context.instance, MDS_SHARDS, source)
         return dg.MaterializeResult(
             metadata={**tree_metadata(report), "caption_version": caption_version,
+                      **incremental_metadata(report.processed, report.reused, report.removed),
+                      "appended": report.appended, "new_tree": report.changed,
                       **input_versions(context, BUCKETED_IMAGES, CAPTIONS),
                       **browser_link(context)},
-            data_version=dg.DataVersion(f"{report.tree_version}@{report.mapping_version}"))
+            # The tree version names the content: unchanged when nothing changed.
+            data_version=content_data_version(previous, report.changed, report.mapping_version,
+                                              report.tree_version))
 
     return mds_shards
 

@@ -1,14 +1,12 @@
 """skip_lists: per-shard sidecars of one source's MDS tree, and the skipped-share check."""
 
-from pathlib import Path
-
 import dagster as dg
 
 from prx_assets.s6_opt_outs.opt_outs import ids_for_source, opt_out_dir, parse_directory, resolve
-from prx_assets.s7_shards.mds import current_tree
+from prx_assets.s7_shards.mds import current_tree_uri
 from prx_assets.s8_skip_lists.skip_lists import (
-    REASON_DEDUP, REASON_OPTOUT, apply_skip_lists, build_skip_lists,
-    duplicate_ids, label_ids, mapping_batches, mapping_shards, read_ablations, skip_shares)
+    REASON_DEDUP, REASON_OPTOUT, REASON_STALE, build_skip_lists, duplicate_ids, label_ids, mapping_batches,
+    mapping_shards, publish_skip_lists, read_ablations, skip_shares)
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import (
     CAPTION_LABELS, DUPLICATES, MDS_SAMPLES, MDS_SHARDS, OPT_OUTS, SKIP_LISTS)
@@ -52,14 +50,15 @@ def build_skip_lists_asset(partitions_def: dg.PartitionsDefinition) -> dg.Assets
         versions = (captioner.caption_version(), classifier.classifier_version())
         reasons, lineage = _reasons(context, config, store, source, sources.load().names,
                                     versions)
-        shards, per_leaf = mapping_shards(mapping)
-        lists = build_skip_lists(mapping_batches(mapping), reasons)
-        tree = current_tree(Path(store.mds_root), source)
-        report = apply_skip_lists(tree, lists, shards)
+        options = store.lance_options()
+        shards, per_leaf = mapping_shards(mapping, storage_options=options)
+        lists = build_skip_lists(mapping_batches(mapping, storage_options=options), reasons)
+        report = publish_skip_lists(store, source, lists, shards)
+        tree = current_tree_uri(store, source)
         context.log.info(f"{source}: {report.written} sidecar(s) written, {report.removed} "
                          f"removed, {report.unchanged} unchanged under {tree}")
         lineage[f"input_version/{MDS_SAMPLES}"] = mapping_version
-        total = sum(per_leaf.values())
+        total = sum(per_leaf.values()) + report.skipped_per_reason.get(REASON_STALE, 0)
         return dg.MaterializeResult(metadata={
             **lineage, "tree": dg.MetadataValue.path(str(tree)),
             "samples": total, "skipped": report.skipped_total,
@@ -95,7 +94,7 @@ def _reasons(context: dg.AssetExecutionContext, config: SkipListsConfig, store: 
         lineage["opt_out_requests"] = len(parsed.requests)
         lineage["opt_out_malformed_rows"] = len(parsed.errors)
     if config.ablations:
-        for name, ids in read_ablations(store.local_path(store.ablations_dir)).items():
+        for name, ids in read_ablations(store.ablations_dir, store.storage_options).items():
             reasons[name] = {i for i in ids if i.startswith(f"{source}:")}
     return reasons, lineage
 
@@ -122,8 +121,9 @@ def skipped_share_check(partitions_def: dg.PartitionsDefinition) -> dg.AssetChec
     def skipped_share(context: dg.AssetCheckExecutionContext, config: SkipShareConfig,
                       storage: StorageResource) -> dg.AssetCheckResult:
         source, store = context.partition_key, storage.get()
-        shards, per_leaf = mapping_shards(store.table(MDS_SAMPLES, source))
-        shares = skip_shares(current_tree(Path(store.mds_root), source), per_leaf, shards)
+        _, per_leaf = mapping_shards(store.table(MDS_SAMPLES, source),
+                                     storage_options=store.lance_options())
+        shares = skip_shares(current_tree_uri(store, source), per_leaf, store.storage_options)
         records = [dg.TableRecord({"stream": leaf, "samples": n, "skipped": k,
                                    "share": round(k / n, 4) if n else 0.0})
                    for leaf, (n, k) in shares.items()]

@@ -25,7 +25,8 @@ from prx_assets.loader.dataset import (
     SkipListMismatch,
     SkipListStreamingDataset,
 )
-from prx_assets.loader.streams import Leaf, default_weights, leaf_streams, plan_leaves
+from prx_assets.loader.streams import (
+    Leaf, default_weights, leaf_streams, plan_leaves, use_remote_settings)
 from prx_assets.storage.layout import Storage
 
 __all__ = [
@@ -45,15 +46,22 @@ def build_dataset(mds_root: str | Path | None, tier: int, batch_size: int, *,
                   weights: Mapping[str, float] | None = None,
                   sources_file: Path | None = None,
                   skip_reasons: Iterable[str] | None = None, seed: int = 9176,
-                  shuffle: bool = True, **kwargs: Any) -> SkipListStreamingDataset:
+                  shuffle: bool = True, cache_dir: str | Path | None = None,
+                  **kwargs: Any) -> SkipListStreamingDataset:
     """One stream per leaf of `tier` across the weighted sources' current trees.
 
     weights: per-source weights (default: `weight` in sources.yaml); skip_reasons: `None` for
-    every reason in the sidecars; mds_root: `None` for the configured storage's MDS root.
-    Extra kwargs go to `StreamingDataset`."""
+    every reason in the sidecars (`stale` always applies); mds_root: `None` for the configured
+    storage's MDS root, a local folder or an `s3://` prefix, whose shards then stream into
+    `cache_dir`. Extra kwargs go to `StreamingDataset`."""
     weights = dict(weights) if weights is not None else default_weights(sources_file)
-    leaves = plan_leaves(Path(mds_root or Storage.from_env().mds_root), tier, weights)
-    return SkipListStreamingDataset(streams=leaf_streams(leaves), batch_size=batch_size,
+    root = str(mds_root or Storage.from_env().mds_root)
+    use_remote_settings(root)
+    leaves = plan_leaves(root, tier, weights)
+    if any(leaf.remote for leaf in leaves):
+        kwargs.setdefault("predownload", None)  # streaming's default throttle for downloads
+    return SkipListStreamingDataset(streams=leaf_streams(leaves, cache_dir),
+                                    batch_size=batch_size,
                                     skip_reasons=skip_reasons, shuffle=shuffle,
                                     shuffle_seed=seed, **kwargs)
 

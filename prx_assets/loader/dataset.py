@@ -30,7 +30,9 @@ import numpy as np
 from numpy.typing import NDArray
 from streaming import StreamingDataset
 
-from prx_assets.s8_skip_lists.skip_lists import read_sidecar, sidecar_path
+from prx_assets.s8_skip_lists.skip_lists import (
+    REASON_STALE, SIDECAR_SUFFIX, read_sidecar, sidecar_path)
+from prx_assets.storage import object_store
 
 OPEN_SHARDS = 64  # memory maps kept open per worker (least recently used closed first)
 # mosaicml-streaming's default predownload (8 x batch) makes the ready thread sleep in 7 ms
@@ -52,7 +54,8 @@ class SkipListStreamingDataset(StreamingDataset):
         streams: one `streaming.Stream` per leaf (see `prx_assets.loader.build_dataset`).
         batch_size: per-device batch size (required: batches are formed per stream).
         skip_reasons: reasons to apply; `None` applies every reason found in the sidecars,
-            `()` applies none.
+            `()` applies none but `stale` (samples an incremental mds_shards run superseded,
+            always applied: they are no longer part of the source).
         shuffle_seed: the seed of the deterministic shuffle.
         decode_images: False yields the `jpeg` columns as their stored bytes (local shards),
             leaving the decode to the collate function (one decode per image either way).
@@ -67,9 +70,10 @@ class SkipListStreamingDataset(StreamingDataset):
                          shuffle=shuffle, shuffle_seed=shuffle_seed, predownload=predownload,
                          **kwargs)
         self.decode_images = decode_images
-        wanted = None if skip_reasons is None else frozenset(skip_reasons)
+        wanted = None if skip_reasons is None else frozenset(skip_reasons) | {REASON_STALE}
         self.skipped, found = self._read_skip_lists(wanted)
-        self.skip_reasons: list[str] = sorted(found if wanted is None else wanted)
+        self.skip_reasons: list[str] = sorted(
+            found if wanted is None else {r for r in wanted if r != REASON_STALE or r in found})
         self.skip_counts: Counter = found
         self.skip_digest = hashlib.sha256(np.flatnonzero(self.skipped).tobytes()).hexdigest()[:16]
         self.length = self._samples_per_rank(epoch=0)  # what len() and len(DataLoader) report
@@ -80,9 +84,15 @@ class SkipListStreamingDataset(StreamingDataset):
         """A mask over global sample ids, and how many samples each found reason skips."""
         skipped = np.zeros(self.num_samples, np.bool_)
         found: Counter = Counter()
+        remote_sidecars = self._remote_sidecars()
         for shard_id, shard in enumerate(self.shards):
-            path = sidecar_path(f"{shard.dirname}/{shard.split}/{shard.raw_data.basename}")
-            lists = read_sidecar(path)
+            stream = self.streams[int(self.stream_per_shard[shard_id])]
+            if stream.remote:
+                path = f"{stream.remote.rstrip('/')}/{_sidecar_name(shard.raw_data.basename)}"
+                lists = read_sidecar(path) if path in remote_sidecars[stream.remote] else {}
+            else:
+                path = sidecar_path(f"{shard.dirname}/{shard.split}/{shard.raw_data.basename}")
+                lists = read_sidecar(path)
             offset = int(self.sample_offset_per_shard[shard_id])
             for reason, indices in lists.items():
                 found[reason] += len(indices)
@@ -92,6 +102,12 @@ class SkipListStreamingDataset(StreamingDataset):
                         raise ValueError(f"{path}: index out of range for {shard.samples} samples")
                     skipped[offset + local] = True
         return skipped, found
+
+    def _remote_sidecars(self) -> dict[str, set[str]]:
+        """Per remote stream, the sidecars that exist: one listing per leaf instead of one
+        request per shard (most shards have none)."""
+        return {stream.remote: set(object_store.list_files(stream.remote, SIDECAR_SUFFIX))
+                for stream in self.streams if stream.remote}
 
     def resample_streams(self, epoch: int, stream_id: int | None = None
                          ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
@@ -175,6 +191,10 @@ class SkipListStreamingDataset(StreamingDataset):
                 f"(digest {obj.get(STATE_DIGEST)} -> {self.skip_digest}); the sample order "
                 "would differ, refusing to resume mid-epoch")
         super().load_state_dict(obj)
+
+
+def _sidecar_name(shard_basename: str) -> str:
+    return shard_basename.removesuffix(".mds") + SIDECAR_SUFFIX
 
 
 def _drop(units: NDArray[np.int64], sample_ids: NDArray[np.int64], keep: NDArray[np.bool_]

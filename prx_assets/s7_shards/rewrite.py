@@ -11,7 +11,6 @@ exactly the same ids before and after.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +20,11 @@ import lance
 
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, MDS_SAMPLES
-from prx_assets.s7_shards.mds import (
-    TREE_MANIFEST, SampleInputs, TreeReport, WriteOptions, current_tree, write_mds_tree)
+from prx_assets.s7_shards.mds import SampleInputs, TreeReport, WriteOptions, write_mds_tree
+from prx_assets.s7_shards.trees import tree_store
 from prx_assets.s8_skip_lists.skip_lists import (
-    ApplyReport, apply_skip_lists, build_skip_lists, mapping_batches, mapping_shards,
-    reasons_in, skipped_ids)
+    REASON_STALE, ApplyReport, build_skip_lists, mapping_batches, mapping_shards,
+    publish_skip_lists, reasons_in, skipped_ids)
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +40,11 @@ class RewriteReport:
 def pinned_inputs(storage: Storage | str | Path, source: str, caption_filter: str) -> SampleInputs:
     """The inputs of the current tree, at the Lance versions it was built from."""
     storage = as_storage(storage)
-    manifest = json.loads((current_tree(Path(storage.mds_root), source) / TREE_MANIFEST).read_text())
+    store = tree_store(storage, source)
+    manifest = store.manifest(store.current_version() or "") if store.current_version() else None
+    if manifest is None:
+        raise FileNotFoundError(f"no MDS tree for source {source!r} under {storage.mds_root}; "
+                                "materialise mds_shards first")
     return SampleInputs(
         bucketed_uri=storage.table(BUCKETED_IMAGES, source),
         captions_uri=storage.table(CAPTIONS, source),
@@ -50,8 +53,9 @@ def pinned_inputs(storage: Storage | str | Path, source: str, caption_filter: st
         captions_version=manifest.get("captions_version"))
 
 
-def _ids(uri: Path, version: int | None = None, condition: str | None = None) -> set[str]:
-    scanner = lance.dataset(str(uri), version=version).scanner(
+def _ids(uri: str, version: int | None = None, condition: str | None = None,
+         storage_options=None) -> set[str]:
+    scanner = lance.dataset(str(uri), version=version, storage_options=storage_options).scanner(
         columns=["id"], filter=condition, batch_size=1 << 18)
     return {i for batch in scanner.to_batches() for i in batch.column("id").to_pylist()}
 
@@ -60,27 +64,33 @@ def rewrite_without_skipped(inputs: SampleInputs, storage: Storage | str | Path,
                             reasons: Iterable[str] | None = None,
                             options: WriteOptions = WriteOptions(),
                             log: Callable[[str], None] = logger.info) -> RewriteReport:
-    """Rebuild `source`'s tree without the samples skipped for `reasons` (all by default)."""
+    """Rebuild `source`'s tree without the samples skipped for `reasons` (all by default).
+    Stale samples (superseded by an incremental run) are never in the mapping table, so the
+    rewrite leaves them out whatever `reasons` says."""
     storage = as_storage(storage)
-    old_tree = current_tree(Path(storage.mds_root), source)
+    options_ = storage.storage_options
+    old_tree = tree_store(storage, source).current_tree()
     mapping = storage.table(MDS_SAMPLES, source)
-    present = reasons_in(old_tree)
+    present = reasons_in(old_tree, options_) - {REASON_STALE}
     rewritten = sorted(present if reasons is None else set(reasons) & present)
-    excluded = skipped_ids(old_tree, mapping, rewritten)
-    kept_lists = {r: skipped_ids(old_tree, mapping, [r]) - excluded
+    excluded = skipped_ids(old_tree, mapping, rewritten, storage_options=options_)
+    kept_lists = {r: skipped_ids(old_tree, mapping, [r], storage_options=options_) - excluded
                   for r in sorted(present - set(rewritten))}
     log(f"{source}: rewriting without {len(excluded):,} skipped samples "
         f"({', '.join(rewritten) or 'no reason'}); carrying over {', '.join(kept_lists) or 'none'}")
     # The new tree is a subset of the current one: what earlier rewrites (or the current
     # build's own rules) left out stays out.
-    kept = _ids(mapping) - excluded
-    planned = _ids(Path(inputs.bucketed_uri), inputs.bucketed_version, "status = 'ok'")
+    lance_options = storage.lance_options()
+    kept = _ids(mapping, storage_options=lance_options) - excluded
+    planned = _ids(inputs.bucketed_uri, inputs.bucketed_version, "status = 'ok'",
+                   storage_options=lance_options)
     inputs = dataclasses.replace(inputs, exclude_ids=frozenset(inputs.exclude_ids
                                                                | (planned - kept)))
-    report = write_mds_tree(inputs, storage, source, options, log)
-    shards, _ = mapping_shards(report.mapping_uri)
-    carried = apply_skip_lists(report.path, build_skip_lists(
-        mapping_batches(report.mapping_uri), {r: ids for r, ids in kept_lists.items() if ids}),
-        shards)
+    report = write_mds_tree(inputs, storage, source,
+                            dataclasses.replace(options, incremental=False), log)
+    shards, _ = mapping_shards(report.mapping_uri, storage_options=lance_options)
+    carried = publish_skip_lists(storage, source, build_skip_lists(
+        mapping_batches(report.mapping_uri, storage_options=lance_options),
+        {r: ids for r, ids in kept_lists.items() if ids}), shards)
     return RewriteReport(tree=report, excluded=len(excluded), rewritten_reasons=rewritten,
                          carried_over=carried)

@@ -30,15 +30,21 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.engine.failpoints import failpoint
+from prx_assets.s7_shards.trees import TREE_MANIFEST, leaf_names, new_tree_version, tree_store
+from prx_assets.storage import object_store
 from prx_assets.storage.filters import all_of, eq_filter, in_filter, sql_string
 
 SIDECAR_VERSION = 1
 SHARD_SUFFIX = ".mds"
 SIDECAR_SUFFIX = ".skip.json"
 REASON_DEDUP, REASON_OPTOUT = "dedup", "optout"
+# Samples an incremental mds_shards run superseded (the id changed or left the source): still
+# stored in an older shard, written by mds_shards itself, always applied by the loader and
+# kept by the skip_lists asset whatever it is configured with; a rewrite drops them.
+REASON_STALE = "stale"
 ABLATION_NAME = re.compile(r"^[a-z0-9_]+$")
 # An ablation list is its own reason, so it cannot take a built-in reason's name.
-RESERVED_REASONS = frozenset({"dedup", "optout", "text", "nsfw", "visual"})
+RESERVED_REASONS = frozenset({"dedup", "optout", "text", "nsfw", "visual", REASON_STALE})
 # Columns of the MDS mapping table (`mds_samples`) a skip list needs.
 MAPPING_COLUMNS = ["id", "leaf", "shard", "sample_index"]
 
@@ -52,11 +58,22 @@ def sidecar_path(shard_path: str | Path) -> Path:
     return shard_path.with_name(shard_path.name.removesuffix(SHARD_SUFFIX) + SIDECAR_SUFFIX)
 
 
-def read_sidecar(path: str | Path) -> dict[str, list[int]]:
+def sidecar_uri(shard_uri: str) -> str:
+    """`sidecar_path` for a URI string (`s3://...` must not go through pathlib)."""
+    return shard_uri.removesuffix(SHARD_SUFFIX) + SIDECAR_SUFFIX
+
+
+def read_sidecar(path: str | Path, storage_options: Mapping[str, str] | None = None
+                 ) -> dict[str, list[int]]:
     """The skip lists of one shard by reason; {} when the sidecar does not exist.
-    (The training loader reads sidecars through this function.)"""
+    `path` may be an `s3://` URI (read with the root's settings). (The training loader reads
+    sidecars through this function.)"""
     try:
-        data = json.loads(Path(path).read_text())
+        if object_store.is_object_store(path):
+            text = object_store.read_text(object_store.as_uri(path), storage_options)
+        else:
+            text = Path(path).read_text()
+        data = json.loads(text)
     except FileNotFoundError:
         return {}
     if data.get("version") != SIDECAR_VERSION:
@@ -64,15 +81,22 @@ def read_sidecar(path: str | Path) -> dict[str, list[int]]:
     return {str(reason): [int(i) for i in indices] for reason, indices in data["lists"].items()}
 
 
-def write_sidecar(path: Path, lists: Mapping[str, Iterable[int]]) -> None:
-    """Atomically replace the sidecar; empty lists remove it (absent = nothing skipped)."""
-    path = Path(path)
+def sidecar_body(lists: Mapping[str, Iterable[int]]) -> str | None:
+    """A sidecar's JSON text, None when nothing is skipped (no sidecar at all)."""
     clean = {reason: sorted({int(i) for i in ids}) for reason, ids in sorted(lists.items())}
     clean = {reason: ids for reason, ids in clean.items() if ids}
     if not clean:
+        return None
+    return json.dumps({"version": SIDECAR_VERSION, "lists": clean}, separators=(",", ":"))
+
+
+def write_sidecar(path: Path, lists: Mapping[str, Iterable[int]]) -> None:
+    """Atomically replace the sidecar; empty lists remove it (absent = nothing skipped)."""
+    path = Path(path)
+    body = sidecar_body(lists)
+    if body is None:
         path.unlink(missing_ok=True)
         return
-    body = json.dumps({"version": SIDECAR_VERSION, "lists": clean}, separators=(",", ":"))
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as handle:
@@ -92,18 +116,19 @@ def skipped_indices(lists: Mapping[str, list[int]], reasons: Iterable[str] | Non
     return {i for ids in chosen.values() for i in ids}
 
 
-def read_ablations(directory: Path) -> dict[str, set[str]]:
-    """Named ablation lists: `<directory>/<name>.txt`, one id per line, `#` comments."""
+def read_ablations(directory: Path | str,
+                   storage_options: Mapping[str, str] | None = None) -> dict[str, set[str]]:
+    """Named ablation lists: `<directory>/<name>.txt`, one id per line, `#` comments. The
+    folder may be an `s3://` prefix (listed and read with the root's settings)."""
     lists: dict[str, set[str]] = {}
-    if not Path(directory).is_dir():
-        return lists
-    for path in sorted(Path(directory).glob("*.txt")):
-        name = path.stem
+    for uri in object_store.list_files(object_store.as_uri(directory), ".txt", storage_options):
+        name = uri.rsplit("/", 1)[1].removesuffix(".txt")
         if not ABLATION_NAME.match(name):
-            raise ValueError(f"{path}: ablation name {name!r} must match [a-z0-9_]+")
+            raise ValueError(f"{uri}: ablation name {name!r} must match [a-z0-9_]+")
         if name in RESERVED_REASONS:
-            raise ValueError(f"{path}: ablation name {name!r} is a built-in reason")
-        lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+            raise ValueError(f"{uri}: ablation name {name!r} is a built-in reason")
+        text = object_store.read_text(uri, storage_options)
+        lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
         lists[name] = {line for line in lines if line}
     return lists
 
@@ -139,14 +164,21 @@ class ApplyReport:
 
 
 def apply_skip_lists(tree: Path, lists: SkipLists, shards: Iterable[ShardKey]) -> ApplyReport:
-    """Write every shard's sidecar under `tree` (the source's current MDS tree); shards
-    not in `lists` lose any stale sidecar. Unchanged sidecars are not rewritten."""
+    """Write every shard's sidecar under the local `tree` (the source's current MDS tree),
+    in place; shards not in `lists` lose their other reasons. `stale` lists (mds_shards'
+    own) are kept as they are. Unchanged sidecars are not rewritten."""
+    tree = Path(tree)
+    on_disk = {(str(p.parent.relative_to(tree)), p.name.removesuffix(SIDECAR_SUFFIX) + SHARD_SUFFIX)
+               for p in sidecar_files(tree)}
     report = ApplyReport()
-    for leaf, shard in sorted(set(shards) | set(lists)):
+    final: SkipLists = {}
+    for leaf, shard in sorted(set(shards) | set(lists) | on_disk):
         report.shards += 1
-        new = lists.get((leaf, shard), {})
-        path = sidecar_path(Path(tree) / leaf / shard)
-        if read_sidecar(path) == new:
+        path = sidecar_path(tree / leaf / shard)
+        old = read_sidecar(path)
+        new = with_stale_of(old, lists.get((leaf, shard), {}))
+        final[(leaf, shard)] = new
+        if old == new:
             report.unchanged += 1
             continue
         write_sidecar(path, new)
@@ -155,7 +187,20 @@ def apply_skip_lists(tree: Path, lists: SkipLists, shards: Iterable[ShardKey]) -
             report.written += 1
         else:
             report.removed += 1
-    for (leaf, _), by_reason in lists.items():
+    return _count_skipped(report, final)
+
+
+def with_stale_of(old: Mapping[str, list[int]], new: Mapping[str, list[int]]
+                  ) -> dict[str, list[int]]:
+    """`new` plus the `stale` list of `old` (only mds_shards decides what is stale)."""
+    lists = {reason: ids for reason, ids in new.items() if reason != REASON_STALE and ids}
+    if old.get(REASON_STALE):
+        lists[REASON_STALE] = old[REASON_STALE]
+    return lists
+
+
+def _count_skipped(report: ApplyReport, final: SkipLists) -> ApplyReport:
+    for (leaf, _), by_reason in final.items():
         for reason, ids in by_reason.items():
             report.skipped_per_reason[reason] += len(ids)
         report.skipped_per_leaf[leaf] = (report.skipped_per_leaf.get(leaf, 0)
@@ -164,17 +209,77 @@ def apply_skip_lists(tree: Path, lists: SkipLists, shards: Iterable[ShardKey]) -
     return report
 
 
-def mapping_batches(uri: Path, batch_rows: int = 1 << 18) -> Iterable[pa.RecordBatch]:
-    return lance.dataset(str(uri)).scanner(columns=MAPPING_COLUMNS,
-                                           batch_size=batch_rows).to_batches()
+def publish_skip_lists(storage, source: str, lists: SkipLists, shards: Iterable[ShardKey]
+                       ) -> ApplyReport:
+    """Apply `lists` to `source`'s current tree. Locally the sidecars are replaced in place
+    (each atomically). On an object store a new tree version is made: every shard and index
+    server-side copied into it, a new sidecar set written, the pointer moved last, so a
+    reader holding the old pointer still reads the old version whole."""
+    store = tree_store(storage, source)
+    if store.is_local:
+        return apply_skip_lists(Path(store.current_tree()), lists, shards)
+    current = store.current_version()
+    old_tree = store.current_tree()
+    version = new_tree_version()
+    staging = store.staging_uri(version)
+    report = ApplyReport()
+    final: SkipLists = {}
+    options = store.storage_options
+    try:
+        for leaf in leaf_names(store, old_tree):
+            names = object_store.list_files(f"{old_tree}/{leaf}", "", options)
+            store.carry_many([(uri, f"{staging}/{leaf}/{uri.rsplit('/', 1)[1]}")
+                              for uri in names if not uri.endswith(SIDECAR_SUFFIX)])
+            old_sidecars = {uri.rsplit("/", 1)[1] for uri in names if uri.endswith(SIDECAR_SUFFIX)}
+            leaf_shards = {shard for l, shard in set(shards) | set(lists) if l == leaf}
+            leaf_shards |= {n.removesuffix(SIDECAR_SUFFIX) + SHARD_SUFFIX for n in old_sidecars}
+            for shard in sorted(leaf_shards):
+                report.shards += 1
+                name = shard.removesuffix(SHARD_SUFFIX) + SIDECAR_SUFFIX
+                old = (read_sidecar(f"{old_tree}/{leaf}/{name}", options)
+                       if name in old_sidecars else {})
+                new = with_stale_of(old, lists.get((leaf, shard), {}))
+                final[(leaf, shard)] = new
+                body = sidecar_body(new)
+                if body is not None:
+                    store.write_text(f"{staging}/{leaf}/{name}", body)
+                    failpoint("skip_lists.sidecar_written")
+                if old == new:
+                    report.unchanged += 1
+                elif new:
+                    report.written += 1
+                else:
+                    report.removed += 1
+        manifest = json.loads(store.read_text(f"{old_tree}/{TREE_MANIFEST}"))
+        # Same shards as the parent (whose version wrote them): the mapping stays right.
+        manifest.update(tree_version=version, parent=current, commits_mapping=False,
+                        mapping_base_version=None,
+                        shards_of=manifest.get("shards_of", current))
+        store.write_text(f"{staging}/{TREE_MANIFEST}", json.dumps(manifest, indent=2,
+                                                                   sort_keys=True))
+    except BaseException:
+        store.delete_tree(staging)
+        raise
+    store.publish(version)
+    store.prune(int(manifest.get("keep_trees", 2)))
+    return _count_skipped(report, final)
 
 
-def mapping_shards(uri: Path, batch_rows: int = 1 << 18) -> tuple[set[ShardKey], dict[str, int]]:
+def mapping_batches(uri: Path | str, batch_rows: int = 1 << 18,
+                    storage_options: Mapping[str, str] | None = None
+                    ) -> Iterable[pa.RecordBatch]:
+    return lance.dataset(str(uri), storage_options=storage_options).scanner(
+        columns=MAPPING_COLUMNS, batch_size=batch_rows).to_batches()
+
+
+def mapping_shards(uri: Path | str, batch_rows: int = 1 << 18,
+                   storage_options: Mapping[str, str] | None = None
+                   ) -> tuple[set[ShardKey], dict[str, int]]:
     """Every shard of the mapping table, and samples per leaf (one stream each)."""
     shards: set[ShardKey] = set()
     per_leaf: Counter = Counter()
-    for batch in lance.dataset(str(uri)).scanner(columns=["leaf", "shard"],
-                                                 batch_size=batch_rows).to_batches():
+    for batch in lance.dataset(str(uri), storage_options=storage_options).scanner(
+            columns=["leaf", "shard"], batch_size=batch_rows).to_batches():
         pairs = pa.table({"leaf": batch.column("leaf"), "shard": batch.column("shard")})
         counts = pairs.group_by(["leaf", "shard"]).aggregate([([], "count_all")])
         for leaf, shard, n in zip(counts.column("leaf").to_pylist(),
@@ -188,6 +293,18 @@ def mapping_shards(uri: Path, batch_rows: int = 1 << 18) -> tuple[set[ShardKey],
 def sidecar_files(tree: Path) -> list[Path]:
     return sorted(Path(tree).rglob(f"*{SIDECAR_SUFFIX}"))
 
+
+def tree_sidecars(tree: str, storage_options: Mapping[str, str] | None = None) -> list[str]:
+    """Every sidecar of a tree (local folder or s3:// prefix), as sorted locations."""
+    if not object_store.is_object_store(tree):
+        return [str(p) for p in sidecar_files(Path(tree))]
+    import pyarrow.fs as pafs
+
+    fs, path = object_store.filesystem(tree, storage_options)
+    infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+    base = tree.rstrip("/")
+    return sorted(f"{base}/{info.path[len(path) + 1:]}" for info in infos
+                  if info.type == pafs.FileType.File and info.base_name.endswith(SIDECAR_SUFFIX))
 
 
 def duplicate_ids(duplicates_uri: Path, source: str, batch_rows: int = 1 << 18) -> set[str]:
@@ -219,32 +336,45 @@ def label_ids(labels_uri: Path, labels: Iterable[str], caption_version: str,
     return found
 
 
-def skip_shares(tree: Path, per_leaf: Mapping[str, int], shards: Iterable[ShardKey]
-                ) -> dict[str, tuple[int, int]]:
-    """(samples, skipped) per stream (leaf), read back from the sidecars on disk."""
+def skip_shares(tree: Path | str, per_leaf: Mapping[str, int],
+                storage_options: Mapping[str, str] | None = None) -> dict[str, tuple[int, int]]:
+    """(stored samples, skipped) per stream (leaf), read back from the tree's sidecars;
+    `per_leaf` is the mapping table's live samples per leaf. Stale samples are stored and
+    read past but not in the mapping: they count as stored and as skipped."""
+    tree = str(tree)
     skipped: Counter = Counter()
-    for leaf, shard in shards:
-        skipped[leaf] += len(skipped_indices(read_sidecar(sidecar_path(Path(tree) / leaf / shard))))
-    return {leaf: (n, skipped.get(leaf, 0)) for leaf, n in sorted(per_leaf.items())}
+    stale: Counter = Counter()
+    for path in tree_sidecars(tree, storage_options):
+        leaf = path[len(tree) + 1:].rsplit("/", 1)[0]
+        lists = read_sidecar(path, storage_options)
+        skipped[leaf] += len(skipped_indices(lists))
+        stale[leaf] += len(lists.get(REASON_STALE, []))
+    leaves = sorted(set(per_leaf) | set(stale))
+    return {leaf: (per_leaf.get(leaf, 0) + stale[leaf], skipped.get(leaf, 0)) for leaf in leaves}
 
 
-def skipped_ids(tree: Path, mapping_uri: Path, reasons: Iterable[str] | None = None,
-                batch_rows: int = 1 << 18) -> set[str]:
-    """The ids a tree's sidecars skip (for the selected reasons; all by default)."""
+def skipped_ids(tree: Path | str, mapping_uri: Path | str, reasons: Iterable[str] | None = None,
+                batch_rows: int = 1 << 18, storage_options: Mapping[str, str] | None = None
+                ) -> set[str]:
+    """The live ids a tree's sidecars skip (for the selected reasons; all by default)."""
+    from prx_assets.storage.object_store import lance_options
+
     wanted = None if reasons is None else list(reasons)
     per_shard: dict[ShardKey, set[int]] = {}
     found: set[str] = set()
-    for batch in mapping_batches(mapping_uri, batch_rows):
+    for batch in mapping_batches(mapping_uri, batch_rows,
+                                 lance_options(str(mapping_uri), storage_options)):
         for sample_id, leaf, shard, index in zip(
                 batch.column("id").to_pylist(), batch.column("leaf").to_pylist(),
                 batch.column("shard").to_pylist(), batch.column("sample_index").to_pylist()):
             if (leaf, shard) not in per_shard:
-                lists = read_sidecar(sidecar_path(Path(tree) / leaf / shard))
+                lists = read_sidecar(sidecar_uri(f"{tree}/{leaf}/{shard}"), storage_options)
                 per_shard[(leaf, shard)] = skipped_indices(lists, wanted)
             if index in per_shard[(leaf, shard)]:
                 found.add(sample_id)
     return found
 
 
-def reasons_in(tree: Path) -> set[str]:
-    return {reason for path in sidecar_files(tree) for reason in read_sidecar(path)}
+def reasons_in(tree: Path | str, storage_options: Mapping[str, str] | None = None) -> set[str]:
+    return {reason for path in tree_sidecars(str(tree), storage_options)
+            for reason in read_sidecar(path, storage_options)}

@@ -15,6 +15,7 @@ request with short timeouts before Lance sees the location.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import PurePath
@@ -158,11 +159,13 @@ def is_not_found(exc: BaseException) -> bool:
     return isinstance(exc, FileNotFoundError) or ("was not found" in text and "Dataset" in text)
 
 
+# ------------------------------------------------------------------ files (not Lance tables)
+
 def filesystem(uri: "str | PurePath", overrides: Optional[Mapping[str, str]] = None):
-    """(pyarrow FileSystem, path inside it) for a location that is not a Lance table (a
-    folder of request files, a pointer object): the local file system for a local path; for
-    `s3://bucket/key` an S3FileSystem on the same resolved settings Lance gets (endpoint,
-    credentials, plain HTTP, bounded timeouts and retries), after the preflight."""
+    """(pyarrow FileSystem, path inside it) for a location: the local file system for a
+    folder, an S3FileSystem with the same resolved settings Lance gets for `s3://...`.
+    For plain files under the root (MDS shards, sidecars, pointers, opt-out and ablation
+    lists); S3FileSystem.copy_file is a server-side CopyObject (no bytes through us)."""
     import pyarrow.fs as pafs
 
     uri = as_uri(uri)
@@ -171,23 +174,33 @@ def filesystem(uri: "str | PurePath", overrides: Optional[Mapping[str, str]] = N
     scheme, bucket, key = split_uri(uri)
     if scheme not in ("s3", "s3a"):
         raise ObjectStoreError(f"cannot use {uri}: only s3:// object stores are supported here")
-    check_reachable(uri, overrides)
+    check_reachable(uri, overrides)  # a bad bucket, key or endpoint fails once, by name
     options = lance_options(uri, overrides) or {}
+    return _s3_filesystem(tuple(sorted(options.items()))), f"{bucket}/{key}".rstrip("/")
+
+
+@functools.lru_cache(maxsize=8)
+def _s3_filesystem(settings: tuple[tuple[str, str], ...]):
+    """One S3FileSystem per configuration (thread-safe, reused: building one per file would
+    dominate copying a version's thousands of small requests)."""
+    import pyarrow.fs as pafs
+
+    options = dict(settings)
     endpoint = options.get("aws_endpoint")
-    http = options.get("allow_http", "false").lower() == "true"
-    if endpoint and "://" in endpoint:
-        endpoint_scheme, _, endpoint = endpoint.partition("://")
-        http = endpoint_scheme == "http"
-    fs = pafs.S3FileSystem(
+    allow_http = options.get("allow_http", "false").lower() == "true"
+    return pafs.S3FileSystem(
         access_key=options.get("aws_access_key_id"),
         secret_key=options.get("aws_secret_access_key"),
         session_token=options.get("aws_session_token"),
         region=options.get("aws_region"),  # None: the SDK's own resolution (AWS)
-        endpoint_override=endpoint, scheme="http" if http else "https",
-        connect_timeout=PREFLIGHT_CONNECT_TIMEOUT_S, request_timeout=_seconds(options["timeout"]),
+        endpoint_override=endpoint,
+        scheme="http" if allow_http or (endpoint or "").startswith("http://") else "https",
+        connect_timeout=PREFLIGHT_CONNECT_TIMEOUT_S,
+        request_timeout=_seconds(options.get("timeout", "60s")),
         retry_strategy=pafs.AwsStandardS3RetryStrategy(
-            max_attempts=int(options["client_max_retries"])))
-    return fs, f"{bucket}/{key}".rstrip("/")
+            max_attempts=int(options.get("client_max_retries", 3))),
+        check_directory_existence_before_creation=False,
+        allow_bucket_creation=False, allow_bucket_deletion=False)
 
 
 def _seconds(duration: str) -> float:
@@ -197,3 +210,49 @@ def _seconds(duration: str) -> float:
         raise ValueError(f"not a duration: {duration!r}")
     value, unit = float(match.group(1)), match.group(2) or "s"
     return value * {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
+
+
+def streaming_env(uri: "str | PurePath",
+                  overrides: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The environment mosaicml-streaming's S3 client (boto3) needs for `uri`: it reads
+    `S3_ENDPOINT_URL`, not `AWS_ENDPOINT_URL`, so the endpoint is passed under both names."""
+    options = lance_options(uri, overrides)
+    if not options:
+        return {}
+    env = {"AWS_ACCESS_KEY_ID": options.get("aws_access_key_id"),
+           "AWS_SECRET_ACCESS_KEY": options.get("aws_secret_access_key"),
+           "AWS_SESSION_TOKEN": options.get("aws_session_token"),
+           "AWS_REGION": options.get("aws_region"),
+           "AWS_DEFAULT_REGION": options.get("aws_region"),
+           "AWS_ENDPOINT_URL": options.get("aws_endpoint"),
+           "S3_ENDPOINT_URL": options.get("aws_endpoint")}
+    return {name: value for name, value in env.items() if value}
+
+
+def read_text(uri: "str | PurePath", overrides: Optional[Mapping[str, str]] = None) -> str:
+    """A small file's text (local or object store); FileNotFoundError if absent."""
+    fs, path = filesystem(uri, overrides)
+    with fs.open_input_stream(path) as stream:
+        return stream.read().decode()
+
+
+def write_text(uri: "str | PurePath", text: str,
+               overrides: Optional[Mapping[str, str]] = None) -> None:
+    """Write a small file. On S3 one PUT, visible whole or not at all (the pointer objects
+    rely on this); locally callers that need atomicity rename a temporary file instead."""
+    fs, path = filesystem(uri, overrides)
+    with fs.open_output_stream(path) as stream:
+        stream.write(text.encode())
+
+
+def list_files(uri: "str | PurePath", suffix: str = "",
+               overrides: Optional[Mapping[str, str]] = None) -> list[str]:
+    """Files directly in a folder/prefix whose names end with `suffix`, as sorted full URIs
+    (one listing request per 1,000 keys on S3); [] when the folder does not exist."""
+    import pyarrow.fs as pafs
+
+    fs, path = filesystem(uri, overrides)
+    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    base = as_uri(uri).rstrip("/")
+    return sorted(f"{base}/{info.base_name}" for info in infos
+                  if info.type == pafs.FileType.File and info.base_name.endswith(suffix))

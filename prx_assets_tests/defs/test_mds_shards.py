@@ -68,3 +68,29 @@ def test_build_defs_wires_mds_shards_after_bucketed_images_and_captions(tmp_path
     key = dg.AssetKey("mds_shards")
     assert graph.get(key).parent_keys == {dg.AssetKey("bucketed_images"), dg.AssetKey("captions")}
     assert dg.AssetCheckKey(key, "leaves_stream") in graph.asset_check_keys
+
+
+def test_incremental_counts_and_an_unchanged_rerun_keeps_the_data_version(ray_session, data_root):
+    from prx_assets_tests.s7_shards.test_incremental import NEW_ID, add_sample, remove_sample
+
+    corpus = build_corpus(data_root, "web", per_shape=3)
+    instance = dg.DagsterInstance.ephemeral()
+
+    def run():
+        result = _materialize(instance)
+        assert result.success
+        event = result.asset_materializations_for_node("mds_shards")[0]
+        return event.metadata, event.tags["dagster/data_version"]
+
+    meta, first_version = run()
+    assert (meta["rows_processed"].value, meta["rows_reused"].value,
+            meta["rows_removed"].value) == (len(corpus["images"]), 0, 0)
+    add_sample(data_root, NEW_ID)
+    remove_sample(data_root, sorted(corpus["images"])[0])
+    meta, second_version = run()
+    assert (meta["rows_processed"].value, meta["rows_reused"].value,
+            meta["rows_removed"].value) == (1, len(corpus["images"]) - 1, 1)
+    assert meta["appended"].value and second_version != first_version
+    meta, third_version = run()
+    assert (meta["rows_processed"].value, meta["rows_removed"].value) == (0, 0)
+    assert not meta["new_tree"].value and third_version == second_version

@@ -1,3 +1,4 @@
+import dataclasses
 import io
 import json
 import os
@@ -88,8 +89,9 @@ def _shards(leaf: Path) -> list[dict]:
 
 def test_same_inputs_give_byte_identical_trees(ray_session, data_root):
     build_corpus(data_root, "web", per_shape=6)
-    first = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", SMALL)
-    second = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", SMALL)
+    full = dataclasses.replace(SMALL, incremental=False)  # a rebuild, not "nothing changed"
+    first = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", full)
+    second = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", full)
     assert first.tree_version != second.tree_version
     files = sorted(p.relative_to(first.path) for p in first.path.rglob("*")
                    if p.is_file() and p.name != mds.TREE_MANIFEST)
@@ -98,7 +100,7 @@ def test_same_inputs_give_byte_identical_trees(ray_session, data_root):
     for rel in files:
         assert (first.path / rel).read_bytes() == (second.path / rel).read_bytes(), rel
     assert mds.current_tree(data_root, "web") == second.path
-    third = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", SMALL)
+    third = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", full)
     assert not first.path.exists() and second.path.exists()  # keep_trees=2: current + previous
     assert mds.current_tree(data_root, "web") == third.path
 
@@ -126,7 +128,7 @@ def test_a_killed_build_leaves_the_previous_tree_current(data_root, tmp_path):
                                 mds.WriteOptions(size_limit=60_000, parallel=False))
     mapping_uri = str(Storage(data_root).table("mds_samples", "web"))
     mapping_version = lance.dataset(mapping_uri).version
-    build_corpus(data_root, "web", per_shape=3)  # new inputs: the killed build differs
+    build_corpus(data_root, "web", per_shape=8)  # new samples: the killed build appends
 
     flag = tmp_path / "flag"
     child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(data_root), str(flag)],
@@ -156,7 +158,7 @@ def test_a_killed_build_leaves_the_previous_tree_current(data_root, tmp_path):
     after = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web",
                                mds.WriteOptions(parallel=False))
     assert not any(p.exists() for p in partial)  # a rerun clears the leftovers
-    assert after.samples == 4 * 3 - 2 and mds.current_tree(data_root, "web") == after.path
+    assert after.samples == 4 * 8 - 2 and mds.current_tree(data_root, "web") == after.path
 
 
 def test_excluded_ids_are_left_out_and_counted(data_root):

@@ -142,3 +142,34 @@ def test_labels_come_from_the_active_versions_only_and_dedup_skips_non_kept(tmp_
         schema=DUPLICATES_SCHEMA), str(duplicates))
     assert duplicate_ids(duplicates, "web") == {"web:2"}  # not the kept copy, not web_b
     assert duplicate_ids(duplicates, "web_b") == {"web_b:2"}
+
+
+def test_stale_lists_are_kept_whatever_the_reasons_say(tmp_path):
+    from prx_assets.s8_skip_lists.skip_lists import REASON_STALE
+
+    tree = tmp_path / "tree"
+    (tree / "1/64x64").mkdir(parents=True)
+    write_sidecar(tree / "1/64x64/shard.00000.skip.json", {REASON_STALE: [2], "dedup": [0]})
+    write_sidecar(tree / "1/64x64/shard.00001.skip.json", {REASON_STALE: [0, 1]})  # all stale
+    shards = {("1/64x64", "shard.00000.mds")}  # the all-stale shard has no live mapping row
+    report = apply_skip_lists(tree, {("1/64x64", "shard.00000.mds"): {
+        "nsfw": [1], REASON_STALE: [5]}}, shards)  # a list can't make samples stale
+    assert read_sidecar(tree / "1/64x64/shard.00000.skip.json") == {"nsfw": [1],
+                                                                    REASON_STALE: [2]}
+    assert read_sidecar(tree / "1/64x64/shard.00001.skip.json") == {REASON_STALE: [0, 1]}
+    assert report.skipped_per_reason == {"nsfw": 1, REASON_STALE: 3}
+    with pytest.raises(ValueError, match="built-in"):
+        (tmp_path / "abl").mkdir()
+        (tmp_path / "abl" / "stale.txt").write_text("web:1\n")
+        read_ablations(tmp_path / "abl")
+
+
+def test_ablation_lists_are_read_from_an_object_store(s3_root):
+    from prx_assets.storage import object_store
+    from prx_assets.storage.layout import Storage
+
+    folder = Storage(s3_root).ablations_dir
+    object_store.write_text(f"{folder}/no_cats.txt", "web:1\n# a comment\nweb:2  # why\n")
+    object_store.write_text(f"{folder}/readme.md", "not a list")
+    assert read_ablations(folder) == {"no_cats": {"web:1", "web:2"}}
+    assert read_ablations(f"{s3_root}/absent") == {}
