@@ -55,10 +55,10 @@ def build_caption_labels(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDe
             "lance_version": report.lance_version,
             "caption_version": caption_version,
             "classifier_version": report.classifier_version,
-            # Labels are replaced in place (keyed per caption and classifier version), never
-            # dropped: removed is 0; a failed row is not written, so not processed either.
+            # Labels are replaced in place (keyed per caption and classifier version); those
+            # of items gone upstream are dropped. A failed row is not written: not processed.
             **incremental_metadata(report.written, max(0, coverage.labelled - report.written),
-                                   0),
+                                   report.removed),
             "labelled_now": report.written, "failed_now": report.failed,
             "failures": "; ".join(report.errors) or "none",
             "captions_per_s": round(report.captions_per_s, 2),

@@ -30,6 +30,7 @@ from prx_assets.s4_labels.labels import (
     embedded_classifier_version, label_rows, version_hash)
 from prx_assets.engine.chunked import (
     ChunkedReport, ChunkedRun, CommitTarget, drop_ids, keep_ids, run_chunked)
+from prx_assets.storage.filters import in_filter
 from prx_assets.storage.lance_tables import (
     FragmentPolicy, create_empty, open_table, read_table, table_exists)
 
@@ -78,6 +79,7 @@ class LabelRunReport(ChunkedReport):
     classifier_version: str
     labels: Counter = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)  # a few examples
+    removed: int = 0  # label rows of items gone from the captions (removed upstream)
 
     @property
     def failed(self) -> int:
@@ -111,6 +113,29 @@ def labelled_ids(labels_uri: str | Path, caption_version: str, classifier_versio
     joined = labels.join(captions.rename_columns(["id", "captioned_at"]), "id")
     fresh = pc.greater_equal(joined.column("created_at"), joined.column("captioned_at"))
     return joined.filter(fresh).column("id").combine_chunks()
+
+
+def drop_orphan_labels(labels_uri: str | Path, captions_uri: str | Path,
+                       captions_version: int | None = None, storage_options: Options = None,
+                       chunk: int = 10_000) -> int:
+    """Delete the label rows (every version pair) of ids that have no caption row any more:
+    their item left the source, so its caption was dropped upstream. Returns rows deleted."""
+    if not table_exists(labels_uri, storage_options):
+        return 0
+    captioned = open_table(captions_uri, captions_version, storage_options).to_table(
+        columns=["id"]).column("id").combine_chunks()
+    labels = open_table(labels_uri, storage_options=storage_options)
+    orphans: set[str] = set()
+    for batch in labels.to_batches(columns=["id"]):
+        table = pa.Table.from_batches([batch])
+        orphans.update(keep_ids(table, captioned, member=False).column("id").to_pylist())
+    if not orphans:
+        return 0
+    before = labels.count_rows()
+    ordered = sorted(orphans)
+    for start in range(0, len(ordered), chunk):
+        labels.delete(in_filter("id", ordered[start:start + chunk]))
+    return before - open_table(labels_uri, storage_options=storage_options).count_rows()
 
 
 def count_pending(captions_uri: str | Path, caption_filter: str, done: pa.Array,
@@ -235,6 +260,7 @@ def label_source(captions_uri: str | Path, labels_uri: str | Path, caption_versi
     ensure_labels_table(labels_uri, options)
     if not table_exists(captions_uri, options):
         raise FileNotFoundError(f"{captions_uri} does not exist: materialise captions first")
+    report.removed = drop_orphan_labels(labels_uri, captions_uri, captions_version, options)
     done = labelled_ids(labels_uri, caption_version, report.classifier_version, captions_uri,
                         caption_filter, captions_version, options)
     # Nothing to do: no actor pool, no model load.
