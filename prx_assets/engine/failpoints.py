@@ -57,6 +57,8 @@ POINTS = {
                       "first samples",
     "skip_lists.sidecar_written": "the skip-lists driver, right after one sidecar was "
                                   "replaced (others still old)",
+    "skip_lists.sidecar_staged": "the skip-lists driver on an object store, right after one "
+                                 "sidecar of the new version was written (pointer not moved)",
     "storage.upsert_uncommitted": "an upsert (a chunk of a chunked run) after its merge "
                                   "wrote its data files, before the commit",
     "storage.overwrite_uncommitted": "the driver of a whole-table write "

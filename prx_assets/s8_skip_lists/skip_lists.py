@@ -243,7 +243,7 @@ def publish_skip_lists(storage, source: str, lists: SkipLists, shards: Iterable[
                 body = sidecar_body(new)
                 if body is not None:
                     store.write_text(f"{staging}/{leaf}/{name}", body)
-                    failpoint("skip_lists.sidecar_written")
+                    failpoint("skip_lists.sidecar_staged")
                 if old == new:
                     report.unchanged += 1
                 elif new:
