@@ -10,7 +10,7 @@ from prx_assets.s8_skip_lists.skip_lists import (
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import (
     CAPTION_LABELS, DUPLICATES, MDS_SAMPLES, MDS_SHARDS, OPT_OUTS, SKIP_LISTS)
-from prx_assets.defs.metadata import browser_link
+from prx_assets.defs.metadata import browser_link, incremental_metadata
 from prx_assets.defs.resources import (
     CaptionerResource, ClassifierResource, SourcesResource, StorageResource)
 
@@ -66,6 +66,9 @@ def build_skip_lists_asset(partitions_def: dg.PartitionsDefinition) -> dg.Assets
             "skipped_per_reason": _reason_table(report.skipped_per_reason, total),
             "sidecars_written": report.written, "sidecars_removed": report.removed,
             "sidecars_unchanged": report.unchanged, **browser_link(context),
+            # A skip list removes nothing stored: its work is the samples whose skip state
+            # changed; every other sample is carried as it was.
+            **incremental_metadata(report.samples_changed, total - report.samples_changed, 0),
         })
 
     return skip_lists

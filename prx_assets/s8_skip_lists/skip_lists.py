@@ -161,6 +161,11 @@ class ApplyReport:
     skipped_per_reason: Counter = field(default_factory=Counter)
     skipped_total: int = 0
     skipped_per_leaf: dict[str, int] = field(default_factory=dict)
+    # Samples skipped now and not before, or the other way round (any reason counts once).
+    samples_changed: int = 0
+
+    def count_change(self, old: Mapping[str, list[int]], new: Mapping[str, list[int]]) -> None:
+        self.samples_changed += len(skipped_indices(old) ^ skipped_indices(new))
 
 
 def apply_skip_lists(tree: Path, lists: SkipLists, shards: Iterable[ShardKey]) -> ApplyReport:
@@ -178,6 +183,7 @@ def apply_skip_lists(tree: Path, lists: SkipLists, shards: Iterable[ShardKey]) -
         old = read_sidecar(path)
         new = with_stale_of(old, lists.get((leaf, shard), {}))
         final[(leaf, shard)] = new
+        report.count_change(old, new)
         if old == new:
             report.unchanged += 1
             continue
@@ -240,6 +246,7 @@ def publish_skip_lists(storage, source: str, lists: SkipLists, shards: Iterable[
                        if name in old_sidecars else {})
                 new = with_stale_of(old, lists.get((leaf, shard), {}))
                 final[(leaf, shard)] = new
+                report.count_change(old, new)
                 body = sidecar_body(new)
                 if body is not None:
                     store.write_text(f"{staging}/{leaf}/{name}", body)

@@ -160,6 +160,13 @@ def test_duplicates_opt_outs_sensor_and_skip_lists(ray_session, data_root, tmp_p
                for r in meta["skipped_per_reason"].value.records}
     assert reasons == {"dedup": 2, "optout": 2, "no_u1": 1}
     assert meta["skipped"].value == 3 and meta["samples"].value == 6
+    # The first skip lists of this tree: the 3 skipped samples are its work, 3 carried as is.
+    assert (meta["rows_processed"].value, meta["rows_reused"].value,
+            meta["rows_removed"].value) == (3, 3, 0)
+    again = defs.resolve_job_def("skip_lists_job").execute_in_process(
+        partition_key="web", instance=instance)
+    again_meta = _materialization(again, "skip_lists")
+    assert (again_meta["rows_processed"].value, again_meta["rows_reused"].value) == (0, 6)
     check = {e.asset_check_key.name: e for e in run.get_asset_check_evaluations()}
     assert check["skipped_share"].passed is False  # 3 of 6 skipped: rewrite recommended
     assert check["skipped_share"].severity == dg.AssetCheckSeverity.WARN
