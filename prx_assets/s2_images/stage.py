@@ -98,9 +98,10 @@ def bucket_batch(batch: pa.Table, options: ImageOptions, fingerprint: str = "") 
 
 def build_bucketed_dataset(raw: ray.data.Dataset, options: ImageOptions = ImageOptions()
                            ) -> ray.data.Dataset:
-    # Small blocks before the map: a table may be one large fragment, and one read task
-    # must not mean one decoding task.
-    return raw.repartition(target_num_rows_per_block=BATCH_ROWS * 4).map_batches(
+    # One batch per block before the map: a table may be one large fragment (a compacted
+    # incremental table is), and one read task must not mean one decoding task; a task
+    # decodes for seconds, so its scheduling overhead is small, and a cluster spreads them.
+    return raw.repartition(target_num_rows_per_block=BATCH_ROWS).map_batches(
         functools.partial(bucket_batch, options=options,
                           fingerprint=settings_fingerprint(options)),
         batch_format="pyarrow", batch_size=BATCH_ROWS,

@@ -488,14 +488,18 @@ def test_inputs_changing_between_runs(corpus):
     assert set(raw) == set(corpus.files(source))
     assert raw["a02.jpg"]["width"] == 900 and raw["a02.jpg"]["image"] != old_raw["a02.jpg"]["image"]
     assert raw["a03.jpg"] == old_raw["a03.jpg"]  # unchanged file, unchanged row
-    # What the trainer reads: one sample per current file, with its current caption.
-    from streaming import StreamingDataset, Stream
+    # What the trainer reads: one sample per current file, with its current caption. The
+    # rerun appended the new and changed files as new shards; their old copies and the
+    # removed file stay in older shards, skipped as `stale` (applied whatever the reasons).
+    from streaming import Stream
+    from prx_assets.loader.dataset import SkipListStreamingDataset
 
     tree = current_tree(corpus.data_root, source)
     leaves = [p.parent for p in sorted(tree.glob("*/*/index.json"))]
-    dataset = StreamingDataset(streams=[Stream(local=str(p)) for p in leaves], batch_size=1,
-                               shuffle=False)
-    samples = {dataset[i]["id"]: dataset[i] for i in range(dataset.num_samples)}
+    dataset = SkipListStreamingDataset(streams=[Stream(local=str(p)) for p in leaves],
+                                       batch_size=1, skip_reasons=(), shuffle=False,
+                                       decode_images=False)
+    samples = {sample["id"]: sample for sample in dataset}
     assert sample_id(source, "asmall.jpg") in corpus.kept(source)
     assert set(samples) == corpus.kept(source)
     for name in corpus.files(source):
