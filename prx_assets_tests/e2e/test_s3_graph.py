@@ -24,6 +24,8 @@ from prx_assets_tests.e2e.s3_runs import (
 @pytest.mark.timeout(1800)
 def test_the_whole_graph_of_a_webdataset_source_lives_in_the_bucket(
         s3_server, s3_root, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from prx_assets.definitions import build_defs
+    from prx_assets.demo.funnel import source_funnel
     from prx_assets.defs.s6_opt_outs import build_opt_out_sensor
     from prx_assets.defs.resources import StorageResource
     from prx_assets.s1_ingest.ids import sample_id
@@ -68,10 +70,10 @@ def test_the_whole_graph_of_a_webdataset_source_lives_in_the_bucket(
         assert any(k.startswith(f"lance/{table}.lance/_versions/") for k in keys), table
     assert any(k.startswith(f"lance/{RAW_IMAGES}/{SOURCE}.lance/data/") for k in keys)
     assert_mds_in_bucket(keys)
-    # Nothing on local disk: no ./data or other output in the working folder, and the run's
-    # scratch (the ingest manifest) removed.
+    # Nothing on local disk: no ./data or other output in the working folder, and nothing
+    # left in TMPDIR (the MDS parts' temporary folders, a shard each, are gone).
     assert list(workdir.iterdir()) == []
-    assert [p for p in (scratch / "prx-work").rglob("*") if p.is_file()] == []
+    assert [p for p in scratch.rglob("*") if p.is_file()] == []
 
     store = Storage(s3_root)
     assert store.open(RAW_IMAGES, SOURCE).count_rows() == 14
@@ -82,6 +84,12 @@ def test_the_whole_graph_of_a_webdataset_source_lives_in_the_bucket(
     assert {"id": opted_out, "via": "direct"} in audit
     assert store.open(CORPUS).count_rows() == 14
     assert store.open(MDS_SAMPLES, SOURCE).count_rows() == 14
+    resources = build_defs(sources).resources
+    funnel = source_funnel(store, SOURCE, resources["captioner"].caption_version(),
+                           resources["classifier"].classifier_version())
+    assert (funnel.raw, funnel.kept, funnel.in_shards, funnel.duplicates) == (14, 14, 14, 2)
+    assert 3 <= funnel.skipped < 14  # the copies and the opt-out, maybe label skips, read
+    # from the sidecars in the bucket
 
     _read_back_from_the_bucket(store, opted_out, tmp_path, monkeypatch)
 
