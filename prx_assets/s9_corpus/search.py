@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from prx_assets.storage.filters import all_of, eq_filter
 from prx_assets.storage.lance_tables import open_table, table_exists
+from prx_assets.storage.object_store import ObjectStoreError
 
 RESULT_COLUMNS = ["id", "source", "label", "tier", "width", "height", "caption"]
 # Vector search settings: probe enough IVF partitions and re-rank PQ candidates on exact
@@ -59,8 +60,12 @@ class Hit:
 
 def open_corpus(uri: Path | str) -> lance.LanceDataset:
     """The corpus table at a local path or an `s3://` URI (options from the standard
-    variables), refusing an absent or empty one with what to do."""
-    if not table_exists(uri):
+    variables), refusing an absent or empty one, or an unreadable bucket, with what to do."""
+    try:
+        exists = table_exists(uri)
+    except ObjectStoreError as exc:  # missing bucket, refused credentials, dead endpoint
+        raise SearchError(str(exc)) from exc
+    if not exists:
         raise CorpusNotBuilt(f"no corpus table at {uri}: materialise the `corpus` asset first "
                              "(e.g. `make demo`)")
     table = open_table(uri)
