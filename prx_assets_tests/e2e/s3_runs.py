@@ -26,22 +26,24 @@ GLOBAL_TABLES = (DUPLICATES, OPT_OUTS, CORPUS)
 NOT_YET_ON_OBJECT_STORAGE: tuple[str, ...] = ()
 
 
-def write_webdataset(folder: Path, items: int = 12) -> Path:
-    """One tar of `items` jpg+txt pairs, plus two exact copies under other keys (dedup)."""
+def write_webdataset(folder: Path, items: int = 12, tars: int = 1) -> Path:
+    """`items` jpg+txt pairs, plus two exact copies under other keys (dedup), dealt over
+    `tars` tars `shard-NNN.tar` (ingest reads one tar per task: several tars spread it)."""
     folder.mkdir(parents=True)
-    members = []
+    members: list[list[tuple[str, bytes]]] = [[] for _ in range(tars)]
     for i in range(items):
         width, height = SIZES[i % len(SIZES)]
         image = jpeg_bytes(width, height, i)
-        members += [(f"{i:03d}.jpg", image),
-                    (f"{i:03d}.txt", f"Soft coloured shapes, picture {i}.".encode())]
+        members[i % tars] += [(f"{i:03d}.jpg", image),
+                              (f"{i:03d}.txt", f"Soft coloured shapes, picture {i}.".encode())]
         if i in (0, 5):
-            members += [(f"copy{i:03d}.jpg", image), (f"copy{i:03d}.txt", b"A copy.")]
-    with tarfile.open(folder / "shard-000.tar", "w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+            members[i % tars] += [(f"copy{i:03d}.jpg", image), (f"copy{i:03d}.txt", b"A copy.")]
+    for t, tar_members in enumerate(members):
+        with tarfile.open(folder / f"shard-{t:03d}.tar", "w") as tar:
+            for name, data in tar_members:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
     return folder
 
 

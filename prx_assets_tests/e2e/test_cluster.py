@@ -165,7 +165,8 @@ def test_the_graph_on_a_two_node_cluster_with_the_data_root_in_a_bucket(
         run_graph, upload_source, write_webdataset)
 
     # The source is in the bucket too: no node reads a local copy of it.
-    source_uri = upload_source(s3_server, write_webdataset(tmp_path / "wds", items=16),
+    # Four tars: ingest reads one tar per task, so both nodes get some.
+    source_uri = upload_source(s3_server, write_webdataset(tmp_path / "wds", items=16, tars=4),
                                f"{s3_root}-sources")
     sources = write_sources(tmp_path / "sources.yaml",
                             [f"{{name: {SOURCE}, kind: webdataset, uri: {source_uri}}}"])
