@@ -3,12 +3,12 @@ server this bench starts on 127.0.0.1 (the test suite's fixture, bench/out/s3-se
 
 1. Ingest: rows/s of `build_raw_dataset` + `write_dataset_atomically` into a bucket, as a
    ratio of the same into a local folder.
-2. MDS write: `write_mds_tree` MB/s with the root in the bucket, as a ratio of a local root
-   (reported as not available while the MDS writer needs a local folder).
-3. Loader: samples/s of mosaicml-streaming's `StreamingDataset(remote=s3://..., local=cache)`
-   over one leaf, with an empty cache (every shard downloaded) and then a warm one, as a
-   ratio of `StreamingDataset(local=<the same leaf on disk>)`; and our `build_dataset`
-   (skip lists applied) with `mds_root` in the bucket, where it accepts one.
+2. MDS write: `write_mds_tree` MB/s with the root in the bucket (a versioned prefix, the
+   pointer object last), as a ratio of a local root.
+3. Loader: samples/s of the project loader (`prx_assets.loader.build_dataset`, skip lists
+   applied) over a tree in the bucket, with an empty cache (every shard downloaded) and then
+   a warm one, as a ratio of the same loader over the same tree on local disk; plus plain
+   `StreamingDataset(remote=<leaf>, local=cache)` cold, for scale.
 
 Loopback to a server on the same two cores: the ratios say what the object-store path costs
 in CPU and protocol, not what a network adds.
@@ -30,7 +30,6 @@ from prx_assets.engine import ray_runtime
 from prx_assets.s1_ingest.ingest import IngestOptions, build_raw_dataset
 from prx_assets.s1_ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.s1_ingest.sources import SourceSpec
-from prx_assets.storage import object_store
 from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import RAW_IMAGES
@@ -39,6 +38,7 @@ N_IMAGES = 160
 BUCKET = "prx-bench"
 BATCH = 32
 LOAD_SHAPES = ((1, 64, 64),)
+MDS_PER_SHAPE = 200  # samples per shape of the fixture corpus for the MDS write figure
 
 
 def ingest_once(folder: Path, root: str, work: Path) -> int:
@@ -64,27 +64,22 @@ def bench_mds_write(local_root: Path, s3_root: str) -> list[Figure]:
     from prx_assets.s7_shards import mds
     from prx_assets_tests.fixtures.mds_corpus import build_corpus, inputs_for
 
-    build_corpus(local_root / "mds-in", "bench", per_shape=40, uncaptioned=0, rejected=0)
+    build_corpus(local_root / "mds-in", "bench", per_shape=MDS_PER_SHAPE, uncaptioned=0,
+                 rejected=0)
     inputs = inputs_for(local_root / "mds-in", "bench")
     options = mds.WriteOptions(rows_per_part=200)
     quiet = dict(log=lambda _: None)
+    # Warm the Ray workers and imports first (as the ingest figure does), else the first
+    # write pays for them.
+    mds.write_mds_tree(inputs, local_root / "mds-warm", "bench", options, **quiet)
     local_s, tree = timed(lambda: mds.write_mds_tree(inputs, local_root / "mds-out", "bench",
                                                      options, **quiet))
-    try:
-        s3_s, s3_tree = timed(lambda: mds.write_mds_tree(inputs, Storage(s3_root), "bench",
-                                                         options, **quiet))
-    except Exception as exc:  # the writer still needs a local folder on this branch
-        print(f"s3 mds write: not available with the root in the bucket "
-              f"({type(exc).__name__}: {str(exc)[:160]})")
-        return []
+    s3_s, s3_tree = timed(lambda: mds.write_mds_tree(inputs, Storage(s3_root), "bench",
+                                                     options, **quiet))
+    print(f"s3 mds write: {tree.bytes / 1e6:.1f} MB: local {local_s:.2f} s, "
+          f"s3:// {s3_s:.2f} s")
     return [Figure("s3", "MDS write MB/s, s3:// root", s3_tree.bytes / 1e6 / s3_s, "local disk",
                    tree.bytes / 1e6 / local_s, "MB/s")]
-
-
-def upload_folder(client, folder: Path, bucket: str, prefix: str) -> None:
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder)}")
 
 
 def iterate(dataset) -> int:
@@ -102,41 +97,58 @@ def streamed(**stream) -> tuple[float, int]:
     return seconds, samples
 
 
-def bench_loader(local_root: Path, s3_root: str, server, work: Path) -> list[Figure]:
+def loaded(root: str, cache: Path | None) -> tuple[float, int]:
+    """Seconds and samples for one pass of the project loader (`prx_assets.loader`: skip
+    lists applied, sidecars read beside the shards) over tier 1 of the tree under `root`."""
+    from streaming.base.util import clean_stale_shared_memory
+
+    from prx_assets.loader import build_dataset
+
+    clean_stale_shared_memory()
+    dataset = build_dataset(root, 1, BATCH, weights={"bench": 1.0}, shuffle=False,
+                            cache_dir=cache)
+    seconds, samples = timed(functools.partial(iterate, dataset))
+    del dataset
+    return seconds, samples
+
+
+def bench_loader(local_root: Path, s3_root: str, work: Path) -> list[Figure]:
+    """The same tree written twice from the same tables, under a local root and into the
+    bucket (versioned prefix + pointer); the project loader reads each, the remote one
+    into an empty cache (every shard downloaded) and then again warm."""
     from prx_assets.s7_shards import mds
     from prx_assets_tests.fixtures.mds_corpus import build_corpus, inputs_for
 
     root = local_root / "load"
     build_corpus(root, "bench", per_shape=3000, shapes=LOAD_SHAPES, uncaptioned=0, rejected=0)
-    mds.write_mds_tree(inputs_for(root, "bench"), root, "bench",
-                       mds.WriteOptions(size_limit=1 << 20, parallel=False), log=lambda _: None)
-    [leaf] = mds.tree_leaves(mds.current_tree(root / "mds", "bench"), 1)
-    _, bucket, prefix = object_store.split_uri(s3_root)
-    upload_folder(server.client(), leaf, bucket, f"{prefix}/leaf")
-    remote = f"{s3_root}/leaf"
+    options, quiet = mds.WriteOptions(size_limit=1 << 20, parallel=False), dict(log=lambda _: None)
+    mds.write_mds_tree(inputs_for(root, "bench"), root, "bench", options, **quiet)
+    remote_root = Storage(f"{s3_root}-load")
+    mds.write_mds_tree(inputs_for(root, "bench"), remote_root, "bench", options, **quiet)
 
-    local_s, local_n = streamed(local=str(leaf))
-    cache = work / "stream-cache"
-    cold_s, cold_n = streamed(remote=remote, local=str(cache))
-    warm_s, warm_n = streamed(remote=remote, local=str(cache))
+    local_s, local_n = loaded(str(root / "mds"), None)
+    cache = work / "loader-cache"
+    cold_s, cold_n = loaded(remote_root.mds_root, cache)
+    warm_s, warm_n = loaded(remote_root.mds_root, cache)
     assert local_n == cold_n == warm_n, (local_n, cold_n, warm_n)
+    # mosaicml-streaming alone on one leaf of the remote tree (what a trainer without our
+    # loader gets), for scale: the loader adds the sidecar reads and the skip filter.
+    [leaf] = mds.tree_leaves(mds.current_tree(root / "mds", "bench"), 1)
+    remote_leaf = f"{mds.current_tree_uri(remote_root, 'bench')}/{leaf.parent.name}/{leaf.name}"
+    plain_s, plain_n = streamed(remote=remote_leaf, local=str(work / "plain-cache"))
+    # The loader yields whole global batches only (no padding, no repeats): a stream's last
+    # partial batch is left out, which plain StreamingDataset pads instead.
+    assert local_n <= plain_n < local_n + BATCH, (plain_n, local_n)
     print(f"s3 loader: {local_n} samples; local {local_s:.2f} s, remote cold {cold_s:.2f} s, "
-          f"warm {warm_s:.2f} s")
-    figures = [
+          f"warm {warm_s:.2f} s; plain StreamingDataset remote cold {plain_s:.2f} s")
+    return [
         Figure("s3", "loader samples/s, remote cold", cold_n / cold_s, "local shards",
                local_n / local_s, "sample/s"),
         Figure("s3", "loader samples/s, remote warm", warm_n / warm_s, "local shards",
                local_n / local_s, "sample/s"),
+        Figure("s3", "plain StreamingDataset samples/s, remote cold", plain_n / plain_s,
+               "our loader, local shards", local_n / local_s, "sample/s"),
     ]
-    try:
-        from prx_assets.loader import build_dataset
-
-        ours = build_dataset(f"{s3_root}/mds", 1, BATCH, weights={"bench": 1.0})
-        iterate(ours)
-    except Exception as exc:  # build_dataset plans leaves from a local folder on this branch
-        print(f"s3 loader: build_dataset(mds_root=s3://...) not available "
-              f"({type(exc).__name__}: {str(exc)[:160]})")
-    return figures
 
 
 def main() -> list[Figure]:
@@ -156,7 +168,7 @@ def main() -> list[Figure]:
         local_root = work / "local"
         figures = bench_ingest(local_root, s3_root, work)
         figures += bench_mds_write(local_root, s3_root)
-        figures += bench_loader(local_root, s3_root, server, work)
+        figures += bench_loader(local_root, s3_root, work)
     finally:
         ray_runtime.disconnect()
         os.environ.clear()

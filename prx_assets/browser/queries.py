@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import lance
 import numpy as np
@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.s4_labels.labels import LABELS
+from prx_assets.storage import object_store
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.filters import in_filter, sql_string
 from prx_assets.storage.tables import (
@@ -126,17 +127,14 @@ class Catalog:
         return dataset
 
     def sources_of(self, asset: str) -> list[str]:
-        """Sources that have a table of the per-source `asset`: listed from the local
-        storage root, or on object storage the sources file's names."""
+        """Sources that have a table of the per-source `asset`: the `<source>.lance` folders
+        under `lance/<asset>/`, listed from the storage root (a folder, or an `s3://` prefix:
+        there one listing request, reused for TABLE_TTL_S seconds)."""
         if asset not in PER_SOURCE:
             return []
-        if not self.storage.is_local:
-            return self.cached(("sources",), _configured_sources)
-        folder = Path(self.storage.table(asset, "x")).parent
-        if not folder.is_dir():
-            return []
-        return [p.name.removesuffix(".lance") for p in sorted(folder.glob("*.lance"))
-                if NAME.match(p.name.removesuffix(".lance"))]
+        folder = self.storage.table(asset, "x").rsplit("/", 1)[0]
+        listing = lambda: _table_sources(folder, self.storage.storage_options)  # noqa: E731
+        return listing() if self.storage.is_local else self.fresh(f"sources/{asset}", listing)
 
     def table(self, asset: str, source: str | None = None) -> lance.LanceDataset | None:
         """The global table `asset`, or its table for a known `source` (else None)."""
@@ -188,10 +186,15 @@ class Catalog:
         return value
 
 
-def _configured_sources() -> list[str]:
-    from prx_assets.s1_ingest.sources import load_sources
+def _table_sources(folder: str, storage_options: Mapping[str, str] | None) -> list[str]:
+    """Names of the `<name>.lance` tables directly in `folder` (local or object store)."""
+    import pyarrow.fs as pafs
 
-    return list(load_sources().names)
+    fs, path = object_store.filesystem(folder, storage_options)
+    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    names = (i.base_name.removesuffix(".lance") for i in infos
+             if i.type == pafs.FileType.Directory and i.base_name.endswith(".lance"))
+    return sorted(n for n in names if NAME.match(n))
 
 
 # ----------------------------------------------------------------------------------- filters

@@ -6,9 +6,7 @@ that was materialised.
 """
 
 
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional, Union
 
 import dagster as dg
@@ -37,9 +35,6 @@ class LanceTableOutput:
     dataset: ray.data.Dataset
     schema: Optional[pa.Schema] = None
     metadata: Optional[dict] = None
-    # Scratch folders the lazy dataset reads from (e.g. an ingest manifest): removed once
-    # the write has finished, whether it succeeded or not.
-    scratch: Optional[Path] = None
     # Metadata computed from the committed table (its uri), e.g. summaries of the result.
     after_write: Optional[Callable[[str], dict]] = None
 
@@ -85,12 +80,8 @@ class RayLanceIOManager(dg.ConfigurableIOManager):
         )
         uri = self.uri_for(context)
         storage = self.storage.get()
-        try:
-            report = lance_tables.write_dataset_atomically(output.dataset, uri, policy,
-                                                           output.schema, storage.storage_options)
-        finally:
-            if output.scratch is not None:
-                shutil.rmtree(output.scratch, ignore_errors=True)
+        report = lance_tables.write_dataset_atomically(output.dataset, uri, policy,
+                                                       output.schema, storage.storage_options)
         context.log.info(
             f"committed {report.rows:,} rows to {uri} as version {report.version} "
             f"({report.fragments} fragment(s), compacted from {report.compacted_from})"

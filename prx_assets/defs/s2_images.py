@@ -166,8 +166,9 @@ def jpeg_fidelity_check(partitions_def: dg.PartitionsDefinition) -> dg.AssetChec
         raw = storage.get().table(RAW_IMAGES, context.partition_key)
         options = ImageOptions(quality=config.quality, subsampling=config.subsampling,
                                resize_mode=config.resize_mode)
-        reports = [r.stats() for r in fidelity_report(bucketed, raw, options,
-                                                      config.samples_per_band) if r.samples]
+        reports = [r.stats() for r in fidelity_report(
+            bucketed, raw, options, config.samples_per_band,
+            storage_options=storage.get().storage_options) if r.samples]
         failing = [r["band"] for r in reports
                    if r["median_1x"] < config.min_median_psnr_1x
                    or r["median_10x"] < config.min_median_psnr_10x]

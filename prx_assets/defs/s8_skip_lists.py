@@ -81,17 +81,18 @@ def _reasons(context: dg.AssetExecutionContext, config: SkipListsConfig, store: 
     reasons: dict[str, set[str]] = {}
     lineage: dict = {}
     if config.dedup and store.exists(DUPLICATES):
-        reasons[REASON_DEDUP] = duplicate_ids(store.table(DUPLICATES), source)
+        reasons[REASON_DEDUP] = duplicate_ids(store.table(DUPLICATES), source,
+                                               storage_options=store.storage_options)
         lineage[f"input_version/{DUPLICATES}"] = store.latest_version(DUPLICATES)
     if config.skip_labels and store.exists(CAPTION_LABELS, source):
         reasons.update(label_ids(store.table(CAPTION_LABELS, source), config.skip_labels,
-                                 *versions))
+                                 *versions, storage_options=store.storage_options))
         lineage[f"input_version/{CAPTION_LABELS}"] = store.latest_version(CAPTION_LABELS, source)
         lineage["caption_version"], lineage["classifier_version"] = versions
     elif config.skip_labels:
         context.log.warning(f"{source}: no caption_labels table yet; label reasons not applied")
     if config.opt_outs:
-        parsed = parse_directory(opt_out_dir(store))
+        parsed = parse_directory(opt_out_dir(store), storage_options=store.storage_options)
         audit = resolve(parsed.requests, all_sources, store)
         reasons[REASON_OPTOUT] = ids_for_source(audit, source)
         lineage["opt_out_requests"] = len(parsed.requests)

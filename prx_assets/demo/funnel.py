@@ -9,16 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 
 from prx_assets.s2_images.buckets import STATUS_BAD_ASPECT, STATUS_TOO_SMALL
 from prx_assets.s3_captions.captions import active_caption_filter
-from prx_assets.s7_shards.mds import current_tree
+from prx_assets.s7_shards.mds import current_tree_uri
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.tables import (
     BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, DUPLICATES, MDS_SAMPLES, RAW_IMAGES)
 from prx_assets.s8_skip_lists.skip_lists import (
-    duplicate_ids, read_sidecar, sidecar_files, skipped_indices)
+    duplicate_ids, read_sidecar, skipped_indices, tree_sidecars)
 from prx_assets.s4_labels.labels import active_labels_filter
 from prx_assets.storage.filters import in_filter
 
@@ -58,17 +59,18 @@ def _count(storage: Storage, table: str, source: str | None,
     return storage.open(table, source).count_rows(filter=condition)
 
 
-def skipped_in_tree(tree: Path) -> int:
-    """Samples the sidecars skip, any reason (a sample skipped for two reasons counts once)."""
-    return sum(len(skipped_indices(read_sidecar(path))) for path in sidecar_files(tree))
+def skipped_in_tree(tree: Path | str, storage_options: Mapping[str, str] | None = None) -> int:
+    """Samples the sidecars skip, any reason (a sample skipped for two reasons counts once);
+    `tree` is a local folder or a version's `s3://` prefix."""
+    return sum(len(skipped_indices(read_sidecar(path, storage_options)))
+               for path in tree_sidecars(str(tree), storage_options))
 
 
 def source_funnel(storage: Storage | str | Path, source: str, caption_version: str,
                   classifier_version: str) -> Funnel:
     storage = as_storage(storage)
     try:
-        tree = current_tree(Path(storage.mds_root), source)
-        skipped = skipped_in_tree(tree)
+        skipped = skipped_in_tree(current_tree_uri(storage, source), storage.storage_options)
     except FileNotFoundError:  # no shards written yet
         skipped = 0
     return Funnel(
@@ -80,7 +82,8 @@ def source_funnel(storage: Storage | str | Path, source: str, caption_version: s
         captioned=_count(storage, CAPTIONS, source, active_caption_filter(caption_version)),
         labelled=_count(storage, CAPTION_LABELS, source,
                         active_labels_filter(caption_version, classifier_version)),
-        duplicates=len(duplicate_ids(storage.table(DUPLICATES), source)),
+        duplicates=len(duplicate_ids(storage.table(DUPLICATES), source,
+                                     storage_options=storage.storage_options)),
         skipped=skipped,
         in_shards=_count(storage, MDS_SAMPLES, source),
     )

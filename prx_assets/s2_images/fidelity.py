@@ -8,6 +8,7 @@ from __future__ import annotations
 import heapq
 import io
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import lance
 import numpy as np
@@ -15,6 +16,7 @@ from PIL import Image
 
 from prx_assets.s2_images.buckets import assign_bucket
 from prx_assets.storage.filters import in_filter
+from prx_assets.storage.lance_tables import open_table
 from prx_assets.s2_images.imaging import (
     ImageOptions, encode_jpeg, oriented_rgb, oriented_size, resize_to_shape)
 
@@ -79,10 +81,12 @@ class BandReport:
                 "median_stored": round(stored, 2)}
 
 
-def deterministic_sample(uri: str, per_band: int) -> dict[str, list[str]]:
+def deterministic_sample(uri: str, per_band: int,
+                         storage_options: Mapping[str, str] | None = None
+                         ) -> dict[str, list[str]]:
     """The `per_band` smallest ids (ids are hashes: an unbiased, stable sample) per band."""
     heaps: dict[str, list[str]] = {band: [] for band in BANDS}
-    table = lance.dataset(uri)
+    table = open_table(uri, storage_options=storage_options)
     for batch in table.to_batches(columns=["id", "width", "height"], filter="status = 'ok'"):
         data = batch.to_pydict()
         for sample_id, w, h in zip(data["id"], data["width"], data["height"]):
@@ -109,12 +113,14 @@ class _Desc:
 
 
 def fidelity_report(bucketed_uri: str, raw_uri: str, options: ImageOptions,
-                    per_band: int = 16) -> list[BandReport]:
+                    per_band: int = 16, storage_options: Mapping[str, str] | None = None
+                    ) -> list[BandReport]:
     """Per band: PSNR of 1 and 10 Q-encodes of the lossless bucket image (what the reference
     measured), and of the stored JPEG against it (JPEG plus our decode/resize shortcuts)."""
-    bucketed, raw = lance.dataset(bucketed_uri), lance.dataset(raw_uri)
+    bucketed = open_table(bucketed_uri, storage_options=storage_options)
+    raw = open_table(raw_uri, storage_options=storage_options)
     reports = []
-    for band, ids in deterministic_sample(bucketed_uri, per_band).items():
+    for band, ids in deterministic_sample(bucketed_uri, per_band, storage_options).items():
         report = BandReport(band)
         if ids:
             stored = dict(_rows(bucketed, ["id", "image"], ids))

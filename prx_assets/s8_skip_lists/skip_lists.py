@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.s7_shards.trees import TREE_MANIFEST, leaf_names, new_tree_version, tree_store
 from prx_assets.storage import object_store
+from prx_assets.storage.lance_tables import open_table, table_exists
 from prx_assets.storage.filters import all_of, eq_filter, in_filter, sql_string
 
 SIDECAR_VERSION = 1
@@ -314,27 +315,29 @@ def tree_sidecars(tree: str, storage_options: Mapping[str, str] | None = None) -
                   if info.type == pafs.FileType.File and info.base_name.endswith(SIDECAR_SUFFIX))
 
 
-def duplicate_ids(duplicates_uri: Path, source: str, batch_rows: int = 1 << 18) -> set[str]:
+def duplicate_ids(duplicates_uri: Path | str, source: str, batch_rows: int = 1 << 18,
+                  storage_options: Mapping[str, str] | None = None) -> set[str]:
     """The source's non-kept copies (the kept copy of a group is listed with id == kept_id)."""
-    if not Path(duplicates_uri).exists():
+    if not table_exists(duplicates_uri, storage_options):
         return set()
-    scanner = lance.dataset(str(duplicates_uri)).scanner(
+    scanner = open_table(duplicates_uri, storage_options=storage_options).scanner(
         columns=["id"], batch_size=batch_rows,
         filter=f"id != kept_id AND starts_with(id, {sql_string(source + ':')})")
     return {i for batch in scanner.to_batches() for i in batch.column("id").to_pylist()}
 
 
-def label_ids(labels_uri: Path, labels: Iterable[str], caption_version: str,
-              classifier_version: str, batch_rows: int = 1 << 18) -> dict[str, set[str]]:
+def label_ids(labels_uri: Path | str, labels: Iterable[str], caption_version: str,
+              classifier_version: str, batch_rows: int = 1 << 18,
+              storage_options: Mapping[str, str] | None = None) -> dict[str, set[str]]:
     """Ids per chosen label, from the active caption and classifier versions only."""
     labels = sorted(set(labels))
     found: dict[str, set[str]] = {label: set() for label in labels}
-    if not labels or not Path(labels_uri).exists():
+    if not labels or not table_exists(labels_uri, storage_options):
         return found
     condition = all_of(eq_filter("caption_version", caption_version),
                        eq_filter("classifier_version", classifier_version),
                        in_filter("label", labels))
-    scanner = lance.dataset(str(labels_uri)).scanner(
+    scanner = open_table(labels_uri, storage_options=storage_options).scanner(
         columns=["id", "label"], filter=condition, batch_size=batch_rows)
     for batch in scanner.to_batches():
         for sample_id, label in zip(batch.column("id").to_pylist(),

@@ -14,6 +14,8 @@ import numpy as np
 import pyarrow as pa
 
 from prx_assets.storage.filters import all_of, eq_filter
+from prx_assets.storage.lance_tables import open_table, table_exists
+from prx_assets.storage.object_store import ObjectStoreError
 
 RESULT_COLUMNS = ["id", "source", "label", "tier", "width", "height", "caption"]
 # Vector search settings: probe enough IVF partitions and re-rank PQ candidates on exact
@@ -56,11 +58,17 @@ class Hit:
         return f"{self.width}x{self.height}" if self.width and self.height else "?"
 
 
-def open_corpus(uri: Path) -> lance.LanceDataset:
-    if not Path(uri).exists():
+def open_corpus(uri: Path | str) -> lance.LanceDataset:
+    """The corpus table at a local path or an `s3://` URI (options from the standard
+    variables), refusing an absent or empty one, or an unreadable bucket, with what to do."""
+    try:
+        exists = table_exists(uri)
+    except ObjectStoreError as exc:  # missing bucket, refused credentials, dead endpoint
+        raise SearchError(str(exc)) from exc
+    if not exists:
         raise CorpusNotBuilt(f"no corpus table at {uri}: materialise the `corpus` asset first "
                              "(e.g. `make demo`)")
-    table = lance.dataset(str(uri))
+    table = open_table(uri)
     if table.count_rows() == 0:
         raise EmptyCorpus(f"the corpus table at {uri} is empty: no source has labelled "
                           "captions yet")

@@ -1,14 +1,13 @@
 """Where everything lives: one root URI and the layout under it.
 
 A `Storage` maps (table, source) to a location and opens it; it also names the MDS root,
-the opt-out request folder and scratch space. Locations are URI strings, so the root can be
+the opt-out request folder and the ablation lists. Locations are URI strings, so the root can be
 a local folder today and an object-store prefix without changing any caller.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
@@ -23,7 +22,6 @@ DEFAULT_DATA_ROOT = "./data"
 MDS_DIR = "mds"
 OPT_OUTS_DIR = "opt_outs"
 ABLATIONS_DIR = "ablations"
-WORK_DIR = "_work"
 
 
 def _normalise_root(root: str) -> str:
@@ -133,18 +131,6 @@ class Storage:
     def ablations_dir(self) -> str:
         """Named ablation lists: `<name>.txt`, one sample id per line."""
         return self._join(ABLATIONS_DIR)
-
-    def work_dir(self, *parts: str) -> str:
-        """Scratch space for a run (e.g. an ingest manifest), removed when the run ends.
-
-        Under a local root it is `<root>/_work/...`, which every node of a cluster on a shared
-        file system sees. Under an object-store root it is a local temporary folder: the
-        scratch users write it with POSIX calls, and nothing of a run's scratch belongs in
-        the bucket (so a multi-node run on an object store needs its manifest moved into the
-        bucket first)."""
-        if self.is_local:
-            return self._join(WORK_DIR, *parts)
-        return str(Path(tempfile.gettempdir(), "prx-work", *parts))
 
     def local_path(self, uri: str) -> Path:
         """A location under a local root as a Path, for code that needs a POSIX folder

@@ -121,3 +121,21 @@ def test_membership_counts_match_the_ids_over_several_fragments(tmp_path):
         expected = sum(1 for i in rows.column("id").to_pylist() if i in wanted)
         assert members.count(("dup", name), addresses) == expected
     assert members.count(("skip", "none"), addresses) == 0
+
+
+def test_sources_of_a_table_are_listed_from_a_bucket(s3_root):
+    """On an object-store root the per-source tables are listed from the bucket (one
+    listing), not taken from the sources file."""
+    import lance
+    import pyarrow as pa
+
+    from prx_assets.storage.layout import Storage
+
+    store = Storage(s3_root)
+    catalog = queries.Catalog(store)
+    assert catalog.sources_of("raw_images") == []
+    for source in ("web", "tars"):
+        lance.write_dataset(pa.table({"id": [f"{source}:1"]}), store.table("raw_images", source),
+                            storage_options=store.lance_options())
+    assert queries.Catalog(store).sources_of("raw_images") == ["tars", "web"]
+    assert queries.Catalog(store).sources_of("captions") == []

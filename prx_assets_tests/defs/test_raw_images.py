@@ -76,7 +76,7 @@ def test_partitions_materialise_independently_with_checks_and_metadata(
     assert again.success
     assert lance.dataset(str(data_root / "lance/raw_images/web.lance")).count_rows() == 8
     assert lance.dataset(str(tars_uri)).version == tars_version  # other source untouched
-    assert not list((data_root / "_work").rglob("*.parquet"))  # manifests removed after writes
+    assert [p.name for p in data_root.iterdir()] == ["lance"]  # tables only: no scratch
 
 
 def test_missing_source_path_fails_that_partition_clearly(ray_session, data_root, two_sources):

@@ -163,11 +163,12 @@ def test_the_graph_on_a_two_node_cluster_with_the_data_root_in_a_bucket(
     The nodes get the AWS variables when they start, as a deployment sets them on every node
     (the s3_root fixture has put them in this process's environment)."""
     from prx_assets_tests.e2e.s3_runs import (
-        GLOBAL_TABLES, NOT_YET_ON_OBJECT_STORAGE, PER_SOURCE_TABLES, SOURCE, keys_under,
+        GLOBAL_TABLES, PER_SOURCE_TABLES, SOURCE, assert_mds_in_bucket, keys_under,
         run_graph, upload_source, write_webdataset)
 
     # The source is in the bucket too: no node reads a local copy of it.
-    source_uri = upload_source(s3_server, write_webdataset(tmp_path / "wds", items=16),
+    # Four tars: ingest reads one tar per task, so both nodes get some.
+    source_uri = upload_source(s3_server, write_webdataset(tmp_path / "wds", items=16, tars=4),
                                f"{s3_root}-sources")
     sources = write_sources(tmp_path / "sources.yaml",
                             [f"{{name: {SOURCE}, kind: webdataset, uri: {source_uri}}}"])
@@ -190,6 +191,10 @@ def test_the_graph_on_a_two_node_cluster_with_the_data_root_in_a_bucket(
         assert any(k.startswith(f"lance/{table}/{SOURCE}.lance/_versions/") for k in keys), table
     for table in GLOBAL_TABLES:
         assert any(k.startswith(f"lance/{table}.lance/_versions/") for k in keys), table
+    # The shards and the skip lists too: versioned prefixes, the pointer, the sidecars.
+    assert "mds_shards" in report["corpus_job"]["materialized"]
+    assert report["skip_lists_job"]["materialized"] == ["skip_lists"]
+    assert_mds_in_bucket(keys)
     for name, folder in folders.items():
         left = [p for p in folder.rglob("*") if p.is_file() and "prx-work" in p.parts]
         assert left == [], (name, left)

@@ -14,16 +14,18 @@ import pytest
 
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import (
-    BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, CORPUS, DUPLICATES, OPT_OUTS, PHASHES,
-    RAW_IMAGES)
+    BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, CORPUS, DUPLICATES, MDS_SAMPLES, MDS_SHARDS,
+    OPT_OUTS, PHASHES, RAW_IMAGES, SKIP_LISTS)
 from prx_assets_tests.conftest import write_sources
 from prx_assets_tests.e2e.s3_runs import (
-    GLOBAL_TABLES, PER_SOURCE_TABLES, SOURCE, keys_under, put_opt_out, run_graph, upload_source,
-    write_webdataset)
+    GLOBAL_TABLES, PER_SOURCE_TABLES, SOURCE, assert_mds_in_bucket, keys_under, put_opt_out,
+    run_graph, upload_source, write_webdataset)
 
 @pytest.mark.timeout(1800)
 def test_the_whole_graph_of_a_webdataset_source_lives_in_the_bucket(
         s3_server, s3_root, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from prx_assets.definitions import build_defs
+    from prx_assets.demo.funnel import source_funnel
     from prx_assets.defs.s6_opt_outs import build_opt_out_sensor
     from prx_assets.defs.resources import StorageResource
     from prx_assets.s1_ingest.ids import sample_id
@@ -56,7 +58,9 @@ def test_the_whole_graph_of_a_webdataset_source_lives_in_the_bucket(
         assert outcome["success"], (job, outcome["failures"])
         # WARN checks may fail on a corpus this small (label shares of a dozen pictures).
         assert set(outcome["failed_checks"].values()) <= {"WARN"}, (job, outcome)
-    assert set(PER_SOURCE_TABLES) <= set(report["corpus_job"]["materialized"])
+    assert set(PER_SOURCE_TABLES) - {MDS_SAMPLES} | {MDS_SHARDS} <= set(
+        report["corpus_job"]["materialized"])
+    assert report["skip_lists_job"]["materialized"] == [SKIP_LISTS]
 
     keys = keys_under(s3_server, s3_root)
     for table in PER_SOURCE_TABLES:
@@ -65,10 +69,11 @@ def test_the_whole_graph_of_a_webdataset_source_lives_in_the_bucket(
     for table in GLOBAL_TABLES:
         assert any(k.startswith(f"lance/{table}.lance/_versions/") for k in keys), table
     assert any(k.startswith(f"lance/{RAW_IMAGES}/{SOURCE}.lance/data/") for k in keys)
-    # Nothing on local disk: no ./data or other output in the working folder, and the run's
-    # scratch (the ingest manifest) removed.
+    assert_mds_in_bucket(keys)
+    # Nothing on local disk: no ./data or other output in the working folder, and nothing
+    # left in TMPDIR (the MDS parts' temporary folders, a shard each, are gone).
     assert list(workdir.iterdir()) == []
-    assert [p for p in (scratch / "prx-work").rglob("*") if p.is_file()] == []
+    assert [p for p in scratch.rglob("*") if p.is_file()] == []
 
     store = Storage(s3_root)
     assert store.open(RAW_IMAGES, SOURCE).count_rows() == 14
@@ -78,6 +83,15 @@ def test_the_whole_graph_of_a_webdataset_source_lives_in_the_bucket(
     audit = store.open(OPT_OUTS).to_table(columns=["id", "via"]).to_pylist()
     assert {"id": opted_out, "via": "direct"} in audit
     assert store.open(CORPUS).count_rows() == 14
+    assert store.open(MDS_SAMPLES, SOURCE).count_rows() == 14
+    resources = build_defs(sources).resources
+    funnel = source_funnel(store, SOURCE, resources["captioner"].caption_version(),
+                           resources["classifier"].classifier_version())
+    assert (funnel.raw, funnel.kept, funnel.in_shards, funnel.duplicates) == (14, 14, 14, 2)
+    assert 3 <= funnel.skipped < 14  # the copies and the opt-out, maybe label skips, read
+    # from the sidecars in the bucket
+
+    _read_back_from_the_bucket(store, opted_out, tmp_path, monkeypatch)
 
     # The opt-out sensor reads the same folder in the bucket: one new file, one run for
     # the audit and one skip-lists run for the source it hits.
@@ -91,6 +105,70 @@ def test_the_whole_graph_of_a_webdataset_source_lives_in_the_bucket(
     with dg.build_sensor_context(instance=instance, cursor=result.cursor,
                                  resources={"storage": StorageResource()}) as context:
         assert isinstance(sensor(context), dg.SkipReason)  # nothing new since
+
+
+def _cli(*argv: str) -> str:
+    import contextlib
+    import io
+
+    from prx_assets import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(list(argv)) == 0, argv
+    return out.getvalue()
+
+
+def _read_back_from_the_bucket(store: Storage, opted_out: str, tmp_path: Path,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a user does with the outputs, PRX_DATA_ROOT in the bucket: `mds-uri`, a plain
+    StreamingDataset over one leaf, the project loader (skip lists applied), search and
+    similar; every shard read lands in the given cache folders only."""
+    import gc
+
+    from streaming import StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+
+    from prx_assets.loader import build_dataset
+    from prx_assets.s8_skip_lists.skip_lists import REASON_DEDUP, REASON_OPTOUT, duplicate_ids
+    from prx_assets.storage import object_store
+
+    uri = _cli("mds-uri", SOURCE).strip()
+    assert uri.startswith(f"{store.root}/mds/.trees/{SOURCE}/"), uri
+    samples = store.open(MDS_SAMPLES, SOURCE).to_table(columns=["id", "tier", "leaf"]).to_pylist()
+    leaf = sorted({s["leaf"] for s in samples})[0]  # e.g. 512/512x512
+    monkeypatch.delenv("S3_ENDPOINT_URL", raising=False)
+    for name, value in object_store.streaming_env(uri).items():
+        monkeypatch.setenv(name, value)  # what a trainer sets for streaming's boto3
+    clean_stale_shared_memory()
+    dataset = StreamingDataset(remote=f"{uri}/{leaf}", local=str(tmp_path / "cache-plain"),
+                               batch_size=1, shuffle=False)
+    streamed = sorted(dataset[i]["id"] for i in range(dataset.num_samples))
+    del dataset
+    gc.collect()
+    clean_stale_shared_memory()
+    assert streamed == sorted(s["id"] for s in samples if s["leaf"] == leaf)
+
+    # The loader streams every leaf of a tier and drops what the sidecars skip: here the
+    # duplicate copies and the opted-out id (computed from the tables, not the sidecars).
+    tier = int(leaf.split("/")[0])
+    dropped = duplicate_ids(store.table(DUPLICATES), SOURCE) | {opted_out}
+    assert len(dropped) == 3
+    loaded = sorted(s["id"] for s in build_dataset(
+        store.mds_root, tier, 1, weights={SOURCE: 1.0}, skip_reasons=(REASON_DEDUP, REASON_OPTOUT),
+        shuffle=False, cache_dir=tmp_path / "cache-loader"))
+    gc.collect()
+    clean_stale_shared_memory()
+    assert loaded == sorted(s["id"] for s in samples
+                            if s["tier"] == tier and s["id"] not in dropped)
+
+    # search and similar on the corpus table in the bucket.
+    row = store.open(CORPUS).to_table(columns=["id", "caption"], limit=1).to_pylist()[0]
+    word = max(row["caption"].split(), key=len).strip(".,;:")
+    found = _cli("search", word, "--k", "14")
+    assert row["id"] in found, (word, found)
+    near = _cli("similar", row["id"], "--k", "3")
+    assert near.strip() and "no matches" not in near and row["id"] not in near, near
 
 
 def refused_endpoint() -> str:

@@ -173,3 +173,27 @@ def test_ablation_lists_are_read_from_an_object_store(s3_root):
     object_store.write_text(f"{folder}/readme.md", "not a list")
     assert read_ablations(folder) == {"no_cats": {"web:1", "web:2"}}
     assert read_ablations(f"{s3_root}/absent") == {}
+
+
+def test_dedup_and_label_reasons_are_read_from_a_bucket(s3_server, s3_root, monkeypatch):
+    """On an object-store root the reasons come from the tables in the bucket (a `Path`
+    existence test there would read every table as absent: no dedup, no label skips), with
+    the storage options handed in (the environment holds a wrong secret)."""
+    from prx_assets.storage.layout import Storage
+
+    options = {"aws_secret_access_key": s3_server.secret_key}
+    store = Storage(s3_root, options)
+    duplicates, labels = store.table("duplicates"), store.table("caption_labels", "web")
+    lance.write_dataset(pa.Table.from_pylist([
+        {"id": "web:1", "kept_id": "web:1", "phash": 1, "group_size": 2},
+        {"id": "web:2", "kept_id": "web:1", "phash": 1, "group_size": 2}],
+        schema=DUPLICATES_SCHEMA), duplicates, storage_options=store.lance_options())
+    lance.write_dataset(pa.table({"id": ["web:3"], "caption_version": ["cap"],
+                                  "classifier_version": ["cls"], "label": ["text"]}),
+                        labels, storage_options=store.lance_options())
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    assert duplicate_ids(duplicates, "web", storage_options=options) == {"web:2"}
+    assert label_ids(labels, ["text"], "cap", "cls", storage_options=options) == {
+        "text": {"web:3"}}
+    assert label_ids(store.table("caption_labels", "other"), ["text"], "cap", "cls",
+                     storage_options=options) == {"text": set()}

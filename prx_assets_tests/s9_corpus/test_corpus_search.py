@@ -98,3 +98,15 @@ def test_cli_search_and_similar(corpus, monkeypatch, capsys):
     monkeypatch.setenv("PRX_DATA_ROOT", str(uri.parent / "elsewhere"))
     assert cli.main(["search", "heron"]) == 2
     assert "materialise the `corpus` asset" in capsys.readouterr().err
+
+
+def test_cli_search_on_a_bucket_names_what_is_missing(s3_root, monkeypatch, capsys):
+    """With PRX_DATA_ROOT in a bucket: no corpus table yet, and a bucket that does not
+    exist, are both a clear error (exit 2), not "no table" read from a local Path test."""
+    from prx_assets import cli
+
+    assert cli.main(["search", "heron"]) == 2
+    assert f"no corpus table at {s3_root}/lance/corpus.lance" in capsys.readouterr().err
+    monkeypatch.setenv("PRX_DATA_ROOT", "s3://no-such-bucket-here/corpus")
+    assert cli.main(["similar", "web:heron"]) == 2
+    assert "bucket 'no-such-bucket-here' does not exist" in capsys.readouterr().err

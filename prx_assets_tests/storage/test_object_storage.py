@@ -282,15 +282,6 @@ def test_two_writers_creating_the_same_table_both_land(s3_server, s3_root):
     assert sorted(ids) == ["shared", "x", "y"]
 
 
-def test_scratch_of_an_object_store_root_is_a_local_temporary_folder(tmp_path, monkeypatch):
-    import tempfile
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    assert Storage("s3://bucket/corpus").work_dir("raw_images", "web", "run1") \
-        == str(tmp_path / "prx-work" / "raw_images" / "web" / "run1")
-    assert Storage(str(tmp_path / "data")).work_dir("x") == str(tmp_path / "data" / "_work" / "x")
-
-
 @pytest.mark.parametrize("where", ["s3", "local"])
 def test_a_create_that_finds_the_table_created_meanwhile_merges_into_it(
         where, request, tmp_path, monkeypatch):
