@@ -184,8 +184,8 @@ def test_the_graph_on_a_two_node_cluster_with_the_data_root_in_a_bucket(
     for job, outcome in report.items():
         assert outcome["success"], (job, outcome["failures"])
         assert set(outcome["failed_checks"].values()) <= {"WARN"}, (job, outcome)
-    # One tar is one unit of ingest work (one task, one node); the image stage spreads.
-    assert report["corpus_job"]["ray_nodes"]["bucketed_images"] == 2, report["corpus_job"]
+    nodes = report["corpus_job"]["ray_nodes"]
+    assert nodes["raw_images"] == 2 and nodes["bucketed_images"] == 2, report["corpus_job"]
     keys = keys_under(s3_server, s3_root)
     for table in PER_SOURCE_TABLES:
         assert any(k.startswith(f"lance/{table}/{SOURCE}.lance/_versions/") for k in keys), table
