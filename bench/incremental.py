@@ -244,7 +244,9 @@ def child_run(setup: Setup, instance, settings: dict, chunk_rows: int | None = N
             if child.poll() is None:
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
-            _wait_group_gone(child.pid)
+            from prx_assets_tests.e2e.fault_runs import wait_for_group_gone
+
+            wait_for_group_gone(child.pid)  # Ray workers exit after their raylet
     output = log_path.read_text()
     if "RUN " not in output:
         raise RuntimeError(f"the child printed no run id:\n{output[-3000:]}")
@@ -285,29 +287,6 @@ def rows_made_under(setup: Setup, settings: dict) -> int:
     fingerprint = settings_fingerprint(ImageStageConfig(**settings).options())
     table = lance.dataset(str(setup.data_root / "lance/bucketed_images/bench.lance"))
     return table.count_rows(filter=eq_filter("settings", fingerprint))
-
-
-def _wait_group_gone(pgid: int, timeout: float = 30) -> None:
-    import psutil
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        left = [p for p in psutil.process_iter(["pid"]) if _in_group(p, pgid)]
-        if not left:
-            return
-        for proc in left:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        time.sleep(0.1)
-
-
-def _in_group(proc, pgid: int) -> bool:
-    try:
-        return os.getpgid(proc.info["pid"]) == pgid
-    except (ProcessLookupError, OSError):
-        return False
 
 
 def child_main(sources: str, captioner: str, run_config: str) -> int:

@@ -81,22 +81,23 @@ def failpoint(name: str) -> None:
         _wait_for_release(name)
 
 
-def env(names: str | list[str], marker: Path) -> dict[str, str]:
-    """The environment variables that arm `names` with `marker` (for a test's subprocess)."""
+def _known(names: str | list[str]) -> list[str]:
+    """`names` as a list, refused if one is not a point a stage calls (a typo never arms)."""
     names = [names] if isinstance(names, str) else list(names)
     unknown = [n for n in names if n not in POINTS]
     if unknown:
         raise ValueError(f"unknown failpoint(s) {unknown}; known: {sorted(POINTS)}")
-    return {ENV_POINTS: ",".join(names), ENV_MARKER: str(marker)}
+    return names
+
+
+def env(names: str | list[str], marker: Path) -> dict[str, str]:
+    """The environment variables that arm `names` with `marker` (for a test's subprocess)."""
+    return {ENV_POINTS: ",".join(_known(names)), ENV_MARKER: str(marker)}
 
 
 def barrier_env(names: str | list[str], folder: Path) -> dict[str, str]:
     """The environment variables that arm `names` as barriers in `folder`."""
-    names = [names] if isinstance(names, str) else list(names)
-    unknown = [n for n in names if n not in POINTS]
-    if unknown:
-        raise ValueError(f"unknown failpoint(s) {unknown}; known: {sorted(POINTS)}")
-    return {ENV_BARRIERS: ",".join(names), ENV_BARRIER_DIR: str(folder)}
+    return {ENV_BARRIERS: ",".join(_known(names)), ENV_BARRIER_DIR: str(folder)}
 
 
 def ready_at_barrier(folder: Path, name: str) -> list[int]:

@@ -33,14 +33,6 @@ OPTIONS = mds.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
 NEW_ID = "web:1-64x64-9999"
 
 
-@pytest.fixture(autouse=True)
-def fresh_shared_memory():
-    clean_stale_shared_memory()
-    yield
-    gc.collect()
-    clean_stale_shared_memory()
-
-
 def add_sample(data_root: Path, sample_id: str, shape=(1, 64, 64)) -> None:
     """One new kept, captioned row in both input tables (an append commit each)."""
     tier, w, h = shape

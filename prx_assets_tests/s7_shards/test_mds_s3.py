@@ -9,7 +9,6 @@ import io
 import json
 
 import lance
-import pytest
 from streaming import StreamingDataset
 from streaming.base.util import clean_stale_shared_memory
 
@@ -25,14 +24,6 @@ from prx_assets.storage.layout import Storage
 from prx_assets_tests.fixtures.mds_corpus import build_corpus, inputs_for
 
 OPTIONS = mds.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
-
-
-@pytest.fixture(autouse=True)
-def fresh_shared_memory():
-    clean_stale_shared_memory()
-    yield
-    gc.collect()
-    clean_stale_shared_memory()
 
 
 def _upload_tables(local_root, storage: Storage) -> None:

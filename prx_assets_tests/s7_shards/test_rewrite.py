@@ -1,8 +1,6 @@
 import gc
 
 import lance
-import pytest
-from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.s7_shards import mds
 from prx_assets.storage.layout import Storage
@@ -13,14 +11,6 @@ from prx_assets.loader import build_dataset
 from prx_assets_tests.fixtures.mds_corpus import build_corpus, inputs_for
 
 SHAPES = ((1, 48, 48), (1, 64, 48))
-
-
-@pytest.fixture(autouse=True)
-def fresh_shared_memory():
-    clean_stale_shared_memory()
-    yield
-    gc.collect()
-    clean_stale_shared_memory()
 
 
 def _loader_ids(root) -> list[str]:
