@@ -36,9 +36,9 @@ def baseline_loop(folder: Path, out: Path) -> int:
     return len(rows)
 
 
-def pipeline(folder: Path, out: Path, work: Path) -> int:
+def pipeline(folder: Path, out: Path) -> int:
     spec = SourceSpec(name="bench", kind="image_folder", uri=str(folder))
-    dataset = build_raw_dataset(spec, folder, work, IngestOptions(units_per_task=32))
+    dataset = build_raw_dataset(spec, folder, IngestOptions(units_per_task=32))
     return write_dataset_atomically(dataset, out, FragmentPolicy(), RAW_IMAGES_SCHEMA).rows
 
 
@@ -48,9 +48,9 @@ def main() -> list[Figure]:
     ray_runtime.connect()
     tmp = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
     try:
-        pipeline(folder, tmp / "warm.lance", tmp / "w0")  # warm Ray workers and imports
+        pipeline(folder, tmp / "warm.lance")  # warm Ray workers and imports
         base_s, _ = timed(lambda: baseline_loop(folder, tmp / "base.lance"))
-        pipe_s, rows = timed(lambda: pipeline(folder, tmp / "pipe.lance", tmp / "w1"))
+        pipe_s, rows = timed(lambda: pipeline(folder, tmp / "pipe.lance"))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     figures = [

@@ -41,19 +41,19 @@ LOAD_SHAPES = ((1, 64, 64),)
 MDS_PER_SHAPE = 200  # samples per shape of the fixture corpus for the MDS write figure
 
 
-def ingest_once(folder: Path, root: str, work: Path) -> int:
+def ingest_once(folder: Path, root: str) -> int:
     spec = SourceSpec(name="bench", kind="image_folder", uri=str(folder))
-    dataset = build_raw_dataset(spec, folder, work, IngestOptions(units_per_task=32))
+    dataset = build_raw_dataset(spec, folder, IngestOptions(units_per_task=32))
     return write_dataset_atomically(dataset, Storage(root).table(RAW_IMAGES, "bench"),
                                     FragmentPolicy(), RAW_IMAGES_SCHEMA).rows
 
 
-def bench_ingest(local_root: Path, s3_root: str, work: Path) -> list[Figure]:
+def bench_ingest(local_root: Path, s3_root: str) -> list[Figure]:
     folder = generated_jpegs(OUT / "corpus_ingest", N_IMAGES)
     megabytes = sum(p.stat().st_size for p in sorted(folder.glob("*.jpg"))[:N_IMAGES]) / 1e6
-    ingest_once(folder, str(local_root / "warm"), work / "w0")  # warm Ray workers, imports
-    local_s, rows = timed(lambda: ingest_once(folder, str(local_root / "ingest"), work / "w1"))
-    s3_s, s3_rows = timed(lambda: ingest_once(folder, s3_root, work / "w2"))
+    ingest_once(folder, str(local_root / "warm"))  # warm Ray workers, imports
+    local_s, rows = timed(lambda: ingest_once(folder, str(local_root / "ingest")))
+    s3_s, s3_rows = timed(lambda: ingest_once(folder, s3_root))
     assert rows == s3_rows, (rows, s3_rows)
     print(f"s3 ingest: {rows} rows, {megabytes:.1f} MB: local {local_s:.2f} s, s3:// {s3_s:.2f} s")
     return [Figure("s3", "ingest rows/s, s3:// root", rows / s3_s, "local disk", rows / local_s,
@@ -166,7 +166,7 @@ def main() -> list[Figure]:
         ray_runtime.connect()
         s3_root = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
         local_root = work / "local"
-        figures = bench_ingest(local_root, s3_root, work)
+        figures = bench_ingest(local_root, s3_root)
         figures += bench_mds_write(local_root, s3_root)
         figures += bench_loader(local_root, s3_root, work)
     finally:

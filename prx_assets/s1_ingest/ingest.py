@@ -289,11 +289,10 @@ def read_units(units: ray.data.Dataset, spec: SourceSpec, location: SourceLocati
     )
 
 
-def build_raw_dataset(spec: SourceSpec, uri: "str | Path", work_dir: "Path | None" = None,
+def build_raw_dataset(spec: SourceSpec, uri: "str | Path",
                       options: IngestOptions = IngestOptions()) -> ray.data.Dataset:
     """The lazy dataset of every `raw_images` row of the source (a full read, nothing
-    compared; for benches and one-shot writes). `work_dir` is not used any more: the units
-    travel to Ray in memory."""
+    compared; for benches and one-shot writes)."""
     plan = plan_ingest(spec, uri, done={})
     pending = plan.pending()
     if pending is None:
