@@ -35,7 +35,8 @@ from bench.common import Figure, report, timed
 from prx_assets.browser import queries
 from prx_assets.models.embeddings import EMBEDDING_DIM
 from prx_assets.s1_ingest.raw_rows import RAW_IMAGES_SCHEMA
-from prx_assets.s2_images.stage import BUCKETED_SCHEMA
+from prx_assets.s2_images.imaging import ImageOptions
+from prx_assets.s2_images.stage import BUCKETED_SCHEMA, settings_fingerprint
 from prx_assets.s3_captions.captions import CAPTIONS_SCHEMA
 from prx_assets.s4_labels.labels import LABELS_SCHEMA
 from prx_assets.s5_dedup.dedup import DUPLICATES_SCHEMA
@@ -52,6 +53,10 @@ WORDS = ("red blue green wooden metal glass cat dog bicycle street window lamp t
          "car boat bridge sign poster screen kitchen garden beach snow desert forest").split()
 SAMPLES_PER_SHARD = 2048
 REPEATS = 15
+
+
+# The image stage's own settings digest: these rows read as made under the defaults.
+BENCH_SETTINGS = settings_fingerprint(ImageOptions())
 
 
 def table_uri(root, name: str, source: str | None = None) -> str:
@@ -120,7 +125,8 @@ def generate(root: Path, rows: int = ROWS, seed: int = 0) -> dict:
             "image": pa.array([thumb[i] for i in mine], pa.large_binary()),
             "error": pa.nulls(n, pa.string()), "phash": phash[mine],
             "pixels": (widths[mine] * heights[mine] * 4).astype(np.int64),
-            "flat": np.zeros(n, bool)}).cast(BUCKETED_SCHEMA))
+            "flat": np.zeros(n, bool), "raw_sha256": [f"{i:064x}" for i in mine],
+            "settings": [BENCH_SETTINGS] * n}).cast(BUCKETED_SCHEMA))
         _write(table_uri(root, "raw_images", name), pa.table({
             "id": my_ids, "source": [name] * n, "source_key": [f"img/{i}.jpg" for i in mine],
             "image": pa.array([thumb[i] for i in mine], pa.large_binary()),
