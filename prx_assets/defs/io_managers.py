@@ -103,5 +103,4 @@ class RayLanceIOManager(dg.ConfigurableIOManager):
             raise dg.Failure(f"upstream table {uri} does not exist; materialise it first")
         version = materialized_lance_version(context.instance, context.asset_key, partition)
         columns = (context.definition_metadata or {}).get(COLUMNS_KEY)
-        return ray.data.read_lance(str(uri), version=version, columns=columns,
-                                   storage_options=storage.lance_options())
+        return lance_tables.read_table(uri, version, storage.storage_options, columns=columns)

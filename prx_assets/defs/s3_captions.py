@@ -21,7 +21,7 @@ import ray.data
 from prx_assets.s3_captions.captions import TARGET_WORDS, word_histogram
 from prx_assets.s3_captions.runs import (
     CaptionRunReport, caption_source, changed_ids, coverage, drop_captions, ensure_table,
-    pending_requests)
+    pending_requests, read_kept)
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, RAW_IMAGES
 from prx_assets.defs.io_managers import COLUMNS_KEY
@@ -65,7 +65,12 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
         uri = store.table(CAPTIONS, source)
         stale = drop_stale_captions(context, store, with_caption=not spec.uses_model)
         options = store.storage_options
-        requests = pending_requests(bucketed_images, raw_images, uri, spec, options)
+        # Read here rather than through the IO manager's input: filtered and projected by
+        # Lance (no image bytes for the `original` backend), at the version it pinned.
+        kept = read_kept(store.table(BUCKETED_IMAGES, source),
+                         materialized_lance_version(context.instance, BUCKETED_IMAGES, source),
+                         spec, options)
+        requests = pending_requests(kept, raw_images, uri, spec, options)
         context.log.info(f"captioning {source!r} with {spec.backend} ({spec.model_name}), "
                          f"version {spec.version()}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 
@@ -11,6 +12,18 @@ from prx_assets.engine import failpoints
 from prx_assets.engine.progress import quiet_ray_data
 
 LOOPBACK = "127.0.0.1"
+# The embedded object store: this much per CPU, at least the floor, at most Ray's own
+# default share of memory. Ray's default (30 % of RAM) let a partition's raw images sit in
+# shared memory ahead of the image stage, so the process tree's footprint grew with the
+# source; Ray Data backpressures its reads against what the store holds.
+OBJECT_STORE_PER_CPU = 1 << 30
+OBJECT_STORE_FLOOR = 2 << 30
+OBJECT_STORE_RAM_SHARE = 0.3
+# glibc keeps freed memory of a worker that decoded a large image (its mmap threshold grows
+# with every large free), so idle workers held gigabytes between stages. A fixed threshold
+# sends buffers above it to mmap, returned to the system when freed.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), "MALLOC_TRIM_THRESHOLD_": str(32 << 20)}
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
 def connect(address: str | None = None, num_cpus: int | None = None,
@@ -27,21 +40,44 @@ def connect(address: str | None = None, num_cpus: int | None = None,
     os.environ.setdefault("LANCE_LOG", "error")  # "creating a new dataset" is not a warning
     # Workers of a cluster do not inherit this process's environment (embedded ones do).
     runtime_env = {"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-                                "LANCE_LOG": os.environ["LANCE_LOG"],
+                                "LANCE_LOG": os.environ["LANCE_LOG"], **MALLOC_ENV,
                                 **failpoints.forwarded_env()}}
+    return_freed_memory()
     if address:
         ray.init(address=address, _node_ip_address=LOOPBACK if _is_local(address) else None,
                  logging_level=logging.WARNING, runtime_env=runtime_env)
     else:
         ray.init(
             num_cpus=num_cpus,
-            object_store_memory=object_store_mb * (1 << 20) if object_store_mb else None,
+            object_store_memory=(object_store_mb * (1 << 20) if object_store_mb
+                                 else default_object_store_bytes(num_cpus)),
             _node_ip_address=LOOPBACK,
             include_dashboard=False,
             logging_level=logging.WARNING,
             runtime_env=runtime_env,
         )
     return True
+
+
+def default_object_store_bytes(num_cpus: int | None = None,
+                               memory_bytes: int | None = None) -> int:
+    """The embedded object store's size: OBJECT_STORE_PER_CPU per CPU, at least the floor,
+    at most Ray's default share of the machine's memory."""
+    cpus = num_cpus or os.cpu_count() or 1
+    memory = memory_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    wanted = max(OBJECT_STORE_FLOOR, cpus * OBJECT_STORE_PER_CPU)
+    return int(min(wanted, OBJECT_STORE_RAM_SHARE * memory))
+
+
+def return_freed_memory() -> None:
+    """The driver's side of MALLOC_ENV (its allocator started before us): large buffers go
+    to mmap and back to the system when freed. A no-op where libc has no mallopt."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    libc.mallopt(_M_TRIM_THRESHOLD, 32 << 20)
 
 
 def _is_local(address: str) -> bool:

@@ -62,15 +62,34 @@ def pending_requests(bucketed: ray.data.Dataset, raw_captions: ray.data.Dataset 
                      captions_uri: str | Path, spec: CaptionerSpec,
                      storage_options: Options = None) -> ray.data.Dataset:
     """Rows {id, image?, original_caption?} of kept images not yet captioned."""
-    columns = ["id", "image"] if spec.uses_model else ["id"]
-    # Project first so the read skips image bytes when the backend needs none.
-    kept = bucketed.select_columns([*columns, "status"]).filter(
-        lambda row: row["status"] == STATUS_OK)
+    columns = request_columns(spec)
+    kept = bucketed.select_columns([*columns, "status"]).map_batches(
+        _kept_only, batch_format="pyarrow", zero_copy_batch=True)
     requests = pending_rows(kept.select_columns(columns), captions_uri,
                             done_filter(spec.version()), BROADCAST_IDS, storage_options)
     if not spec.uses_model and raw_captions is not None:
         requests = with_source_captions(requests, raw_captions)
     return requests
+
+
+def request_columns(spec: CaptionerSpec) -> list[str]:
+    """The bucketed columns a backend needs: the images only when a model looks at them."""
+    return ["id", "image"] if spec.uses_model else ["id"]
+
+
+def read_kept(bucketed_uri: str | Path, version: int | None, spec: CaptionerSpec,
+              storage_options: Options = None) -> ray.data.Dataset:
+    """The kept rows of a bucketed table with the columns `spec` needs, filtered and
+    projected by Lance itself: Ray Data does not push a later projection into a Lance read,
+    so selecting ids from a full read read every image of the source (3.5 GB at 10,000
+    images) for a backend that looks at none."""
+    return read_table(bucketed_uri, version, storage_options,
+                      columns=[*request_columns(spec), "status"],
+                      filter=eq_filter("status", STATUS_OK))
+
+
+def _kept_only(batch: pa.Table) -> pa.Table:
+    return batch.filter(pc.equal(batch.column("status"), STATUS_OK))
 
 
 def with_source_captions(requests: ray.data.Dataset, raw_captions: ray.data.Dataset

@@ -51,7 +51,7 @@ class LabelerSpec:
     """Which backend labels captions, and how many workers it runs."""
 
     backend: str = "embedded"
-    actors: int = 1
+    actors: int = 0  # the most actors; 0: as many as the cluster's CPUs allow (`pool_size`)
     threads_per_actor: int = 1
     batch_size: int = 64
     l2: float = DEFAULT_L2
@@ -201,11 +201,26 @@ class EmbeddedLabelStage(EmbeddedLabeler):
             STAGE_SCHEMA.field("error"), pa.nulls(batch.num_rows, pa.string())).cast(STAGE_SCHEMA)
 
 
+def pool_size(spec: LabelerSpec, cpus: float) -> int:
+    """Actors for the pool: `spec.actors`, or with 0 one per `threads_per_actor` CPUs of the
+    cluster (a single actor left a 2-CPU node half idle for the whole stage)."""
+    if spec.actors > 0:
+        return spec.actors
+    return max(1, int(cpus // max(1, spec.threads_per_actor)))
+
+
+def actor_pool(spec: LabelerSpec) -> ray.data.ActorPoolStrategy:
+    """A pool growing from one actor to `pool_size` while captions are queued: a small
+    source loads one model, not one per CPU, and a pool that would hold every CPU from the
+    start would leave none for the read tasks that feed it (the stage then never ends)."""
+    return ray.data.ActorPoolStrategy(
+        min_size=1, max_size=pool_size(spec, ray.cluster_resources().get("CPU", 1)))
+
+
 def label_stage(pending: ray.data.Dataset, spec: LabelerSpec) -> ray.data.Dataset:
     """Caption rows in, STAGE_SCHEMA rows out, in an actor pool of `spec.actors`."""
     pool = dict(batch_format="pyarrow", batch_size=spec.batch_size,
-                compute=ray.data.ActorPoolStrategy(size=spec.actors),
-                num_cpus=spec.threads_per_actor)
+                compute=actor_pool(spec), num_cpus=spec.threads_per_actor)
     version = spec.version()
     if spec.backend == "embedded":
         return pending.map_batches(EmbeddedLabelStage, fn_constructor_kwargs={

@@ -35,7 +35,8 @@ from PIL import Image
 from prx_assets.models.embeddings import EMBEDDING_DIM
 from prx_assets.storage.filters import eq_filter
 from prx_assets.storage.lance_tables import (
-    FragmentPolicy, WriteReport, cleanup, compact, describe_write, write_dataset_atomically)
+    FragmentPolicy, WriteReport, cleanup, compact, describe_write, read_table,
+    write_dataset_atomically)
 from prx_assets.storage.object_store import lance_options
 
 THUMB_SIDE = 256
@@ -165,10 +166,8 @@ def corpus_batch(batch: pa.Table, meta: pa.Table) -> pa.Table:
 
 def source_dataset(tables: SourceTables) -> tuple[ray.data.Dataset, int]:
     meta = source_metadata(tables)
-    kept = ray.data.read_lance(str(tables.bucketed), version=tables.bucketed_version,
-                               columns=IMAGE_COLUMNS, filter="status = 'ok'",
-                               storage_options=lance_options(str(tables.bucketed),
-                                                             tables.storage_options))
+    kept = read_table(tables.bucketed, tables.bucketed_version, tables.storage_options,
+                      columns=IMAGE_COLUMNS, filter="status = 'ok'")
     dataset = kept.map_batches(corpus_batch, fn_kwargs={"meta": meta},
                                batch_format="pyarrow", batch_size=256)
     return dataset, meta.num_rows

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from prx_assets.s4_labels.backends import OpenAISettings
-from prx_assets.s4_labels.runs import LabelerSpec, label_coverage, label_source
+from prx_assets.s4_labels.runs import LabelerSpec, label_coverage, label_source, pool_size
 from prx_assets.s4_labels.labels import LABELS_SCHEMA, active_labels_filter
 from prx_assets_tests.fixtures.labelled_captions import labelled_test_captions, write_captions
 from prx_assets_tests.fixtures.local_chat_server import chat_server
@@ -89,3 +89,10 @@ def test_a_caption_written_again_is_labelled_again(ray_session, tmp_path):
     table = lance.dataset(str(labels)).to_table().to_pylist()
     assert len(table) == len(rows)
     assert [r["label"] for r in table if r["id"] == changed_id] == [new_label]
+
+
+def test_the_pool_grows_to_the_cluster_cpus_unless_told_its_size():
+    assert pool_size(LabelerSpec(), cpus=8) == 8
+    assert pool_size(LabelerSpec(threads_per_actor=2), cpus=8) == 4
+    assert pool_size(LabelerSpec(threads_per_actor=4), cpus=2) == 1
+    assert pool_size(LabelerSpec(actors=3), cpus=8) == 3

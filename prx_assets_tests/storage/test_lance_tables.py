@@ -7,6 +7,7 @@ import pytest
 import ray.data
 
 from prx_assets.storage.lance_tables import (
+    READ_BATCH_BYTES, blob_scanner_options, read_table,
     FragmentPolicy, compact, write_dataset_atomically)
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.table_checks import duplicate_ids, fragment_health
@@ -107,3 +108,18 @@ def test_a_file_in_the_way_of_an_output_folder_is_named(tmp_path):
         prepare_output_dir(tmp_path / "t.lance", "Lance table")
     prepare_output_dir(tmp_path / "ok" / "x.lance", "Lance table")
     assert (tmp_path / "ok").is_dir() and not (tmp_path / "ok" / "x.lance").exists()
+
+
+def test_reads_of_blob_columns_come_in_batches_sized_by_bytes(ray_session, tmp_path: Path):
+    # 64 rows of 1 MB images: Lance's default batch (8,192 rows) would be the whole table in
+    # one block; a read of the images comes in ~READ_BATCH_BYTES blocks, ids in one.
+    uri = tmp_path / "blobs.lance"
+    rng = np.random.default_rng(0)  # incompressible and distinct, like JPEGs
+    lance.write_dataset(pa.table({"id": [f"s:{i}" for i in range(64)], "image": pa.array(
+        [rng.bytes(1 << 20) for _ in range(64)], pa.large_binary())}), uri)
+    options = blob_scanner_options(lance.dataset(uri), ["id", "image"])
+    assert options["batch_size"] == READ_BATCH_BYTES // (1 << 20) - 1  # ids weigh a little
+    assert blob_scanner_options(lance.dataset(uri), ["id"]) == {}
+    blocks = [b.num_rows for b in read_table(uri, columns=["id", "image"]).iter_batches(
+        batch_size=None, batch_format="pyarrow")]
+    assert sum(blocks) == 64 and max(blocks) <= options["batch_size"]

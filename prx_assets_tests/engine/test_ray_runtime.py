@@ -1,0 +1,18 @@
+from prx_assets.engine.ray_runtime import (
+    MALLOC_ENV, OBJECT_STORE_FLOOR, OBJECT_STORE_PER_CPU, default_object_store_bytes,
+    return_freed_memory)
+
+GIB = 1 << 30
+
+
+def test_the_object_store_scales_with_cpus_within_a_share_of_memory():
+    assert default_object_store_bytes(2, 24 * GIB) == OBJECT_STORE_FLOOR
+    assert default_object_store_bytes(16, 128 * GIB) == 16 * OBJECT_STORE_PER_CPU
+    # A small machine gets Ray's own share of its memory, never more.
+    assert default_object_store_bytes(16, 8 * GIB) == int(0.3 * 8 * GIB)
+
+
+def test_workers_return_freed_buffers_to_the_system():
+    assert int(MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]) <= 1 << 20
+    return_freed_memory()  # the driver's side: callable in any process, twice
+    return_freed_memory()
