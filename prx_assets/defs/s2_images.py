@@ -12,11 +12,11 @@ from typing import Iterator, Optional
 import dagster as dg
 import ray.data
 
+from prx_assets.engine.progress import StageProgress
 from prx_assets.s2_images import pil_backend
 from prx_assets.s2_images.buckets import BucketRule, DEFAULT_TIERS
 from prx_assets.s2_images.fidelity import fidelity_report
 from prx_assets.s2_images.imaging import DEFAULT_QUALITY, DEFAULT_SUBSAMPLING, ImageOptions
-from prx_assets.engine.progress import StageProgress
 from prx_assets.s2_images.stage import (
     RAW_COLUMNS, ImageRunReport, ImageTables, fresh_rows, run_image_stage,
     settings_fingerprint)

@@ -49,8 +49,8 @@ import pyarrow.compute as pc
 import ray
 from streaming import MDSWriter
 
-from prx_assets.engine.progress import StageProgress
 from prx_assets.engine.failpoints import failpoint
+from prx_assets.engine.progress import StageProgress
 from prx_assets.s7_shards.trees import (  # layout names re-exported for existing callers
     PARTIAL_SUFFIX, TREE_MANIFEST, TREES_DIR, TreeStore, leaf_names, new_tree_version,  # noqa: F401
     tree_store)
