@@ -58,7 +58,8 @@ class StageProgress:
     closing line) and always at the end. `clock` is injectable so tests never wait on time.
 
     A total is what the stage can count cheaply before it starts (a Lance `count_rows`); when
-    that is an estimate and the stage does more, the total grows with it (no "120%")."""
+    that is an estimate and the stage goes past it, the line drops it (no "120%", no false
+    ETA) and counts on without one."""
 
     def __init__(self, stage: str, total: Optional[int], log: Callable[[str], None],
                  every_s: float = 10.0, unit: str = "rows",
@@ -101,9 +102,11 @@ class StageProgress:
         if total is not None:
             self.total = total
         if self.total is not None and self.done > self.total:
-            self.total = self.done
+            self.total = None  # an estimate the stage went past
         now = self._clock()
-        if now - self._last_report >= self._every:
+        # At the total, the closing line follows at once: no line just before it.
+        at_end = self.total is not None and self.done >= self.total
+        if now - self._last_report >= self._every and not at_end:
             self._last_report = now
             self._log(self.line())
 

@@ -60,3 +60,18 @@ def test_summary_explains_each_check_that_warned():
     ]
     passing = [PartitionRun("demo_a", True, "r1", checks={"a:b": "passed"})]
     assert check_lines(passing) == ["checks: 1 of 1 passed"]
+
+
+def test_the_label_shares_note_names_what_the_demo_classifier_does():
+    """The note under the demo's label_shares warning says the embedded classifier labels
+    the portrait caption nsfw: true of the shipped classifier (else the note must change)."""
+    from prx_assets.demo.corpus import PHOTO_CAPTIONS
+    from prx_assets.models.embeddings import MiniLMEmbedder
+    from prx_assets.s4_labels.labels import load_embedded_classifier
+
+    caption = PHOTO_CAPTIONS["grace_hopper"]
+    assert caption.startswith("A woman in a dark naval uniform")
+    assert "formal portrait" in caption and "formal portrait" in DEMO_NOTES[
+        "caption_labels:label_shares"]
+    labels = load_embedded_classifier().predict(MiniLMEmbedder(threads=1).embed([caption]))
+    assert labels == ["nsfw"]

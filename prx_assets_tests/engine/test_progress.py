@@ -48,9 +48,18 @@ def test_update_sets_running_counts_and_a_late_total():
     progress.update(40, total=200)  # the stage learnt its total once running
     assert lines == ["caption_labels[x]: 40 / 200 rows (20%), 4.0 rows/s, ETA 40 s"]
     clock.now += 10
-    progress.update(250)  # an estimated total the stage went past grows with it
-    assert progress.total == 250 and "250 / 250 rows (100%)" in lines[-1]
-    assert "ETA" not in lines[-1]
+    progress.update(250)  # an estimated total the stage went past: counted without it
+    assert progress.total is None and lines[-1] == "caption_labels[x]: 250 rows, 12.5 rows/s"
+
+
+def test_no_periodic_line_at_the_total_just_before_the_closing_one():
+    clock, lines = FakeClock(), []
+    progress = StageProgress("mds_shards[x]", 100, lines.append, clock=clock)
+    clock.now += 30
+    progress.update(100)
+    assert lines == []
+    progress.finish()
+    assert lines == ["mds_shards[x]: 100 / 100 rows (100%), 3.3 rows/s; done in 30 s"]
 
 
 def test_nothing_to_do_says_so():
