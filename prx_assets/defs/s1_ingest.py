@@ -5,6 +5,7 @@ incrementally: a rerun reads only the units that changed and deletes the rows th
 import dagster as dg
 
 from prx_assets.engine.chunked import CommitTarget
+from prx_assets.engine.progress import StageProgress
 from prx_assets.s1_ingest.ingest import IngestOptions, IngestReport, ingest_source
 from prx_assets.s1_ingest.probe import DEFAULT_MAX_PIXELS
 from prx_assets.s1_ingest.raw_rows import RAW_IMAGES_SCHEMA
@@ -59,7 +60,13 @@ def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
         context.log.info(f"ingesting source {spec.name!r} ({spec.kind}) from {uri}")
         try:
             store.check_reachable()
-            report = ingest_source(spec, uri, target, options, log=context.log.info)
+            # Rows per unit are known only once read: the line counts rows, without a total
+            # (the listing's line before it says how many units are left to read).
+            progress = StageProgress(f"{RAW_IMAGES}[{spec.name}]", None, context.log.info)
+            report = ingest_source(spec, uri, target, options,
+                                   on_chunk=lambda _chunk, run: progress.update(run.rows),
+                                   log=context.log.info)
+            progress.finish()
         except (SourceNotFoundError, ObjectStoreError) as exc:
             raise dg.Failure(f"source {spec.name!r}: {exc}") from exc
         context.log.info(

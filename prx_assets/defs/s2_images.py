@@ -12,12 +12,14 @@ from typing import Iterator, Optional
 import dagster as dg
 import ray.data
 
+from prx_assets.engine.progress import StageProgress
 from prx_assets.s2_images import pil_backend
 from prx_assets.s2_images.buckets import BucketRule, DEFAULT_TIERS
 from prx_assets.s2_images.fidelity import fidelity_report
 from prx_assets.s2_images.imaging import DEFAULT_QUALITY, DEFAULT_SUBSAMPLING, ImageOptions
 from prx_assets.s2_images.stage import (
-    RAW_COLUMNS, ImageRunReport, ImageTables, run_image_stage, settings_fingerprint)
+    RAW_COLUMNS, ImageRunReport, ImageTables, fresh_rows, run_image_stage,
+    settings_fingerprint)
 from prx_assets.storage.lance_tables import FragmentPolicy, describe_write
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.table_stats import bucket_profile
@@ -97,13 +99,13 @@ def build_image_stage(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefin
                              store.storage_options)
         options = config.options()
 
-        def progress(report: ImageRunReport) -> None:
-            context.log.info(f"committed chunk {report.chunks}: {report.written:,} image(s) "
-                             f"this run, {report.commits.rows_per_s:.1f}/s")
-
+        progress = StageProgress(f"{BUCKETED_IMAGES}[{source}]",
+                                 images_to_process(raw, tables, options), context.log.info,
+                                 unit="images")
         report = run_image_stage(raw_images, raw, raw_ids, tables, options,
                                  config.chunk_rows, BUCKETED_FRAGMENTS, PHASH_FRAGMENTS,
-                                 on_chunk=progress)
+                                 on_chunk=lambda r: progress.update(r.commits.rows))
+        progress.finish()
         context.log.info(f"{source}: {report.written:,} image(s) processed, {report.removed:,} "
                          f"removed, settings {settings_fingerprint(options)}")
         # The Pillow build decides speed and (within 0.2 dB) pixels: the workers run this
@@ -123,6 +125,14 @@ def build_image_stage(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefin
                                 "hashed_images": profile.hashed})
 
     return image_stage
+
+
+def images_to_process(raw, tables: ImageTables, options: ImageOptions) -> int:
+    """The progress total, from two counts: raw rows less the bucketed rows already made
+    under these settings (an estimate when raw rows changed or left: the line's total grows
+    if the stage does more)."""
+    _, _, fresh = fresh_rows(tables, settings_fingerprint(options))
+    return max(0, raw.count_rows() - fresh)
 
 
 def _result(context: dg.AssetExecutionContext, store: Storage, name: str,

@@ -18,10 +18,11 @@ from typing import Optional
 import dagster as dg
 import ray.data
 
+from prx_assets.engine.progress import StageProgress
 from prx_assets.s3_captions.captions import TARGET_WORDS, word_histogram
 from prx_assets.s3_captions.runs import (
-    CaptionRunReport, caption_source, changed_ids, coverage, drop_captions, ensure_table,
-    pending_requests, read_kept)
+    CaptionRunReport, caption_source, changed_ids, count_pending, coverage, drop_captions,
+    ensure_table, pending_requests, read_kept)
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, RAW_IMAGES
 from prx_assets.defs.io_managers import COLUMNS_KEY
@@ -74,12 +75,13 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
         context.log.info(f"captioning {source!r} with {spec.backend} ({spec.model_name}), "
                          f"version {spec.version()}")
 
-        def progress(report: CaptionRunReport) -> None:
-            context.log.info(f"committed chunk {report.chunks}: {report.written:,} captions, "
-                             f"{report.images_per_s:.1f} images/s")
-
-        report = caption_source(requests, uri, spec, captioner.chunk_rows, on_chunk=progress,
+        progress = StageProgress(f"{CAPTIONS}[{source}]",
+                                 captions_to_make(store, source, spec, options),
+                                 context.log.info, unit="images")
+        report = caption_source(requests, uri, spec, captioner.chunk_rows,
+                                on_chunk=lambda r: progress.update(r.commits.rows),
                                 storage_options=options)
+        progress.finish()
         lance_version = report.lance_version or ensure_table(uri, options)
         cover = coverage(store.table(BUCKETED_IMAGES, source), uri, report.version,
                          storage_options=options)
@@ -123,6 +125,12 @@ def drop_stale_captions(context: dg.AssetExecutionContext, store: Storage, with_
     context.log.info(f"{len(ids):,} item(s) removed or changed since raw_images v{previous}: "
                      f"dropped {dropped:,} caption row(s)")
     return dropped
+
+
+def captions_to_make(store: Storage, source: str, spec, options) -> int:
+    """The progress total: kept images less the captions of this version already final."""
+    return count_pending(store.table(BUCKETED_IMAGES, source), store.table(CAPTIONS, source),
+                         spec.version(), storage_options=options)
 
 
 def captions_counts(report: CaptionRunReport, cover, stale: int) -> dict:

@@ -7,6 +7,7 @@ from collections import Counter
 
 import dagster as dg
 
+from prx_assets.engine.progress import StageProgress
 from prx_assets.s3_captions.captions import active_caption_filter
 from prx_assets.s4_labels.labels import LABELS, load_embedded_classifier
 from prx_assets.s4_labels.runs import label_coverage, label_source
@@ -37,15 +38,18 @@ def build_caption_labels(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDe
         # version and record it.
         captions_version = store.latest_version(CAPTIONS, source)
 
-        def progress(report) -> None:
-            context.log.info(f"{report.written + report.failed:,} captions labelled "
-                             f"({report.captions_per_s:.1f}/s)")
-
+        # The total is counted inside label_source (pending captions): set with the first
+        # chunk; a run with nothing pending ends on "nothing to do".
+        progress = StageProgress(f"{CAPTION_LABELS}[{source}]", None, context.log.info,
+                                 unit="captions")
         caption_filter = active_caption_filter(caption_version)
         report = label_source(captions, labels, caption_version, caption_filter,
-                              classifier.spec(), config.chunk_rows, progress,
+                              classifier.spec(), config.chunk_rows,
+                              lambda r: progress.update(r.commits.rows, total=r.to_label),
                               captions_version=captions_version,
                               storage_options=store.storage_options)
+        progress.total = report.to_label
+        progress.finish()
         coverage = label_coverage(captions, labels, caption_filter, caption_version,
                                   report.classifier_version, store.storage_options)
         return dg.MaterializeResult(data_version=dg.DataVersion(
@@ -98,6 +102,17 @@ class LabelSharesConfig(dg.Config):
     nsfw_max: float = 0.02
 
 
+def label_bounds_missed(shares: dict[str, float], config: LabelSharesConfig) -> list[str]:
+    """Each label outside its bound, as the warning says it: "text 14% > bound 10%"."""
+    missed = []
+    for name, share, bound, low in (("visual", shares["visual"], config.visual_min, True),
+                                    ("text", shares["text"], config.text_max, False),
+                                    ("nsfw", shares["nsfw"], config.nsfw_max, False)):
+        if (share < bound) if low else (share > bound):
+            missed.append(f"{name} {share:.1%} {'<' if low else '>'} bound {bound:.0%}")
+    return missed
+
+
 def caption_labels_checks(partitions_def: dg.PartitionsDefinition
                           ) -> list[dg.AssetChecksDefinition]:
     asset = dg.AssetKey(CAPTION_LABELS)
@@ -127,13 +142,12 @@ def caption_labels_checks(partitions_def: dg.PartitionsDefinition
     def label_shares_check(context: dg.AssetCheckExecutionContext,
                            config: LabelSharesConfig) -> dg.AssetCheckResult:
         shares = coverage_of(context).shares
-        outside = [name for name, bad in (("visual", shares["visual"] < config.visual_min),
-                                          ("text", shares["text"] > config.text_max),
-                                          ("nsfw", shares["nsfw"] > config.nsfw_max)) if bad]
+        outside = label_bounds_missed(shares, config)
         return dg.AssetCheckResult(
             passed=not outside, severity=dg.AssetCheckSeverity.WARN,
+            description=("; ".join(outside) + " of the labelled captions") if outside else None,
             metadata={**{f"share_{k}": round(v, 4) for k, v in shares.items()},
-                      "outside_bounds": ", ".join(outside) or "none",
+                      "outside_bounds": ", ".join(o.split(" ")[0] for o in outside) or "none",
                       "bounds": f"visual >= {config.visual_min}, text <= {config.text_max}, "
                                 f"nsfw <= {config.nsfw_max}"})
 

@@ -12,6 +12,7 @@ from typing import Optional
 
 import dagster as dg
 
+from prx_assets.engine.progress import StageProgress
 from prx_assets.s3_captions.captions import active_caption_filter
 from prx_assets.s4_labels.labels import active_labels_filter
 from prx_assets.s9_corpus.corpus import (
@@ -105,9 +106,13 @@ def build_corpus_asset(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefi
         changed = tables if reason else [t for t in tables if changed_since(previous, t)]
         if not reason and len(changed) == len(tables) > 1:
             reason = "every source changed"
+        # Rows per source are known only once joined with the labels: no total. A full
+        # build is one Ray write (no chunks to count): its closing line only.
+        progress = StageProgress(CORPUS, None, context.log.info)
         if reason:
             context.log.info(f"corpus: full rebuild ({reason})")
             report = build_corpus(uri, tables, storage_options=store.storage_options)
+            progress.update(report.write.rows)
         else:
             gone = sorted(recorded_sources(previous) - set(ready))
             keep = [t.name for t in tables if t not in changed]
@@ -115,7 +120,9 @@ def build_corpus_asset(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefi
                              f"{gone}, keeping {keep}")
             report = update_corpus(
                 uri, changed, gone, keep, storage_options=store.storage_options,
-                rebuild_indexes=recorded(previous, "index_config") != index_config())
+                rebuild_indexes=recorded(previous, "index_config") != index_config(),
+                on_rows=progress.advance)
+        progress.finish()
         context.log.info(f"corpus: {report.write.rows:,} rows, indexes {report.indexes}")
         lance_version = store.latest_version(CORPUS)
         changed_rows = bool(report.processed or report.removed)

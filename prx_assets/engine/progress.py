@@ -54,7 +54,12 @@ def _duration(seconds: float) -> str:
 
 class StageProgress:
     """Rows done out of a known (or unknown) total, reported at most once per `every_s`
-    seconds and always at the end. `clock` is injectable so tests never wait on time."""
+    seconds (the first line `every_s` after the start, so a short stage logs only its
+    closing line) and always at the end. `clock` is injectable so tests never wait on time.
+
+    A total is what the stage can count cheaply before it starts (a Lance `count_rows`); when
+    that is an estimate and the stage goes past it, the line drops it (no "120%", no false
+    ETA) and counts on without one."""
 
     def __init__(self, stage: str, total: Optional[int], log: Callable[[str], None],
                  every_s: float = 10.0, unit: str = "rows",
@@ -63,7 +68,7 @@ class StageProgress:
         self.done = 0
         self._log, self._every, self._clock = log, every_s, clock
         self._started = clock()
-        self._last_report: Optional[float] = None
+        self._last_report = self._started
 
     @property
     def elapsed(self) -> float:
@@ -87,13 +92,29 @@ class StageProgress:
         return f"{self.stage}: {counted}, {rate:,.1f} {self.unit}/s{eta}"
 
     def advance(self, rows: int) -> None:
-        """Count `rows` more; log a line if the last one is `every_s` old (or there was none)."""
-        self.done += rows
+        """Count `rows` more; log a line if the last one (or the start) is `every_s` old."""
+        self.update(self.done + rows)
+
+    def update(self, done: int, total: Optional[int] = None) -> None:
+        """Set the count to `done` (callbacks that see a running total), and the total when
+        the stage only learns it once running; log as `advance` does."""
+        self.done = done
+        if total is not None:
+            self.total = total
+        if self.total is not None and self.done > self.total:
+            self.total = None  # an estimate the stage went past
         now = self._clock()
-        if self._last_report is None or now - self._last_report >= self._every:
+        # At the total, the closing line follows at once: no line just before it.
+        at_end = self.total is not None and self.done >= self.total
+        if now - self._last_report >= self._every and not at_end:
             self._last_report = now
             self._log(self.line())
 
     def finish(self) -> None:
         """The closing line, with the total time."""
+        if self.done == 0 and self.total == 0:
+            self._log(f"{self.stage}: nothing to do, up to date; done in "
+                      f"{_duration(self.elapsed)}")
+            return
         self._log(f"{self.line().split(', ETA')[0]}; done in {_duration(self.elapsed)}")
+

@@ -104,6 +104,19 @@ def with_source_captions(requests: ray.data.Dataset, raw_captions: ray.data.Data
                                 batch_format="pyarrow", zero_copy_batch=True)
 
 
+def count_pending(bucketed_uri: str | Path, captions_uri: str | Path, version: str,
+                  storage_options: Options = None) -> int:
+    """About how many requests `pending_requests` yields, from two row counts (no pass over
+    the data): kept images less the captions of `version` that need no more work."""
+    if not table_exists(bucketed_uri, storage_options):
+        return 0
+    kept = open_table(bucketed_uri, storage_options=storage_options).count_rows(
+        filter=eq_filter("status", STATUS_OK))
+    done = open_table(captions_uri, storage_options=storage_options).count_rows(
+        filter=done_filter(version)) if table_exists(captions_uri, storage_options) else 0
+    return max(0, kept - done)
+
+
 def _item_keys(raw_uri: str | Path, version: int, with_caption: bool,
                storage_options: Options = None) -> ray.data.Dataset:
     """One string per raw row, `id`, sha256 of the original bytes (and the source caption):

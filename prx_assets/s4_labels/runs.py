@@ -80,6 +80,7 @@ class LabelRunReport(ChunkedReport):
     labels: Counter = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)  # a few examples
     removed: int = 0  # label rows of items gone from the captions (removed upstream)
+    to_label: int = 0  # captions pending when the run started (the progress total)
 
     @property
     def failed(self) -> int:
@@ -279,9 +280,10 @@ def label_source(captions_uri: str | Path, labels_uri: str | Path, caption_versi
     done = labelled_ids(labels_uri, caption_version, report.classifier_version, captions_uri,
                         caption_filter, captions_version, options)
     # Nothing to do: no actor pool, no model load.
+    report.to_label = count_pending(captions_uri, caption_filter, done, captions_version,
+                                    options)
     pending = pending_captions(captions_uri, caption_filter, done, captions_version, options) \
-        if count_pending(captions_uri, caption_filter, done, captions_version, options) \
-        else None
+        if report.to_label else None
 
     def count(chunk: pa.Table, run: ChunkedRun) -> None:
         report.commits = run

@@ -50,6 +50,7 @@ import ray
 from streaming import MDSWriter
 
 from prx_assets.engine.failpoints import failpoint
+from prx_assets.engine.progress import StageProgress
 from prx_assets.s7_shards.trees import (  # layout names re-exported for existing callers
     PARTIAL_SUFFIX, TREE_MANIFEST, TREES_DIR, TreeStore, leaf_names, new_tree_version,  # noqa: F401
     tree_store)
@@ -388,20 +389,28 @@ def _sample(row: dict, caption: str) -> dict:
 
 
 def run_parts(specs: list[PartSpec], inputs: SampleInputs, options: WriteOptions,
-              log: Callable[[str], None]) -> list[list[dict]]:
-    """All parts as Ray tasks; results in the order of `specs`; progress logged as they end."""
+              log: Callable[[str], None], stage: str = "mds_shards") -> list[list[dict]]:
+    """All parts as Ray tasks; results in the order of `specs`; progress (samples written
+    out of those planned) logged as tasks end, as one `stage` line at most every 10 s."""
+    progress = StageProgress(stage, sum(len(spec.ids) for spec in specs), log,
+                             unit="samples")
     if not options.parallel:
-        return [write_part(spec, inputs, options) for spec in specs]
+        results = []
+        for spec in specs:
+            results.append(write_part(spec, inputs, options))
+            progress.advance(len(spec.ids))
+        progress.finish()
+        return results
     inputs_ref, options_ref = ray.put(inputs), ray.put(options)
     groups = task_groups(specs, options.rows_per_part)
     refs = [_write_parts_task.remote(group, inputs_ref, options_ref) for group in groups]
-    pending, done = list(refs), 0
+    samples = {ref: sum(len(spec.ids) for spec in group) for ref, group in zip(refs, groups)}
+    pending = list(refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)
         ray.get(ready)  # surface a failed task now
-        done += 1
-        if done == len(refs) or done % max(1, len(refs) // 10) == 0:
-            log(f"MDS tasks done: {done}/{len(refs)} ({len(specs)} parts)")
+        progress.advance(samples[ready[0]])
+    progress.finish()
     return [entries for group in ray.get(refs) for entries in group]
 
 
@@ -663,7 +672,7 @@ def _write_new_leaves(plan: pa.Table, store: TreeStore, staging: str, source: st
                       for key, rows in leaves]
     flat = [spec for specs in specs_per_leaf for spec in specs]
     log(f"{source}: {len(leaves)} leaves to write, {len(flat)} parts")
-    results = iter(run_parts(flat, inputs, options, log))
+    results = iter(run_parts(flat, inputs, options, log, stage=f"mds_shards[{source}]"))
     written: dict[str, list[dict]] = {}
     tables = []
     for (key, rows), specs in zip(leaves, specs_per_leaf):

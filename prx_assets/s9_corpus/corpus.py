@@ -23,7 +23,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import lance
 import numpy as np
@@ -198,7 +198,8 @@ def update_corpus(uri: Path | str, changed: list[SourceTables], gone: list[str],
                   keep: list[str], chunk_rows: int = CHUNK_ROWS,
                   policy: FragmentPolicy = CORPUS_FRAGMENTS,
                   storage_options: Optional[Mapping[str, str]] = None,
-                  rebuild_indexes: bool = False) -> CorpusReport:
+                  rebuild_indexes: bool = False,
+                  on_rows: Optional[Callable[[int], None]] = None) -> CorpusReport:
     """Replace the rows of the `changed` sources, delete those of the `gone` ones, keep the
     rows of `keep` as they are; then update the indexes (`rebuild_indexes`: retrain them).
 
@@ -206,12 +207,14 @@ def update_corpus(uri: Path | str, changed: list[SourceTables], gone: list[str],
     commit. A run killed in between leaves that source short of rows, never doubled (ids
     hold their source's name, so appending a source whose rows were just deleted cannot
     repeat an id), and since the corpus records the input versions it read only once
-    everything is written, the rerun finds the source changed again and redoes it."""
+    everything is written, the rerun finds the source changed again and redoes it.
+    `on_rows(n)` is told of each chunk of `n` rows appended (progress)."""
     report = CorpusReport(write=None)  # type: ignore[arg-type]
     for name in [*gone, *(t.name for t in changed)]:
         report.deleted[name] = delete_source(uri, name, storage_options)
     for tables in changed:
-        report.inserted[tables.name] = append_source(uri, tables, chunk_rows, storage_options)
+        report.inserted[tables.name] = append_source(uri, tables, chunk_rows, storage_options,
+                                                     on_rows)
     table = _open(uri, storage_options)
     if len(table.get_fragments()) > 1 and (report.processed or report.removed):
         compact(uri, policy, storage_options)
@@ -236,7 +239,8 @@ def delete_source(uri: Path | str, source: str,
 
 
 def append_source(uri: Path | str, tables: SourceTables, chunk_rows: int,
-                  storage_options: Optional[Mapping[str, str]] = None) -> int:
+                  storage_options: Optional[Mapping[str, str]] = None,
+                  on_rows: Optional[Callable[[int], None]] = None) -> int:
     """Append a source's corpus rows in chunks (one atomic Append each); returns the rows."""
     dataset, _ = source_dataset(tables)
     written = 0
@@ -246,6 +250,8 @@ def append_source(uri: Path | str, tables: SourceTables, chunk_rows: int,
                                 mode="append",
                                 storage_options=lance_options(str(uri), storage_options))
             written += chunk.num_rows
+            if on_rows:
+                on_rows(chunk.num_rows)
     return written
 
 

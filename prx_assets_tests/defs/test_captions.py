@@ -15,6 +15,17 @@ def materializations(result) -> dict:
             for e in result.get_asset_materialization_events()}
 
 
+def closing_lines(instance, run_id: str) -> dict[str, str]:
+    """stage -> its closing progress line (StageProgress), from the run's event log."""
+    lines = {}
+    for entry in instance.all_logs(run_id):
+        message = entry.user_message or ""
+        stage, _, rest = message.partition(": ")
+        if "; done in " in rest and "[" in stage:
+            lines[stage] = rest
+    return lines
+
+
 def test_captions_asset_sensor_and_schedule(ray_session, data_root, tmp_path):
     # A persistent test instance: schedule contexts with resources need an instance ref.
     with dg.instance_for_test() as instance:
@@ -54,11 +65,17 @@ def run_captions_scenario(instance, data_root, tmp_path):
         asset_selection=[dg.AssetKey("raw_images"), dg.AssetKey("bucketed_images"),
                          dg.AssetKey("phashes")])
     assert images.success
+    # Each stage closes with one progress line, with a total where it is cheap to count.
+    progress = closing_lines(instance, images.run_id)
+    assert progress["raw_images[web]"].startswith("5 rows, ")
+    assert progress["bucketed_images[web]"].startswith("5 / 5 images (100%), ")
     assert sensor_partitions() == {"web": "missing"}  # "other" has no images: not requested
 
     run = defs.resolve_job_def("captions_job").execute_in_process(partition_key="web",
                                                                    instance=instance)
     assert run.success
+    assert closing_lines(instance, run.run_id)["captions[web]"].startswith(
+        "4 / 4 images (100%), ")
     meta = materializations(run)["captions"]
     version = defs.resources["captioner"].produced_version()
     assert meta["caption_version"].value == version

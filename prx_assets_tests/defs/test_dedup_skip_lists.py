@@ -170,6 +170,8 @@ def test_duplicates_opt_outs_sensor_and_skip_lists(ray_session, data_root, tmp_p
     check = {e.asset_check_key.name: e for e in run.get_asset_check_evaluations()}
     assert check["skipped_share"].passed is False  # 3 of 6 skipped: rewrite recommended
     assert check["skipped_share"].severity == dg.AssetCheckSeverity.WARN
+    assert "skip more than 10% of their samples: " in check["skipped_share"].description
+    assert "3 of 6 (50%)" in check["skipped_share"].description
 
 
 def _requested(result) -> list[tuple[str, str | None]]:

@@ -5,6 +5,7 @@ from prx_assets.defs.resources import (
     CaptionerResource, ClassifierResource, RayResource, SourcesResource, StorageResource)
 from prx_assets.defs.s4_labels import build_caption_labels, caption_labels_checks
 from prx_assets.defs.s9_corpus import build_corpus_asset
+from prx_assets.demo.runner import check_results
 from prx_assets.s9_corpus.search import search_text
 from prx_assets_tests.conftest import write_sources
 from prx_assets_tests.fixtures.corpus_tables import CAPTION_VERSION, write_source
@@ -44,6 +45,12 @@ def test_caption_labels_then_corpus(ray_session, data_root, tmp_path):
     shares_check = checks["label_shares"]
     assert not shares_check.passed and shares_check.severity == dg.AssetCheckSeverity.WARN
     assert "text" in shares_check.metadata["outside_bounds"].value
+    # The warning says what it measured against which bound (the demo summary prints it).
+    assert shares_check.description == ("visual 33.3% < bound 80%; text 33.3% > bound 10%; "
+                                        "nsfw 33.3% > bound 2% of the labelled captions")
+    outcomes, notes = check_results(labelled)
+    assert outcomes["caption_labels:label_shares"] == "failed (WARN)"
+    assert notes == {"caption_labels:label_shares": shares_check.description}
 
     built = dg.materialize([build_corpus_asset(partitions)], resources=resources,
                            instance=instance)

@@ -24,15 +24,50 @@ def test_line_counts_rate_and_eta():
 def test_reports_at_most_once_per_interval_and_always_at_the_end():
     clock, lines = FakeClock(), []
     progress = StageProgress("captions[x]", 100, lines.append, every_s=10, clock=clock)
-    for _ in range(10):  # ten chunks in 9 s: the first is reported, the rest wait
+    for _ in range(9):  # nine chunks in 9 s: nothing yet (a short stage logs one line)
         clock.now += 1
         progress.advance(5)
+    assert lines == []
+    clock.now += 1
+    progress.advance(5)  # 10 s after the start
+    assert len(lines) == 1 and "50 / 100" in lines[-1]
+    clock.now += 9
+    progress.advance(5)  # 9 s after the first report: waits
     assert len(lines) == 1
     clock.now += 1
-    progress.advance(5)  # 10 s after the first report
-    assert len(lines) == 2 and "55 / 100" in lines[-1]
+    progress.advance(5)
+    assert len(lines) == 2 and "60 / 100" in lines[-1]
     progress.finish()
-    assert lines[-1].endswith("done in 11 s") and "ETA" not in lines[-1]
+    assert lines[-1].endswith("done in 20 s") and "ETA" not in lines[-1]
+
+
+def test_update_sets_running_counts_and_a_late_total():
+    clock, lines = FakeClock(), []
+    progress = StageProgress("caption_labels[x]", None, lines.append, clock=clock)
+    clock.now += 10
+    progress.update(40, total=200)  # the stage learnt its total once running
+    assert lines == ["caption_labels[x]: 40 / 200 rows (20%), 4.0 rows/s, ETA 40 s"]
+    clock.now += 10
+    progress.update(250)  # an estimated total the stage went past: counted without it
+    assert progress.total is None and lines[-1] == "caption_labels[x]: 250 rows, 12.5 rows/s"
+
+
+def test_no_periodic_line_at_the_total_just_before_the_closing_one():
+    clock, lines = FakeClock(), []
+    progress = StageProgress("mds_shards[x]", 100, lines.append, clock=clock)
+    clock.now += 30
+    progress.update(100)
+    assert lines == []
+    progress.finish()
+    assert lines == ["mds_shards[x]: 100 / 100 rows (100%), 3.3 rows/s; done in 30 s"]
+
+
+def test_nothing_to_do_says_so():
+    clock, lines = FakeClock(), []
+    progress = StageProgress("bucketed_images[x]", 0, lines.append, clock=clock)
+    clock.now += 2
+    progress.finish()
+    assert lines == ["bucketed_images[x]: nothing to do, up to date; done in 2 s"]
 
 
 def test_unknown_total_and_long_durations():
