@@ -138,21 +138,37 @@ READ_BATCH_READAHEAD = 2
 READ_IO_BUFFER_BYTES = 64 << 20
 
 
+# A read task waits on storage and on backpressure from the stage it feeds, not on the
+# CPU (Lance decodes on its own threads). Charged one CPU, a read of raw_images held one of
+# a 2-CPU node's two slots for the whole image stage: the decoding map ran one task at a
+# time. Reads take no CPU slot; their number is capped instead, one per READ_TASK_CPUS CPUs.
+READ_TASK_CPUS = 4
+
+
 def read_table(uri: "str | Path", version: int | None = None,
                storage_options: Optional[Mapping[str, str]] = None,
                columns: Optional[list[str]] = None,
                **kwargs: Any) -> "ray.data.Dataset":
     """`ray.data.read_lance` with the options resolved here, on the driver (Ray tasks read
-    with them whatever environment their worker process started with), and read batches
-    sized by bytes when the columns read hold blobs (`blob_scanner_options`)."""
+    with them whatever environment their worker process started with); read batches sized
+    by bytes when the columns read hold blobs (`blob_scanner_options`); read tasks without
+    a CPU slot, a few at a time (`read_concurrency`)."""
     uri = as_uri(uri)
     options = object_store.lance_options(uri, storage_options)
     scanner_options = {**blob_scanner_options(lance.dataset(uri, version=version,
                                                             storage_options=options),
                                               columns),
                        **kwargs.pop("scanner_options", {})}
+    kwargs.setdefault("num_cpus", 0)
+    kwargs.setdefault("concurrency", read_concurrency())
     return ray.data.read_lance(uri, version=version, columns=columns, storage_options=options,
                                scanner_options=scanner_options or None, **kwargs)
+
+
+def read_concurrency(cpus: float | None = None) -> int:
+    """Read tasks at once: one per READ_TASK_CPUS CPUs of the cluster, at least one."""
+    cpus = ray.cluster_resources().get("CPU", 1) if cpus is None else cpus
+    return max(1, int(cpus // READ_TASK_CPUS))
 
 
 def blob_scanner_options(table: "lance.LanceDataset", columns: Optional[list[str]]) -> dict:

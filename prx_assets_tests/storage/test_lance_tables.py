@@ -7,7 +7,7 @@ import pytest
 import ray.data
 
 from prx_assets.storage.lance_tables import (
-    READ_BATCH_BYTES, blob_scanner_options, read_table,
+    READ_BATCH_BYTES, READ_TASK_CPUS, blob_scanner_options, read_concurrency, read_table,
     FragmentPolicy, compact, write_dataset_atomically)
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.table_checks import duplicate_ids, fragment_health
@@ -123,3 +123,7 @@ def test_reads_of_blob_columns_come_in_batches_sized_by_bytes(ray_session, tmp_p
     blocks = [b.num_rows for b in read_table(uri, columns=["id", "image"]).iter_batches(
         batch_size=None, batch_format="pyarrow")]
     assert sum(blocks) == 64 and max(blocks) <= options["batch_size"]
+
+
+def test_reads_hold_no_cpu_slot_and_run_a_few_at_a_time():
+    assert read_concurrency(2) == 1 and read_concurrency(64) == 64 // READ_TASK_CPUS
