@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import multiprocessing
 import os
 import shutil
@@ -402,7 +403,8 @@ def run_parts(specs: list[PartSpec], inputs: SampleInputs, options: WriteOptions
         progress.finish()
         return results
     inputs_ref, options_ref = ray.put(inputs), ray.put(options)
-    groups = task_groups(specs, options.rows_per_part)
+    groups = task_groups(specs, rows_per_task(specs, options.rows_per_part,
+                                              ray.cluster_resources().get("CPU", 1)))
     refs = [_write_parts_task.remote(group, inputs_ref, options_ref) for group in groups]
     samples = {ref: sum(len(spec.ids) for spec in group) for ref, group in zip(refs, groups)}
     pending = list(refs)
@@ -412,6 +414,13 @@ def run_parts(specs: list[PartSpec], inputs: SampleInputs, options: WriteOptions
         progress.advance(samples[ready[0]])
     progress.finish()
     return [entries for group in ray.get(refs) for entries in group]
+
+
+def rows_per_task(specs: list[PartSpec], rows_per_part: int, cpus: float) -> int:
+    """Rows a task packs: up to a part's, but few enough that every CPU gets a task (a
+    10,000-image source was one task of 48 small parts on a 2-CPU node)."""
+    total = sum(len(spec.ids) for spec in specs)
+    return max(1, min(rows_per_part, math.ceil(total / max(1, int(cpus)))))
 
 
 def task_groups(specs: list[PartSpec], rows_per_task: int) -> list[list[PartSpec]]:

@@ -188,6 +188,14 @@ def test_small_parts_share_a_task_and_keep_their_order():
         ["leaf0", "leaf1"], ["leaf2"], ["leaf3", "leaf4"]]
 
 
+def test_every_cpu_gets_a_task_when_the_parts_are_small():
+    specs = [mds.PartSpec(out=Path(f"leaf{i}"), ids=["x"] * 100, image_rows=np.arange(100),
+                          caption_rows=np.arange(100)) for i in range(6)]
+    assert mds.rows_per_task(specs, rows_per_part=50_000, cpus=2) == 300
+    assert mds.rows_per_task(specs, rows_per_part=150, cpus=2) == 150
+    assert len(mds.task_groups(specs, mds.rows_per_task(specs, 50_000, cpus=2))) == 2
+
+
 def test_streamed_counts_answer_from_a_child_that_exits_and_errors_come_back(ray_session, data_root):
     build_corpus(data_root, "web", per_shape=3)
     report = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", SMALL)
