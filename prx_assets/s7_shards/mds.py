@@ -416,11 +416,18 @@ def run_parts(specs: list[PartSpec], inputs: SampleInputs, options: WriteOptions
     return [entries for group in ray.get(refs) for entries in group]
 
 
+# A task starts a worker that imports streaming (and torch): below this many rows per task,
+# splitting a source's parts over more CPUs costs more than it saves.
+MIN_ROWS_PER_TASK = 10_000
+
+
 def rows_per_task(specs: list[PartSpec], rows_per_part: int, cpus: float) -> int:
     """Rows a task packs: up to a part's, but few enough that every CPU gets a task (a
-    10,000-image source was one task of 48 small parts on a 2-CPU node)."""
+    source of a million samples in small leaves was a handful of tasks for its CPUs), and
+    not under MIN_ROWS_PER_TASK."""
     total = sum(len(spec.ids) for spec in specs)
-    return max(1, min(rows_per_part, math.ceil(total / max(1, int(cpus)))))
+    spread = max(MIN_ROWS_PER_TASK, math.ceil(total / max(1, int(cpus))))
+    return max(1, min(rows_per_part, spread))
 
 
 def task_groups(specs: list[PartSpec], rows_per_task: int) -> list[list[PartSpec]]:

@@ -189,11 +189,14 @@ def test_small_parts_share_a_task_and_keep_their_order():
 
 
 def test_every_cpu_gets_a_task_when_the_parts_are_small():
-    specs = [mds.PartSpec(out=Path(f"leaf{i}"), ids=["x"] * 100, image_rows=np.arange(100),
-                          caption_rows=np.arange(100)) for i in range(6)]
-    assert mds.rows_per_task(specs, rows_per_part=50_000, cpus=2) == 300
-    assert mds.rows_per_task(specs, rows_per_part=150, cpus=2) == 150
+    n = mds.MIN_ROWS_PER_TASK
+    specs = [mds.PartSpec(out=Path(f"leaf{i}"), ids=["x"] * n, image_rows=np.arange(n),
+                          caption_rows=np.arange(n)) for i in range(6)]
+    assert mds.rows_per_task(specs, rows_per_part=50_000, cpus=2) == 3 * n
+    assert mds.rows_per_task(specs, rows_per_part=n, cpus=2) == n
     assert len(mds.task_groups(specs, mds.rows_per_task(specs, 50_000, cpus=2))) == 2
+    # A small source stays one task: a worker's imports cost more than a split saves.
+    assert mds.rows_per_task(specs[:1], rows_per_part=50_000, cpus=8) == n
 
 
 def test_streamed_counts_answer_from_a_child_that_exits_and_errors_come_back(ray_session, data_root):
