@@ -80,12 +80,15 @@ def test_run_sizes(monkeypatch):
 
 
 def test_phases_split_start_up_from_steady_state():
-    timing = phases(5.0, 100.0, [(103.0, 64), (107.0, 128), (111.0, 192)], 112.5)
+    timing = phases(5.0, 100.0, [(103.0, 64, 2.0), (107.0, 128, 6.0), (111.0, 192, 10.0)],
+                    112.5)
     assert (timing.first_chunk_s, timing.steady_s, timing.steady_images) == (3.0, 8.0, 128)
     assert timing.finish_s == 1.5 and timing.total_s == 17.5
     assert timing.steady_ms_per_image == pytest.approx(62.5)
+    assert timing.steady_cpu_ms_per_image == pytest.approx(62.5)
+    assert timing.marks[0] == (3.0, 64, 2.0)
     with pytest.raises(ValueError, match="two chunks"):
-        phases(5.0, 100.0, [(103.0, 64)], 104.0)
+        phases(5.0, 100.0, [(103.0, 64, 1.0)], 104.0)
 
 
 def test_kernel_runs_add_up_as_one_pool():
