@@ -6,6 +6,11 @@ RSS counts a shared page in every process that maps it (Ray's plasma store is ma
 raylet and by every worker that read an object), so the RSS sum overstates the tree's
 footprint; PSS splits each shared page between its users and sums to the real total; USS
 is what each process holds alone.
+
+Each sample also splits the tree's PSS by process kind (`process_kind`): the driver, busy and
+idle Ray workers, Ray's control plane, and shared memory (Ray's object store is /dev/shm:
+its pages are the processes' `Pss_Shmem`, moved out of each process into its own kind, so the
+kinds sum to the tree's PSS).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class TreeSample:
     processes: int = 0
     cpu_s: float = 0.0  # CPU seconds of the live processes and the children they reaped
     by_name: dict[str, int] = field(default_factory=dict)  # PSS kB per process name
+    by_kind: dict[str, int] = field(default_factory=dict)  # PSS kB per process kind
 
 
 @dataclass
@@ -39,7 +45,8 @@ class Peaks:
     samples: int = 0
     max_processes: int = 0
     cpu_s: float = 0.0  # the tree's CPU seconds, as of the last sample
-    at_pss_peak: dict[str, int] = field(default_factory=dict)
+    at_pss_peak: dict[str, int] = field(default_factory=dict)  # PSS kB per process name
+    kinds_at_pss_peak: dict[str, int] = field(default_factory=dict)  # PSS kB per kind
 
     def update(self, sample: TreeSample) -> None:
         self.samples += 1
@@ -49,6 +56,7 @@ class Peaks:
         self.cpu_s = max(self.cpu_s, sample.cpu_s)
         if sample.pss_kb > self.pss_kb:
             self.pss_kb, self.at_pss_peak = sample.pss_kb, sample.by_name
+            self.kinds_at_pss_peak = sample.by_kind
 
 
 def children_of() -> dict[int, list[int]]:
@@ -84,8 +92,44 @@ def cpu_seconds(pid: int) -> float:
     return sum(int(v) for v in fields[11:15]) / CLOCK_TICKS
 
 
-def process_memory(pid: int) -> tuple[str, int, int, int] | None:
-    """(name, rss, pss, uss) in kB, or None when the process has gone."""
+DRIVER, BUSY, IDLE, CONTROL, SHARED, OTHER = (
+    "driver", "Ray workers busy", "Ray workers idle", "Ray control plane",
+    "shared memory (object store)", "other")
+KINDS = (DRIVER, BUSY, IDLE, CONTROL, SHARED, OTHER)
+# Ray's own daemons, by name (raylet, gcs_server) or, for its Python ones, by command line;
+# with them Ray's and Ray Data's bookkeeping actors (agents, stats, autoscaling, locations).
+CONTROL_MARKERS = ("raylet", "gcs_server", "dashboard", "agent", "log_monitor", "monitor.py",
+                   "ray_client_server", "runtime_env", "statsactor", "autoscalingcoordinator",
+                   "actorlocationtracker")
+
+
+def process_kind(pid: int, root: int, name: str, cmdline: str) -> str:
+    """The kind of one process of the tree under `root` (the driver)."""
+    if pid == root:
+        return DRIVER
+    if name == "ray::IDLE":
+        return IDLE
+    title = cmdline.split(" ", 1)[0].lower() if name.startswith("ray::") else cmdline.lower()
+    # Before the workers: the raylet's own command line names default_worker.py.
+    if any(marker in name.lower() or marker in title for marker in CONTROL_MARKERS):
+        return CONTROL
+    if name.startswith("ray::"):  # a worker titles itself ray::<task or actor> while busy
+        return BUSY
+    if "default_worker.py" in cmdline:  # a worker starting, not yet titled
+        return IDLE
+    return OTHER
+
+
+def command_line(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+            errors="replace")
+    except OSError:
+        return ""
+
+
+def process_memory(pid: int) -> tuple[str, int, int, int, int] | None:
+    """(name, rss, pss, uss, pss of shared memory) in kB, or None when the process has gone."""
     try:
         name = (Path("/proc") / str(pid) / "comm").read_text().strip()
         fields = {}
@@ -95,16 +139,19 @@ def process_memory(pid: int) -> tuple[str, int, int, int] | None:
     except (OSError, ValueError, IndexError):
         return None
     uss = fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)
-    return name, fields.get("Rss", 0), fields.get("Pss", 0), uss
+    return name, fields.get("Rss", 0), fields.get("Pss", 0), uss, fields.get("Pss_Shmem", 0)
 
 
 def sample_tree(root: int) -> TreeSample:
-    sample = TreeSample(by_name=defaultdict(int))
+    sample = TreeSample(by_name=defaultdict(int), by_kind=dict.fromkeys(KINDS, 0))
     for pid in descendants(root):
         memory = process_memory(pid)
         if memory is None:
             continue
-        name, rss, pss, uss = memory
+        name, rss, pss, uss, shmem = memory
+        kind = process_kind(pid, root, name, command_line(pid))
+        sample.by_kind[kind] += pss - shmem
+        sample.by_kind[SHARED] += shmem
         sample.rss_kb += rss
         sample.pss_kb += pss
         sample.uss_kb += uss

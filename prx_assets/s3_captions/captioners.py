@@ -309,6 +309,17 @@ def _actor_pool(size: int):
     return ray.data.ActorPoolStrategy(size=max(1, size))
 
 
+def model_batches(requests: "ray.data.Dataset", spec: CaptionerSpec) -> "ray.data.Dataset":
+    """The requests in blocks of at most one model batch (streaming, no shuffle).
+
+    An actor task takes whole input blocks and returns its output when the last of them is
+    done: fed a Lance fragment's block (hundreds or thousands of rows), the model's captions
+    would reach the chunked commits only after the whole block, and a killed run would lose
+    it all. In blocks of one batch, each batch's captions leave the actor as they are made.
+    """
+    return requests.repartition(target_num_rows_per_block=spec.batch_size)
+
+
 def caption_stage(requests: "ray.data.Dataset", spec: CaptionerSpec) -> "ray.data.Dataset":
     """Lazy dataset of CAPTIONS_SCHEMA rows for the given requests."""
     version = spec.version()
@@ -316,15 +327,21 @@ def caption_stage(requests: "ray.data.Dataset", spec: CaptionerSpec) -> "ray.dat
         raw = requests.map_batches(original_captions, batch_format="pyarrow",
                                    batch_size=4096, zero_copy_batch=True)
     elif spec.backend == "transformers":
-        raw = requests.map_batches(
+        raw = model_batches(requests, spec).map_batches(
             TransformersCaptioner, fn_constructor_args=(spec,), batch_size=spec.batch_size,
             compute=_actor_pool(spec.concurrency), num_gpus=spec.num_gpus or None,
             num_cpus=spec.cpus_per_actor, batch_format="numpy")
     elif spec.backend == "openai":
-        raw = requests.map_batches(
+        raw = model_batches(requests, spec).map_batches(
             OpenAICaptioner, fn_constructor_args=(spec,), batch_size=spec.batch_size,
             compute=_actor_pool(spec.concurrency), num_cpus=0.25, batch_format="numpy")
     else:
         raw = build_vllm_captioner(spec)(requests)
+    # Whole blocks (batch_size=None): each model batch is finished as it comes. A fixed
+    # batch size here would hold captions back until that many were made, and the chunked
+    # commits downstream (chunk_rows) would wait for it. After a model, finishing (a string
+    # clean-up) asks for no CPU: with a CPU of its own, Ray Data's resource budget left it no
+    # room beside the actor on a small node, and every caption waited for the last batch.
     return raw.map_batches(finish_captions, fn_kwargs={"spec": spec, "version": version},
-                           batch_format="pyarrow", batch_size=1024)
+                           batch_format="pyarrow", batch_size=None,
+                           num_cpus=0 if spec.uses_model else None)

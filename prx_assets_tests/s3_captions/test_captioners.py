@@ -79,6 +79,16 @@ def test_transformers_in_ray_actors_caption_every_id_with_its_own_image(
         assert rows[sample_id]["caption"] == " ".join(expected.split()).strip()
 
 
+def test_captions_leave_the_model_batch_by_batch(ray_session, tiny_vlm, photos):
+    """Each model batch's captions reach the driver as their own block: a chunked commit of
+    `chunk_rows` does not wait for later batches (a killed run loses at most a chunk)."""
+    spec = tiny_spec(tiny_vlm, batch_size=4)
+    captions = caption_stage(bucketed_dataset(photos).select_columns(["id", "image"]), spec)
+    sizes = [batch.num_rows for batch in captions.iter_batches(batch_size=None,
+                                                                batch_format="pyarrow")]
+    assert sorted(sizes) == [2, 4, 4]  # 10 rows in model batches of 4, not one block of 10
+
+
 def test_interrupted_run_resumes_without_duplicates(ray_session, tmp_path, tiny_vlm, photos):
     spec = tiny_spec(tiny_vlm)
     uri = tmp_path / "captions.lance"

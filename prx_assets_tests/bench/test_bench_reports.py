@@ -1,0 +1,111 @@
+"""The benches' own bookkeeping: process kinds in the memory sampler, run sizes of the scale
+bench, the caption bench's phases."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.captions import phases
+from bench.proc_memory import (BUSY, CONTROL, DRIVER, IDLE, KINDS, OTHER, SHARED,
+                               descendants, process_kind, process_memory, sample_tree)
+from bench.scale import KernelRun, run_sizes
+
+# A child that maps 16 MiB of POSIX shared memory, touches it, and waits for stdin to close.
+SHM_CHILD = """
+import sys
+from multiprocessing import shared_memory
+block = shared_memory.SharedMemory(create=True, size=16 << 20)
+page = b"x" * (1 << 20)
+for start in range(0, len(block.buf), len(page)):  # no 16 MiB temporary of its own
+    block.buf[start:start + len(page)] = page
+print("ready", flush=True)
+sys.stdin.read()
+block.close(); block.unlink()
+"""
+
+
+def test_kinds_split_the_tree_and_move_shared_memory_apart():
+    child = subprocess.Popen([sys.executable, "-c", SHM_CHILD], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"  # an explicit signal, no timer
+        sample = sample_tree(os.getpid())
+        # The child and what it started (multiprocessing's resource tracker), as a whole.
+        helpers = [process_memory(pid) for pid in descendants(os.getpid())[1:]]
+    finally:
+        child.stdin.close()
+        child.wait()
+    helpers_pss = sum(memory[2] for memory in helpers if memory)
+    assert set(sample.by_kind) == set(KINDS), sample
+    assert sum(sample.by_kind.values()) == sample.pss_kb
+    assert sample.by_kind[DRIVER] > 0
+    assert sample.by_kind[SHARED] >= 15 * 1024, sample  # the child's 16 MiB block, in kB
+    # ... and only there: the helpers' own kind holds their PSS less the block (2 MiB slack
+    # for memory that moved between the two readings).
+    assert sample.by_kind[OTHER] <= helpers_pss - 15 * 1024 + 2048, (sample, helpers_pss)
+
+
+@pytest.mark.parametrize("name, cmdline, kind", [
+    ("python", "python -m bench.scale --child", DRIVER),
+    ("ray::IDLE", "ray::IDLE", IDLE),
+    ("ray::MapBatches", "ray::MapBatches(bucket_batch)", BUSY),
+    ("ray::ReadLance-", "ray::ReadLance->SplitBlocks(200)", BUSY),
+    ("ray::_StatsActo", "ray::_StatsActor", CONTROL),
+    ("ray::_Autoscali", "ray::_AutoscalingCoordinatorActor", CONTROL),
+    ("ray::DashboardA", "ray::DashboardAgent", CONTROL),
+    ("ray::RuntimeEnv", "ray::RuntimeEnvAgent", CONTROL),
+    ("raylet", "/.../raylet --worker_command=/.../default_worker.py --x=1", CONTROL),
+    ("python", "python .../ray/_private/workers/default_worker.py --node-ip-address=x", IDLE),
+    ("raylet", "/.../raylet --node_ip_address=127.0.0.1", CONTROL),
+    ("gcs_server", "/.../gcs_server --gcs_server_port=1", CONTROL),
+    ("python", "python -u .../ray/dashboard/agent.py --node-ip-address=x", CONTROL),
+    ("python", "python -u .../ray/_private/log_monitor.py --session-dir=x", CONTROL),
+    ("python", "python -c from multiprocessing.spawn import spawn_main", OTHER),
+])
+def test_process_kind(name, cmdline, kind):
+    pid = 10 if kind == DRIVER else 11
+    assert process_kind(pid, 10, name, cmdline) == kind
+
+
+def test_run_sizes(monkeypatch):
+    monkeypatch.setenv("PRX_SCALE_IMAGES", "10000")
+    assert run_sizes() == {"small": 500, "mid": 2000, "full": 10000}
+    monkeypatch.setenv("PRX_SCALE_RUNS", "mid,full")
+    monkeypatch.setenv("PRX_SCALE_MID", "1000")
+    assert run_sizes() == {"mid": 1000, "full": 10000}
+    monkeypatch.setenv("PRX_SCALE_RUNS", "mid,huge")
+    with pytest.raises(SystemExit, match="huge"):
+        run_sizes()
+    monkeypatch.setenv("PRX_SCALE_RUNS", "small,mid")
+    monkeypatch.setenv("PRX_SCALE_SMALL", "5000")
+    with pytest.raises(SystemExit, match="grow"):
+        run_sizes()
+
+
+def test_phases_split_start_up_from_steady_state():
+    timing = phases(5.0, 100.0, [(103.0, 64, 2.0), (107.0, 128, 6.0), (111.0, 192, 10.0)],
+                    112.5)
+    assert (timing.first_chunk_s, timing.steady_s, timing.steady_images) == (3.0, 8.0, 128)
+    assert timing.finish_s == 1.5 and timing.total_s == 17.5
+    assert timing.steady_ms_per_image == pytest.approx(62.5)
+    assert timing.steady_cpu_ms_per_image == pytest.approx(62.5)
+    assert timing.marks[0] == (3.0, 64, 2.0)
+    with pytest.raises(ValueError, match="two chunks"):
+        phases(5.0, 100.0, [(103.0, 64, 1.0)], 104.0)
+
+
+def test_kernel_runs_add_up_as_one_pool():
+    first = KernelRun(10, 20.0, 2, {"image": 4.0}, 9, 3.0, 12.0, 100, startup_s=8.0,
+                      load_cpu_s=5.0)
+    second = KernelRun(30, 25.0, 2, {"image": 12.0, "mds": 1.0}, 28, 3.5, 30.0, 300,
+                       startup_s=9.0, load_cpu_s=6.0)
+    both = first.plus(second)
+    assert (both.images, both.kept, both.mds_bytes) == (40, 37, 400)
+    assert both.per_kernel == {"image": 16.0, "mds": 1.0}
+    # One pool start and one set of model loads, the first segment's.
+    assert both.seconds == 36.0 and both.cpu_seconds == 36.0
+    assert (both.startup_s, both.load_cpu_s, both.model_load_s) == (8.0, 5.0, 3.0)
