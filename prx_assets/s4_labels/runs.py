@@ -210,18 +210,27 @@ def pool_size(spec: LabelerSpec, cpus: float) -> int:
     return max(1, int(cpus // max(1, spec.threads_per_actor)))
 
 
-def actor_pool(spec: LabelerSpec) -> ray.data.ActorPoolStrategy:
-    """A pool growing from one actor to `pool_size` while captions are queued: a small
-    source loads one model, not one per CPU, and a pool that would hold every CPU from the
-    start would leave none for the read tasks that feed it (the stage then never ends)."""
-    return ray.data.ActorPoolStrategy(
-        min_size=1, max_size=pool_size(spec, ray.cluster_resources().get("CPU", 1)))
+# Captions one actor should have ahead of it before the pool starts at full size: below,
+# a second model load (torch import and MiniLM, ~8 s) costs more than it saves.
+CAPTIONS_PER_ACTOR = 500
 
 
-def label_stage(pending: ray.data.Dataset, spec: LabelerSpec) -> ray.data.Dataset:
-    """Caption rows in, STAGE_SCHEMA rows out, in an actor pool of `spec.actors`."""
+def actor_pool(spec: LabelerSpec, pending: int | None = None) -> ray.data.ActorPoolStrategy:
+    """A pool of up to `pool_size` actors, starting at full size when `pending` captions
+    give each of them CAPTIONS_PER_ACTOR (grown one at a time by Ray Data, the second
+    actor of a 2-CPU node loaded its model a third of the way into the stage), else from
+    one actor, growing while captions are queued (a small source loads one model)."""
+    size = pool_size(spec, ray.cluster_resources().get("CPU", 1))
+    initial = size if pending and pending >= size * CAPTIONS_PER_ACTOR else 1
+    return ray.data.ActorPoolStrategy(min_size=1, max_size=size, initial_size=initial)
+
+
+def label_stage(pending: ray.data.Dataset, spec: LabelerSpec, rows: int | None = None
+                ) -> ray.data.Dataset:
+    """Caption rows in (`rows` of them, when known), STAGE_SCHEMA rows out, in an actor pool
+    (`actor_pool`)."""
     pool = dict(batch_format="pyarrow", batch_size=spec.batch_size,
-                compute=actor_pool(spec), num_cpus=spec.threads_per_actor)
+                compute=actor_pool(spec, rows), num_cpus=spec.threads_per_actor)
     version = spec.version()
     if spec.backend == "embedded":
         return pending.map_batches(EmbeddedLabelStage, fn_constructor_kwargs={
@@ -294,7 +303,7 @@ def label_source(captions_uri: str | Path, labels_uri: str | Path, caption_versi
         if on_chunk:
             on_chunk(report)
 
-    report.commits = run_chunked(pending, lambda rows: label_stage(rows, spec),
+    report.commits = run_chunked(pending, lambda rows: label_stage(rows, spec, report.to_label),
                                  labels_target(labels_uri, options), chunk_rows,
                                  to_commit=labelled_rows, on_chunk=count)
     return report
