@@ -47,6 +47,9 @@ MIN_ROWS_FOR_VECTOR_INDEX = 4096
 PQ_SUB_VECTORS = 48  # 384 / 48 = 8 dimensions per code
 CORPUS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
 CHUNK_ROWS = 16_384  # rows per append when a source is replaced (~30 KB each with thumbnail)
+# Kept images per thumbnail task (~17 ms each): 256 made a 2,000-image source seven tasks,
+# the last of them running alone on a 2-CPU node.
+THUMBNAIL_BATCH_ROWS = 32
 # The indexes the corpus carries, by column (the vector one only past MIN_ROWS_FOR_VECTOR_INDEX).
 SCALAR_INDEXES = {"caption": "INVERTED", "source": "BITMAP", "label": "BITMAP",
                   "tier": "BITMAP"}
@@ -169,7 +172,7 @@ def source_dataset(tables: SourceTables) -> tuple[ray.data.Dataset, int]:
     kept = read_table(tables.bucketed, tables.bucketed_version, tables.storage_options,
                       columns=IMAGE_COLUMNS, filter="status = 'ok'")
     dataset = kept.map_batches(corpus_batch, fn_kwargs={"meta": meta},
-                               batch_format="pyarrow", batch_size=256)
+                               batch_format="pyarrow", batch_size=THUMBNAIL_BATCH_ROWS)
     return dataset, meta.num_rows
 
 

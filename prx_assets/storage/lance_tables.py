@@ -220,10 +220,13 @@ class LanceOverwriteSink(Datasink[dict]):
         return "LanceOverwrite"
 
     @property
-    def min_bytes_per_write(self) -> int:
-        # Bundle blocks up to a whole fragment per write task: few, large fragments from the
-        # start, so compaction has little or nothing left to rewrite.
-        return self.policy.target_bytes
+    def min_bytes_per_write(self) -> None:
+        # No bundling: each block is written as it comes, and `compact` merges the fragments
+        # toward the target afterwards. Bundling blocks up to a fragment per write task kept
+        # the stage's outputs queued before the write, and Ray Data's downstream-capacity
+        # backpressure then ran the stage feeding it one task at a time (the corpus
+        # thumbnails of 2,000 images: one CPU of two idle, 18.4 s; without, 13.8 s).
+        return None
 
     def write(self, blocks: Iterable[Block], ctx: Any) -> dict:
         nodes = {ray.get_runtime_context().get_node_id()}

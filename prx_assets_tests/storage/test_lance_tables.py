@@ -9,6 +9,7 @@ import ray.data
 from prx_assets.storage.lance_tables import (
     READ_BATCH_BYTES, READ_TASK_CPUS, blob_scanner_options, read_concurrency, read_table,
     FragmentPolicy, compact, write_dataset_atomically)
+from prx_assets.engine.ray_runtime import MAX_BLOCK_BYTES, configure_ray_data
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.table_checks import duplicate_ids, fragment_health
 
@@ -120,9 +121,10 @@ def test_reads_of_blob_columns_come_in_batches_sized_by_bytes(ray_session, tmp_p
     options = blob_scanner_options(lance.dataset(uri), ["id", "image"])
     assert options["batch_size"] == READ_BATCH_BYTES // (1 << 20) - 1  # ids weigh a little
     assert blob_scanner_options(lance.dataset(uri), ["id"]) == {}
-    blocks = [b.num_rows for b in read_table(uri, columns=["id", "image"]).iter_batches(
+    configure_ray_data()  # what ray_runtime.connect sets: blocks of at most MAX_BLOCK_BYTES
+    blocks = [b.nbytes for b in read_table(uri, columns=["id", "image"]).iter_batches(
         batch_size=None, batch_format="pyarrow")]
-    assert sum(blocks) == 64 and max(blocks) <= options["batch_size"]
+    assert sum(blocks) > 64 << 20 and max(blocks) <= MAX_BLOCK_BYTES + (1 << 20)
 
 
 def test_reads_hold_no_cpu_slot_and_run_a_few_at_a_time():
