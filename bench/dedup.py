@@ -117,7 +117,7 @@ def _corpus(root: Path, source: str = "web") -> None:
     raw = pa.table({"id": ids, "source_key": [f"k{n}" for n in range(SAMPLES)],
                     "sha256": [f"{n:064x}" for n in range(SAMPLES)]})
     for name, table in [("bucketed_images", bucketed), ("captions", captions), ("raw_images", raw)]:
-        uri = Storage(root).table(name, source)
+        uri = Path(Storage(root).table(name, source))  # a location string, local here
         uri.parent.mkdir(parents=True, exist_ok=True)
         lance.write_dataset(table, str(uri))
 
