@@ -30,11 +30,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from bench.common import OUT, Figure, generated_jpegs, report
+from bench.proc_memory import BackgroundSampler, cpu_seconds
 
 DEFAULT_IMAGES = 200  # a smoke run; the issue's figures use --images 2000
 SIZES = ((640, 480), (800, 600), (600, 800), (1024, 768), (512, 512), (960, 540))
@@ -147,39 +147,36 @@ def materialized(result) -> dict[str, dict]:
     return out
 
 
-class BusyWorkers:
+class BusyWorkers(BackgroundSampler):
     """The most Ray worker processes seen busy at once (> 50 % of a core) while running:
     a look at whether the image stage's map still runs in parallel."""
 
     def __init__(self, interval: float = 0.5):
-        self.interval, self.most = interval, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
+        super().__init__(interval)
+        self.most = 0
 
-    def __enter__(self) -> "BusyWorkers":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _sample(self) -> None:
-        import psutil
-
-        procs: dict[int, psutil.Process] = {}
+    def _run(self) -> None:
+        # /proc, as bench.proc_memory reads it (psutil is not a dependency).
+        before: dict[int, float] = {}
         while not self._stop.wait(self.interval):
-            busy = 0
-            for proc in psutil.process_iter(["pid", "cmdline"]):
-                cmdline = " ".join(proc.info["cmdline"] or [])
-                if not cmdline.startswith("ray::"):
-                    continue
-                known = procs.setdefault(proc.info["pid"], proc)
-                try:
-                    busy += known.cpu_percent() > 50
-                except psutil.Error:
-                    procs.pop(proc.info["pid"], None)
+            now = {pid: cpu_seconds(pid) for pid in ray_worker_pids()}
+            busy = sum(now[pid] - before[pid] > 0.5 * self.interval
+                       for pid in now if pid in before)
+            before = now
             self.most = max(self.most, busy)
+
+
+def ray_worker_pids() -> list[int]:
+    """Processes titled `ray::...` (Ray workers and actors)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "cmdline").read_bytes().startswith(b"ray::"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
 
 
 class Runner:

@@ -162,21 +162,33 @@ def sample_tree(root: int) -> TreeSample:
     return sample
 
 
-class TreeMemoryMonitor:
-    """Samples the tree under `root` every `interval` seconds on a thread until stopped."""
+class BackgroundSampler:
+    """A context manager running `_run` on a daemon thread until the block ends; `_run`
+    samples every `interval` seconds until `_stop` is set."""
 
-    def __init__(self, root: int, interval: float = 0.5, dump: Path | None = None):
-        self.root, self.interval, self.peaks, self.dump = root, interval, Peaks(), dump
+    def __init__(self, interval: float):
+        self.interval = interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "TreeMemoryMonitor":
+    def __enter__(self):
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class TreeMemoryMonitor(BackgroundSampler):
+    """Samples the tree under `root` every `interval` seconds on a thread until stopped."""
+
+    def __init__(self, root: int, interval: float = 0.5, dump: Path | None = None):
+        super().__init__(interval)
+        self.root, self.peaks, self.dump = root, Peaks(), dump
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -47,8 +47,8 @@ MIN_ROWS_FOR_VECTOR_INDEX = 4096
 PQ_SUB_VECTORS = 48  # 384 / 48 = 8 dimensions per code
 CORPUS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
 CHUNK_ROWS = 16_384  # rows per append when a source is replaced (~30 KB each with thumbnail)
-# Kept images per thumbnail task (~17 ms each): 256 made a 2,000-image source seven tasks,
-# the last of them running alone on a 2-CPU node.
+# Kept images per thumbnail batch (~8 ms each): short batches, so a task takes whole blocks
+# of a few dozen rows and the last tasks of a source do not run alone for long.
 THUMBNAIL_BATCH_ROWS = 32
 # The indexes the corpus carries, by column (the vector one only past MIN_ROWS_FOR_VECTOR_INDEX).
 SCALAR_INDEXES = {"caption": "INVERTED", "source": "BITMAP", "label": "BITMAP",

@@ -16,6 +16,7 @@ driver, and handed to the Ray tasks that write fragments.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -166,8 +167,11 @@ def read_table(uri: "str | Path", version: int | None = None,
 
 
 def read_concurrency(cpus: float | None = None) -> int:
-    """Read tasks at once: one per READ_TASK_CPUS CPUs of the cluster, at least one."""
-    cpus = ray.cluster_resources().get("CPU", 1) if cpus is None else cpus
+    """Read tasks at once: one per READ_TASK_CPUS CPUs of the cluster (of this machine while
+    Ray is not started yet: `read_lance` starts it), at least one."""
+    if cpus is None:
+        cpus = (ray.cluster_resources().get("CPU", 1) if ray.is_initialized()
+                else os.cpu_count() or 1)
     return max(1, int(cpus // READ_TASK_CPUS))
 
 

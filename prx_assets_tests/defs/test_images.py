@@ -128,11 +128,16 @@ def _image_folder(tmp_path, n: int):
     return folder
 
 
-def test_image_stage_redoes_only_changed_rows(ray_session, data_root, tmp_path):
-    folder = _image_folder(tmp_path, 6)
+def _folder_source(tmp_path, n: int):
+    """A folder of `n` images as source `web`, its definitions and an ephemeral instance."""
+    folder = _image_folder(tmp_path, n)
     sources = write_sources(tmp_path / "s.yaml",
                             [f"{{name: web, kind: image_folder, uri: {folder}}}"])
-    defs, instance = build_defs(sources), dg.DagsterInstance.ephemeral()
+    return folder, build_defs(sources), dg.DagsterInstance.ephemeral()
+
+
+def test_image_stage_redoes_only_changed_rows(ray_session, data_root, tmp_path):
+    folder, defs, instance = _folder_source(tmp_path, 6)
     first = _stage_run(defs, instance)
     assert _counts(first["bucketed_images"]) == (7, 0, 0)
     assert _counts(first["phashes"]) == (6, 0, 0)
@@ -187,10 +192,7 @@ def test_image_stage_incremental_in_a_bucket(ray_session, s3_server, s3_root, tm
     through the storage options."""
     from prx_assets.storage.layout import Storage
 
-    folder = _image_folder(tmp_path, 3)
-    sources = write_sources(tmp_path / "s.yaml",
-                            [f"{{name: web, kind: image_folder, uri: {folder}}}"])
-    defs, instance = build_defs(sources), dg.DagsterInstance.ephemeral()
+    folder, defs, instance = _folder_source(tmp_path, 3)
     first = _stage_run(defs, instance)
     assert _counts(first["bucketed_images"]) == (4, 0, 0)
     (folder / "p99.jpg").write_bytes(jpeg_bytes(640, 480, 1234))

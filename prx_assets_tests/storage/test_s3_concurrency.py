@@ -32,6 +32,20 @@ def data_files_in_bucket(server, uri: str) -> int:
 
 
 @pytest.mark.timeout(900)
+def race_two_writers(s3_server, tmp_path: Path, verb: str, uri: str, point: str,
+                     what: str) -> tuple[list[WriterProcess], list[dict]]:
+    """Writers "a" and "b" doing `verb` on `uri`, both held at the barrier `point` until
+    both reach it, then released together; their processes and results."""
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    env = {**s3_server.env(), **failpoints.barrier_env(point, barrier)}
+    writers = [WriterProcess([verb, uri, name], env, tmp_path / f"{name}.log")
+               for name in ("a", "b")]
+    wait_until(lambda: len(failpoints.ready_at_barrier(barrier, point)) == 2, writers, what)
+    failpoints.release_barrier(barrier, point)
+    return writers, [writer.result() for writer in writers]
+
+
 def test_two_processes_committing_at_once_both_land_and_the_loser_retried(
         s3_server, s3_root, tmp_path: Path):
     """Both writers read version 1 and write their files, then wait at the barrier; released
@@ -39,15 +53,8 @@ def test_two_processes_committing_at_once_both_land_and_the_loser_retried(
     merges again on top. Final table: every row of both, `shared` once, three versions."""
     uri = Storage(s3_root).table(CAPTIONS, "web")
     upsert(uri, rows(["shared"], 0), SCHEMA, ["id"])
-    barrier = tmp_path / "barrier"
-    barrier.mkdir()
-    env = {**s3_server.env(), **failpoints.barrier_env(POINT, barrier)}
-    writers = [WriterProcess(["upsert", uri, name], env, tmp_path / f"{name}.log")
-               for name in ("a", "b")]
-    wait_until(lambda: len(failpoints.ready_at_barrier(barrier, POINT)) == 2, writers,
-               "both writers wrote their files")
-    failpoints.release_barrier(barrier, POINT)
-    results = [writer.result() for writer in writers]
+    writers, results = race_two_writers(s3_server, tmp_path, "upsert", uri, POINT,
+                                        "both writers wrote their files")
 
     final = table_rows(uri)
     assert sorted(final) == ["a0", "a1", "a2", "b0", "b1", "b2", "shared"]
@@ -65,16 +72,9 @@ def test_two_whole_table_rewrites_at_once_one_commits_the_other_fails_clearly(
     with CommitConflictError naming the table; the table is exactly the winner's rows."""
     uri = Storage(s3_root).table(CAPTIONS, "web")
     upsert(uri, rows(["old"], 0), SCHEMA, ["id"])
-    barrier = tmp_path / "barrier"
-    barrier.mkdir()
-    point = "storage.overwrite_uncommitted"
-    env = {**s3_server.env(), **failpoints.barrier_env(point, barrier)}
-    writers = [WriterProcess(["overwrite", uri, name], env, tmp_path / f"{name}.log")
-               for name in ("a", "b")]
-    wait_until(lambda: len(failpoints.ready_at_barrier(barrier, point)) == 2, writers,
-               "both writers wrote their fragments")
-    failpoints.release_barrier(barrier, point)
-    results = [writer.result() for writer in writers]
+    writers, results = race_two_writers(s3_server, tmp_path, "overwrite", uri,
+                                        "storage.overwrite_uncommitted",
+                                        "both writers wrote their fragments")
 
     [winner] = [n for n, r in zip("ab", results) if "version" in r]
     [loser] = [r for r in results if "conflict" in r]
