@@ -16,3 +16,16 @@ def test_workers_return_freed_buffers_to_the_system():
     assert int(MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]) <= 1 << 20
     return_freed_memory()  # the driver's side: callable in any process, twice
     return_freed_memory()
+
+
+def test_ray_data_blocks_are_sized_to_the_cluster(ray_session):
+    import ray
+    import ray.data
+
+    from prx_assets.engine.ray_runtime import MAX_BLOCK_BYTES, configure_ray_data
+
+    configure_ray_data()
+    context = ray.data.DataContext.get_current()
+    cpus = int(ray.cluster_resources()["CPU"])
+    assert context.read_op_min_num_blocks == max(2, 2 * cpus) < 200  # not Ray's default
+    assert context.target_max_block_size == MAX_BLOCK_BYTES

@@ -75,3 +75,21 @@ def test_model_image_respects_the_pixel_budget_and_never_upscales():
     assert small.size == (320, 240)
     with pytest.raises(Exception):
         model_image(b"not a jpeg", 1000)
+
+
+def test_kept_rows_are_read_by_lance_without_images_unless_a_model_needs_them(ray_session,
+                                                                             tmp_path):
+    import lance
+    import pyarrow as pa
+
+    from prx_assets.s3_captions.runs import read_kept
+
+    uri = tmp_path / "bucketed.lance"
+    lance.write_dataset(pa.table({"id": ["a", "b", "c"], "status": ["ok", "too_small", "ok"],
+                                  "image": pa.array([b"x", None, b"z"], pa.large_binary())}),
+                        uri)
+    source = read_kept(uri, None, CaptionerSpec()).take_all()
+    assert sorted(r["id"] for r in source) == ["a", "c"]
+    assert set(source[0]) == {"id", "status"}  # the `original` backend reads no image bytes
+    model = CaptionerSpec(backend="openai", model="m", endpoint="http://127.0.0.1:1/v1")
+    assert {r["image"] for r in read_kept(uri, None, model).take_all()} == {b"x", b"z"}

@@ -96,3 +96,12 @@ def test_the_pool_grows_to_the_cluster_cpus_unless_told_its_size():
     assert pool_size(LabelerSpec(threads_per_actor=2), cpus=8) == 4
     assert pool_size(LabelerSpec(threads_per_actor=4), cpus=2) == 1
     assert pool_size(LabelerSpec(actors=3), cpus=8) == 3
+
+
+def test_the_pool_starts_at_full_size_only_with_work_for_every_actor(ray_session):
+    from prx_assets.s4_labels.runs import CAPTIONS_PER_ACTOR, actor_pool
+
+    spec = LabelerSpec(actors=2)
+    assert actor_pool(spec, pending=2 * CAPTIONS_PER_ACTOR).initial_size == 2
+    small = actor_pool(spec, pending=2 * CAPTIONS_PER_ACTOR - 1)
+    assert (small.initial_size, small.min_size, small.max_size) == (1, 1, 2)
