@@ -253,7 +253,7 @@ def first_thumbnail_ms(url: str, loads: int = 5) -> float:
     thumbnail's response end."""
     from playwright.sync_api import sync_playwright
 
-    from prx_assets_tests.browser.chromium import CHROMIUM_ARGS, chromium_path
+    from prx_assets.testing.chromium import CHROMIUM_ARGS, chromium_path
 
     times = []
     with sync_playwright() as playwright:
@@ -279,7 +279,7 @@ def main() -> list[Figure]:
     import uvicorn
 
     from prx_assets.browser.app import create_app
-    from prx_assets_tests.browser.chromium import free_port
+    from prx_assets.testing.chromium import free_port
 
     work = Path(tempfile.mkdtemp(prefix="bench_browser_"))
     try:

@@ -123,7 +123,7 @@ def mark(images: int) -> tuple[float, int, float]:
 
 
 def tiny_spec(work: Path) -> CaptionerSpec:
-    from prx_assets_tests.fixtures.tiny_vlm import build_tiny_qwen3_vl
+    from prx_assets.testing.tiny_vlm import build_tiny_qwen3_vl
 
     model = build_tiny_qwen3_vl(work / "tiny-qwen3-vl")
     return CaptionerSpec(backend="transformers", model=str(model), max_tokens=32,

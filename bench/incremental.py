@@ -241,7 +241,7 @@ def child_run(setup: Setup, instance, settings: dict, chunk_rows: int | None = N
             if child.poll() is None:
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
-            from prx_assets_tests.e2e.fault_runs import wait_for_group_gone
+            from prx_assets.testing.processes import wait_for_group_gone
 
             wait_for_group_gone(child.pid)  # Ray workers exit after their raylet
     output = log_path.read_text()

@@ -30,7 +30,7 @@ from prx_assets.engine import ray_runtime
 from prx_assets.s7_shards import mds
 from prx_assets.storage.layout import Storage
 from prx_assets.s8_skip_lists.skip_lists import sidecar_path
-from prx_assets_tests.fixtures.mds_corpus import build_corpus, inputs_for
+from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
 WRITE_SHAPES = ((512, 512, 512), (512, 448, 576), (512, 576, 448))
 LOAD_SHAPES = ((1, 64, 64), (1, 48, 80), (1, 80, 48))

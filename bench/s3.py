@@ -62,7 +62,7 @@ def bench_ingest(local_root: Path, s3_root: str) -> list[Figure]:
 
 def bench_mds_write(local_root: Path, s3_root: str) -> list[Figure]:
     from prx_assets.s7_shards import mds
-    from prx_assets_tests.fixtures.mds_corpus import build_corpus, inputs_for
+    from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
     build_corpus(local_root / "mds-in", "bench", per_shape=MDS_PER_SHAPE, uncaptioned=0,
                  rejected=0)
@@ -117,7 +117,7 @@ def bench_loader(local_root: Path, s3_root: str, work: Path) -> list[Figure]:
     bucket (versioned prefix + pointer); the project loader reads each, the remote one
     into an empty cache (every shard downloaded) and then again warm."""
     from prx_assets.s7_shards import mds
-    from prx_assets_tests.fixtures.mds_corpus import build_corpus, inputs_for
+    from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
     root = local_root / "load"
     build_corpus(root, "bench", per_shape=3000, shapes=LOAD_SHAPES, uncaptioned=0, rejected=0)
@@ -152,7 +152,7 @@ def bench_loader(local_root: Path, s3_root: str, work: Path) -> list[Figure]:
 
 
 def main() -> list[Figure]:
-    from prx_assets_tests.fixtures.s3_server import start_seaweedfs
+    from prx_assets.testing.s3_server import start_seaweedfs
 
     OUT.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-s3-", dir=OUT))

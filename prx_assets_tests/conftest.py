@@ -76,7 +76,7 @@ S3_TEST_BUCKET = "prx-tests"
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3-compatible server (SeaweedFS) on a free port of 127.0.0.1 for the session."""
-    from prx_assets_tests.fixtures.s3_server import start_seaweedfs
+    from prx_assets.testing.s3_server import start_seaweedfs
 
     server = start_seaweedfs(tmp_path_factory.mktemp("s3-server"))
     server.create_bucket(S3_TEST_BUCKET)

@@ -5,7 +5,7 @@ from prx_assets.s7_shards import mds
 from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
 from prx_assets.defs.s7_shards import build_mds_shards, mds_tree_check
 from prx_assets_tests.defs.test_raw_images import checks
-from prx_assets_tests.fixtures.mds_corpus import ACTIVE, build_corpus
+from prx_assets.testing.mds_corpus import ACTIVE, build_corpus
 
 
 def _materialize(instance, version=ACTIVE):

@@ -10,7 +10,7 @@ from prx_assets.s8_skip_lists.skip_lists import (
     apply_skip_lists, build_skip_lists, mapping_batches, mapping_shards, sidecar_files)
 from prx_assets.definitions import build_defs
 from prx_assets_tests.conftest import write_sources
-from prx_assets_tests.fixtures.mds_corpus import ACTIVE, build_corpus, inputs_for
+from prx_assets.testing.mds_corpus import ACTIVE, build_corpus, inputs_for
 
 
 def _ids(root) -> set[str]:

@@ -27,6 +27,7 @@ from typing import Callable
 import lance
 
 from prx_assets.engine import failpoints
+from prx_assets.testing.processes import wait_for_group_gone
 
 PER_SOURCE_TABLES = ("raw_images", "bucketed_images", "phashes", "captions", "caption_labels",
                      "mds_samples")
@@ -133,28 +134,6 @@ class RunProcess:
         return self.log.read_text(errors="replace")
 
 
-def wait_for_group_gone(pgid: int, timeout: float = 30) -> None:
-    """Until no process of the group is left (Ray workers exit after their raylet)."""
-    import psutil
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        left = []
-        for proc in psutil.process_iter(["pid"]):
-            try:
-                if os.getpgid(proc.info["pid"]) == pgid:
-                    left.append(proc)
-            except (ProcessLookupError, psutil.Error, OSError):
-                pass
-        if not left:
-            return
-        for proc in left:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        time.sleep(0.1)
-    raise AssertionError(f"processes of group {pgid} still alive after SIGKILL")
 
 
 def wait_until(condition: Callable[[], object], what: str, run: RunProcess | None = None,

@@ -19,7 +19,7 @@ from prx_assets.s7_shards import mds
 from prx_assets.storage.layout import Storage
 from prx_assets.s8_skip_lists.skip_lists import sidecar_path
 from prx_assets.loader import SkipListMismatch, build_dataset, build_loader
-from prx_assets_tests.fixtures.mds_corpus import build_corpus, inputs_for
+from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
 TIER, BATCH = 1, 4
 SHAPES = ((1, 48, 48), (1, 48, 64), (1, 64, 48), (2, 64, 64))

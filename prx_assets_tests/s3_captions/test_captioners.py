@@ -22,7 +22,7 @@ from prx_assets.s3_captions.captioners import (
     CaptionerSpec, OpenAICaptioner, TransformersCaptioner, caption_stage, vllm_postprocess,
     vllm_preprocess, vllm_processor_config)
 from prx_assets.s3_captions.captions import load_prompt
-from prx_assets_tests.fixtures.tiny_vlm import build_tiny_qwen3_vl
+from prx_assets.testing.tiny_vlm import build_tiny_qwen3_vl
 from prx_assets.demo.corpus import encode, photo_variant, real_photo_paths
 
 

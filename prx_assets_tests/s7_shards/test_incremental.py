@@ -26,7 +26,7 @@ from prx_assets.s7_shards import mds
 from prx_assets.s8_skip_lists.skip_lists import REASON_STALE, read_sidecar, sidecar_path
 from prx_assets.storage.layout import Storage
 from prx_assets.demo.corpus import procedural_image
-from prx_assets_tests.fixtures.mds_corpus import (
+from prx_assets.testing.mds_corpus import (
     ACTIVE, _bucketed, _caption, build_corpus, inputs_for)
 
 OPTIONS = mds.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
@@ -155,7 +155,7 @@ _APPEND = """
 import sys
 from pathlib import Path
 from prx_assets.s7_shards import mds
-from prx_assets_tests.fixtures.mds_corpus import inputs_for
+from prx_assets.testing.mds_corpus import inputs_for
 root = Path(sys.argv[1])
 mds.write_mds_tree(inputs_for(root, "web"), root, "web",
                    mds.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False))

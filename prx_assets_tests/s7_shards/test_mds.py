@@ -17,7 +17,7 @@ from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.s7_shards import mds
 from prx_assets.storage.layout import Storage
-from prx_assets_tests.fixtures.mds_corpus import build_corpus, inputs_for
+from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
 SMALL = mds.WriteOptions(size_limit=60_000, rows_per_part=7)  # several parts and shards per leaf
 
@@ -109,7 +109,7 @@ _KILLED_WRITER = """
 import sys, time
 from pathlib import Path
 from prx_assets.s7_shards import mds
-from prx_assets_tests.fixtures.mds_corpus import inputs_for
+from prx_assets.testing.mds_corpus import inputs_for
 root, flag = Path(sys.argv[1]), Path(sys.argv[2])
 merge = mds.merge_leaf
 def merge_then_hang(*args, **kwargs):

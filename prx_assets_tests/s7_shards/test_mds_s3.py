@@ -21,7 +21,7 @@ from prx_assets.s8_skip_lists.skip_lists import (
     read_sidecar)
 from prx_assets.storage import object_store
 from prx_assets.storage.layout import Storage
-from prx_assets_tests.fixtures.mds_corpus import build_corpus, inputs_for
+from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
 OPTIONS = mds.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
 

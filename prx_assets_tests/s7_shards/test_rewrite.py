@@ -8,7 +8,7 @@ from prx_assets.s7_shards.rewrite import rewrite_without_skipped
 from prx_assets.s8_skip_lists.skip_lists import (
     apply_skip_lists, build_skip_lists, mapping_batches, mapping_shards, sidecar_files)
 from prx_assets.loader import build_dataset
-from prx_assets_tests.fixtures.mds_corpus import build_corpus, inputs_for
+from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
 SHAPES = ((1, 48, 48), (1, 64, 48))
 

@@ -86,7 +86,7 @@ class WriterProcess:
         return json.loads(lines[-1][len("RESULT"):])
 
     def kill(self) -> None:
-        from prx_assets_tests.e2e.fault_runs import wait_for_group_gone
+        from prx_assets.testing.processes import wait_for_group_gone
 
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
