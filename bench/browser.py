@@ -34,15 +34,15 @@ from PIL import Image
 from bench.common import Figure, report, timed
 from prx_assets.browser import queries
 from prx_assets.models.embeddings import EMBEDDING_DIM
-from prx_assets.s1_ingest.raw_rows import RAW_IMAGES_SCHEMA
-from prx_assets.s2_images.imaging import ImageOptions
-from prx_assets.s2_images.stage import BUCKETED_SCHEMA, settings_fingerprint
-from prx_assets.s3_captions.captions import CAPTIONS_SCHEMA
-from prx_assets.s4_labels.labels import LABELS_SCHEMA
-from prx_assets.s5_dedup.dedup import DUPLICATES_SCHEMA
-from prx_assets.s6_opt_outs.opt_outs import AUDIT_SCHEMA
-from prx_assets.s7_shards.mds import MDS_SAMPLES_SCHEMA
-from prx_assets.s9_corpus.corpus import CORPUS_SCHEMA
+from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
+from prx_assets.stages.images.imaging import ImageOptions
+from prx_assets.stages.images.stage import BUCKETED_SCHEMA, settings_fingerprint
+from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
+from prx_assets.stages.labels.labels import LABELS_SCHEMA
+from prx_assets.stages.dedup.dedup import DUPLICATES_SCHEMA
+from prx_assets.stages.opt_outs.opt_outs import AUDIT_SCHEMA
+from prx_assets.stages.shards.mds import MDS_SAMPLES_SCHEMA
+from prx_assets.stages.corpus.corpus import CORPUS_SCHEMA
 from prx_assets.storage.layout import Storage
 
 ROWS = int(os.environ.get("PRX_BROWSER_BENCH_ROWS", "100000"))

@@ -33,7 +33,7 @@ from PIL import Image
 
 from bench.common import OUT, Figure, report, timed
 from bench.proc_memory import cpu_seconds, descendants
-from prx_assets.s3_captions.captioners import CaptionerSpec, TransformersCaptioner, vllm_preprocess
+from prx_assets.stages.captions.captioners import CaptionerSpec, TransformersCaptioner, vllm_preprocess
 from prx_assets.demo.corpus import encode, procedural_image
 
 H200_IMAGES_PER_S = 20.0
@@ -152,7 +152,7 @@ def direct_loop(uri: Path, spec: CaptionerSpec, count: int) -> LoopTiming:
 def pipeline_loop(work: Path, uri: Path, spec: CaptionerSpec, count: int) -> LoopTiming:
     """`caption_source` from a fresh Ray: the read, the actor pool and the chunked commits."""
     from prx_assets.engine import ray_runtime
-    from prx_assets.s3_captions.runs import caption_source, pending_requests
+    from prx_assets.stages.captions.runs import caption_source, pending_requests
 
     import ray.data
 

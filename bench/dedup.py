@@ -27,15 +27,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from bench.common import Figure, report, timed
-from prx_assets.s7_shards import mds
-from prx_assets.s5_dedup.dedup import bucket_count, bucket_of, group_candidates
-from prx_assets.s2_images.stage import BUCKETED_SCHEMA
-from prx_assets.s2_images.imaging import encode_jpeg
+from prx_assets.stages.shards import mds
+from prx_assets.stages.dedup.dedup import bucket_count, bucket_of, group_candidates
+from prx_assets.stages.images.stage import BUCKETED_SCHEMA
+from prx_assets.stages.images.imaging import encode_jpeg
 from prx_assets.storage.layout import Storage
-from prx_assets.s6_opt_outs.opt_outs import ids_for_source, opt_out_dir, parse_directory, resolve
-from prx_assets.s3_captions.captions import active_caption_filter
-from prx_assets.s7_shards.rewrite import rewrite_without_skipped
-from prx_assets.s8_skip_lists.skip_lists import (
+from prx_assets.stages.opt_outs.opt_outs import ids_for_source, opt_out_dir, parse_directory, resolve
+from prx_assets.stages.captions.captions import active_caption_filter
+from prx_assets.stages.shards.rewrite import rewrite_without_skipped
+from prx_assets.stages.skip_lists.skip_lists import (
     apply_skip_lists, build_skip_lists, mapping_batches, mapping_shards, sidecar_files)
 from prx_assets.demo.corpus import procedural_image
 

@@ -26,8 +26,8 @@ import numpy as np
 from PIL import Image
 
 from bench.common import OUT, Figure, report
-from prx_assets.s2_images import pil_backend
-from prx_assets.s2_images.fidelity import psnr
+from prx_assets.stages.images import pil_backend
+from prx_assets.stages.images.fidelity import psnr
 
 PHOTOS = OUT / "image_photos"
 STOCK_DIR = Path(sys.prefix) / "image-backend" / "stock"

@@ -29,11 +29,11 @@ import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from prx_assets.demo.corpus import real_photo_paths  # noqa: E402
-from prx_assets.s2_images import phash as phash_mod  # noqa: E402
-from prx_assets.s2_images import pil_backend  # noqa: E402
-from prx_assets.s2_images.buckets import assign_bucket  # noqa: E402
-from prx_assets.s2_images.fidelity import lossless_bucket  # noqa: E402
-from prx_assets.s2_images.imaging import (  # noqa: E402
+from prx_assets.stages.images import phash as phash_mod  # noqa: E402
+from prx_assets.stages.images import pil_backend  # noqa: E402
+from prx_assets.stages.images.buckets import assign_bucket  # noqa: E402
+from prx_assets.stages.images.fidelity import lossless_bucket  # noqa: E402
+from prx_assets.stages.images.imaging import (  # noqa: E402
     ImageOptions, encode_jpeg, oriented_rgb, oriented_size, process_image, resize_to_shape)
 
 EXACT = ImageOptions(draft_margin=None, reducing_gap=None)

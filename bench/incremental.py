@@ -277,8 +277,8 @@ def rows_made_under(setup: Setup, settings: dict) -> int:
     """bucketed_images rows made under these settings (what a killed run committed)."""
     import lance
 
-    from prx_assets.defs.s2_images import ImageStageConfig
-    from prx_assets.s2_images.stage import settings_fingerprint
+    from prx_assets.defs.images import ImageStageConfig
+    from prx_assets.stages.images.stage import settings_fingerprint
     from prx_assets.storage.filters import eq_filter
 
     fingerprint = settings_fingerprint(ImageStageConfig(**settings).options())

@@ -20,10 +20,10 @@ import numpy as np
 import pyarrow as pa
 
 from bench.common import Figure, report, timed
-from prx_assets.s9_corpus.corpus import create_indexes
+from prx_assets.stages.corpus.corpus import create_indexes
 from prx_assets.models.embeddings import EMBEDDING_DIM, MiniLMEmbedder
-from prx_assets.s4_labels.labels import load_caption_set, load_embedded_classifier
-from prx_assets.s9_corpus.search import NPROBES, REFINE_FACTOR, search_text
+from prx_assets.stages.labels.labels import load_caption_set, load_embedded_classifier
+from prx_assets.stages.corpus.search import NPROBES, REFINE_FACTOR, search_text
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import CORPUS
 

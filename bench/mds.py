@@ -27,9 +27,9 @@ import pyarrow.compute as pc
 
 from bench.common import OUT, Figure, report, timed
 from prx_assets.engine import ray_runtime
-from prx_assets.s7_shards import mds
+from prx_assets.stages.shards import mds
 from prx_assets.storage.layout import Storage
-from prx_assets.s8_skip_lists.skip_lists import sidecar_path
+from prx_assets.stages.skip_lists.skip_lists import sidecar_path
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
 WRITE_SHAPES = ((512, 512, 512), (512, 448, 576), (512, 576, 448))

@@ -27,9 +27,9 @@ import numpy as np
 
 from bench.common import OUT, Figure, generated_jpegs, report, timed
 from prx_assets.engine import ray_runtime
-from prx_assets.s1_ingest.ingest import IngestOptions, build_raw_dataset
-from prx_assets.s1_ingest.raw_rows import RAW_IMAGES_SCHEMA
-from prx_assets.s1_ingest.sources import SourceSpec
+from prx_assets.stages.ingest.ingest import IngestOptions, build_raw_dataset
+from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
+from prx_assets.stages.ingest.sources import SourceSpec
 from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import RAW_IMAGES
@@ -61,7 +61,7 @@ def bench_ingest(local_root: Path, s3_root: str) -> list[Figure]:
 
 
 def bench_mds_write(local_root: Path, s3_root: str) -> list[Figure]:
-    from prx_assets.s7_shards import mds
+    from prx_assets.stages.shards import mds
     from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
     build_corpus(local_root / "mds-in", "bench", per_shape=MDS_PER_SHAPE, uncaptioned=0,
@@ -116,7 +116,7 @@ def bench_loader(local_root: Path, s3_root: str, work: Path) -> list[Figure]:
     """The same tree written twice from the same tables, under a local root and into the
     bucket (versioned prefix + pointer); the project loader reads each, the remote one
     into an empty cache (every shard downloaded) and then again warm."""
-    from prx_assets.s7_shards import mds
+    from prx_assets.stages.shards import mds
     from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
     root = local_root / "load"

@@ -177,7 +177,7 @@ _worker: dict = {}
 def _kernel_worker_init(out_dir: str) -> None:
     from prx_assets.engine.ray_runtime import return_freed_memory
     from prx_assets.models.embeddings import MiniLMEmbedder
-    from prx_assets.s4_labels.labels import load_embedded_classifier
+    from prx_assets.stages.labels.labels import load_embedded_classifier
 
     # The allocator settings the pipeline's Ray workers run with (ray_runtime.MALLOC_ENV):
     # they make decoding itself faster (fewer heap trims and page faults), which is the
@@ -194,12 +194,12 @@ def kernel_chunk(job: tuple[str, list[str]]) -> dict:
     """Every kernel on one chunk of files; seconds per kernel (and the one-off model load)."""
     from streaming import MDSWriter
 
-    from prx_assets.s9_corpus.corpus import thumbnail
-    from prx_assets.s2_images.imaging import process_image
-    from prx_assets.s7_shards.mds import MDS_COLUMNS
-    from prx_assets.s1_ingest.raw_rows import raw_row
-    from prx_assets.s1_ingest.readers import read_image_file
-    from prx_assets.s1_ingest.sources import SourceSpec
+    from prx_assets.stages.corpus.corpus import thumbnail
+    from prx_assets.stages.images.imaging import process_image
+    from prx_assets.stages.shards.mds import MDS_COLUMNS
+    from prx_assets.stages.ingest.raw_rows import raw_row
+    from prx_assets.stages.ingest.readers import read_image_file
+    from prx_assets.stages.ingest.sources import SourceSpec
 
     root, files = job
     spec = SourceSpec(name="kernel", kind="image_folder", uri=root)

@@ -21,7 +21,7 @@ def _make_demo_corpus(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     """Materialise every asset for every source of the demo corpus, then summarise."""
-    from prx_assets.s1_ingest.sources import sources_path
+    from prx_assets.stages.ingest.sources import sources_path
     from prx_assets.demo.corpus import make_demo_corpus
 
     corpus = Path(args.dir)
@@ -51,7 +51,7 @@ def _corpus_uri() -> str:
 
 
 def _search(args: argparse.Namespace) -> int:
-    from prx_assets.s9_corpus.search import SearchError, format_hits, search_text
+    from prx_assets.stages.corpus.search import SearchError, format_hits, search_text
 
     try:
         hits = search_text(_corpus_uri(), args.text, k=args.k, source=args.source,
@@ -64,7 +64,7 @@ def _search(args: argparse.Namespace) -> int:
 
 
 def _similar(args: argparse.Namespace) -> int:
-    from prx_assets.s9_corpus.search import SearchError, format_hits, similar
+    from prx_assets.stages.corpus.search import SearchError, format_hits, similar
 
     try:
         hits = similar(_corpus_uri(), args.id, k=args.k, source=args.source, label=args.label)
@@ -87,7 +87,7 @@ def _browse(args: argparse.Namespace) -> int:
 
 def _mds_uri(args: argparse.Namespace) -> int:
     """The current tree's location: `StreamingDataset(remote=<it>/<tier>/<W>x<H>)` reads it."""
-    from prx_assets.s7_shards.mds import current_tree_uri
+    from prx_assets.stages.shards.mds import current_tree_uri
     from prx_assets.storage.layout import Storage
 
     try:

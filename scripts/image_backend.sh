@@ -28,8 +28,8 @@ HEADERS=(/usr/include/jpeglib.h /usr/include/zlib.h /usr/include/webp/decode.h
          /usr/include/x86_64-linux-gnu/tiffio.h)
 
 say() { echo "image backend: $*" >&2; }
-backend() { "$PY" -m prx_assets.s2_images.pil_backend 2>/dev/null || true; }
-loaded_dist() { "$PY" -c 'from prx_assets.s2_images import pil_backend as b; print(b.current().name)'; }
+backend() { "$PY" -m prx_assets.stages.images.pil_backend 2>/dev/null || true; }
+loaded_dist() { "$PY" -c 'from prx_assets.stages.images import pil_backend as b; print(b.current().name)'; }
 stock_version() { cat "$DIR/stock/VERSION" 2>/dev/null || true; }
 
 to_stock() {
@@ -88,7 +88,7 @@ cached_wheel() { compgen -G "$DIR/wheel/pillow_simd-$SIMD_VERSION-*.whl" | head 
 
 check_simd() {
   # The build must load, be the one loaded, and read every codec the pipeline needs.
-  [[ "$(loaded_dist)" == pillow-simd ]] && "$PY" -m prx_assets.s2_images.pil_backend >/dev/null
+  [[ "$(loaded_dist)" == pillow-simd ]] && "$PY" -m prx_assets.stages.images.pil_backend >/dev/null
 }
 
 mkdir -p "$DIR"

@@ -1,4 +1,4 @@
-"""Writes prx_assets/s4_labels/data/caption_labels.jsonl: the labelled caption set the embedded
+"""Writes prx_assets/stages/labels/data/caption_labels.jsonl: the labelled caption set the embedded
 classifier is trained on (run once; the output is kept in the repo, this script documents
 how it was written).
 
@@ -17,7 +17,7 @@ import json
 import random
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "prx_assets" / "s4_labels" / "data" / "caption_labels.jsonl"
+OUT = Path(__file__).resolve().parents[1] / "prx_assets" / "stages" / "labels" / "data" / "caption_labels.jsonl"
 PER_CLASS = 140
 VALIDATION_SHARE = 0.2
 

@@ -1,4 +1,4 @@
-"""Retrains the embedded caption classifier from prx_assets/s4_labels/data/caption_labels.jsonl
+"""Retrains the embedded caption classifier from prx_assets/stages/labels/data/caption_labels.jsonl
 and stores its weights (and validation accuracy per class) beside it.
 
     python scripts/train_caption_classifier.py
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from prx_assets.models.embeddings import MiniLMEmbedder
-from prx_assets.s4_labels.labels import WEIGHTS, fit_on_caption_set
+from prx_assets.stages.labels.labels import WEIGHTS, fit_on_caption_set
 
 
 def main() -> None:

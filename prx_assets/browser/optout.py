@@ -21,7 +21,7 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from prx_assets.s6_opt_outs.opt_outs import (
+from prx_assets.stages.opt_outs.opt_outs import (
     Location, child, name_of, opt_out_dir, parse_file, request_files)
 from prx_assets.storage import object_store
 from prx_assets.storage.layout import Storage, as_storage

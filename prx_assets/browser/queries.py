@@ -25,16 +25,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prx_assets.s4_labels.labels import LABELS
+from prx_assets.stages.labels.labels import LABELS
 from prx_assets.storage import object_store
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.filters import in_filter, sql_string
 from prx_assets.storage.tables import (
     BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, CORPUS, DUPLICATES, MDS_SAMPLES, OPT_OUTS,
     PER_SOURCE, RAW_IMAGES)
-from prx_assets.s7_shards.mds import current_tree
-from prx_assets.s9_corpus.search import NPROBES, REFINE_FACTOR, Hit as Tile
-from prx_assets.s8_skip_lists.skip_lists import read_sidecar, sidecar_files, sidecar_path
+from prx_assets.stages.shards.mds import current_tree
+from prx_assets.stages.corpus.search import NPROBES, REFINE_FACTOR, Hit as Tile
+from prx_assets.stages.skip_lists.skip_lists import read_sidecar, sidecar_files, sidecar_path
 
 PAGE_SIZE = 48
 # A search's facet counts are over its best hits, not every match (BM25 needs a limit).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from prx_assets.s1_ingest.sources import SourcesConfig
+from prx_assets.stages.ingest.sources import SourcesConfig
 
 
 def source_partitions(sources: SourcesConfig) -> dg.StaticPartitionsDefinition:

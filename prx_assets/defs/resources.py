@@ -17,10 +17,10 @@ import dagster as dg
 from pydantic import PrivateAttr
 
 from prx_assets.engine import ray_runtime
-from prx_assets.s3_captions.captioners import CaptionerSpec
-from prx_assets.s4_labels.backends import DEFAULT_LLM, OpenAISettings, VLLMSettings
-from prx_assets.s4_labels.runs import LabelerSpec
-from prx_assets.s1_ingest.sources import SourcesConfig, load_sources, sources_path
+from prx_assets.stages.captions.captioners import CaptionerSpec
+from prx_assets.stages.labels.backends import DEFAULT_LLM, OpenAISettings, VLLMSettings
+from prx_assets.stages.labels.runs import LabelerSpec
+from prx_assets.stages.ingest.sources import SourcesConfig, load_sources, sources_path
 from prx_assets.storage.layout import Storage
 
 

@@ -11,7 +11,7 @@ from prx_assets.engine import ray_runtime
 from prx_assets.demo.funnel import format_funnel, source_funnel
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import CORPUS, DUPLICATES, MDS_SAMPLES
-from prx_assets.s1_ingest.sources import load_sources
+from prx_assets.stages.ingest.sources import load_sources
 from prx_assets.definitions import build_defs
 
 

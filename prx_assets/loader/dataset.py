@@ -30,7 +30,7 @@ import numpy as np
 from numpy.typing import NDArray
 from streaming import StreamingDataset
 
-from prx_assets.s8_skip_lists.skip_lists import (
+from prx_assets.stages.skip_lists.skip_lists import (
     REASON_STALE, SIDECAR_SUFFIX, read_sidecar, sidecar_path)
 from prx_assets.storage import object_store
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from streaming import Stream
 
-from prx_assets.s1_ingest.sources import load_sources
-from prx_assets.s7_shards.mds import read_index
-from prx_assets.s7_shards.trees import TreeStore, leaf_names
+from prx_assets.stages.ingest.sources import load_sources
+from prx_assets.stages.shards.mds import read_index
+from prx_assets.stages.shards.trees import TreeStore, leaf_names
 from prx_assets.storage import object_store
 
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "prx-mds-cache"
@@ -70,7 +70,7 @@ def plan_leaves(mds_root: Path | str, tier: int, weights: Mapping[str, float]) -
 def _current_tree(root: str, source: str) -> str:
     if object_store.is_object_store(root):
         return TreeStore(root, source).current_tree()
-    from prx_assets.s7_shards.mds import current_tree
+    from prx_assets.stages.shards.mds import current_tree
 
     return str(current_tree(Path(root), source))
 

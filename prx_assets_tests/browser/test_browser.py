@@ -16,8 +16,8 @@ import lance
 import pytest
 from PIL import Image
 
-from prx_assets.s7_shards.mds import current_tree
-from prx_assets.s8_skip_lists.skip_lists import read_sidecar
+from prx_assets.stages.shards.mds import current_tree
+from prx_assets.stages.skip_lists.skip_lists import read_sidecar
 from prx_assets_tests.browser import tiny_corpus
 from prx_assets_tests.browser.tiny_corpus import table_uri
 from prx_assets.testing.chromium import screenshot

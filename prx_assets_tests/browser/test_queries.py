@@ -11,7 +11,7 @@ import pytest
 
 from prx_assets.browser import links, queries
 from prx_assets.browser.optout import Tokens, pending_requests, write_request
-from prx_assets.s6_opt_outs.opt_outs import parse_directory
+from prx_assets.stages.opt_outs.opt_outs import parse_directory
 
 
 def _brute_pairs(hashes: np.ndarray, max_distance: int) -> set[tuple[int, int, int]]:

@@ -20,8 +20,8 @@ import lance
 import pyarrow as pa
 from PIL import Image, ImageEnhance
 
-from prx_assets.s3_captions.captions import CAPTIONS_SCHEMA
-from prx_assets.s1_ingest.ids import sample_id
+from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
+from prx_assets.stages.ingest.ids import sample_id
 from prx_assets.storage.layout import Storage
 from prx_assets.demo.corpus import encode
 

@@ -9,12 +9,12 @@ import lance
 import pyarrow as pa
 from PIL import Image
 
-from prx_assets.s1_ingest.ids import sample_id
-from prx_assets.s2_images.stage import PHASH_SCHEMA
+from prx_assets.stages.ingest.ids import sample_id
+from prx_assets.stages.images.stage import PHASH_SCHEMA
 from prx_assets.storage.layout import Storage
-from prx_assets.s2_images.phash import phash
-from prx_assets.s1_ingest.raw_rows import RAW_IMAGES_SCHEMA
-from prx_assets.s8_skip_lists.skip_lists import read_sidecar
+from prx_assets.stages.images.phash import phash
+from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
+from prx_assets.stages.skip_lists.skip_lists import read_sidecar
 from prx_assets.definitions import build_defs
 from prx_assets.demo.corpus import encode, real_photo_paths
 from prx_assets_tests.conftest import image_bytes, write_sources

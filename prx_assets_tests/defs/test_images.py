@@ -6,9 +6,9 @@ import lance
 import numpy as np
 from PIL import Image
 
-from prx_assets.s1_ingest.ids import sample_id
-from prx_assets.s2_images import pil_backend
-from prx_assets.s2_images.phash import hash_hex
+from prx_assets.stages.ingest.ids import sample_id
+from prx_assets.stages.images import pil_backend
+from prx_assets.stages.images.phash import hash_hex
 from prx_assets.demo.corpus import encode, photo_variant, real_photo_paths
 from prx_assets.definitions import build_defs
 from prx_assets_tests.fixtures import stock_pillow

@@ -3,10 +3,10 @@ import lance
 
 from prx_assets.defs.resources import (
     CaptionerResource, ClassifierResource, RayResource, SourcesResource, StorageResource)
-from prx_assets.defs.s4_labels import build_caption_labels, caption_labels_checks
-from prx_assets.defs.s9_corpus import build_corpus_asset
+from prx_assets.defs.labels import build_caption_labels, caption_labels_checks
+from prx_assets.defs.corpus import build_corpus_asset
 from prx_assets.demo.runner import check_results
-from prx_assets.s9_corpus.search import search_text
+from prx_assets.stages.corpus.search import search_text
 from prx_assets_tests.conftest import write_sources
 from prx_assets_tests.fixtures.corpus_tables import CAPTION_VERSION, write_source
 from prx_assets_tests.fixtures.labelled_captions import labelled_test_captions

@@ -1,9 +1,9 @@
 import dagster as dg
 import lance
 
-from prx_assets.s7_shards import mds
+from prx_assets.stages.shards import mds
 from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
-from prx_assets.defs.s7_shards import build_mds_shards, mds_tree_check
+from prx_assets.defs.shards import build_mds_shards, mds_tree_check
 from prx_assets_tests.defs.test_raw_images import checks
 from prx_assets.testing.mds_corpus import ACTIVE, build_corpus
 
@@ -71,7 +71,7 @@ def test_build_defs_wires_mds_shards_after_bucketed_images_and_captions(tmp_path
 
 
 def test_incremental_counts_and_an_unchanged_rerun_keeps_the_data_version(ray_session, data_root):
-    from prx_assets_tests.s7_shards.test_incremental import NEW_ID, add_sample, remove_sample
+    from prx_assets_tests.stages.shards.test_incremental import NEW_ID, add_sample, remove_sample
 
     corpus = build_corpus(data_root, "web", per_shape=3)
     instance = dg.DagsterInstance.ephemeral()

@@ -10,7 +10,7 @@ import lance
 import pytest
 
 from prx_assets.definitions import build_defs
-from prx_assets.s1_ingest.ids import sample_id
+from prx_assets.stages.ingest.ids import sample_id
 from prx_assets_tests.conftest import jpeg_bytes, write_sources
 
 

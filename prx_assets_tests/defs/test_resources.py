@@ -8,8 +8,8 @@ import pytest
 
 from prx_assets.defs.resources import (
     CaptionerResource, ClassifierResource, captioner_from_file, spec_fields, spec_values)
-from prx_assets.s3_captions.captioners import CaptionerSpec
-from prx_assets.s4_labels.runs import LabelerSpec
+from prx_assets.stages.captions.captioners import CaptionerSpec
+from prx_assets.stages.labels.runs import LabelerSpec
 
 REPO = Path(__file__).resolve().parents[2]
 

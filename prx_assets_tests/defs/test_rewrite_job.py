@@ -4,9 +4,9 @@ import dagster as dg
 import lance
 from streaming.base.util import clean_stale_shared_memory
 
-from prx_assets.s7_shards import mds
+from prx_assets.stages.shards import mds
 from prx_assets.storage.layout import Storage
-from prx_assets.s8_skip_lists.skip_lists import (
+from prx_assets.stages.skip_lists.skip_lists import (
     apply_skip_lists, build_skip_lists, mapping_batches, mapping_shards, sidecar_files)
 from prx_assets.definitions import build_defs
 from prx_assets_tests.conftest import write_sources

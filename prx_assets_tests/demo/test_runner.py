@@ -67,7 +67,7 @@ def test_the_label_shares_note_names_what_the_demo_classifier_does():
     the portrait caption nsfw: true of the shipped classifier (else the note must change)."""
     from prx_assets.demo.corpus import PHOTO_CAPTIONS
     from prx_assets.models.embeddings import MiniLMEmbedder
-    from prx_assets.s4_labels.labels import load_embedded_classifier
+    from prx_assets.stages.labels.labels import load_embedded_classifier
 
     caption = PHOTO_CAPTIONS["grace_hopper"]
     assert caption.startswith("A woman in a dark naval uniform")

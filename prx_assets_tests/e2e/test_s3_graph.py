@@ -26,9 +26,9 @@ def test_the_whole_graph_of_a_webdataset_source_lives_in_the_bucket(
         s3_server, s3_root, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     from prx_assets.definitions import build_defs
     from prx_assets.demo.funnel import source_funnel
-    from prx_assets.defs.s6_opt_outs import build_opt_out_sensor
+    from prx_assets.defs.opt_outs import build_opt_out_sensor
     from prx_assets.defs.resources import StorageResource
-    from prx_assets.s1_ingest.ids import sample_id
+    from prx_assets.stages.ingest.ids import sample_id
 
     # The source is a tar in the bucket too, streamed from there (never downloaded whole).
     tars = write_webdataset(tmp_path / "wds")
@@ -130,7 +130,7 @@ def _read_back_from_the_bucket(store: Storage, opted_out: str, tmp_path: Path,
     from streaming.base.util import clean_stale_shared_memory
 
     from prx_assets.loader import build_dataset
-    from prx_assets.s8_skip_lists.skip_lists import REASON_DEDUP, REASON_OPTOUT, duplicate_ids
+    from prx_assets.stages.skip_lists.skip_lists import REASON_DEDUP, REASON_OPTOUT, duplicate_ids
     from prx_assets.storage import object_store
 
     uri = _cli("mds-uri", SOURCE).strip()
@@ -221,13 +221,13 @@ def test_captions_labels_dedup_and_opt_outs_pass_the_storage_options_to_ray_task
     import pyarrow as pa
     import ray.data
 
-    from prx_assets.s3_captions.captioners import CaptionerSpec
-    from prx_assets.s3_captions.captions import active_caption_filter
-    from prx_assets.s3_captions.runs import caption_source, coverage, pending_requests
-    from prx_assets.s4_labels.runs import LabelerSpec, label_coverage, label_source
-    from prx_assets.s5_dedup.dedup import (
+    from prx_assets.stages.captions.captioners import CaptionerSpec
+    from prx_assets.stages.captions.captions import active_caption_filter
+    from prx_assets.stages.captions.runs import caption_source, coverage, pending_requests
+    from prx_assets.stages.labels.runs import LabelerSpec, label_coverage, label_source
+    from prx_assets.stages.dedup.dedup import (
         DUPLICATES_SCHEMA, duplicates_dataset, hash_inputs, summarise)
-    from prx_assets.s6_opt_outs.opt_outs import opt_out_dir, parse_directory, resolve
+    from prx_assets.stages.opt_outs.opt_outs import opt_out_dir, parse_directory, resolve
     from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")

@@ -15,9 +15,9 @@ import torch
 from PIL import Image
 from streaming.base.util import clean_stale_shared_memory
 
-from prx_assets.s7_shards import mds
+from prx_assets.stages.shards import mds
 from prx_assets.storage.layout import Storage
-from prx_assets.s8_skip_lists.skip_lists import sidecar_path
+from prx_assets.stages.skip_lists.skip_lists import sidecar_path
 from prx_assets.loader import SkipListMismatch, build_dataset, build_loader
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 

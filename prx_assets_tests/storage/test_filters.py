@@ -2,8 +2,8 @@ import lance
 import pyarrow as pa
 import pytest
 
-from prx_assets.s2_images.fidelity import fidelity_report
-from prx_assets.s2_images.imaging import ImageOptions, process_image
+from prx_assets.stages.images.fidelity import fidelity_report
+from prx_assets.stages.images.imaging import ImageOptions, process_image
 from prx_assets.storage.filters import all_of, eq_filter, in_filter, sql_string
 from prx_assets_tests.conftest import jpeg_bytes
 

@@ -1,0 +1,158 @@
+"""corpus: one table across every source for exploration and search, built in its own job.
+
+Incremental per source: a source whose input versions (bucketed_images, phashes, captions,
+caption_labels) are those the last corpus materialisation recorded keeps its rows; the
+others are replaced, and the indexes updated. A full rebuild happens when there is no corpus
+yet, when the caption or classifier version changed (every row changes), or when every
+source changed anyway.
+"""
+
+from collections import Counter
+from typing import Optional
+
+import dagster as dg
+
+from prx_assets.engine.progress import StageProgress
+from prx_assets.stages.captions.captions import active_caption_filter
+from prx_assets.stages.labels.labels import active_labels_filter
+from prx_assets.stages.corpus.corpus import (
+    CORPUS_SCHEMA, SourceTables, build_corpus, index_config, update_corpus)
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.tables import (
+    BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, CORPUS, PHASHES)
+from prx_assets.defs.metadata import (
+    browser_link, content_data_version, counts_table, incremental_metadata,
+    latest_data_version, latest_materialization, recorded)
+
+INPUTS = (BUCKETED_IMAGES, PHASHES, CAPTIONS, CAPTION_LABELS)
+INPUT_VERSION = "input_version/"
+
+
+def source_tables(store: Storage, source: str, caption_version: str,
+                  classifier_version: str) -> SourceTables:
+    """A source's inputs pinned at their latest versions: what is read is what is recorded."""
+    return SourceTables(
+        source, store.table(BUCKETED_IMAGES, source), store.table(CAPTIONS, source),
+        store.table(CAPTION_LABELS, source), store.table(PHASHES, source),
+        active_caption_filter(caption_version),
+        active_labels_filter(caption_version, classifier_version),
+        bucketed_version=store.latest_version(BUCKETED_IMAGES, source),
+        captions_version=store.latest_version(CAPTIONS, source),
+        labels_version=store.latest_version(CAPTION_LABELS, source),
+        phashes_version=store.latest_version(PHASHES, source),
+        storage_options=store.storage_options)
+
+
+def pinned_versions(tables: SourceTables) -> dict:
+    """Metadata entries `input_version/<table>/<source>` of exactly the versions read."""
+    versions = {BUCKETED_IMAGES: tables.bucketed_version, CAPTIONS: tables.captions_version,
+                CAPTION_LABELS: tables.labels_version, PHASHES: tables.phashes_version}
+    return {f"{INPUT_VERSION}{table}/{tables.name}": -1 if v is None else v
+            for table, v in versions.items()}
+
+
+def recorded_sources(previous: dg.AssetMaterialization) -> set[str]:
+    """The sources the previous materialisation read (named by its input-version entries)."""
+    return {key.rsplit("/", 1)[1] for key in previous.metadata
+            if key.startswith(INPUT_VERSION) and key.count("/") == 2}
+
+
+def changed_since(previous: dg.AssetMaterialization, tables: SourceTables) -> bool:
+    """Whether any input version of the source differs from what `previous` recorded."""
+    return any(recorded(previous, key) != version
+               for key, version in pinned_versions(tables).items())
+
+
+def full_rebuild_reason(previous: Optional[dg.AssetMaterialization], store: Storage,
+                        caption_version: str, classifier_version: str) -> Optional[str]:
+    """Why every row must be rewritten, or None when an update per source will do."""
+    if previous is None or not store.exists(CORPUS):
+        return "no corpus yet"
+    if store.open(CORPUS).schema != CORPUS_SCHEMA:
+        return "the corpus schema changed"
+    for entry, now in (("caption_version", caption_version),
+                       ("classifier_version", classifier_version)):
+        if recorded(previous, entry) != now:
+            return f"{entry.replace('_', ' ')} changed"
+    return None
+
+
+def build_corpus_asset(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+    every_source = dg.AllPartitionMapping()
+
+    @dg.asset(
+        name=CORPUS, group_name="corpus", kinds={"ray", "lance"}, code_version="2",
+        deps=[dg.AssetDep(name, partition_mapping=every_source) for name in INPUTS],
+        required_resource_keys={"captioner", "classifier", "ray_cluster", "sources", "storage"},
+        description="One table across sources for exploration: shape, active caption, label, "
+                    "phash, caption embedding and a 256 px thumbnail; full-text, vector and "
+                    "scalar indexes (see `prx-assets search` / `similar`). Rebuilt per "
+                    "changed source, its indexes updated rather than retrained.")
+    def corpus(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        caption_version = context.resources.captioner.caption_version()
+        classifier_version = context.resources.classifier.classifier_version()
+        store: Storage = context.resources.storage.get()
+        names = [s.name for s in context.resources.sources.load().sources]
+        ready = [n for n in names if store.exists(CAPTION_LABELS, n)]
+        if not ready:
+            raise dg.Failure("no source has caption_labels yet: materialise them first")
+        skipped = sorted(set(names) - set(ready))
+        if skipped:
+            context.log.warning(f"sources without caption_labels left out: {skipped}")
+        tables = [source_tables(store, n, caption_version, classifier_version) for n in ready]
+        uri = store.table(CORPUS)
+        previous = latest_materialization(context.instance, CORPUS, None)
+        reason = full_rebuild_reason(previous, store, caption_version, classifier_version)
+        changed = tables if reason else [t for t in tables if changed_since(previous, t)]
+        if not reason and len(changed) == len(tables) > 1:
+            reason = "every source changed"
+        # Rows per source are known only once joined with the labels: no total. A full
+        # build is one Ray write (no chunks to count): its closing line only.
+        progress = StageProgress(CORPUS, None, context.log.info)
+        if reason:
+            context.log.info(f"corpus: full rebuild ({reason})")
+            report = build_corpus(uri, tables, storage_options=store.storage_options)
+            progress.update(report.write.rows)
+        else:
+            gone = sorted(recorded_sources(previous) - set(ready))
+            keep = [t.name for t in tables if t not in changed]
+            context.log.info(f"corpus: replacing {[t.name for t in changed]}, removing "
+                             f"{gone}, keeping {keep}")
+            report = update_corpus(
+                uri, changed, gone, keep, storage_options=store.storage_options,
+                rebuild_indexes=recorded(previous, "index_config") != index_config(),
+                on_rows=progress.advance)
+        progress.finish()
+        context.log.info(f"corpus: {report.write.rows:,} rows, indexes {report.indexes}")
+        lance_version = store.latest_version(CORPUS)
+        changed_rows = bool(report.processed or report.removed)
+        return dg.MaterializeResult(metadata={
+            "path": dg.MetadataValue.path(str(uri)),
+            "lance_version": lance_version,
+            "dagster/row_count": report.write.rows,
+            "fragments": report.write.fragments,
+            "caption_version": caption_version, "classifier_version": classifier_version,
+            **incremental_metadata(report.processed,
+                                   max(0, report.write.rows - report.processed),
+                                   report.removed),
+            "full_rebuild": reason or "no",
+            "sources_replaced": ", ".join(t.name for t in changed) or "none",
+            "rows_per_source": counts_table(Counter(report.rows_per_source), "source"),
+            "rows_written_per_source": counts_table(Counter(report.inserted), "source"),
+            "rows_deleted_per_source": counts_table(Counter(report.deleted), "source"),
+            "index_config": index_config(),
+            "indexes": dg.MetadataValue.md("\n".join(
+                f"- `{column}`: {kind}" for column, kind in report.indexes.items())),
+            "sources_left_out": ", ".join(skipped) or "none", **browser_link(context),
+            **{k: v for t in tables for k, v in pinned_versions(t).items()},
+        }, data_version=content_data_version(latest_data_version(context.instance, CORPUS, None),
+                                             changed_rows, lance_version))
+
+    return corpus
+
+
+def corpus_defs(partitions_def: dg.PartitionsDefinition) -> dg.Definitions:
+    corpus = build_corpus_asset(partitions_def)
+    return dg.Definitions(assets=[corpus], jobs=[dg.define_asset_job(
+        "corpus_table_job", selection=dg.AssetSelection.assets(corpus),
+        description="The searchable corpus table across sources.")])

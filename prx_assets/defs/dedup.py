@@ -1,0 +1,86 @@
+"""duplicates: exact phash duplicates across every source (one global table)."""
+
+import dagster as dg
+
+from prx_assets.stages.dedup.dedup import (
+    DEFAULT_ROWS_PER_BUCKET, DUPLICATES_SCHEMA, duplicates_dataset, hash_inputs, hashed_rows,
+    near_duplicate_report, summarise)
+from prx_assets.storage.tables import DUPLICATES, PHASHES
+from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, FRAGMENT_ROWS_KEY, LanceTableOutput
+from prx_assets.defs.resources import RayResource, SourcesResource, StorageResource
+
+
+class DuplicatesConfig(dg.Config):
+    rows_per_bucket: int = DEFAULT_ROWS_PER_BUCKET
+    # The near-duplicate share is an estimate, reported and never acted on.
+    near_duplicate_probes: int = 256
+    near_duplicate_max_rows: int = 5_000_000
+    near_duplicate_max_distance: int = 4
+
+
+def build_duplicates() -> dg.AssetsDefinition:
+    @dg.asset(
+        name=DUPLICATES,
+        deps=[dg.AssetDep(PHASHES, partition_mapping=dg.AllPartitionMapping())],
+        io_manager_key="lance_io_manager",
+        group_name="dedup",
+        kinds={"ray", "lance"},
+        code_version="1",
+        metadata={FRAGMENT_ROWS_KEY: 1 << 20, FRAGMENT_BYTES_KEY: 1 << 30},
+        description="Every member of every group of identical phashes across all sources "
+                    "(flat images excluded), with the copy kept: most pixels, then source "
+                    "order, then id. Non-kept copies are skipped by skip_lists.",
+    )
+    def duplicates(context: dg.AssetExecutionContext, config: DuplicatesConfig,
+                   ray_cluster: RayResource, sources: SourcesResource,
+                   storage: StorageResource) -> LanceTableOutput:
+        names = sources.load().names
+        store = storage.get()
+        inputs, missing = hash_inputs(store, names)
+        if missing:
+            context.log.warning(f"no phashes table yet for {', '.join(missing)}: not deduplicated")
+        totals = hashed_rows(inputs)
+        context.log.info(f"grouping {sum(totals.values()):,} hashes from {len(inputs)} source(s)")
+        near = near_duplicate_report(inputs, config.near_duplicate_probes,
+                                     config.near_duplicate_max_rows,
+                                     config.near_duplicate_max_distance)
+        lineage = {f"input_version/{PHASHES}/{i.source}": i.version for i in inputs}
+        return LanceTableOutput(
+            duplicates_dataset(inputs, config.rows_per_bucket), DUPLICATES_SCHEMA,
+            metadata={**lineage, "sources_missing": ", ".join(missing) or "none",
+                      "near_duplicate_share": _near_table(near)},
+            after_write=lambda uri: _summary_metadata(uri, totals, store.storage_options))
+
+    return duplicates
+
+
+def _summary_metadata(uri: str, totals: dict[str, int], storage_options=None) -> dict:
+    summary = summarise(uri, totals, storage_options=storage_options)
+    per_source = [
+        dg.TableRecord({"source": source, "hashed": total,
+                        "removed": summary.removed_per_source.get(source, 0),
+                        "share": round(summary.removed_per_source.get(source, 0) / total, 4)
+                        if total else 0.0})
+        for source, total in totals.items()]
+    largest = [dg.TableRecord(group) for group in summary.largest]
+    return {
+        "duplicate_groups": summary.groups,
+        "removed": sum(summary.removed_per_source.values()),
+        "removed_per_source": dg.MetadataValue.table(per_source, schema=dg.TableSchema(columns=[
+            dg.TableColumn("source", "string"), dg.TableColumn("hashed", "int"),
+            dg.TableColumn("removed", "int"), dg.TableColumn("share", "float")])),
+        "largest_groups": dg.MetadataValue.table(largest, schema=dg.TableSchema(columns=[
+            dg.TableColumn("phash", "string"), dg.TableColumn("group_size", "int"),
+            dg.TableColumn("kept_id", "string")])),
+    }
+
+
+def _near_table(shares: dict[int, float]) -> dg.TableMetadataValue:
+    records = [dg.TableRecord({"hamming_distance_at_most": d, "share": round(s, 4)})
+               for d, s in shares.items()]
+    return dg.MetadataValue.table(records, schema=dg.TableSchema(columns=[
+        dg.TableColumn("hamming_distance_at_most", "int"), dg.TableColumn("share", "float")]))
+
+
+def dedup_defs() -> dg.Definitions:
+    return dg.Definitions(assets=[build_duplicates()])

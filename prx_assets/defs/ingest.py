@@ -1,0 +1,107 @@
+"""raw_images: every configured source ingested into Lance, one partition per source,
+incrementally: a rerun reads only the units that changed and deletes the rows that left
+(`stages.ingest.ingest`), committing chunk by chunk through the shared runner."""
+
+import dagster as dg
+
+from prx_assets.engine.chunked import CommitTarget
+from prx_assets.engine.progress import StageProgress
+from prx_assets.stages.ingest.ingest import IngestOptions, IngestReport, ingest_source
+from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS
+from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
+from prx_assets.stages.ingest.readers import DEFAULT_MAX_FILE_BYTES, SourceNotFoundError
+from prx_assets.storage.lance_tables import FragmentPolicy, describe_write
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.object_store import ObjectStoreError
+from prx_assets.storage.tables import RAW_IMAGES
+from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, PROFILE_KEY, table_metadata
+from prx_assets.defs.metadata import (
+    browser_link, content_data_version, incremental_metadata, latest_data_version)
+from prx_assets.defs.resources import RayResource, SourcesResource, StorageResource
+from prx_assets.defs.table_checks import table_checks
+
+# Image-blob fragments, sized by bytes (docs/architecture.md, fragment hygiene).
+FRAGMENT_BYTES = 512 << 20
+
+
+class IngestConfig(dg.Config):
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    files_per_task: int = 64
+    chunk_rows: int = 1024  # rows per commit: a kill loses at most one chunk of work
+
+
+def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+    @dg.asset(
+        name=RAW_IMAGES,
+        partitions_def=partitions_def,
+        # Downstream assets load this table through the IO manager (pinned to the
+        # `lance_version` recorded here); the asset writes it itself.
+        io_manager_key="lance_io_manager",
+        group_name="ingest",
+        kinds={"ray", "lance"},
+        code_version="2",
+        metadata={FRAGMENT_BYTES_KEY: FRAGMENT_BYTES, PROFILE_KEY: RAW_IMAGES},
+        description="Original image bytes of one source, with header size, format, sha256, "
+                    "original caption and a status per item (ok or the reason it is unusable). "
+                    "Incremental: only new or changed items are read, removed ones deleted.",
+    )
+    def raw_images(context: dg.AssetExecutionContext, config: IngestConfig, ray_cluster: RayResource,
+                   sources: SourcesResource, storage: StorageResource) -> dg.MaterializeResult:
+        catalog = sources.load()
+        spec = catalog.get(context.partition_key)
+        uri = catalog.location_of(spec.name)
+        store = storage.get()
+        target = CommitTarget(store.table(RAW_IMAGES, spec.name), RAW_IMAGES_SCHEMA, ["id"],
+                              FragmentPolicy(target_bytes=FRAGMENT_BYTES),
+                              store.lance_options())
+        options = IngestOptions(config.max_pixels, config.max_file_bytes, config.files_per_task,
+                                config.chunk_rows)
+        context.log.info(f"ingesting source {spec.name!r} ({spec.kind}) from {uri}")
+        try:
+            store.check_reachable()
+            # Rows per unit are known only once read: the line counts rows, without a total
+            # (the listing's line before it says how many units are left to read).
+            progress = StageProgress(f"{RAW_IMAGES}[{spec.name}]", None, context.log.info)
+            report = ingest_source(spec, uri, target, options,
+                                   on_chunk=lambda _chunk, run: progress.update(run.rows),
+                                   log=context.log.info)
+            progress.finish()
+        except (SourceNotFoundError, ObjectStoreError) as exc:
+            raise dg.Failure(f"source {spec.name!r}: {exc}") from exc
+        context.log.info(
+            f"{spec.name}: {report.rows_processed:,} row(s) read from {report.units_read:,} "
+            f"unit(s), {report.rows_reused:,} kept, {report.rows_removed:,} removed; "
+            f"version {report.lance_version}")
+        return dg.MaterializeResult(
+            metadata=_metadata(context, store, target, report, spec.kind, uri, spec.license),
+            data_version=content_data_version(
+                latest_data_version(context.instance, context.asset_key, context.partition_key),
+                report.changed, report.lance_version),
+        )
+
+    return raw_images
+
+
+def _metadata(context: dg.AssetExecutionContext, store: Storage, target: CommitTarget,
+              report: IngestReport, kind: str, uri: str, license: str) -> dict:
+    written = describe_write(target.open())
+    written.nodes = sorted(report.nodes)
+    written.compacted_from = report.commits.compacted_from or written.fragments
+    return {
+        **table_metadata(str(target.uri), written, store, RAW_IMAGES),
+        **incremental_metadata(report.rows_processed, report.rows_reused, report.rows_removed),
+        "units_listed": report.units_listed,
+        "units_read": report.units_read,
+        "commits": report.commits.commits,
+        **({"rebuilt_because": report.rebuilt_because} if report.rebuilt_because else {}),
+        "source_kind": kind,
+        "source_uri": dg.MetadataValue.path(uri),
+        "license": license,
+        **browser_link(context),
+    }
+
+
+def ingest_defs(partitions_def: dg.PartitionsDefinition) -> dg.Definitions:
+    return dg.Definitions(assets=[build_raw_images(partitions_def)],
+                          asset_checks=table_checks(RAW_IMAGES, partitions_def))

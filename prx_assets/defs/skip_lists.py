@@ -1,0 +1,163 @@
+"""skip_lists: per-shard sidecars of one source's MDS tree, and the skipped-share check."""
+
+import dagster as dg
+
+from prx_assets.stages.opt_outs.opt_outs import ids_for_source, opt_out_dir, parse_directory, resolve
+from prx_assets.stages.shards.mds import current_tree_uri
+from prx_assets.stages.skip_lists.skip_lists import (
+    REASON_DEDUP, REASON_OPTOUT, REASON_STALE, build_skip_lists, duplicate_ids, label_ids, mapping_batches,
+    mapping_shards, publish_skip_lists, read_ablations, skip_shares)
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.tables import (
+    CAPTION_LABELS, DUPLICATES, MDS_SAMPLES, MDS_SHARDS, OPT_OUTS, SKIP_LISTS)
+from prx_assets.defs.metadata import browser_link, incremental_metadata
+from prx_assets.defs.resources import (
+    CaptionerResource, ClassifierResource, SourcesResource, StorageResource)
+
+
+class SkipListsConfig(dg.Config):
+    # Caption labels whose samples are skipped (one reason each).
+    skip_labels: list[str] = ["text", "nsfw"]
+    dedup: bool = True
+    opt_outs: bool = True
+    # Named ablation lists: $PRX_DATA_ROOT/ablations/<name>.txt, one id per line.
+    ablations: bool = True
+
+
+def build_skip_lists_asset(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+    """Label reasons use the active caption and classifier versions of the resources."""
+
+    @dg.asset(
+        partitions_def=partitions_def,
+        name=SKIP_LISTS,
+        deps=[MDS_SHARDS, DUPLICATES, CAPTION_LABELS, OPT_OUTS],
+        group_name="dedup",
+        kinds={"json"},
+        description="Per-shard skip lists (shard.NNNNN.skip.json beside each shard): "
+                    "non-kept duplicates, chosen caption labels, opt-outs and named "
+                    "ablations. Shards are never touched.",
+    )
+    def skip_lists(context: dg.AssetExecutionContext, config: SkipListsConfig,
+                   sources: SourcesResource, captioner: CaptionerResource,
+                   classifier: ClassifierResource, storage: StorageResource
+                   ) -> dg.MaterializeResult:
+        source = context.partition_key
+        store = storage.get()
+        mapping_version = store.latest_version(MDS_SAMPLES, source)
+        mapping = store.table(MDS_SAMPLES, source)
+        if mapping_version is None:
+            raise dg.Failure(f"{mapping} does not exist: materialise mds_shards for {source}")
+        versions = (captioner.caption_version(), classifier.classifier_version())
+        reasons, lineage = _reasons(context, config, store, source, sources.load().names,
+                                    versions)
+        options = store.lance_options()
+        shards, per_leaf = mapping_shards(mapping, storage_options=options)
+        lists = build_skip_lists(mapping_batches(mapping, storage_options=options), reasons)
+        report = publish_skip_lists(store, source, lists, shards)
+        tree = current_tree_uri(store, source)
+        context.log.info(f"{source}: {report.written} sidecar(s) written, {report.removed} "
+                         f"removed, {report.unchanged} unchanged under {tree}")
+        lineage[f"input_version/{MDS_SAMPLES}"] = mapping_version
+        total = sum(per_leaf.values()) + report.skipped_per_reason.get(REASON_STALE, 0)
+        return dg.MaterializeResult(metadata={
+            **lineage, "tree": dg.MetadataValue.path(str(tree)),
+            "samples": total, "skipped": report.skipped_total,
+            "skipped_share": round(report.skipped_total / total, 4) if total else 0.0,
+            "skipped_per_reason": _reason_table(report.skipped_per_reason, total),
+            "sidecars_written": report.written, "sidecars_removed": report.removed,
+            "sidecars_unchanged": report.unchanged, **browser_link(context),
+            # A skip list removes nothing stored: its work is the samples whose skip state
+            # changed; every other sample is carried as it was.
+            **incremental_metadata(report.samples_changed, total - report.samples_changed, 0),
+        })
+
+    return skip_lists
+
+
+def _reasons(context: dg.AssetExecutionContext, config: SkipListsConfig, store: Storage,
+             source: str, all_sources: list[str], versions: tuple[str, str]
+             ) -> tuple[dict[str, set[str]], dict]:
+    """The ids each reason removes from this source, and the input versions read."""
+    reasons: dict[str, set[str]] = {}
+    lineage: dict = {}
+    if config.dedup and store.exists(DUPLICATES):
+        reasons[REASON_DEDUP] = duplicate_ids(store.table(DUPLICATES), source,
+                                               storage_options=store.storage_options)
+        lineage[f"input_version/{DUPLICATES}"] = store.latest_version(DUPLICATES)
+    if config.skip_labels and store.exists(CAPTION_LABELS, source):
+        reasons.update(label_ids(store.table(CAPTION_LABELS, source), config.skip_labels,
+                                 *versions, storage_options=store.storage_options))
+        lineage[f"input_version/{CAPTION_LABELS}"] = store.latest_version(CAPTION_LABELS, source)
+        lineage["caption_version"], lineage["classifier_version"] = versions
+    elif config.skip_labels:
+        context.log.warning(f"{source}: no caption_labels table yet; label reasons not applied")
+    if config.opt_outs:
+        parsed = parse_directory(opt_out_dir(store), storage_options=store.storage_options)
+        audit = resolve(parsed.requests, all_sources, store)
+        reasons[REASON_OPTOUT] = ids_for_source(audit, source)
+        lineage["opt_out_requests"] = len(parsed.requests)
+        lineage["opt_out_malformed_rows"] = len(parsed.errors)
+    if config.ablations:
+        for name, ids in read_ablations(store.ablations_dir, store.storage_options).items():
+            reasons[name] = {i for i in ids if i.startswith(f"{source}:")}
+    return reasons, lineage
+
+
+def _reason_table(counts, total: int) -> dg.TableMetadataValue:
+    records = [dg.TableRecord({"reason": reason, "skipped": int(n),
+                               "share": round(n / total, 4) if total else 0.0})
+               for reason, n in sorted(counts.items())]
+    return dg.MetadataValue.table(records, schema=dg.TableSchema(columns=[
+        dg.TableColumn("reason", "string"), dg.TableColumn("skipped", "int"),
+        dg.TableColumn("share", "float")]))
+
+
+class SkipShareConfig(dg.Config):
+    warn_above: float = 0.10
+
+
+def skip_share_warning(source: str, records: list, over: list[str], bound: float
+                       ) -> str | None:
+    """What the warning measured, per stream over the bound: "512/640x480 2 of 9 (22%)"."""
+    if not over:
+        return None
+    shown = [f"{r.data['stream']} {r.data['skipped']} of {r.data['samples']} "
+             f"({r.data['share']:.0%})" for r in records if r.data["stream"] in over]
+    more = f" and {len(shown) - 5} more" if len(shown) > 5 else ""
+    return (f"rewrite recommended for {source}: {len(over)} stream(s) skip more than "
+            f"{bound:.0%} of their samples: {', '.join(shown[:5])}{more} (run the rewrite job)")
+
+
+def skipped_share_check(partitions_def: dg.PartitionsDefinition) -> dg.AssetChecksDefinition:
+    @dg.asset_check(asset=dg.AssetKey(SKIP_LISTS), name="skipped_share",
+                    partitions_def=partitions_def,
+                    description="Share of skipped samples per stream (MDS leaf), read back from "
+                                "the sidecars; above the bound a rewrite of the source is "
+                                "recommended (skipping is free to change, but wastes I/O).")
+    def skipped_share(context: dg.AssetCheckExecutionContext, config: SkipShareConfig,
+                      storage: StorageResource) -> dg.AssetCheckResult:
+        source, store = context.partition_key, storage.get()
+        _, per_leaf = mapping_shards(store.table(MDS_SAMPLES, source),
+                                     storage_options=store.lance_options())
+        shares = skip_shares(current_tree_uri(store, source), per_leaf, store.storage_options)
+        records = [dg.TableRecord({"stream": leaf, "samples": n, "skipped": k,
+                                   "share": round(k / n, 4) if n else 0.0})
+                   for leaf, (n, k) in shares.items()]
+        over = [r.data["stream"] for r in records if r.data["share"] > config.warn_above]
+        return dg.AssetCheckResult(
+            passed=not over, severity=dg.AssetCheckSeverity.WARN,
+            description=skip_share_warning(source, records, over, config.warn_above),
+            metadata={"warn_above": config.warn_above,
+                      "streams_over": ", ".join(over) or "none",
+                      "per_stream": dg.MetadataValue.table(records, schema=dg.TableSchema(
+                          columns=[dg.TableColumn("stream", "string"),
+                                   dg.TableColumn("samples", "int"),
+                                   dg.TableColumn("skipped", "int"),
+                                   dg.TableColumn("share", "float")]))})
+
+    return skipped_share
+
+
+def skip_list_defs(partitions_def: dg.PartitionsDefinition) -> dg.Definitions:
+    return dg.Definitions(assets=[build_skip_lists_asset(partitions_def)],
+                          asset_checks=[skipped_share_check(partitions_def)])

@@ -1,0 +1,16 @@
+"""The pipeline's stages, one package each: pure, typed logic over Ray and Lance, no Dagster.
+
+In the order a source goes through them:
+
+1. `ingest`      raw files of a source into `raw_images`
+2. `images`      one decode per image: filter, tier and shape, Lanczos, JPEG Q92, phash
+3. `captions`    dense re-captions, versioned
+4. `labels`      caption classification (visual / text / nsfw)
+5. `dedup`       exact pHash duplicates across sources (global)
+6. `opt_outs`    the audited opt-out requests (global)
+7. `shards`      MDS trees per tier and shape
+8. `skip_lists`  per-shard sidecars: dedup, labels, opt-outs, ablations
+9. `corpus`      the searchable table over every source (global)
+
+Their Dagster wiring is `prx_assets.defs.<stage>`.
+"""

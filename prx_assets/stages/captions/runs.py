@@ -1,0 +1,215 @@
+"""Incremental, resumable captioning of one source.
+
+Work = kept images (bucketed_images, status "ok") minus the ids already done under the
+version. The chunked-commit runner (`engine.chunked`) streams the captions back to the
+driver and merge-inserts them in chunks keyed on (id, caption_version): a killed run loses
+at most the chunk in flight, a rerun never duplicates a row, and a retried failure replaces
+its failed row.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Optional
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray.data
+
+from prx_assets.engine.failpoints import failpoint
+from prx_assets.stages.captions.captioners import CaptionerSpec, caption_stage
+from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA, STATUS_OK, done_filter
+from prx_assets.storage.filters import eq_filter, in_filter
+from prx_assets.engine.chunked import BROADCAST_IDS as DEFAULT_BROADCAST_IDS
+from prx_assets.engine.chunked import (
+    ChunkedReport, ChunkedRun, CommitTarget, collect_ids, hash_partitions, keep_ids,
+    pending_rows, run_chunked, without_ids)
+from prx_assets.storage.lance_tables import (
+    FragmentPolicy, create_empty, open_table, read_table, table_exists)
+
+CAPTION_KEYS = ["id", "caption_version"]
+CAPTIONS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
+# Every function taking a table location also takes `storage_options`: overrides of the
+# standard AWS variables for an object-store root (`Storage.storage_options`).
+Options = Optional[Mapping[str, str]]
+
+
+@dataclass
+class CaptionRunReport(ChunkedReport):
+    version: str
+    statuses: Counter = field(default_factory=Counter)
+    word_counts: list[int] = field(default_factory=list)
+
+    @property
+    def images_per_s(self) -> float:
+        return self.written / self.seconds if self.seconds > 0 else 0.0
+
+
+# Up to this many ids the id sets captioning compares are broadcast to the tasks, past it
+# they are joined (read at call time, so a test can force the join path).
+BROADCAST_IDS = DEFAULT_BROADCAST_IDS
+
+
+def captions_target(captions_uri: str | Path, storage_options: Options = None) -> CommitTarget:
+    """A source's captions table: one row per (id, caption version)."""
+    return CommitTarget(captions_uri, CAPTIONS_SCHEMA, CAPTION_KEYS, CAPTIONS_FRAGMENTS,
+                        storage_options)
+
+
+def pending_requests(bucketed: ray.data.Dataset, raw_captions: ray.data.Dataset | None,
+                     captions_uri: str | Path, spec: CaptionerSpec,
+                     storage_options: Options = None) -> ray.data.Dataset:
+    """Rows {id, image?, original_caption?} of kept images not yet captioned."""
+    columns = request_columns(spec)
+    kept = bucketed.select_columns([*columns, "status"]).map_batches(
+        _kept_only, batch_format="pyarrow", zero_copy_batch=True)
+    requests = pending_rows(kept.select_columns(columns), captions_uri,
+                            done_filter(spec.version()), BROADCAST_IDS, storage_options)
+    if not spec.uses_model and raw_captions is not None:
+        requests = with_source_captions(requests, raw_captions)
+    return requests
+
+
+def request_columns(spec: CaptionerSpec) -> list[str]:
+    """The bucketed columns a backend needs: the images only when a model looks at them."""
+    return ["id", "image"] if spec.uses_model else ["id"]
+
+
+def read_kept(bucketed_uri: str | Path, version: int | None, spec: CaptionerSpec,
+              storage_options: Options = None) -> ray.data.Dataset:
+    """The kept rows of a bucketed table with the columns `spec` needs, filtered and
+    projected by Lance itself: Ray Data does not push a later projection into a Lance read,
+    so selecting ids from a full read read every image of the source (3.5 GB at 10,000
+    images) for a backend that looks at none."""
+    return read_table(bucketed_uri, version, storage_options,
+                      columns=[*request_columns(spec), "status"],
+                      filter=eq_filter("status", STATUS_OK))
+
+
+def _kept_only(batch: pa.Table) -> pa.Table:
+    return batch.filter(pc.equal(batch.column("status"), STATUS_OK))
+
+
+def with_source_captions(requests: ray.data.Dataset, raw_captions: ray.data.Dataset
+                         ) -> ray.data.Dataset:
+    """The `original` backend's input: the source caption of each requested id."""
+    captions = raw_captions.select_columns(["id", "original_caption"])
+    ids = collect_ids(requests, limit=BROADCAST_IDS)  # one pass over the requests
+    if ids is None:
+        return requests.join(captions, join_type="inner", on=("id",),
+                             num_partitions=hash_partitions(BROADCAST_IDS))
+    return captions.map_batches(keep_ids, fn_kwargs={"ids": ids, "member": True},
+                                batch_format="pyarrow", zero_copy_batch=True)
+
+
+def count_pending(bucketed_uri: str | Path, captions_uri: str | Path, version: str,
+                  storage_options: Options = None) -> int:
+    """About how many requests `pending_requests` yields, from two row counts (no pass over
+    the data): kept images less the captions of `version` that need no more work."""
+    if not table_exists(bucketed_uri, storage_options):
+        return 0
+    kept = open_table(bucketed_uri, storage_options=storage_options).count_rows(
+        filter=eq_filter("status", STATUS_OK))
+    done = open_table(captions_uri, storage_options=storage_options).count_rows(
+        filter=done_filter(version)) if table_exists(captions_uri, storage_options) else 0
+    return max(0, kept - done)
+
+
+def _item_keys(raw_uri: str | Path, version: int, with_caption: bool,
+               storage_options: Options = None) -> ray.data.Dataset:
+    """One string per raw row, `id`, sha256 of the original bytes (and the source caption):
+    equal keys in two versions mean the same item with the same content."""
+    columns = ["id", "sha256", "original_caption"] if with_caption else ["id", "sha256"]
+
+    def keys(batch: pa.Table) -> pa.Table:
+        parts = [pc.fill_null(batch.column(c), "") for c in columns]
+        return pa.table({"id": pc.binary_join_element_wise(*parts, "\x00")})
+
+    return read_table(raw_uri, version, storage_options, columns=columns).map_batches(
+        keys, batch_format="pyarrow")
+
+
+def changed_ids(raw_uri: str | Path, old_version: int, new_version: int, with_caption: bool,
+                storage_options: Options = None) -> set[str]:
+    """Ids of raw_images `old_version` whose item is gone or different in `new_version`
+    (the same key path, new bytes or a new source caption): their captions are stale."""
+    new_keys = _item_keys(raw_uri, new_version, with_caption, storage_options)
+    n_new = open_table(raw_uri, new_version, storage_options).count_rows()
+    gone = without_ids(_item_keys(raw_uri, old_version, with_caption, storage_options),
+                       new_keys, n_new, BROADCAST_IDS)
+    return {key.split("\x00", 1)[0] for key in collect_ids(gone).to_pylist()}
+
+
+def drop_captions(captions_uri: str | Path, ids: set[str], chunk: int = 10_000,
+                  storage_options: Options = None) -> int:
+    """Delete every caption row (all versions) of these ids; returns the rows deleted."""
+    if not ids or not table_exists(captions_uri, storage_options):
+        return 0
+    table = open_table(captions_uri, storage_options=storage_options)
+    before = table.count_rows()
+    ordered = sorted(ids)
+    for start in range(0, len(ordered), chunk):
+        table.delete(in_filter("id", ordered[start:start + chunk]))
+    return before - open_table(captions_uri, storage_options=storage_options).count_rows()
+
+
+def caption_source(requests: ray.data.Dataset, captions_uri: str | Path, spec: CaptionerSpec,
+                   chunk_rows: int = 1024,
+                   on_chunk: Callable[[CaptionRunReport], None] | None = None,
+                   storage_options: Options = None) -> CaptionRunReport:
+    """Caption `requests` and commit the results chunk by chunk."""
+    report = CaptionRunReport(version=spec.version())
+
+    def count(chunk: pa.Table, run: ChunkedRun) -> None:
+        report.commits = run
+        report.statuses.update(chunk.column("status").to_pylist())
+        ok = pc.equal(chunk.column("status"), STATUS_OK)
+        report.word_counts.extend(chunk.filter(ok).column("n_words").to_pylist())
+        if on_chunk:
+            on_chunk(report)
+        # A killed run keeps every chunk committed so far: tests hold the run here.
+        failpoint("captions.chunk_committed")
+
+    report.commits = run_chunked(requests, lambda rows: caption_stage(rows, spec),
+                                 captions_target(captions_uri, storage_options), chunk_rows,
+                                 on_chunk=count)
+    return report
+
+
+def ensure_table(uri: str | Path, storage_options: Options = None) -> int:
+    """An empty captions table for a source with nothing to caption (downstream can read it)."""
+    return create_empty(uri, CAPTIONS_SCHEMA, storage_options)
+
+
+@dataclass(frozen=True)
+class Coverage:
+    kept: int
+    done: int
+    ok: int
+    failed: int
+    in_target: int
+
+    @property
+    def share(self) -> float:
+        return self.done / self.kept if self.kept else 1.0
+
+
+def coverage(bucketed_uri: str | Path, captions_uri: str | Path, version: str,
+             target: tuple[int, int] = (100, 200), storage_options: Options = None) -> Coverage:
+    """Counts for the checks, read from the committed tables (metadata columns only)."""
+    kept = open_table(bucketed_uri, storage_options=storage_options).count_rows(
+        filter=eq_filter("status", STATUS_OK)) \
+        if table_exists(bucketed_uri, storage_options) else 0
+    if not table_exists(captions_uri, storage_options):
+        return Coverage(kept, 0, 0, 0, 0)
+    table = open_table(captions_uri, storage_options=storage_options)
+    rows = table.to_table(columns=["status", "n_words"],
+                          filter=eq_filter("caption_version", version))
+    statuses = Counter(rows.column("status").to_pylist())
+    words = rows.filter(pc.equal(rows.column("status"), STATUS_OK)).column("n_words")
+    in_target = pc.sum(pc.and_(pc.greater_equal(words, target[0]),
+                               pc.less_equal(words, target[1]))).as_py() or 0
+    done = sum(n for s, n in statuses.items() if s != "failed")
+    return Coverage(kept, done, statuses.get(STATUS_OK, 0), statuses.get("failed", 0), in_target)

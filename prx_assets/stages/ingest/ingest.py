@@ -1,0 +1,408 @@
+"""Ingest a source into its `raw_images` table, incrementally and resumably.
+
+1. **List** the source's units (files, tars, parquet files, Lance fragments) with what the
+   listing says of each (`unit_signature`: size and mtime, or the Lance version).
+2. **Compare** with the committed table: a unit is done when its rows carry the listed
+   signature and are all there (`unit_items`, on a unit's last row, says how many). Units
+   not done (new, changed, or cut off by a killed run) are pending; the driver hands them
+   to Ray in bounded in-memory blocks (no manifest file, so nothing is written to the
+   driver's disk and every node of a cluster can read them).
+3. **Read** the pending units in Ray tasks, streaming from the file system (local or
+   object store), and merge-insert the rows in chunks keyed on `id` through the shared
+   runner (`engine.chunked.run_chunked`): a kill keeps every committed chunk, a re-read
+   unit replaces its rows, ids stay unique at every version.
+4. **Delete** rows whose (unit, signature) is no longer listed, in one commit after the
+   upserts: files gone from the source, and members gone from a changed tar or parquet
+   file (only identifiable once the unit's surviving rows carry its new signature).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import lance
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray
+import ray.data
+from ray.data.aggregate import Count, Max
+
+from prx_assets.engine.chunked import (
+    BROADCAST_IDS, ChunkedReport, ChunkedRun, CommitTarget, hash_partitions, run_chunked)
+from prx_assets.engine.failpoints import failpoint
+from prx_assets.stages.ingest import readers
+from prx_assets.stages.ingest.location import SourceLocation
+from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS
+from prx_assets.stages.ingest.raw_rows import (
+    RAW_IMAGES_SCHEMA, UNIT_COLUMNS, FoundItem, raw_row, rows_to_tables)
+from prx_assets.stages.ingest.sources import SourceSpec
+from prx_assets.storage import object_store
+from prx_assets.storage.filters import in_filter
+from prx_assets.storage.object_store import as_uri
+from prx_assets.storage.lance_tables import tag_with_node
+
+# Units per in-memory block handed to Ray (a block is a few hundred KB of paths).
+UNIT_BLOCK = 10_000
+# The Ray node that read a row, carried beside the row up to its commit (ray_nodes metadata).
+NODE_COLUMN = "_ray_node"
+UNIT_KEYS = ("unit", "unit_signature")
+# Up to this many rows the comparison runs on the driver (as engine.chunked broadcasts up to
+# a million ids); past it, in Ray hash joins.
+DRIVER_COMPARE_ROWS = BROADCAST_IDS
+UNIT_FIELDS = pa.schema([pa.field("unit", pa.string()), pa.field("unit_signature", pa.string())])
+
+
+@dataclass(frozen=True)
+class IngestOptions:
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_file_bytes: int = readers.DEFAULT_MAX_FILE_BYTES
+    units_per_task: int = 64  # files per task for image folders; tars/parquet go one by one
+    chunk_rows: int = 1024  # rows per merge-insert commit
+
+
+# ------------------------------------------------------------------ listing and comparing
+
+def list_source(spec: SourceSpec, location: SourceLocation) -> Iterator[tuple[str, str]]:
+    """(unit, signature) of every unit of the source, streaming."""
+    if spec.kind == "lance":
+        return readers.lance_unit_entries(spec, location)
+    return readers.list_unit_entries(spec, location)
+
+
+def completed_units(target: CommitTarget) -> dict[str, str]:
+    """unit -> signature of every unit whose rows are all committed under that signature.
+
+    Held on the driver (one entry per unit; a folder's units are its files), like the ids
+    `engine.chunked` broadcasts; the three columns are read, never the images."""
+    if target.version() is None:
+        return {}
+    table = target.open().to_table(columns=list(UNIT_COLUMNS))
+    if table.num_rows == 0:
+        return {}
+    groups = table.group_by(["unit", "unit_signature"]).aggregate(
+        [("unit_items", "max"), ([], "count_all")])
+    complete = groups.filter(pc.equal(groups["unit_items_max"], groups["count_all"]))
+    return dict(zip(complete["unit"].to_pylist(), complete["unit_signature"].to_pylist()))
+
+
+def schema_mismatch(target: CommitTarget) -> Optional[str]:
+    """Why an existing table cannot be updated in place (a table of an older schema), or
+    None (no table, or the current schema)."""
+    if target.version() is None:
+        return None
+    names = target.open().schema.names
+    if names == RAW_IMAGES_SCHEMA.names:
+        return None
+    missing = [n for n in RAW_IMAGES_SCHEMA.names if n not in names]
+    return (f"its schema lacks {', '.join(missing)}" if missing
+            else "its columns differ from the current schema")
+
+
+def reset_table(target: CommitTarget) -> int:
+    """Replace the table with an empty one of the current schema (one commit); the units
+    are then all pending and the run rebuilds it in full."""
+    lance.write_dataset(RAW_IMAGES_SCHEMA.empty_table(), as_uri(target.uri), mode="overwrite",
+                        storage_options=_lance_options(target))
+    return target.version()
+
+
+def _lance_options(target: CommitTarget) -> Optional[dict]:
+    return object_store.lance_options(target.uri, target.storage_options)
+
+
+@dataclass
+class IngestPlan:
+    """What the listing found and what is left to read.
+
+    Two ways to compare, picked by the table's size: on the driver (the listing kept as a
+    dict, compared with `completed_units`), or past `DRIVER_COMPARE_ROWS` with Ray
+    hash joins (the listing stays in Ray's object store, nothing per unit on the driver)."""
+
+    location: SourceLocation
+    units_listed: int = 0
+    pending_units: int = 0
+    blocks: list = field(default_factory=list)  # ObjectRefs of pa.Tables (UNIT_FIELDS)
+    listed: Optional[dict[str, str]] = None  # driver comparison: unit -> signature now
+    pending_rows: Optional[ray.data.Dataset] = None  # Ray comparison: units left to read
+
+    def pending(self) -> Optional[ray.data.Dataset]:
+        if self.listed is None:
+            return self.pending_rows if self.pending_units else None
+        return ray.data.from_arrow_refs(self.blocks) if self.blocks else None
+
+    def stale_ids(self, target: CommitTarget) -> list[str]:
+        if self.listed is not None:
+            return stale_ids(target, self.listed)
+        return stale_ids_joined(target, ray.data.from_arrow_refs(self.blocks),
+                                self.units_listed)
+
+
+def plan_ingest(spec: SourceSpec, uri: "str | Path | SourceLocation", done: dict[str, str],
+                block_units: int = UNIT_BLOCK, keep_listing: bool = True) -> IngestPlan:
+    """List the source and queue, in blocks, every unit whose listed signature is not
+    done (with `keep_listing=False`, every unit, and no dict of them on the driver)."""
+    plan = IngestPlan(readers.resolve_location(spec, uri), listed={} if keep_listing else None)
+    block: list[tuple[str, str]] = []
+    for unit, signature in list_source(spec, plan.location):
+        plan.units_listed += 1
+        if plan.listed is not None:
+            plan.listed[unit] = signature
+        if done.get(unit) == signature:
+            continue
+        block.append((unit, signature))
+        if len(block) >= block_units:
+            plan.blocks.append(_put_block(block))
+            plan.pending_units += len(block)
+            block = []
+    if block:
+        plan.blocks.append(_put_block(block))
+        plan.pending_units += len(block)
+    return plan
+
+
+def plan_ingest_joined(spec: SourceSpec, uri: "str | Path | SourceLocation",
+                       target: CommitTarget, block_units: int = UNIT_BLOCK) -> IngestPlan:
+    """The plan for a big table: the listing anti-joined with the completed units of the
+    table in Ray (hash-partitioned), materialised once (unit names only)."""
+    plan = plan_ingest(spec, uri, done={}, block_units=block_units, keep_listing=False)
+    if not plan.blocks:
+        return plan
+    listed = ray.data.from_arrow_refs(plan.blocks)
+    pending = listed.join(completed_pairs(target), join_type="left_anti", on=UNIT_KEYS,
+                          num_partitions=hash_partitions(plan.units_listed)).materialize()
+    plan.pending_rows, plan.pending_units = pending, pending.count()
+    return plan
+
+
+def completed_pairs(target: CommitTarget) -> ray.data.Dataset:
+    """(unit, unit_signature) of every complete unit of the table, computed in Ray."""
+    grouped = ray.data.read_lance(as_uri(target.uri), columns=list(UNIT_COLUMNS),
+                                  storage_options=_lance_options(target)) \
+        .groupby(list(UNIT_KEYS)).aggregate(Count(alias_name="rows"),
+                                            Max("unit_items", alias_name="expected"))
+    return grouped.map_batches(_complete_only, batch_format="pyarrow")
+
+
+def _complete_only(groups: pa.Table) -> pa.Table:
+    complete = groups.filter(pc.fill_null(pc.equal(groups["rows"], groups["expected"]), False))
+    return complete.select(list(UNIT_KEYS))
+
+
+def _put_block(units: list[tuple[str, str]]) -> "ray.ObjectRef":
+    names, signatures = zip(*units)
+    return ray.put(pa.table([pa.array(names, pa.string()), pa.array(signatures, pa.string())],
+                            schema=UNIT_FIELDS))
+
+
+# ------------------------------------------------------------------ reading units (Ray tasks)
+
+def expand_units(units: pa.Table, spec: SourceSpec, location: "SourceLocation | str",
+                 options: IngestOptions, node_column: bool = False) -> Iterator[pa.Table]:
+    """Ray map_batches UDF: a batch of units -> bounded tables of raw rows, marked with the
+    Ray node that read them (schema metadata, or with `node_column` a column that survives
+    the runner's re-batching; the committer drops it)."""
+    if not isinstance(location, SourceLocation):
+        location = SourceLocation.of(location)
+    signatures = (units.column("unit_signature").to_pylist()
+                  if "unit_signature" in units.column_names else [None] * units.num_rows)
+    for table in rows_to_tables(
+        row
+        for unit, signature in zip(units.column("unit").to_pylist(), signatures)
+        for row in _unit_rows(spec, location, unit, signature, options)
+    ):
+        yield _with_node_column(table) if node_column else tag_with_node(table)
+        failpoint("ingest.expand_units")
+
+
+def _with_node_column(table: pa.Table) -> pa.Table:
+    node = ray.get_runtime_context().get_node_id()
+    return table.append_column(NODE_COLUMN, pa.array([node] * table.num_rows, pa.string()))
+
+
+def rows_to_commit(chunk: pa.Table) -> pa.Table:
+    """A chunk as it is merge-inserted: without the node column, and with one row per id
+    (the last), since a merge-insert refuses two source rows for one key (a key found in
+    two units of a source: the unit read later wins)."""
+    if NODE_COLUMN in chunk.column_names:
+        chunk = chunk.drop_columns([NODE_COLUMN])
+    ids = chunk.column("id")
+    if pc.count_distinct(ids).as_py() == chunk.num_rows:
+        return chunk
+    positions = pa.table({"id": ids, "position": pa.array(range(chunk.num_rows), pa.int64())})
+    last = positions.group_by("id").aggregate([("position", "max")])["position_max"]
+    return chunk.take(pc.take(last, pc.sort_indices(last)))  # in chunk order
+
+
+def _unit_rows(spec: SourceSpec, location: SourceLocation, unit: str,
+               signature: Optional[str], options: IngestOptions) -> Iterator[dict]:
+    """The unit's rows, each naming its unit and signature; the last one also says how
+    many rows the unit yielded (held back one row to know which is last). A key repeated
+    within the unit (a tar whose members of one sample are not adjacent) keeps its first
+    item: one id is one row."""
+    previous: Optional[dict] = None
+    count = 0
+    seen: set[str] = set()
+    for item in _items_of_unit(spec, location, unit, signature, options):
+        row = raw_row(spec.name, item, options.max_pixels)
+        if row["id"] in seen:
+            continue
+        seen.add(row["id"])
+        row.update(unit=unit, unit_signature=signature)
+        if previous is not None:
+            yield previous
+        previous, count = row, count + 1
+    if previous is not None:
+        previous["unit_items"] = count
+        yield previous
+
+
+def _items_of_unit(spec: SourceSpec, location: SourceLocation, unit: str,
+                   signature: Optional[str], options: IngestOptions) -> Iterator[FoundItem]:
+    if readers.is_folder_unit(unit):
+        yield readers.unreadable_folder_item(unit)
+    elif spec.kind == "image_folder":
+        yield readers.read_image_file(spec, location, unit, options.max_file_bytes)
+    elif spec.kind == "webdataset":
+        yield from readers.read_tar(spec, location, unit, options.max_file_bytes)
+    elif spec.kind == "parquet":
+        yield from readers.read_parquet_file(spec, location, unit,
+                                             max_file_bytes=options.max_file_bytes)
+    elif spec.kind == "lance":
+        yield from readers.read_lance_fragment(spec, location, unit, signature or "")
+    else:
+        raise ValueError(f"kind {spec.kind!r} has no units")
+
+
+def read_units(units: ray.data.Dataset, spec: SourceSpec, location: SourceLocation,
+               options: IngestOptions, node_column: bool = False) -> ray.data.Dataset:
+    """The lazy dataset of raw rows of `units` (the Ray stage of an ingest)."""
+    # Tars, parquet files and fragments are big units: one per task keeps them parallel;
+    # small blocks of units let the expensive expansion spread over every node.
+    per_task = options.units_per_task if spec.kind == "image_folder" else 1
+    return units.repartition(target_num_rows_per_block=per_task).map_batches(
+        functools.partial(expand_units, spec=spec, location=location, options=options,
+                          node_column=node_column),
+        batch_format="pyarrow", batch_size=per_task,
+    )
+
+
+def build_raw_dataset(spec: SourceSpec, uri: "str | Path",
+                      options: IngestOptions = IngestOptions()) -> ray.data.Dataset:
+    """The lazy dataset of every `raw_images` row of the source (a full read, nothing
+    compared; for benches and one-shot writes)."""
+    plan = plan_ingest(spec, uri, done={})
+    pending = plan.pending()
+    if pending is None:
+        return ray.data.from_arrow(RAW_IMAGES_SCHEMA.empty_table())
+    return read_units(pending, spec, plan.location, options)
+
+
+# ------------------------------------------------------------------ the incremental run
+
+@dataclass
+class IngestReport(ChunkedReport):
+    """One ingest run: the runner's counts (`commits`) and the comparison's."""
+
+    units_listed: int = 0
+    units_read: int = 0
+    rows: int = 0  # rows in the table after the run
+    rows_removed: int = 0
+    rebuilt_because: Optional[str] = None  # set when an old-schema table was rebuilt
+    version_before: Optional[int] = None
+    nodes: set[str] = field(default_factory=set)
+
+    @property
+    def rows_processed(self) -> int:
+        return self.commits.rows
+
+    @property
+    def rows_reused(self) -> int:
+        return max(0, self.rows - self.commits.committed)
+
+    @property
+    def changed(self) -> bool:
+        return self.lance_version != self.version_before
+
+
+ChunkHook = Callable[[pa.Table, ChunkedRun], None]
+
+
+def ingest_source(spec: SourceSpec, uri: "str | Path | SourceLocation", target: CommitTarget,
+                  options: IngestOptions = IngestOptions(),
+                  on_chunk: Optional[ChunkHook] = None,
+                  log: Callable[[str], None] = lambda message: None) -> IngestReport:
+    """Bring the source's table up to date with the source: read what changed, commit it
+    in chunks, delete what left. Safe to kill at any point and to rerun."""
+    report = IngestReport(version_before=target.version())
+    reason = schema_mismatch(target)
+    if reason:
+        log(f"{target.uri}: rebuilding in full once, {reason} (change detection needs them)")
+        reset_table(target)
+        report.rebuilt_because = reason
+    rows_before = target.open().count_rows() if target.version() is not None else 0
+    plan = (plan_ingest(spec, uri, completed_units(target))
+            if rows_before <= DRIVER_COMPARE_ROWS else plan_ingest_joined(spec, uri, target))
+    report.units_listed, report.units_read = plan.units_listed, plan.pending_units
+    log(f"{spec.name}: {report.units_listed:,} unit(s) listed, {report.units_read:,} to read")
+
+    def committed(chunk: pa.Table, run: ChunkedRun) -> None:
+        report.nodes.update(pc.unique(chunk.column(NODE_COLUMN)).to_pylist())
+        failpoint("ingest.chunk_committed")
+        if on_chunk:
+            on_chunk(chunk, run)
+
+    pending = plan.pending()
+    report.commits = run_chunked(
+        pending, lambda units: read_units(units, spec, plan.location, options, node_column=True),
+        target, options.chunk_rows, to_commit=rows_to_commit, on_chunk=committed)
+    report.rows_removed = delete_stale_rows(target, plan)
+    table = target.open() if target.version() is not None else None
+    if table is None:  # an empty source never written: an empty table all the same
+        lance.write_dataset(RAW_IMAGES_SCHEMA.empty_table(), as_uri(target.uri),
+                            storage_options=_lance_options(target))
+        table = target.open()
+    report.commits.lance_version = table.version
+    report.rows = table.count_rows()
+    return report
+
+
+def stale_ids(target: CommitTarget, listed: dict[str, str]) -> list[str]:
+    """Ids of rows whose (unit, signature) the listing no longer has."""
+    if target.version() is None:
+        return []
+    units = pa.array(list(listed), pa.string())
+    signatures = pa.array(list(listed.values()), pa.string())
+    stale: list[str] = []
+    for batch in target.open().to_batches(columns=["id", "unit", "unit_signature"],
+                                          batch_size=65536):
+        listed_signature = pc.take(signatures, pc.index_in(batch.column("unit"), units))
+        current = pc.fill_null(pc.equal(listed_signature, batch.column("unit_signature")),
+                               False)
+        stale.extend(batch.column("id").filter(pc.invert(current)).to_pylist())
+    return stale
+
+
+def stale_ids_joined(target: CommitTarget, listed: ray.data.Dataset, n_listed: int
+                     ) -> list[str]:
+    """`stale_ids` for a big table: the table's (unit, signature) anti-joined in Ray with
+    the listing; only the stale ids come back to the driver."""
+    if target.version() is None:
+        return []
+    rows = ray.data.read_lance(as_uri(target.uri), columns=["id", *UNIT_KEYS],
+                               storage_options=_lance_options(target))
+    stale = rows.join(listed, join_type="left_anti", on=UNIT_KEYS,
+                      num_partitions=hash_partitions(max(n_listed, target.open().count_rows())))
+    # A join's output may hold large_string: read the ids whatever their string type.
+    return [id_ for batch in stale.select_columns(["id"]).iter_batches(batch_format="pyarrow")
+            for id_ in batch.column("id").to_pylist()]
+
+
+def delete_stale_rows(target: CommitTarget, plan: IngestPlan) -> int:
+    """Delete rows the source no longer holds, in one commit; returns how many."""
+    ids = plan.stale_ids(target)
+    if ids:
+        target.open().delete(in_filter("id", ids))
+    return len(ids)

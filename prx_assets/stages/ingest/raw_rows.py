@@ -1,0 +1,97 @@
+"""Rows of the `raw_images` table, built from whatever a reader found for one item."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import pyarrow as pa
+
+from prx_assets.stages.ingest.ids import sample_id
+from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS, STATUS_OK, probe_image, sha256_hex
+
+RAW_IMAGES_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("source_key", pa.string(), nullable=False),
+        pa.field("image", pa.large_binary()),
+        pa.field("format", pa.string()),
+        pa.field("width", pa.int32()),
+        pa.field("height", pa.int32()),
+        pa.field("n_bytes", pa.int64()),
+        pa.field("sha256", pa.string()),
+        pa.field("original_caption", pa.string()),
+        pa.field("status", pa.string(), nullable=False),
+        pa.field("error", pa.string()),
+        # Where the item was fetched from, when the source says (opt-outs by url).
+        pa.field("url", pa.string()),
+        # Change detection (docs/sources.md): the unit the row came from (a file, a tar, a
+        # parquet file, a Lance fragment), what the listing said of that unit when it was
+        # read (size and mtime, or the Lance version), and, on the unit's last row only, how
+        # many rows the unit yielded: a unit is complete once that many rows carry its
+        # signature, so a unit cut off by a kill between chunks is read again.
+        pa.field("unit", pa.string()),
+        pa.field("unit_signature", pa.string()),
+        pa.field("unit_items", pa.int64()),
+    ]
+)
+# The columns change detection reads back from a committed table.
+UNIT_COLUMNS = ("unit", "unit_signature", "unit_items")
+
+
+@dataclass(frozen=True)
+class FoundItem:
+    """One item as a reader found it: bytes, or the reason it could not get them."""
+
+    key: str
+    data: bytes | None = None
+    caption: str | None = None
+    status: str | None = None  # set when the reader itself failed (unreadable, unsafe_path...)
+    error: str | None = None
+    url: str | None = None
+
+
+def raw_row(source: str, item: FoundItem, max_pixels: int = DEFAULT_MAX_PIXELS) -> dict:
+    """Probe the item's bytes (header only) and return its `raw_images` row."""
+    row = {
+        "id": sample_id(source, item.key),
+        "source": source,
+        "source_key": item.key,
+        "image": None,
+        "format": None,
+        "width": None,
+        "height": None,
+        "n_bytes": len(item.data) if item.data is not None else None,
+        "sha256": sha256_hex(item.data) if item.data else None,
+        "original_caption": item.caption,
+        "status": item.status,
+        "error": item.error,
+        "url": item.url,
+        "unit": None,
+        "unit_signature": None,
+        "unit_items": None,
+    }
+    if item.status is not None:
+        return row
+    probe = probe_image(item.data, max_pixels=max_pixels)
+    row.update(status=probe.status, error=probe.error, format=probe.format,
+               width=probe.width, height=probe.height)
+    if probe.status == STATUS_OK:
+        row["image"] = item.data  # original bytes, untouched
+    return row
+
+
+def rows_to_tables(rows: Iterable[dict], max_rows: int = 64,
+                   max_bytes: int = 64 << 20) -> Iterator[pa.Table]:
+    """Group rows into Arrow tables bounded by row count and image bytes (bounded memory)."""
+    pending: list[dict] = []
+    pending_bytes = 0
+    for row in rows:
+        pending.append(row)
+        pending_bytes += row["n_bytes"] or 0
+        if len(pending) >= max_rows or pending_bytes >= max_bytes:
+            yield pa.Table.from_pylist(pending, schema=RAW_IMAGES_SCHEMA)
+            pending, pending_bytes = [], 0
+    if pending:
+        yield pa.Table.from_pylist(pending, schema=RAW_IMAGES_SCHEMA)

@@ -1,0 +1,400 @@
+"""Per-kind source readers as plain generators: a *unit* (a file, a tar, a parquet file)
+expands into the items it holds. Ray parallelises over units (see `ingest.py`); nothing
+here needs Ray, so every bad-input case is testable in isolation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import posixpath
+import tarfile
+from pathlib import Path, PurePosixPath
+from typing import Iterator
+
+import lance
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from prx_assets.stages.ingest.probe import STATUS_MISSING_IMAGE, STATUS_UNREADABLE, STATUS_UNSAFE_PATH
+from prx_assets.stages.ingest.location import SourceLocation, signature
+from prx_assets.stages.ingest.raw_rows import FoundItem
+from prx_assets.stages.ingest.sources import SourceSpec
+
+IMAGE_FOLDER_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
+DEFAULT_MAX_FILE_BYTES = 512 << 20  # a single image above this is refused, not loaded
+STATUS_FILE_TOO_LARGE = "file_too_large"
+STATUS_UNREADABLE_FOLDER = "unreadable_folder"
+
+
+class SourceNotFoundError(FileNotFoundError):
+    """The source's uri does not exist; names the source and the path."""
+
+
+UNIT_SUFFIXES = {"image_folder": IMAGE_FOLDER_EXTENSIONS, "webdataset": (".tar",),
+                 "parquet": (".parquet",)}
+
+
+def _location(where: "SourceLocation | Path | str") -> SourceLocation:
+    return where if isinstance(where, SourceLocation) else SourceLocation.of(where)
+
+
+def resolve_location(spec: SourceSpec, where: "SourceLocation | Path | str") -> SourceLocation:
+    """The source's location, checked: on an object store the bucket, credentials and
+    endpoint first (`ObjectStoreError`), then that the path exists (`SourceNotFoundError`);
+    marked `single_file` when the uri names one file rather than a folder or prefix."""
+    location = _location(where)
+    location.check_reachable()
+    if location.is_local:
+        path = Path(location.uri)
+        if not path.exists():
+            raise SourceNotFoundError(
+                f"source {spec.name!r} ({spec.kind}): path not found: {location.uri}")
+        return location.as_single_file() if path.is_file() else location
+    info = location.info()
+    if info.type == pafs.FileType.NotFound:
+        raise SourceNotFoundError(f"source {spec.name!r} ({spec.kind}): nothing at "
+                                  f"{location.uri}")
+    return location.as_single_file() if info.type == pafs.FileType.File else location
+
+
+def check_source_exists(spec: SourceSpec, uri: "SourceLocation | Path | str") -> None:
+    resolve_location(spec, uri)
+
+
+def list_units(spec: SourceSpec, uri: "SourceLocation | Path | str") -> Iterator[str]:
+    """Paths (relative to `uri`, POSIX, sorted per directory) of the units to read, and a
+    `folder_unit` for each folder that could not be listed."""
+    for unit, _ in list_unit_entries(spec, resolve_location(spec, uri)):
+        yield unit
+
+
+def list_unit_entries(spec: SourceSpec, location: SourceLocation) -> Iterator[tuple[str, str]]:
+    """(unit, signature) for every unit of a resolved location, streaming: the signature is
+    what the listing says of the unit's content (`location.signature`), which decides
+    whether a rerun reads it again. An image's signature includes its caption file's."""
+    suffixes = UNIT_SUFFIXES.get(spec.kind)
+    if suffixes is None:
+        raise ValueError(f"kind {spec.kind!r} is not read unit by unit")
+    if location.single_file:
+        if location.is_local:
+            stat = os.stat(location.uri)
+            yield Path(location.uri).name, signature(stat.st_size, stat.st_mtime_ns)
+        else:
+            info = location.info()
+            yield info.base_name, signature(info.size, info.mtime_ns)
+        return
+    caption = spec.caption_suffix if spec.kind == "image_folder" else None
+    if location.is_local:
+        root = Path(location.uri)
+        yield from _walk_sorted(root, root, suffixes, caption)
+    else:
+        yield from _walk_store(location, location.base.rstrip("/"), "", suffixes, caption)
+
+
+def _walk_sorted(root: Path, directory: Path, suffixes: tuple[str, ...],
+                 caption_suffix: str | None = None) -> Iterator[tuple[str, str]]:
+    """A streaming, deterministic recursive walk (no full listing held in memory).
+
+    A folder that cannot be listed becomes a unit of its own (see `folder_unit`), so its
+    images are not dropped silently: the partition gets a row saying which folder and why.
+    """
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except OSError as exc:
+        yield folder_unit(directory.relative_to(root).as_posix(), exc), UNLISTABLE
+        return
+    by_name = {e.name: e for e in entries}
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            yield from _walk_sorted(root, Path(entry.path), suffixes, caption_suffix)
+        elif entry.name.lower().endswith(suffixes):
+            sig = _local_signature(entry)
+            sibling = by_name.get(_caption_name(entry.name, caption_suffix))
+            if sibling is not None:
+                sig += f"+{_local_signature(sibling)}"
+            yield Path(entry.path).relative_to(root).as_posix(), sig
+
+
+def _local_signature(entry: os.DirEntry) -> str:
+    try:
+        stat = entry.stat()  # follows links: the content a read would get
+    except OSError as exc:
+        return f"unstatable:{type(exc).__name__}"  # read (and recorded) as unreadable
+    return signature(stat.st_size, stat.st_mtime_ns)
+
+
+def _caption_name(name: str, caption_suffix: str | None) -> str | None:
+    return str(PurePosixPath(name).with_suffix(caption_suffix)) if caption_suffix else None
+
+
+def _walk_store(location: SourceLocation, base: str, rel_dir: str, suffixes: tuple[str, ...],
+                caption_suffix: str | None) -> Iterator[tuple[str, str]]:
+    """The object-store walk: one delimited listing per prefix level, sorted, like the
+    local walk (a listing failure past the preflight becomes that prefix's folder unit)."""
+    directory = f"{base}/{rel_dir}".rstrip("/")
+    try:
+        infos = location.filesystem().get_file_info(
+            pafs.FileSelector(directory, recursive=False))
+    except OSError as exc:
+        yield folder_unit(rel_dir.rstrip("/") or ".", exc), UNLISTABLE
+        return
+    infos.sort(key=lambda i: i.base_name)
+    by_name = {i.base_name: i for i in infos if i.type == pafs.FileType.File}
+    for info in infos:
+        rel = f"{rel_dir}{info.base_name}"
+        if info.type == pafs.FileType.Directory:
+            yield from _walk_store(location, base, f"{rel}/", suffixes, caption_suffix)
+        elif info.type == pafs.FileType.File and info.base_name.lower().endswith(suffixes):
+            sig = signature(info.size, info.mtime_ns)
+            sibling = by_name.get(_caption_name(info.base_name, caption_suffix))
+            if sibling is not None:
+                sig += f"+{signature(sibling.size, sibling.mtime_ns)}"
+            yield rel, sig
+
+
+# The signature of a folder that could not be listed (its unit names the error).
+UNLISTABLE = "unlistable"
+
+
+# An unlistable folder's unit: its path, a "/" (no listed file ends with one), a NUL (no
+# POSIX path holds one) and the error, so the unit alone carries everything its row needs.
+_FOLDER_UNIT_MARK = "/\0"
+
+
+def folder_unit(rel: str, exc: OSError) -> str:
+    return f"{rel}{_FOLDER_UNIT_MARK}{type(exc).__name__}: {exc}"
+
+
+def is_folder_unit(unit: str) -> bool:
+    return _FOLDER_UNIT_MARK in unit
+
+
+def unreadable_folder_item(unit: str) -> FoundItem:
+    """The row of a folder that could not be listed: key `<folder>/`, the cause in `error`."""
+    folder, _, error = unit.partition(_FOLDER_UNIT_MARK)
+    return FoundItem(key=f"{folder}/", status=STATUS_UNREADABLE_FOLDER,
+                     error=f"folder {folder}/ could not be listed, its files were not read: "
+                           f"{error}")
+
+
+def read_file_bytes(location: SourceLocation, path: str,
+                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> FoundItem | bytes:
+    """The file's bytes, or a FoundItem that records why they could not be read (the size
+    is checked before anything is loaded)."""
+    try:
+        with location.filesystem().open_input_file(path) as handle:
+            size = handle.size()
+            if size > max_file_bytes:
+                return FoundItem(key="", status=STATUS_FILE_TOO_LARGE,
+                                 error=f"{size:,} bytes exceeds the {max_file_bytes:,} byte cap")
+            return handle.read()
+    except OSError as exc:
+        return FoundItem(key="", status=STATUS_UNREADABLE, error=f"{type(exc).__name__}: {exc}")
+
+
+def _with_key(found: FoundItem | bytes, key: str, caption: str | None) -> FoundItem:
+    if isinstance(found, FoundItem):
+        return FoundItem(key=key, caption=caption, status=found.status, error=found.error)
+    return FoundItem(key=key, data=found, caption=caption)
+
+
+def read_image_file(spec: SourceSpec, uri: "SourceLocation | Path", rel: str,
+                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> FoundItem:
+    location = _location(uri)
+    path = location.path_of(rel)
+    caption = _read_text(location, str(PurePosixPath(path).with_suffix(spec.caption_suffix)))
+    return _with_key(read_file_bytes(location, path, max_file_bytes), rel, caption)
+
+
+def _read_text(location: SourceLocation, path: str) -> str | None:
+    try:
+        with location.filesystem().open_input_stream(path) as handle:
+            data = handle.read()
+    except OSError:
+        return None
+    return data.decode("utf-8", errors="replace").strip() or None
+
+
+def _is_unsafe_member(name: str) -> bool:
+    """Absolute paths and `..` components would escape an extraction root."""
+    pure = PurePosixPath(name)
+    return name.startswith(("/", "\\")) or pure.is_absolute() or ".." in pure.parts
+
+
+def _split_wds_name(name: str) -> tuple[str, str]:
+    """WebDataset convention: the key is the path up to the first dot of the basename."""
+    directory, _, base = name.removeprefix("./").rpartition("/")
+    stem, dot, ext = base.partition(".")
+    key = f"{directory}/{stem}" if directory else stem
+    return key, ext.lower() if dot else ""
+
+
+def read_tar(spec: SourceSpec, uri: "SourceLocation | Path", rel: str,
+             max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iterator[FoundItem]:
+    """Stream a WebDataset shard from an input stream (a local file or an object read
+    front to back): members grouped by key, never extracted, never downloaded whole."""
+    location = _location(uri)
+    current_key: str | None = None
+    sample: dict[str, bytes] = {}
+    try:
+        with location.filesystem().open_input_stream(location.path_of(rel)) as stream, \
+                tarfile.open(fileobj=stream, mode="r|*") as tar:
+            for member in tar:
+                if member.isdir():
+                    continue
+                if _is_unsafe_member(member.name) or not member.isfile():
+                    yield FoundItem(key=f"{rel}/{member.name}", status=STATUS_UNSAFE_PATH,
+                                    error=f"tar member {member.name!r} is a link or escapes the root")
+                    continue
+                key, ext = _split_wds_name(member.name)
+                if key != current_key:
+                    if current_key is not None:
+                        yield _wds_sample(spec, rel, current_key, sample)
+                    current_key, sample = key, {}
+                if member.size > max_file_bytes:
+                    sample[ext] = b""
+                    sample["__too_large__"] = str(member.size).encode()
+                    continue
+                extracted = tar.extractfile(member)
+                sample[ext] = extracted.read() if extracted is not None else b""
+            if current_key is not None:
+                yield _wds_sample(spec, rel, current_key, sample)
+    except (OSError, tarfile.TarError, EOFError) as exc:
+        if current_key is not None and sample:
+            yield _wds_sample(spec, rel, current_key, sample, truncated=True)
+        yield FoundItem(key=f"{rel}#tar", status=STATUS_UNREADABLE,
+                        error=f"tar shard {rel}: {type(exc).__name__}: {exc}")
+
+
+def _wds_sample(spec: SourceSpec, rel: str, key: str, sample: dict[str, bytes],
+                truncated: bool = False) -> FoundItem:
+    full_key = f"{rel}/{key}"
+    caption = _wds_caption(spec, sample)
+    if "__too_large__" in sample:
+        return FoundItem(key=full_key, caption=caption, status=STATUS_FILE_TOO_LARGE,
+                         error=f"member of {int(sample['__too_large__']):,} bytes exceeds the cap")
+    image_ext = next((e for e in spec.image_extensions if e in sample), None)
+    if image_ext is None:
+        return FoundItem(key=full_key, caption=caption, status=STATUS_MISSING_IMAGE,
+                         error=f"no member with extension {'/'.join(spec.image_extensions)}")
+    if truncated:
+        return FoundItem(key=full_key, caption=caption, status=STATUS_UNREADABLE,
+                         error="tar shard ended inside this sample")
+    return FoundItem(key=full_key, data=sample[image_ext], caption=caption,
+                     url=_wds_url(spec, sample))
+
+
+def _wds_url(spec: SourceSpec, sample: dict[str, bytes]) -> str | None:
+    if "json" not in sample:
+        return None
+    try:
+        value = json.loads(sample["json"]).get(spec.url_field)
+    except (ValueError, AttributeError):
+        return None
+    return str(value).strip() or None if value else None
+
+
+def _wds_caption(spec: SourceSpec, sample: dict[str, bytes]) -> str | None:
+    if spec.caption_extension in sample and spec.caption_extension != "json":
+        return sample[spec.caption_extension].decode("utf-8", errors="replace").strip() or None
+    if "json" in sample:
+        try:
+            value = json.loads(sample["json"]).get(spec.caption_field)
+        except (ValueError, AttributeError):
+            return None
+        return str(value).strip() if value else None
+    if "txt" in sample:
+        return sample["txt"].decode("utf-8", errors="replace").strip() or None
+    return None
+
+
+def read_parquet_file(spec: SourceSpec, uri: "SourceLocation | Path", rel: str,
+                      batch_rows: int = 256, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+                      ) -> Iterator[FoundItem]:
+    """Stream a parquet file in record batches through the file system (ranged reads on an
+    object store); images are bytes or paths relative to the file's folder."""
+    location = _location(uri)
+    path = location.path_of(rel)
+    base = str(PurePosixPath(path).parent)
+    columns = [spec.image_column] + [c for c in (spec.key_column, spec.caption_column,
+                                                 spec.url_column) if c]
+    try:
+        parquet = pq.ParquetFile(location.filesystem().open_input_file(path))
+        missing = [c for c in columns if c not in parquet.schema_arrow.names]
+        if missing:
+            yield FoundItem(key=f"{rel}#file", status=STATUS_UNREADABLE,
+                            error=f"parquet {rel}: missing column(s) {', '.join(missing)}")
+            return
+        row_index = 0
+        for batch in parquet.iter_batches(batch_size=batch_rows, columns=columns):
+            for record in batch.to_pylist():
+                key = (str(record[spec.key_column]) if spec.key_column
+                       else f"{rel}#{row_index}")
+                row_index += 1
+                caption = record.get(spec.caption_column) if spec.caption_column else None
+                item = _parquet_item(spec, location, base, key, record[spec.image_column],
+                                     caption, max_file_bytes)
+                yield _with_url(item, record.get(spec.url_column) if spec.url_column else None)
+    except (OSError, ValueError) as exc:  # arrow raises ArrowInvalid (a ValueError)
+        yield FoundItem(key=f"{rel}#file", status=STATUS_UNREADABLE,
+                        error=f"parquet {rel}: {type(exc).__name__}: {exc}")
+
+
+def _parquet_item(spec: SourceSpec, location: SourceLocation, base: str, key: str,
+                  value: object, caption: object, max_file_bytes: int) -> FoundItem:
+    caption_text = str(caption).strip() if caption else None
+    if value is None:
+        return FoundItem(key=key, caption=caption_text, status=STATUS_MISSING_IMAGE,
+                         error=f"column {spec.image_column!r} is null")
+    if spec.image_is_path or isinstance(value, str):
+        relative = str(value)
+        if _is_unsafe_member(relative):
+            return FoundItem(key=key, caption=caption_text, status=STATUS_UNSAFE_PATH,
+                             error=f"image path {relative!r} escapes the source folder")
+        path = posixpath.normpath(f"{base}/{relative}")
+        return _with_key(read_file_bytes(location, path, max_file_bytes), key, caption_text)
+    return FoundItem(key=key, data=bytes(value), caption=caption_text)
+
+
+# Lance sources: a unit is one fragment of the source table at the version listed; the
+# signature is that version, so an unchanged table means nothing is read again.
+LANCE_UNIT_PREFIX = "fragment-"
+
+
+def lance_unit_entries(spec: SourceSpec, location: SourceLocation
+                       ) -> Iterator[tuple[str, str]]:
+    table = lance.dataset(location.uri, storage_options=location.storage_options)
+    for fragment in table.get_fragments():
+        yield f"{LANCE_UNIT_PREFIX}{fragment.fragment_id}", f"v{table.version}"
+
+
+def read_lance_fragment(spec: SourceSpec, location: SourceLocation, unit: str, version: str,
+                        batch_rows: int = 256) -> Iterator[FoundItem]:
+    """The rows of one fragment of the source table, at the version its signature names."""
+    table = lance.dataset(location.uri, version=int(version.removeprefix("v")),
+                          storage_options=location.storage_options)
+    fragment = table.get_fragment(int(unit.removeprefix(LANCE_UNIT_PREFIX)))
+    columns = [c for c in (spec.key_column, spec.image_column, spec.caption_column,
+                           spec.url_column) if c]
+    for batch in fragment.to_batches(columns=columns, batch_size=batch_rows):
+        for record in batch.to_pylist():
+            yield lance_record_item(spec, record)
+
+
+def lance_record_item(spec: SourceSpec, record: dict) -> FoundItem:
+    """One row of an existing Lance table as a found item."""
+    key = str(record[spec.key_column])
+    caption = record.get(spec.caption_column) if spec.caption_column else None
+    data = record.get(spec.image_column)
+    url = record.get(spec.url_column) if spec.url_column else None
+    if data is None:
+        return _with_url(FoundItem(key=key, caption=caption, status=STATUS_MISSING_IMAGE,
+                                   error=f"column {spec.image_column!r} is null"), url)
+    return _with_url(FoundItem(key=key, data=bytes(data), caption=caption), url)
+
+
+def _with_url(item: FoundItem, url: object) -> FoundItem:
+    text = str(url).strip() if url else ""
+    return dataclasses.replace(item, url=text) if text else item

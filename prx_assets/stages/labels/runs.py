@@ -1,0 +1,341 @@
+"""Incremental labelling of one source's captions.
+
+Work = the active caption version's usable captions minus the ids already labelled under
+the same (caption_version, classifier_version) pair. Captions are embedded with MiniLM and
+labelled in a Ray actor pool (one model per actor); the chunked-commit runner
+(`engine.chunked`) streams results back to the driver and merge-inserts them in chunks keyed
+on (id, caption_version, classifier_version): a killed run loses at most the chunk in
+flight, a rerun never doubles a row, and the previous table version stays readable
+throughout.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray.data
+
+from prx_assets.models.embeddings import MiniLMEmbedder
+from prx_assets.stages.labels.backends import (
+    QUESTION, OpenAILabelClient, OpenAISettings, VLLMSettings, build_vllm_labeler,
+    vllm_sampling_params)
+from prx_assets.stages.labels.labels import (
+    DEFAULT_L2, LABELS, LABELS_SCHEMA, EmbeddedLabeler, active_labels_filter,
+    embedded_classifier_version, label_rows, version_hash)
+from prx_assets.engine.chunked import (
+    ChunkedReport, ChunkedRun, CommitTarget, drop_ids, keep_ids, run_chunked)
+from prx_assets.storage.filters import in_filter
+from prx_assets.storage.lance_tables import (
+    FragmentPolicy, create_empty, open_table, read_table, table_exists)
+
+LABEL_KEYS = ["id", "caption_version", "classifier_version"]
+LABELS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
+CAPTION_COLUMNS = ["id", "caption_version", "caption"]
+# What a label stage yields: LABELS_SCHEMA rows plus an error (label null when it failed).
+STAGE_SCHEMA = pa.schema([f.with_nullable(True) if f.name == "label" else f
+                          for f in LABELS_SCHEMA] + [pa.field("error", pa.string())])
+BACKENDS = ("embedded", "openai", "vllm")
+# Every function taking a table location also takes `storage_options`: overrides of the
+# standard AWS variables for an object-store root (`Storage.storage_options`).
+Options = Optional[Mapping[str, str]]
+
+
+@dataclass(frozen=True)
+class LabelerSpec:
+    """Which backend labels captions, and how many workers it runs."""
+
+    backend: str = "embedded"
+    actors: int = 0  # the most actors; 0: as many as the cluster's CPUs allow (`pool_size`)
+    threads_per_actor: int = 1
+    batch_size: int = 64
+    l2: float = DEFAULT_L2
+    openai: OpenAISettings | None = None
+    vllm: VLLMSettings = VLLMSettings()
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown classifier backend {self.backend!r}; one of {BACKENDS}")
+        if self.backend == "openai" and self.openai is None:
+            raise ValueError("the openai backend needs OpenAISettings(base_url=...)")
+
+    def version(self) -> str:
+        """Short hash of backend, model, training set / prompt and classifier parameters."""
+        if self.backend == "embedded":
+            return f"embedded-{embedded_classifier_version(self.l2)}"
+        model = self.openai.model if self.backend == "openai" else self.vllm.model
+        return f"{self.backend}-" + version_hash(backend=self.backend, model=model,
+                                                prompt=QUESTION, sampling=vllm_sampling_params())
+
+
+@dataclass
+class LabelRunReport(ChunkedReport):
+    caption_version: str
+    classifier_version: str
+    labels: Counter = field(default_factory=Counter)
+    errors: list[str] = field(default_factory=list)  # a few examples
+    removed: int = 0  # label rows of items gone from the captions (removed upstream)
+    to_label: int = 0  # captions pending when the run started (the progress total)
+
+    @property
+    def failed(self) -> int:
+        """Captions that got no label (left out of the table, retried on the next run)."""
+        return self.commits.rows - self.commits.committed
+
+    @property
+    def pending(self) -> int:
+        return self.commits.rows
+
+    @property
+    def captions_per_s(self) -> float:
+        return self.commits.rows_per_s
+
+
+def labelled_ids(labels_uri: str | Path, caption_version: str, classifier_version: str,
+                 captions_uri: str | Path, caption_filter: str,
+                 captions_version: int | None = None, storage_options: Options = None
+                 ) -> pa.Array:
+    """Ids labelled under the pair from the caption they have now (ids and timestamps only).
+
+    A label older than its caption row is stale: the caption was written again since (its
+    source file changed, see `stages.captions.runs.changed_ids`) and must be labelled again."""
+    if not table_exists(labels_uri, storage_options):
+        return pa.array([], pa.string())
+    labels = open_table(labels_uri, storage_options=storage_options).to_table(
+        columns=["id", "created_at"],
+        filter=active_labels_filter(caption_version, classifier_version))
+    captions = open_table(captions_uri, captions_version, storage_options).to_table(
+        columns=["id", "created_at"], filter=caption_filter)
+    joined = labels.join(captions.rename_columns(["id", "captioned_at"]), "id")
+    fresh = pc.greater_equal(joined.column("created_at"), joined.column("captioned_at"))
+    return joined.filter(fresh).column("id").combine_chunks()
+
+
+def drop_orphan_labels(labels_uri: str | Path, captions_uri: str | Path,
+                       captions_version: int | None = None, storage_options: Options = None,
+                       chunk: int = 10_000) -> int:
+    """Delete the label rows (every version pair) of ids that have no caption row any more:
+    their item left the source, so its caption was dropped upstream. Returns rows deleted."""
+    if not table_exists(labels_uri, storage_options):
+        return 0
+    captioned = open_table(captions_uri, captions_version, storage_options).to_table(
+        columns=["id"]).column("id").combine_chunks()
+    labels = open_table(labels_uri, storage_options=storage_options)
+    orphans: set[str] = set()
+    for batch in labels.to_batches(columns=["id"]):
+        table = pa.Table.from_batches([batch])
+        orphans.update(keep_ids(table, captioned, member=False).column("id").to_pylist())
+    if not orphans:
+        return 0
+    before = labels.count_rows()
+    ordered = sorted(orphans)
+    for start in range(0, len(ordered), chunk):
+        labels.delete(in_filter("id", ordered[start:start + chunk]))
+    return before - open_table(labels_uri, storage_options=storage_options).count_rows()
+
+
+def count_pending(captions_uri: str | Path, caption_filter: str, done: pa.Array,
+                  captions_version: int | None = None, storage_options: Options = None) -> int:
+    scanner = open_table(captions_uri, captions_version, storage_options).scanner(
+        columns=["id"], filter=caption_filter)
+    return sum(keep_ids(pa.Table.from_batches([b]), done, member=False).num_rows
+               for b in scanner.to_batches())
+
+
+def pending_captions(captions_uri: str | Path, caption_filter: str, done: pa.Array,
+                     captions_version: int | None = None, storage_options: Options = None
+                     ) -> ray.data.Dataset:
+    """Usable captions of the active version whose id is not in `done`."""
+    captions = read_table(captions_uri, captions_version, storage_options,
+                          columns=CAPTION_COLUMNS, filter=caption_filter)
+    return drop_ids(captions, done)
+
+
+class EmbeddingStage:
+    """Adds the MiniLM embedding (for backends whose labels come from elsewhere)."""
+
+    def __init__(self, threads: int = 1):
+        self.embedder = MiniLMEmbedder(threads=threads)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        vectors = self.embedder.embed([c or "" for c in batch.column("caption").to_pylist()])
+        return batch.append_column("embedding", pa.FixedSizeListArray.from_arrays(
+            pa.array(vectors.ravel(), pa.float32()), vectors.shape[1]))
+
+
+class OpenAILabelStage(EmbeddingStage):
+    """Embeds with MiniLM, labels through the endpoint; failures carry their error."""
+
+    def __init__(self, settings: OpenAISettings, classifier_version: str, threads: int = 1):
+        super().__init__(threads)
+        self.client = OpenAILabelClient(settings)
+        self.classifier_version = classifier_version
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        captions = [c or "" for c in batch.column("caption").to_pylist()]
+        vectors = self.embedder.embed(captions)
+        replies = self.client.label(captions)
+        return _stage_rows(batch, self.classifier_version, [r.label for r in replies],
+                           np.stack([r.scores for r in replies]), vectors,
+                           [r.error for r in replies])
+
+
+def _stage_rows(batch: pa.Table, classifier_version: str, labels: list, scores: np.ndarray,
+                vectors: np.ndarray, errors: list) -> pa.Table:
+    table = label_rows(batch.column("id").to_pylist(),
+                       batch.column("caption_version").to_pylist(), classifier_version,
+                       ["" if label is None else label for label in labels], scores, vectors)
+    label = pa.array(labels, pa.string())
+    table = table.set_column(table.schema.get_field_index("label"), STAGE_SCHEMA.field("label"),
+                             label)
+    return table.append_column(STAGE_SCHEMA.field("error"), pa.array(errors, pa.string()))
+
+
+class EmbeddedLabelStage(EmbeddedLabeler):
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        return super().__call__(batch).cast(LABELS_SCHEMA).append_column(
+            STAGE_SCHEMA.field("error"), pa.nulls(batch.num_rows, pa.string())).cast(STAGE_SCHEMA)
+
+
+def pool_size(spec: LabelerSpec, cpus: float) -> int:
+    """Actors for the pool: `spec.actors`, or with 0 one per `threads_per_actor` CPUs of the
+    cluster (a single actor left a 2-CPU node half idle for the whole stage)."""
+    if spec.actors > 0:
+        return spec.actors
+    return max(1, int(cpus // max(1, spec.threads_per_actor)))
+
+
+# Captions one actor should have ahead of it before the pool starts at full size: below,
+# a second model load (torch import and MiniLM, ~8 s) costs more than it saves.
+CAPTIONS_PER_ACTOR = 500
+
+
+def actor_pool(spec: LabelerSpec, pending: int | None = None) -> ray.data.ActorPoolStrategy:
+    """A pool of up to `pool_size` actors, starting at full size when `pending` captions
+    give each of them CAPTIONS_PER_ACTOR (grown one at a time by Ray Data, the second
+    actor of a 2-CPU node loaded its model a third of the way into the stage), else from
+    one actor, growing while captions are queued (a small source loads one model)."""
+    size = pool_size(spec, ray.cluster_resources().get("CPU", 1))
+    initial = size if pending and pending >= size * CAPTIONS_PER_ACTOR else 1
+    return ray.data.ActorPoolStrategy(min_size=1, max_size=size, initial_size=initial)
+
+
+def label_stage(pending: ray.data.Dataset, spec: LabelerSpec, rows: int | None = None
+                ) -> ray.data.Dataset:
+    """Caption rows in (`rows` of them, when known), STAGE_SCHEMA rows out, in an actor pool
+    (`actor_pool`)."""
+    pool = dict(batch_format="pyarrow", batch_size=spec.batch_size,
+                compute=actor_pool(spec, rows), num_cpus=spec.threads_per_actor)
+    version = spec.version()
+    if spec.backend == "embedded":
+        return pending.map_batches(EmbeddedLabelStage, fn_constructor_kwargs={
+            "classifier_version": version, "threads": spec.threads_per_actor}, **pool)
+    if spec.backend == "openai":
+        return pending.map_batches(OpenAILabelStage, fn_constructor_kwargs={
+            "settings": spec.openai, "classifier_version": version,
+            "threads": spec.threads_per_actor}, **pool)
+    embedded = pending.map_batches(EmbeddingStage, fn_constructor_kwargs={
+        "threads": spec.threads_per_actor}, **pool)
+    labelled = build_vllm_labeler(spec.vllm)(embedded)
+    return labelled.map_batches(_vllm_rows, fn_kwargs={"classifier_version": version},
+                                batch_format="pyarrow")
+
+
+def _vllm_rows(batch: pa.Table, classifier_version: str) -> pa.Table:
+    labels = batch.column("label").to_pylist()
+    vectors = np.asarray(batch.column("embedding").to_pylist(), dtype=np.float32)
+    scores = np.asarray(batch.column("scores").to_pylist(), dtype=np.float32)
+    errors = [None if label else "not a label" for label in labels]
+    return _stage_rows(batch, classifier_version, labels, scores, vectors, errors)
+
+
+def ensure_labels_table(uri: str | Path, storage_options: Options = None) -> int:
+    """An empty labels table, so downstream readers and checks always find one."""
+    return create_empty(uri, LABELS_SCHEMA, storage_options)
+
+
+def labels_target(labels_uri: str | Path, storage_options: Options = None) -> CommitTarget:
+    """A source's labels table: one row per (id, caption version, classifier version)."""
+    return CommitTarget(labels_uri, LABELS_SCHEMA, LABEL_KEYS, LABELS_FRAGMENTS,
+                        storage_options)
+
+
+def labelled_rows(chunk: pa.Table) -> pa.Table:
+    """The rows of a stage chunk that got a label, as LABELS_SCHEMA rows: a failure is not
+    written, so the next run labels it again."""
+    return chunk.filter(pc.is_valid(chunk.column("label"))).drop_columns(["error"])
+
+
+def label_source(captions_uri: str | Path, labels_uri: str | Path, caption_version: str,
+                 caption_filter: str, spec: LabelerSpec, chunk_rows: int = 4096,
+                 on_chunk: Callable[[LabelRunReport], None] | None = None,
+                 captions_version: int | None = None, storage_options: Options = None
+                 ) -> LabelRunReport:
+    """Label the pending captions of one source and commit them chunk by chunk.
+
+    `captions_version` pins the captions read (default: the latest), so the version the
+    caller records as lineage is the one labelled."""
+    report = LabelRunReport(caption_version, spec.version())
+    options = storage_options
+    ensure_labels_table(labels_uri, options)
+    if not table_exists(captions_uri, options):
+        raise FileNotFoundError(f"{captions_uri} does not exist: materialise captions first")
+    report.removed = drop_orphan_labels(labels_uri, captions_uri, captions_version, options)
+    done = labelled_ids(labels_uri, caption_version, report.classifier_version, captions_uri,
+                        caption_filter, captions_version, options)
+    # Nothing to do: no actor pool, no model load.
+    report.to_label = count_pending(captions_uri, caption_filter, done, captions_version,
+                                    options)
+    pending = pending_captions(captions_uri, caption_filter, done, captions_version, options) \
+        if report.to_label else None
+
+    def count(chunk: pa.Table, run: ChunkedRun) -> None:
+        report.commits = run
+        failed = pc.is_null(chunk.column("label"))
+        errors = chunk.filter(failed).column("error").to_pylist()
+        report.errors.extend(errors[: max(0, 5 - len(report.errors))])
+        report.labels.update(chunk.filter(pc.invert(failed)).column("label").to_pylist())
+        if on_chunk:
+            on_chunk(report)
+
+    report.commits = run_chunked(pending, lambda rows: label_stage(rows, spec, report.to_label),
+                                 labels_target(labels_uri, options), chunk_rows,
+                                 to_commit=labelled_rows, on_chunk=count)
+    return report
+
+
+@dataclass(frozen=True)
+class LabelCoverage:
+    captions: int  # usable captions of the active version
+    counts: dict[str, int]  # label -> rows labelled under the active pair
+
+    @property
+    def labelled(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def share(self) -> float:
+        return self.labelled / self.captions if self.captions else 1.0
+
+    @property
+    def shares(self) -> dict[str, float]:
+        total = self.labelled
+        return {label: self.counts.get(label, 0) / total if total else 0.0 for label in LABELS}
+
+
+def label_coverage(captions_uri: str | Path, labels_uri: str | Path, caption_filter: str,
+                   caption_version: str, classifier_version: str,
+                   storage_options: Options = None) -> LabelCoverage:
+    """Counts for the checks and metadata, from the committed tables (no embeddings read)."""
+    captions = open_table(captions_uri, storage_options=storage_options).count_rows(
+        filter=caption_filter) if table_exists(captions_uri, storage_options) else 0
+    if not table_exists(labels_uri, storage_options):
+        return LabelCoverage(captions, {})
+    labels = open_table(labels_uri, storage_options=storage_options).to_table(
+        columns=["label"], filter=active_labels_filter(caption_version, classifier_version))
+    return LabelCoverage(captions, dict(Counter(labels.column("label").to_pylist())))

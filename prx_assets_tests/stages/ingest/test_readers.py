@@ -1,0 +1,226 @@
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from prx_assets.stages.ingest import readers
+from prx_assets.stages.ingest.ingest import IngestOptions, expand_units
+from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA, raw_row
+from prx_assets.stages.ingest.sources import SourceSpec
+from prx_assets_tests.conftest import jpeg_bytes
+
+
+def spec(kind: str, **kwargs) -> SourceSpec:
+    return SourceSpec(name="src", kind=kind, uri="unused", **kwargs)
+
+
+def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def test_image_folder_listing_is_recursive_sorted_and_filtered(small_folder: Path):
+    units = list(readers.list_units(spec("image_folder"), small_folder))
+    assert units == ["a/b/two.png", "a/one.jpg", "anim.png", "cut.jpg", "dangling.jpg",
+                     "empty.jpg", "notes.jpg", "three.webp"]
+
+
+def _unlistable(monkeypatch, folder: Path) -> None:
+    """os.scandir refuses `folder` as it would without permission (tests run as root, so a
+    chmod would not stop them)."""
+    scandir = os.scandir
+
+    def refusing(path):
+        if Path(path) == folder:
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(readers.os, "scandir", refusing)
+
+
+def test_unlistable_folder_becomes_a_row_naming_it(small_folder: Path, tmp_path: Path,
+                                                   monkeypatch):
+    _unlistable(monkeypatch, small_folder / "a" / "b")
+    units = list(readers.list_units(spec("image_folder"), small_folder))
+    assert units[1:] == ["a/one.jpg", "anim.png", "cut.jpg", "dangling.jpg", "empty.jpg",
+                         "notes.jpg", "three.webp"]
+    assert readers.is_folder_unit(units[0]) and not any(map(readers.is_folder_unit, units[1:]))
+    # Through a task's expansion, as a run takes it.
+    entries = list(readers.list_unit_entries(spec("image_folder"),
+                                             readers.resolve_location(spec("image_folder"),
+                                                                      small_folder)))
+    assert [unit for unit, _ in entries] == units and entries[0][1] == readers.UNLISTABLE
+    block = pa.table({"unit": [u for u, _ in entries], "unit_signature": [s for _, s in entries]})
+    tables = list(expand_units(block, spec("image_folder"), str(small_folder),
+                               IngestOptions()))
+    rows = {r["source_key"]: r for t in tables for r in t.to_pylist()}
+    assert "a/b/two.png" not in rows and rows["a/one.jpg"]["status"] == "ok"
+    folder = rows["a/b/"]
+    assert folder["status"] == "unreadable_folder" and folder["image"] is None
+    assert "a/b/" in folder["error"] and "PermissionError" in folder["error"]
+
+
+def test_unlistable_source_root_is_one_row(small_folder: Path, monkeypatch):
+    _unlistable(monkeypatch, small_folder)
+    (unit,) = readers.list_units(spec("image_folder"), small_folder)
+    item = readers.unreadable_folder_item(unit)
+    assert item.key == "./" and item.status == "unreadable_folder"
+    assert "Permission denied" in item.error
+
+
+def test_image_file_reader_keeps_bytes_and_sidecar_caption(small_folder: Path):
+    item = readers.read_image_file(spec("image_folder"), small_folder, "a/one.jpg")
+    assert item.data == (small_folder / "a/one.jpg").read_bytes()
+    assert item.caption == "first caption" and item.key == "a/one.jpg"
+
+
+def test_unreadable_files_are_recorded(small_folder: Path):
+    item = readers.read_image_file(spec("image_folder"), small_folder, "dangling.jpg")
+    assert item.status == "unreadable" and "FileNotFoundError" in item.error
+    big = readers.read_image_file(spec("image_folder"), small_folder, "a/one.jpg",
+                                  max_file_bytes=10)
+    assert big.status == "file_too_large" and big.data is None
+
+
+def test_missing_source_path_names_source_and_path(tmp_path: Path):
+    with pytest.raises(readers.SourceNotFoundError, match=r"source 'src'.*nowhere"):
+        list(readers.list_units(spec("image_folder"), tmp_path / "nowhere"))
+
+
+def make_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            add_member(tar, name, data)
+    return path
+
+
+def test_webdataset_groups_members_by_key_with_captions(tmp_path: Path):
+    img = jpeg_bytes(400, 400)
+    make_tar(tmp_path / "s.tar", [
+        ("./dir/000.jpg", img), ("./dir/000.txt", b"a cat"),
+        ("001.png", img), ("001.json", json.dumps({"caption": "a dog"}).encode()),
+        ("002.txt", b"caption without image"),
+    ])
+    items = list(readers.read_tar(spec("webdataset"), tmp_path, "s.tar"))
+    assert [(i.key, i.caption, i.status) for i in items] == [
+        ("s.tar/dir/000", "a cat", None), ("s.tar/001", "a dog", None),
+        ("s.tar/002", "caption without image", "missing_image")]
+    assert items[0].data == img
+
+
+def test_tar_members_escaping_the_root_are_recorded_never_extracted(tmp_path: Path):
+    img = jpeg_bytes(400, 400)
+    tar_path = make_tar(tmp_path / "evil.tar", [
+        ("../../escape.jpg", img), ("/etc/abs.jpg", img), ("ok.jpg", img)])
+    with tarfile.open(tar_path, "a") as tar:
+        link = tarfile.TarInfo("link.jpg")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(link)
+    before = set(tmp_path.parent.rglob("*"))
+    items = list(readers.read_tar(spec("webdataset"), tmp_path, "evil.tar"))
+    assert {i.key: i.status for i in items} == {
+        "evil.tar/../../escape.jpg": "unsafe_path", "evil.tar//etc/abs.jpg": "unsafe_path",
+        "evil.tar/link.jpg": "unsafe_path", "evil.tar/ok": None}
+    assert set(tmp_path.parent.rglob("*")) == before  # nothing written anywhere
+
+
+def test_truncated_tar_keeps_earlier_samples_and_records_the_damage(tmp_path: Path):
+    img = jpeg_bytes(400, 400)
+    whole = make_tar(tmp_path / "whole.tar", [("a.jpg", img), ("b.jpg", img), ("c.jpg", img)])
+    (tmp_path / "cut.tar").write_bytes(whole.read_bytes()[: len(img) * 2 + 900])
+    items = list(readers.read_tar(spec("webdataset"), tmp_path, "cut.tar"))
+    assert items[0].key == "cut.tar/a" and items[0].status is None
+    assert items[-1].status == "unreadable" and "cut.tar" in items[-1].error
+
+
+def test_parquet_bytes_column_with_keys_and_captions(tmp_path: Path):
+    img = jpeg_bytes(400, 400)
+    pq.write_table(pa.table({"k": ["x", "y"], "img": [img, None], "cap": ["c1", None]}),
+                   tmp_path / "p.parquet")
+    s = spec("parquet", image_column="img", key_column="k", caption_column="cap")
+    items = list(readers.read_parquet_file(s, tmp_path, "p.parquet"))
+    assert [(i.key, i.caption, i.status) for i in items] == [
+        ("x", "c1", None), ("y", None, "missing_image")]
+    assert items[0].data == img
+
+
+def test_parquet_paths_resolve_relative_and_refuse_escapes(tmp_path: Path):
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "a.jpg").write_bytes(jpeg_bytes(400, 400))
+    pq.write_table(pa.table({"path": ["imgs/a.jpg", "../secret.jpg", "imgs/missing.jpg"]}),
+                   tmp_path / "p.parquet")
+    s = spec("parquet", image_column="path", image_is_path=True)
+    items = list(readers.read_parquet_file(s, tmp_path, "p.parquet"))
+    assert [i.key for i in items] == ["p.parquet#0", "p.parquet#1", "p.parquet#2"]
+    assert [i.status for i in items] == [None, "unsafe_path", "unreadable"]
+
+
+def test_parquet_missing_column_and_corrupt_file_are_recorded(tmp_path: Path):
+    pq.write_table(pa.table({"other": [1]}), tmp_path / "p.parquet")
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    s = spec("parquet", image_column="image")
+    missing = list(readers.read_parquet_file(s, tmp_path, "p.parquet"))
+    assert missing[0].status == "unreadable" and "missing column" in missing[0].error
+    corrupt = list(readers.read_parquet_file(s, tmp_path, "bad.parquet"))
+    assert corrupt[0].status == "unreadable"
+
+
+def test_urls_are_kept_when_the_source_carries_them(tmp_path: Path):
+    img = jpeg_bytes(400, 400)
+    make_tar(tmp_path / "s.tar", [
+        ("a.jpg", img), ("a.json", json.dumps({"url": " https://x.org/a.jpg "}).encode()),
+        ("b.jpg", img), ("b.json", b"{broken"), ("c.jpg", img)])
+    items = list(readers.read_tar(spec("webdataset"), tmp_path, "s.tar"))
+    assert [i.url for i in items] == ["https://x.org/a.jpg", None, None]
+    pq.write_table(pa.table({"img": [img, img], "link": ["https://x.org/p", None]}),
+                   tmp_path / "p.parquet")
+    s = spec("parquet", image_column="img", url_column="link")
+    assert [i.url for i in readers.read_parquet_file(s, tmp_path, "p.parquet")] == [
+        "https://x.org/p", None]
+    row = raw_row("web", items[0])
+    assert row["url"] == "https://x.org/a.jpg" and set(row) == set(RAW_IMAGES_SCHEMA.names)
+
+
+# ------------------------------------------------------------------ sources on s3://
+
+def test_object_store_sources_list_with_signatures_and_stream(s3_server, s3_root, tmp_path):
+    """An image folder (with a caption file) and a Lance table in the bucket: the listing
+    walks prefixes like folders, signatures change with a new PUT of a caption, and the
+    readers stream bytes through the resolved options."""
+    import lance
+
+    from prx_assets.stages.ingest.location import SourceLocation
+
+    bucket, prefix = s3_root.partition("://")[2].split("/", 1)
+    client = s3_server.client()
+    img = jpeg_bytes(400, 300)
+    for key, body in (("imgs/a/one.jpg", img), ("imgs/a/one.txt", b"a caption"),
+                      ("imgs/two.png", img), ("imgs/readme.md", b"not listed")):
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=body)
+    folder = readers.resolve_location(spec("image_folder"), f"{s3_root}/imgs")
+    entries = dict(readers.list_unit_entries(spec("image_folder"), folder))
+    assert list(entries) == ["a/one.jpg", "two.png"]
+    item = readers.read_image_file(spec("image_folder"), folder, "a/one.jpg")
+    assert item.data == img and item.caption == "a caption"
+    client.put_object(Bucket=bucket, Key=f"{prefix}/imgs/a/one.txt", Body=b"a longer caption")
+    again = dict(readers.list_unit_entries(spec("image_folder"), folder))
+    assert again["a/one.jpg"] != entries["a/one.jpg"] and again["two.png"] == entries["two.png"]
+
+    table_uri = f"{s3_root}/src.lance"
+    location = SourceLocation.of(table_uri)
+    lance.write_dataset(pa.table({"key": ["k1", "k2"], "image": [img, img]}), table_uri,
+                        storage_options=location.storage_options)
+    lance_spec = spec("lance", key_column="key")
+    units = list(readers.lance_unit_entries(lance_spec, readers.resolve_location(lance_spec,
+                                                                                 table_uri)))
+    assert [signature for _, signature in units] == ["v1"]
+    items = list(readers.read_lance_fragment(lance_spec, location, *units[0]))
+    assert [(i.key, i.data == img) for i in items] == [("k1", True), ("k2", True)]
+    with pytest.raises(readers.SourceNotFoundError, match="nothing at"):
+        readers.resolve_location(spec("webdataset"), f"{s3_root}/no-such-prefix")

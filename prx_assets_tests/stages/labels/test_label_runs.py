@@ -1,0 +1,107 @@
+import lance
+import numpy as np
+import pytest
+
+from prx_assets.stages.labels.backends import OpenAISettings
+from prx_assets.stages.labels.runs import LabelerSpec, label_coverage, label_source, pool_size
+from prx_assets.stages.labels.labels import LABELS_SCHEMA, active_labels_filter
+from prx_assets_tests.fixtures.labelled_captions import labelled_test_captions, write_captions
+from prx_assets_tests.fixtures.local_chat_server import chat_server
+
+
+def _filter(version: str) -> str:
+    return f"caption_version = '{version}' AND status = 'ok'"
+
+
+def test_embedded_labels_are_incremental_across_caption_versions(ray_session, tmp_path):
+    captions, labels = tmp_path / "captions.lance", tmp_path / "labels.lance"
+    rows = labelled_test_captions()
+    write_captions(captions, [(i, c) for i, c, _ in rows], "v1")
+    write_captions(captions, [("web:refused", "I'm sorry")], "v1", status="refused")
+    spec = LabelerSpec(batch_size=4)
+
+    first = label_source(captions, labels, "v1", _filter("v1"), spec, chunk_rows=4)
+    assert (first.written, first.failed, first.chunks) == (6, 0, 2)
+    table = lance.dataset(str(labels)).to_table()
+    assert table.schema == LABELS_SCHEMA
+    got = {r["id"]: r for r in table.to_pylist()}
+    assert {i: got[i]["label"] for i, _, _ in rows} == {i: label for i, _, label in rows}
+    for row in got.values():
+        assert row["classifier_version"] == spec.version() and row["caption_version"] == "v1"
+        assert abs(np.linalg.norm(row["embedding"]) - 1) < 1e-4
+        assert max(row["score_visual"], row["score_text"], row["score_nsfw"]) == \
+            row[f"score_{row['label']}"]
+
+    again = label_source(captions, labels, "v1", _filter("v1"), spec)
+    assert again.written == 0 and lance.dataset(str(labels)).count_rows() == 6
+
+    # A new caption version: only its captions are labelled; v1's labels stay.
+    write_captions(captions, [(i, c) for i, c, _ in rows[:3]], "v2")
+    second = label_source(captions, labels, "v2", _filter("v2"), spec)
+    assert second.written == 3
+    table = lance.dataset(str(labels))
+    assert table.count_rows() == 9
+    assert table.count_rows(filter=active_labels_filter("v2", spec.version())) == 3
+    coverage = label_coverage(captions, labels, _filter("v2"), "v2", spec.version())
+    assert (coverage.captions, coverage.labelled, coverage.share) == (3, 3, 1.0)
+
+
+def test_openai_backend_labels_through_the_pool_and_leaves_failures_for_later(
+        ray_session, tmp_path):
+    captions, labels = tmp_path / "captions.lance", tmp_path / "labels.lance"
+    write_captions(captions, [("s:1", "A screenshot of a settings page."),
+                              ("s:2", "A dog asleep on a porch."),
+                              ("s:3", "Some gibberish caption.")], "v1")
+    with chat_server() as (url, state):
+        spec = LabelerSpec("openai", openai=OpenAISettings(url, concurrency=2, retries=0))
+        report = label_source(captions, labels, "v1", _filter("v1"), spec)
+        assert (report.written, report.failed) == (2, 1)
+        assert "not a label" in report.errors[0]
+        got = {r["id"]: r["label"] for r in lance.dataset(str(labels)).to_table().to_pylist()}
+        assert got == {"s:1": "text", "s:2": "visual"}
+        # the failure is retried on the next run, the labelled rows are not re-sent
+        before = len(state.requests)
+        retry = label_source(captions, labels, "v1", _filter("v1"), spec)
+        assert (retry.written, retry.failed, len(state.requests) - before) == (0, 1, 1)
+
+
+def test_missing_captions_table_is_a_clear_error(ray_session, tmp_path):
+    with pytest.raises(FileNotFoundError, match="materialise captions first"):
+        label_source(tmp_path / "none.lance", tmp_path / "labels.lance", "v1", _filter("v1"),
+                     LabelerSpec())
+
+
+def test_a_caption_written_again_is_labelled_again(ray_session, tmp_path):
+    """A changed source file gets a new caption row under the same id and version (the
+    captions asset drops the stale one): its old label must not survive."""
+    captions, labels = tmp_path / "captions.lance", tmp_path / "labels.lance"
+    rows = labelled_test_captions()
+    write_captions(captions, [(i, c) for i, c, _ in rows], "v1")
+    spec = LabelerSpec(batch_size=8)
+    label_source(captions, labels, "v1", _filter("v1"), spec)
+    changed_id, _, old_label = rows[0]
+    new_caption, new_label = next((c, label) for _, c, label in rows if label != old_label)
+    lance.dataset(str(captions)).delete(f"id = '{changed_id}'")
+    write_captions(captions, [(changed_id, new_caption)], "v1")
+
+    again = label_source(captions, labels, "v1", _filter("v1"), spec)
+    assert again.written == 1
+    table = lance.dataset(str(labels)).to_table().to_pylist()
+    assert len(table) == len(rows)
+    assert [r["label"] for r in table if r["id"] == changed_id] == [new_label]
+
+
+def test_the_pool_grows_to_the_cluster_cpus_unless_told_its_size():
+    assert pool_size(LabelerSpec(), cpus=8) == 8
+    assert pool_size(LabelerSpec(threads_per_actor=2), cpus=8) == 4
+    assert pool_size(LabelerSpec(threads_per_actor=4), cpus=2) == 1
+    assert pool_size(LabelerSpec(actors=3), cpus=8) == 3
+
+
+def test_the_pool_starts_at_full_size_only_with_work_for_every_actor(ray_session):
+    from prx_assets.stages.labels.runs import CAPTIONS_PER_ACTOR, actor_pool
+
+    spec = LabelerSpec(actors=2)
+    assert actor_pool(spec, pending=2 * CAPTIONS_PER_ACTOR).initial_size == 2
+    small = actor_pool(spec, pending=2 * CAPTIONS_PER_ACTOR - 1)
+    assert (small.initial_size, small.min_size, small.max_size) == (1, 1, 2)

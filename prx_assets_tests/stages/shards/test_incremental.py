@@ -1,0 +1,236 @@
+"""mds_shards incremental: new samples appended as new shards of a new tree version (old
+shards hard-linked), superseded ones skipped as `stale`, nothing new when nothing changed,
+and a SIGKILL mid-append (failpoint `mds.write_part`) leaving the previous tree current."""
+
+import gc
+import json
+import os
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import lance
+import numpy as np
+import pyarrow as pa
+import pytest
+from streaming import StreamingDataset
+from streaming.base.util import clean_stale_shared_memory
+
+from prx_assets.engine import failpoints
+from prx_assets.loader import build_dataset
+from prx_assets.stages.images.imaging import encode_jpeg
+from prx_assets.stages.images.stage import BUCKETED_SCHEMA
+from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
+from prx_assets.stages.shards import mds
+from prx_assets.stages.skip_lists.skip_lists import REASON_STALE, read_sidecar, sidecar_path
+from prx_assets.storage.layout import Storage
+from prx_assets.demo.corpus import procedural_image
+from prx_assets.testing.mds_corpus import (
+    ACTIVE, _bucketed, _caption, build_corpus, inputs_for)
+
+OPTIONS = mds.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
+NEW_ID = "web:1-64x64-9999"
+
+
+def add_sample(data_root: Path, sample_id: str, shape=(1, 64, 64)) -> None:
+    """One new kept, captioned row in both input tables (an append commit each)."""
+    tier, w, h = shape
+    data = encode_jpeg(procedural_image(np.random.default_rng(99), w, h))
+    storage = Storage(data_root)
+    lance.write_dataset(pa.Table.from_pylist([_bucketed(sample_id, "web", "ok", tier, w, h, data)],
+                                             schema=BUCKETED_SCHEMA),
+                        storage.table("bucketed_images", "web"), mode="append")
+    lance.write_dataset(pa.Table.from_pylist(
+        [_caption(sample_id, ACTIVE, f"a picture {sample_id}", "ok",
+                  datetime(2026, 1, 2, tzinfo=UTC))], schema=CAPTIONS_SCHEMA),
+        storage.table("captions", "web"), mode="append")
+
+
+def remove_sample(data_root: Path, sample_id: str) -> None:
+    lance.dataset(Storage(data_root).table("bucketed_images", "web")).delete(
+        f"id = '{sample_id}'")
+
+
+def shard_inodes(tree: Path) -> dict[str, int]:
+    return {str(p.relative_to(tree)): p.stat().st_ino for p in tree.rglob("shard.*.mds")}
+
+
+def mapping(data_root: Path) -> list[dict]:
+    return lance.dataset(Storage(data_root).table("mds_samples", "web")).to_table().to_pylist()
+
+
+def test_one_new_and_one_removed_sample_append_one_shard_and_skip_one(data_root):
+    corpus = build_corpus(data_root, "web", per_shape=6)
+    first = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    old_inodes = shard_inodes(first.path)
+    gone = sorted(i for i in corpus["images"] if i.startswith("web:2-96x96"))[0]
+    where_gone = next(r for r in mapping(data_root) if r["id"] == gone)
+    add_sample(data_root, NEW_ID)
+    remove_sample(data_root, gone)
+
+    second = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    assert second.changed and second.appended and second.tree_version != first.tree_version
+    assert (second.processed, second.removed) == (1, 1)
+    assert second.reused == len(corpus["images"]) - 1
+    tree = mds.current_tree(data_root, "web")
+    assert tree == second.path
+    # Old shards: the same inodes (hard links), none rewritten; exactly one new shard, in the
+    # new sample's leaf, numbered after that leaf's old ones.
+    new_inodes = shard_inodes(tree)
+    assert {k: new_inodes[k] for k in old_inodes} == old_inodes
+    added = sorted(set(new_inodes) - set(old_inodes))
+    old_in_leaf = sum(k.startswith("1/64x64/") for k in old_inodes)
+    assert added == [f"1/64x64/shard.{old_in_leaf:05d}.mds"]
+    index = json.loads((tree / "1/64x64/index.json").read_text())["shards"]
+    assert [s["raw_data"]["basename"] for s in index][-1] == f"shard.{old_in_leaf:05d}.mds"
+    # The removed sample: still stored, skipped as stale; out of the mapping table.
+    lists = read_sidecar(sidecar_path(tree / where_gone["leaf"] / where_gone["shard"]))
+    assert lists == {REASON_STALE: [where_gone["sample_index"]]}
+    rows = {r["id"]: r for r in mapping(data_root)}
+    assert gone not in rows and rows[NEW_ID]["shard"] == f"shard.{old_in_leaf:05d}.mds"
+    assert set(rows) == (set(corpus["images"]) - {gone}) | {NEW_ID}
+    checks, problems = mds.verify_tree(data_root, "web")
+    assert all(c.ok for c in checks) and not problems, (checks, problems)
+
+    # A plain StreamingDataset sees every stored sample; the loader skips the stale one.
+    stored = 0
+    for leaf in mds.tree_leaves(tree):
+        dataset = StreamingDataset(local=str(leaf), batch_size=1, shuffle=False)
+        stored += dataset.num_samples
+        del dataset
+        clean_stale_shared_memory()
+    assert stored == len(corpus["images"]) + 1
+    seen = []
+    for tier in (1, 2):
+        dataset = build_dataset(data_root / "mds", tier, 1, weights={"web": 1.0},
+                                skip_reasons=(), shuffle=False)
+        seen += [sample["id"] for sample in dataset]
+        del dataset
+        gc.collect()
+        clean_stale_shared_memory()
+    assert sorted(seen) == sorted(rows) and gone not in seen
+
+
+def test_nothing_changed_makes_no_new_tree(data_root):
+    build_corpus(data_root, "web", per_shape=3)
+    first = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    versions = sorted(p.name for p in (data_root / "mds/.trees/web").iterdir())
+    again = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    assert not again.changed and again.tree_version == first.tree_version
+    assert (again.processed, again.reused, again.removed) == (0, first.samples, 0)
+    assert again.mapping_version == first.mapping_version
+    assert sorted(p.name for p in (data_root / "mds/.trees/web").iterdir()) == versions
+
+
+def test_a_changed_sample_is_rewritten_and_its_old_copy_skipped(data_root):
+    corpus = build_corpus(data_root, "web", per_shape=4)
+    mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    changed = sorted(corpus["images"])[0]
+    before = next(r for r in mapping(data_root) if r["id"] == changed)
+    captions = lance.dataset(Storage(data_root).table("captions", "web"))
+    captions.delete(f"id = '{changed}' AND caption_version = '{ACTIVE}'")  # re-captioned:
+    recaptioned = _caption(changed, ACTIVE, "a new caption", "ok",  # a new row, created later
+                           datetime(2026, 3, 1, tzinfo=UTC))
+    lance.write_dataset(pa.Table.from_pylist([recaptioned], schema=CAPTIONS_SCHEMA),
+                        Storage(data_root).table("captions", "web"), mode="append")
+    report = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    assert (report.processed, report.removed) == (1, 1)
+    after = [r for r in mapping(data_root) if r["id"] == changed]
+    assert len(after) == 1 and after[0]["shard"] != before["shard"]
+    tree = mds.current_tree(data_root, "web")
+    assert read_sidecar(sidecar_path(tree / before["leaf"] / before["shard"]))[REASON_STALE] == [
+        before["sample_index"]]
+
+
+def test_other_settings_mean_a_full_build(data_root):
+    build_corpus(data_root, "web", per_shape=3)
+    mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    other = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web",
+                               mds.WriteOptions(size_limit=90_000, parallel=False))
+    assert other.changed and not other.appended and other.processed == other.samples
+
+
+_APPEND = """
+import sys
+from pathlib import Path
+from prx_assets.stages.shards import mds
+from prx_assets.testing.mds_corpus import inputs_for
+root = Path(sys.argv[1])
+mds.write_mds_tree(inputs_for(root, "web"), root, "web",
+                   mds.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False))
+"""
+
+
+def test_a_kill_mid_append_leaves_the_previous_tree_and_the_rerun_has_no_duplicates(
+        data_root, tmp_path):
+    corpus = build_corpus(data_root, "web", per_shape=4)
+    first = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    mapping_uri = Storage(data_root).table("mds_samples", "web")
+    mapping_version = lance.dataset(mapping_uri).version
+    add_sample(data_root, NEW_ID)
+
+    marker = tmp_path / "marker.json"
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), **failpoints.env("mds.write_part", marker)}
+    child = subprocess.Popen([sys.executable, "-c", _APPEND, str(data_root)], env=env)
+    try:
+        while failpoints.read_marker(marker) is None:  # held at the point, not raced
+            try:
+                child.wait(0.2)
+                pytest.fail("the writer exited before reaching the failpoint")
+            except subprocess.TimeoutExpired:
+                pass
+        child.kill()
+        child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert list((data_root / "mds/.trees/web").glob("*" + mds.PARTIAL_SUFFIX))
+    assert mds.current_tree(data_root, "web") == first.path
+    assert lance.dataset(mapping_uri).version == mapping_version
+    checks, problems = mds.verify_tree(data_root, "web")  # the previous tree reads whole
+    assert all(c.ok for c in checks) and not problems
+
+    rerun = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    assert rerun.processed == 1 and rerun.reused == len(corpus["images"])
+    ids = [r["id"] for r in mapping(data_root)]
+    assert len(ids) == len(set(ids)) == len(corpus["images"]) + 1
+    assert not list((data_root / "mds/.trees/web").glob("*" + mds.PARTIAL_SUFFIX))
+    checks, problems = mds.verify_tree(data_root, "web")
+    assert all(c.ok for c in checks) and not problems
+
+
+def test_a_kill_between_mapping_commit_and_publish_is_rolled_forward(data_root, monkeypatch):
+    build_corpus(data_root, "web", per_shape=3)
+    first = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    add_sample(data_root, NEW_ID)
+
+    def killed(self, version):
+        raise KeyboardInterrupt("killed before publishing")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(mds.TreeStore, "publish", killed)
+        with pytest.raises(KeyboardInterrupt):
+            mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    assert mds.current_tree(data_root, "web") == first.path  # the mapping is ahead
+    rerun = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    assert not rerun.changed  # the interrupted version was published, nothing left to do
+    assert mds.current_tree(data_root, "web").name != first.tree_version
+    assert NEW_ID in {r["id"] for r in mapping(data_root)}
+    checks, problems = mds.verify_tree(data_root, "web")
+    assert all(c.ok for c in checks) and not problems
+
+
+def test_mds_uri_prints_the_resolved_current_tree(data_root, capsys):
+    from prx_assets import cli
+
+    assert cli.main(["mds-uri", "web"]) == 2  # no tree yet: a clear error, not a traceback
+    assert "materialise mds_shards first" in capsys.readouterr().err
+    build_corpus(data_root, "web", per_shape=2)
+    report = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    assert cli.main(["mds-uri", "web"]) == 0
+    uri = capsys.readouterr().out.strip()
+    assert uri == str(report.path) and not os.path.islink(uri)  # resolved: stable under swaps
+    dataset = StreamingDataset(local=f"{uri}/1/64x64", batch_size=1, shuffle=False)
+    assert dataset.num_samples == sum(r["leaf"] == "1/64x64" for r in mapping(data_root))
+    del dataset
