@@ -7,10 +7,9 @@ a rerun replaces the whole table, so it can never hold duplicate rows. The commi
 version the write started from: a write that another writer's commit overtook fails with
 `CommitConflictError` instead of replacing that commit unseen.
 
-Every function takes a location as a local path or an object-store URI (`s3://...`) and
-optional `storage_options` (overrides of the standard AWS variables, see
-`object_store.lance_options`); on an object store the options are resolved once, on the
-driver, and handed to the Ray tasks that write fragments.
+Every function takes the table as a `TableRef` (see `refs.py`): its URI, the version it
+names where that matters, and the object-store settings resolved once, on the driver, which
+go with every Lance call and into the Ray tasks that write fragments.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import pickle
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Optional
 
 import lance
 import pyarrow as pa
@@ -31,8 +30,8 @@ from ray.data.block import Block, BlockAccessor
 from ray.data.datasource.datasink import Datasink, WriteResult
 
 from prx_assets.engine.failpoints import failpoint
-from prx_assets.storage import object_store
-from prx_assets.storage.object_store import as_uri, is_object_store
+from prx_assets.storage.object_store import is_object_store
+from prx_assets.storage.refs import Location, TableRef
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +74,15 @@ class CommitConflictError(RuntimeError):
     committed, the table holds the other writers' rows, and a rerun redoes exactly it."""
 
 
-def prepare_output_dir(path: "Path | str", what: str,
-                       storage_options: Optional[Mapping[str, str]] = None) -> None:
-    """Make sure the folder `path` can be created or written, else fail naming the path and
-    the cause (a write into it would otherwise fail deep inside a Ray task or Lance with an
-    error that names neither). Creates its parent. On an object store there are no folders
-    to make: the bucket, the credentials and the endpoint are checked instead."""
-    if is_object_store(path):
-        object_store.check_reachable(as_uri(path), storage_options)
+def prepare_output_dir(target: "TableRef | Location", what: str) -> None:
+    """Make sure the folder `target` can be created or written, else fail naming the path
+    and the cause (a write into it would otherwise fail deep inside a Ray task or Lance with
+    an error that names neither). Creates its parent. On an object store there are no
+    folders to make: the bucket, the credentials and the endpoint are checked instead."""
+    if not target.is_local:
+        target.check_reachable()
         return
-    path = Path(path)
+    path = Path(target.uri)
     for part in (path, *path.parents):
         if not part.exists():
             continue
@@ -96,38 +94,6 @@ def prepare_output_dir(path: "Path | str", what: str,
     except OSError as exc:
         raise OutputPathError(f"cannot write {what} {path}: creating {path.parent} failed: "
                               f"{exc.strerror or exc}") from exc
-
-
-def table_exists(uri: str | Path, storage_options: Optional[Mapping[str, str]] = None) -> bool:
-    """Whether a Lance table has been committed at `uri` (a local path or an object-store URI).
-    On an object store a missing bucket, refused credentials or a dead endpoint raise
-    `ObjectStoreError` rather than reading as "no table"."""
-    if not is_object_store(uri):
-        if not Path(uri).exists():
-            return False  # the common local case, without opening anything
-        try:
-            lance.dataset(str(uri))
-        except (ValueError, FileNotFoundError, OSError):
-            return False
-        return True
-    uri = as_uri(uri)
-    object_store.check_reachable(uri, storage_options)
-    try:
-        lance.dataset(uri, storage_options=object_store.lance_options(uri, storage_options))
-    except (ValueError, FileNotFoundError, OSError) as exc:
-        if object_store.is_not_found(exc):
-            return False
-        raise object_store.ObjectStoreError(f"cannot read Lance table {uri}: {exc}") from exc
-    return True
-
-
-def open_table(uri: "str | Path", version: int | None = None,
-               storage_options: Optional[Mapping[str, str]] = None) -> lance.LanceDataset:
-    """`lance.dataset` on a local path or an object-store URI (even one that went through
-    `Path`), with the resolved storage options (standard variables, then overrides)."""
-    uri = as_uri(uri)
-    return lance.dataset(uri, version=version,
-                         storage_options=object_store.lance_options(uri, storage_options))
 
 
 # What one read batch (one Ray block) of a table holding blobs should weigh. Lance's
@@ -146,23 +112,18 @@ READ_IO_BUFFER_BYTES = 64 << 20
 READ_TASK_CPUS = 4
 
 
-def read_table(uri: "str | Path", version: int | None = None,
-               storage_options: Optional[Mapping[str, str]] = None,
-               columns: Optional[list[str]] = None,
+def read_table(table: TableRef, columns: Optional[list[str]] = None,
                **kwargs: Any) -> "ray.data.Dataset":
-    """`ray.data.read_lance` with the options resolved here, on the driver (Ray tasks read
+    """`ray.data.read_lance` of `table` at its version, with its settings (Ray tasks read
     with them whatever environment their worker process started with); read batches sized
     by bytes when the columns read hold blobs (`blob_scanner_options`); read tasks without
     a CPU slot, a few at a time (`read_concurrency`)."""
-    uri = as_uri(uri)
-    options = object_store.lance_options(uri, storage_options)
-    scanner_options = {**blob_scanner_options(lance.dataset(uri, version=version,
-                                                            storage_options=options),
-                                              columns),
+    scanner_options = {**blob_scanner_options(table.open(), columns),
                        **kwargs.pop("scanner_options", {})}
     kwargs.setdefault("num_cpus", 0)
     kwargs.setdefault("concurrency", read_concurrency())
-    return ray.data.read_lance(uri, version=version, columns=columns, storage_options=options,
+    return ray.data.read_lance(table.uri, version=table.version, columns=columns,
+                               storage_options=table.lance_options(),
                                scanner_options=scanner_options or None, **kwargs)
 
 
@@ -184,40 +145,34 @@ def blob_scanner_options(table: "lance.LanceDataset", columns: Optional[list[str
     rows = table.count_rows()
     if not blobs or rows == 0:
         return {}
-    row_bytes = max(1, _data_bytes(table) // rows)  # all columns: an upper bound
+    row_bytes = max(1, data_bytes(table) // rows)  # all columns: an upper bound
     return {"batch_size": max(1, min(8192, READ_BATCH_BYTES // row_bytes)),
             "batch_readahead": READ_BATCH_READAHEAD, "io_buffer_size": READ_IO_BUFFER_BYTES}
 
 
-def create_empty(uri: "str | Path", schema: pa.Schema,
-                 storage_options: Optional[Mapping[str, str]] = None) -> int:
+def create_empty(table: TableRef, schema: pa.Schema) -> int:
     """The table's version, creating it empty first if it was never written (so downstream
     readers and checks always find one); a concurrent creator's table is kept, not replaced."""
-    if table_exists(uri, storage_options):
-        return open_table(uri, storage_options=storage_options).version
-    prepare_output_dir(uri, "Lance table", storage_options)
-    uri = as_uri(uri)
-    created = _create_if_absent(uri, schema.empty_table(), schema,
-                                object_store.lance_options(uri, storage_options))
-    return created if created is not None else open_table(uri, None, storage_options).version
+    latest = table.latest_version()
+    if latest is not None:
+        return latest
+    prepare_output_dir(table, "Lance table")
+    created = _create_if_absent(table, schema.empty_table(), schema)
+    return created if created is not None else table.open().version
 
 
 class LanceOverwriteSink(Datasink[dict]):
     """Writes fragments from Ray tasks, then commits them as one Overwrite on the driver."""
 
-    def __init__(self, uri: str, policy: FragmentPolicy, schema: pa.Schema | None = None,
-                 storage_options: Optional[dict[str, str]] = None,
+    def __init__(self, table: TableRef, policy: FragmentPolicy, schema: pa.Schema | None = None,
                  read_version: int | None = None):
-        self.uri = uri
+        self.table = table
         # The version this write replaces (None: the table did not exist when it started).
         # Its commit fails if another writer committed since, rather than replacing that
         # writer's version unseen.
         self.read_version = read_version
         self.policy = policy
         self.schema = schema
-        # Resolved on the driver (object_store.lance_options): tasks must not depend on
-        # the environment their worker process started with.
-        self.storage_options = storage_options
         self.nodes: list[str] = []  # Ray nodes that produced the written blocks
 
     def get_name(self) -> str:
@@ -241,10 +196,10 @@ class LanceOverwriteSink(Datasink[dict]):
         schema = self.schema or first.schema
         reader = pa.RecordBatchReader.from_batches(schema, _chain_first(first, batches, schema))
         fragments = write_fragments(
-            reader, self.uri, schema=schema,
+            reader, self.table.uri, schema=schema,
             max_rows_per_file=self.policy.max_rows,
             max_bytes_per_file=self.policy.target_bytes,
-            storage_options=self.storage_options,
+            storage_options=self.table.lance_options(),
         )
         return {"fragments": [pickle.dumps(f) for f in fragments],
                 "schema": pickle.dumps(schema), "nodes": nodes}
@@ -254,21 +209,21 @@ class LanceOverwriteSink(Datasink[dict]):
         fragments = [pickle.loads(f) for r in returns for f in r["fragments"]]
         schemas = [pickle.loads(r["schema"]) for r in returns if r["schema"] is not None]
         schema = self.schema or (pa.unify_schemas(schemas) if schemas
-                                 else _existing_schema(self.uri, self.storage_options))
+                                 else _existing_schema(self.table))
         if schema is None:
-            raise ValueError(f"{self.uri}: nothing was written and no schema is known")
+            raise ValueError(f"{self.table}: nothing was written and no schema is known")
         failpoint("storage.overwrite_uncommitted")
         try:
             lance.LanceDataset.commit(
-                self.uri, lance.LanceOperation.Overwrite(schema, fragments),
+                self.table.uri, lance.LanceOperation.Overwrite(schema, fragments),
                 read_version=self.read_version, max_retries=0,
-                storage_options=self.storage_options)
+                storage_options=self.table.lance_options())
         except OSError as exc:
-            latest = _latest_version(self.uri, self.storage_options)
+            latest = self.table.latest_version()
             if latest == self.read_version:
                 raise  # not a lost race: a real failure
             raise CommitConflictError(
-                f"cannot commit {self.uri}: another writer committed version {latest} while "
+                f"cannot commit {self.table}: another writer committed version {latest} while "
                 f"this write (based on version {self.read_version}) ran; this write's "
                 f"{len(fragments)} fragment(s) were not committed and the table keeps the "
                 "other writer's version: rerun to replace it") from exc
@@ -299,53 +254,41 @@ def _chain_first(first: pa.RecordBatch, rest, schema: pa.Schema):
         yield batch.cast(schema) if batch.schema != schema else batch
 
 
-def _latest_version(uri: str, storage_options: Optional[dict] = None) -> int | None:
+def _existing_schema(table: TableRef) -> pa.Schema | None:
     try:
-        return lance.dataset(uri, storage_options=storage_options).version
-    except (ValueError, FileNotFoundError, OSError):
+        return table.open().schema
+    except FileNotFoundError:
         return None
 
 
-def _existing_schema(uri: str, storage_options: Optional[dict] = None) -> pa.Schema | None:
-    try:
-        return lance.dataset(uri, storage_options=storage_options).schema
-    except (ValueError, FileNotFoundError, OSError):
-        return None
-
-
-def write_dataset_atomically(dataset: "ray.data.Dataset", uri: "Path | str", policy: FragmentPolicy,
-                             schema: pa.Schema | None = None,
-                             storage_options: Optional[Mapping[str, str]] = None) -> WriteReport:
-    """Stream a Ray Dataset into `uri` as one new version, then compact its fragments."""
-    uri = as_uri(uri)
-    prepare_output_dir(uri, "Lance table", storage_options)
-    options = object_store.lance_options(uri, storage_options)
-    sink = LanceOverwriteSink(uri, policy, schema, options,
-                              read_version=_latest_version(uri, options))
+def write_dataset_atomically(dataset: "ray.data.Dataset", table: TableRef, policy: FragmentPolicy,
+                             schema: pa.Schema | None = None) -> WriteReport:
+    """Stream a Ray Dataset into `table` as one new version, then compact its fragments."""
+    table = table.latest()
+    prepare_output_dir(table, "Lance table")
+    sink = LanceOverwriteSink(table, policy, schema, read_version=table.latest_version())
     dataset.write_datasink(sink)
-    compacted_from = compact(uri, policy, storage_options)
-    table = lance.dataset(uri, storage_options=options)
-    cleanup(table, policy)
-    report = describe_write(table)
+    compacted_from = compact(table, policy)
+    written = table.open()
+    cleanup(written, policy)
+    report = describe_write(written)
     report.nodes = sink.nodes
     report.compacted_from = compacted_from
     return report
 
 
-def compact(uri: "Path | str", policy: FragmentPolicy,
-            storage_options: Optional[Mapping[str, str]] = None) -> int:
+def compact(table: TableRef, policy: FragmentPolicy) -> int:
     """Merge small fragments toward the byte target; returns the fragment count before."""
-    table = lance.dataset(as_uri(uri),
-                          storage_options=object_store.lance_options(uri, storage_options))
-    fragments = table.get_fragments()
+    dataset = table.latest().open()
+    fragments = dataset.get_fragments()
     if len(fragments) <= 1:
         return len(fragments)
-    rows = table.count_rows()
+    rows = dataset.count_rows()
     if rows == 0:
         return len(fragments)
-    bytes_per_row = max(1, _data_bytes(table) // rows)
+    bytes_per_row = max(1, data_bytes(dataset) // rows)
     target_rows = max(1, min(policy.max_rows, policy.target_bytes // bytes_per_row))
-    table.optimize.compact_files(
+    dataset.optimize.compact_files(
         target_rows_per_fragment=target_rows, max_bytes_per_file=policy.target_bytes,
     )
     return len(fragments)
@@ -356,7 +299,8 @@ def cleanup(table: "lance.LanceDataset", policy: FragmentPolicy) -> None:
     table.cleanup_old_versions(older_than=policy.keep_versions, delete_unverified=False)
 
 
-def _data_bytes(table: "lance.LanceDataset") -> int:
+def data_bytes(table: "lance.LanceDataset") -> int:
+    """Bytes of the table's data files (from the manifest; a local file's size if not)."""
     total = 0
     for fragment in table.get_fragments():
         for data_file in fragment.data_files():
@@ -372,12 +316,11 @@ def _data_bytes(table: "lance.LanceDataset") -> int:
 def describe_write(table: "lance.LanceDataset") -> WriteReport:
     return WriteReport(
         uri=table.uri, version=table.version, rows=table.count_rows(),
-        fragments=len(table.get_fragments()), bytes=_data_bytes(table),
+        fragments=len(table.get_fragments()), bytes=data_bytes(table),
     )
 
 
-def upsert(uri: str | Path, rows: pa.Table, schema: pa.Schema, keys: list[str],
-           storage_options: Optional[Mapping[str, str]] = None) -> int:
+def upsert(table: TableRef, rows: pa.Table, schema: pa.Schema, keys: list[str]) -> int:
     """Commit `rows` atomically, replacing rows with the same keys (never doubling them);
     returns the new version. Used for chunked, resumable writes (captions, labels).
 
@@ -386,50 +329,70 @@ def upsert(uri: str | Path, rows: pa.Table, schema: pa.Schema, keys: list[str],
     preempted, merges again on top of the winner's version and commits that (up to
     `UPSERT_ATTEMPTS` times, then `CommitConflictError`). Neither writer's rows are lost and
     keys stay unique."""
-    uri = as_uri(uri)
+    table = table.latest()
     rows = rows.cast(schema)
-    prepare_output_dir(uri, "Lance table", storage_options)
-    options = object_store.lance_options(uri, storage_options)
-    if not table_exists(uri, storage_options):
-        created = _create_if_absent(uri, rows, schema, options)
+    prepare_output_dir(table, "Lance table")
+    if not table.exists():
+        created = _create_if_absent(table, rows, schema)
         if created is not None:
             return created
         # Another writer created the table first: merge into what it committed.
     for attempt in range(1, UPSERT_ATTEMPTS + 1):
-        table = lance.dataset(uri, storage_options=options)
+        dataset = table.open()
         # The merge writes its files first and commits separately, so a lost commit is
         # redone from the winner's version (a merge's own retries are not bounded by us).
-        transaction, _ = table.merge_insert(keys).when_matched_update_all() \
+        transaction, _ = dataset.merge_insert(keys).when_matched_update_all() \
             .when_not_matched_insert_all().execute_uncommitted(rows)
         failpoint("storage.upsert_uncommitted")
         try:
-            return lance.LanceDataset.commit(uri, transaction, storage_options=options).version
+            return lance.LanceDataset.commit(table.uri, transaction,
+                                             storage_options=table.lance_options()).version
         except lance.commit.CommitConflictError as exc:
             log.warning("upsert into %s lost its commit on version %d to a concurrent writer "
-                        "(attempt %d of %d): merging again on top (%s)", uri, table.version,
+                        "(attempt %d of %d): merging again on top (%s)", table, dataset.version,
                         attempt, UPSERT_ATTEMPTS, str(exc).split(",")[0])
     raise CommitConflictError(
-        f"upsert into {uri}: lost the commit to concurrent writers {UPSERT_ATTEMPTS} times; "
+        f"upsert into {table}: lost the commit to concurrent writers {UPSERT_ATTEMPTS} times; "
         "none of these rows were committed, the other writers' rows are kept: rerun to "
         "commit them")
 
 
-def _create_if_absent(uri: str, rows: pa.Table, schema: pa.Schema,
-                      options: Optional[dict[str, str]]) -> Optional[int]:
+def _create_if_absent(table: TableRef, rows: pa.Table, schema: pa.Schema) -> Optional[int]:
     """Commit `rows` as the table's first version, or return None if another writer created
     the table meanwhile. `write_dataset(mode="create")` is not enough for racing writers:
     its commit is an Overwrite, which Lance rebases over a concurrent first commit, so the
     loser silently replaces the winner's rows. An Overwrite committed with no read version
     and no retries fails instead when the table exists (or its first version appears while
     committing), and the caller merges."""
-    fragments = write_fragments(rows, uri, schema=schema, storage_options=options)
+    fragments = write_fragments(rows, table.uri, schema=schema,
+                                storage_options=table.lance_options())
     try:
         return lance.LanceDataset.commit(
-            uri, lance.LanceOperation.Overwrite(schema, fragments), read_version=None,
-            max_retries=0, storage_options=options).version
+            table.uri, lance.LanceOperation.Overwrite(schema, fragments), read_version=None,
+            max_retries=0, storage_options=table.lance_options()).version
     except OSError:
         # Lost the race (the written files are orphans for cleanup to remove), or a real
         # failure, which must not be mistaken for "someone else created it".
-        if table_exists(uri, options):
+        if table.exists():
             return None
         raise
+
+
+def overwrite_rows(table: TableRef, rows: pa.Table, schema: pa.Schema) -> int:
+    """`rows` as the table's whole new version, in one commit (created if absent): readers
+    see the previous rows or these, never a mix. For small tables written whole."""
+    prepare_output_dir(table, "Lance table")
+    mode = "overwrite" if table.exists() else "create"
+    return lance.write_dataset(rows.cast(schema), table.uri, schema=schema, mode=mode,
+                               storage_options=table.lance_options()).version
+
+
+def append_rows(table: TableRef, rows: pa.Table, schema: pa.Schema,
+                policy: Optional[FragmentPolicy] = None) -> int:
+    """`rows` appended in one commit (the table created if absent); returns the version."""
+    prepare_output_dir(table, "Lance table")
+    kwargs = {"max_rows_per_file": policy.max_rows,
+              "max_bytes_per_file": policy.target_bytes} if policy else {}
+    return lance.write_dataset(rows.cast(schema), table.uri, schema=schema,
+                               mode="append" if table.exists() else "create",
+                               storage_options=table.lance_options(), **kwargs).version

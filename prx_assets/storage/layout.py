@@ -1,8 +1,9 @@
 """Where everything lives: one root URI and the layout under it.
 
-A `Storage` maps (table, source) to a location and opens it; it also names the MDS root,
-the opt-out request folder and the ablation lists. Locations are URI strings, so the root can be
-a local folder today and an object-store prefix without changing any caller.
+A `Storage` maps (table, source) to a `TableRef` and a path under the root to a `Location`;
+it also names the MDS root, the opt-out request folder and the ablation lists. Handles hold
+URIs, so the root can be a local folder or an object-store prefix without changing any
+caller.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
 
-import lance
-
 from prx_assets.storage import object_store
+from prx_assets.storage.object_store import StoreSettings
+from prx_assets.storage.refs import Location, TableRef
 from prx_assets.storage.tables import GLOBAL, PER_SOURCE
 
 DATA_ROOT_ENV = "PRX_DATA_ROOT"
@@ -37,16 +38,22 @@ class Storage:
 
     On an object store, credentials and endpoint come from the standard AWS variables;
     `storage_options` (Lance's key names, e.g. `aws_endpoint`, `aws_access_key_id`,
-    `allow_http`, `timeout`) override them and go with every Lance call made through here.
+    `allow_http`, `timeout`) override them. They are resolved once, here, into the settings
+    every handle this Storage makes carries (`table`, `location`); neither prints them.
     """
 
     root: str
-    storage_options: Optional[Mapping[str, str]] = field(default=None, hash=False)
+    storage_options: Optional[Mapping[str, str]] = field(default=None, hash=False, repr=False)
+    settings: Optional[StoreSettings] = field(default=None, init=False, repr=False,
+                                              compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", _normalise_root(str(self.root)))
         if self.storage_options is not None:
             object.__setattr__(self, "storage_options", dict(self.storage_options))
+        if not self.is_local:
+            object.__setattr__(self, "settings",
+                               StoreSettings.resolve(self.root, self.storage_options))
 
     @classmethod
     def from_env(cls) -> "Storage":
@@ -56,88 +63,43 @@ class Storage:
     def is_local(self) -> bool:
         return "://" not in self.root
 
-    def lance_options(self) -> Optional[dict[str, str]]:
-        """Storage options for a Lance or Ray Data call on a location under this root: None
-        locally; on an object store the bounded timeouts and retries, the standard variables
-        and this Storage's overrides, resolved here (on the driver) so that Ray tasks get
-        them whatever their own environment holds."""
-        return object_store.lance_options(self.root, self.storage_options)
-
     def check_reachable(self) -> None:
         """On an object store, fail at once naming the root and the cause (missing bucket,
         refused credentials, unreachable endpoint); locally nothing to check."""
-        object_store.check_reachable(self.root, self.storage_options)
+        if self.settings:
+            object_store.check_reachable(self.root, self.settings)
 
-    def _join(self, *parts: str) -> str:
-        return "/".join((self.root, *parts))
+    def location(self, *parts: str) -> Location:
+        """A file or folder under the root (`location("mds", "web")`)."""
+        return Location("/".join((self.root, *parts)), self.settings)
 
-    def table(self, name: str, source: Optional[str] = None) -> str:
-        """The URI of a table: `lance/<name>/<source>.lance`, or `lance/<name>.lance`."""
+    def table(self, name: str, source: Optional[str] = None) -> TableRef:
+        """A table: `lance/<name>/<source>.lance`, or `lance/<name>.lance` (the latest
+        version; `.at(version)` pins it)."""
         if name in PER_SOURCE:
             if not source:
                 raise ValueError(f"table {name!r} is per source: name the source")
-            return self._join("lance", name, f"{source}.lance")
+            return self.location("lance", name, f"{source}.lance").table()
         if name in GLOBAL:
             if source:
                 raise ValueError(f"table {name!r} spans every source: it takes no source")
-            return self._join("lance", f"{name}.lance")
+            return self.location("lance", f"{name}.lance").table()
         raise ValueError(f"unknown table {name!r}; tables are {PER_SOURCE + GLOBAL}")
 
-    def exists(self, name: str, source: Optional[str] = None) -> bool:
-        return self.latest_version(name, source) is not None
-
-    def open(self, name: str, source: Optional[str] = None,
-             version: Optional[int] = None) -> lance.LanceDataset:
-        """The table at `version` (the latest if None); fails naming the URI if absent."""
-        uri = self.table(name, source)
-        self.check_reachable()
-        try:
-            return lance.dataset(uri, version=version, storage_options=self.lance_options())
-        except (ValueError, FileNotFoundError, OSError) as exc:
-            if not (self.is_local or object_store.is_not_found(exc)):
-                raise object_store.ObjectStoreError(f"cannot read Lance table {uri}: {exc}") \
-                    from exc
-            raise FileNotFoundError(f"cannot open Lance table {uri}"
-                                    + (f" at version {version}" if version is not None else "")
-                                    + f": {exc}") from exc
-
-    def latest_version(self, name: str, source: Optional[str] = None) -> Optional[int]:
-        """The table's latest committed version, or None if it was never written."""
-        uri = self.table(name, source)
-        if self.is_local and not Path(uri).exists():
-            return None
-        self.check_reachable()
-        try:
-            return lance.dataset(uri, storage_options=self.lance_options()).version
-        except (ValueError, FileNotFoundError, OSError) as exc:
-            if self.is_local or object_store.is_not_found(exc):
-                return None
-            raise object_store.ObjectStoreError(f"cannot read Lance table {uri}: {exc}") from exc
-
     @property
-    def mds_root(self) -> str:
+    def mds_root(self) -> Location:
         """Where every source's MDS tree lives (`mds/<source>/<tier>/<W>x<H>/`)."""
-        return self._join(MDS_DIR)
-
-    def mds_tree(self, source: str) -> str:
-        return self._join(MDS_DIR, source)
+        return self.location(MDS_DIR)
 
     @property
-    def opt_outs_dir(self) -> str:
+    def opt_outs_dir(self) -> Location:
         """The folder users drop opt-out request files into."""
-        return self._join(OPT_OUTS_DIR)
+        return self.location(OPT_OUTS_DIR)
 
     @property
-    def ablations_dir(self) -> str:
+    def ablations_dir(self) -> Location:
         """Named ablation lists: `<name>.txt`, one sample id per line."""
-        return self._join(ABLATIONS_DIR)
-
-    def local_path(self, uri: str) -> Path:
-        """A location under a local root as a Path, for code that needs a POSIX folder
-        (symlink swaps, renames); object-store roots are refused with the URI named."""
-        if not self.is_local:
-            raise NotImplementedError(f"{uri}: this step needs a local folder")
-        return Path(uri)
+        return self.location(ABLATIONS_DIR)
 
 
 def as_storage(storage: "Storage | str | Path") -> Storage:

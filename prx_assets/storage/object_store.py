@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Mapping, Optional
 
@@ -79,11 +80,15 @@ def split_uri(uri: str) -> tuple[str, str, str]:
 
 
 def lance_options(uri: "str | PurePath",
-                  overrides: Optional[Mapping[str, str]] = None) -> Optional[dict[str, str]]:
+                  overrides: "Optional[Mapping[str, str] | StoreSettings]" = None
+                  ) -> Optional[dict[str, str]]:
     """The storage options for a Lance call on `uri`: None for a local path; for an object
-    store, the bounded defaults, then the standard variables, then `overrides`."""
+    store, the bounded defaults, then the standard variables, then `overrides` (settings
+    already resolved are taken as they are)."""
     if not is_object_store(uri):
         return None
+    if isinstance(overrides, StoreSettings):
+        return overrides.as_lance()
     options = dict(DEFAULT_LANCE_OPTIONS)
     for env, key in _ENV_KEYS.items():
         if os.environ.get(env):
@@ -93,7 +98,41 @@ def lance_options(uri: "str | PurePath",
     return options
 
 
-def check_reachable(uri: "str | PurePath", options: Optional[Mapping[str, str]] = None) -> None:
+# Settings whose values never print (a handle's repr, a log line, asset metadata).
+SECRET_KEYS = frozenset({"aws_access_key_id", "aws_secret_access_key", "aws_session_token"})
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """Object-store settings resolved once (on the driver): the bounded defaults, the
+    standard variables, then explicit overrides, in Lance's key names. Hashable, so one
+    client per configuration is cached; its repr masks the credentials."""
+
+    items: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def resolve(cls, uri: "str | PurePath",
+                overrides: "Optional[Mapping[str, str] | StoreSettings]" = None
+                ) -> "StoreSettings":
+        if isinstance(overrides, StoreSettings):
+            return overrides
+        return cls(tuple(sorted((lance_options(uri, overrides) or {}).items())))
+
+    def as_lance(self) -> dict[str, str]:
+        """Lance's (and Ray Data's `read_lance`) `storage_options`."""
+        return dict(self.items)
+
+    def get(self, key: str, default: Optional[str] = None) -> Optional[str]:
+        return dict(self.items).get(key, default)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{key}={'***' if key in SECRET_KEYS else value}"
+                          for key, value in self.items)
+        return f"StoreSettings({shown})"
+
+
+def check_reachable(uri: "str | PurePath",
+                    options: "Optional[Mapping[str, str] | StoreSettings]" = None) -> None:
     """Fail at once, naming `uri` and the cause, if its bucket is missing, the credentials are
     refused or the endpoint does not answer; one listing request, no retries."""
     uri = as_uri(uri)
@@ -102,7 +141,7 @@ def check_reachable(uri: "str | PurePath", options: Optional[Mapping[str, str]] 
     scheme, bucket, prefix = split_uri(uri)
     if scheme not in ("s3", "s3a"):
         return  # other stores: Lance's own (bounded) errors are the check
-    resolved = lance_options(uri, options) or {}
+    resolved = StoreSettings.resolve(uri, options).as_lance()
     key = (bucket, tuple(sorted(resolved.items())))
     if key in _CHECKED:
         return
@@ -161,7 +200,8 @@ def is_not_found(exc: BaseException) -> bool:
 
 # ------------------------------------------------------------------ files (not Lance tables)
 
-def filesystem(uri: "str | PurePath", overrides: Optional[Mapping[str, str]] = None):
+def filesystem(uri: "str | PurePath",
+               overrides: "Optional[Mapping[str, str] | StoreSettings]" = None):
     """(pyarrow FileSystem, path inside it) for a location: the local file system for a
     folder, an S3FileSystem with the same resolved settings Lance gets for `s3://...`.
     For plain files under the root (MDS shards, sidecars, pointers, opt-out and ablation
@@ -174,31 +214,36 @@ def filesystem(uri: "str | PurePath", overrides: Optional[Mapping[str, str]] = N
     scheme, bucket, key = split_uri(uri)
     if scheme not in ("s3", "s3a"):
         raise ObjectStoreError(f"cannot use {uri}: only s3:// object stores are supported here")
-    check_reachable(uri, overrides)  # a bad bucket, key or endpoint fails once, by name
-    options = lance_options(uri, overrides) or {}
-    return _s3_filesystem(tuple(sorted(options.items()))), f"{bucket}/{key}".rstrip("/")
+    settings = StoreSettings.resolve(uri, overrides)
+    check_reachable(uri, settings)  # a bad bucket, key or endpoint fails once, by name
+    return s3_filesystem(settings), f"{bucket}/{key}".rstrip("/")
 
 
 @functools.lru_cache(maxsize=8)
-def _s3_filesystem(settings: tuple[tuple[str, str], ...]):
+def s3_filesystem(settings: StoreSettings):
     """One S3FileSystem per configuration (thread-safe, reused: building one per file would
-    dominate copying a version's thousands of small requests)."""
+    dominate copying a version's thousands of small requests), from Lance-style settings:
+    the endpoint with or without its scheme, plain HTTP when `allow_http`, virtual-hosted
+    addressing when asked, the bounded timeouts and retries."""
     import pyarrow.fs as pafs
 
-    options = dict(settings)
-    endpoint = options.get("aws_endpoint")
-    allow_http = options.get("allow_http", "false").lower() == "true"
+    endpoint = settings.get("aws_endpoint") or None
+    scheme = "http" if (settings.get("allow_http") or "false").lower() == "true" else "https"
+    if endpoint and "://" in endpoint:
+        scheme, _, endpoint = endpoint.partition("://")
+    key, secret = settings.get("aws_access_key_id"), settings.get("aws_secret_access_key")
     return pafs.S3FileSystem(
-        access_key=options.get("aws_access_key_id"),
-        secret_key=options.get("aws_secret_access_key"),
-        session_token=options.get("aws_session_token"),
-        region=options.get("aws_region"),  # None: the SDK's own resolution (AWS)
-        endpoint_override=endpoint,
-        scheme="http" if allow_http or (endpoint or "").startswith("http://") else "https",
+        access_key=key if key and secret else None,
+        secret_key=secret if key and secret else None,
+        session_token=settings.get("aws_session_token") if key and secret else None,
+        region=settings.get("aws_region") or "us-east-1",
+        endpoint_override=endpoint, scheme=scheme,
         connect_timeout=PREFLIGHT_CONNECT_TIMEOUT_S,
-        request_timeout=_seconds(options.get("timeout", "60s")),
+        request_timeout=_seconds(settings.get("timeout") or "60s"),
         retry_strategy=pafs.AwsStandardS3RetryStrategy(
-            max_attempts=int(options.get("client_max_retries", 3))),
+            max_attempts=int(settings.get("client_max_retries") or 3)),
+        force_virtual_addressing=(settings.get("aws_virtual_hosted_style_request")
+                                  or "false").lower() == "true",
         check_directory_existence_before_creation=False,
         allow_bucket_creation=False, allow_bucket_deletion=False)
 

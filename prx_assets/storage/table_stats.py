@@ -9,11 +9,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
 
-import lance
-
-from prx_assets.storage.object_store import lance_options
+from prx_assets.storage.refs import TableRef
 
 # Megapixel bands and aspect-ratio bands used for the resolution summary.
 MP_BANDS = [(0, 0.25), (0.25, 0.5), (0.5, 1.0), (1.0, 2.0), (2.0, 4.0), (4.0, 12.0), (12.0, math.inf)]
@@ -45,10 +42,9 @@ def band_label(value: float, bands: list[tuple[float, float]], unit: str = "") -
     return "?"
 
 
-def profile_table(uri: str, batch_rows: int = 65_536,
-                  storage_options: Optional[Mapping[str, str]] = None) -> TableProfile:
+def profile_table(ref: TableRef, batch_rows: int = 65_536) -> TableProfile:
     """Counts by status and format, and megapixel / aspect-ratio bands of ok rows."""
-    table = lance.dataset(uri, storage_options=lance_options(uri, storage_options))
+    table = ref.open()
     wanted = [c for c in ("status", "format", "width", "height", "n_bytes")
               if c in table.schema.names]
     profile = TableProfile()
@@ -87,11 +83,10 @@ class BucketProfile:
         return self.kept / self.rows if self.rows else 0.0
 
 
-def bucket_profile(uri: str, batch_rows: int = 65_536,
-                   storage_options: Optional[Mapping[str, str]] = None) -> BucketProfile:
+def bucket_profile(ref: TableRef, batch_rows: int = 65_536) -> BucketProfile:
     """Counts per status, tier and shape of a bucketed table (small columns only)."""
     profile = BucketProfile()
-    table = lance.dataset(uri, storage_options=lance_options(uri, storage_options))
+    table = ref.open()
     columns = ["status", "tier", "width", "height", "phash", "flat"]
     for batch in table.to_batches(columns=columns, batch_size=batch_rows):
         data = batch.to_pydict()
