@@ -7,6 +7,10 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prx_assets.storage.refs import TableRef
 
 DEFAULT_DEMO_DIR = Path("demo_corpus")
 
@@ -43,7 +47,7 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if all(r.success for r in results) else 1
 
 
-def _corpus_uri() -> str:
+def _corpus() -> "TableRef":
     from prx_assets.storage.layout import Storage
     from prx_assets.storage.tables import CORPUS
 
@@ -54,7 +58,7 @@ def _search(args: argparse.Namespace) -> int:
     from prx_assets.stages.corpus.search import SearchError, format_hits, search_text
 
     try:
-        hits = search_text(_corpus_uri(), args.text, k=args.k, source=args.source,
+        hits = search_text(_corpus(), args.text, k=args.k, source=args.source,
                            label=args.label)
     except SearchError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -67,7 +71,7 @@ def _similar(args: argparse.Namespace) -> int:
     from prx_assets.stages.corpus.search import SearchError, format_hits, similar
 
     try:
-        hits = similar(_corpus_uri(), args.id, k=args.k, source=args.source, label=args.label)
+        hits = similar(_corpus(), args.id, k=args.k, source=args.source, label=args.label)
     except SearchError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

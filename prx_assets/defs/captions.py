@@ -23,6 +23,7 @@ from prx_assets.stages.captions.captions import TARGET_WORDS, word_histogram
 from prx_assets.stages.captions.runs import (
     CaptionRunReport, caption_source, changed_ids, count_pending, coverage, drop_captions,
     ensure_table, pending_requests, read_kept)
+from prx_assets.stages.captions.captioners import CaptionerSpec
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, RAW_IMAGES
 from prx_assets.defs.io_managers import COLUMNS_KEY
@@ -63,35 +64,31 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
         spec = captioner.spec()
         source = context.partition_key
         store = storage.get()
-        uri = store.table(CAPTIONS, source)
+        table = store.table(CAPTIONS, source)
         stale = drop_stale_captions(context, store, with_caption=not spec.uses_model)
-        options = store.storage_options
         # Read here rather than through the IO manager's input: filtered and projected by
         # Lance (no image bytes for the `original` backend), at the version it pinned.
-        kept = read_kept(store.table(BUCKETED_IMAGES, source),
-                         materialized_lance_version(context.instance, BUCKETED_IMAGES, source),
-                         spec, options)
-        requests = pending_requests(kept, raw_images, uri, spec, options)
+        kept = read_kept(store.table(BUCKETED_IMAGES, source).at(
+            materialized_lance_version(context.instance, BUCKETED_IMAGES, source)), spec)
+        requests = pending_requests(kept, raw_images, table, spec)
         context.log.info(f"captioning {source!r} with {spec.backend} ({spec.model_name}), "
                          f"version {spec.version()}")
 
         progress = StageProgress(f"{CAPTIONS}[{source}]",
-                                 captions_to_make(store, source, spec, options),
+                                 captions_to_make(store, source, spec),
                                  context.log.info, unit="images")
-        report = caption_source(requests, uri, spec, captioner.chunk_rows,
-                                on_chunk=lambda r: progress.update(r.commits.rows),
-                                storage_options=options)
+        report = caption_source(requests, table, spec, captioner.chunk_rows,
+                                on_chunk=lambda r: progress.update(r.commits.rows))
         progress.finish()
-        lance_version = report.lance_version or ensure_table(uri, options)
-        cover = coverage(store.table(BUCKETED_IMAGES, source), uri, report.version,
-                         storage_options=options)
+        lance_version = report.lance_version or ensure_table(table)
+        cover = coverage(store.table(BUCKETED_IMAGES, source), table, report.version)
         return dg.MaterializeResult(
             metadata={
                 **input_versions(context, BUCKETED_IMAGES, RAW_IMAGES),
                 **run_metadata(report, spec, cover),
                 **captions_counts(report, cover, stale),
                 "stale_captions_dropped": stale,
-                "path": dg.MetadataValue.path(str(uri)),
+                "path": dg.MetadataValue.path(table.uri),
                 "lance_version": lance_version, **browser_link(context),
             },
             # Content-driven already: the table's version moves only when a chunk was
@@ -111,26 +108,24 @@ def drop_stale_captions(context: dg.AssetExecutionContext, store: Storage, with_
     previous = recorded_input_version(context.instance, context.asset_key, source, RAW_IMAGES)
     current = materialized_lance_version(context.instance, RAW_IMAGES, source)
     if previous is None or current is None or previous == current \
-            or not store.exists(CAPTIONS, source):
+            or not store.table(CAPTIONS, source).exists():
         return 0
-    captions_uri = store.table(CAPTIONS, source)
     try:
-        ids = changed_ids(store.table(RAW_IMAGES, source), previous, current, with_caption,
-                          store.storage_options)
+        ids = changed_ids(store.table(RAW_IMAGES, source), previous, current, with_caption)
     except (ValueError, OSError) as exc:  # that version was cleaned up (kept 7 days)
         context.log.warning(f"cannot compare raw_images v{previous} with v{current} "
                             f"({exc}); captions of changed items are not refreshed")
         return 0
-    dropped = drop_captions(captions_uri, ids, storage_options=store.storage_options)
+    dropped = drop_captions(store.table(CAPTIONS, source), ids)
     context.log.info(f"{len(ids):,} item(s) removed or changed since raw_images v{previous}: "
                      f"dropped {dropped:,} caption row(s)")
     return dropped
 
 
-def captions_to_make(store: Storage, source: str, spec, options) -> int:
+def captions_to_make(store: Storage, source: str, spec: CaptionerSpec) -> int:
     """The progress total: kept images less the captions of this version already final."""
     return count_pending(store.table(BUCKETED_IMAGES, source), store.table(CAPTIONS, source),
-                         spec.version(), storage_options=options)
+                         spec.version())
 
 
 def captions_counts(report: CaptionRunReport, cover, stale: int) -> dict:
@@ -196,7 +191,7 @@ def caption_checks(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetChec
     def counts(context, captioner: CaptionerResource, storage: StorageResource):
         source, store = context.partition_key, storage.get()
         return coverage(store.table(BUCKETED_IMAGES, source), store.table(CAPTIONS, source),
-                        captioner.caption_version(), storage_options=store.storage_options)
+                        captioner.caption_version())
 
     @dg.asset_check(asset=asset, name="coverage", partitions_def=partitions_def,
                     description="Share of kept images captioned under the active version.")

@@ -35,18 +35,13 @@ def source_tables(store: Storage, source: str, caption_version: str,
         source, store.table(BUCKETED_IMAGES, source), store.table(CAPTIONS, source),
         store.table(CAPTION_LABELS, source), store.table(PHASHES, source),
         active_caption_filter(caption_version),
-        active_labels_filter(caption_version, classifier_version),
-        bucketed_version=store.latest_version(BUCKETED_IMAGES, source),
-        captions_version=store.latest_version(CAPTIONS, source),
-        labels_version=store.latest_version(CAPTION_LABELS, source),
-        phashes_version=store.latest_version(PHASHES, source),
-        storage_options=store.storage_options)
+        active_labels_filter(caption_version, classifier_version)).pinned()
 
 
 def pinned_versions(tables: SourceTables) -> dict:
     """Metadata entries `input_version/<table>/<source>` of exactly the versions read."""
-    versions = {BUCKETED_IMAGES: tables.bucketed_version, CAPTIONS: tables.captions_version,
-                CAPTION_LABELS: tables.labels_version, PHASHES: tables.phashes_version}
+    versions = {BUCKETED_IMAGES: tables.bucketed.version, CAPTIONS: tables.captions.version,
+                CAPTION_LABELS: tables.labels.version, PHASHES: tables.phashes.version}
     return {f"{INPUT_VERSION}{table}/{tables.name}": -1 if v is None else v
             for table, v in versions.items()}
 
@@ -66,9 +61,9 @@ def changed_since(previous: dg.AssetMaterialization, tables: SourceTables) -> bo
 def full_rebuild_reason(previous: Optional[dg.AssetMaterialization], store: Storage,
                         caption_version: str, classifier_version: str) -> Optional[str]:
     """Why every row must be rewritten, or None when an update per source will do."""
-    if previous is None or not store.exists(CORPUS):
+    if previous is None or not store.table(CORPUS).exists():
         return "no corpus yet"
-    if store.open(CORPUS).schema != CORPUS_SCHEMA:
+    if store.table(CORPUS).open().schema != CORPUS_SCHEMA:
         return "the corpus schema changed"
     for entry, now in (("caption_version", caption_version),
                        ("classifier_version", classifier_version)):
@@ -93,14 +88,14 @@ def build_corpus_asset(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefi
         classifier_version = context.resources.classifier.classifier_version()
         store: Storage = context.resources.storage.get()
         names = [s.name for s in context.resources.sources.load().sources]
-        ready = [n for n in names if store.exists(CAPTION_LABELS, n)]
+        ready = [n for n in names if store.table(CAPTION_LABELS, n).exists()]
         if not ready:
             raise dg.Failure("no source has caption_labels yet: materialise them first")
         skipped = sorted(set(names) - set(ready))
         if skipped:
             context.log.warning(f"sources without caption_labels left out: {skipped}")
         tables = [source_tables(store, n, caption_version, classifier_version) for n in ready]
-        uri = store.table(CORPUS)
+        corpus_table = store.table(CORPUS)
         previous = latest_materialization(context.instance, CORPUS, None)
         reason = full_rebuild_reason(previous, store, caption_version, classifier_version)
         changed = tables if reason else [t for t in tables if changed_since(previous, t)]
@@ -111,7 +106,7 @@ def build_corpus_asset(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefi
         progress = StageProgress(CORPUS, None, context.log.info)
         if reason:
             context.log.info(f"corpus: full rebuild ({reason})")
-            report = build_corpus(uri, tables, storage_options=store.storage_options)
+            report = build_corpus(corpus_table, tables)
             progress.update(report.write.rows)
         else:
             gone = sorted(recorded_sources(previous) - set(ready))
@@ -119,15 +114,15 @@ def build_corpus_asset(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefi
             context.log.info(f"corpus: replacing {[t.name for t in changed]}, removing "
                              f"{gone}, keeping {keep}")
             report = update_corpus(
-                uri, changed, gone, keep, storage_options=store.storage_options,
+                corpus_table, changed, gone, keep,
                 rebuild_indexes=recorded(previous, "index_config") != index_config(),
                 on_rows=progress.advance)
         progress.finish()
         context.log.info(f"corpus: {report.write.rows:,} rows, indexes {report.indexes}")
-        lance_version = store.latest_version(CORPUS)
+        lance_version = corpus_table.latest_version()
         changed_rows = bool(report.processed or report.removed)
         return dg.MaterializeResult(metadata={
-            "path": dg.MetadataValue.path(str(uri)),
+            "path": dg.MetadataValue.path(corpus_table.uri),
             "lance_version": lance_version,
             "dagster/row_count": report.write.rows,
             "fragments": report.write.fragments,

@@ -5,6 +5,7 @@ import dagster as dg
 from prx_assets.stages.dedup.dedup import (
     DEFAULT_ROWS_PER_BUCKET, DUPLICATES_SCHEMA, duplicates_dataset, hash_inputs, hashed_rows,
     near_duplicate_report, summarise)
+from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import DUPLICATES, PHASHES
 from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, FRAGMENT_ROWS_KEY, LanceTableOutput
 from prx_assets.defs.resources import RayResource, SourcesResource, StorageResource
@@ -49,13 +50,13 @@ def build_duplicates() -> dg.AssetsDefinition:
             duplicates_dataset(inputs, config.rows_per_bucket), DUPLICATES_SCHEMA,
             metadata={**lineage, "sources_missing": ", ".join(missing) or "none",
                       "near_duplicate_share": _near_table(near)},
-            after_write=lambda uri: _summary_metadata(uri, totals, store.storage_options))
+            after_write=lambda table: _summary_metadata(table, totals))
 
     return duplicates
 
 
-def _summary_metadata(uri: str, totals: dict[str, int], storage_options=None) -> dict:
-    summary = summarise(uri, totals, storage_options=storage_options)
+def _summary_metadata(table: TableRef, totals: dict[str, int]) -> dict:
+    summary = summarise(table, totals)
     per_source = [
         dg.TableRecord({"source": source, "hashed": total,
                         "removed": summary.removed_per_source.get(source, 0),

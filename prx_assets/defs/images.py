@@ -22,6 +22,7 @@ from prx_assets.stages.images.stage import (
     settings_fingerprint)
 from prx_assets.storage.lance_tables import FragmentPolicy, describe_write
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.refs import TableRef
 from prx_assets.storage.table_stats import bucket_profile
 from prx_assets.storage.tables import BUCKETED_IMAGES, PHASHES, RAW_IMAGES
 from prx_assets.defs.io_managers import (
@@ -88,22 +89,16 @@ def build_image_stage(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefin
         store, source = storage.get(), context.partition_key
         lineage = input_versions(context, RAW_IMAGES)
         # The same raw version the IO manager pinned `raw_images` to.
-        raw = store.open(RAW_IMAGES, source,
-                         materialized_lance_version(context.instance, RAW_IMAGES, source))
-
-        def raw_ids() -> ray.data.Dataset:
-            return ray.data.read_lance(raw.uri, version=raw.version, columns=["id"],
-                                       storage_options=store.lance_options())
-
+        raw = store.table(RAW_IMAGES, source).at(
+            materialized_lance_version(context.instance, RAW_IMAGES, source))
         tables = ImageTables(store.table(BUCKETED_IMAGES, source), store.table(PHASHES, source),
-                             store.storage_options)
+                             BUCKETED_FRAGMENTS, PHASH_FRAGMENTS)
         options = config.options()
 
         progress = StageProgress(f"{BUCKETED_IMAGES}[{source}]",
                                  images_to_process(raw, tables, options), context.log.info,
                                  unit="images")
-        report = run_image_stage(raw_images, raw, raw_ids, tables, options,
-                                 config.chunk_rows, BUCKETED_FRAGMENTS, PHASH_FRAGMENTS,
+        report = run_image_stage(raw_images, raw, tables, options, config.chunk_rows,
                                  on_chunk=lambda r: progress.update(r.commits.rows))
         progress.finish()
         context.log.info(f"{source}: {report.written:,} image(s) processed, {report.removed:,} "
@@ -111,7 +106,7 @@ def build_image_stage(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefin
         # The Pillow build decides speed and (within 0.2 dB) pixels: the workers run this
         # environment's, so the driver's is the one that ran.
         backend = pil_backend.current()
-        profile = bucket_profile(tables.bucketed, storage_options=store.storage_options)
+        profile = bucket_profile(tables.bucketed)
         yield _result(context, store, BUCKETED_IMAGES, report, processed=report.written,
                       removed=report.removed, compacted_from=report.commits.compacted_from,
                       metadata={**lineage, **bucket_metadata(profile),
@@ -127,7 +122,7 @@ def build_image_stage(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefin
     return image_stage
 
 
-def images_to_process(raw, tables: ImageTables, options: ImageOptions) -> int:
+def images_to_process(raw: TableRef, tables: ImageTables, options: ImageOptions) -> int:
     """The progress total, from two counts: raw rows less the bucketed rows already made
     under these settings (an estimate when raw rows changed or left: the line's total grows
     if the stage does more)."""
@@ -141,14 +136,14 @@ def _result(context: dg.AssetExecutionContext, store: Storage, name: str,
     """One table's materialisation: the IO manager's table entries, the incremental counts,
     and a data version that moves only when this run changed a row of it."""
     source = context.partition_key
-    table = store.open(name, source)
-    write = describe_write(table)
+    ref = store.table(name, source).pinned()
+    write = describe_write(ref.open())
     write.nodes = sorted(report.nodes)
     write.compacted_from = compacted_from if compacted_from is not None else write.fragments
     key = dg.AssetKey(name)
     return dg.MaterializeResult(
         asset_key=key,
-        metadata={**table_metadata(table.uri, write, store),
+        metadata={**table_metadata(ref, write),
                   **incremental_metadata(processed, max(0, write.rows - processed), removed),
                   **metadata, **browser_link(context, name)},
         data_version=content_data_version(
@@ -177,8 +172,7 @@ def jpeg_fidelity_check(partitions_def: dg.PartitionsDefinition) -> dg.AssetChec
         options = ImageOptions(quality=config.quality, subsampling=config.subsampling,
                                resize_mode=config.resize_mode)
         reports = [r.stats() for r in fidelity_report(
-            bucketed, raw, options, config.samples_per_band,
-            storage_options=storage.get().storage_options) if r.samples]
+            bucketed, raw, options, config.samples_per_band) if r.samples]
         failing = [r["band"] for r in reports
                    if r["median_1x"] < config.min_median_psnr_1x
                    or r["median_10x"] < config.min_median_psnr_10x]

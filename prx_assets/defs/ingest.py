@@ -53,8 +53,7 @@ def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
         uri = catalog.location_of(spec.name)
         store = storage.get()
         target = CommitTarget(store.table(RAW_IMAGES, spec.name), RAW_IMAGES_SCHEMA, ["id"],
-                              FragmentPolicy(target_bytes=FRAGMENT_BYTES),
-                              store.lance_options())
+                              FragmentPolicy(target_bytes=FRAGMENT_BYTES))
         options = IngestOptions(config.max_pixels, config.max_file_bytes, config.files_per_task,
                                 config.chunk_rows)
         context.log.info(f"ingesting source {spec.name!r} ({spec.kind}) from {uri}")
@@ -74,7 +73,7 @@ def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
             f"unit(s), {report.rows_reused:,} kept, {report.rows_removed:,} removed; "
             f"version {report.lance_version}")
         return dg.MaterializeResult(
-            metadata=_metadata(context, store, target, report, spec.kind, uri, spec.license),
+            metadata=_metadata(context, target, report, spec.kind, uri, spec.license),
             data_version=content_data_version(
                 latest_data_version(context.instance, context.asset_key, context.partition_key),
                 report.changed, report.lance_version),
@@ -83,13 +82,13 @@ def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
     return raw_images
 
 
-def _metadata(context: dg.AssetExecutionContext, store: Storage, target: CommitTarget,
+def _metadata(context: dg.AssetExecutionContext, target: CommitTarget,
               report: IngestReport, kind: str, uri: str, license: str) -> dict:
     written = describe_write(target.open())
     written.nodes = sorted(report.nodes)
     written.compacted_from = report.commits.compacted_from or written.fragments
     return {
-        **table_metadata(str(target.uri), written, store, RAW_IMAGES),
+        **table_metadata(target.table, written, RAW_IMAGES),
         **incremental_metadata(report.rows_processed, report.rows_reused, report.rows_removed),
         "units_listed": report.units_listed,
         "units_read": report.units_read,

@@ -15,7 +15,7 @@ import ray.data
 
 from prx_assets.storage import lance_tables
 from prx_assets.storage.lance_tables import FragmentPolicy, WriteReport
-from prx_assets.storage.layout import Storage
+from prx_assets.storage.refs import TableRef
 from prx_assets.defs.metadata import PROFILERS, browser_link, materialized_lance_version
 from prx_assets.defs.resources import StorageResource
 
@@ -35,18 +35,18 @@ class LanceTableOutput:
     dataset: ray.data.Dataset
     schema: Optional[pa.Schema] = None
     metadata: Optional[dict] = None
-    # Metadata computed from the committed table (its uri), e.g. summaries of the result.
-    after_write: Optional[Callable[[str], dict]] = None
+    # Metadata computed from the committed table (at the version written), e.g. summaries.
+    after_write: Optional[Callable[[TableRef], dict]] = None
 
 
-def table_metadata(uri: str, report: WriteReport, storage: Storage,
+def table_metadata(table: TableRef, report: WriteReport,
                    profile: Optional[str] = None) -> dict:
     """What a materialisation of a Lance table records: where, the version written (which
     downstream reads pin to), its size and fragments, and the profile named by `profile`
     (a key of metadata.PROFILERS). Shared by this IO manager and by assets that commit
     their table themselves (chunked, incremental runs)."""
     return {
-        "path": dg.MetadataValue.path(str(uri)),
+        "path": dg.MetadataValue.path(table.uri),
         "lance_version": report.version,
         "dagster/row_count": report.rows,
         "table_bytes": report.bytes,
@@ -54,7 +54,7 @@ def table_metadata(uri: str, report: WriteReport, storage: Storage,
         "fragments_before_compaction": report.compacted_from,
         "mean_fragment_mb": round(report.bytes / max(1, report.fragments) / 1e6, 2),
         "ray_nodes": len(report.nodes),
-        **(PROFILERS[profile](str(uri), storage.storage_options) if profile else {}),
+        **(PROFILERS[profile](table.at(report.version)) if profile else {}),
     }
 
 
@@ -65,7 +65,7 @@ class RayLanceIOManager(dg.ConfigurableIOManager):
     fragment_bytes: int = lance_tables.DEFAULT_BLOB_FRAGMENT_BYTES
     fragment_rows: int = lance_tables.DEFAULT_METADATA_FRAGMENT_ROWS
 
-    def uri_for(self, context: Union[dg.OutputContext, dg.InputContext]) -> str:
+    def table_for(self, context: Union[dg.OutputContext, dg.InputContext]) -> TableRef:
         partition = context.partition_key if context.has_partition_key else None
         return self.storage.get().table(context.asset_key.path[-1], partition)
 
@@ -78,29 +78,27 @@ class RayLanceIOManager(dg.ConfigurableIOManager):
             target_bytes=int(meta.get(FRAGMENT_BYTES_KEY, self.fragment_bytes)),
             max_rows=int(meta.get(FRAGMENT_ROWS_KEY, self.fragment_rows)),
         )
-        uri = self.uri_for(context)
-        storage = self.storage.get()
-        report = lance_tables.write_dataset_atomically(output.dataset, uri, policy,
-                                                       output.schema, storage.storage_options)
+        table = self.table_for(context)
+        report = lance_tables.write_dataset_atomically(output.dataset, table, policy,
+                                                       output.schema)
         context.log.info(
-            f"committed {report.rows:,} rows to {uri} as version {report.version} "
+            f"committed {report.rows:,} rows to {table} as version {report.version} "
             f"({report.fragments} fragment(s), compacted from {report.compacted_from})"
         )
         context.add_output_metadata({
-            **table_metadata(uri, report, storage, meta.get(PROFILE_KEY)),
+            **table_metadata(table, report, meta.get(PROFILE_KEY)),
             **(output.metadata or {}),
             **browser_link(context),
-            **(output.after_write(str(uri)) if output.after_write else {}),
+            **(output.after_write(table.at(report.version)) if output.after_write else {}),
         })
 
     def load_input(self, context: dg.InputContext) -> ray.data.Dataset:
         """A lazy read of the upstream partition, pinned to the version that was
         materialised (so a concurrent rewrite cannot change what this run reads)."""
         partition = context.asset_partition_key if context.has_asset_partitions else None
-        uri = self.uri_for(context)
-        storage = self.storage.get()
-        if not storage.exists(context.asset_key.path[-1], partition):
-            raise dg.Failure(f"upstream table {uri} does not exist; materialise it first")
+        table = self.storage.get().table(context.asset_key.path[-1], partition)
+        if not table.exists():
+            raise dg.Failure(f"upstream table {table} does not exist; materialise it first")
         version = materialized_lance_version(context.instance, context.asset_key, partition)
         columns = (context.definition_metadata or {}).get(COLUMNS_KEY)
-        return lance_tables.read_table(uri, version, storage.storage_options, columns=columns)
+        return table.at(version).read(columns=columns)

@@ -36,22 +36,20 @@ def build_caption_labels(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDe
         captions, labels = store.table(CAPTIONS, source), store.table(CAPTION_LABELS, source)
         # Captions commit chunks outside materialisations: pin the latest once, label that
         # version and record it.
-        captions_version = store.latest_version(CAPTIONS, source)
+        captions_version = captions.latest_version()
 
         # The total is counted inside label_source (pending captions): set with the first
         # chunk; a run with nothing pending ends on "nothing to do".
         progress = StageProgress(f"{CAPTION_LABELS}[{source}]", None, context.log.info,
                                  unit="captions")
         caption_filter = active_caption_filter(caption_version)
-        report = label_source(captions, labels, caption_version, caption_filter,
-                              classifier.spec(), config.chunk_rows,
-                              lambda r: progress.update(r.commits.rows, total=r.to_label),
-                              captions_version=captions_version,
-                              storage_options=store.storage_options)
+        report = label_source(captions.at(captions_version), labels, caption_version,
+                              caption_filter, classifier.spec(), config.chunk_rows,
+                              lambda r: progress.update(r.commits.rows, total=r.to_label))
         progress.total = report.to_label
         progress.finish()
         coverage = label_coverage(captions, labels, caption_filter, caption_version,
-                                  report.classifier_version, store.storage_options)
+                                  report.classifier_version)
         return dg.MaterializeResult(data_version=dg.DataVersion(
             f"{caption_version}/{report.classifier_version}@{report.lance_version}"), metadata={
             f"input_version/{CAPTIONS}": -1 if captions_version is None else captions_version,
@@ -123,7 +121,7 @@ def caption_labels_checks(partitions_def: dg.PartitionsDefinition
         source, store = context.partition_key, context.resources.storage.get()
         return label_coverage(store.table(CAPTIONS, source), store.table(CAPTION_LABELS, source),
                               active_caption_filter(version), version,
-                              classifier.classifier_version(), store.storage_options)
+                              classifier.classifier_version())
 
     @dg.asset_check(asset=asset, name="label_coverage", partitions_def=partitions_def,
                     required_resource_keys={"captioner", "classifier", "storage"},

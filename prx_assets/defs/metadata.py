@@ -9,6 +9,7 @@ from typing import Any, Optional
 import dagster as dg
 
 from prx_assets.browser.links import view_url
+from prx_assets.storage.refs import TableRef
 from prx_assets.storage.table_stats import (
     BucketProfile, TableProfile, bucket_profile, profile_table)
 from prx_assets.storage.tables import BUCKETED_IMAGES, RAW_IMAGES
@@ -125,12 +126,12 @@ def _aspect(shape: str) -> float:
     return int(w) / int(h)
 
 
-def _raw_profile(uri: str, storage_options: Optional[dict] = None) -> dict:
-    return profile_metadata(profile_table(uri, storage_options=storage_options))
+def _raw_profile(table: TableRef) -> dict:
+    return profile_metadata(profile_table(table))
 
 
-def _bucket_profile(uri: str, storage_options: Optional[dict] = None) -> dict:
-    return bucket_metadata(bucket_profile(uri, storage_options=storage_options))
+def _bucket_profile(table: TableRef) -> dict:
+    return bucket_metadata(bucket_profile(table))
 
 
 # What the IO manager adds to an output's metadata, by the asset's `prx/profile` value.

@@ -11,7 +11,7 @@ import ray.data
 
 from prx_assets.stages.ingest.sources import load_sources
 from prx_assets.stages.opt_outs.opt_outs import (
-    AUDIT_SCHEMA, ParsedRequests, affected_sources, fingerprint, name_of, opt_out_dir,
+    AUDIT_SCHEMA, ParsedRequests, affected_sources, fingerprint, opt_out_dir,
     parse_directory, request_files, resolve)
 from prx_assets.storage.tables import DUPLICATES, OPT_OUTS, RAW_IMAGES, SKIP_LISTS
 from prx_assets.defs.io_managers import FRAGMENT_ROWS_KEY, LanceTableOutput
@@ -38,7 +38,7 @@ def build_opt_outs() -> dg.AssetsDefinition:
     def opt_outs(context: dg.AssetExecutionContext, ray_cluster: RayResource,
                  sources: SourcesResource, storage: StorageResource) -> LanceTableOutput:
         store = storage.get()
-        parsed = parse_directory(opt_out_dir(store), storage_options=store.storage_options)
+        parsed = parse_directory(opt_out_dir(store))
         for error in parsed.errors:
             context.log.warning(f"malformed opt-out row {error}")
         audit = resolve(parsed.requests, sources.load().names, store)
@@ -91,13 +91,12 @@ def build_opt_out_sensor(sources_file: str) -> dg.SensorDefinition:
     def opt_out_sensor(context: dg.SensorEvaluationContext, storage: StorageResource):
         seen = json.loads(context.cursor) if context.cursor else {}
         store = storage.get()
-        folder, options = opt_out_dir(store), store.storage_options
-        current = {name_of(file): fingerprint(file, options)
-                   for file in request_files(folder, options)}
+        folder = opt_out_dir(store)
+        current = {file.name: fingerprint(file) for file in request_files(folder)}
         new = {name: fp for name, fp in current.items() if seen.get(name) != fp}
         if not new:
             return dg.SkipReason(f"no new opt-out request files in {folder}")
-        parsed = parse_directory(folder, names=new, storage_options=options)
+        parsed = parse_directory(folder, names=new)
         for error in parsed.errors:
             context.log.warning(f"malformed opt-out row {error}")
         audit = resolve(parsed.requests, load_sources(sources_file).names, store)

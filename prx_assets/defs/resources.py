@@ -22,6 +22,11 @@ from prx_assets.stages.labels.backends import DEFAULT_LLM, OpenAISettings, VLLMS
 from prx_assets.stages.labels.runs import LabelerSpec
 from prx_assets.stages.ingest.sources import SourcesConfig, load_sources, sources_path
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.object_store import SECRET_KEYS
+
+# Setting names (and object_store's aliases of them) that hold credentials.
+SECRET_SETTINGS = SECRET_KEYS | {"access_key_id", "secret_access_key", "session_token",
+                                 "token", "aws_token"}
 
 
 class StorageResource(dg.ConfigurableResource):
@@ -29,13 +34,21 @@ class StorageResource(dg.ConfigurableResource):
 
     Read at run time, not at definition time, so one code location serves any root. On an
     object store (`s3://bucket/prefix`) the standard AWS variables give the endpoint and
-    credentials; `storage_options` (Lance's key names) override them for every table call."""
+    credentials; `object_store` overrides settings that are not secret (Lance's key names:
+    `aws_endpoint`, `aws_region`, `allow_http`, `timeout`, ...). Credentials are refused
+    here: resource config is shown in the Dagster UI, so they come from the environment."""
 
     root: Optional[str] = None
-    storage_options: Optional[dict[str, str]] = None
+    object_store: Optional[dict[str, str]] = None
 
     def get(self) -> Storage:
-        return Storage(self.root or Storage.from_env().root, self.storage_options)
+        secret = sorted(set(self.object_store or {}) & SECRET_SETTINGS)
+        if secret:
+            raise ValueError(
+                f"StorageResource.object_store must not hold credentials ({', '.join(secret)}): "
+                "set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN in the "
+                "environment instead (resource config is shown in the Dagster UI)")
+        return Storage(self.root or Storage.from_env().root, self.object_store)
 
 
 class RayResource(dg.ConfigurableResource):

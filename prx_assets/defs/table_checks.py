@@ -28,8 +28,7 @@ def table_checks(table: str, partitions_def: dg.PartitionsDefinition,
     def ids_unique(context: dg.AssetCheckExecutionContext, ray_cluster: RayResource,
                    storage: StorageResource) -> dg.AssetCheckResult:
         store = storage.get()
-        repeated, examples = duplicate_ids(store.table(table, context.partition_key),
-                                           storage_options=store.storage_options)
+        repeated, examples = duplicate_ids(store.table(table, context.partition_key))
         return dg.AssetCheckResult(passed=repeated == 0, metadata={
             "repeated_ids": repeated, "examples": ", ".join(examples) or "none"})
 
@@ -40,7 +39,7 @@ def table_checks(table: str, partitions_def: dg.PartitionsDefinition,
         store = storage.get()
         health = fragment_health(store.table(table, context.partition_key),
                                  FragmentPolicy(target_bytes=config.target_mb << 20),
-                                 slack=config.slack, storage_options=store.storage_options)
+                                 slack=config.slack)
         return dg.AssetCheckResult(passed=health.healthy, metadata={
             "fragments": health.fragments, "allowed": health.allowed,
             "mean_fragment_mb": round(health.mean_bytes / 1e6, 2), "rows": health.rows})
@@ -50,8 +49,7 @@ def table_checks(table: str, partitions_def: dg.PartitionsDefinition,
     def reject_share(context: dg.AssetCheckExecutionContext, config: RejectShareConfig,
                      storage: StorageResource) -> dg.AssetCheckResult:
         store = storage.get()
-        profile = profile_table(store.table(table, context.partition_key),
-                                storage_options=store.storage_options)
+        profile = profile_table(store.table(table, context.partition_key))
         share = profile.not_ok_share
         return dg.AssetCheckResult(
             passed=share <= config.warn_above, severity=dg.AssetCheckSeverity.WARN,

@@ -54,9 +54,8 @@ class Funnel:
 
 def _count(storage: Storage, table: str, source: str | None,
            condition: str | None = None) -> int:
-    if not storage.exists(table, source):
-        return 0
-    return storage.open(table, source).count_rows(filter=condition)
+    ref = storage.table(table, source)
+    return ref.count_rows(filter=condition) if ref.exists() else 0
 
 
 def skipped_in_tree(tree: Path | str, storage_options: Mapping[str, str] | None = None) -> int:

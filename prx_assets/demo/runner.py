@@ -91,7 +91,7 @@ def _after_all_sources(defs: dg.Definitions, instance: dg.DagsterInstance,
     runs = [_partition_run("(all sources: dedup_job)",
                            _run(defs.resolve_job_def("dedup_job"), instance))]
     for source in sources:
-        if Storage.from_env().exists(MDS_SAMPLES, source):
+        if Storage.from_env().table(MDS_SAMPLES, source).exists():
             runs.append(_partition_run(f"{source} (skip_lists_job)", _run(
                 defs.resolve_job_def("skip_lists_job"), instance, partition_key=source)))
     return runs

@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Sequence
 
+import lance
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
-from prx_assets.storage.lance_tables import (
-    FragmentPolicy, cleanup, compact, open_table, read_table, table_exists, upsert)
+from prx_assets.storage.lance_tables import FragmentPolicy, cleanup, compact, upsert
+from prx_assets.storage.refs import TableRef
 
 # Below this many ids, set membership is broadcast to every task (no shuffle); above it, a
 # hash-partitioned Ray join keeps memory bounded per node.
@@ -44,20 +44,17 @@ class CommitTarget:
     """The Lance table a chunked run writes: where, its schema, the columns that identify a
     row (a merge-insert on them replaces, never doubles) and how big its fragments get."""
 
-    uri: str | Path  # a local path or an object-store URI
+    table: TableRef
     schema: pa.Schema
     keys: Sequence[str]
     fragments: FragmentPolicy = FragmentPolicy()
-    # Object-store options (e.g. `Storage.lance_options()`); None: the standard variables.
-    storage_options: Optional[Mapping[str, str]] = field(default=None, hash=False,
-                                                         compare=False)
 
     def open(self) -> lance.LanceDataset:
-        return open_table(self.uri, storage_options=self.storage_options)
+        return self.table.latest().open()
 
     def version(self) -> int | None:
         """The table's latest version, None while it does not exist."""
-        return self.open().version if table_exists(self.uri, self.storage_options) else None
+        return self.table.latest_version()
 
 
 @dataclass
@@ -128,8 +125,7 @@ def run_chunked(pending: ray.data.Dataset | None,
     for chunk in stage(pending).iter_batches(batch_size=chunk_rows, batch_format="pyarrow"):
         rows = to_commit(chunk) if to_commit else chunk
         if rows.num_rows:
-            run.lance_version = upsert(target.uri, rows, target.schema, list(target.keys),
-                                       target.storage_options)
+            run.lance_version = upsert(target.table, rows, target.schema, list(target.keys))
             run.commits += 1
         run.chunks += 1
         run.rows += chunk.num_rows
@@ -138,7 +134,7 @@ def run_chunked(pending: ray.data.Dataset | None,
         if on_chunk:
             on_chunk(chunk, run)
     if run.commits > 1:
-        run.compacted_from = compact(target.uri, target.fragments, target.storage_options)
+        run.compacted_from = compact(target.table, target.fragments)
         cleanup(target.open(), target.fragments)
     run.lance_version = target.version()
     run.seconds = time.perf_counter() - started
@@ -147,27 +143,24 @@ def run_chunked(pending: ray.data.Dataset | None,
 
 # --- selecting pending rows ---------------------------------------------------------------
 
-def committed_ids(uri: str | Path, filter: str | None = None,
-                  storage_options: Optional[Mapping[str, str]] = None
+def committed_ids(table: TableRef, filter: str | None = None
                   ) -> tuple[ray.data.Dataset | None, int]:
-    """The ids committed in the table at `uri` (those matching `filter`), and how many; (None,
-    0) when there are none or no table yet."""
-    if not table_exists(uri, storage_options):
+    """The ids committed in `table` (those matching `filter`), and how many; (None, 0) when
+    there are none or no table yet."""
+    if not table.exists():
         return None, 0
-    table = open_table(uri, storage_options=storage_options)
+    table = table.pinned()  # the count and the ids read are of one version
     count = table.count_rows(filter=filter)
     if count == 0:
         return None, 0
-    # Pinned: the count and the ids read are of one version.
-    return read_table(uri, table.version, storage_options, columns=[ID], filter=filter), count
+    return table.read(columns=[ID], filter=filter), count
 
 
-def pending_rows(rows: ray.data.Dataset, target_uri: str | Path, done_filter: str | None = None,
-                 broadcast_limit: int = BROADCAST_IDS,
-                 storage_options: Optional[Mapping[str, str]] = None) -> ray.data.Dataset:
+def pending_rows(rows: ray.data.Dataset, target: TableRef, done_filter: str | None = None,
+                 broadcast_limit: int = BROADCAST_IDS) -> ray.data.Dataset:
     """`rows` whose id is not committed in the target yet (among the target's rows matching
     `done_filter`, e.g. one version's finished rows)."""
-    done, n_done = committed_ids(target_uri, done_filter, storage_options)
+    done, n_done = committed_ids(target, done_filter)
     return rows if done is None else without_ids(rows, done, n_done, broadcast_limit)
 
 

@@ -396,3 +396,13 @@ def append_rows(table: TableRef, rows: pa.Table, schema: pa.Schema,
     return lance.write_dataset(rows.cast(schema), table.uri, schema=schema,
                                mode="append" if table.exists() else "create",
                                storage_options=table.lance_options(), **kwargs).version
+
+
+# TRANSITION (removed once the shards, skip-list and browser areas use TableRef): the old
+# location-and-options calls, so those areas keep running while they move.
+def open_table(uri, version=None, storage_options=None):  # pragma: no cover
+    return TableRef.of(uri, version, storage_options).open()
+
+
+def table_exists(uri, storage_options=None) -> bool:  # pragma: no cover
+    return TableRef.of(uri, overrides=storage_options).exists()

@@ -11,6 +11,7 @@ import ray.data
 
 from prx_assets.engine.chunked import (
     ChunkedReport, ChunkedRun, CommitTarget, drop_ids, pending_rows, run_chunked, without_ids)
+from prx_assets.storage.refs import TableRef
 
 SCHEMA = pa.schema([pa.field("id", pa.string(), nullable=False), pa.field("value", pa.int64()),
                     pa.field("ok", pa.bool_())])
@@ -37,7 +38,7 @@ def stage(fail: frozenset = frozenset()):
 
 
 def target(tmp_path) -> CommitTarget:
-    return CommitTarget(tmp_path / "out.lance", SCHEMA, ["id"])
+    return CommitTarget(TableRef.of(tmp_path / "out.lance"), SCHEMA, ["id"])
 
 
 def ids_at_every_version(uri) -> list[list[str]]:
@@ -55,23 +56,23 @@ def test_a_killed_run_keeps_its_chunks_and_the_rerun_does_only_the_rest(ray_sess
 
     with pytest.raises(Killed):
         run_chunked(inputs(), stage(), out, chunk_rows=6, on_chunk=kill_after_two)
-    kept = lance.dataset(str(out.uri)).to_table().column("id").to_pylist()
+    kept = lance.dataset(out.table.uri).to_table().column("id").to_pylist()
     assert len(kept) == 12  # two chunks of six committed, the rest lost with the run
 
     seen: list[int] = []
-    rest = pending_rows(inputs(), out.uri)
+    rest = pending_rows(inputs(), out.table)
     assert sorted(rest.to_pandas()["id"]) == sorted(set(IDS) - set(kept))
     run = run_chunked(rest, stage(), out, chunk_rows=3,
                       on_chunk=lambda chunk, r: seen.append(r.committed))
     assert (run.rows, run.committed, run.chunks, run.commits) == (8, 8, 3, 3)
     assert seen == [3, 6, 8]  # the callback sees the run grow chunk by chunk
-    table = lance.dataset(str(out.uri))
+    table = lance.dataset(out.table.uri)
     assert sorted(table.to_table().column("id").to_pylist()) == IDS
     assert table.to_table(filter="id = 's:007'").column("value").to_pylist() == [49]
     # More than one commit: compacted into one fragment, the run's last version reported.
     assert run.compacted_from == 5 and len(table.get_fragments()) == 1  # a fragment a commit
     assert run.lance_version == table.version
-    for version_ids in ids_at_every_version(out.uri):
+    for version_ids in ids_at_every_version(out.table.uri):
         assert len(version_ids) == len(set(version_ids))  # never a doubled id
 
 
@@ -82,12 +83,12 @@ def test_rows_left_out_of_a_commit_are_pending_again_and_replace_not_double(
     first = run_chunked(inputs(), stage(fail=frozenset({"s:004", "s:011"})), out,
                         chunk_rows=8, to_commit=ok_only)
     assert (first.rows, first.committed, first.chunks) == (20, 18, 3)
-    assert pending_rows(inputs(), out.uri).to_pandas()["id"].tolist() == ["s:004", "s:011"]
+    assert pending_rows(inputs(), out.table).to_pandas()["id"].tolist() == ["s:004", "s:011"]
 
     # Committing rows again under the same key replaces them.
     again = run_chunked(inputs(IDS[:5]), stage(), out, chunk_rows=8)
     assert (again.committed, again.commits, again.compacted_from) == (5, 1, None)
-    rows = lance.dataset(str(out.uri)).to_table()
+    rows = lance.dataset(out.table.uri).to_table()
     assert Counter(rows.column("id").to_pylist()) == Counter(set(IDS) - {"s:011"})
     assert pc.all(rows.column("ok")).as_py()
 
@@ -98,7 +99,7 @@ def test_nothing_pending_builds_no_stage(tmp_path):
 
     out = target(tmp_path)
     assert run_chunked(None, must_not_run, out, chunk_rows=10) == ChunkedRun()
-    lance.write_dataset(SCHEMA.empty_table(), str(out.uri), schema=SCHEMA)
+    lance.write_dataset(SCHEMA.empty_table(), out.table.uri, schema=SCHEMA)
     assert run_chunked(None, must_not_run, out, chunk_rows=10).lance_version == 1
     with pytest.raises(ValueError, match="chunk_rows"):
         run_chunked(None, must_not_run, out, chunk_rows=0)
@@ -109,9 +110,9 @@ def test_done_rows_are_selected_out_by_broadcast_or_join(ray_session, tmp_path,
                                                          broadcast_limit):
     out = target(tmp_path)
     lance.write_dataset(square(pa.table({"id": IDS[:15]}), fail=frozenset(IDS[:5])),
-                        str(out.uri), schema=SCHEMA)
+                        out.table.uri, schema=SCHEMA)
     # Only rows matching the done filter count as done: the failed five are pending again.
-    pending = pending_rows(inputs(), out.uri, "ok = true", broadcast_limit)
+    pending = pending_rows(inputs(), out.table, "ok = true", broadcast_limit)
     assert sorted(pending.to_pandas()["id"]) == IDS[:5] + IDS[15:]
     done = ray.data.from_arrow(pa.table({"id": IDS[:10]}))
     assert sorted(without_ids(inputs(), done, 10, broadcast_limit).to_pandas()["id"]) == IDS[10:]

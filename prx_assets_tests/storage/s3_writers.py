@@ -127,7 +127,10 @@ def overwrite_main(uri: str, name: str) -> dict:
 
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    mode, uri, *rest = argv
+    from prx_assets.storage.refs import TableRef
+
+    mode, location, *rest = argv
+    uri = TableRef.of(location)
     if mode == "upsert":
         result = upsert_main(uri, rest[0])
     elif mode == "overwrite":

@@ -5,6 +5,7 @@ import pytest
 from prx_assets.stages.images.fidelity import fidelity_report
 from prx_assets.stages.images.imaging import ImageOptions, process_image
 from prx_assets.storage.filters import all_of, eq_filter, in_filter, sql_string
+from prx_assets.storage.refs import TableRef
 from prx_assets_tests.conftest import jpeg_bytes
 
 QUOTED = "web:o'brien's cat.jpg"
@@ -48,6 +49,6 @@ def test_fidelity_samples_ids_holding_a_quote(tmp_path):
         "id": ids, "status": ["ok", "ok"], "width": [stored.width] * 2,
         "height": [stored.height] * 2, "image": [stored.image] * 2}), str(bucketed))
     lance.write_dataset(pa.table({"id": ids, "image": [original] * 2}), str(raw))
-    reports = fidelity_report(str(bucketed), str(raw), ImageOptions(), per_band=4)
+    reports = fidelity_report(TableRef.of(bucketed), TableRef.of(raw), ImageOptions(), per_band=4)
     band = next(r for r in reports if r.band == "0.25-0.5 MP")
     assert band.samples == 2 and min(band.psnr_stored) > 30

@@ -11,6 +11,7 @@ from prx_assets.storage.lance_tables import (
     FragmentPolicy, compact, write_dataset_atomically)
 from prx_assets.engine.ray_runtime import MAX_BLOCK_BYTES, configure_ray_data
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.refs import TableRef
 from prx_assets.storage.table_checks import duplicate_ids, fragment_health
 
 SCHEMA = pa.schema([("id", pa.string()), ("blob", pa.large_binary())])
@@ -28,35 +29,35 @@ def blob_rows(n: int, size: int = 10_000, start: int = 0) -> ray.data.Dataset:
 
 
 def test_layout_follows_the_design(tmp_path: Path):
-    assert Storage(tmp_path).table("raw_images", "web") == str(tmp_path / "lance/raw_images/web.lance")
-    assert Storage(tmp_path).table("duplicates") == str(tmp_path / "lance/duplicates.lance")
+    assert Storage(tmp_path).table("raw_images", "web").uri == str(tmp_path / "lance/raw_images/web.lance")
+    assert Storage(tmp_path).table("duplicates").uri == str(tmp_path / "lance/duplicates.lance")
 
 
 def test_write_commits_once_and_compacts_by_bytes(ray_session, tmp_path: Path):
-    uri = tmp_path / "t.lance"
+    uri = TableRef.of(tmp_path / "t.lance")
     policy = FragmentPolicy(target_bytes=300_000)  # ~30 rows of 10 kB per fragment
     report = write_dataset_atomically(blob_rows(200), uri, policy, SCHEMA)
     assert report.rows == 200
     assert report.bytes >= 2_000_000  # incompressible blobs: the byte target is meaningful
     assert 2 <= report.fragments <= 9  # split by bytes, not one per Ray block
-    health = fragment_health(str(uri), policy)
+    health = fragment_health(uri, policy)
     assert health.healthy, health
-    assert duplicate_ids(str(uri)) == (0, [])
+    assert duplicate_ids(uri) == (0, [])
 
 
 def test_compaction_merges_small_fragments_toward_the_byte_target(tmp_path: Path):
-    uri = tmp_path / "t.lance"
+    uri = TableRef.of(tmp_path / "t.lance")
     rng = np.random.default_rng(0)
     table = pa.table({"id": [str(i) for i in range(100)], "blob": [rng.bytes(10_000) for _ in range(100)]},
                      schema=SCHEMA)
-    lance.write_dataset(table, uri, max_rows_per_file=5)  # 20 tiny fragments
+    lance.write_dataset(table, uri.uri, max_rows_per_file=5)  # 20 tiny fragments
     before = compact(uri, FragmentPolicy(target_bytes=500_000))
     after = lance.dataset(str(uri))
     assert before == 20 and len(after.get_fragments()) <= 3 and after.count_rows() == 100
 
 
 def test_rewrite_replaces_the_whole_table_and_keeps_the_old_version(ray_session, tmp_path: Path):
-    uri = tmp_path / "t.lance"
+    uri = TableRef.of(tmp_path / "t.lance")
     first = write_dataset_atomically(blob_rows(50), uri, FragmentPolicy(), SCHEMA)
     second = write_dataset_atomically(blob_rows(30, start=100), uri, FragmentPolicy(), SCHEMA)
     assert second.version > first.version and second.rows == 30
@@ -65,7 +66,7 @@ def test_rewrite_replaces_the_whole_table_and_keeps_the_old_version(ray_session,
 
 
 def test_failed_write_leaves_the_previous_version_readable(ray_session, tmp_path: Path):
-    uri = tmp_path / "t.lance"
+    uri = TableRef.of(tmp_path / "t.lance")
     good = write_dataset_atomically(blob_rows(40), uri, FragmentPolicy(), SCHEMA)
 
     def explode(batch):
@@ -83,7 +84,7 @@ def test_failed_write_leaves_the_previous_version_readable(ray_session, tmp_path
 
 
 def test_empty_dataset_writes_an_empty_table_with_the_schema(ray_session, tmp_path: Path):
-    uri = tmp_path / "t.lance"
+    uri = TableRef.of(tmp_path / "t.lance")
     empty = blob_rows(10).filter(lambda row: False)
     report = write_dataset_atomically(empty, uri, FragmentPolicy(), SCHEMA)
     assert report.rows == 0 and lance.dataset(str(uri)).schema == SCHEMA
@@ -91,10 +92,10 @@ def test_empty_dataset_writes_an_empty_table_with_the_schema(ray_session, tmp_pa
 
 @pytest.mark.parametrize("driver_max_rows", [1000, 0], ids=["streamed", "ray-shuffle"])
 def test_duplicate_ids_are_found(ray_session, tmp_path: Path, driver_max_rows: int):
-    uri = tmp_path / "t.lance"
+    uri = TableRef.of(tmp_path / "t.lance")
     ds = blob_rows(20).union(blob_rows(5))
     write_dataset_atomically(ds, uri, FragmentPolicy(), SCHEMA)
-    count, examples = duplicate_ids(str(uri), limit=3, driver_max_rows=driver_max_rows)
+    count, examples = duplicate_ids(uri, limit=3, driver_max_rows=driver_max_rows)
     assert count == 5 and len(examples) == 3 and set(examples) <= {f"s:{i}" for i in range(5)}
 
 
@@ -103,24 +104,25 @@ def test_a_file_in_the_way_of_an_output_folder_is_named(tmp_path):
 
     (tmp_path / "lance").write_text("not a folder")
     with pytest.raises(OutputPathError, match=f"{tmp_path / 'lance'} is a file, not a folder"):
-        prepare_output_dir(tmp_path / "lance" / "raw_images" / "web.lance", "Lance table")
+        prepare_output_dir(TableRef.of(tmp_path / "lance" / "raw_images" / "web.lance"),
+                           "Lance table")
     (tmp_path / "t.lance").write_text("")
     with pytest.raises(OutputPathError, match="t.lance is a file, not a folder"):
-        prepare_output_dir(tmp_path / "t.lance", "Lance table")
-    prepare_output_dir(tmp_path / "ok" / "x.lance", "Lance table")
+        prepare_output_dir(TableRef.of(tmp_path / "t.lance"), "Lance table")
+    prepare_output_dir(TableRef.of(tmp_path / "ok" / "x.lance"), "Lance table")
     assert (tmp_path / "ok").is_dir() and not (tmp_path / "ok" / "x.lance").exists()
 
 
 def test_reads_of_blob_columns_come_in_batches_sized_by_bytes(ray_session, tmp_path: Path):
     # 64 rows of 1 MB images: Lance's default batch (8,192 rows) would be the whole table in
     # one block; a read of the images comes in ~READ_BATCH_BYTES blocks, ids in one.
-    uri = tmp_path / "blobs.lance"
+    uri = TableRef.of(tmp_path / "blobs.lance")
     rng = np.random.default_rng(0)  # incompressible and distinct, like JPEGs
     lance.write_dataset(pa.table({"id": [f"s:{i}" for i in range(64)], "image": pa.array(
-        [rng.bytes(1 << 20) for _ in range(64)], pa.large_binary())}), uri)
-    options = blob_scanner_options(lance.dataset(uri), ["id", "image"])
+        [rng.bytes(1 << 20) for _ in range(64)], pa.large_binary())}), uri.uri)
+    options = blob_scanner_options(uri.open(), ["id", "image"])
     assert options["batch_size"] == READ_BATCH_BYTES // (1 << 20) - 1  # ids weigh a little
-    assert blob_scanner_options(lance.dataset(uri), ["id"]) == {}
+    assert blob_scanner_options(uri.open(), ["id"]) == {}
     configure_ray_data()  # what ray_runtime.connect sets: blocks of at most MAX_BLOCK_BYTES
     blocks = [b.nbytes for b in read_table(uri, columns=["id", "image"]).iter_batches(
         batch_size=None, batch_format="pyarrow")]

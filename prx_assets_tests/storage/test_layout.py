@@ -8,10 +8,10 @@ from prx_assets.storage.tables import CORPUS, DUPLICATES, GLOBAL, PER_SOURCE, RA
 
 def test_tables_follow_the_design_layout(tmp_path):
     storage = Storage(str(tmp_path))
-    assert storage.table(RAW_IMAGES, "web") == f"{tmp_path}/lance/raw_images/web.lance"
-    assert storage.table(CORPUS) == f"{tmp_path}/lance/corpus.lance"
-    assert storage.mds_tree("web") == f"{tmp_path}/mds/web"
-    assert storage.opt_outs_dir == f"{tmp_path}/opt_outs"
+    assert storage.table(RAW_IMAGES, "web").uri == f"{tmp_path}/lance/raw_images/web.lance"
+    assert str(storage.table(CORPUS)) == f"{tmp_path}/lance/corpus.lance"
+    assert (storage.mds_root / "web").uri == f"{tmp_path}/mds/web"
+    assert storage.opt_outs_dir.uri == f"{tmp_path}/opt_outs"
     assert set(PER_SOURCE).isdisjoint(GLOBAL)
 
 
@@ -20,9 +20,9 @@ def test_a_relative_root_becomes_absolute_and_object_store_uris_are_kept(tmp_pat
     assert Storage("data").root == str(tmp_path / "data")
     bucket = Storage("s3://bucket/prefix/")
     assert bucket.root == "s3://bucket/prefix" and not bucket.is_local
-    assert bucket.table(DUPLICATES) == "s3://bucket/prefix/lance/duplicates.lance"
+    assert bucket.table(DUPLICATES).uri == "s3://bucket/prefix/lance/duplicates.lance"
     with pytest.raises(NotImplementedError, match="s3://bucket/prefix/opt_outs"):
-        bucket.local_path(bucket.opt_outs_dir)
+        bucket.opt_outs_dir.path  # noqa: B018 (the property is what raises)
 
 
 def test_the_root_comes_from_the_environment(tmp_path, monkeypatch):
@@ -42,13 +42,23 @@ def test_wrong_table_use_is_refused_by_name(tmp_path):
 
 
 def test_open_and_versions(tmp_path):
-    storage = Storage(str(tmp_path))
-    assert storage.latest_version(RAW_IMAGES, "web") is None and not storage.exists(RAW_IMAGES, "web")
+    table = Storage(str(tmp_path)).table(RAW_IMAGES, "web")
+    assert table.latest_version() is None and not table.exists()
     with pytest.raises(FileNotFoundError, match="raw_images/web.lance"):
-        storage.open(RAW_IMAGES, "web")
-    uri = storage.table(RAW_IMAGES, "web")
-    lance.write_dataset(pa.table({"id": ["a"]}), uri)
-    lance.write_dataset(pa.table({"id": ["b"]}), uri, mode="append")
-    assert storage.latest_version(RAW_IMAGES, "web") == 2
-    assert storage.open(RAW_IMAGES, "web", version=1).count_rows() == 1
-    assert storage.open(RAW_IMAGES, "web").count_rows() == 2
+        table.open()
+    lance.write_dataset(pa.table({"id": ["a"]}), table.uri)
+    lance.write_dataset(pa.table({"id": ["b"]}), table.uri, mode="append")
+    assert table.latest_version() == 2
+    assert table.at(1).count_rows() == 1 and table.count_rows() == 2
+    assert table.pinned() == table.at(2) and table.at(1).pinned().version == 1
+
+
+def test_handles_never_print_their_credentials(tmp_path):
+    storage = Storage("s3://bucket/p", {"aws_access_key_id": "AKIDSECRET1",
+                                        "secret_access_key": "SECRET2", "region": "eu-west-1"})
+    handles = [storage, storage.table(CORPUS), storage.table(RAW_IMAGES, "web").at(3),
+               storage.mds_root / "web", storage.settings]
+    printed = " ".join(f"{h!r} {h}" for h in handles)
+    assert "AKIDSECRET1" not in printed and "SECRET2" not in printed
+    assert "eu-west-1" in repr(storage.settings)  # what is not secret still shows
+    assert storage.table(CORPUS).lance_options()["aws_secret_access_key"] == "SECRET2"

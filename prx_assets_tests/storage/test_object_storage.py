@@ -13,8 +13,9 @@ import ray.data
 
 from prx_assets.storage import object_store
 from prx_assets.storage.lance_tables import (
-    FragmentPolicy, prepare_output_dir, table_exists, upsert, write_dataset_atomically)
+    FragmentPolicy, append_rows, prepare_output_dir, upsert, write_dataset_atomically)
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.refs import TableRef
 from prx_assets.storage.object_store import ObjectStoreError, as_uri, lance_options
 from prx_assets.storage.table_checks import duplicate_ids, fragment_health
 from prx_assets.storage.table_stats import profile_table
@@ -73,8 +74,9 @@ def test_object_store_options_are_bounded_then_env_then_overrides(monkeypatch):
     options = lance_options("s3://b/t.lance", {"endpoint": "http://127.0.0.1:2", "timeout": "5s"})
     assert options["aws_endpoint"] == "http://127.0.0.1:2" and options["allow_http"] == "true"
     assert options["timeout"] == "5s" and options["client_max_retries"] == "3"
-    assert Storage("s3://b/p", {"aws_region": "eu-west-1"}).lance_options()["aws_region"] == "eu-west-1"
-    assert Storage("s3://b/p").lance_options()["aws_endpoint"] == "http://127.0.0.1:1"
+    assert Storage("s3://b/p", {"aws_region": "eu-west-1"}).settings.get("aws_region") \
+        == "eu-west-1"
+    assert Storage("s3://b/p").settings.get("aws_endpoint") == "http://127.0.0.1:1"
 
 
 def test_a_uri_that_went_through_path_still_names_the_bucket():
@@ -87,22 +89,21 @@ def test_a_uri_that_went_through_path_still_names_the_bucket():
 def test_tables_on_s3_write_append_merge_and_read_at_versions(s3_server, s3_root):
     storage = Storage.from_env()
     assert storage.root == s3_root and not storage.is_local
-    uri = storage.table(CAPTIONS, "web")
-    assert uri == f"{s3_root}/lance/captions/web.lance"
-    assert storage.latest_version(CAPTIONS, "web") is None and not table_exists(uri)
+    table = storage.table(CAPTIONS, "web")
+    assert table.uri == f"{s3_root}/lance/captions/web.lance"
+    assert table.latest_version() is None and not table.exists()
     with pytest.raises(FileNotFoundError, match="captions/web.lance"):
-        storage.open(CAPTIONS, "web")
+        table.open()
 
-    first = upsert(uri, rows(["a", "b"]), SCHEMA, ["id"])
-    second = upsert(uri, rows(["b", "c"], v=1), SCHEMA, ["id"])  # b replaced, c added
-    assert table_exists(uri) and storage.latest_version(CAPTIONS, "web") == second > first
-    lance.write_dataset(rows(["d"]), uri, mode="append", storage_options=storage.lance_options())
+    first = upsert(table, rows(["a", "b"]), SCHEMA, ["id"])
+    second = upsert(table, rows(["b", "c"], v=1), SCHEMA, ["id"])  # b replaced, c added
+    assert table.exists() and table.latest_version() == second > first
+    append_rows(table, rows(["d"]), SCHEMA)
 
-    latest = storage.open(CAPTIONS, "web").to_table().to_pydict()
+    latest = table.to_table().to_pydict()
     assert sorted(zip(latest["id"], latest["v"])) == [("a", 0), ("b", 1), ("c", 1), ("d", 0)]
-    assert sorted(storage.open(CAPTIONS, "web", version=first).to_table()["id"].to_pylist()) \
-        == ["a", "b"]
-    assert any(k.endswith(".manifest") for k in keys_under(s3_server, uri))
+    assert sorted(table.at(first).to_table()["id"].to_pylist()) == ["a", "b"]
+    assert any(k.endswith(".manifest") for k in keys_under(s3_server, table.uri))
 
 
 def test_ray_write_checks_and_stats_on_s3_leave_nothing_on_local_disk(
@@ -119,22 +120,22 @@ def test_ray_write_checks_and_stats_on_s3_leave_nothing_on_local_disk(
     assert fragment_health(uri, policy).healthy
     assert profile_table(uri).rows == 40
     again = write_dataset_atomically(data.limit(10), uri, policy, SCHEMA)  # a rerun replaces
-    assert again.version > report.version and storage.open(RAW_IMAGES, "web").count_rows() == 10
-    assert storage.open(RAW_IMAGES, "web", version=report.version).count_rows() == 40
+    assert again.version > report.version and uri.count_rows() == 10
+    assert uri.at(report.version).count_rows() == 40
     assert list(tmp_path.iterdir()) == []
 
 
-def test_storage_options_override_the_environment_in_ray_tasks_too(
+def test_explicit_settings_override_the_environment_in_ray_tasks_too(
         ray_session, s3_server, s3_root, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     with pytest.raises(ObjectStoreError, match="credentials refused"):
-        Storage.from_env().latest_version(RAW_IMAGES, "web")
+        Storage.from_env().table(RAW_IMAGES, "web").latest_version()
     storage = Storage(s3_root, {"aws_secret_access_key": s3_server.secret_key})
-    uri = storage.table(RAW_IMAGES, "web")
+    table = storage.table(RAW_IMAGES, "web")
     data = ray.data.from_items([{"id": "a", "v": 1}, {"id": "b", "v": 2}])
-    write_dataset_atomically(data, uri, FragmentPolicy(), SCHEMA, storage.storage_options)
-    assert storage.open(RAW_IMAGES, "web").count_rows() == 2
-    assert duplicate_ids(uri, storage_options=storage.storage_options) == (0, [])
+    write_dataset_atomically(data, table, FragmentPolicy(), SCHEMA)
+    assert table.count_rows() == 2
+    assert duplicate_ids(table) == (0, [])
 
 
 def test_two_concurrent_upserts_both_land(s3_server, s3_root):
@@ -156,9 +157,9 @@ def test_two_concurrent_upserts_both_land(s3_server, s3_root):
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert errors == []
-    table = lance.dataset(uri, storage_options=lance_options(uri)).to_table().to_pydict()
+    table = uri.to_table().to_pydict()
     assert sorted(table["id"]) == ["shared", "x0", "x1", "x2", "y0", "y1", "y2"]
-    assert lance.dataset(uri, storage_options=lance_options(uri)).version == 7
+    assert uri.latest_version() == 7
 
 
 # Bad input: each fails at once with the URI and the cause.
@@ -197,11 +198,10 @@ def test_bad_input_fails_at_once_naming_the_uri_and_cause(s3_server, s3_root, ca
              "wrong secret": "credentials refused", "unknown key": "credentials refused",
              "refused": "is unreachable"}[case]
     storage = Storage(root, options)
-    uri = storage.table(RAW_IMAGES, "web")
-    for attempt in (lambda: storage.latest_version(RAW_IMAGES, "web"),
-                    lambda: storage.open(RAW_IMAGES, "web"),
-                    lambda: table_exists(uri, options),
-                    lambda: upsert(uri, rows(["a"]), SCHEMA, ["id"], options)):
+    table = storage.table(RAW_IMAGES, "web")
+    for attempt in (table.latest_version, table.open, table.exists,
+                    lambda: TableRef.of(table.uri, overrides=options).exists(),
+                    lambda: upsert(table, rows(["a"]), SCHEMA, ["id"])):
         with pytest.raises(ObjectStoreError) as failure:
             attempt()
         assert root in str(failure.value) and cause in str(failure.value)
@@ -211,8 +211,9 @@ def test_an_endpoint_that_never_answers_fails_within_the_preflight_timeout(
         s3_server, s3_root, silent_endpoint, monkeypatch):
     monkeypatch.setattr(object_store, "PREFLIGHT_READ_TIMEOUT_S", 0.5)
     with pytest.raises(ObjectStoreError, match=f"endpoint {silent_endpoint} is unreachable"):
-        prepare_output_dir(f"{s3_root}/lance/t.lance", "Lance table",
-                           {"aws_endpoint": silent_endpoint})
+        prepare_output_dir(TableRef.of(f"{s3_root}/lance/t.lance",
+                                       overrides={"aws_endpoint": silent_endpoint}),
+                           "Lance table")
 
 
 # The IO manager: a whole asset with its checks, every byte of its table in the bucket.
@@ -236,7 +237,7 @@ def test_raw_images_materialise_into_the_bucket_with_checks(
     checks = {e.event_specific_data.check_name: e.event_specific_data.passed
               for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
     assert checks["ids_unique"] and checks["fragments_healthy"]
-    assert Storage(s3_root).open(RAW_IMAGES, "web", version=meta["lance_version"]).count_rows() == 8
+    assert Storage(s3_root).table(RAW_IMAGES, "web").at(meta["lance_version"]).count_rows() == 8
     assert any("/data/" in k for k in keys_under(s3_server, uri))
     assert not (tmp_path / "data").exists()
 
@@ -278,7 +279,7 @@ def test_two_writers_creating_the_same_table_both_land(s3_server, s3_root):
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert errors == []
-    ids = lance.dataset(uri, storage_options=lance_options(uri)).to_table()["id"].to_pylist()
+    ids = uri.to_table()["id"].to_pylist()
     assert sorted(ids) == ["shared", "x", "y"]
 
 
@@ -302,7 +303,7 @@ def test_a_create_that_finds_the_table_created_meanwhile_merges_into_it(
 
     monkeypatch.setattr(lance_tables, "write_fragments", write_then_lose_the_race)
     upsert(uri, rows(["second", "shared"], v=2), SCHEMA, ["id"])
-    table = lance.dataset(uri, storage_options=lance_options(uri)).to_table().to_pydict()
+    table = uri.to_table().to_pydict()
     assert sorted(zip(table["id"], table["v"])) == [("first", 1), ("second", 2), ("shared", 2)]
 
 
@@ -328,5 +329,5 @@ def test_the_io_manager_hands_downstream_a_pinned_read_from_the_bucket(
     io_manager = RayLanceIOManager(storage=StorageResource(root=s3_root))
     result = dg.materialize([upstream, downstream], resources={"lance_io_manager": io_manager})
     assert result.success
-    corpus = Storage(s3_root).open("corpus").to_table()
+    corpus = Storage(s3_root).table("corpus").to_table()
     assert sorted(corpus["id"].to_pylist()) == ["d0", "d2", "d4"]

@@ -9,7 +9,8 @@ import pytest
 
 from prx_assets.engine import failpoints
 from prx_assets.storage import lance_tables, object_store
-from prx_assets.storage.lance_tables import CommitConflictError, open_table, upsert
+from prx_assets.storage.lance_tables import CommitConflictError, upsert
+from prx_assets.storage.refs import TableRef
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import CAPTIONS
 from prx_assets_tests.storage.s3_writers import (
@@ -18,8 +19,8 @@ from prx_assets_tests.storage.s3_writers import (
 POINT = "storage.upsert_uncommitted"
 
 
-def table_rows(uri: str, version: int | None = None) -> dict[str, int]:
-    table = open_table(uri, version).to_table().to_pydict()
+def table_rows(uri: TableRef, version: int | None = None) -> dict[str, int]:
+    table = uri.at(version).to_table().to_pydict()
     assert len(table["id"]) == len(set(table["id"])), "duplicate ids"
     return dict(zip(table["id"], table["v"]))
 
@@ -32,14 +33,14 @@ def data_files_in_bucket(server, uri: str) -> int:
 
 
 @pytest.mark.timeout(900)
-def race_two_writers(s3_server, tmp_path: Path, verb: str, uri: str, point: str,
+def race_two_writers(s3_server, tmp_path: Path, verb: str, uri: TableRef, point: str,
                      what: str) -> tuple[list[WriterProcess], list[dict]]:
     """Writers "a" and "b" doing `verb` on `uri`, both held at the barrier `point` until
     both reach it, then released together; their processes and results."""
     barrier = tmp_path / "barrier"
     barrier.mkdir()
     env = {**s3_server.env(), **failpoints.barrier_env(point, barrier)}
-    writers = [WriterProcess([verb, uri, name], env, tmp_path / f"{name}.log")
+    writers = [WriterProcess([verb, str(uri), name], env, tmp_path / f"{name}.log")
                for name in ("a", "b")]
     wait_until(lambda: len(failpoints.ready_at_barrier(barrier, point)) == 2, writers, what)
     failpoints.release_barrier(barrier, point)
@@ -59,7 +60,7 @@ def test_two_processes_committing_at_once_both_land_and_the_loser_retried(
     final = table_rows(uri)
     assert sorted(final) == ["a0", "a1", "a2", "b0", "b1", "b2", "shared"]
     assert final["shared"] in (sum(b"a"), sum(b"b"))
-    assert open_table(uri).version == 3 and sorted(r["version"] for r in results) == [2, 3]
+    assert uri.latest_version() == 3 and sorted(r["version"] for r in results) == [2, 3]
     retried = [w for w in writers if "lost its commit" in w.output()]
     assert len(retried) == 1, [w.output()[-2000:] for w in writers]
 
@@ -78,9 +79,9 @@ def test_two_whole_table_rewrites_at_once_one_commits_the_other_fails_clearly(
 
     [winner] = [n for n, r in zip("ab", results) if "version" in r]
     [loser] = [r for r in results if "conflict" in r]
-    assert uri in loser["conflict"] and "another writer committed version 2" in loser["conflict"]
+    assert uri.uri in loser["conflict"] and "another writer committed version 2" in loser["conflict"]
     assert table_rows(uri) == {f"{winner}{i}": sum(winner.encode()) for i in range(5)}
-    assert open_table(uri).version == 2 and sorted(table_rows(uri, 1)) == ["old"]
+    assert uri.latest_version() == 2 and sorted(table_rows(uri, 1)) == ["old"]
 
 
 def test_an_upsert_that_loses_every_commit_fails_naming_the_table_and_keeps_the_winner(
@@ -100,7 +101,7 @@ def test_an_upsert_that_loses_every_commit_fails_naming_the_table_and_keeps_the_
     monkeypatch.setattr(lance_tables, "failpoint", another_writer_commits_first)
     with pytest.raises(CommitConflictError, match="lost the commit to concurrent writers") as err:
         upsert(uri, rows(["loser", "shared"], 2), SCHEMA, ["id"])
-    assert uri in str(err.value)
+    assert uri.uri in str(err.value)
     assert table_rows(uri) == {"shared": 1, "winner": 1}
 
 
@@ -113,17 +114,17 @@ def test_a_chunked_run_killed_mid_commit_leaves_the_table_readable_and_the_rerun
     uri = Storage(s3_root).table(CAPTIONS, "web")
     marker = tmp_path / "marker.json"
     env = {**s3_server.env(), **failpoints.env(POINT, marker)}
-    killed = WriterProcess(["chunked", uri, "12", "4"], env, tmp_path / "killed.log")
+    killed = WriterProcess(["chunked", str(uri), "12", "4"], env, tmp_path / "killed.log")
     wait_until(lambda: failpoints.read_marker(marker) is not None, [killed],
                "the second chunk's files were written")
     killed.kill()
 
     at_kill = table_rows(uri)
-    assert open_table(uri).version == 1 and len(at_kill) == 4
-    referenced = sum(len(f.data_files()) for f in open_table(uri).get_fragments())
-    assert data_files_in_bucket(s3_server, uri) > referenced  # chunk 2's uncommitted files
+    assert uri.latest_version() == 1 and len(at_kill) == 4
+    referenced = sum(len(f.data_files()) for f in uri.open().get_fragments())
+    assert data_files_in_bucket(s3_server, uri.uri) > referenced  # chunk 2's uncommitted files
 
-    rerun = WriterProcess(["chunked", uri, "12", "4"], s3_server.env(), tmp_path / "rerun.log")
+    rerun = WriterProcess(["chunked", str(uri), "12", "4"], s3_server.env(), tmp_path / "rerun.log")
     result = rerun.result()
     assert result["committed"] == 8  # only what the killed run had not committed
     final = table_rows(uri)

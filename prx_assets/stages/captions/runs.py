@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -26,14 +25,11 @@ from prx_assets.engine.chunked import BROADCAST_IDS as DEFAULT_BROADCAST_IDS
 from prx_assets.engine.chunked import (
     ChunkedReport, ChunkedRun, CommitTarget, collect_ids, hash_partitions, keep_ids,
     pending_rows, run_chunked, without_ids)
-from prx_assets.storage.lance_tables import (
-    FragmentPolicy, create_empty, open_table, read_table, table_exists)
+from prx_assets.storage.lance_tables import FragmentPolicy, create_empty
+from prx_assets.storage.refs import TableRef
 
 CAPTION_KEYS = ["id", "caption_version"]
 CAPTIONS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
-# Every function taking a table location also takes `storage_options`: overrides of the
-# standard AWS variables for an object-store root (`Storage.storage_options`).
-Options = Optional[Mapping[str, str]]
 
 
 @dataclass
@@ -52,21 +48,19 @@ class CaptionRunReport(ChunkedReport):
 BROADCAST_IDS = DEFAULT_BROADCAST_IDS
 
 
-def captions_target(captions_uri: str | Path, storage_options: Options = None) -> CommitTarget:
+def captions_target(captions: TableRef) -> CommitTarget:
     """A source's captions table: one row per (id, caption version)."""
-    return CommitTarget(captions_uri, CAPTIONS_SCHEMA, CAPTION_KEYS, CAPTIONS_FRAGMENTS,
-                        storage_options)
+    return CommitTarget(captions, CAPTIONS_SCHEMA, CAPTION_KEYS, CAPTIONS_FRAGMENTS)
 
 
 def pending_requests(bucketed: ray.data.Dataset, raw_captions: ray.data.Dataset | None,
-                     captions_uri: str | Path, spec: CaptionerSpec,
-                     storage_options: Options = None) -> ray.data.Dataset:
+                     captions: TableRef, spec: CaptionerSpec) -> ray.data.Dataset:
     """Rows {id, image?, original_caption?} of kept images not yet captioned."""
     columns = request_columns(spec)
     kept = bucketed.select_columns([*columns, "status"]).map_batches(
         _kept_only, batch_format="pyarrow", zero_copy_batch=True)
-    requests = pending_rows(kept.select_columns(columns), captions_uri,
-                            done_filter(spec.version()), BROADCAST_IDS, storage_options)
+    requests = pending_rows(kept.select_columns(columns), captions,
+                            done_filter(spec.version()), BROADCAST_IDS)
     if not spec.uses_model and raw_captions is not None:
         requests = with_source_captions(requests, raw_captions)
     return requests
@@ -77,15 +71,13 @@ def request_columns(spec: CaptionerSpec) -> list[str]:
     return ["id", "image"] if spec.uses_model else ["id"]
 
 
-def read_kept(bucketed_uri: str | Path, version: int | None, spec: CaptionerSpec,
-              storage_options: Options = None) -> ray.data.Dataset:
+def read_kept(bucketed: TableRef, spec: CaptionerSpec) -> ray.data.Dataset:
     """The kept rows of a bucketed table with the columns `spec` needs, filtered and
     projected by Lance itself: Ray Data does not push a later projection into a Lance read,
     so selecting ids from a full read read every image of the source (3.5 GB at 10,000
     images) for a backend that looks at none."""
-    return read_table(bucketed_uri, version, storage_options,
-                      columns=[*request_columns(spec), "status"],
-                      filter=eq_filter("status", STATUS_OK))
+    return bucketed.read(columns=[*request_columns(spec), "status"],
+                         filter=eq_filter("status", STATUS_OK))
 
 
 def _kept_only(batch: pa.Table) -> pa.Table:
@@ -104,21 +96,18 @@ def with_source_captions(requests: ray.data.Dataset, raw_captions: ray.data.Data
                                 batch_format="pyarrow", zero_copy_batch=True)
 
 
-def count_pending(bucketed_uri: str | Path, captions_uri: str | Path, version: str,
-                  storage_options: Options = None) -> int:
+def count_pending(bucketed: TableRef, captions: TableRef, version: str) -> int:
     """About how many requests `pending_requests` yields, from two row counts (no pass over
     the data): kept images less the captions of `version` that need no more work."""
-    if not table_exists(bucketed_uri, storage_options):
+    if not bucketed.exists():
         return 0
-    kept = open_table(bucketed_uri, storage_options=storage_options).count_rows(
-        filter=eq_filter("status", STATUS_OK))
-    done = open_table(captions_uri, storage_options=storage_options).count_rows(
-        filter=done_filter(version)) if table_exists(captions_uri, storage_options) else 0
+    kept = bucketed.count_rows(filter=eq_filter("status", STATUS_OK))
+    done = captions.latest().count_rows(filter=done_filter(version)) \
+        if captions.exists() else 0
     return max(0, kept - done)
 
 
-def _item_keys(raw_uri: str | Path, version: int, with_caption: bool,
-               storage_options: Options = None) -> ray.data.Dataset:
+def _item_keys(raw: TableRef, with_caption: bool) -> ray.data.Dataset:
     """One string per raw row, `id`, sha256 of the original bytes (and the source caption):
     equal keys in two versions mean the same item with the same content."""
     columns = ["id", "sha256", "original_caption"] if with_caption else ["id", "sha256"]
@@ -127,38 +116,37 @@ def _item_keys(raw_uri: str | Path, version: int, with_caption: bool,
         parts = [pc.fill_null(batch.column(c), "") for c in columns]
         return pa.table({"id": pc.binary_join_element_wise(*parts, "\x00")})
 
-    return read_table(raw_uri, version, storage_options, columns=columns).map_batches(
-        keys, batch_format="pyarrow")
+    return raw.read(columns=columns).map_batches(keys, batch_format="pyarrow")
 
 
-def changed_ids(raw_uri: str | Path, old_version: int, new_version: int, with_caption: bool,
-                storage_options: Options = None) -> set[str]:
+def changed_ids(raw: TableRef, old_version: int, new_version: int,
+                with_caption: bool) -> set[str]:
     """Ids of raw_images `old_version` whose item is gone or different in `new_version`
     (the same key path, new bytes or a new source caption): their captions are stale."""
-    new_keys = _item_keys(raw_uri, new_version, with_caption, storage_options)
-    n_new = open_table(raw_uri, new_version, storage_options).count_rows()
-    gone = without_ids(_item_keys(raw_uri, old_version, with_caption, storage_options),
+    new_keys = _item_keys(raw.at(new_version), with_caption)
+    n_new = raw.at(new_version).count_rows()
+    gone = without_ids(_item_keys(raw.at(old_version), with_caption),
                        new_keys, n_new, BROADCAST_IDS)
     return {key.split("\x00", 1)[0] for key in collect_ids(gone).to_pylist()}
 
 
-def drop_captions(captions_uri: str | Path, ids: set[str], chunk: int = 10_000,
-                  storage_options: Options = None) -> int:
+def drop_captions(captions: TableRef, ids: set[str], chunk: int = 10_000) -> int:
     """Delete every caption row (all versions) of these ids; returns the rows deleted."""
-    if not ids or not table_exists(captions_uri, storage_options):
+    captions = captions.latest()
+    if not ids or not captions.exists():
         return 0
-    table = open_table(captions_uri, storage_options=storage_options)
+    table = captions.open()
     before = table.count_rows()
     ordered = sorted(ids)
     for start in range(0, len(ordered), chunk):
         table.delete(in_filter("id", ordered[start:start + chunk]))
-    return before - open_table(captions_uri, storage_options=storage_options).count_rows()
+    return before - captions.count_rows()
 
 
-def caption_source(requests: ray.data.Dataset, captions_uri: str | Path, spec: CaptionerSpec,
+def caption_source(requests: ray.data.Dataset, captions: TableRef, spec: CaptionerSpec,
                    chunk_rows: int = 1024,
-                   on_chunk: Callable[[CaptionRunReport], None] | None = None,
-                   storage_options: Options = None) -> CaptionRunReport:
+                   on_chunk: Callable[[CaptionRunReport], None] | None = None
+                   ) -> CaptionRunReport:
     """Caption `requests` and commit the results chunk by chunk."""
     report = CaptionRunReport(version=spec.version())
 
@@ -173,14 +161,14 @@ def caption_source(requests: ray.data.Dataset, captions_uri: str | Path, spec: C
         failpoint("captions.chunk_committed")
 
     report.commits = run_chunked(requests, lambda rows: caption_stage(rows, spec),
-                                 captions_target(captions_uri, storage_options), chunk_rows,
+                                 captions_target(captions), chunk_rows,
                                  on_chunk=count)
     return report
 
 
-def ensure_table(uri: str | Path, storage_options: Options = None) -> int:
+def ensure_table(captions: TableRef) -> int:
     """An empty captions table for a source with nothing to caption (downstream can read it)."""
-    return create_empty(uri, CAPTIONS_SCHEMA, storage_options)
+    return create_empty(captions, CAPTIONS_SCHEMA)
 
 
 @dataclass(frozen=True)
@@ -196,16 +184,14 @@ class Coverage:
         return self.done / self.kept if self.kept else 1.0
 
 
-def coverage(bucketed_uri: str | Path, captions_uri: str | Path, version: str,
-             target: tuple[int, int] = (100, 200), storage_options: Options = None) -> Coverage:
+def coverage(bucketed: TableRef, captions: TableRef, version: str,
+             target: tuple[int, int] = (100, 200)) -> Coverage:
     """Counts for the checks, read from the committed tables (metadata columns only)."""
-    kept = open_table(bucketed_uri, storage_options=storage_options).count_rows(
-        filter=eq_filter("status", STATUS_OK)) \
-        if table_exists(bucketed_uri, storage_options) else 0
-    if not table_exists(captions_uri, storage_options):
+    kept = bucketed.count_rows(filter=eq_filter("status", STATUS_OK)) \
+        if bucketed.exists() else 0
+    if not captions.exists():
         return Coverage(kept, 0, 0, 0, 0)
-    table = open_table(captions_uri, storage_options=storage_options)
-    rows = table.to_table(columns=["status", "n_words"],
+    rows = captions.to_table(columns=["status", "n_words"],
                           filter=eq_filter("caption_version", version))
     statuses = Counter(rows.column("status").to_pylist())
     words = rows.filter(pc.equal(rows.column("status"), STATUS_OK)).column("n_words")

@@ -21,9 +21,8 @@ from __future__ import annotations
 import io
 import hashlib
 import json
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Mapping, Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
 
 import lance
 import numpy as np
@@ -35,9 +34,9 @@ from PIL import Image
 from prx_assets.models.embeddings import EMBEDDING_DIM
 from prx_assets.storage.filters import eq_filter
 from prx_assets.storage.lance_tables import (
-    FragmentPolicy, WriteReport, cleanup, compact, describe_write, read_table,
+    FragmentPolicy, WriteReport, append_rows, cleanup, compact, describe_write,
     write_dataset_atomically)
-from prx_assets.storage.object_store import lance_options
+from prx_assets.storage.refs import TableRef
 
 THUMB_SIDE = 256
 THUMB_QUALITY = 85
@@ -77,19 +76,21 @@ class SourceTables:
     as lineage is what was read), and which rows of them are active."""
 
     name: str
-    bucketed: str
-    captions: str
-    labels: str
-    phashes: str
+    bucketed: TableRef
+    captions: TableRef
+    labels: TableRef
+    phashes: TableRef
     caption_filter: str
     labels_filter: str
-    bucketed_version: int | None = None
-    captions_version: int | None = None
-    labels_version: int | None = None
-    phashes_version: int | None = None
-    # Object-store overrides (`Storage.storage_options`); None: the standard variables.
-    storage_options: Optional[Mapping[str, str]] = field(default=None, hash=False,
-                                                         compare=False)
+
+    def pinned(self) -> "SourceTables":
+        """Every input at its latest version now (what is read is what lineage records)."""
+        return replace(self, bucketed=self.bucketed.pinned(), captions=self.captions.pinned(),
+                       labels=self.labels.pinned(), phashes=self.phashes.pinned())
+
+    def versions(self) -> dict[str, int | None]:
+        return {"bucketed": self.bucketed.version, "captions": self.captions.version,
+                "labels": self.labels.version, "phashes": self.phashes.version}
 
 
 @dataclass
@@ -123,14 +124,12 @@ def thumbnail(jpeg: bytes, side: int = THUMB_SIDE) -> bytes | None:
         return None
 
 
-def _read(uri: str, version: int | None, columns: list[str], filter: str | None = None,
-          storage_options: Optional[Mapping[str, str]] = None) -> pa.Table:
+def _read(table: TableRef, columns: list[str], filter: str | None = None) -> pa.Table:
     try:
-        dataset = lance.dataset(str(uri), version=version,
-                                storage_options=lance_options(str(uri), storage_options))
-    except (ValueError, FileNotFoundError, OSError) as exc:
-        raise FileNotFoundError(f"{uri} cannot be read ({exc}): materialise it first") from exc
-    return dataset.to_table(columns=columns, filter=filter)
+        return table.to_table(columns=columns, filter=filter)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{table} cannot be read ({exc}): materialise it first") \
+            from exc
 
 
 def _lookup(ids: pa.Array, table: pa.Table, columns: list[str]) -> list[pa.Array]:
@@ -141,13 +140,9 @@ def _lookup(ids: pa.Array, table: pa.Table, columns: list[str]) -> list[pa.Array
 
 def source_metadata(tables: SourceTables) -> pa.Table:
     """id, caption, label, phash, embedding of a source's labelled, captioned images."""
-    options = tables.storage_options
-    labels = _read(tables.labels, tables.labels_version, ["id", "label", "embedding"],
-                   tables.labels_filter, options)
-    captions = _read(tables.captions, tables.captions_version, ["id", "caption"],
-                     tables.caption_filter, options)
-    phashes = _read(tables.phashes, tables.phashes_version, ["id", "phash"],
-                    storage_options=options)
+    labels = _read(tables.labels, ["id", "label", "embedding"], tables.labels_filter)
+    captions = _read(tables.captions, ["id", "caption"], tables.caption_filter)
+    phashes = _read(tables.phashes, ["id", "phash"])
     caption, = _lookup(labels.column("id"), captions, ["caption"])
     phash, = _lookup(labels.column("id"), phashes, ["phash"])
     meta = pa.table({"id": labels.column("id"), "caption": caption,
@@ -169,16 +164,14 @@ def corpus_batch(batch: pa.Table, meta: pa.Table) -> pa.Table:
 
 def source_dataset(tables: SourceTables) -> tuple[ray.data.Dataset, int]:
     meta = source_metadata(tables)
-    kept = read_table(tables.bucketed, tables.bucketed_version, tables.storage_options,
-                      columns=IMAGE_COLUMNS, filter="status = 'ok'")
+    kept = tables.bucketed.read(columns=IMAGE_COLUMNS, filter="status = 'ok'")
     dataset = kept.map_batches(corpus_batch, fn_kwargs={"meta": meta},
                                batch_format="pyarrow", batch_size=THUMBNAIL_BATCH_ROWS)
     return dataset, meta.num_rows
 
 
-def build_corpus(uri: Path | str, sources: list[SourceTables],
-                 policy: FragmentPolicy = CORPUS_FRAGMENTS,
-                 storage_options: Optional[Mapping[str, str]] = None) -> CorpusReport:
+def build_corpus(corpus: TableRef, sources: list[SourceTables],
+                 policy: FragmentPolicy = CORPUS_FRAGMENTS) -> CorpusReport:
     """Write the corpus table for `sources` (one new version), then index it."""
     datasets, expected = [], {}
     for tables in sources:
@@ -188,20 +181,19 @@ def build_corpus(uri: Path | str, sources: list[SourceTables],
     if not datasets:
         raise ValueError("no sources to build the corpus from")
     union = datasets[0].union(*datasets[1:]) if len(datasets) > 1 else datasets[0]
-    previous = _rows(uri, storage_options)
-    write = write_dataset_atomically(union, uri, policy, CORPUS_SCHEMA, storage_options)
-    report = CorpusReport(write, rows_per_source=count_by(uri, "source", storage_options))
+    corpus = corpus.latest()
+    previous = corpus.count_rows() if corpus.exists() else 0
+    write = write_dataset_atomically(union, corpus, policy, CORPUS_SCHEMA)
+    report = CorpusReport(write, rows_per_source=count_by(corpus, "source"))
     report.inserted = dict(report.rows_per_source)
     report.deleted = {"(every source)": previous} if previous else {}
-    report.indexes = create_indexes(uri, storage_options)
+    report.indexes = create_indexes(corpus)
     return report
 
 
-def update_corpus(uri: Path | str, changed: list[SourceTables], gone: list[str],
+def update_corpus(corpus: TableRef, changed: list[SourceTables], gone: list[str],
                   keep: list[str], chunk_rows: int = CHUNK_ROWS,
-                  policy: FragmentPolicy = CORPUS_FRAGMENTS,
-                  storage_options: Optional[Mapping[str, str]] = None,
-                  rebuild_indexes: bool = False,
+                  policy: FragmentPolicy = CORPUS_FRAGMENTS, rebuild_indexes: bool = False,
                   on_rows: Optional[Callable[[int], None]] = None) -> CorpusReport:
     """Replace the rows of the `changed` sources, delete those of the `gone` ones, keep the
     rows of `keep` as they are; then update the indexes (`rebuild_indexes`: retrain them).
@@ -212,28 +204,25 @@ def update_corpus(uri: Path | str, changed: list[SourceTables], gone: list[str],
     repeat an id), and since the corpus records the input versions it read only once
     everything is written, the rerun finds the source changed again and redoes it.
     `on_rows(n)` is told of each chunk of `n` rows appended (progress)."""
+    corpus = corpus.latest()
     report = CorpusReport(write=None)  # type: ignore[arg-type]
     for name in [*gone, *(t.name for t in changed)]:
-        report.deleted[name] = delete_source(uri, name, storage_options)
+        report.deleted[name] = delete_source(corpus, name)
     for tables in changed:
-        report.inserted[tables.name] = append_source(uri, tables, chunk_rows, storage_options,
-                                                     on_rows)
-    table = _open(uri, storage_options)
-    if len(table.get_fragments()) > 1 and (report.processed or report.removed):
-        compact(uri, policy, storage_options)
-        cleanup(_open(uri, storage_options), policy)
-    report.write = describe_write(_open(uri, storage_options))
-    report.rows_per_source = {name: _open(uri, storage_options).count_rows(
-        filter=eq_filter("source", name)) for name in [*keep, *(t.name for t in changed)]}
-    report.indexes = create_indexes(uri, storage_options) if rebuild_indexes \
-        else update_indexes(uri, storage_options)
+        report.inserted[tables.name] = append_source(corpus, tables, chunk_rows, on_rows)
+    if len(corpus.open().get_fragments()) > 1 and (report.processed or report.removed):
+        compact(corpus, policy)
+        cleanup(corpus.open(), policy)
+    report.write = describe_write(corpus.open())
+    report.rows_per_source = {name: corpus.count_rows(filter=eq_filter("source", name))
+                              for name in [*keep, *(t.name for t in changed)]}
+    report.indexes = create_indexes(corpus) if rebuild_indexes else update_indexes(corpus)
     return report
 
 
-def delete_source(uri: Path | str, source: str,
-                  storage_options: Optional[Mapping[str, str]] = None) -> int:
+def delete_source(corpus: TableRef, source: str) -> int:
     """Delete a source's rows; returns how many (no commit when there are none)."""
-    table = _open(uri, storage_options)
+    table = corpus.latest().open()
     where = eq_filter("source", source)
     rows = table.count_rows(filter=where)
     if rows:
@@ -241,38 +230,22 @@ def delete_source(uri: Path | str, source: str,
     return rows
 
 
-def append_source(uri: Path | str, tables: SourceTables, chunk_rows: int,
-                  storage_options: Optional[Mapping[str, str]] = None,
+def append_source(corpus: TableRef, tables: SourceTables, chunk_rows: int,
                   on_rows: Optional[Callable[[int], None]] = None) -> int:
     """Append a source's corpus rows in chunks (one atomic Append each); returns the rows."""
     dataset, _ = source_dataset(tables)
     written = 0
     for chunk in dataset.iter_batches(batch_size=chunk_rows, batch_format="pyarrow"):
         if chunk.num_rows:
-            lance.write_dataset(chunk.cast(CORPUS_SCHEMA), str(uri), schema=CORPUS_SCHEMA,
-                                mode="append",
-                                storage_options=lance_options(str(uri), storage_options))
+            append_rows(corpus, chunk, CORPUS_SCHEMA)
             written += chunk.num_rows
             if on_rows:
                 on_rows(chunk.num_rows)
     return written
 
 
-def _open(uri: Path | str, storage_options: Optional[Mapping[str, str]] = None
-          ) -> lance.LanceDataset:
-    return lance.dataset(str(uri), storage_options=lance_options(str(uri), storage_options))
-
-
-def _rows(uri: Path | str, storage_options: Optional[Mapping[str, str]] = None) -> int:
-    try:
-        return _open(uri, storage_options).count_rows()
-    except (ValueError, FileNotFoundError, OSError):
-        return 0
-
-
-def count_by(uri: Path | str, column: str,
-             storage_options: Optional[Mapping[str, str]] = None) -> dict[str, int]:
-    values = _open(uri, storage_options).to_table(columns=[column]).column(column)
+def count_by(corpus: TableRef, column: str) -> dict[str, int]:
+    values = corpus.to_table(columns=[column]).column(column)
     counts = pc.value_counts(values).to_pylist()
     return {str(c["values"]): int(c["counts"]) for c in counts}
 
@@ -303,12 +276,11 @@ def present_indexes(table: lance.LanceDataset) -> dict[str, str]:
             if len(index["fields"]) == 1}
 
 
-def create_indexes(uri: Path | str, storage_options: Optional[Mapping[str, str]] = None,
-                   columns: Optional[list[str]] = None) -> dict[str, str]:
+def create_indexes(corpus: TableRef, columns: Optional[list[str]] = None) -> dict[str, str]:
     """FTS on caption, bitmap indexes on source/label/tier, a vector index on embedding when
     the table is large enough to train one (else Lance's exact flat search is used);
     trained from scratch. `columns`: only those."""
-    table = _open(uri, storage_options)
+    table = corpus.latest().open()
     built = {}
     rows = table.count_rows()
     if rows == 0:
@@ -329,13 +301,12 @@ def create_indexes(uri: Path | str, storage_options: Optional[Mapping[str, str]]
     return built
 
 
-def update_indexes(uri: Path | str, storage_options: Optional[Mapping[str, str]] = None
-                   ) -> dict[str, str]:
+def update_indexes(corpus: TableRef) -> dict[str, str]:
     """Add the rows written since to the existing indexes (`optimize_indices`: new data is
     assigned to the trained partitions and tokenised into the FTS index, no retraining);
     an index the table should have but lacks (the first past the vector-index threshold)
     is created."""
-    table = _open(uri, storage_options)
+    table = corpus.latest().open()
     rows = table.count_rows()
     if rows == 0:
         return {"all": "none (empty table)"}
@@ -344,7 +315,7 @@ def update_indexes(uri: Path | str, storage_options: Optional[Mapping[str, str]]
     if present:
         table.optimize.optimize_indices()
     report = {c: f"{kind} (updated)" for c, kind in present.items()}
-    report.update(create_indexes(uri, storage_options, missing) if missing else {})
+    report.update(create_indexes(corpus, missing) if missing else {})
     if VECTOR_INDEX[0] not in present and rows < MIN_ROWS_FOR_VECTOR_INDEX:
         report[VECTOR_INDEX[0]] = f"none: exact flat search below {MIN_ROWS_FOR_VECTOR_INDEX} rows"
     return report

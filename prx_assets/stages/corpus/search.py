@@ -7,15 +7,14 @@ them. Errors say what to do: build the corpus, pick a known id.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import lance
 import numpy as np
 import pyarrow as pa
 
 from prx_assets.storage.filters import all_of, eq_filter
-from prx_assets.storage.lance_tables import open_table, table_exists
 from prx_assets.storage.object_store import ObjectStoreError
+from prx_assets.storage.refs import TableRef
 
 RESULT_COLUMNS = ["id", "source", "label", "tier", "width", "height", "caption"]
 # Vector search settings: probe enough IVF partitions and re-rank PQ candidates on exact
@@ -58,19 +57,19 @@ class Hit:
         return f"{self.width}x{self.height}" if self.width and self.height else "?"
 
 
-def open_corpus(uri: Path | str) -> lance.LanceDataset:
-    """The corpus table at a local path or an `s3://` URI (options from the standard
-    variables), refusing an absent or empty one, or an unreadable bucket, with what to do."""
+def open_corpus(corpus: TableRef) -> lance.LanceDataset:
+    """The corpus table, refusing an absent or empty one, or an unreadable bucket, with what
+    to do."""
     try:
-        exists = table_exists(uri)
+        exists = corpus.exists()
     except ObjectStoreError as exc:  # missing bucket, refused credentials, dead endpoint
         raise SearchError(str(exc)) from exc
     if not exists:
-        raise CorpusNotBuilt(f"no corpus table at {uri}: materialise the `corpus` asset first "
-                             "(e.g. `make demo`)")
-    table = open_table(uri)
+        raise CorpusNotBuilt(f"no corpus table at {corpus}: materialise the `corpus` asset "
+                             "first (e.g. `make demo`)")
+    table = corpus.open()
     if table.count_rows() == 0:
-        raise EmptyCorpus(f"the corpus table at {uri} is empty: no source has labelled "
+        raise EmptyCorpus(f"the corpus table at {corpus} is empty: no source has labelled "
                           "captions yet")
     return table
 
@@ -84,14 +83,14 @@ def _has_index(table: lance.LanceDataset, column: str) -> bool:
     return any(column in index.get("fields", []) for index in table.list_indices())
 
 
-def search_text(uri: Path, text: str, k: int = 10, source: str | None = None,
+def search_text(corpus: TableRef, text: str, k: int = 10, source: str | None = None,
                 label: str | None = None) -> list[Hit]:
     """Captions matching `text` (BM25 over the inverted index), best first."""
     if not text.strip():
         raise SearchError("empty query: give some words to search for")
-    table = open_corpus(uri)
+    table = open_corpus(corpus)
     if not _has_index(table, "caption"):
-        raise EmptyCorpus(f"the corpus at {uri} has no full-text index on caption: "
+        raise EmptyCorpus(f"the corpus at {corpus} has no full-text index on caption: "
                           "rematerialise `corpus`")
     result = table.to_table(columns=RESULT_COLUMNS + ["_score"], full_text_query=text, limit=k,
                             filter=_filters(source, label), prefilter=True)
@@ -105,10 +104,10 @@ def embedding_of(table: lance.LanceDataset, sample_id: str) -> np.ndarray:
     return np.asarray(rows.column("embedding")[0].as_py(), dtype=np.float32)
 
 
-def similar(uri: Path, sample_id: str, k: int = 10, source: str | None = None,
+def similar(corpus: TableRef, sample_id: str, k: int = 10, source: str | None = None,
             label: str | None = None) -> list[Hit]:
     """The k captions nearest to `sample_id`'s (cosine), the image itself left out."""
-    table = open_corpus(uri)
+    table = open_corpus(corpus)
     query = embedding_of(table, sample_id)
     result = nearest(table, query, k + 1, _filters(source, label))
     hits = [h for h in _hits(result, "_distance") if h.id != sample_id]

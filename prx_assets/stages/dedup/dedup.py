@@ -18,7 +18,7 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -26,9 +26,12 @@ import pyarrow.compute as pc
 import ray.data
 from ray.data.context import ShuffleStrategy
 
-from prx_assets.storage.lance_tables import open_table, read_table
 from prx_assets.storage.layout import Storage, as_storage
+from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import PHASHES
+
+if TYPE_CHECKING:
+    import lance
 
 DUPLICATES_SCHEMA = pa.schema([
     pa.field("id", pa.string(), nullable=False),
@@ -52,13 +55,14 @@ class HashInput:
 
     source: str
     rank: int
-    uri: str
-    version: int
-    # Overrides of the standard AWS variables when the table is on an object store.
-    storage_options: Optional[Mapping[str, str]] = field(default=None, compare=False)
+    table: TableRef  # pinned
 
-    def open(self):
-        return open_table(self.uri, self.version, self.storage_options)
+    @property
+    def version(self) -> int | None:
+        return self.table.version
+
+    def open(self) -> "lance.LanceDataset":
+        return self.table.open()
 
 
 def bucket_of(phash: np.ndarray, buckets: int) -> np.ndarray:
@@ -147,8 +151,7 @@ def duplicates_dataset(inputs: list[HashInput],
         total += item.open().count_rows(filter=NOT_FLAT)
     buckets = bucket_count(total, rows_per_bucket)
     for item in inputs:
-        ds = read_table(item.uri, item.version, item.storage_options,
-                        columns=["id", "phash", "pixels"], filter=NOT_FLAT)
+        ds = item.table.read(columns=["id", "phash", "pixels"], filter=NOT_FLAT)
         datasets.append(ds.map_batches(
             functools.partial(_candidates, rank=item.rank, buckets=buckets),
             batch_format="pyarrow", batch_size=65_536))
@@ -175,13 +178,12 @@ def source_of(sample_id: str) -> str:
     return sample_id.split(":", 1)[0]
 
 
-def summarise(duplicates_uri: str, rows_per_source: dict[str, int], top: int = 10,
-              batch_rows: int = 1 << 20,
-              storage_options: Optional[Mapping[str, str]] = None) -> DuplicateSummary:
+def summarise(duplicates: TableRef, rows_per_source: dict[str, int], top: int = 10,
+              batch_rows: int = 1 << 20) -> DuplicateSummary:
     """Removed copies per source and the largest groups, streamed in bounded batches."""
     summary = DuplicateSummary(rows_per_source=rows_per_source)
     largest: list[tuple[int, int, str]] = []
-    scanner = open_table(duplicates_uri, storage_options=storage_options).scanner(
+    scanner = duplicates.open().scanner(
         columns=["id", "kept_id", "phash", "group_size"], batch_size=batch_rows)
     for batch in scanner.to_batches():
         ids = batch.column("id").to_pylist()
@@ -225,12 +227,12 @@ def hash_inputs(storage: Storage | str | Path, sources: list[str]) -> tuple[list
     storage = as_storage(storage)
     inputs, missing = [], []
     for rank, source in enumerate(sources):
-        version = storage.latest_version(PHASHES, source)
+        table = storage.table(PHASHES, source)
+        version = table.latest_version()
         if version is None:
             missing.append(source)
             continue
-        inputs.append(HashInput(source, rank, storage.table(PHASHES, source), version,
-                                storage.storage_options))
+        inputs.append(HashInput(source, rank, table.at(version)))
     return inputs, missing
 
 

@@ -8,17 +8,18 @@ from __future__ import annotations
 import heapq
 import io
 from dataclasses import dataclass, field
-from typing import Mapping
-
-import lance
+from typing import TYPE_CHECKING
 import numpy as np
 from PIL import Image
 
 from prx_assets.stages.images.buckets import assign_bucket
 from prx_assets.storage.filters import in_filter
-from prx_assets.storage.lance_tables import open_table
+from prx_assets.storage.refs import TableRef
 from prx_assets.stages.images.imaging import (
     ImageOptions, encode_jpeg, oriented_rgb, oriented_size, resize_to_shape)
+
+if TYPE_CHECKING:
+    import lance
 
 # (label, low MP, high MP) and the published (1x, 10x) PSNR in dB for that band.
 BANDS = {"0.25-0.5 MP": (0.25, 0.5), "1-2 MP": (1.0, 2.0)}
@@ -81,12 +82,10 @@ class BandReport:
                 "median_stored": round(stored, 2)}
 
 
-def deterministic_sample(uri: str, per_band: int,
-                         storage_options: Mapping[str, str] | None = None
-                         ) -> dict[str, list[str]]:
+def deterministic_sample(bucketed: TableRef, per_band: int) -> dict[str, list[str]]:
     """The `per_band` smallest ids (ids are hashes: an unbiased, stable sample) per band."""
     heaps: dict[str, list[str]] = {band: [] for band in BANDS}
-    table = open_table(uri, storage_options=storage_options)
+    table = bucketed.open()
     for batch in table.to_batches(columns=["id", "width", "height"], filter="status = 'ok'"):
         data = batch.to_pydict()
         for sample_id, w, h in zip(data["id"], data["width"], data["height"]):
@@ -112,15 +111,13 @@ class _Desc:
         return self.value > other.value
 
 
-def fidelity_report(bucketed_uri: str, raw_uri: str, options: ImageOptions,
-                    per_band: int = 16, storage_options: Mapping[str, str] | None = None
-                    ) -> list[BandReport]:
+def fidelity_report(bucketed_table: TableRef, raw_table: TableRef, options: ImageOptions,
+                    per_band: int = 16) -> list[BandReport]:
     """Per band: PSNR of 1 and 10 Q-encodes of the lossless bucket image (what the reference
     measured), and of the stored JPEG against it (JPEG plus our decode/resize shortcuts)."""
-    bucketed = open_table(bucketed_uri, storage_options=storage_options)
-    raw = open_table(raw_uri, storage_options=storage_options)
+    bucketed, raw = bucketed_table.open(), raw_table.open()
     reports = []
-    for band, ids in deterministic_sample(bucketed_uri, per_band, storage_options).items():
+    for band, ids in deterministic_sample(bucketed_table.at(bucketed.version), per_band).items():
         report = BandReport(band)
         if ids:
             stored = dict(_rows(bucketed, ["id", "image"], ids))

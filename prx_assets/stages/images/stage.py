@@ -16,7 +16,7 @@ import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Callable
 
 import lance
 import pyarrow as pa
@@ -28,11 +28,10 @@ from prx_assets.engine.chunked import (
     run_chunked, without_ids)
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.images.imaging import ImageOptions, process_image
-from prx_assets.storage import object_store
 from prx_assets.storage.filters import in_filter, sql_string
 from prx_assets.storage.lance_tables import (
-    FragmentPolicy, cleanup, compact, prepare_output_dir, table_exists, tag_with_node,
-    upsert)
+    FragmentPolicy, cleanup, compact, overwrite_rows, tag_with_node, upsert)
+from prx_assets.storage.refs import TableRef
 
 # Bump when the stage's output for the same raw bytes and settings changes (a new resize,
 # encoder or hash): every bucketed row then reads as stale and is redone.
@@ -127,29 +126,22 @@ def _drop_keys(batch: pa.Table, keys: pa.Array) -> pa.Table:
 
 @dataclass(frozen=True)
 class ImageTables:
-    """The two tables the stage writes, and the options for opening them."""
+    """The two tables the stage writes (their latest versions) and how big their fragments
+    grow."""
 
-    bucketed: str
-    phashes: str
-    storage_options: Optional[Mapping[str, str]] = None
-
-    def options(self, uri: str) -> Optional[dict]:
-        return object_store.lance_options(uri, self.storage_options)
-
-    def open(self, uri: str) -> lance.LanceDataset:
-        return lance.dataset(uri, storage_options=self.options(uri))
-
-    def exists(self, uri: str) -> bool:
-        return table_exists(uri, self.storage_options)
+    bucketed: TableRef
+    phashes: TableRef
+    bucketed_policy: FragmentPolicy = FragmentPolicy()
+    phash_policy: FragmentPolicy = FragmentPolicy()
 
 
 def fresh_rows(tables: ImageTables, fingerprint: str) -> tuple[lance.LanceDataset | None, str,
                                                                 int]:
     """The bucketed table, the filter selecting its rows made under `fingerprint`, and how
     many rows match (None, "", 0 when there are none)."""
-    if not tables.exists(tables.bucketed):
+    if not tables.bucketed.exists():
         return None, "", 0
-    table = tables.open(tables.bucketed)
+    table = tables.bucketed.latest().open()
     if "settings" not in table.schema.names:  # made before rows recorded their settings
         return None, "", 0
     where = f"settings = {sql_string(fingerprint)}"
@@ -169,9 +161,8 @@ def pending_raw(raw: ray.data.Dataset, tables: ImageTables, fingerprint: str,
     if table is None:
         return raw
     if n_fresh > broadcast_limit:
-        keys = ray.data.read_lance(tables.bucketed, version=table.version,
-                                   columns=["id", "raw_sha256"], filter=where,
-                                   storage_options=tables.options(tables.bucketed)) \
+        keys = tables.bucketed.at(table.version).read(columns=["id", "raw_sha256"],
+                                                      filter=where) \
             .map_batches(_with_key, fn_kwargs={"sha_column": "raw_sha256"},
                          batch_format="pyarrow").select_columns([KEY])
         return raw.map_batches(_with_key, fn_kwargs={"sha_column": "sha256"},
@@ -184,14 +175,14 @@ def pending_raw(raw: ray.data.Dataset, tables: ImageTables, fingerprint: str,
                            zero_copy_batch=True)
 
 
-def removed_ids(tables: ImageTables, raw_ids: Callable[[], ray.data.Dataset],
-                raw: lance.LanceDataset, broadcast_limit: int = BROADCAST_IDS) -> pa.Array:
+def removed_ids(tables: ImageTables, raw: TableRef,
+                broadcast_limit: int = BROADCAST_IDS) -> pa.Array:
     """Ids with a bucketed row but no row in `raw` (the pinned raw_images version) any
     more: removed from the source. Compared on the driver (ids only) up to
-    `broadcast_limit` rows, with a Ray anti-join past that (`raw_ids` builds its dataset)."""
-    if not tables.exists(tables.bucketed):
+    `broadcast_limit` rows, with a Ray anti-join past that."""
+    if not tables.bucketed.exists():
         return pa.array([], pa.string())
-    table = tables.open(tables.bucketed)
+    table = tables.bucketed.latest().open()
     n_raw, n_bucketed = raw.count_rows(), table.count_rows()
     if n_bucketed == 0:
         return pa.array([], pa.string())
@@ -200,41 +191,35 @@ def removed_ids(tables: ImageTables, raw_ids: Callable[[], ray.data.Dataset],
         present = raw.to_table(columns=["id"]).column("id")
         return bucketed.filter(pc.invert(pc.is_in(bucketed, value_set=present))) \
             .combine_chunks()
-    bucketed_ids = ray.data.read_lance(tables.bucketed, version=table.version, columns=["id"],
-                                       storage_options=tables.options(tables.bucketed))
-    return collect_ids(without_ids(bucketed_ids, raw_ids(), n_raw, broadcast_limit))
+    bucketed_ids = tables.bucketed.at(table.version).read(columns=["id"])
+    return collect_ids(without_ids(bucketed_ids, raw.read(columns=["id"]), n_raw,
+                                   broadcast_limit))
 
 
-def delete_ids(uri: str, tables: ImageTables, ids: pa.Array) -> int:
-    """Delete the rows of these ids from the table at `uri`; returns the rows deleted."""
-    if len(ids) == 0 or not tables.exists(uri):
+def delete_ids(target: TableRef, ids: pa.Array) -> int:
+    """Delete the rows of these ids from `target`; returns the rows deleted."""
+    if len(ids) == 0 or not target.exists():
         return 0
-    table = tables.open(uri)
+    table = target.latest().open()
     before = table.count_rows()
     values = ids.to_pylist()
     for start in range(0, len(values), DELETE_IDS_PER_COMMIT):
         where = in_filter("id", values[start:start + DELETE_IDS_PER_COMMIT])
         if table.count_rows(filter=where):  # a delete matching nothing still commits
             table.delete(where)
-    return before - tables.open(uri).count_rows()
+    return before - target.latest().count_rows()
 
 
-def ensure_table(uri: str, schema: pa.Schema, tables: ImageTables, replace: bool = False
-                 ) -> bool:
+def ensure_table(target: TableRef, schema: pa.Schema, replace: bool = False) -> bool:
     """An empty table where none is yet, so downstream can read a source with no rows;
     a table lacking columns of `schema` (a bucketed table from before rows recorded what
     they were made from: every row would be redone anyway), or any with `replace`, is
     replaced by an empty one. Returns whether it replaced a table."""
-    if tables.exists(uri):
-        if not replace and set(schema.names) <= set(tables.open(uri).schema.names):
-            return False
-        mode = "overwrite"
-    else:
-        prepare_output_dir(uri, "Lance table", tables.storage_options)
-        mode = "create"
-    lance.write_dataset(schema.empty_table(), uri, schema=schema, mode=mode,
-                        storage_options=tables.options(uri))
-    return mode == "overwrite"
+    existed = target.exists()
+    if existed and not replace and set(schema.names) <= set(target.latest().open().schema.names):
+        return False
+    overwrite_rows(target, schema.empty_table(), schema)
+    return existed
 
 
 # --- one run ------------------------------------------------------------------------------
@@ -261,14 +246,12 @@ class ImageRunReport(ChunkedReport):
     nodes: set[str] = field(default_factory=set)  # Ray nodes whose tasks produced the rows
 
 
-def run_image_stage(raw: ray.data.Dataset, raw_table: lance.LanceDataset,
-                    raw_ids: Callable[[], ray.data.Dataset],
-                    tables: ImageTables, options: ImageOptions, chunk_rows: int,
-                    bucketed_policy: FragmentPolicy, phash_policy: FragmentPolicy,
+def run_image_stage(raw: ray.data.Dataset, raw_table: TableRef, tables: ImageTables,
+                    options: ImageOptions, chunk_rows: int,
                     on_chunk: Callable[[ImageRunReport], None] | None = None) -> ImageRunReport:
     """Bring both tables up to date with `raw` (rows with RAW_COLUMNS read from `raw_table`,
-    the pinned raw_images version; `raw_ids` builds a dataset of its ids): delete removed
-    ids, then decode what is pending and commit it in chunks of `chunk_rows`.
+    the pinned raw_images version): delete removed ids, then decode what is pending and
+    commit it in chunks of `chunk_rows`.
 
     Ordering, so that a kill anywhere is repaired by the rerun and readers never see an
     id twice: every commit is keyed on id (a merge-insert or a delete), and phashes is
@@ -279,22 +262,21 @@ def run_image_stage(raw: ray.data.Dataset, raw_table: lance.LanceDataset,
     need a full comparison of the two tables on every run to find what a kill left out.)
     """
     # A replaced bucketed table can no longer say which ids left: phashes starts over too.
-    replaced = ensure_table(tables.bucketed, BUCKETED_SCHEMA, tables)
-    ensure_table(tables.phashes, PHASH_SCHEMA, tables, replace=replaced)
+    replaced = ensure_table(tables.bucketed, BUCKETED_SCHEMA)
+    ensure_table(tables.phashes, PHASH_SCHEMA, replace=replaced)
     report = ImageRunReport()
-    gone = removed_ids(tables, raw_ids, raw_table)
-    report.hashes_removed += delete_ids(tables.phashes, tables, gone)
-    report.removed = delete_ids(tables.bucketed, tables, gone)
+    gone = removed_ids(tables, raw_table)
+    report.hashes_removed += delete_ids(tables.phashes, gone)
+    report.removed = delete_ids(tables.bucketed, gone)
 
     def hashes_first(chunk: pa.Table) -> pa.Table:
         report.nodes.update(pc.unique(chunk.column(NODE_COLUMN)).to_pylist())
         chunk = chunk.drop_columns([NODE_COLUMN])
         hashed = chunk.filter(pc.is_valid(chunk.column("phash")))
         unhashed = chunk.filter(pc.is_null(chunk.column("phash"))).column("id")
-        report.hashes_removed += delete_ids(tables.phashes, tables, unhashed.combine_chunks())
+        report.hashes_removed += delete_ids(tables.phashes, unhashed.combine_chunks())
         if hashed.num_rows:
-            upsert(tables.phashes, hashed.select(PHASH_COLUMNS), PHASH_SCHEMA, ["id"],
-                   tables.storage_options)
+            upsert(tables.phashes, hashed.select(PHASH_COLUMNS), PHASH_SCHEMA, ["id"])
             report.hashes_written += hashed.num_rows
         return chunk  # bucketed commits the whole chunk, after phashes
 
@@ -305,14 +287,12 @@ def run_image_stage(raw: ray.data.Dataset, raw_table: lance.LanceDataset,
             on_chunk(report)
 
     pending = pending_raw(raw, tables, settings_fingerprint(options))
-    target = CommitTarget(tables.bucketed, BUCKETED_SCHEMA, ["id"], bucketed_policy,
-                          storage_options=tables.storage_options)
+    target = CommitTarget(tables.bucketed, BUCKETED_SCHEMA, ["id"], tables.bucketed_policy)
     report.commits = run_chunked(
         pending, lambda rows: build_bucketed_dataset(rows, options).map_batches(
             with_node_column, batch_format="pyarrow", zero_copy_batch=True),
         target, chunk_rows, to_commit=hashes_first, on_chunk=committed)
     if report.commits.commits > 1:
-        report.hashes_compacted_from = compact(tables.phashes, phash_policy,
-                                               tables.storage_options)
-        cleanup(tables.open(tables.phashes), phash_policy)
+        report.hashes_compacted_from = compact(tables.phashes, tables.phash_policy)
+        cleanup(tables.phashes.latest().open(), tables.phash_policy)
     return report

@@ -39,10 +39,8 @@ from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS
 from prx_assets.stages.ingest.raw_rows import (
     RAW_IMAGES_SCHEMA, UNIT_COLUMNS, FoundItem, raw_row, rows_to_tables)
 from prx_assets.stages.ingest.sources import SourceSpec
-from prx_assets.storage import object_store
 from prx_assets.storage.filters import in_filter
-from prx_assets.storage.object_store import as_uri
-from prx_assets.storage.lance_tables import tag_with_node
+from prx_assets.storage.lance_tables import create_empty, overwrite_rows, tag_with_node
 
 # Units per in-memory block handed to Ray (a block is a few hundred KB of paths).
 UNIT_BLOCK = 10_000
@@ -104,13 +102,7 @@ def schema_mismatch(target: CommitTarget) -> Optional[str]:
 def reset_table(target: CommitTarget) -> int:
     """Replace the table with an empty one of the current schema (one commit); the units
     are then all pending and the run rebuilds it in full."""
-    lance.write_dataset(RAW_IMAGES_SCHEMA.empty_table(), as_uri(target.uri), mode="overwrite",
-                        storage_options=_lance_options(target))
-    return target.version()
-
-
-def _lance_options(target: CommitTarget) -> Optional[dict]:
-    return object_store.lance_options(target.uri, target.storage_options)
+    return overwrite_rows(target.table, RAW_IMAGES_SCHEMA.empty_table(), RAW_IMAGES_SCHEMA)
 
 
 @dataclass
@@ -179,8 +171,7 @@ def plan_ingest_joined(spec: SourceSpec, uri: "str | Path | SourceLocation",
 
 def completed_pairs(target: CommitTarget) -> ray.data.Dataset:
     """(unit, unit_signature) of every complete unit of the table, computed in Ray."""
-    grouped = ray.data.read_lance(as_uri(target.uri), columns=list(UNIT_COLUMNS),
-                                  storage_options=_lance_options(target)) \
+    grouped = target.table.latest().read(columns=list(UNIT_COLUMNS)) \
         .groupby(list(UNIT_KEYS)).aggregate(Count(alias_name="rows"),
                                             Max("unit_items", alias_name="expected"))
     return grouped.map_batches(_complete_only, batch_format="pyarrow")
@@ -339,7 +330,7 @@ def ingest_source(spec: SourceSpec, uri: "str | Path | SourceLocation", target: 
     report = IngestReport(version_before=target.version())
     reason = schema_mismatch(target)
     if reason:
-        log(f"{target.uri}: rebuilding in full once, {reason} (change detection needs them)")
+        log(f"{target.table}: rebuilding in full once, {reason} (change detection needs them)")
         reset_table(target)
         report.rebuilt_because = reason
     rows_before = target.open().count_rows() if target.version() is not None else 0
@@ -361,8 +352,7 @@ def ingest_source(spec: SourceSpec, uri: "str | Path | SourceLocation", target: 
     report.rows_removed = delete_stale_rows(target, plan)
     table = target.open() if target.version() is not None else None
     if table is None:  # an empty source never written: an empty table all the same
-        lance.write_dataset(RAW_IMAGES_SCHEMA.empty_table(), as_uri(target.uri),
-                            storage_options=_lance_options(target))
+        create_empty(target.table, RAW_IMAGES_SCHEMA)
         table = target.open()
     report.commits.lance_version = table.version
     report.rows = table.count_rows()
@@ -391,8 +381,7 @@ def stale_ids_joined(target: CommitTarget, listed: ray.data.Dataset, n_listed: i
     the listing; only the stale ids come back to the driver."""
     if target.version() is None:
         return []
-    rows = ray.data.read_lance(as_uri(target.uri), columns=["id", *UNIT_KEYS],
-                               storage_options=_lance_options(target))
+    rows = target.table.latest().read(columns=["id", *UNIT_KEYS])
     stale = rows.join(listed, join_type="left_anti", on=UNIT_KEYS,
                       num_partitions=hash_partitions(max(n_listed, target.open().count_rows())))
     # A join's output may hold large_string: read the ids whatever their string type.

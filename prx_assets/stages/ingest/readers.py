@@ -13,7 +13,6 @@ import tarfile
 from pathlib import Path, PurePosixPath
 from typing import Iterator
 
-import lance
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -365,7 +364,7 @@ LANCE_UNIT_PREFIX = "fragment-"
 
 def lance_unit_entries(spec: SourceSpec, location: SourceLocation
                        ) -> Iterator[tuple[str, str]]:
-    table = lance.dataset(location.uri, storage_options=location.storage_options)
+    table = location.table().open()
     for fragment in table.get_fragments():
         yield f"{LANCE_UNIT_PREFIX}{fragment.fragment_id}", f"v{table.version}"
 
@@ -373,8 +372,7 @@ def lance_unit_entries(spec: SourceSpec, location: SourceLocation
 def read_lance_fragment(spec: SourceSpec, location: SourceLocation, unit: str, version: str,
                         batch_rows: int = 256) -> Iterator[FoundItem]:
     """The rows of one fragment of the source table, at the version its signature names."""
-    table = lance.dataset(location.uri, version=int(version.removeprefix("v")),
-                          storage_options=location.storage_options)
+    table = location.table(int(version.removeprefix("v"))).open()
     fragment = table.get_fragment(int(unit.removeprefix(LANCE_UNIT_PREFIX)))
     columns = [c for c in (spec.key_column, spec.image_column, spec.caption_column,
                            spec.url_column) if c]

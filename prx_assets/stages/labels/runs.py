@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -31,8 +30,8 @@ from prx_assets.stages.labels.labels import (
 from prx_assets.engine.chunked import (
     ChunkedReport, ChunkedRun, CommitTarget, drop_ids, keep_ids, run_chunked)
 from prx_assets.storage.filters import in_filter
-from prx_assets.storage.lance_tables import (
-    FragmentPolicy, create_empty, open_table, read_table, table_exists)
+from prx_assets.storage.lance_tables import FragmentPolicy, create_empty
+from prx_assets.storage.refs import TableRef
 
 LABEL_KEYS = ["id", "caption_version", "classifier_version"]
 LABELS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
@@ -41,9 +40,6 @@ CAPTION_COLUMNS = ["id", "caption_version", "caption"]
 STAGE_SCHEMA = pa.schema([f.with_nullable(True) if f.name == "label" else f
                           for f in LABELS_SCHEMA] + [pa.field("error", pa.string())])
 BACKENDS = ("embedded", "openai", "vllm")
-# Every function taking a table location also takes `storage_options`: overrides of the
-# standard AWS variables for an object-store root (`Storage.storage_options`).
-Options = Optional[Mapping[str, str]]
 
 
 @dataclass(frozen=True)
@@ -96,64 +92,53 @@ class LabelRunReport(ChunkedReport):
         return self.commits.rows_per_s
 
 
-def labelled_ids(labels_uri: str | Path, caption_version: str, classifier_version: str,
-                 captions_uri: str | Path, caption_filter: str,
-                 captions_version: int | None = None, storage_options: Options = None
-                 ) -> pa.Array:
+def labelled_ids(labels: TableRef, caption_version: str, classifier_version: str,
+                 captions: TableRef, caption_filter: str) -> pa.Array:
     """Ids labelled under the pair from the caption they have now (ids and timestamps only).
 
     A label older than its caption row is stale: the caption was written again since (its
     source file changed, see `stages.captions.runs.changed_ids`) and must be labelled again."""
-    if not table_exists(labels_uri, storage_options):
+    if not labels.exists():
         return pa.array([], pa.string())
-    labels = open_table(labels_uri, storage_options=storage_options).to_table(
+    labelled = labels.latest().to_table(
         columns=["id", "created_at"],
         filter=active_labels_filter(caption_version, classifier_version))
-    captions = open_table(captions_uri, captions_version, storage_options).to_table(
-        columns=["id", "created_at"], filter=caption_filter)
-    joined = labels.join(captions.rename_columns(["id", "captioned_at"]), "id")
+    captioned = captions.to_table(columns=["id", "created_at"], filter=caption_filter)
+    joined = labelled.join(captioned.rename_columns(["id", "captioned_at"]), "id")
     fresh = pc.greater_equal(joined.column("created_at"), joined.column("captioned_at"))
     return joined.filter(fresh).column("id").combine_chunks()
 
 
-def drop_orphan_labels(labels_uri: str | Path, captions_uri: str | Path,
-                       captions_version: int | None = None, storage_options: Options = None,
-                       chunk: int = 10_000) -> int:
+def drop_orphan_labels(labels: TableRef, captions: TableRef, chunk: int = 10_000) -> int:
     """Delete the label rows (every version pair) of ids that have no caption row any more:
     their item left the source, so its caption was dropped upstream. Returns rows deleted."""
-    if not table_exists(labels_uri, storage_options):
+    if not labels.exists():
         return 0
-    captioned = open_table(captions_uri, captions_version, storage_options).to_table(
-        columns=["id"]).column("id").combine_chunks()
-    labels = open_table(labels_uri, storage_options=storage_options)
+    captioned = captions.to_table(columns=["id"]).column("id").combine_chunks()
+    table = labels.latest().open()
     orphans: set[str] = set()
-    for batch in labels.to_batches(columns=["id"]):
+    for batch in table.to_batches(columns=["id"]):
         table = pa.Table.from_batches([batch])
         orphans.update(keep_ids(table, captioned, member=False).column("id").to_pylist())
     if not orphans:
         return 0
-    before = labels.count_rows()
+    before = table.count_rows()
     ordered = sorted(orphans)
     for start in range(0, len(ordered), chunk):
-        labels.delete(in_filter("id", ordered[start:start + chunk]))
-    return before - open_table(labels_uri, storage_options=storage_options).count_rows()
+        table.delete(in_filter("id", ordered[start:start + chunk]))
+    return before - labels.latest().count_rows()
 
 
-def count_pending(captions_uri: str | Path, caption_filter: str, done: pa.Array,
-                  captions_version: int | None = None, storage_options: Options = None) -> int:
-    scanner = open_table(captions_uri, captions_version, storage_options).scanner(
-        columns=["id"], filter=caption_filter)
+def count_pending(captions: TableRef, caption_filter: str, done: pa.Array) -> int:
+    scanner = captions.open().scanner(columns=["id"], filter=caption_filter)
     return sum(keep_ids(pa.Table.from_batches([b]), done, member=False).num_rows
                for b in scanner.to_batches())
 
 
-def pending_captions(captions_uri: str | Path, caption_filter: str, done: pa.Array,
-                     captions_version: int | None = None, storage_options: Options = None
+def pending_captions(captions: TableRef, caption_filter: str, done: pa.Array
                      ) -> ray.data.Dataset:
     """Usable captions of the active version whose id is not in `done`."""
-    captions = read_table(captions_uri, captions_version, storage_options,
-                          columns=CAPTION_COLUMNS, filter=caption_filter)
-    return drop_ids(captions, done)
+    return drop_ids(captions.read(columns=CAPTION_COLUMNS, filter=caption_filter), done)
 
 
 class EmbeddingStage:
@@ -254,15 +239,14 @@ def _vllm_rows(batch: pa.Table, classifier_version: str) -> pa.Table:
     return _stage_rows(batch, classifier_version, labels, scores, vectors, errors)
 
 
-def ensure_labels_table(uri: str | Path, storage_options: Options = None) -> int:
+def ensure_labels_table(labels: TableRef) -> int:
     """An empty labels table, so downstream readers and checks always find one."""
-    return create_empty(uri, LABELS_SCHEMA, storage_options)
+    return create_empty(labels, LABELS_SCHEMA)
 
 
-def labels_target(labels_uri: str | Path, storage_options: Options = None) -> CommitTarget:
+def labels_target(labels: TableRef) -> CommitTarget:
     """A source's labels table: one row per (id, caption version, classifier version)."""
-    return CommitTarget(labels_uri, LABELS_SCHEMA, LABEL_KEYS, LABELS_FRAGMENTS,
-                        storage_options)
+    return CommitTarget(labels, LABELS_SCHEMA, LABEL_KEYS, LABELS_FRAGMENTS)
 
 
 def labelled_rows(chunk: pa.Table) -> pa.Table:
@@ -271,28 +255,24 @@ def labelled_rows(chunk: pa.Table) -> pa.Table:
     return chunk.filter(pc.is_valid(chunk.column("label"))).drop_columns(["error"])
 
 
-def label_source(captions_uri: str | Path, labels_uri: str | Path, caption_version: str,
+def label_source(captions: TableRef, labels: TableRef, caption_version: str,
                  caption_filter: str, spec: LabelerSpec, chunk_rows: int = 4096,
-                 on_chunk: Callable[[LabelRunReport], None] | None = None,
-                 captions_version: int | None = None, storage_options: Options = None
-                 ) -> LabelRunReport:
+                 on_chunk: Callable[[LabelRunReport], None] | None = None) -> LabelRunReport:
     """Label the pending captions of one source and commit them chunk by chunk.
 
-    `captions_version` pins the captions read (default: the latest), so the version the
-    caller records as lineage is the one labelled."""
+    `captions` is read at its version (pin it with `.at(version)`, so the version the
+    caller records as lineage is the one labelled; unpinned: the latest)."""
     report = LabelRunReport(caption_version, spec.version())
-    options = storage_options
-    ensure_labels_table(labels_uri, options)
-    if not table_exists(captions_uri, options):
-        raise FileNotFoundError(f"{captions_uri} does not exist: materialise captions first")
-    report.removed = drop_orphan_labels(labels_uri, captions_uri, captions_version, options)
-    done = labelled_ids(labels_uri, caption_version, report.classifier_version, captions_uri,
-                        caption_filter, captions_version, options)
+    ensure_labels_table(labels)
+    if not captions.exists():
+        raise FileNotFoundError(f"{captions} does not exist: materialise captions first")
+    captions = captions.pinned()
+    report.removed = drop_orphan_labels(labels, captions)
+    done = labelled_ids(labels, caption_version, report.classifier_version, captions,
+                        caption_filter)
     # Nothing to do: no actor pool, no model load.
-    report.to_label = count_pending(captions_uri, caption_filter, done, captions_version,
-                                    options)
-    pending = pending_captions(captions_uri, caption_filter, done, captions_version, options) \
-        if report.to_label else None
+    report.to_label = count_pending(captions, caption_filter, done)
+    pending = pending_captions(captions, caption_filter, done) if report.to_label else None
 
     def count(chunk: pa.Table, run: ChunkedRun) -> None:
         report.commits = run
@@ -304,7 +284,7 @@ def label_source(captions_uri: str | Path, labels_uri: str | Path, caption_versi
             on_chunk(report)
 
     report.commits = run_chunked(pending, lambda rows: label_stage(rows, spec, report.to_label),
-                                 labels_target(labels_uri, options), chunk_rows,
+                                 labels_target(labels), chunk_rows,
                                  to_commit=labelled_rows, on_chunk=count)
     return report
 
@@ -328,14 +308,12 @@ class LabelCoverage:
         return {label: self.counts.get(label, 0) / total if total else 0.0 for label in LABELS}
 
 
-def label_coverage(captions_uri: str | Path, labels_uri: str | Path, caption_filter: str,
-                   caption_version: str, classifier_version: str,
-                   storage_options: Options = None) -> LabelCoverage:
+def label_coverage(captions: TableRef, labels: TableRef, caption_filter: str,
+                   caption_version: str, classifier_version: str) -> LabelCoverage:
     """Counts for the checks and metadata, from the committed tables (no embeddings read)."""
-    captions = open_table(captions_uri, storage_options=storage_options).count_rows(
-        filter=caption_filter) if table_exists(captions_uri, storage_options) else 0
-    if not table_exists(labels_uri, storage_options):
-        return LabelCoverage(captions, {})
-    labels = open_table(labels_uri, storage_options=storage_options).to_table(
-        columns=["label"], filter=active_labels_filter(caption_version, classifier_version))
-    return LabelCoverage(captions, dict(Counter(labels.column("label").to_pylist())))
+    usable = captions.count_rows(filter=caption_filter) if captions.exists() else 0
+    if not labels.exists():
+        return LabelCoverage(usable, {})
+    rows = labels.to_table(columns=["label"],
+                           filter=active_labels_filter(caption_version, classifier_version))
+    return LabelCoverage(usable, dict(Counter(rows.column("label").to_pylist())))

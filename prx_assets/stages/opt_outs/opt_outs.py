@@ -22,15 +22,14 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Optional
+from typing import Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
 
 from prx_assets.storage import object_store
-from prx_assets.storage.lance_tables import open_table, table_exists
 from prx_assets.storage.layout import Storage, as_storage
+from prx_assets.storage.refs import Location, TableRef
 from prx_assets.storage.tables import DUPLICATES, RAW_IMAGES
 
 KEY_TYPES = ("id", "sha256", "source_key", "url")
@@ -91,47 +90,21 @@ class ParsedRequests:
 
 
 # A request file or folder: a local Path, or an `s3://` URI under an object-store root.
-Location = Path | str
-Options = Optional[Mapping[str, str]]
-
-
 def opt_out_dir(storage: Storage | str | Path) -> Location:
-    """The request folder: a Path under a local root, its `s3://` URI under an object-store
-    root (read through pyarrow's file systems, see `request_files`)."""
-    storage = as_storage(storage)
-    return Path(storage.opt_outs_dir) if storage.is_local else storage.opt_outs_dir
+    """The request folder under the storage root (a local folder or an `s3://` prefix)."""
+    return as_storage(storage).opt_outs_dir
 
 
-def name_of(location: Location) -> str:
-    return object_store.as_uri(location).rstrip("/").rsplit("/", 1)[-1]
-
-
-def child(directory: Location, name: str) -> Location:
-    if isinstance(directory, Path):
-        return directory / name
-    return f"{object_store.as_uri(directory).rstrip('/')}/{name}"
-
-
-def request_files(directory: Location, storage_options: Options = None) -> list[Location]:
+def request_files(directory: Location) -> list[Location]:
     """Request files in name order (hidden and temporary files are not requests); a folder
     that does not exist (no request yet; on S3, no object under the prefix) has none."""
-    fs, path = object_store.filesystem(directory, storage_options)
-    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-    names = sorted(info.base_name for info in infos if info.type == pafs.FileType.File
-                   and info.base_name.endswith(REQUEST_SUFFIXES)
-                   and not info.base_name.startswith("."))
-    return [child(directory, name) for name in names]
+    return [file for file in directory.files()
+            if file.name.endswith(REQUEST_SUFFIXES) and not file.name.startswith(".")]
 
 
-def read_bytes(location: Location, storage_options: Options = None) -> bytes:
-    fs, path = object_store.filesystem(location, storage_options)
-    with fs.open_input_stream(path) as stream:
-        return stream.read()
-
-
-def fingerprint(location: Location, storage_options: Options = None) -> str:
+def fingerprint(location: Location) -> str:
     """Content hash: a rewritten file counts as new, a touched one does not."""
-    return hashlib.sha256(read_bytes(location, storage_options)).hexdigest()[:16]
+    return hashlib.sha256(location.read_bytes()).hexdigest()[:16]
 
 
 def parse_request(record: dict, file: str, line: int) -> OptOutRequest:
@@ -167,12 +140,12 @@ def parse_timestamp(text: str) -> datetime:
         timezone.utc)
 
 
-def parse_file(location: Location, storage_options: Options = None) -> ParsedRequests:
+def parse_file(location: Location) -> ParsedRequests:
     """Every valid request of a file, and every malformed row with its line number."""
     parsed = ParsedRequests()
-    name = name_of(location)
+    name = location.name
     try:
-        text = read_bytes(location, storage_options).decode("utf-8")
+        text = location.read_bytes().decode("utf-8")
     except object_store.ObjectStoreError:
         raise  # the store itself is unusable: not a property of this one file
     except (OSError, UnicodeDecodeError) as exc:
@@ -189,14 +162,14 @@ def parse_file(location: Location, storage_options: Options = None) -> ParsedReq
     return parsed
 
 
-def parse_directory(directory: Location, names: Iterable[str] | None = None,
-                    storage_options: Options = None) -> ParsedRequests:
+def parse_directory(directory: Location, names: Iterable[str] | None = None
+                    ) -> ParsedRequests:
     """All request files of the folder (or only those named)."""
     wanted = set(names) if names is not None else None
     parsed = ParsedRequests()
-    for location in request_files(directory, storage_options):
-        if wanted is None or name_of(location) in wanted:
-            parsed.extend(parse_file(location, storage_options))
+    for location in request_files(directory):
+        if wanted is None or location.name in wanted:
+            parsed.extend(parse_file(location))
     return parsed
 
 
@@ -257,17 +230,16 @@ class _Keys:
         return not any(self.by_type.values())
 
 
-def _scan(uri: Location, columns: list[str], batch_rows: int, storage_options: Options = None
-          ) -> Iterator[pa.RecordBatch]:
-    table = open_table(uri, storage_options=storage_options)
+def _scan(raw: TableRef, columns: list[str], batch_rows: int) -> Iterator[pa.RecordBatch]:
+    table = raw.open()
     present = [c for c in columns if c in table.schema.names]
     yield from table.scanner(columns=present, batch_size=batch_rows).to_batches()
 
 
-def _direct_matches(uri: Location, keys: _Keys, batch_rows: int, storage_options: Options = None
+def _direct_matches(raw: TableRef, keys: _Keys, batch_rows: int
                     ) -> Iterator[tuple[OptOutRequest, str, str | None]]:
     """(request, id, sha256) for every raw_images row a request names directly."""
-    for batch in _scan(uri, ["id", "sha256", "source_key", "url"], batch_rows, storage_options):
+    for batch in _scan(raw, ["id", "sha256", "source_key", "url"], batch_rows):
         for key_type, values in keys.by_type.items():
             if not values or key_type not in batch.schema.names:
                 continue
@@ -280,12 +252,12 @@ def _direct_matches(uri: Location, keys: _Keys, batch_rows: int, storage_options
                     yield request, sample_id, shas[i] if shas else None
 
 
-def _same_bytes(uri: Location, shas: dict[str, set[str]], batch_rows: int,
-                storage_options: Options = None) -> Iterator[tuple[str, str]]:
+def _same_bytes(raw: TableRef, shas: dict[str, set[str]], batch_rows: int
+                ) -> Iterator[tuple[str, str]]:
     """(sha256, id) of rows whose bytes equal an opted-out image's."""
     if not shas:
         return
-    for batch in _scan(uri, ["id", "sha256"], batch_rows, storage_options):
+    for batch in _scan(raw, ["id", "sha256"], batch_rows):
         if "sha256" not in batch.schema.names:
             return
         hit = pc.fill_null(pc.is_in(batch.column("sha256"), value_set=pa.array(list(shas))),
@@ -294,12 +266,12 @@ def _same_bytes(uri: Location, shas: dict[str, set[str]], batch_rows: int,
         yield from zip(rows.column("sha256").to_pylist(), rows.column("id").to_pylist())
 
 
-def _group_members(duplicates_uri: Location, ids: set[str], batch_rows: int,
-                   storage_options: Options = None) -> dict[str, set[str]]:
+def _group_members(duplicates: TableRef, ids: set[str], batch_rows: int
+                   ) -> dict[str, set[str]]:
     """For each id in a duplicate group, every other member of its group."""
-    if not ids or not table_exists(duplicates_uri, storage_options):
+    if not ids or not duplicates.exists():
         return {}
-    table = open_table(duplicates_uri, storage_options=storage_options)
+    table = duplicates.open()
     phash_of: dict[str, int] = {}
     for batch in table.scanner(columns=["id", "phash"], batch_size=batch_rows).to_batches():
         rows = batch.filter(pc.is_in(batch.column("id"), value_set=pa.array(list(ids))))
@@ -324,24 +296,24 @@ def resolve(requests: list[OptOutRequest], sources: list[str], storage: Storage 
     every request is accounted for.
     """
     storage = as_storage(storage)
-    options = storage.storage_options
     found: dict[str, dict[str, str]] = {}  # request_id -> id -> via
     shas: dict[str, set[str]] = {}  # sha256 -> request ids
-    raw = {s: storage.table(RAW_IMAGES, s) for s in sources if storage.exists(RAW_IMAGES, s)}
-    for source, uri in raw.items():
+    raw = {s: storage.table(RAW_IMAGES, s) for s in sources}
+    raw = {s: table.pinned() for s, table in raw.items() if table.exists()}
+    for source, table in raw.items():
         keys = _Keys.of(requests, source)
         if keys.empty():
             continue
-        for request, sample_id, sha in _direct_matches(uri, keys, batch_rows, options):
+        for request, sample_id, sha in _direct_matches(table, keys, batch_rows):
             found.setdefault(request.request_id, {})[sample_id] = VIA_DIRECT
             if sha:
                 shas.setdefault(sha, set()).add(request.request_id)
-    for uri in raw.values():
-        for sha, sample_id in _same_bytes(uri, shas, batch_rows, options):
+    for table in raw.values():
+        for sha, sample_id in _same_bytes(table, shas, batch_rows):
             for request_id in shas[sha]:
                 found[request_id].setdefault(sample_id, VIA_SAME_BYTES)
     direct = {i for ids in found.values() for i in ids}
-    members = _group_members(storage.table(DUPLICATES), direct, batch_rows, options)
+    members = _group_members(storage.table(DUPLICATES), direct, batch_rows)
     for ids in found.values():
         for sample_id in list(ids):
             for other in members.get(sample_id, ()):

@@ -24,6 +24,7 @@ from prx_assets.stages.captions.captioners import (
 from prx_assets.stages.captions.captions import load_prompt
 from prx_assets.testing.tiny_vlm import build_tiny_qwen3_vl
 from prx_assets.demo.corpus import encode, photo_variant, real_photo_paths
+from prx_assets.storage.refs import TableRef
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +61,7 @@ def rows_of(uri) -> list[dict]:
 def test_transformers_in_ray_actors_caption_every_id_with_its_own_image(
         ray_session, tmp_path, tiny_vlm, photos):
     spec = tiny_spec(tiny_vlm, batch_size=1)
-    uri = tmp_path / "captions.lance"
+    uri = TableRef.of(tmp_path / "captions.lance")
     report = caption_source(pending_requests(bucketed_dataset(photos), None, uri, spec), uri, spec,
                             chunk_rows=4)
     rows = {r["id"]: r for r in rows_of(uri)}
@@ -91,7 +92,7 @@ def test_captions_leave_the_model_batch_by_batch(ray_session, tiny_vlm, photos):
 
 def test_interrupted_run_resumes_without_duplicates(ray_session, tmp_path, tiny_vlm, photos):
     spec = tiny_spec(tiny_vlm)
-    uri = tmp_path / "captions.lance"
+    uri = TableRef.of(tmp_path / "captions.lance")
     bucketed = bucketed_dataset(photos)
 
     def crash_after_two_chunks(report):
@@ -111,7 +112,7 @@ def test_interrupted_run_resumes_without_duplicates(ray_session, tmp_path, tiny_
 
 
 def test_failed_rows_are_retried_and_versions_coexist(ray_session, tmp_path, photos):
-    uri = tmp_path / "captions.lance"
+    uri = TableRef.of(tmp_path / "captions.lance")
     bucketed = bucketed_dataset(dict(list(photos.items())[:4]), broken=("web:bad",))
     with ChatServer([]) as server:
         spec = openai_spec(server.url)
@@ -142,7 +143,7 @@ def test_original_backend_uses_the_source_caption(ray_session, tmp_path, monkeyp
     raw = ray.data.from_arrow(pa.table({"id": ["a:1", "a:2", "a:3"],
                                         "original_caption": ["A red door.", None, "tiny"]}))
     spec = CaptionerSpec()
-    uri = tmp_path / "captions.lance"
+    uri = TableRef.of(tmp_path / "captions.lance")
     caption_source(pending_requests(bucketed, raw, uri, spec), uri, spec)
     rows = {r["id"]: r for r in rows_of(uri)}
     assert set(rows) == {"a:1", "a:2"}  # rejected images are never captioned

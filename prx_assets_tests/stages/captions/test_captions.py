@@ -5,6 +5,7 @@ from prx_assets.stages.captions.captions import (
     STATUS_EMPTY, STATUS_OK, STATUS_REFUSED, active_caption_filter, clean_caption, load_prompt,
     word_histogram)
 from prx_assets_tests.conftest import jpeg_bytes
+from prx_assets.storage.refs import TableRef
 
 
 def test_caption_version_names_everything_that_changes_a_caption():
@@ -88,8 +89,8 @@ def test_kept_rows_are_read_by_lance_without_images_unless_a_model_needs_them(ra
     lance.write_dataset(pa.table({"id": ["a", "b", "c"], "status": ["ok", "too_small", "ok"],
                                   "image": pa.array([b"x", None, b"z"], pa.large_binary())}),
                         uri)
-    source = read_kept(uri, None, CaptionerSpec()).take_all()
+    source = read_kept(TableRef.of(uri), CaptionerSpec()).take_all()
     assert sorted(r["id"] for r in source) == ["a", "c"]
     assert set(source[0]) == {"id", "status"}  # the `original` backend reads no image bytes
     model = CaptionerSpec(backend="openai", model="m", endpoint="http://127.0.0.1:1/v1")
-    assert {r["image"] for r in read_kept(uri, None, model).take_all()} == {b"x", b"z"}
+    assert {r["image"] for r in read_kept(TableRef.of(uri), model).take_all()} == {b"x", b"z"}

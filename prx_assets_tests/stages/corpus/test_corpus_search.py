@@ -1,4 +1,5 @@
 import io
+from pathlib import Path
 
 import lance
 import pytest
@@ -8,6 +9,7 @@ from prx_assets.stages.corpus.corpus import CORPUS_SCHEMA, build_corpus
 from prx_assets.models.embeddings import MiniLMEmbedder
 from prx_assets.stages.corpus.search import (
     CorpusNotBuilt, EmptyCorpus, SearchError, UnknownId, format_hits, search_text, similar)
+from prx_assets.storage.refs import TableRef
 from prx_assets_tests.fixtures.corpus_tables import write_source
 from prx_assets_tests.fixtures.labelled_captions import TEST_CAPTIONS
 
@@ -29,7 +31,7 @@ def corpus(ray_session, tmp_path_factory):
         ("budget", TEST_CAPTIONS["text"][0], "text"),
         ("manual", TEST_CAPTIONS["text"][1], "text"),
     ], embedder)
-    uri = root / "corpus.lance"
+    uri = TableRef.of(root / "corpus.lance")
     report = build_corpus(uri, [web, docs])
     return uri, report
 
@@ -76,8 +78,8 @@ def test_similar_returns_nearest_captions_without_the_query(corpus):
 
 def test_missing_or_empty_corpus_errors(tmp_path):
     with pytest.raises(CorpusNotBuilt, match="materialise the `corpus` asset"):
-        search_text(tmp_path / "corpus.lance", "x")
-    empty = tmp_path / "empty.lance"
+        search_text(TableRef.of(tmp_path / "corpus.lance"), "x")
+    empty = TableRef.of(tmp_path / "empty.lance")
     lance.write_dataset(CORPUS_SCHEMA.empty_table(), str(empty))
     with pytest.raises(EmptyCorpus):
         similar(empty, "a")
@@ -87,7 +89,7 @@ def test_cli_search_and_similar(corpus, monkeypatch, capsys):
     from prx_assets import cli
 
     uri, _ = corpus
-    monkeypatch.setenv("PRX_DATA_ROOT", str(uri.parent.parent))
+    monkeypatch.setenv("PRX_DATA_ROOT", str(Path(uri.uri).parent.parent))
     assert cli.main(["search", "battery cover", "--k", "2", "--label", "text"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("docs:manual") and len(out) <= 2
@@ -95,7 +97,7 @@ def test_cli_search_and_similar(corpus, monkeypatch, capsys):
     assert capsys.readouterr().out.startswith("web:heron2")
     assert cli.main(["similar", "web:missing"]) == 2
     assert "no image with id 'web:missing'" in capsys.readouterr().err
-    monkeypatch.setenv("PRX_DATA_ROOT", str(uri.parent / "elsewhere"))
+    monkeypatch.setenv("PRX_DATA_ROOT", str(Path(uri.uri).parent / "elsewhere"))
     assert cli.main(["search", "heron"]) == 2
     assert "materialise the `corpus` asset" in capsys.readouterr().err
 

@@ -6,11 +6,12 @@ from prx_assets.stages.dedup.dedup import (
     HashInput, bucket_of, duplicates_dataset, group_candidates, near_duplicate_shares,
     reference_duplicates)
 from prx_assets.stages.images.stage import PHASH_SCHEMA
+from prx_assets.storage.refs import TableRef
 
 
 def _phash_table(uri, rows):
     lance.write_dataset(pa.Table.from_pylist(rows, schema=PHASH_SCHEMA), str(uri))
-    return HashInput(source=uri.stem, rank=0, uri=str(uri), version=1)
+    return HashInput(source=uri.stem, rank=0, table=TableRef.of(uri, version=1))
 
 
 def _candidates(rows, rank):
@@ -44,7 +45,7 @@ def test_partitioned_ray_job_equals_single_process(ray_session, tmp_path):
                  "pixels": int(rng.integers(1, 5)) * 1000, "flat": bool(rng.random() < 0.05)}
                 for i in range(800)]
         item = _phash_table(tmp_path / f"{source}.lance", rows)
-        tables.append(HashInput(source, rank, item.uri, item.version))
+        tables.append(HashInput(source, rank, item.table))
         candidates += _candidates(rows, rank)
     # 2,400 rows in buckets of 900: the shuffle really splits the hashes.
     result = duplicates_dataset(tables, rows_per_bucket=900).to_arrow_refs()

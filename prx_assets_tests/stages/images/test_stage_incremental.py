@@ -9,6 +9,7 @@ import ray.data
 from prx_assets.stages.images.imaging import ImageOptions
 from prx_assets.stages.images.stage import (
     BUCKETED_SCHEMA, ImageTables, pending_raw, removed_ids, settings_fingerprint)
+from prx_assets.storage.refs import TableRef
 
 CURRENT = settings_fingerprint(ImageOptions())
 
@@ -31,43 +32,47 @@ def test_pending_and_removed_rows(ray_session, tmp_path, broadcast_limit):
                 {"id": "other_settings", "sha256": "c"}, {"id": "new", "sha256": "d"},
                 {"id": "no_bytes", "sha256": None}]
     raw_uri = str(tmp_path / "raw.lance")
-    raw = lance.write_dataset(pa.Table.from_pylist(raw_rows), raw_uri)
+    raw = TableRef.of(raw_uri).at(lance.write_dataset(pa.Table.from_pylist(raw_rows),
+                                                      raw_uri).version)
     made = [("same", "a", CURRENT), ("changed", "old", CURRENT), ("other_settings", "c", "x"),
             ("no_bytes", None, CURRENT), ("gone", "e", CURRENT)]
     bucketed = [{"id": i, "source": "s", "status": "ok", "raw_sha256": sha, "settings": fp}
                 for i, sha, fp in made]
-    tables = ImageTables(str(tmp_path / "bucketed.lance"), str(tmp_path / "phashes.lance"))
-    lance.write_dataset(pa.Table.from_pylist(bucketed, schema=BUCKETED_SCHEMA), tables.bucketed)
+    tables = ImageTables(TableRef.of(tmp_path / "bucketed.lance"),
+                         TableRef.of(tmp_path / "phashes.lance"))
+    lance.write_dataset(pa.Table.from_pylist(bucketed, schema=BUCKETED_SCHEMA),
+                        tables.bucketed.uri)
 
     pending = pending_raw(ray.data.read_lance(raw_uri), tables, CURRENT, broadcast_limit)
     assert sorted(pending.to_pandas()["id"]) == ["changed", "new", "other_settings"]
     assert set(pending.columns()) == {"id", "sha256"}  # the join key does not leak
-    gone = removed_ids(tables, lambda: ray.data.read_lance(raw_uri, columns=["id"]), raw,
-                       broadcast_limit)
+    gone = removed_ids(tables, raw, broadcast_limit)
     assert gone.to_pylist() == ["gone"]
 
 
 def test_nothing_is_fresh_without_a_table(ray_session, tmp_path):
     raw_uri = str(tmp_path / "raw.lance")
     lance.write_dataset(pa.table({"id": ["a"], "sha256": ["x"]}), raw_uri)
-    tables = ImageTables(str(tmp_path / "bucketed.lance"), str(tmp_path / "phashes.lance"))
+    tables = ImageTables(TableRef.of(tmp_path / "bucketed.lance"),
+                         TableRef.of(tmp_path / "phashes.lance"))
     assert pending_raw(ray.data.read_lance(raw_uri), tables, CURRENT).count() == 1
-    assert len(removed_ids(tables, lambda: None, lance.dataset(raw_uri))) == 0
+    assert len(removed_ids(tables, TableRef.of(raw_uri))) == 0
 
 
 def test_tables_from_before_the_made_from_columns_start_over(tmp_path):
     from prx_assets.stages.images.stage import PHASH_SCHEMA, ensure_table
 
-    tables = ImageTables(str(tmp_path / "bucketed.lance"), str(tmp_path / "phashes.lance"))
+    tables = ImageTables(TableRef.of(tmp_path / "bucketed.lance"),
+                         TableRef.of(tmp_path / "phashes.lance"))
     old_schema = pa.schema([f for f in BUCKETED_SCHEMA if f.name not in ("raw_sha256",
                                                                          "settings")])
     lance.write_dataset(pa.Table.from_pylist([{"id": "a", "source": "s", "status": "ok"}],
-                                             schema=old_schema), tables.bucketed)
+                                             schema=old_schema), tables.bucketed.uri)
     lance.write_dataset(pa.Table.from_pylist([{"id": "a", "phash": 1}], schema=PHASH_SCHEMA),
-                        tables.phashes)
-    assert ensure_table(tables.bucketed, BUCKETED_SCHEMA, tables)
-    assert not ensure_table(tables.bucketed, BUCKETED_SCHEMA, tables)  # current now
-    assert lance.dataset(tables.bucketed).schema == BUCKETED_SCHEMA
-    assert lance.dataset(tables.bucketed).count_rows() == 0
-    assert ensure_table(tables.phashes, PHASH_SCHEMA, tables, replace=True)
-    assert lance.dataset(tables.phashes).count_rows() == 0
+                        tables.phashes.uri)
+    assert ensure_table(tables.bucketed, BUCKETED_SCHEMA)
+    assert not ensure_table(tables.bucketed, BUCKETED_SCHEMA)  # current now
+    assert tables.bucketed.open().schema == BUCKETED_SCHEMA
+    assert tables.bucketed.count_rows() == 0
+    assert ensure_table(tables.phashes, PHASH_SCHEMA, replace=True)
+    assert tables.phashes.count_rows() == 0

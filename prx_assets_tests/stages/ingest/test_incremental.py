@@ -20,12 +20,13 @@ from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.stages.ingest.sources import SourceSpec
 from prx_assets.storage.lance_tables import FragmentPolicy
 from prx_assets_tests.conftest import jpeg_bytes
+from prx_assets.storage.refs import TableRef
 
 N = 5
 
 
 def target(path: Path) -> CommitTarget:
-    return CommitTarget(str(path), RAW_IMAGES_SCHEMA, ["id"], FragmentPolicy(target_bytes=512 << 20))
+    return CommitTarget(TableRef.of(path), RAW_IMAGES_SCHEMA, ["id"], FragmentPolicy(target_bytes=512 << 20))
 
 
 def ingest(spec: SourceSpec, table: Path, **options) -> IngestReport:

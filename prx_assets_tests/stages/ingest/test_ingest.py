@@ -11,12 +11,13 @@ from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.stages.ingest.readers import SourceNotFoundError
 from prx_assets.stages.ingest.sources import SourceSpec
 from prx_assets_tests.conftest import jpeg_bytes
+from prx_assets.storage.refs import TableRef
 
 
 def ingest(spec: SourceSpec, uri: Path, tmp_path: Path, **options) -> pa.Table:
     out = tmp_path / f"{spec.name}-{len(list(tmp_path.iterdir()))}.lance"
     dataset = build_raw_dataset(spec, uri, options=IngestOptions(**options))
-    write_dataset_atomically(dataset, out, FragmentPolicy(), RAW_IMAGES_SCHEMA)
+    write_dataset_atomically(dataset, TableRef.of(out), FragmentPolicy(), RAW_IMAGES_SCHEMA)
     return lance.dataset(str(out)).to_table().sort_by("source_key")
 
 

@@ -193,9 +193,8 @@ def test_object_store_sources_list_with_signatures_and_stream(s3_server, s3_root
     """An image folder (with a caption file) and a Lance table in the bucket: the listing
     walks prefixes like folders, signatures change with a new PUT of a caption, and the
     readers stream bytes through the resolved options."""
-    import lance
-
     from prx_assets.stages.ingest.location import SourceLocation
+    from prx_assets.storage.lance_tables import overwrite_rows
 
     bucket, prefix = s3_root.partition("://")[2].split("/", 1)
     client = s3_server.client()
@@ -214,8 +213,8 @@ def test_object_store_sources_list_with_signatures_and_stream(s3_server, s3_root
 
     table_uri = f"{s3_root}/src.lance"
     location = SourceLocation.of(table_uri)
-    lance.write_dataset(pa.table({"key": ["k1", "k2"], "image": [img, img]}), table_uri,
-                        storage_options=location.storage_options)
+    overwrite_rows(location.table(), pa.table({"key": ["k1", "k2"], "image": [img, img]}),
+                   pa.schema([("key", pa.string()), ("image", pa.binary())]))
     lance_spec = spec("lance", key_column="key")
     units = list(readers.lance_unit_entries(lance_spec, readers.resolve_location(lance_spec,
                                                                                  table_uri)))

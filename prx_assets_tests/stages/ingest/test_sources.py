@@ -65,5 +65,5 @@ def test_missing_file_is_a_clear_error(tmp_path: Path):
 
 
 def test_repo_sources_file_is_valid():
-    config = load_sources(Path(__file__).parents[2] / "sources.yaml")
+    config = load_sources(Path(__file__).parents[3] / "sources.yaml")
     assert {"demo_folder", "demo_wds", "demo_parquet"} <= set(config.names)

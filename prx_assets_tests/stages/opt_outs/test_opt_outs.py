@@ -3,6 +3,7 @@ import pyarrow as pa
 
 from prx_assets.stages.dedup.dedup import DUPLICATES_SCHEMA
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.refs import Location
 from prx_assets.stages.opt_outs.opt_outs import (
     affected_sources, ids_for_source, parse_directory, parse_file, resolve)
 
@@ -30,7 +31,7 @@ def test_malformed_rows_are_reported_with_line_numbers_and_valid_rows_kept(tmp_p
         '{"key_type": "source_key", "value": "k", "source": "art", "timestamp": "2026-11-02",'
         ' "reference": "r"}\n')
     (tmp_path / "notes.txt").write_text("not a request file")
-    parsed = parse_directory(tmp_path)
+    parsed = parse_directory(Location.of(tmp_path))
     assert [(r.file, r.line, r.key_type) for r in parsed.requests] == [
         ("r1.csv", 2, "id"), ("r1.csv", 8, "sha256"), ("r2.jsonl", 1, "url"),
         ("r2.jsonl", 5, "source_key")]
@@ -49,7 +50,7 @@ def test_malformed_rows_are_reported_with_line_numbers_and_valid_rows_kept(tmp_p
 def test_csv_without_the_required_header_is_one_clear_error(tmp_path):
     path = tmp_path / "bad.csv"
     path.write_text("id,web:1\n")
-    parsed = parse_file(path)
+    parsed = parse_file(Location.of(path))
     assert not parsed.requests
     assert [str(e) for e in parsed.errors] == [
         "bad.csv:1: header lacks column(s) key_type, value, timestamp, reference"]
@@ -59,7 +60,7 @@ def _raw(root, source, rows):
     schema = pa.schema([("id", pa.string()), ("source_key", pa.string()),
                         ("sha256", pa.string()), ("url", pa.string())])
     lance.write_dataset(pa.Table.from_pylist(rows, schema=schema),
-                        str(Storage(root).table("raw_images", source)))
+                        Storage(root).table("raw_images", source).uri)
 
 
 def test_every_key_type_resolves_and_copies_elsewhere_are_removed_too(tmp_path):
@@ -78,7 +79,7 @@ def test_every_key_type_resolves_and_copies_elsewhere_are_removed_too(tmp_path):
     lance.write_dataset(pa.Table.from_pylist([
         {"id": "web:2", "kept_id": "art:3", "phash": 42, "group_size": 2},
         {"id": "art:3", "kept_id": "art:3", "phash": 42, "group_size": 2}],
-        schema=DUPLICATES_SCHEMA), str(Storage(root).table("duplicates")))
+        schema=DUPLICATES_SCHEMA), Storage(root).table("duplicates").uri)
     requests = root / "opt_outs"
     requests.mkdir()
     (requests / "batch.jsonl").write_text("\n".join([
@@ -89,7 +90,7 @@ def test_every_key_type_resolves_and_copies_elsewhere_are_removed_too(tmp_path):
         '"reference": "r3"}',
         '{"key_type": "url", "value": "https://x/3", "timestamp": "2026-11-01", "reference": "r4"}',
         '{"key_type": "id", "value": "web:404", "timestamp": "2026-11-01", "reference": "r5"}']))
-    parsed = parse_directory(requests)
+    parsed = parse_directory(Location.of(requests))
     assert not parsed.errors
     audit = resolve(parsed.requests, ["web", "art", "stock"], root, batch_rows=2)
     by_request = {}
@@ -110,20 +111,20 @@ def test_request_files_in_a_bucket_are_listed_fingerprinted_and_parsed(s3_server
     suffixes ignored), fingerprinted by content, parsed; the browser's request is one put."""
     from prx_assets.browser.optout import pending_requests, write_request
     from prx_assets.stages.opt_outs.opt_outs import (
-        fingerprint, name_of, opt_out_dir, request_files)
+        fingerprint, opt_out_dir, request_files)
     from prx_assets.storage import object_store
 
     store = Storage(s3_root)
     folder = opt_out_dir(store)
-    assert folder == f"{s3_root}/opt_outs" and request_files(folder) == []  # none yet
-    _, bucket, prefix = object_store.split_uri(folder)
+    assert folder.uri == f"{s3_root}/opt_outs" and request_files(folder) == []  # none yet
+    _, bucket, prefix = object_store.split_uri(folder.uri)
     client = s3_server.client()
     for name, body in (("a.csv", "key_type,value,timestamp,reference\nid,web:1,2026-11-01,t\n"),
                        ("b.jsonl", '{"key_type": "id", "value": "web:2"}\n'),
                        (".hidden.csv", "x"), ("notes.txt", "x")):
         client.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=body.encode())
     files = request_files(folder)
-    assert [name_of(f) for f in files] == ["a.csv", "b.jsonl"]
+    assert [f.name for f in files] == ["a.csv", "b.jsonl"]
     parsed = parse_directory(folder)
     assert [r.value for r in parsed.requests] == ["web:1"]
     assert [(e.file, e.line) for e in parsed.errors] == [("b.jsonl", 1)]  # fields missing
@@ -133,6 +134,6 @@ def test_request_files_in_a_bucket_are_listed_fingerprinted_and_parsed(s3_server
     assert fingerprint(files[0]) != before
 
     written = write_request(store, "web:9", "from the browser")
-    assert written.startswith(f"{folder}/browser-")
-    assert pending_requests(store, "web:9") == [name_of(written)]
+    assert written.uri.startswith(f"{folder}/browser-")
+    assert pending_requests(store, "web:9") == [written.name]
     assert [r.value for r in parse_file(written).requests] == ["web:9"]
