@@ -29,21 +29,23 @@ from pathlib import Path
 import lance
 import numpy as np
 import pyarrow as pa
-from PIL import Image
 
 from bench.common import Figure, report, timed
 from prx_assets.browser import queries
+from prx_assets.browser.catalog import Catalog
+from prx_assets.browser.facets import FACET_COLUMNS
 from prx_assets.models.embeddings import EMBEDDING_DIM
-from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
+from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
+from prx_assets.stages.corpus.corpus import CORPUS_SCHEMA
+from prx_assets.stages.dedup.dedup import DUPLICATES_SCHEMA
 from prx_assets.stages.images.imaging import ImageOptions
 from prx_assets.stages.images.stage import BUCKETED_SCHEMA, settings_fingerprint
-from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
+from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.stages.labels.labels import LABELS_SCHEMA
-from prx_assets.stages.dedup.dedup import DUPLICATES_SCHEMA
 from prx_assets.stages.opt_outs.opt_outs import AUDIT_SCHEMA
 from prx_assets.stages.shards.mds import MDS_SAMPLES_SCHEMA
-from prx_assets.stages.corpus.corpus import CORPUS_SCHEMA
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.refs import TableRef
 
 ROWS = int(os.environ.get("PRX_BROWSER_BENCH_ROWS", "100000"))
 SOURCES = ("alpha", "beta")
@@ -59,7 +61,7 @@ REPEATS = 15
 BENCH_SETTINGS = settings_fingerprint(ImageOptions())
 
 
-def table_uri(root, name: str, source: str | None = None) -> str:
+def table_ref(root, name: str, source: str | None = None) -> TableRef:
     return Storage(str(root)).table(name, source)
 
 
@@ -76,9 +78,9 @@ def _thumbnails(rng: np.random.Generator, n: int = 64) -> list[bytes]:
     return out
 
 
-def _write(uri: str, table: pa.Table) -> None:
-    Path(uri).parent.mkdir(parents=True, exist_ok=True)
-    lance.write_dataset(table, uri, mode="overwrite", max_rows_per_file=1 << 20)
+def _write(target: TableRef, table: pa.Table) -> None:
+    Path(target.uri).parent.mkdir(parents=True, exist_ok=True)
+    lance.write_dataset(table, target.uri, mode="overwrite", max_rows_per_file=1 << 20)
 
 
 def generate(root: Path, rows: int = ROWS, seed: int = 0) -> dict:
@@ -106,10 +108,10 @@ def generate(root: Path, rows: int = ROWS, seed: int = 0) -> dict:
         "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), EMBEDDING_DIM),
         "thumbnail": pa.array(thumb, pa.binary()),
     }).cast(CORPUS_SCHEMA)
-    _write(table_uri(root, "corpus"), corpus)
+    _write(table_ref(root, "corpus"), corpus)
     # The corpus asset's scalar and full-text indexes; its IVF_PQ index (minutes to train on
     # 100k rows) serves only more-like-this, which is not timed here.
-    table = lance.dataset(table_uri(root, "corpus"))
+    table = table_ref(root, "corpus").open()
     table.create_scalar_index("caption", index_type="INVERTED", replace=True)
     for column in ("source", "label", "tier"):
         table.create_scalar_index(column, index_type="BITMAP", replace=True)
@@ -118,7 +120,7 @@ def generate(root: Path, rows: int = ROWS, seed: int = 0) -> dict:
         mine = np.flatnonzero(source == name)
         my_ids = [ids[i] for i in mine]
         n = len(mine)
-        _write(table_uri(root, "bucketed_images", name), pa.table({
+        _write(table_ref(root, "bucketed_images", name), pa.table({
             "id": my_ids, "source": [name] * n, "status": ["ok"] * n,
             "tier": np.full(n, 512, np.int32), "width": widths[mine], "height": heights[mine],
             "original_width": widths[mine] * 2, "original_height": heights[mine] * 2,
@@ -127,7 +129,7 @@ def generate(root: Path, rows: int = ROWS, seed: int = 0) -> dict:
             "pixels": (widths[mine] * heights[mine] * 4).astype(np.int64),
             "flat": np.zeros(n, bool), "raw_sha256": [f"{i:064x}" for i in mine],
             "settings": [BENCH_SETTINGS] * n}).cast(BUCKETED_SCHEMA))
-        _write(table_uri(root, "raw_images", name), pa.table({
+        _write(table_ref(root, "raw_images", name), pa.table({
             "id": my_ids, "source": [name] * n, "source_key": [f"img/{i}.jpg" for i in mine],
             "image": pa.array([thumb[i] for i in mine], pa.large_binary()),
             "format": ["JPEG"] * n, "width": widths[mine] * 2, "height": heights[mine] * 2,
@@ -145,9 +147,9 @@ def generate(root: Path, rows: int = ROWS, seed: int = 0) -> dict:
                 "backend": ["original"] * n, "status": ["ok"] * n,
                 "error": pa.nulls(n, pa.string()), "created_at": [now] * n}
             ).cast(CAPTIONS_SCHEMA))
-        _write(table_uri(root, "captions", name), pa.concat_tables(versions))
+        _write(table_ref(root, "captions", name), pa.concat_tables(versions))
         scores = np.full(n, 0.9, np.float32)
-        _write(table_uri(root, "caption_labels", name), pa.table({
+        _write(table_ref(root, "caption_labels", name), pa.table({
             "id": my_ids, "caption_version": ["v2"] * n, "classifier_version": ["c1"] * n,
             "label": labels[mine], "score_visual": scores, "score_text": 1 - scores,
             "score_nsfw": np.zeros(n, np.float32),
@@ -158,7 +160,7 @@ def generate(root: Path, rows: int = ROWS, seed: int = 0) -> dict:
         tree = root / "mds" / name
         (tree / leaf).mkdir(parents=True, exist_ok=True)
         shard_of = np.arange(n) // SAMPLES_PER_SHARD
-        _write(table_uri(root, "mds_samples", name), pa.table({
+        _write(table_ref(root, "mds_samples", name), pa.table({
             "id": my_ids, "source": [name] * n, "tier": np.full(n, 512, np.int32),
             "width": widths[mine], "height": heights[mine], "leaf": [leaf] * n,
             "shard": [f"shard.{s:05d}.mds" for s in shard_of],
@@ -174,31 +176,31 @@ def generate(root: Path, rows: int = ROWS, seed: int = 0) -> dict:
     kept_of = np.arange(rows)
     kept_of[copies] -= 1
     members = np.flatnonzero(copies | np.roll(copies, -1))
-    _write(table_uri(root, "duplicates"), pa.table({
+    _write(table_ref(root, "duplicates"), pa.table({
         "id": [ids[i] for i in members], "kept_id": [ids[kept_of[i]] for i in members],
         "phash": phash[members], "group_size": np.full(len(members), 2, np.int32)}
     ).cast(DUPLICATES_SCHEMA))
-    _write(table_uri(root, "opt_outs"), AUDIT_SCHEMA.empty_table())
+    _write(table_ref(root, "opt_outs"), AUDIT_SCHEMA.empty_table())
     return {"ids": ids, "copies": np.flatnonzero(copies)}
 
 
 # ------------------------------------------------------------------------------- baselines
 
-def bare_grid(catalog: queries.Catalog) -> None:
+def bare_grid(catalog: Catalog) -> None:
     table = catalog.corpus()
     table.count_rows()
     table.to_table(columns=queries.GRID_COLUMNS, limit=queries.PAGE_SIZE)
-    table.to_table(columns=queries.FACET_COLUMNS, limit=queries.MAX_FACET_ROWS,
+    table.to_table(columns=FACET_COLUMNS, limit=queries.MAX_FACET_ROWS,
                    with_row_address=True)
 
 
-def bare_search(catalog: queries.Catalog, text: str) -> None:
-    catalog.corpus().to_table(columns=queries.FACET_COLUMNS + ["id", "caption", "_score"],
+def bare_search(catalog: Catalog, text: str) -> None:
+    catalog.corpus().to_table(columns=FACET_COLUMNS + ["id", "caption", "_score"],
                               full_text_query=text, limit=queries.MAX_SEARCH_HITS,
                               with_row_address=True)
 
 
-def bare_sample(catalog: queries.Catalog, sample_id: str) -> None:
+def bare_sample(catalog: Catalog, sample_id: str) -> None:
     where = f"id = '{sample_id}'"
     source = sample_id.split(":")[0]
     catalog.corpus().to_table(columns=["id", "source", "tier", "width", "height", "caption",
@@ -288,7 +290,7 @@ def main() -> list[Figure]:
         ids = generated["ids"]
         sample_id = ids[generated["copies"][len(generated["copies"]) // 2]]
         text = "bicycle lamp"
-        catalog = queries.Catalog(work / "data")
+        catalog = Catalog(work / "data")
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(create_app(work / "data"), host="127.0.0.1",
                                                port=port, log_level="warning", lifespan="off"))

@@ -12,18 +12,24 @@ Views (each a few bounded Lance queries, see `queries`):
     /thumb/{id}, /image/{id}  JPEG bytes (thumbnail from `corpus`, full from
                               `bucketed_images`), with caching headers
 
-Path parameters are sample ids, validated and looked up in tables; nothing from a request
-is joined into a file path. Templates autoescape everything.
+Each view is a handler function of the request and the app's `BrowserState` (its tables,
+opt-out tokens and templates); `ROUTES` maps the URLs to them and `create_app` binds them
+to one state. Path parameters are sample ids, validated and looked up in tables; nothing
+from a request is joined into a file path. Templates autoescape everything.
 
-Views are plain functions, which Starlette runs in its thread pool: Lance queries block (and
-release the GIL), so the thumbnails of one page are read in parallel rather than one after
-another on the event loop.
+Handlers are plain functions, which Starlette runs in its thread pool: Lance queries block
+(and release the GIL), so the thumbnails of one page are read in parallel rather than one
+after another on the event loop. The opt-out handler is async only to read its form.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any, Protocol
 from urllib.parse import urlencode
 
 import jinja2
@@ -32,10 +38,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from prx_assets.browser import queries
+from prx_assets.browser.catalog import BadQuery, Catalog, NotFound
+from prx_assets.browser.facets import Query
 from prx_assets.browser.optout import Tokens, pending_requests, write_request
 from prx_assets.storage.layout import Storage
 
@@ -45,129 +53,179 @@ THUMB_CACHE = "public, max-age=86400"
 IMAGE_CACHE = "public, max-age=3600"
 
 
-def create_app(storage: Storage | str | Path, tokens: Tokens | None = None) -> Starlette:
-    """The app over `storage` (a Storage, or its root folder / URI)."""
-    catalog = queries.Catalog(storage)
-    tokens = tokens or Tokens()
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
-                             autoescape=True, undefined=jinja2.StrictUndefined)
-    env.globals["urlencode"] = urlencode
+@dataclass(frozen=True)
+class BrowserState:
+    """What every handler reads: the tables, the opt-out page tokens, the templates."""
 
-    def render(request: Request, template: str, status: int = 200, **context) -> HTMLResponse:
-        html = env.get_template(template).render(request=request, **context)
+    catalog: Catalog
+    tokens: Tokens
+    templates: jinja2.Environment
+
+    @classmethod
+    def create(cls, storage: Storage | str | Path, tokens: Tokens | None = None
+               ) -> BrowserState:
+        templates = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
+                                       autoescape=True, undefined=jinja2.StrictUndefined)
+        templates.globals["urlencode"] = urlencode
+        return cls(Catalog(storage), tokens or Tokens(), templates)
+
+    def render(self, request: Request, template: str, status: int = 200, **context: Any
+               ) -> HTMLResponse:
+        html = self.templates.get_template(template).render(request=request, **context)
         return HTMLResponse(html, status_code=status)
 
-    def not_found(request: Request, message: str) -> HTMLResponse:
-        return render(request, "error.html", status=404, title="Not found", message=message)
+    def error(self, request: Request, status: int, title: str, message: str) -> HTMLResponse:
+        return self.render(request, "error.html", status=status, title=title, message=message)
 
-    def home(request: Request) -> Response:
-        try:
-            query = queries.Query.parse(dict(request.query_params))
-        except queries.BadQuery as err:
-            return render(request, "error.html", status=400, title="Bad request",
-                          message=str(err))
-        except queries.NotFound as err:
-            return not_found(request, str(err))
-        try:
-            result = queries.grid(catalog, query)
-            info = queries.overview(catalog)
-        except queries.NotFound as err:
-            return not_found(request, str(err))
-        return render(request, "grid.html", query=query, grid=result, info=info,
-                      page_size=queries.PAGE_SIZE, max_hits=queries.MAX_SEARCH_HITS,
-                      max_facet_rows=queries.MAX_FACET_ROWS)
+    def not_found(self, request: Request, message: str) -> HTMLResponse:
+        return self.error(request, 404, "Not found", message)
 
-    def sample(request: Request) -> Response:
-        sample_id = request.path_params["sample_id"]
-        try:
-            found = queries.sample(catalog, sample_id)
-        except queries.NotFound as err:
-            return not_found(request, str(err))
-        return render(request, "sample.html", s=found, token=tokens.token(found.id),
-                      requested=pending_requests(catalog.storage, found.id),
-                      opted=request.query_params.get("opted") == "1")
 
-    async def opt_out(request: Request) -> Response:
-        sample_id = request.path_params["sample_id"]
-        try:
-            row = await run_in_threadpool(queries.corpus_row, catalog, sample_id,
-                                          ["id", "source", "caption"])
-        except queries.NotFound as err:
-            return not_found(request, str(err))
-        if request.method == "GET":
-            return render(request, "optout.html", row=row, token=tokens.token(row["id"]))
-        form = await request.form()
-        if not tokens.valid(row["id"], str(form.get("token", ""))):
-            return render(request, "error.html", status=403, title="Forbidden",
-                          message="the opt-out form's token is missing or wrong: open the "
-                                  "sample page and try again")
-        if form.get("confirm") != "yes":
-            return render(request, "error.html", status=400, title="Not confirmed",
-                          message="tick the confirmation box to opt this image out")
-        await run_in_threadpool(write_request, catalog.storage, row["id"],
-                                str(form.get("reference", "")))
-        return RedirectResponse(f"/sample/{row['id']}?opted=1", status_code=303)
+# -------------------------------------------------------------------------------- pages
 
-    def duplicates(request: Request) -> Response:
-        page_text = request.query_params.get("page", "0")
-        if not page_text.isdigit() or int(page_text) > 100_000:
-            return render(request, "error.html", status=400, title="Bad request",
-                          message="page must be a small number")
-        try:
-            near = queries.near_clusters(catalog)
-        except queries.NotFound as err:
-            return not_found(request, str(err))
-        groups, total = queries.exact_groups(catalog, int(page_text))
-        return render(request, "duplicates.html", near=near[:100], near_total=len(near),
-                      groups=groups, groups_total=total, page=int(page_text))
+def grid_page(request: Request, state: BrowserState) -> Response:
+    try:
+        query = Query.parse(dict(request.query_params))
+        result = queries.grid(state.catalog, query)
+        info = queries.overview(state.catalog)
+    except BadQuery as err:
+        return state.error(request, 400, "Bad request", str(err))
+    except NotFound as err:  # also a `similar` id that cannot be a sample's
+        return state.not_found(request, str(err))
+    return state.render(request, "grid.html", query=query, grid=result, info=info,
+                        page_size=queries.PAGE_SIZE, max_hits=queries.MAX_SEARCH_HITS,
+                        max_facet_rows=queries.MAX_FACET_ROWS)
 
-    def random_sample(request: Request) -> Response:
-        try:
-            sample_id = queries.random_id(catalog)
-        except queries.NotFound as err:
-            return not_found(request, str(err))
-        return RedirectResponse(f"/sample/{sample_id}", status_code=303)
 
-    def _jpeg(request: Request, data: bytes, version: int, cache: str) -> Response:
-        etag = '"' + hashlib.sha256(f"{request.path_params['sample_id']}@{version}".encode()
-                                    ).hexdigest()[:24] + '"'
-        headers = {"ETag": etag, "Cache-Control": cache}
-        if request.headers.get("if-none-match") == etag:
-            return Response(status_code=304, headers=headers)
-        return Response(data, media_type="image/jpeg", headers=headers)
+def sample_page(request: Request, state: BrowserState) -> Response:
+    try:
+        found = queries.sample(state.catalog, request.path_params["sample_id"])
+    except NotFound as err:
+        return state.not_found(request, str(err))
+    return state.render(request, "sample.html", s=found, token=state.tokens.token(found.id),
+                        requested=pending_requests(state.catalog.storage, found.id),
+                        opted=request.query_params.get("opted") == "1")
 
-    def thumb(request: Request) -> Response:
-        try:
-            data, version = queries.thumbnail(catalog, request.path_params["sample_id"])
-        except queries.NotFound:
-            raise HTTPException(404)
-        return _jpeg(request, data, version, THUMB_CACHE)
 
-    def image(request: Request) -> Response:
-        try:
-            data, version = queries.full_image(catalog, request.path_params["sample_id"])
-        except queries.NotFound:
-            raise HTTPException(404)
-        return _jpeg(request, data, version, IMAGE_CACHE)
+async def opt_out_page(request: Request, state: BrowserState) -> Response:
+    """GET: the confirmation page. POST: with the page's token and the box ticked, one new
+    request file, then back to the sample page."""
+    try:
+        row = await run_in_threadpool(queries.corpus_row, state.catalog,
+                                      request.path_params["sample_id"],
+                                      ["id", "source", "caption"])
+    except NotFound as err:
+        return state.not_found(request, str(err))
+    if request.method == "GET":
+        return state.render(request, "optout.html", row=row, token=state.tokens.token(row["id"]))
+    form = await request.form()
+    if not state.tokens.valid(row["id"], str(form.get("token", ""))):
+        return state.error(request, 403, "Forbidden", "the opt-out form's token is missing "
+                           "or wrong: open the sample page and try again")
+    if form.get("confirm") != "yes":
+        return state.error(request, 400, "Not confirmed",
+                           "tick the confirmation box to opt this image out")
+    await run_in_threadpool(write_request, state.catalog.storage, row["id"],
+                            str(form.get("reference", "")))
+    return RedirectResponse(f"/sample/{row['id']}?opted=1", status_code=303)
 
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        if exc.status_code == 404:
-            return not_found(request, "nothing here")
-        return render(request, "error.html", status=exc.status_code, title="Error",
-                      message=str(exc.detail))
 
-    routes = [
-        Route("/", home),
-        Route("/sample/{sample_id}", sample),
-        Route("/sample/{sample_id}/opt-out", opt_out, methods=["GET", "POST"]),
-        Route("/duplicates", duplicates),
-        Route("/random", random_sample),
-        Route("/thumb/{sample_id}", thumb),
-        Route("/image/{sample_id}", image),
-        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
-    ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
-    app.state.catalog = catalog
+def duplicates_page(request: Request, state: BrowserState) -> Response:
+    page_text = request.query_params.get("page", "0")
+    if not page_text.isdigit() or int(page_text) > 100_000:
+        return state.error(request, 400, "Bad request", "page must be a small number")
+    try:
+        near = queries.near_clusters(state.catalog)
+    except NotFound as err:
+        return state.not_found(request, str(err))
+    groups, total = queries.exact_groups(state.catalog, int(page_text))
+    return state.render(request, "duplicates.html", near=near[:100], near_total=len(near),
+                        groups=groups, groups_total=total, page=int(page_text))
+
+
+def random_sample(request: Request, state: BrowserState) -> Response:
+    try:
+        sample_id = queries.random_id(state.catalog)
+    except NotFound as err:
+        return state.not_found(request, str(err))
+    return RedirectResponse(f"/sample/{sample_id}", status_code=303)
+
+
+# -------------------------------------------------------------------------------- images
+
+def thumbnail_jpeg(request: Request, state: BrowserState) -> Response:
+    try:
+        data, version = queries.thumbnail(state.catalog, request.path_params["sample_id"])
+    except NotFound:
+        raise HTTPException(404) from None
+    return _jpeg(request, data, version, THUMB_CACHE)
+
+
+def image_jpeg(request: Request, state: BrowserState) -> Response:
+    try:
+        data, version = queries.full_image(state.catalog, request.path_params["sample_id"])
+    except NotFound:
+        raise HTTPException(404) from None
+    return _jpeg(request, data, version, IMAGE_CACHE)
+
+
+def _jpeg(request: Request, data: bytes, version: int, cache: str) -> Response:
+    """The bytes with an ETag of the sample and table version; 304 when the client has it."""
+    etag = '"' + hashlib.sha256(f"{request.path_params['sample_id']}@{version}".encode()
+                                ).hexdigest()[:24] + '"'
+    headers = {"ETag": etag, "Cache-Control": cache}
+    if request.headers.get("if-none-match") == etag:
+        return Response(status_code=304, headers=headers)
+    return Response(data, media_type="image/jpeg", headers=headers)
+
+
+async def http_error(request: Request, exc: Exception, state: BrowserState) -> Response:
+    """Starlette's own errors (no route, a method not allowed, the images' 404) as the
+    browser's error page."""
+    if not isinstance(exc, HTTPException):  # registered for HTTPException alone
+        raise exc
+    if exc.status_code == 404:
+        return state.not_found(request, "nothing here")
+    return state.error(request, exc.status_code, "Error", str(exc.detail))
+
+
+# ------------------------------------------------------------------------------- the app
+
+class Handler(Protocol):
+    """A view: the request and the app's state in, a response out (async where it awaits
+    the request's body)."""
+
+    def __call__(self, request: Request, state: BrowserState
+                 ) -> Response | Awaitable[Response]: ...
+
+
+# (path, handler, methods): every URL the browser serves, besides /static.
+ROUTES: list[tuple[str, Handler, tuple[str, ...]]] = [
+    ("/", grid_page, ("GET",)),
+    ("/sample/{sample_id}", sample_page, ("GET",)),
+    ("/sample/{sample_id}/opt-out", opt_out_page, ("GET", "POST")),
+    ("/duplicates", duplicates_page, ("GET",)),
+    ("/random", random_sample, ("GET",)),
+    ("/thumb/{sample_id}", thumbnail_jpeg, ("GET",)),
+    ("/image/{sample_id}", image_jpeg, ("GET",)),
+]
+
+
+def routes(state: BrowserState) -> list[BaseRoute]:
+    """ROUTES bound to one state, and the static files."""
+    bound: list[BaseRoute] = [Route(path, partial(handler, state=state), methods=list(methods),
+                                    name=handler.__name__)
+                              for path, handler, methods in ROUTES]
+    return [*bound, Mount("/static", StaticFiles(directory=HERE / "static"), name="static")]
+
+
+def create_app(storage: Storage | str | Path, tokens: Tokens | None = None) -> Starlette:
+    """The app over `storage` (a Storage, or its root folder / URI)."""
+    state = BrowserState.create(storage, tokens)
+    app = Starlette(routes=routes(state),
+                    exception_handlers={HTTPException: partial(http_error, state=state)})
+    app.state.browser = state
+    app.state.catalog = state.catalog
     return app
 
 
@@ -175,4 +233,3 @@ def serve(storage: Storage | str | Path, host: str = "127.0.0.1", port: int = 80
     import uvicorn
 
     uvicorn.run(create_app(storage), host=host, port=port, log_level="info")
-

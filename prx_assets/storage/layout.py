@@ -79,12 +79,19 @@ class Storage:
         if name in PER_SOURCE:
             if not source:
                 raise ValueError(f"table {name!r} is per source: name the source")
-            return self.location("lance", name, f"{source}.lance").table()
+            return (self.table_folder(name) / f"{source}.lance").table()
         if name in GLOBAL:
             if source:
                 raise ValueError(f"table {name!r} spans every source: it takes no source")
             return self.location("lance", f"{name}.lance").table()
         raise ValueError(f"unknown table {name!r}; tables are {PER_SOURCE + GLOBAL}")
+
+    def table_folder(self, name: str) -> Location:
+        """The folder holding every source's table of the per-source `name`
+        (`lance/<name>/`, one `<source>.lance` in it per source)."""
+        if name not in PER_SOURCE:
+            raise ValueError(f"table {name!r} is not per source; those are {PER_SOURCE}")
+        return self.location("lance", name)
 
     @property
     def mds_root(self) -> Location:

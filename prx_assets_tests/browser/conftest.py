@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from prx_assets_tests.browser import tiny_corpus
 from prx_assets.testing.chromium import CHROMIUM_ARGS, chromium_path, free_port
+from prx_assets_tests.browser import tiny_corpus
+
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory, ray_session) -> tiny_corpus.TinyCorpus:

@@ -12,15 +12,14 @@ import io
 import re
 from urllib.parse import quote
 
-import lance
 import pytest
 from PIL import Image
 
 from prx_assets.stages.shards.mds import current_tree
 from prx_assets.stages.skip_lists.skip_lists import read_sidecar
-from prx_assets_tests.browser import tiny_corpus
-from prx_assets_tests.browser.tiny_corpus import table_uri
 from prx_assets.testing.chromium import screenshot
+from prx_assets_tests.browser import tiny_corpus
+from prx_assets_tests.browser.tiny_corpus import table_ref
 
 pytestmark = pytest.mark.browser
 
@@ -31,7 +30,7 @@ ALL_THUMBS_LOADED = """() => {
 
 
 def corpus_ids(tiny) -> list[str]:
-    table = lance.dataset(table_uri(tiny.data_root, "corpus"))
+    table = table_ref(tiny.data_root, "corpus")
     return table.to_table(columns=["id"]).column("id").to_pylist()
 
 
@@ -60,7 +59,7 @@ def test_grid_loads_real_thumbnails(served, tiny, page):
     response = page.request.get(served.url + f"/thumb/{ids[0]}")
     assert response.status == 200 and response.headers["content-type"] == "image/jpeg"
     assert "max-age" in response.headers["cache-control"]
-    stored = lance.dataset(table_uri(tiny.data_root, "corpus")).to_table(
+    stored = table_ref(tiny.data_root, "corpus").to_table(
         columns=["thumbnail"], filter=f"id = '{ids[0]}'").column("thumbnail")[0].as_py()
     assert response.body() == stored
     assert Image.open(io.BytesIO(response.body())).format == "JPEG"
@@ -126,7 +125,7 @@ def test_sample_page_shows_every_caption_version(served, tiny, page):
     page.wait_for_url(f"**/sample/{sample}")
     versions = page.locator(".caption-version").evaluate_all(
         "els => els.map(e => e.dataset.version)")
-    captions = lance.dataset(table_uri(tiny.data_root, "captions", "web")).to_table(
+    captions = table_ref(tiny.data_root, "captions", "web").to_table(
         columns=["caption_version"], filter=f"id = '{sample}'")
     assert sorted(versions) == sorted(captions.column("caption_version").to_pylist())
     assert tiny_corpus.OLD_VERSION in versions and len(versions) == 2
@@ -138,7 +137,7 @@ def test_sample_page_shows_every_caption_version(served, tiny, page):
     # The exact copy in the other source, with the kept one marked; lineage and labels.
     group = page.locator("#group").inner_text()
     assert tiny.id("stock", "spaceman.jpg") in group and "kept" in group
-    raw = lance.dataset(table_uri(tiny.data_root, "raw_images", "web")).to_table(
+    raw = table_ref(tiny.data_root, "raw_images", "web").to_table(
         columns=["sha256"], filter=f"id = '{sample}'").column("sha256")[0].as_py()
     assert raw in page.locator("#lineage").inner_text()
     assert "astronaut.jpg" in page.locator("#lineage").inner_text()
@@ -287,11 +286,11 @@ def test_opt_out_from_the_page_reaches_audit_and_skip_lists(served, tiny, page):
 
     tiny_corpus.run_job(tiny, "dedup_job")  # the opt_outs audit
     tiny_corpus.run_job(tiny, "skip_lists_job", "web")
-    audit = lance.dataset(table_uri(tiny.data_root, "opt_outs")).to_table(
+    audit = table_ref(tiny.data_root, "opt_outs").to_table(
         filter=f"id = '{sample}'").to_pylist()
     assert [(r["key_type"], r["value"], r["via"], r["reference"]) for r in audit] == [
         ("id", sample, "direct", "ticket-42 <b>")]
-    place = lance.dataset(table_uri(tiny.data_root, "mds_samples", "web")).to_table(
+    place = table_ref(tiny.data_root, "mds_samples", "web").to_table(
         filter=f"id = '{sample}'").to_pylist()[0]
     sidecar = (current_tree(tiny.data_root, "web") / place["leaf"] /
                place["shard"].replace(".mds", ".skip.json"))

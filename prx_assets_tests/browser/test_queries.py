@@ -1,5 +1,6 @@
-"""The browser's pure parts, without a browser: near-duplicate pairs, query parsing, the
-opt-out request writer and the metadata links."""
+"""The browser's pure parts, without a browser: query parsing and the facets' filters,
+the opt-out request writer and the metadata links. (Near-duplicate pairs and clusters are
+the dedup stage's: `prx_assets_tests/stages/dedup/test_near.py`.)"""
 
 from __future__ import annotations
 
@@ -7,71 +8,79 @@ import json
 from datetime import datetime, timezone
 
 import numpy as np
+import pyarrow.compute as pc
 import pytest
 
-from prx_assets.browser import links, queries
+from prx_assets.browser import catalog, facets, links
 from prx_assets.browser.optout import Tokens, pending_requests, write_request
 from prx_assets.stages.opt_outs.opt_outs import parse_directory
-
-
-def _brute_pairs(hashes: np.ndarray, max_distance: int) -> set[tuple[int, int, int]]:
-    values = hashes.view(np.uint64)
-    found = set()
-    for i in range(len(values)):
-        for j in range(i + 1, len(values)):
-            d = bin(int(values[i] ^ values[j])).count("1")
-            if 1 <= d <= max_distance:
-                found.add((i, j, d))
-    return found
-
-
-def test_near_pairs_find_every_pair_within_four_bits():
-    rng = np.random.default_rng(3)
-    base = rng.integers(-(1 << 62), 1 << 62, 60, dtype=np.int64)
-    hashes = [base]
-    for bits in (1, 2, 3, 4, 5, 9):  # copies flipped in random bit positions, some far
-        flipped = base.copy().view(np.uint64)
-        for row in range(len(flipped)):
-            for bit in rng.choice(64, bits, replace=False):
-                flipped[row] ^= np.uint64(1) << np.uint64(bit)
-        hashes.append(flipped.view(np.int64))
-    unique = np.unique(np.concatenate(hashes))
-    got = set(queries.near_pairs(unique))
-    assert got == _brute_pairs(unique, 4)
-    assert {d for _, _, d in got} == {1, 2, 3, 4}
+from prx_assets.storage import filters
 
 
 def test_query_parse_validates_every_parameter():
-    query = queries.Query.parse({"q": "  a cat ", "source": "web", "label": "text",
-                                 "tier": "1024", "shape": "512x512", "dup": "kept",
-                                 "skip": "optout", "page": "2"})
+    query = facets.Query.parse({"q": "  a cat ", "source": "web", "label": "text",
+                                "tier": "1024", "shape": "512x512", "dup": "kept",
+                                "skip": "optout", "page": "2"})
     assert (query.text, query.tier, query.page) == ("a cat", 1024, 2)
     assert query.params(source="") == {"q": "a cat", "label": "text", "tier": "1024",
                                        "shape": "512x512", "dup": "kept", "skip": "optout"}
-    where = queries.corpus_filter(queries.Query(source="web", tier=512, shape="64x32"), None)
-    assert where == "source = 'web' AND tier = 512 AND width = 64 AND height = 32"
+    where = facets.corpus_filter(facets.Query(source="web", tier=512, shape="64x32"), None)
+    assert where.equals((pc.field("source") == "web") & (pc.field("tier") == 512)
+                        & ((pc.field("width") == 64) & (pc.field("height") == 32)))
     for bad in ({"source": "a'b"}, {"label": "cat"}, {"tier": "1 OR 1"}, {"shape": "1x1'"},
                 {"dup": "maybe"}, {"skip": "x y"}, {"page": "-1"}, {"page": "1e9"}):
-        with pytest.raises(queries.BadQuery):
-            queries.Query.parse(bad)
-    with pytest.raises(queries.NotFound):
-        queries.Query.parse({"similar": "../../etc/passwd"})
+        with pytest.raises(catalog.BadQuery):
+            facets.Query.parse(bad)
+    with pytest.raises(catalog.NotFound):
+        facets.Query.parse({"similar": "../../etc/passwd"})
+
+
+def test_id_set_facets_filter_by_arrow_expressions(tmp_path):
+    """`dup` and `skip` select rows by an id set (an Arrow `isin` as the scanner's filter,
+    no SQL of quoted ids): alone, with a column facet, in a count, in a full-text search."""
+    import lance
+    import pyarrow as pa
+
+    ids = [f"{'web' if n % 2 else 'stock'}:{n:03d}" for n in range(200)]
+    table = lance.write_dataset(pa.table({
+        "id": ids, "source": [i.split(":")[0] for i in ids],
+        "caption": ["a red cat" if n % 3 == 0 else "a blue dog" for n in range(200)]}),
+        str(tmp_path / "corpus.lance"))
+    table.create_scalar_index("caption", index_type="INVERTED")
+    duplicate, kept = set(ids[:30]), set(ids[30:40])
+    optout, dedup = {ids[5], ids[50], "web:gone"}, set(ids[100:110])
+    sets = {"dup": {"duplicate": facets.IdSet.of(duplicate), "kept": facets.IdSet.of(kept)},
+            "skip": {"dedup": facets.IdSet.of(dedup), "optout": facets.IdSet.of(optout)}}
+
+    def matching(**scan) -> set[str]:
+        where = facets.corpus_filter(facets.Query(**scan.pop("query")), sets)
+        return set(table.to_table(columns=["id"], filter=where, **scan).column("id").to_pylist())
+
+    assert matching(query={"dup": "duplicate"}) == duplicate
+    assert matching(query={"dup": "unique"}) == set(ids) - duplicate - kept
+    assert matching(query={"dup": "kept", "source": "web"}) == {
+        i for i in kept if i.startswith("web:")}
+    assert matching(query={"skip": "any"}) == (optout | dedup) & set(ids)
+    assert matching(query={"skip": "nsfw"}) == set()  # a reason no sidecar names
+    assert table.count_rows(filter=facets.corpus_filter(facets.Query(skip="optout"), sets)) == 2
+    cats = matching(query={"dup": "unique"}, full_text_query="cat", prefilter=True, limit=1000)
+    assert cats == {i for n, i in enumerate(ids) if n % 3 == 0} - duplicate - kept
 
 
 def test_ids_and_strings_are_checked_and_quoted():
-    assert queries.valid_id("web:0a1b") == "web:0a1b"
+    assert catalog.valid_id("web:0a1b") == "web:0a1b"
     for bad in ("../x", "web:a/b", "web:a b", "web:a'--", "", "WEB:abc"):
-        with pytest.raises(queries.NotFound):
-            queries.valid_id(bad)
+        with pytest.raises(catalog.NotFound):
+            catalog.valid_id(bad)
     # The browser quotes through the storage layer's one filter builder.
-    assert queries.sql_string("it's") == "'it''s'"
-    assert queries.in_filter("id", []) == "FALSE"  # no ids select no rows
+    assert filters.sql_string("it's") == "'it''s'"
+    assert filters.in_filter("id", []) == "FALSE"  # no ids select no rows
 
 
 def test_opt_out_request_is_a_valid_pipeline_request(tmp_path):
     when = datetime(2026, 12, 1, 10, 0, tzinfo=timezone.utc)
     path = write_request(tmp_path, "web:abc", "ticket 7\n<b>", now=when)
-    assert path.parent == tmp_path / "opt_outs" and path.name.startswith("browser-")
+    assert path.parent.path == tmp_path / "opt_outs" and path.name.startswith("browser-")
     record = json.loads(path.read_text())
     assert record == {"key_type": "id", "value": "web:abc", "timestamp": when.isoformat(),
                       "reference": "ticket 7 <b>"}
@@ -113,10 +122,10 @@ def test_membership_counts_match_the_ids_over_several_fragments(tmp_path):
     assert len(table.get_fragments()) == 4
     rng = np.random.default_rng(0)
     chosen = {name: set(rng.choice(ids, 150, replace=False).tolist()) for name in ("a", "b")}
-    sets = {"dup": {name: queries.IdSet.of(v) for name, v in chosen.items()}, "skip": {}}
-    members = queries.Membership.build(table, sets, batch_rows=128)
+    sets = {"dup": {name: facets.IdSet.of(v) for name, v in chosen.items()}, "skip": {}}
+    members = facets.Membership.build(table, sets, batch_rows=128)
     rows = table.to_table(columns=["id"], filter="n % 3 = 0", with_row_address=True)
-    addresses = queries.RowAddresses(rows.column("_rowaddr").to_numpy())
+    addresses = facets.RowAddresses(rows.column("_rowaddr").to_numpy())
     for name, wanted in chosen.items():
         expected = sum(1 for i in rows.column("id").to_pylist() if i in wanted)
         assert members.count(("dup", name), addresses) == expected
@@ -126,16 +135,16 @@ def test_membership_counts_match_the_ids_over_several_fragments(tmp_path):
 def test_sources_of_a_table_are_listed_from_a_bucket(s3_root):
     """On an object-store root the per-source tables are listed from the bucket (one
     listing), not taken from the sources file."""
-    import lance
     import pyarrow as pa
 
+    from prx_assets.storage.lance_tables import overwrite_rows
     from prx_assets.storage.layout import Storage
 
     store = Storage(s3_root)
-    catalog = queries.Catalog(store)
-    assert catalog.sources_of("raw_images") == []
+    tables = catalog.Catalog(store)
+    assert tables.sources_of("raw_images") == []
     for source in ("web", "tars"):
-        lance.write_dataset(pa.table({"id": [f"{source}:1"]}), store.table("raw_images", source),
-                            storage_options=store.lance_options())
-    assert queries.Catalog(store).sources_of("raw_images") == ["tars", "web"]
-    assert queries.Catalog(store).sources_of("captions") == []
+        rows = pa.table({"id": [f"{source}:1"]})
+        overwrite_rows(store.table("raw_images", source), rows, rows.schema)
+    assert catalog.Catalog(store).sources_of("raw_images") == ["tars", "web"]
+    assert catalog.Catalog(store).sources_of("captions") == []

@@ -10,20 +10,21 @@ duplicate), and an image too small to keep.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Iterator
 
-import lance
 import pyarrow as pa
 from PIL import Image, ImageEnhance
 
+from prx_assets.demo.corpus import encode
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
 from prx_assets.stages.ingest.ids import sample_id
+from prx_assets.storage.lance_tables import append_rows
 from prx_assets.storage.layout import Storage
-from prx_assets.demo.corpus import encode
+from prx_assets.storage.refs import TableRef
 
 SKIMAGE = Path(__import__("skimage").__file__).parent / "data"
 # source -> key -> (photo, caption); captions carry words the tests search for.
@@ -55,7 +56,7 @@ OLD_VERSION = "hand-v0"
 BROWSER_URL = "http://127.0.0.1:8080"
 
 
-def table_uri(root, name: str, source: str | None = None) -> str:
+def table_ref(root, name: str, source: str | None = None) -> TableRef:
     return Storage(str(root)).table(name, source)
 
 
@@ -99,14 +100,13 @@ def write_sources(root: Path) -> Path:
 
 def add_old_caption_version(data_root: Path, source: str) -> None:
     """Rows of an older caption version, as a previous captioner would have left them."""
-    uri = table_uri(data_root, "captions", source)
+    table = table_ref(data_root, "captions", source)
     now = datetime(2026, 1, 1, tzinfo=UTC)
     rows = [{"id": sample_id(source, key), "caption_version": OLD_VERSION,
              "caption": f"old caption: {photo.split('.')[0]}", "n_words": 3,
              "model": "human", "backend": "original", "status": "ok", "error": None,
              "created_at": now} for key, (photo, _) in PHOTOS[source].items()]
-    lance.write_dataset(pa.Table.from_pylist(rows, schema=CAPTIONS_SCHEMA), str(uri),
-                        mode="append")
+    append_rows(table, pa.Table.from_pylist(rows, schema=CAPTIONS_SCHEMA), CAPTIONS_SCHEMA)
 
 
 @contextmanager
