@@ -13,6 +13,7 @@ from prx_assets.models.embeddings import MiniLMEmbedder
 from prx_assets.storage.layout import Storage
 from prx_assets.stages.corpus.corpus import build_corpus
 from prx_assets.stages.corpus.search import search_text
+from prx_assets.storage.refs import TableRef
 from prx_assets_tests.conftest import write_sources
 from prx_assets_tests.fixtures.corpus_tables import CAPTION_VERSION, write_source
 from prx_assets_tests.fixtures.labelled_captions import TEST_CAPTIONS
@@ -87,10 +88,10 @@ def test_corpus_replaces_only_changed_sources(ray_session, data_root, tmp_path):
     assert "(updated)" in updated.metadata["indexes"].value
     rows = _rows(root / "corpus.lance")
     assert {i: r for i, r in rows.items() if r["source"] == "web"} == web_before
-    assert search_text(root / "corpus.lance", "battery", k=1)[0].id == "docs:manual"
+    assert search_text(TableRef.of(root / "corpus.lance"), "battery", k=1)[0].id == "docs:manual"
     # The same rows as a full build from the same inputs.
     store, version = Storage(str(data_root)), ClassifierResource().classifier_version()
-    full = tmp_path / "full.lance"
+    full = TableRef.of(tmp_path / "full.lance")
     build_corpus(full, [source_tables(store, name, CAPTION_VERSION, version)
                         for name in ("web", "docs")])
     assert _rows(full) == rows

@@ -7,6 +7,7 @@ from prx_assets.defs.labels import build_caption_labels, caption_labels_checks
 from prx_assets.defs.corpus import build_corpus_asset
 from prx_assets.demo.runner import check_results
 from prx_assets.stages.corpus.search import search_text
+from prx_assets.storage.refs import TableRef
 from prx_assets_tests.conftest import write_sources
 from prx_assets_tests.fixtures.corpus_tables import CAPTION_VERSION, write_source
 from prx_assets_tests.fixtures.labelled_captions import labelled_test_captions
@@ -57,7 +58,7 @@ def test_caption_labels_then_corpus(ray_session, data_root, tmp_path):
     assert built.success
     corpus = lance.dataset(str(data_root / "lance/corpus.lance"))
     assert corpus.count_rows() == 6
-    assert search_text(data_root / "lance/corpus.lance", "battery", k=1)[0].id == "web:text1"
+    assert search_text(TableRef.of(data_root / "lance/corpus.lance"), "battery", k=1)[0].id == "web:text1"
     corpus_meta = built.get_asset_materialization_events()[0].materialization.metadata
     assert corpus_meta["dagster/row_count"].value == 6
     assert "INVERTED" in corpus_meta["indexes"].value
