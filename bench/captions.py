@@ -35,6 +35,7 @@ from bench.common import OUT, Figure, report, timed
 from bench.proc_memory import cpu_seconds, descendants
 from prx_assets.stages.captions.captioners import CaptionerSpec, TransformersCaptioner, vllm_preprocess
 from prx_assets.demo.corpus import encode, procedural_image
+from prx_assets.storage.refs import TableRef
 
 H200_IMAGES_PER_S = 20.0
 TIER_SHAPES = ((1024, 1024), (1184, 880), (880, 1184), (1440, 720), (2048, 2048), (512, 512))
@@ -164,7 +165,7 @@ def pipeline_loop(work: Path, uri: Path, spec: CaptionerSpec, count: int) -> Loo
     marks: list[tuple[float, int, float]] = []
     try:
         bucketed = ray.data.read_lance(str(uri)).limit(count)
-        out = work / "captions.lance"
+        out = TableRef.of(work / "captions.lance")
         started = time.perf_counter()
         caption_source(pending_requests(bucketed, None, out, spec), out, spec,
                        chunk_rows=CHUNK_ROWS,

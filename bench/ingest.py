@@ -17,6 +17,7 @@ from bench.common import Figure, OUT, generated_jpegs, report, timed
 from prx_assets.engine import ray_runtime
 from prx_assets.stages.ingest.ingest import IngestOptions, build_raw_dataset
 from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
+from prx_assets.storage.refs import TableRef
 from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.stages.ingest.sources import SourceSpec
 
@@ -39,7 +40,8 @@ def baseline_loop(folder: Path, out: Path) -> int:
 def pipeline(folder: Path, out: Path) -> int:
     spec = SourceSpec(name="bench", kind="image_folder", uri=str(folder))
     dataset = build_raw_dataset(spec, folder, IngestOptions(units_per_task=32))
-    return write_dataset_atomically(dataset, out, FragmentPolicy(), RAW_IMAGES_SCHEMA).rows
+    return write_dataset_atomically(dataset, TableRef.of(out), FragmentPolicy(),
+                                    RAW_IMAGES_SCHEMA).rows
 
 
 def main() -> list[Figure]:

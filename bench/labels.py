@@ -25,6 +25,7 @@ from prx_assets.models.embeddings import EMBEDDING_DIM, MiniLMEmbedder
 from prx_assets.stages.labels.labels import load_caption_set, load_embedded_classifier
 from prx_assets.stages.corpus.search import NPROBES, REFINE_FACTOR, search_text
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import CORPUS
 
 ROWS = 100_000
@@ -52,7 +53,7 @@ def classifier_throughput(n: int = 96) -> list[Figure]:
                    n / embed_s, "capt/s")]
 
 
-def synthetic_corpus(uri: Path, rows: int = ROWS, seed: int = 0) -> np.ndarray:
+def synthetic_corpus(uri: TableRef, rows: int = ROWS, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     centres = rng.normal(size=(1000, EMBEDDING_DIM)).astype(np.float32)
     vectors = centres[rng.integers(0, len(centres), rows)] + \

@@ -335,15 +335,16 @@ def output_sizes(data_root: Path, source: str, source_folder: Path) -> dict:
     storage = Storage(str(data_root))
     tables = {}
     for name, table_source in [*((n, source) for n in PER_SOURCE), *((n, None) for n in GLOBAL)]:
-        if not storage.exists(name, table_source):
+        ref = storage.table(name, table_source)
+        if not ref.exists():
             continue
-        table = storage.open(name, table_source)
-        uri = Path(storage.table(name, table_source))
+        table = ref.open()
+        uri = Path(ref.uri)
         tables[str(uri.relative_to(data_root / "lance"))] = {
             "rows": table.count_rows(), "bytes": dir_bytes(uri),
             "fragments": len(table.get_fragments())}
-    statuses, tiers = bucketed_bytes(Path(storage.table(BUCKETED_IMAGES, source)))
-    tree = Path(storage.mds_tree(source)).resolve()
+    statuses, tiers = bucketed_bytes(Path(storage.table(BUCKETED_IMAGES, source).uri))
+    tree = (storage.mds_root / source).path.resolve()
     shards = list(tree.rglob("shard.*.mds"))
     raw_files = list(source_folder.glob("*.jpg"))
     return {
