@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV := 0
 
-.PHONY: install chromium demo test bench bench-incremental ui validate browse clean
+.PHONY: install chromium demo test lint bench bench-incremental ui validate browse clean
 
 # The image stage's Pillow build goes in last (scripts/image_backend.sh says why); every
 # install also puts the cached pillow-simd wheel back if a pip run replaced it since.
@@ -35,8 +35,13 @@ $(STAMP): pyproject.toml scripts/image_backend.sh
 demo: install
 	$(BIN)/prx-assets demo
 
-test: install
+# Lint and types gate the tests: ruff over the repo, mypy over the package (pyproject.toml).
+test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # PRX_INCREMENTAL_IMAGES sizes bench.incremental inside `make bench` (default a smoke run).
 bench: install

@@ -22,7 +22,6 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -50,9 +49,7 @@ from prx_assets.storage.refs import TableRef
 ROWS = int(os.environ.get("PRX_BROWSER_BENCH_ROWS", "100000"))
 SOURCES = ("alpha", "beta")
 SHAPES = ((512, 512), (576, 448), (448, 576), (640, 384))
-WORDS = ("red blue green wooden metal glass cat dog bicycle street window lamp table "
-         "chair mountain river cloud portrait city night light shadow stone tree flower "
-         "car boat bridge sign poster screen kitchen garden beach snow desert forest").split()
+WORDS = ["red", "blue", "green", "wooden", "metal", "glass", "cat", "dog", "bicycle", "street", "window", "lamp", "table", "chair", "mountain", "river", "cloud", "portrait", "city", "night", "light", "shadow", "stone", "tree", "flower", "car", "boat", "bridge", "sign", "poster", "screen", "kitchen", "garden", "beach", "snow", "desert", "forest"]
 SAMPLES_PER_SHARD = 2048
 REPEATS = 15
 

@@ -33,8 +33,12 @@ from PIL import Image
 
 from bench.common import OUT, Figure, report, timed
 from bench.proc_memory import cpu_seconds, descendants
-from prx_assets.stages.captions.captioners import CaptionerSpec, TransformersCaptioner, vllm_preprocess
 from prx_assets.demo.corpus import encode, procedural_image
+from prx_assets.stages.captions.captioners import (
+    CaptionerSpec,
+    TransformersCaptioner,
+    vllm_preprocess,
+)
 from prx_assets.storage.refs import TableRef
 
 H200_IMAGES_PER_S = 20.0
@@ -152,10 +156,10 @@ def direct_loop(uri: Path, spec: CaptionerSpec, count: int) -> LoopTiming:
 
 def pipeline_loop(work: Path, uri: Path, spec: CaptionerSpec, count: int) -> LoopTiming:
     """`caption_source` from a fresh Ray: the read, the actor pool and the chunked commits."""
+    import ray.data
+
     from prx_assets.engine import ray_runtime
     from prx_assets.stages.captions.runs import caption_source, pending_requests
-
-    import ray.data
 
     t0 = time.perf_counter()
     # Two CPUs: one for the model actor (one torch thread, like the direct loop), one for the

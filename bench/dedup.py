@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import lance
@@ -27,17 +27,27 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from bench.common import Figure, report, timed
-from prx_assets.stages.shards import mds
-from prx_assets.stages.dedup.dedup import bucket_count, bucket_of, group_candidates
-from prx_assets.stages.images.stage import BUCKETED_SCHEMA
-from prx_assets.stages.images.imaging import encode_jpeg
-from prx_assets.storage.layout import Storage
-from prx_assets.stages.opt_outs.opt_outs import ids_for_source, opt_out_dir, parse_directory, resolve
+from prx_assets.demo.corpus import procedural_image
 from prx_assets.stages.captions.captions import active_caption_filter
+from prx_assets.stages.dedup.dedup import bucket_count, bucket_of, group_candidates
+from prx_assets.stages.images.imaging import encode_jpeg
+from prx_assets.stages.images.stage import BUCKETED_SCHEMA
+from prx_assets.stages.opt_outs.opt_outs import (
+    ids_for_source,
+    opt_out_dir,
+    parse_directory,
+    resolve,
+)
+from prx_assets.stages.shards import mds
 from prx_assets.stages.shards.rewrite import rewrite_without_skipped
 from prx_assets.stages.skip_lists.skip_lists import (
-    apply_skip_lists, build_skip_lists, mapping_batches, mapping_shards, sidecar_files)
-from prx_assets.demo.corpus import procedural_image
+    apply_skip_lists,
+    build_skip_lists,
+    mapping_batches,
+    mapping_shards,
+    sidecar_files,
+)
+from prx_assets.storage.layout import Storage
 
 HASHES = 10_000_000
 ROWS_PER_BUCKET = 1_000_000
@@ -105,7 +115,7 @@ def _corpus(root: Path, source: str = "web") -> None:
     """bucketed_images, captions and raw_images (key columns) of SAMPLES 1024x1024 samples."""
     rng = np.random.default_rng(5)
     payloads = [encode_jpeg(procedural_image(rng, SIDE, SIDE)) for _ in range(16)]
-    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    now = datetime(2026, 1, 1, tzinfo=UTC)
     ids = [f"{source}:{i:06d}" for i in range(SAMPLES)]
     bucketed = pa.Table.from_pylist([
         {"id": i, "source": source, "status": "ok", "tier": SIDE, "width": SIDE, "height": SIDE,

@@ -24,17 +24,23 @@ from pathlib import Path
 if len(sys.argv) > 1:
     sys.path.insert(0, sys.argv[1])
 
-import imagehash  # noqa: E402
-import numpy as np  # noqa: E402
-from PIL import Image  # noqa: E402
+import imagehash
+import numpy as np
+from PIL import Image
 
-from prx_assets.demo.corpus import real_photo_paths  # noqa: E402
-from prx_assets.stages.images import phash as phash_mod  # noqa: E402
-from prx_assets.stages.images import pil_backend  # noqa: E402
-from prx_assets.stages.images.buckets import assign_bucket  # noqa: E402
-from prx_assets.stages.images.fidelity import lossless_bucket  # noqa: E402
-from prx_assets.stages.images.imaging import (  # noqa: E402
-    ImageOptions, encode_jpeg, oriented_rgb, oriented_size, process_image, resize_to_shape)
+from prx_assets.demo.corpus import real_photo_paths
+from prx_assets.stages.images import phash as phash_mod
+from prx_assets.stages.images import pil_backend
+from prx_assets.stages.images.buckets import assign_bucket
+from prx_assets.stages.images.fidelity import lossless_bucket
+from prx_assets.stages.images.imaging import (
+    ImageOptions,
+    encode_jpeg,
+    oriented_rgb,
+    oriented_size,
+    process_image,
+    resize_to_shape,
+)
 
 EXACT = ImageOptions(draft_margin=None, reducing_gap=None)
 TARGET_MP = (1.5, 4.0, 8.0, 12.0, 17.0)

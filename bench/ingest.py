@@ -13,13 +13,13 @@ import lance
 import pyarrow as pa
 from PIL import Image
 
-from bench.common import Figure, OUT, generated_jpegs, report, timed
+from bench.common import OUT, Figure, generated_jpegs, report, timed
 from prx_assets.engine import ray_runtime
 from prx_assets.stages.ingest.ingest import IngestOptions, build_raw_dataset
-from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
-from prx_assets.storage.refs import TableRef
 from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.stages.ingest.sources import SourceSpec
+from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
+from prx_assets.storage.refs import TableRef
 
 N_IMAGES = 400
 

@@ -20,10 +20,10 @@ import numpy as np
 import pyarrow as pa
 
 from bench.common import Figure, report, timed
-from prx_assets.stages.corpus.corpus import create_indexes
 from prx_assets.models.embeddings import EMBEDDING_DIM, MiniLMEmbedder
-from prx_assets.stages.labels.labels import load_caption_set, load_embedded_classifier
+from prx_assets.stages.corpus.corpus import create_indexes
 from prx_assets.stages.corpus.search import NPROBES, REFINE_FACTOR, search_text
+from prx_assets.stages.labels.labels import load_caption_set, load_embedded_classifier
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import CORPUS
@@ -31,10 +31,7 @@ from prx_assets.storage.tables import CORPUS
 ROWS = 100_000
 K = 10
 QUERIES = 40
-WORDS = ("red blue green grey wooden stone glass metal dog cat horse bird tree river "
-         "mountain street car bicycle table chair window door lamp book screen chart page "
-         "menu poster sign woman man child hand face shadow light sunset morning snow rain "
-         "beach forest kitchen garden bridge boat train market bakery heron spreadsheet").split()
+WORDS = ["red", "blue", "green", "grey", "wooden", "stone", "glass", "metal", "dog", "cat", "horse", "bird", "tree", "river", "mountain", "street", "car", "bicycle", "table", "chair", "window", "door", "lamp", "book", "screen", "chart", "page", "menu", "poster", "sign", "woman", "man", "child", "hand", "face", "shadow", "light", "sunset", "morning", "snow", "rain", "beach", "forest", "kitchen", "garden", "bridge", "boat", "train", "market", "bakery", "heron", "spreadsheet"]
 
 
 def classifier_throughput(n: int = 96) -> list[Figure]:

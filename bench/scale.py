@@ -121,8 +121,8 @@ def child_main(sources_file: str, result_path: str) -> int:
     step timings from the instance's event log."""
     import dagster as dg
 
-    from prx_assets.engine import ray_runtime
     from prx_assets.demo.runner import materialize_all
+    from prx_assets.engine import ray_runtime
 
     started = time.perf_counter()
     ray_runtime.connect()
@@ -196,10 +196,10 @@ def kernel_chunk(job: tuple[str, list[str]]) -> dict:
 
     from prx_assets.stages.corpus.corpus import thumbnail
     from prx_assets.stages.images.imaging import process_image
-    from prx_assets.stages.shards.mds import MDS_COLUMNS
     from prx_assets.stages.ingest.raw_rows import raw_row
     from prx_assets.stages.ingest.readers import read_image_file
     from prx_assets.stages.ingest.sources import SourceSpec
+    from prx_assets.stages.shards.mds import MDS_COLUMNS
 
     root, files = job
     spec = SourceSpec(name="kernel", kind="image_folder", uri=root)
@@ -259,7 +259,7 @@ class KernelRun:
     startup_s: float = 0.0  # pool start to its first task: spawn, imports, model load
     load_cpu_s: float = 0.0  # CPU seconds of the workers' model loads (in cpu_seconds)
 
-    def plus(self, other: "KernelRun") -> "KernelRun":
+    def plus(self, other: KernelRun) -> KernelRun:
         """The kernels over both runs' files as one pool: `other`'s pool start (its start-up
         wall, its model loads' CPU) is left out, so the sum counts one, like a single pool."""
         per_kernel = Counter(self.per_kernel)
@@ -402,10 +402,10 @@ def print_memory(run: PipelineRun) -> None:
     print(f"scale: memory, {run.images:,} images: peak RSS {peaks.rss_kb / 1024:.0f} MB, PSS "
           f"{peaks.pss_kb / 1024:.0f} MB, USS {peaks.uss_kb / 1024:.0f} MB over "
           f"{peaks.samples} samples, up to {peaks.max_processes} processes")
-    print(f"  PSS by kind at the peak: " + ", ".join(
+    print("  PSS by kind at the peak: " + ", ".join(
         f"{kind} {kb / 1024:.0f}" for kind, kb in peaks.kinds_at_pss_peak.items()) + " MB")
     top = sorted(peaks.at_pss_peak.items(), key=lambda kv: -kv[1])[:6]
-    print(f"  PSS by process name at the peak: "
+    print("  PSS by process name at the peak: "
           + ", ".join(f"{name} {kb / 1024:.0f}" for name, kb in top) + " MB")
 
 
@@ -536,7 +536,7 @@ def measure_output_sizes(label: str) -> dict:
     try:
         return output_sizes(RUN_DIR / f"root_{label}", SOURCE_NAMES[label],
                             RUN_DIR / f"src_{label}")
-    except Exception as exc:  # noqa: BLE001 - the sizes are context; the figures still count
+    except Exception as exc:
         print(f"scale: output sizes not measured: {type(exc).__name__}: {exc}")
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:

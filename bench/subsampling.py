@@ -9,10 +9,10 @@ import numpy as np
 from PIL import Image
 
 from bench.common import Figure, report
+from prx_assets.demo.corpus import photo_variant, real_photo_paths
 from prx_assets.stages.images.buckets import assign_bucket
 from prx_assets.stages.images.fidelity import cycle_psnr, psnr
 from prx_assets.stages.images.imaging import ImageOptions, encode_jpeg, resize_to_shape, to_rgb
-from prx_assets.demo.corpus import photo_variant, real_photo_paths
 
 
 def bucketed_photos(n: int = 48) -> list[Image.Image]:

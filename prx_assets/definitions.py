@@ -11,21 +11,26 @@ from pathlib import Path
 
 import dagster as dg
 
-from prx_assets.stages.ingest.sources import load_sources, sources_path
-from prx_assets.storage.tables import CORPUS, DUPLICATES, OPT_OUTS, SKIP_LISTS
+from prx_assets.defs.captions import caption_defs
+from prx_assets.defs.corpus import corpus_defs
+from prx_assets.defs.dedup import dedup_defs
+from prx_assets.defs.images import image_defs
+from prx_assets.defs.ingest import ingest_defs
 from prx_assets.defs.io_managers import RayLanceIOManager
+from prx_assets.defs.labels import label_defs
+from prx_assets.defs.opt_outs import opt_out_defs
 from prx_assets.defs.partitions import source_partitions
 from prx_assets.defs.resources import (
-    ClassifierResource, RayResource, SourcesResource, StorageResource, captioner_from_file)
-from prx_assets.defs.ingest import ingest_defs
-from prx_assets.defs.images import image_defs
-from prx_assets.defs.captions import caption_defs
-from prx_assets.defs.labels import label_defs
-from prx_assets.defs.dedup import dedup_defs
-from prx_assets.defs.opt_outs import opt_out_defs
+    ClassifierResource,
+    RayResource,
+    SourcesResource,
+    StorageResource,
+    captioner_from_file,
+)
 from prx_assets.defs.shards import shard_defs
 from prx_assets.defs.skip_lists import skip_list_defs
-from prx_assets.defs.corpus import corpus_defs
+from prx_assets.stages.ingest.sources import load_sources, sources_path
+from prx_assets.storage.tables import CORPUS, DUPLICATES, OPT_OUTS, SKIP_LISTS
 
 # Assets over every source at once: run on their own, not once per source partition.
 GLOBAL_ASSETS = dg.AssetSelection.assets(DUPLICATES, OPT_OUTS)

@@ -24,7 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from prx_assets.stages.shards.mds import current_tree
 from prx_assets.stages.skip_lists.skip_lists import (
-    SHARD_SUFFIX, SIDECAR_SUFFIX, read_sidecar, sidecar_files, sidecar_path)
+    SHARD_SUFFIX,
+    SIDECAR_SUFFIX,
+    read_sidecar,
+    sidecar_files,
+    sidecar_path,
+)
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.refs import Location, TableRef
 from prx_assets.storage.tables import CORPUS, MDS_SAMPLES, PER_SOURCE

@@ -10,8 +10,17 @@ import os
 from urllib.parse import urlencode
 
 from prx_assets.storage.tables import (
-    BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, CORPUS, DUPLICATES, MDS_SHARDS, OPT_OUTS, PHASHES,
-    RAW_IMAGES, SKIP_LISTS)
+    BUCKETED_IMAGES,
+    CAPTION_LABELS,
+    CAPTIONS,
+    CORPUS,
+    DUPLICATES,
+    MDS_SHARDS,
+    OPT_OUTS,
+    PHASHES,
+    RAW_IMAGES,
+    SKIP_LISTS,
+)
 
 BROWSER_URL_ENV = "PRX_BROWSER_URL"
 # Which view matches which asset: per-source assets open the grid narrowed to the source.

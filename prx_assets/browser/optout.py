@@ -17,7 +17,7 @@ import hashlib
 import hmac
 import json
 import secrets
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from prx_assets.stages.opt_outs.opt_outs import OptOutRequest, parse_request
@@ -43,7 +43,7 @@ def write_request(storage: Storage | str | Path, sample_id: str, reference: str,
                   now: datetime | None = None) -> Location:
     """A new request file opting `sample_id` out; returns its location. The record is
     checked with the pipeline's parser before it is written, so what lands is valid."""
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     reference = " ".join(str(reference or "").split())[:MAX_REFERENCE] or "corpus browser"
     record = {"key_type": "id", "value": sample_id, "timestamp": now.isoformat(),
               "reference": reference}

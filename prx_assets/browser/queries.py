@@ -19,14 +19,27 @@ import pyarrow.compute as pc
 
 from prx_assets.browser.catalog import Catalog, NotFound, valid_id
 from prx_assets.browser.facets import (
-    FACET_COLUMNS, Query, corpus_filter, facet_counts, id_sets, membership)
+    FACET_COLUMNS,
+    Query,
+    corpus_filter,
+    facet_counts,
+    id_sets,
+    membership,
+)
 from prx_assets.stages.corpus.search import NPROBES, REFINE_FACTOR
 from prx_assets.stages.corpus.search import Hit as Tile
 from prx_assets.stages.dedup import near
 from prx_assets.storage.filters import eq_filter
 from prx_assets.storage.tables import (
-    BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, CORPUS, DUPLICATES, MDS_SAMPLES, OPT_OUTS,
-    RAW_IMAGES)
+    BUCKETED_IMAGES,
+    CAPTION_LABELS,
+    CAPTIONS,
+    CORPUS,
+    DUPLICATES,
+    MDS_SAMPLES,
+    OPT_OUTS,
+    RAW_IMAGES,
+)
 
 if TYPE_CHECKING:
     import pyarrow as pa

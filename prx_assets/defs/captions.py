@@ -13,25 +13,38 @@ partition per run, in the `gpu` pool (the captions asset names it).
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
 
 import dagster as dg
 import ray.data
 
-from prx_assets.engine.progress import StageProgress
-from prx_assets.stages.captions.captions import TARGET_WORDS, word_histogram
-from prx_assets.stages.captions.runs import (
-    CaptionRunReport, caption_source, changed_ids, count_pending, coverage, drop_captions,
-    ensure_table, pending_requests, read_kept)
-from prx_assets.stages.captions.captioners import CaptionerSpec
-from prx_assets.storage.layout import Storage
-from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, RAW_IMAGES
 from prx_assets.defs.io_managers import COLUMNS_KEY
 from prx_assets.defs.metadata import (
-    browser_link, counts_table, incremental_metadata, input_versions, latest_materialization,
-    materialized_lance_version, recorded,
-    recorded_input_version)
+    browser_link,
+    counts_table,
+    incremental_metadata,
+    input_versions,
+    latest_materialization,
+    materialized_lance_version,
+    recorded,
+    recorded_input_version,
+)
 from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
+from prx_assets.engine.progress import StageProgress
+from prx_assets.stages.captions.captioners import CaptionerSpec
+from prx_assets.stages.captions.captions import TARGET_WORDS, word_histogram
+from prx_assets.stages.captions.runs import (
+    CaptionRunReport,
+    caption_source,
+    changed_ids,
+    count_pending,
+    coverage,
+    drop_captions,
+    ensure_table,
+    pending_requests,
+    read_kept,
+)
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, RAW_IMAGES
 
 GPU_POOL = "gpu"
 
@@ -255,7 +268,7 @@ def stale_partitions(instance: dg.DagsterInstance, partitions: list[str], versio
     return stale
 
 
-def _why_stale(captions, version: str, images_version, retry_failures: bool) -> Optional[str]:
+def _why_stale(captions, version: str, images_version, retry_failures: bool) -> str | None:
     if captions is None:
         return "missing"
     if recorded(captions, "caption_version") != version:
@@ -267,7 +280,7 @@ def _why_stale(captions, version: str, images_version, retry_failures: bool) -> 
     return None
 
 
-def _failed_rows(materialization) -> Optional[int]:
+def _failed_rows(materialization) -> int | None:
     table = recorded(materialization, "rows_by_status")
     if table is None:
         return None

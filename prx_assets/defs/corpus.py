@@ -8,21 +8,30 @@ source changed anyway.
 """
 
 from collections import Counter
-from typing import Optional
 
 import dagster as dg
 
+from prx_assets.defs.metadata import (
+    browser_link,
+    content_data_version,
+    counts_table,
+    incremental_metadata,
+    latest_data_version,
+    latest_materialization,
+    recorded,
+)
 from prx_assets.engine.progress import StageProgress
 from prx_assets.stages.captions.captions import active_caption_filter
-from prx_assets.stages.labels.labels import active_labels_filter
 from prx_assets.stages.corpus.corpus import (
-    CORPUS_SCHEMA, SourceTables, build_corpus, index_config, update_corpus)
+    CORPUS_SCHEMA,
+    SourceTables,
+    build_corpus,
+    index_config,
+    update_corpus,
+)
+from prx_assets.stages.labels.labels import active_labels_filter
 from prx_assets.storage.layout import Storage
-from prx_assets.storage.tables import (
-    BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, CORPUS, PHASHES)
-from prx_assets.defs.metadata import (
-    browser_link, content_data_version, counts_table, incremental_metadata,
-    latest_data_version, latest_materialization, recorded)
+from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, CORPUS, PHASHES
 
 INPUTS = (BUCKETED_IMAGES, PHASHES, CAPTIONS, CAPTION_LABELS)
 INPUT_VERSION = "input_version/"
@@ -58,8 +67,8 @@ def changed_since(previous: dg.AssetMaterialization, tables: SourceTables) -> bo
                for key, version in pinned_versions(tables).items())
 
 
-def full_rebuild_reason(previous: Optional[dg.AssetMaterialization], store: Storage,
-                        caption_version: str, classifier_version: str) -> Optional[str]:
+def full_rebuild_reason(previous: dg.AssetMaterialization | None, store: Storage,
+                        caption_version: str, classifier_version: str) -> str | None:
     """Why every row must be rewritten, or None when an update per source will do."""
     if previous is None or not store.table(CORPUS).exists():
         return "no corpus yet"

@@ -2,13 +2,19 @@
 
 import dagster as dg
 
-from prx_assets.stages.dedup.dedup import (
-    DEFAULT_ROWS_PER_BUCKET, DUPLICATES_SCHEMA, duplicates_dataset, hash_inputs, hashed_rows,
-    near_duplicate_report, summarise)
-from prx_assets.storage.refs import TableRef
-from prx_assets.storage.tables import DUPLICATES, PHASHES
 from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, FRAGMENT_ROWS_KEY, LanceTableOutput
 from prx_assets.defs.resources import RayResource, SourcesResource, StorageResource
+from prx_assets.stages.dedup.dedup import (
+    DEFAULT_ROWS_PER_BUCKET,
+    DUPLICATES_SCHEMA,
+    duplicates_dataset,
+    hash_inputs,
+    hashed_rows,
+    near_duplicate_report,
+    summarise,
+)
+from prx_assets.storage.refs import TableRef
+from prx_assets.storage.tables import DUPLICATES, PHASHES
 
 
 class DuplicatesConfig(dg.Config):

@@ -7,31 +7,46 @@ records `lance_version` per table, so downstream inputs load through the Lance I
 pinned to what was materialised, and a data version that moves only when rows changed.
 """
 
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import dagster as dg
 import ray.data
 
+from prx_assets.defs.io_managers import (
+    COLUMNS_KEY,
+    FRAGMENT_BYTES_KEY,
+    FRAGMENT_ROWS_KEY,
+    table_metadata,
+)
+from prx_assets.defs.metadata import (
+    browser_link,
+    bucket_metadata,
+    content_data_version,
+    incremental_metadata,
+    input_versions,
+    latest_data_version,
+    materialized_lance_version,
+)
+from prx_assets.defs.resources import RayResource, StorageResource
+from prx_assets.defs.table_checks import table_checks
 from prx_assets.engine.progress import StageProgress
 from prx_assets.stages.images import pil_backend
-from prx_assets.stages.images.buckets import BucketRule, DEFAULT_TIERS
+from prx_assets.stages.images.buckets import DEFAULT_TIERS, BucketRule
 from prx_assets.stages.images.fidelity import fidelity_report
 from prx_assets.stages.images.imaging import DEFAULT_QUALITY, DEFAULT_SUBSAMPLING, ImageOptions
 from prx_assets.stages.images.stage import (
-    RAW_COLUMNS, ImageRunReport, ImageTables, fresh_rows, run_image_stage,
-    settings_fingerprint)
+    RAW_COLUMNS,
+    ImageRunReport,
+    ImageTables,
+    fresh_rows,
+    run_image_stage,
+    settings_fingerprint,
+)
 from prx_assets.storage.lance_tables import FragmentPolicy, describe_write
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.table_stats import bucket_profile
 from prx_assets.storage.tables import BUCKETED_IMAGES, PHASHES, RAW_IMAGES
-from prx_assets.defs.io_managers import (
-    COLUMNS_KEY, FRAGMENT_BYTES_KEY, FRAGMENT_ROWS_KEY, table_metadata)
-from prx_assets.defs.metadata import (
-    bucket_metadata, browser_link, content_data_version, incremental_metadata, input_versions,
-    latest_data_version, materialized_lance_version)
-from prx_assets.defs.resources import RayResource, StorageResource
-from prx_assets.defs.table_checks import table_checks
 
 BUCKETED_FRAGMENTS = FragmentPolicy(target_bytes=512 << 20)
 PHASH_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
@@ -45,8 +60,8 @@ class ImageStageConfig(dg.Config):
     resize_mode: str = "crop"  # or "stretch"
     jpeg_quality: int = DEFAULT_QUALITY
     subsampling: str = DEFAULT_SUBSAMPLING
-    draft_margin: Optional[float] = 2.0
-    reducing_gap: Optional[float] = 3.0
+    draft_margin: float | None = 2.0
+    reducing_gap: float | None = 3.0
     max_pixels: int = 200_000_000
     # Rows per commit: what a kill can lose, and what the driver holds at once (resized
     # JPEGs, ~100-300 KB each). Not a setting of the output: changing it redoes nothing.
@@ -132,7 +147,7 @@ def images_to_process(raw: TableRef, tables: ImageTables, options: ImageOptions)
 
 def _result(context: dg.AssetExecutionContext, store: Storage, name: str,
             report: ImageRunReport, processed: int, removed: int,
-            compacted_from: Optional[int], metadata: dict) -> dg.MaterializeResult:
+            compacted_from: int | None, metadata: dict) -> dg.MaterializeResult:
     """One table's materialisation: the IO manager's table entries, the incremental counts,
     and a data version that moves only when this run changed a row of it."""
     source = context.partition_key

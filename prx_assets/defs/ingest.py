@@ -4,6 +4,15 @@ incrementally: a rerun reads only the units that changed and deletes the rows th
 
 import dagster as dg
 
+from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, PROFILE_KEY, table_metadata
+from prx_assets.defs.metadata import (
+    browser_link,
+    content_data_version,
+    incremental_metadata,
+    latest_data_version,
+)
+from prx_assets.defs.resources import RayResource, SourcesResource, StorageResource
+from prx_assets.defs.table_checks import table_checks
 from prx_assets.engine.chunked import CommitTarget
 from prx_assets.engine.progress import StageProgress
 from prx_assets.stages.ingest.ingest import IngestOptions, IngestReport, ingest_source
@@ -11,14 +20,8 @@ from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS
 from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.stages.ingest.readers import DEFAULT_MAX_FILE_BYTES, SourceNotFoundError
 from prx_assets.storage.lance_tables import FragmentPolicy, describe_write
-from prx_assets.storage.layout import Storage
 from prx_assets.storage.object_store import ObjectStoreError
 from prx_assets.storage.tables import RAW_IMAGES
-from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, PROFILE_KEY, table_metadata
-from prx_assets.defs.metadata import (
-    browser_link, content_data_version, incremental_metadata, latest_data_version)
-from prx_assets.defs.resources import RayResource, SourcesResource, StorageResource
-from prx_assets.defs.table_checks import table_checks
 
 # Image-blob fragments, sized by bytes (docs/architecture.md, fragment hygiene).
 FRAGMENT_BYTES = 512 << 20

@@ -6,18 +6,18 @@ that was materialised.
 """
 
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
 
 import dagster as dg
 import pyarrow as pa
 import ray.data
 
+from prx_assets.defs.metadata import PROFILERS, browser_link, materialized_lance_version
+from prx_assets.defs.resources import StorageResource
 from prx_assets.storage import lance_tables
 from prx_assets.storage.lance_tables import FragmentPolicy, WriteReport
 from prx_assets.storage.refs import TableRef
-from prx_assets.defs.metadata import PROFILERS, browser_link, materialized_lance_version
-from prx_assets.defs.resources import StorageResource
 
 # Definition-metadata keys an asset may set to size its fragments.
 FRAGMENT_BYTES_KEY = "prx/fragment_bytes"
@@ -33,14 +33,14 @@ class LanceTableOutput:
     """A dataset plus its schema, for outputs that may be empty (schema can't be inferred)."""
 
     dataset: ray.data.Dataset
-    schema: Optional[pa.Schema] = None
-    metadata: Optional[dict] = None
+    schema: pa.Schema | None = None
+    metadata: dict | None = None
     # Metadata computed from the committed table (at the version written), e.g. summaries.
-    after_write: Optional[Callable[[TableRef], dict]] = None
+    after_write: Callable[[TableRef], dict] | None = None
 
 
 def table_metadata(table: TableRef, report: WriteReport,
-                   profile: Optional[str] = None) -> dict:
+                   profile: str | None = None) -> dict:
     """What a materialisation of a Lance table records: where, the version written (which
     downstream reads pin to), its size and fragments, and the profile named by `profile`
     (a key of metadata.PROFILERS). Shared by this IO manager and by assets that commit
@@ -65,7 +65,7 @@ class RayLanceIOManager(dg.ConfigurableIOManager):
     fragment_bytes: int = lance_tables.DEFAULT_BLOB_FRAGMENT_BYTES
     fragment_rows: int = lance_tables.DEFAULT_METADATA_FRAGMENT_ROWS
 
-    def table_for(self, context: Union[dg.OutputContext, dg.InputContext]) -> TableRef:
+    def table_for(self, context: dg.OutputContext | dg.InputContext) -> TableRef:
         partition = context.partition_key if context.has_partition_key else None
         return self.storage.get().table(context.asset_key.path[-1], partition)
 

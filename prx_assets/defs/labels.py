@@ -7,13 +7,13 @@ from collections import Counter
 
 import dagster as dg
 
+from prx_assets.defs.metadata import browser_link, counts_table, incremental_metadata
+from prx_assets.defs.resources import ClassifierResource
 from prx_assets.engine.progress import StageProgress
 from prx_assets.stages.captions.captions import active_caption_filter
 from prx_assets.stages.labels.labels import LABELS, load_embedded_classifier
 from prx_assets.stages.labels.runs import label_coverage, label_source
 from prx_assets.storage.tables import CAPTION_LABELS, CAPTIONS
-from prx_assets.defs.metadata import browser_link, counts_table, incremental_metadata
-from prx_assets.defs.resources import ClassifierResource
 
 
 class CaptionLabelsConfig(dg.Config):

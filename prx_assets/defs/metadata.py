@@ -4,21 +4,24 @@ turning table profiles into what the Dagster UI renders (tables, not prose)."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Optional
+from typing import Any
 
 import dagster as dg
 
 from prx_assets.browser.links import view_url
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.table_stats import (
-    BucketProfile, TableProfile, bucket_profile, profile_table)
+    BucketProfile,
+    TableProfile,
+    bucket_profile,
+    profile_table,
+)
 from prx_assets.storage.tables import BUCKETED_IMAGES, RAW_IMAGES
-
 
 # ------------------------------------------------------------------ reading what was recorded
 
 def latest_materialization(instance: dg.DagsterInstance, asset_key: dg.AssetKey | str,
-                           partition_key: Optional[str]) -> Optional[dg.AssetMaterialization]:
+                           partition_key: str | None) -> dg.AssetMaterialization | None:
     """The latest materialisation of that asset partition (None if it never ran)."""
     key = dg.AssetKey(asset_key) if isinstance(asset_key, str) else asset_key
     records = instance.fetch_materializations(
@@ -29,7 +32,7 @@ def latest_materialization(instance: dg.DagsterInstance, asset_key: dg.AssetKey 
     return records[0].asset_materialization if records else None
 
 
-def recorded(materialization: Optional[dg.AssetMaterialization], entry: str) -> Any:
+def recorded(materialization: dg.AssetMaterialization | None, entry: str) -> Any:
     """The raw value of one metadata entry of a materialisation, None if absent."""
     if materialization is None:
         return None
@@ -38,13 +41,13 @@ def recorded(materialization: Optional[dg.AssetMaterialization], entry: str) -> 
 
 
 def latest_recorded(instance: dg.DagsterInstance, asset_key: dg.AssetKey | str,
-                    partition_key: Optional[str], entry: str) -> Any:
+                    partition_key: str | None, entry: str) -> Any:
     """One metadata entry of the latest materialisation of that partition."""
     return recorded(latest_materialization(instance, asset_key, partition_key), entry)
 
 
 def materialized_lance_version(instance: dg.DagsterInstance, asset_key: dg.AssetKey | str,
-                               partition_key: Optional[str]) -> Optional[int]:
+                               partition_key: str | None) -> int | None:
     """The `lance_version` recorded by the latest materialisation of that partition."""
     value = latest_recorded(instance, asset_key, partition_key, "lance_version")
     return int(value) if value is not None else None
@@ -62,7 +65,7 @@ def input_versions(context: dg.AssetExecutionContext, *asset_names: str) -> dict
 
 
 def recorded_input_version(instance: dg.DagsterInstance, asset_key: dg.AssetKey | str,
-                           partition_key: Optional[str], input_name: str) -> Optional[int]:
+                           partition_key: str | None, input_name: str) -> int | None:
     """The `input_version/<input>` the latest materialisation of that partition recorded
     (-1, recorded when the input had no version, reads as None)."""
     version = latest_recorded(instance, asset_key, partition_key, f"input_version/{input_name}")
@@ -139,7 +142,7 @@ PROFILERS = {RAW_IMAGES: _raw_profile, BUCKETED_IMAGES: _bucket_profile}
 
 
 def browser_link(context: dg.AssetExecutionContext | dg.OutputContext,
-                 asset: Optional[str] = None) -> dict:
+                 asset: str | None = None) -> dict:
     """`browser`: the corpus browser's view of this asset (partition) when PRX_BROWSER_URL
     says where `prx-assets browse` serves; nothing otherwise. `asset` names one asset of
     a multi-asset (whose context has no single asset key)."""
@@ -162,7 +165,7 @@ def incremental_metadata(processed: int, reused: int, removed: int) -> dict[str,
             ROWS_REMOVED: int(removed)}
 
 
-def content_data_version(previous: Optional[str], changed: bool, lance_version: Optional[int],
+def content_data_version(previous: str | None, changed: bool, lance_version: int | None,
                          table_uuid: str = "") -> dg.DataVersion:
     """The partition's Dagster data version: unchanged when this run changed no row (so
     downstream partitions stay fresh in the UI), else a new one naming the table version
@@ -174,7 +177,7 @@ def content_data_version(previous: Optional[str], changed: bool, lance_version: 
 
 
 def latest_data_version(instance: dg.DagsterInstance, asset_key: dg.AssetKey | str,
-                        partition_key: Optional[str]) -> Optional[str]:
+                        partition_key: str | None) -> str | None:
     """The data version the latest materialisation of that partition recorded."""
     materialization = latest_materialization(instance, asset_key, partition_key)
     if materialization is None:

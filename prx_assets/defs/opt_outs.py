@@ -9,14 +9,21 @@ import dagster as dg
 import pyarrow as pa
 import ray.data
 
-from prx_assets.stages.ingest.sources import load_sources
-from prx_assets.stages.opt_outs.opt_outs import (
-    AUDIT_SCHEMA, ParsedRequests, affected_sources, fingerprint, opt_out_dir,
-    parse_directory, request_files, resolve)
-from prx_assets.storage.tables import DUPLICATES, OPT_OUTS, RAW_IMAGES, SKIP_LISTS
 from prx_assets.defs.io_managers import FRAGMENT_ROWS_KEY, LanceTableOutput
 from prx_assets.defs.metadata import counts_table
 from prx_assets.defs.resources import RayResource, SourcesResource, StorageResource
+from prx_assets.stages.ingest.sources import load_sources
+from prx_assets.stages.opt_outs.opt_outs import (
+    AUDIT_SCHEMA,
+    ParsedRequests,
+    affected_sources,
+    fingerprint,
+    opt_out_dir,
+    parse_directory,
+    request_files,
+    resolve,
+)
+from prx_assets.storage.tables import DUPLICATES, OPT_OUTS, RAW_IMAGES, SKIP_LISTS
 
 # Metadata tables stay readable in the UI; the Lance table holds everything.
 MAX_METADATA_ROWS = 200

@@ -8,19 +8,18 @@ the Dagster side (where the API key comes from, commit size, schedule, active ve
 import dataclasses
 import os
 import typing
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
-
-import yaml
 
 import dagster as dg
+import yaml
 from pydantic import PrivateAttr
 
 from prx_assets.engine import ray_runtime
 from prx_assets.stages.captions.captioners import CaptionerSpec
+from prx_assets.stages.ingest.sources import SourcesConfig, load_sources, sources_path
 from prx_assets.stages.labels.backends import DEFAULT_LLM, OpenAISettings, VLLMSettings
 from prx_assets.stages.labels.runs import LabelerSpec
-from prx_assets.stages.ingest.sources import SourcesConfig, load_sources, sources_path
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.object_store import SECRET_KEYS
 
@@ -38,8 +37,8 @@ class StorageResource(dg.ConfigurableResource):
     `aws_endpoint`, `aws_region`, `allow_http`, `timeout`, ...). Credentials are refused
     here: resource config is shown in the Dagster UI, so they come from the environment."""
 
-    root: Optional[str] = None
-    object_store: Optional[dict[str, str]] = None
+    root: str | None = None
+    object_store: dict[str, str] | None = None
 
     def get(self) -> Storage:
         secret = sorted(set(self.object_store or {}) & SECRET_SETTINGS)
@@ -54,9 +53,9 @@ class StorageResource(dg.ConfigurableResource):
 class RayResource(dg.ConfigurableResource):
     """Embedded local Ray unless `address` (or the RAY_ADDRESS env var) names a cluster."""
 
-    address: Optional[str] = None
-    num_cpus: Optional[int] = None
-    object_store_mb: Optional[int] = None
+    address: str | None = None
+    num_cpus: int | None = None
+    object_store_mb: int | None = None
 
     _started: bool = PrivateAttr(default=False)
 
@@ -71,7 +70,7 @@ class RayResource(dg.ConfigurableResource):
 class SourcesResource(dg.ConfigurableResource):
     """The configured sources (default `$PRX_SOURCES` or ./sources.yaml)."""
 
-    path: Optional[str] = None
+    path: str | None = None
 
     def load(self) -> SourcesConfig:
         return load_sources(Path(self.path) if self.path else sources_path())
@@ -131,7 +130,7 @@ class CaptionerResource(spec_fields(CaptionerSpec, exclude=CAPTIONER_SECRETS)):
         return self.active_version or self.produced_version()
 
 
-def captioner_from_file(path: Optional[Path] = None) -> CaptionerResource:
+def captioner_from_file(path: Path | None = None) -> CaptionerResource:
     """The captioner configured in captioner.yaml / $PRX_CAPTIONER (defaults when absent)."""
     path = Path(path or os.environ.get("PRX_CAPTIONER", "captioner.yaml"))
     if not path.exists():
@@ -154,8 +153,8 @@ class ClassifierResource(spec_fields(LabelerSpec, exclude=LABELER_NESTED)):
     classifier on the CPU, the default), `openai` (an OpenAI-compatible endpoint) or `vllm`
     (Qwen3-8B through ray.data.llm). Every scalar field of LabelerSpec is a field here."""
 
-    model: Optional[str] = None  # LLM backends; default Qwen/Qwen3-8B
-    base_url: Optional[str] = None  # openai: e.g. http://127.0.0.1:8000/v1
+    model: str | None = None  # LLM backends; default Qwen/Qwen3-8B
+    base_url: str | None = None  # openai: e.g. http://127.0.0.1:8000/v1
     api_key_env: str = "OPENAI_API_KEY"
     concurrency: int = 8  # openai: requests in flight per actor; vllm: engine replicas
     retries: int = 4

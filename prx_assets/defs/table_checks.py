@@ -2,10 +2,10 @@
 
 import dagster as dg
 
+from prx_assets.defs.resources import RayResource, StorageResource
 from prx_assets.storage.lance_tables import FragmentPolicy
 from prx_assets.storage.table_checks import duplicate_ids, fragment_health
 from prx_assets.storage.table_stats import profile_table
-from prx_assets.defs.resources import RayResource, StorageResource
 
 
 class RejectShareConfig(dg.Config):

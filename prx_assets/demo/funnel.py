@@ -7,21 +7,30 @@ with a filter, or a pass over the skip sidecars: nothing is loaded whole.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
-
-from prx_assets.stages.images.buckets import STATUS_BAD_ASPECT, STATUS_TOO_SMALL
 from prx_assets.stages.captions.captions import active_caption_filter
+from prx_assets.stages.images.buckets import STATUS_BAD_ASPECT, STATUS_TOO_SMALL
+from prx_assets.stages.labels.labels import active_labels_filter
 from prx_assets.stages.shards.mds import current_tree_uri
+from prx_assets.stages.skip_lists.skip_lists import (
+    duplicate_ids,
+    read_sidecar,
+    skipped_indices,
+    tree_sidecars,
+)
+from prx_assets.storage.filters import in_filter
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.tables import (
-    BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, DUPLICATES, MDS_SAMPLES, RAW_IMAGES)
-from prx_assets.stages.skip_lists.skip_lists import (
-    duplicate_ids, read_sidecar, skipped_indices, tree_sidecars)
-from prx_assets.stages.labels.labels import active_labels_filter
-from prx_assets.storage.filters import in_filter
+    BUCKETED_IMAGES,
+    CAPTION_LABELS,
+    CAPTIONS,
+    DUPLICATES,
+    MDS_SAMPLES,
+    RAW_IMAGES,
+)
 
 # Image-stage statuses of rows that decoded (the filter's reasons); any other non-ok
 # status is a file that could not be read as an image.

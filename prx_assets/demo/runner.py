@@ -7,13 +7,12 @@ from pathlib import Path
 
 import dagster as dg
 
-from prx_assets.engine import ray_runtime
+from prx_assets.definitions import build_defs
 from prx_assets.demo.funnel import format_funnel, source_funnel
+from prx_assets.engine import ray_runtime
+from prx_assets.stages.ingest.sources import load_sources
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import CORPUS, DUPLICATES, MDS_SAMPLES
-from prx_assets.stages.ingest.sources import load_sources
-from prx_assets.definitions import build_defs
-
 
 # The console shows INFO and above (progress lines, warnings, failures): Dagster's DEBUG
 # events (step starts, handled outputs, ...) are two thirds of what a run prints. The run's

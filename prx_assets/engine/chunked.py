@@ -22,8 +22,8 @@ and its Ray stage, and keeps its own report.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import lance
 import pyarrow as pa

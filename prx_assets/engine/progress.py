@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 # Ray Data's one-time notice when its bars are off is about the bars we turned off on purpose.
 _NOTICES_DROPPED = ("Progress bars disabled",)
@@ -61,7 +61,7 @@ class StageProgress:
     that is an estimate and the stage goes past it, the line drops it (no "120%", no false
     ETA) and counts on without one."""
 
-    def __init__(self, stage: str, total: Optional[int], log: Callable[[str], None],
+    def __init__(self, stage: str, total: int | None, log: Callable[[str], None],
                  every_s: float = 10.0, unit: str = "rows",
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.stage, self.total, self.unit = stage, total, unit
@@ -95,7 +95,7 @@ class StageProgress:
         """Count `rows` more; log a line if the last one (or the start) is `every_s` old."""
         self.update(self.done + rows)
 
-    def update(self, done: int, total: Optional[int] = None) -> None:
+    def update(self, done: int, total: int | None = None) -> None:
         """Set the count to `done` (callbacks that see a running total), and the total when
         the stage only learns it once running; log as `advance` does."""
         self.done = done

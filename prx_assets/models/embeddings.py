@@ -7,8 +7,8 @@ Loaded with transformers from the package's folder, so nothing is downloaded.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 

@@ -16,8 +16,9 @@ import random
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 class EndpointError(RuntimeError):

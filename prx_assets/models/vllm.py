@@ -12,8 +12,9 @@ processor runs; the configuration builds wherever Ray is installed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ray.data.llm import Processor, vLLMEngineProcessorConfig
@@ -36,10 +37,13 @@ class VLLMEngine:
     images: bool = False  # run the multimodal preparation stage (image parts in messages)
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": False}
 
-    def processor_config(self) -> "vLLMEngineProcessorConfig":
+    def processor_config(self) -> vLLMEngineProcessorConfig:
         """The `ray.data.llm` configuration of this stage."""
         from ray.data.llm import (
-            ChatTemplateStageConfig, PrepareMultimodalStageConfig, vLLMEngineProcessorConfig)
+            ChatTemplateStageConfig,
+            PrepareMultimodalStageConfig,
+            vLLMEngineProcessorConfig,
+        )
 
         chat_template: Any = True
         if self.chat_template_kwargs:
@@ -63,7 +67,7 @@ class VLLMEngine:
             prepare_multimodal_stage=multimodal,
         )
 
-    def processor(self, preprocess: RowFn, postprocess: RowFn) -> "Processor":
+    def processor(self, preprocess: RowFn, postprocess: RowFn) -> Processor:
         """A Ray Data processor: dataset of input rows in, dataset of postprocessed rows out."""
         from ray.data.llm import build_processor
 

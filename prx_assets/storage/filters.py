@@ -8,7 +8,7 @@ instead of breaking the filter or widening it.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def sql_string(value: str) -> str:

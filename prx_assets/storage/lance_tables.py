@@ -17,10 +17,11 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import lance
 import pyarrow as pa
@@ -74,7 +75,7 @@ class CommitConflictError(RuntimeError):
     committed, the table holds the other writers' rows, and a rerun redoes exactly it."""
 
 
-def prepare_output_dir(target: "TableRef | Location", what: str) -> None:
+def prepare_output_dir(target: TableRef | Location, what: str) -> None:
     """Make sure the folder `target` can be created or written, else fail naming the path
     and the cause (a write into it would otherwise fail deep inside a Ray task or Lance with
     an error that names neither). Creates its parent. On an object store there are no
@@ -112,8 +113,8 @@ READ_IO_BUFFER_BYTES = 64 << 20
 READ_TASK_CPUS = 4
 
 
-def read_table(table: TableRef, columns: Optional[list[str]] = None,
-               **kwargs: Any) -> "ray.data.Dataset":
+def read_table(table: TableRef, columns: list[str] | None = None,
+               **kwargs: Any) -> ray.data.Dataset:
     """`ray.data.read_lance` of `table` at its version, with its settings (Ray tasks read
     with them whatever environment their worker process started with); read batches sized
     by bytes when the columns read hold blobs (`blob_scanner_options`); read tasks without
@@ -136,7 +137,7 @@ def read_concurrency(cpus: float | None = None) -> int:
     return max(1, int(cpus // READ_TASK_CPUS))
 
 
-def blob_scanner_options(table: "lance.LanceDataset", columns: Optional[list[str]]) -> dict:
+def blob_scanner_options(table: lance.LanceDataset, columns: list[str] | None) -> dict:
     """Scanner options that keep a read of blob columns (images) to ~READ_BATCH_BYTES per
     batch; none for metadata columns, whose default batches are small and few."""
     names = columns or table.schema.names
@@ -261,7 +262,7 @@ def _existing_schema(table: TableRef) -> pa.Schema | None:
         return None
 
 
-def write_dataset_atomically(dataset: "ray.data.Dataset", table: TableRef, policy: FragmentPolicy,
+def write_dataset_atomically(dataset: ray.data.Dataset, table: TableRef, policy: FragmentPolicy,
                              schema: pa.Schema | None = None) -> WriteReport:
     """Stream a Ray Dataset into `table` as one new version, then compact its fragments."""
     table = table.latest()
@@ -294,12 +295,12 @@ def compact(table: TableRef, policy: FragmentPolicy) -> int:
     return len(fragments)
 
 
-def cleanup(table: "lance.LanceDataset", policy: FragmentPolicy) -> None:
+def cleanup(table: lance.LanceDataset, policy: FragmentPolicy) -> None:
     """Drop versions past the retention window and files of interrupted writes."""
     table.cleanup_old_versions(older_than=policy.keep_versions, delete_unverified=False)
 
 
-def data_bytes(table: "lance.LanceDataset") -> int:
+def data_bytes(table: lance.LanceDataset) -> int:
     """Bytes of the table's data files (from the manifest; a local file's size if not)."""
     total = 0
     for fragment in table.get_fragments():
@@ -313,7 +314,7 @@ def data_bytes(table: "lance.LanceDataset") -> int:
     return total
 
 
-def describe_write(table: "lance.LanceDataset") -> WriteReport:
+def describe_write(table: lance.LanceDataset) -> WriteReport:
     return WriteReport(
         uri=table.uri, version=table.version, rows=table.count_rows(),
         fragments=len(table.get_fragments()), bytes=data_bytes(table),
@@ -357,7 +358,7 @@ def upsert(table: TableRef, rows: pa.Table, schema: pa.Schema, keys: list[str]) 
         "commit them")
 
 
-def _create_if_absent(table: TableRef, rows: pa.Table, schema: pa.Schema) -> Optional[int]:
+def _create_if_absent(table: TableRef, rows: pa.Table, schema: pa.Schema) -> int | None:
     """Commit `rows` as the table's first version, or return None if another writer created
     the table meanwhile. `write_dataset(mode="create")` is not enough for racing writers:
     its commit is an Overwrite, which Lance rebases over a concurrent first commit, so the
@@ -388,7 +389,7 @@ def overwrite_rows(table: TableRef, rows: pa.Table, schema: pa.Schema) -> int:
 
 
 def append_rows(table: TableRef, rows: pa.Table, schema: pa.Schema,
-                policy: Optional[FragmentPolicy] = None) -> int:
+                policy: FragmentPolicy | None = None) -> int:
     """`rows` appended in one commit (the table created if absent); returns the version."""
     prepare_output_dir(table, "Lance table")
     kwargs = {"max_rows_per_file": policy.max_rows,

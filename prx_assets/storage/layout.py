@@ -9,9 +9,9 @@ caller.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional
 
 from prx_assets.storage import object_store
 from prx_assets.storage.object_store import StoreSettings
@@ -43,8 +43,8 @@ class Storage:
     """
 
     root: str
-    storage_options: Optional[Mapping[str, str]] = field(default=None, hash=False, repr=False)
-    settings: Optional[StoreSettings] = field(default=None, init=False, repr=False,
+    storage_options: Mapping[str, str] | None = field(default=None, hash=False, repr=False)
+    settings: StoreSettings | None = field(default=None, init=False, repr=False,
                                               compare=False)
 
     def __post_init__(self) -> None:
@@ -56,7 +56,7 @@ class Storage:
                                StoreSettings.resolve(self.root, self.storage_options))
 
     @classmethod
-    def from_env(cls) -> "Storage":
+    def from_env(cls) -> Storage:
         return cls(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
 
     @property
@@ -73,7 +73,7 @@ class Storage:
         """A file or folder under the root (`location("mds", "web")`)."""
         return Location("/".join((self.root, *parts)), self.settings)
 
-    def table(self, name: str, source: Optional[str] = None) -> TableRef:
+    def table(self, name: str, source: str | None = None) -> TableRef:
         """A table: `lance/<name>/<source>.lance`, or `lance/<name>.lance` (the latest
         version; `.at(version)` pins it)."""
         if name in PER_SOURCE:
@@ -122,6 +122,6 @@ class Storage:
         return self.table(name, source).latest_version()
 
 
-def as_storage(storage: "Storage | str | Path") -> Storage:
+def as_storage(storage: Storage | str | Path) -> Storage:
     """A Storage, or the root URI (or local folder) to build one from."""
     return storage if isinstance(storage, Storage) else Storage(str(storage))

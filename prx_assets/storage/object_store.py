@@ -18,9 +18,9 @@ from __future__ import annotations
 import functools
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Mapping, Optional
 
 # Bounded client behaviour for every object-store request Lance makes; a resource's storage
 # options override any of them. Per request: 5 s to connect, 60 s in all (Lance uploads in
@@ -61,11 +61,11 @@ class ObjectStoreError(OSError):
     """An object-store location that cannot be used; the message names the URI and why."""
 
 
-def is_object_store(uri: "str | PurePath") -> bool:
+def is_object_store(uri: str | PurePath) -> bool:
     return "://" in as_uri(uri) and not as_uri(uri).startswith("file://")
 
 
-def as_uri(location: "str | PurePath") -> str:
+def as_uri(location: str | PurePath) -> str:
     """A location as a URI string. `Path("s3://b/k")` collapses the `//` to `s3:/b/k`; such a
     path still names the object-store location, so the scheme is restored."""
     text = str(location)
@@ -79,9 +79,9 @@ def split_uri(uri: str) -> tuple[str, str, str]:
     return scheme, bucket, key
 
 
-def lance_options(uri: "str | PurePath",
-                  overrides: "Optional[Mapping[str, str] | StoreSettings]" = None
-                  ) -> Optional[dict[str, str]]:
+def lance_options(uri: str | PurePath,
+                  overrides: Mapping[str, str] | StoreSettings | None = None
+                  ) -> dict[str, str] | None:
     """The storage options for a Lance call on `uri`: None for a local path; for an object
     store, the bounded defaults, then the standard variables, then `overrides` (settings
     already resolved are taken as they are)."""
@@ -111,9 +111,9 @@ class StoreSettings:
     items: tuple[tuple[str, str], ...]
 
     @classmethod
-    def resolve(cls, uri: "str | PurePath",
-                overrides: "Optional[Mapping[str, str] | StoreSettings]" = None
-                ) -> "StoreSettings":
+    def resolve(cls, uri: str | PurePath,
+                overrides: Mapping[str, str] | StoreSettings | None = None
+                ) -> StoreSettings:
         if isinstance(overrides, StoreSettings):
             return overrides
         return cls(tuple(sorted((lance_options(uri, overrides) or {}).items())))
@@ -122,7 +122,7 @@ class StoreSettings:
         """Lance's (and Ray Data's `read_lance`) `storage_options`."""
         return dict(self.items)
 
-    def get(self, key: str, default: Optional[str] = None) -> Optional[str]:
+    def get(self, key: str, default: str | None = None) -> str | None:
         return dict(self.items).get(key, default)
 
     def __repr__(self) -> str:
@@ -131,8 +131,8 @@ class StoreSettings:
         return f"StoreSettings({shown})"
 
 
-def check_reachable(uri: "str | PurePath",
-                    options: "Optional[Mapping[str, str] | StoreSettings]" = None) -> None:
+def check_reachable(uri: str | PurePath,
+                    options: Mapping[str, str] | StoreSettings | None = None) -> None:
     """Fail at once, naming `uri` and the cause, if its bucket is missing, the credentials are
     refused or the endpoint does not answer; one listing request, no retries."""
     uri = as_uri(uri)
@@ -200,8 +200,8 @@ def is_not_found(exc: BaseException) -> bool:
 
 # ------------------------------------------------------------------ files (not Lance tables)
 
-def filesystem(uri: "str | PurePath",
-               overrides: "Optional[Mapping[str, str] | StoreSettings]" = None):
+def filesystem(uri: str | PurePath,
+               overrides: Mapping[str, str] | StoreSettings | None = None):
     """(pyarrow FileSystem, path inside it) for a location: the local file system for a
     folder, an S3FileSystem with the same resolved settings Lance gets for `s3://...`.
     For plain files under the root (MDS shards, sidecars, pointers, opt-out and ablation
@@ -257,8 +257,8 @@ def _seconds(duration: str) -> float:
     return value * {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
 
 
-def streaming_env(uri: "str | PurePath",
-                  overrides: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+def streaming_env(uri: str | PurePath,
+                  overrides: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment mosaicml-streaming's S3 client (boto3) needs for `uri`: it reads
     `S3_ENDPOINT_URL`, not `AWS_ENDPOINT_URL`, so the endpoint is passed under both names."""
     options = lance_options(uri, overrides)
@@ -274,15 +274,15 @@ def streaming_env(uri: "str | PurePath",
     return {name: value for name, value in env.items() if value}
 
 
-def read_text(uri: "str | PurePath", overrides: Optional[Mapping[str, str]] = None) -> str:
+def read_text(uri: str | PurePath, overrides: Mapping[str, str] | None = None) -> str:
     """A small file's text (local or object store); FileNotFoundError if absent."""
     fs, path = filesystem(uri, overrides)
     with fs.open_input_stream(path) as stream:
         return stream.read().decode()
 
 
-def write_text(uri: "str | PurePath", text: str,
-               overrides: Optional[Mapping[str, str]] = None) -> None:
+def write_text(uri: str | PurePath, text: str,
+               overrides: Mapping[str, str] | None = None) -> None:
     """Write a small file. On S3 one PUT, visible whole or not at all (the pointer objects
     rely on this); locally callers that need atomicity rename a temporary file instead."""
     fs, path = filesystem(uri, overrides)
@@ -290,8 +290,8 @@ def write_text(uri: "str | PurePath", text: str,
         stream.write(text.encode())
 
 
-def list_files(uri: "str | PurePath", suffix: str = "",
-               overrides: Optional[Mapping[str, str]] = None) -> list[str]:
+def list_files(uri: str | PurePath, suffix: str = "",
+               overrides: Mapping[str, str] | None = None) -> list[str]:
     """Files directly in a folder/prefix whose names end with `suffix`, as sorted full URIs
     (one listing request per 1,000 keys on S3); [] when the folder does not exist."""
     import pyarrow.fs as pafs

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any
 
 from prx_assets.storage import object_store
 from prx_assets.storage.object_store import StoreSettings, as_uri, is_object_store
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     import ray.data
 
 
-def _resolve(uri: str, overrides: Optional[Mapping[str, str]]) -> Optional[StoreSettings]:
+def _resolve(uri: str, overrides: Mapping[str, str] | None) -> StoreSettings | None:
     return StoreSettings.resolve(uri, overrides) if is_object_store(uri) else None
 
 
@@ -41,12 +42,12 @@ class TableRef:
     settings to reach it. `at(version)` pins it; `open()` gives the `LanceDataset`."""
 
     uri: str
-    version: Optional[int] = None
-    settings: Optional[StoreSettings] = field(default=None, repr=False, compare=False)
+    version: int | None = None
+    settings: StoreSettings | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def of(cls, uri: "str | PurePath", version: Optional[int] = None,
-           overrides: Optional[Mapping[str, str]] = None) -> "TableRef":
+    def of(cls, uri: str | PurePath, version: int | None = None,
+           overrides: Mapping[str, str] | None = None) -> TableRef:
         """A table at a URI from outside the storage root (a source of kind `lance`), its
         settings from the standard variables and `overrides`."""
         text = as_uri(uri)
@@ -65,17 +66,17 @@ class TableRef:
         """The table's folder name without `.lance` (a per-source table: the source)."""
         return self.uri.rstrip("/").rsplit("/", 1)[-1].removesuffix(".lance")
 
-    def lance_options(self) -> Optional[dict[str, str]]:
+    def lance_options(self) -> dict[str, str] | None:
         """Lance's `storage_options` for this table (None locally)."""
         return self.settings.as_lance() if self.settings else None
 
-    def at(self, version: Optional[int]) -> "TableRef":
+    def at(self, version: int | None) -> TableRef:
         return replace(self, version=version)
 
-    def latest(self) -> "TableRef":
+    def latest(self) -> TableRef:
         return replace(self, version=None)
 
-    def pinned(self) -> "TableRef":
+    def pinned(self) -> TableRef:
         """This table at its latest committed version now (as it is, if already pinned),
         so that what a run reads and what it records as lineage are one version."""
         return self if self.version is not None else self.at(self.open().version)
@@ -91,7 +92,7 @@ class TableRef:
         as "no table"."""
         return self.latest_version() is not None
 
-    def latest_version(self) -> Optional[int]:
+    def latest_version(self) -> int | None:
         """The latest committed version, None if the table was never written."""
         import lance
 
@@ -106,7 +107,7 @@ class TableRef:
             raise object_store.ObjectStoreError(
                 f"cannot read Lance table {self.uri}: {exc}") from exc
 
-    def open(self) -> "lance.LanceDataset":
+    def open(self) -> lance.LanceDataset:
         """The table at this handle's version; FileNotFoundError naming the URI if absent."""
         import lance
 
@@ -121,16 +122,16 @@ class TableRef:
             at = f" at version {self.version}" if self.version is not None else ""
             raise FileNotFoundError(f"cannot open Lance table {self.uri}{at}: {exc}") from exc
 
-    def to_table(self, columns: Optional[list[str]] = None, filter: Optional[str] = None,
-                 **kwargs: Any) -> "pa.Table":
+    def to_table(self, columns: list[str] | None = None, filter: str | None = None,
+                 **kwargs: Any) -> pa.Table:
         """Columns of the rows matching `filter`, read in this process (small columns of
         bounded tables: counts, ids of a delta, a mapping)."""
         return self.open().to_table(columns=columns, filter=filter, **kwargs)
 
-    def count_rows(self, filter: Optional[str] = None) -> int:
+    def count_rows(self, filter: str | None = None) -> int:
         return self.open().count_rows(filter=filter)
 
-    def read(self, columns: Optional[list[str]] = None, **kwargs: Any) -> "ray.data.Dataset":
+    def read(self, columns: list[str] | None = None, **kwargs: Any) -> ray.data.Dataset:
         """A lazy Ray Data read at this handle's version (see `lance_tables.read_table`)."""
         from prx_assets.storage.lance_tables import read_table
 
@@ -143,11 +144,11 @@ class Location:
     to reach it. Folders are prefixes on S3; `/` joins a name."""
 
     uri: str
-    settings: Optional[StoreSettings] = field(default=None, repr=False, compare=False)
+    settings: StoreSettings | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def of(cls, uri: "str | PurePath", overrides: Optional[Mapping[str, str]] = None
-           ) -> "Location":
+    def of(cls, uri: str | PurePath, overrides: Mapping[str, str] | None = None
+           ) -> Location:
         """A location from outside the storage root (a source's files), its settings from
         the standard variables and `overrides`."""
         text = as_uri(uri)
@@ -158,10 +159,10 @@ class Location:
     def __str__(self) -> str:
         return self.uri
 
-    def __truediv__(self, name: str) -> "Location":
+    def __truediv__(self, name: str) -> Location:
         return replace(self, uri=f"{self.uri.rstrip('/')}/{name}")
 
-    def table(self, version: Optional[int] = None) -> TableRef:
+    def table(self, version: int | None = None) -> TableRef:
         """The Lance table at this location, with the same settings."""
         return TableRef(self.uri, version, self.settings)
 
@@ -174,7 +175,7 @@ class Location:
         return self.uri.rstrip("/").rsplit("/", 1)[-1]
 
     @property
-    def parent(self) -> "Location":
+    def parent(self) -> Location:
         return replace(self, uri=self.uri.rstrip("/").rsplit("/", 1)[0])
 
     @property
@@ -185,7 +186,7 @@ class Location:
             raise NotImplementedError(f"{self.uri}: this step needs a local folder")
         return Path(self.uri)
 
-    def filesystem(self) -> "tuple[pafs.FileSystem, str]":
+    def filesystem(self) -> tuple[pafs.FileSystem, str]:
         """(pyarrow FileSystem, path inside it): the local file system, or an
         S3FileSystem built from this location's settings."""
         return object_store.filesystem(self.uri, self.settings)
@@ -235,7 +236,7 @@ class Location:
             raise
         sync_folder(target.parent)
 
-    def files(self, suffix: str = "") -> list["Location"]:
+    def files(self, suffix: str = "") -> list[Location]:
         """Files directly in this folder whose names end with `suffix`, sorted; [] when the
         folder does not exist. A listing error raises: it never reads as "no files"."""
         import pyarrow.fs as pafs
@@ -279,13 +280,13 @@ class Location:
         elif kind == pafs.FileType.Directory:
             fs.delete_dir(path_in)
 
-    def copy_to(self, target: "Location") -> None:
+    def copy_to(self, target: Location) -> None:
         """A server-side copy on S3 (no bytes through this process); a copy locally."""
         fs, source = self.filesystem()
         fs.copy_file(source, target.filesystem()[1])
 
 
-def sync_folder(folder: "Path | str") -> None:
+def sync_folder(folder: Path | str) -> None:
     """Flush a folder's entries to disk, so a rename into it survives a crash."""
     fd = os.open(folder, os.O_RDONLY)
     try:

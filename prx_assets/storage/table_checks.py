@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
 from prx_assets.storage.lance_tables import FragmentPolicy, data_bytes
 from prx_assets.storage.refs import TableRef
-
 
 # Up to this many rows the check runs on the driver at 8 bytes per row (80 MB); above it, a
 # Ray hash shuffle spreads it over the cluster. The shuffle has a fixed start-up cost of

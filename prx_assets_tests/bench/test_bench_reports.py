@@ -10,8 +10,19 @@ import sys
 import pytest
 
 from bench.captions import phases
-from bench.proc_memory import (BUSY, CONTROL, DRIVER, IDLE, KINDS, OTHER, SHARED,
-                               descendants, process_kind, process_memory, sample_tree)
+from bench.proc_memory import (
+    BUSY,
+    CONTROL,
+    DRIVER,
+    IDLE,
+    KINDS,
+    OTHER,
+    SHARED,
+    descendants,
+    process_kind,
+    process_memory,
+    sample_tree,
+)
 from bench.scale import KernelRun, run_sizes
 
 # A child that maps 16 MiB of POSIX shared memory, touches it, and waits for stdin to close.

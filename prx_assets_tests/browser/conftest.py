@@ -30,7 +30,7 @@ class ServedApp:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "ServedApp":
+    def __enter__(self) -> ServedApp:
         self.thread.start()
         # uvicorn sets `started` once the socket listens; bounded by a generous safety net.
         for _ in range(600):

@@ -36,7 +36,7 @@ class DagsterDev:
         self.env = {**os.environ, **env, "DAGSTER_HOME": str(self.home)}
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> "DagsterDev":
+    def __enter__(self) -> DagsterDev:
         handle = open(self.log, "wb")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "dagster", "dev", "-w", str(REPO / "workspace.yaml"),

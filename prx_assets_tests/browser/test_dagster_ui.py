@@ -16,8 +16,8 @@ import urllib.request
 
 import pytest
 
-from prx_assets_tests.browser import tiny_corpus
 from prx_assets.testing.chromium import free_port, screenshot
+from prx_assets_tests.browser import tiny_corpus
 from prx_assets_tests.browser.dagster_ui import DagsterDev
 
 pytestmark = pytest.mark.browser

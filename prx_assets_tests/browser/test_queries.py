@@ -5,7 +5,7 @@ the dedup stage's: `prx_assets_tests/stages/dedup/test_near.py`.)"""
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 import pyarrow.compute as pc
@@ -78,7 +78,7 @@ def test_ids_and_strings_are_checked_and_quoted():
 
 
 def test_opt_out_request_is_a_valid_pipeline_request(tmp_path):
-    when = datetime(2026, 12, 1, 10, 0, tzinfo=timezone.utc)
+    when = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
     path = write_request(tmp_path, "web:abc", "ticket 7\n<b>", now=when)
     assert path.parent.path == tmp_path / "opt_outs" and path.name.startswith("browser-")
     record = json.loads(path.read_text())

@@ -6,13 +6,18 @@ import dagster as dg
 import lance
 import pyarrow as pa
 
-from prx_assets.defs.resources import (
-    CaptionerResource, ClassifierResource, RayResource, SourcesResource, StorageResource)
 from prx_assets.defs.corpus import build_corpus_asset, source_tables
+from prx_assets.defs.resources import (
+    CaptionerResource,
+    ClassifierResource,
+    RayResource,
+    SourcesResource,
+    StorageResource,
+)
 from prx_assets.models.embeddings import MiniLMEmbedder
-from prx_assets.storage.layout import Storage
 from prx_assets.stages.corpus.corpus import build_corpus
 from prx_assets.stages.corpus.search import search_text
+from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
 from prx_assets_tests.conftest import write_sources
 from prx_assets_tests.fixtures.corpus_tables import CAPTION_VERSION, write_source

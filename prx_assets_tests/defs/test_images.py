@@ -6,14 +6,14 @@ import lance
 import numpy as np
 from PIL import Image
 
-from prx_assets.stages.ingest.ids import sample_id
+from prx_assets.definitions import build_defs
+from prx_assets.demo.corpus import encode, photo_variant, real_photo_paths
 from prx_assets.stages.images import pil_backend
 from prx_assets.stages.images.phash import hash_hex
-from prx_assets.demo.corpus import encode, photo_variant, real_photo_paths
-from prx_assets.definitions import build_defs
-from prx_assets_tests.fixtures import stock_pillow
+from prx_assets.stages.ingest.ids import sample_id
 from prx_assets_tests.conftest import jpeg_bytes, write_sources
 from prx_assets_tests.defs.test_raw_images import checks
+from prx_assets_tests.fixtures import stock_pillow
 
 
 def test_image_stage_decodes_once_into_two_tables_with_checks(ray_session, data_root, tmp_path):

@@ -1,10 +1,15 @@
 import dagster as dg
 import lance
 
-from prx_assets.defs.resources import (
-    CaptionerResource, ClassifierResource, RayResource, SourcesResource, StorageResource)
-from prx_assets.defs.labels import build_caption_labels, caption_labels_checks
 from prx_assets.defs.corpus import build_corpus_asset
+from prx_assets.defs.labels import build_caption_labels, caption_labels_checks
+from prx_assets.defs.resources import (
+    CaptionerResource,
+    ClassifierResource,
+    RayResource,
+    SourcesResource,
+    StorageResource,
+)
 from prx_assets.demo.runner import check_results
 from prx_assets.stages.corpus.search import search_text
 from prx_assets.storage.refs import TableRef

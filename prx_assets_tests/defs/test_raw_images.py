@@ -156,8 +156,14 @@ def test_a_run_killed_after_a_chunk_commit_resumes_with_only_the_rest(
     `ingest.chunk_committed` failpoint holds the driver there); the rerun reads only the
     units not committed, and the table equals a fresh full run's."""
     from prx_assets_tests.e2e.fault_runs import (
-        RunProcess, RunSpec, mark_killed_run_failed, open_instance, table_state,
-        wait_for_failpoint, write_instance_config)
+        RunProcess,
+        RunSpec,
+        mark_killed_run_failed,
+        open_instance,
+        table_state,
+        wait_for_failpoint,
+        write_instance_config,
+    )
 
     folder = tmp_path / "imgs"
     folder.mkdir()

@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 
 from prx_assets.defs.resources import (
-    CaptionerResource, ClassifierResource, captioner_from_file, spec_fields, spec_values)
+    CaptionerResource,
+    ClassifierResource,
+    captioner_from_file,
+    spec_fields,
+    spec_values,
+)
 from prx_assets.stages.captions.captioners import CaptionerSpec
 from prx_assets.stages.labels.runs import LabelerSpec
 

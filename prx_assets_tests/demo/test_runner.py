@@ -5,8 +5,7 @@ import logging
 
 import dagster as dg
 
-from prx_assets.demo.runner import (
-    DEMO_NOTES, PartitionRun, _run, check_lines, with_console_level)
+from prx_assets.demo.runner import DEMO_NOTES, PartitionRun, _run, check_lines, with_console_level
 
 
 @dg.asset

@@ -20,9 +20,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import lance
 
@@ -70,7 +70,7 @@ class RunSpec:
     failpoint: str | None = None  # armed in the run (and its Ray workers)
     marker: Path | None = None  # where the failpoint's holder writes its marker
 
-    def arm(self, failpoint: str, marker_dir: Path) -> "RunSpec":
+    def arm(self, failpoint: str, marker_dir: Path) -> RunSpec:
         """Arm `failpoint` with a marker file of its own for this run id."""
         self.failpoint = failpoint
         self.marker = marker_dir / f"failpoint-{self.run_id[:8]}-{failpoint}.json"

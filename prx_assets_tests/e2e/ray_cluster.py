@@ -68,7 +68,7 @@ class TwoNodeCluster:
                     pass
                 self.processes[i] = self._spawn(*self.starts[i])
 
-    def __enter__(self) -> "TwoNodeCluster":
+    def __enter__(self) -> TwoNodeCluster:
         self._start(["--head", f"--port={self.port}", "--include-dashboard=false",
                      f"--temp-dir={self.temp_dir}"], "head.log")
         self._wait_for_nodes(1)

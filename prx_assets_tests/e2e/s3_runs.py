@@ -12,8 +12,16 @@ from pathlib import Path
 
 from prx_assets.storage import object_store
 from prx_assets.storage.tables import (
-    BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, CORPUS, DUPLICATES, MDS_SAMPLES, OPT_OUTS,
-    PHASHES, RAW_IMAGES)
+    BUCKETED_IMAGES,
+    CAPTION_LABELS,
+    CAPTIONS,
+    CORPUS,
+    DUPLICATES,
+    MDS_SAMPLES,
+    OPT_OUTS,
+    PHASHES,
+    RAW_IMAGES,
+)
 from prx_assets_tests.conftest import jpeg_bytes
 
 SOURCE = "tars"

@@ -90,8 +90,8 @@ def assert_same_table(left: Path, right: Path) -> None:
 
 def assert_funnel(runs: list, sources: Path, root: Path, capsys) -> None:
     """68 files, all decodable and kept, 4 planted copies; the summary prints the funnel."""
-    from prx_assets.demo.funnel import source_funnel
     from prx_assets.definitions import build_defs
+    from prx_assets.demo.funnel import source_funnel
     from prx_assets.demo.runner import print_summary
 
     resources = build_defs(sources).resources
@@ -163,8 +163,15 @@ def test_the_graph_on_a_two_node_cluster_with_the_data_root_in_a_bucket(
     The nodes get the AWS variables when they start, as a deployment sets them on every node
     (the s3_root fixture has put them in this process's environment)."""
     from prx_assets_tests.e2e.s3_runs import (
-        GLOBAL_TABLES, PER_SOURCE_TABLES, SOURCE, assert_mds_in_bucket, keys_under,
-        run_graph, upload_source, write_webdataset)
+        GLOBAL_TABLES,
+        PER_SOURCE_TABLES,
+        SOURCE,
+        assert_mds_in_bucket,
+        keys_under,
+        run_graph,
+        upload_source,
+        write_webdataset,
+    )
 
     # The source is in the bucket too: no node reads a local copy of it.
     # Four tars: ingest reads one tar per task, so both nodes get some.

@@ -27,17 +27,28 @@ import lance
 import pytest
 from PIL import Image
 
-from prx_assets.stages.ingest.ids import sample_id
+from prx_assets.definitions import build_defs
+from prx_assets.defs.images import ImageStageConfig
 from prx_assets.stages.images.stage import settings_fingerprint
+from prx_assets.stages.ingest.ids import sample_id
 from prx_assets.stages.shards.mds import PARTIAL_SUFFIX, TREES_DIR, current_tree, verify_tree
 from prx_assets.stages.skip_lists.skip_lists import read_sidecar, sidecar_files, skipped_ids
-from prx_assets.defs.images import ImageStageConfig
-from prx_assets.definitions import build_defs
 from prx_assets_tests.conftest import jpeg_bytes, write_sources
 from prx_assets_tests.e2e.fault_runs import (
-    CaptionServer, RunProcess, RunSpec, mark_killed_run_failed, materialized_in_run,
-    open_instance, process_title, run_in_process, step_started, store_state, table_state,
-    wait_for_failpoint, write_instance_config)
+    CaptionServer,
+    RunProcess,
+    RunSpec,
+    mark_killed_run_failed,
+    materialized_in_run,
+    open_instance,
+    process_title,
+    run_in_process,
+    step_started,
+    store_state,
+    table_state,
+    wait_for_failpoint,
+    write_instance_config,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 STAGE_ASSETS = ("raw_images", "bucketed_images", "phashes", "captions", "mds_shards")
@@ -492,6 +503,7 @@ def test_inputs_changing_between_runs(corpus):
     # rerun appended the new and changed files as new shards; their old copies and the
     # removed file stay in older shards, skipped as `stale` (applied whatever the reasons).
     from streaming import Stream
+
     from prx_assets.loader.dataset import SkipListStreamingDataset
 
     tree = current_tree(corpus.data_root, source)

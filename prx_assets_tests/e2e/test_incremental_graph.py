@@ -13,7 +13,14 @@ from prx_assets.definitions import build_defs
 from prx_assets.defs.metadata import ROWS_PROCESSED, ROWS_REMOVED, ROWS_REUSED
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import (
-    BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, MDS_SAMPLES, MDS_SHARDS, PHASHES, RAW_IMAGES)
+    BUCKETED_IMAGES,
+    CAPTION_LABELS,
+    CAPTIONS,
+    MDS_SAMPLES,
+    MDS_SHARDS,
+    PHASHES,
+    RAW_IMAGES,
+)
 from prx_assets_tests.conftest import jpeg_bytes, write_sources
 
 SOURCE = "web"

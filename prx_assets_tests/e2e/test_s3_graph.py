@@ -14,20 +14,39 @@ import pytest
 
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import (
-    BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, CORPUS, DUPLICATES, MDS_SAMPLES, MDS_SHARDS,
-    OPT_OUTS, PHASHES, RAW_IMAGES, SKIP_LISTS)
+    BUCKETED_IMAGES,
+    CAPTION_LABELS,
+    CAPTIONS,
+    CORPUS,
+    DUPLICATES,
+    MDS_SAMPLES,
+    MDS_SHARDS,
+    OPT_OUTS,
+    PHASHES,
+    RAW_IMAGES,
+    SKIP_LISTS,
+)
 from prx_assets_tests.conftest import write_sources
 from prx_assets_tests.e2e.s3_runs import (
-    GLOBAL_TABLES, PER_SOURCE_TABLES, SOURCE, assert_mds_in_bucket, keys_under, put_opt_out,
-    run_graph, upload_source, write_webdataset)
+    GLOBAL_TABLES,
+    PER_SOURCE_TABLES,
+    SOURCE,
+    assert_mds_in_bucket,
+    keys_under,
+    put_opt_out,
+    run_graph,
+    upload_source,
+    write_webdataset,
+)
+
 
 @pytest.mark.timeout(1800)
 def test_the_whole_graph_of_a_webdataset_source_lives_in_the_bucket(
         s3_server, s3_root, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     from prx_assets.definitions import build_defs
-    from prx_assets.demo.funnel import source_funnel
     from prx_assets.defs.opt_outs import build_opt_out_sensor
     from prx_assets.defs.resources import StorageResource
+    from prx_assets.demo.funnel import source_funnel
     from prx_assets.stages.ingest.ids import sample_id
 
     # The source is a tar in the bucket too, streamed from there (never downloaded whole).
@@ -224,9 +243,13 @@ def test_captions_labels_dedup_and_opt_outs_pass_the_storage_options_to_ray_task
     from prx_assets.stages.captions.captioners import CaptionerSpec
     from prx_assets.stages.captions.captions import active_caption_filter
     from prx_assets.stages.captions.runs import caption_source, coverage, pending_requests
-    from prx_assets.stages.labels.runs import LabelerSpec, label_coverage, label_source
     from prx_assets.stages.dedup.dedup import (
-        DUPLICATES_SCHEMA, duplicates_dataset, hash_inputs, summarise)
+        DUPLICATES_SCHEMA,
+        duplicates_dataset,
+        hash_inputs,
+        summarise,
+    )
+    from prx_assets.stages.labels.runs import LabelerSpec, label_coverage, label_source
     from prx_assets.stages.opt_outs.opt_outs import opt_out_dir, parse_directory, resolve
     from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
 

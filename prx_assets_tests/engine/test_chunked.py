@@ -10,7 +10,14 @@ import pytest
 import ray.data
 
 from prx_assets.engine.chunked import (
-    ChunkedReport, ChunkedRun, CommitTarget, drop_ids, pending_rows, run_chunked, without_ids)
+    ChunkedReport,
+    ChunkedRun,
+    CommitTarget,
+    drop_ids,
+    pending_rows,
+    run_chunked,
+    without_ids,
+)
 from prx_assets.storage.refs import TableRef
 
 SCHEMA = pa.schema([pa.field("id", pa.string(), nullable=False), pa.field("value", pa.int64()),

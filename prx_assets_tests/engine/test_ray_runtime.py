@@ -1,6 +1,10 @@
 from prx_assets.engine.ray_runtime import (
-    MALLOC_ENV, OBJECT_STORE_FLOOR, OBJECT_STORE_PER_CPU, default_object_store_bytes,
-    return_freed_memory)
+    MALLOC_ENV,
+    OBJECT_STORE_FLOOR,
+    OBJECT_STORE_PER_CPU,
+    default_object_store_bytes,
+    return_freed_memory,
+)
 
 GIB = 1 << 30
 

@@ -3,7 +3,10 @@
 
 import ray.data.llm
 from ray.data.llm import (
-    ChatTemplateStageConfig, PrepareMultimodalStageConfig, vLLMEngineProcessorConfig)
+    ChatTemplateStageConfig,
+    PrepareMultimodalStageConfig,
+    vLLMEngineProcessorConfig,
+)
 
 from prx_assets.models.vllm import VLLMEngine
 

@@ -115,7 +115,10 @@ def overwrite_main(uri: str, name: str) -> dict:
 
     from prx_assets.engine import ray_runtime
     from prx_assets.storage.lance_tables import (
-        CommitConflictError, FragmentPolicy, write_dataset_atomically)
+        CommitConflictError,
+        FragmentPolicy,
+        write_dataset_atomically,
+    )
 
     ray_runtime.connect(num_cpus=1)
     data = ray.data.from_arrow(rows([f"{name}{i}" for i in range(5)], sum(name.encode())))

@@ -6,10 +6,17 @@ import pyarrow as pa
 import pytest
 import ray.data
 
-from prx_assets.storage.lance_tables import (
-    READ_BATCH_BYTES, READ_TASK_CPUS, blob_scanner_options, read_concurrency, read_table,
-    FragmentPolicy, compact, write_dataset_atomically)
 from prx_assets.engine.ray_runtime import MAX_BLOCK_BYTES, configure_ray_data
+from prx_assets.storage.lance_tables import (
+    READ_BATCH_BYTES,
+    READ_TASK_CPUS,
+    FragmentPolicy,
+    blob_scanner_options,
+    compact,
+    read_concurrency,
+    read_table,
+    write_dataset_atomically,
+)
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.table_checks import duplicate_ids, fragment_health

@@ -6,17 +6,21 @@ import socket
 import threading
 from pathlib import Path
 
-import lance
 import pyarrow as pa
 import pytest
 import ray.data
 
 from prx_assets.storage import object_store
 from prx_assets.storage.lance_tables import (
-    FragmentPolicy, append_rows, prepare_output_dir, upsert, write_dataset_atomically)
+    FragmentPolicy,
+    append_rows,
+    prepare_output_dir,
+    upsert,
+    write_dataset_atomically,
+)
 from prx_assets.storage.layout import Storage
-from prx_assets.storage.refs import TableRef
 from prx_assets.storage.object_store import ObjectStoreError, as_uri, lance_options
+from prx_assets.storage.refs import TableRef
 from prx_assets.storage.table_checks import duplicate_ids, fragment_health
 from prx_assets.storage.table_stats import profile_table
 from prx_assets.storage.tables import CAPTIONS, RAW_IMAGES

@@ -10,11 +10,10 @@ import pytest
 from prx_assets.engine import failpoints
 from prx_assets.storage import lance_tables, object_store
 from prx_assets.storage.lance_tables import CommitConflictError, upsert
-from prx_assets.storage.refs import TableRef
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import CAPTIONS
-from prx_assets_tests.storage.s3_writers import (
-    SCHEMA, WriterProcess, chunk_ids, rows, wait_until)
+from prx_assets_tests.storage.s3_writers import SCHEMA, WriterProcess, chunk_ids, rows, wait_until
 
 POINT = "storage.upsert_uncommitted"
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 import base64
 import io
 import math
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Callable
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -28,8 +29,14 @@ from PIL import Image
 from prx_assets.models.openai_client import EndpointError, OpenAIClient
 from prx_assets.models.vllm import VLLMEngine
 from prx_assets.stages.captions.captions import (
-    CAPTIONS_SCHEMA, DEFAULT_PROMPT, STATUS_EMPTY, STATUS_FAILED, caption_version, clean_caption,
-    load_prompt)
+    CAPTIONS_SCHEMA,
+    DEFAULT_PROMPT,
+    STATUS_EMPTY,
+    STATUS_FAILED,
+    caption_version,
+    clean_caption,
+    load_prompt,
+)
 
 if TYPE_CHECKING:
     import ray.data
@@ -121,7 +128,7 @@ def chat_messages(prompt: str, image: Any, image_part: str = "image") -> list[di
 
 def finish_captions(batch: pa.Table, spec: CaptionerSpec, version: str) -> pa.Table:
     """Rows {id, raw, error} to CAPTIONS_SCHEMA rows."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     rows = {name: [] for name in CAPTIONS_SCHEMA.names}
     for row in batch.select(["id", "raw", "error"]).to_pylist():
         if row["error"]:
@@ -309,7 +316,7 @@ def _actor_pool(size: int):
     return ray.data.ActorPoolStrategy(size=max(1, size))
 
 
-def model_batches(requests: "ray.data.Dataset", spec: CaptionerSpec) -> "ray.data.Dataset":
+def model_batches(requests: ray.data.Dataset, spec: CaptionerSpec) -> ray.data.Dataset:
     """The requests in blocks of at most one model batch (streaming, no shuffle).
 
     An actor task takes whole input blocks and returns its output when the last of them is
@@ -320,7 +327,7 @@ def model_batches(requests: "ray.data.Dataset", spec: CaptionerSpec) -> "ray.dat
     return requests.repartition(target_num_rows_per_block=spec.batch_size)
 
 
-def caption_stage(requests: "ray.data.Dataset", spec: CaptionerSpec) -> "ray.data.Dataset":
+def caption_stage(requests: ray.data.Dataset, spec: CaptionerSpec) -> ray.data.Dataset:
     """Lazy dataset of CAPTIONS_SCHEMA rows for the given requests."""
     version = spec.version()
     if spec.backend == "original":

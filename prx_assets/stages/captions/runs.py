@@ -10,21 +10,29 @@ its failed row.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
+from prx_assets.engine.chunked import BROADCAST_IDS as DEFAULT_BROADCAST_IDS
+from prx_assets.engine.chunked import (
+    ChunkedReport,
+    ChunkedRun,
+    CommitTarget,
+    collect_ids,
+    hash_partitions,
+    keep_ids,
+    pending_rows,
+    run_chunked,
+    without_ids,
+)
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.captions.captioners import CaptionerSpec, caption_stage
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA, STATUS_OK, done_filter
 from prx_assets.storage.filters import eq_filter, in_filter
-from prx_assets.engine.chunked import BROADCAST_IDS as DEFAULT_BROADCAST_IDS
-from prx_assets.engine.chunked import (
-    ChunkedReport, ChunkedRun, CommitTarget, collect_ids, hash_partitions, keep_ids,
-    pending_rows, run_chunked, without_ids)
 from prx_assets.storage.lance_tables import FragmentPolicy, create_empty
 from prx_assets.storage.refs import TableRef
 

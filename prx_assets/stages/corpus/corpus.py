@@ -18,11 +18,11 @@ and brings the existing indexes up to date with `optimize_indices` instead of re
 
 from __future__ import annotations
 
-import io
 import hashlib
+import io
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
 
 import lance
 import numpy as np
@@ -34,8 +34,14 @@ from PIL import Image
 from prx_assets.models.embeddings import EMBEDDING_DIM
 from prx_assets.storage.filters import eq_filter
 from prx_assets.storage.lance_tables import (
-    FragmentPolicy, WriteReport, append_rows, cleanup, compact, describe_write,
-    write_dataset_atomically)
+    FragmentPolicy,
+    WriteReport,
+    append_rows,
+    cleanup,
+    compact,
+    describe_write,
+    write_dataset_atomically,
+)
 from prx_assets.storage.refs import TableRef
 
 THUMB_SIDE = 256
@@ -83,7 +89,7 @@ class SourceTables:
     caption_filter: str
     labels_filter: str
 
-    def pinned(self) -> "SourceTables":
+    def pinned(self) -> SourceTables:
         """Every input at its latest version now (what is read is what lineage records)."""
         return replace(self, bucketed=self.bucketed.pinned(), captions=self.captions.pinned(),
                        labels=self.labels.pinned(), phashes=self.phashes.pinned())
@@ -194,7 +200,7 @@ def build_corpus(corpus: TableRef, sources: list[SourceTables],
 def update_corpus(corpus: TableRef, changed: list[SourceTables], gone: list[str],
                   keep: list[str], chunk_rows: int = CHUNK_ROWS,
                   policy: FragmentPolicy = CORPUS_FRAGMENTS, rebuild_indexes: bool = False,
-                  on_rows: Optional[Callable[[int], None]] = None) -> CorpusReport:
+                  on_rows: Callable[[int], None] | None = None) -> CorpusReport:
     """Replace the rows of the `changed` sources, delete those of the `gone` ones, keep the
     rows of `keep` as they are; then update the indexes (`rebuild_indexes`: retrain them).
 
@@ -231,7 +237,7 @@ def delete_source(corpus: TableRef, source: str) -> int:
 
 
 def append_source(corpus: TableRef, tables: SourceTables, chunk_rows: int,
-                  on_rows: Optional[Callable[[int], None]] = None) -> int:
+                  on_rows: Callable[[int], None] | None = None) -> int:
     """Append a source's corpus rows in chunks (one atomic Append each); returns the rows."""
     dataset, _ = source_dataset(tables)
     written = 0
@@ -276,7 +282,7 @@ def present_indexes(table: lance.LanceDataset) -> dict[str, str]:
             if len(index["fields"]) == 1}
 
 
-def create_indexes(corpus: TableRef, columns: Optional[list[str]] = None) -> dict[str, str]:
+def create_indexes(corpus: TableRef, columns: list[str] | None = None) -> dict[str, str]:
     """FTS on caption, bitmap indexes on source/label/tier, a vector index on embedding when
     the table is large enough to train one (else Lance's exact flat search is used);
     trained from scratch. `columns`: only those."""

@@ -16,9 +16,10 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -61,7 +62,7 @@ class HashInput:
     def version(self) -> int | None:
         return self.table.version
 
-    def open(self) -> "lance.LanceDataset":
+    def open(self) -> lance.LanceDataset:
         return self.table.open()
 
 
@@ -210,7 +211,7 @@ def near_duplicate_shares(hashes: Iterator[np.ndarray], probes: np.ndarray,
     streamed in chunks, so memory stays at one chunk times the probe count.
     """
     if probes.size == 0:
-        return {d: 0.0 for d in range(1, max_distance + 1)}
+        return dict.fromkeys(range(1, max_distance + 1), 0.0)
     probe_bits = probes.astype(np.int64).view(np.uint64)
     nearest = np.full(probes.size, 65, np.int64)
     for chunk in hashes:

@@ -9,14 +9,20 @@ import heapq
 import io
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
 import numpy as np
 from PIL import Image
 
 from prx_assets.stages.images.buckets import assign_bucket
+from prx_assets.stages.images.imaging import (
+    ImageOptions,
+    encode_jpeg,
+    oriented_rgb,
+    oriented_size,
+    resize_to_shape,
+)
 from prx_assets.storage.filters import in_filter
 from prx_assets.storage.refs import TableRef
-from prx_assets.stages.images.imaging import (
-    ImageOptions, encode_jpeg, oriented_rgb, oriented_size, resize_to_shape)
 
 if TYPE_CHECKING:
     import lance
@@ -107,7 +113,7 @@ class _Desc:
     def __init__(self, value: str):
         self.value = value
 
-    def __lt__(self, other: "_Desc") -> bool:
+    def __lt__(self, other: _Desc) -> bool:
         return self.value > other.value
 
 
@@ -133,6 +139,6 @@ def fidelity_report(bucketed_table: TableRef, raw_table: TableRef, options: Imag
     return reports
 
 
-def _rows(table: "lance.LanceDataset", columns: list[str], ids: list[str]):
+def _rows(table: lance.LanceDataset, columns: list[str], ids: list[str]):
     data = table.to_table(columns=columns, filter=in_filter("id", ids)).to_pydict()
     return zip(data[columns[0]], data[columns[1]])

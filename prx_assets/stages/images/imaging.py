@@ -62,7 +62,7 @@ def oriented_size(image: Image.Image) -> tuple[int, int]:
     w, h = image.size
     try:
         orientation = image.getexif().get(0x0112, 1)
-    except Exception:  # noqa: BLE001 - a broken EXIF block means no orientation
+    except Exception:
         orientation = 1
     return (h, w) if orientation in _SWAPPING_ORIENTATIONS else (w, h)
 
@@ -145,7 +145,7 @@ def process_image(data: bytes, options: ImageOptions = ImageOptions()) -> ImageR
             if bucket.status != "ok":
                 return result  # filtered by size alone: never decoded
             return _decode_and_encode(image, bucket, result, options, (width, height) != image.size)
-    except Exception as exc:  # noqa: BLE001 - any decoder failure is a recorded reason
+    except Exception as exc:
         return ImageResult(STATUS_UNDECODABLE, error=f"{type(exc).__name__}: {exc}"[:500])
 
 

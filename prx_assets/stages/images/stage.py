@@ -15,8 +15,8 @@ import dataclasses
 import functools
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import lance
 import pyarrow as pa
@@ -24,13 +24,26 @@ import pyarrow.compute as pc
 import ray.data
 
 from prx_assets.engine.chunked import (
-    BROADCAST_IDS, ChunkedReport, ChunkedRun, CommitTarget, collect_ids, hash_partitions,
-    run_chunked, without_ids)
+    BROADCAST_IDS,
+    ChunkedReport,
+    ChunkedRun,
+    CommitTarget,
+    collect_ids,
+    hash_partitions,
+    run_chunked,
+    without_ids,
+)
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.images.imaging import ImageOptions, process_image
 from prx_assets.storage.filters import in_filter, sql_string
 from prx_assets.storage.lance_tables import (
-    FragmentPolicy, cleanup, compact, overwrite_rows, tag_with_node, upsert)
+    FragmentPolicy,
+    cleanup,
+    compact,
+    overwrite_rows,
+    tag_with_node,
+    upsert,
+)
 from prx_assets.storage.refs import TableRef
 
 # Bump when the stage's output for the same raw bytes and settings changes (a new resize,

@@ -19,11 +19,10 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
-import lance
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray
@@ -31,13 +30,24 @@ import ray.data
 from ray.data.aggregate import Count, Max
 
 from prx_assets.engine.chunked import (
-    BROADCAST_IDS, ChunkedReport, ChunkedRun, CommitTarget, hash_partitions, run_chunked)
+    BROADCAST_IDS,
+    ChunkedReport,
+    ChunkedRun,
+    CommitTarget,
+    hash_partitions,
+    run_chunked,
+)
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.ingest import readers
 from prx_assets.stages.ingest.location import SourceLocation
 from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS
 from prx_assets.stages.ingest.raw_rows import (
-    RAW_IMAGES_SCHEMA, UNIT_COLUMNS, FoundItem, raw_row, rows_to_tables)
+    RAW_IMAGES_SCHEMA,
+    UNIT_COLUMNS,
+    FoundItem,
+    raw_row,
+    rows_to_tables,
+)
 from prx_assets.stages.ingest.sources import SourceSpec
 from prx_assets.storage.filters import in_filter
 from prx_assets.storage.lance_tables import create_empty, overwrite_rows, tag_with_node
@@ -86,7 +96,7 @@ def completed_units(target: CommitTarget) -> dict[str, str]:
     return dict(zip(complete["unit"].to_pylist(), complete["unit_signature"].to_pylist()))
 
 
-def schema_mismatch(target: CommitTarget) -> Optional[str]:
+def schema_mismatch(target: CommitTarget) -> str | None:
     """Why an existing table cannot be updated in place (a table of an older schema), or
     None (no table, or the current schema)."""
     if target.version() is None:
@@ -117,10 +127,10 @@ class IngestPlan:
     units_listed: int = 0
     pending_units: int = 0
     blocks: list = field(default_factory=list)  # ObjectRefs of pa.Tables (UNIT_FIELDS)
-    listed: Optional[dict[str, str]] = None  # driver comparison: unit -> signature now
-    pending_rows: Optional[ray.data.Dataset] = None  # Ray comparison: units left to read
+    listed: dict[str, str] | None = None  # driver comparison: unit -> signature now
+    pending_rows: ray.data.Dataset | None = None  # Ray comparison: units left to read
 
-    def pending(self) -> Optional[ray.data.Dataset]:
+    def pending(self) -> ray.data.Dataset | None:
         if self.listed is None:
             return self.pending_rows if self.pending_units else None
         return ray.data.from_arrow_refs(self.blocks) if self.blocks else None
@@ -132,7 +142,7 @@ class IngestPlan:
                                 self.units_listed)
 
 
-def plan_ingest(spec: SourceSpec, uri: "str | Path | SourceLocation", done: dict[str, str],
+def plan_ingest(spec: SourceSpec, uri: str | Path | SourceLocation, done: dict[str, str],
                 block_units: int = UNIT_BLOCK, keep_listing: bool = True) -> IngestPlan:
     """List the source and queue, in blocks, every unit whose listed signature is not
     done (with `keep_listing=False`, every unit, and no dict of them on the driver)."""
@@ -155,7 +165,7 @@ def plan_ingest(spec: SourceSpec, uri: "str | Path | SourceLocation", done: dict
     return plan
 
 
-def plan_ingest_joined(spec: SourceSpec, uri: "str | Path | SourceLocation",
+def plan_ingest_joined(spec: SourceSpec, uri: str | Path | SourceLocation,
                        target: CommitTarget, block_units: int = UNIT_BLOCK) -> IngestPlan:
     """The plan for a big table: the listing anti-joined with the completed units of the
     table in Ray (hash-partitioned), materialised once (unit names only)."""
@@ -182,7 +192,7 @@ def _complete_only(groups: pa.Table) -> pa.Table:
     return complete.select(list(UNIT_KEYS))
 
 
-def _put_block(units: list[tuple[str, str]]) -> "ray.ObjectRef":
+def _put_block(units: list[tuple[str, str]]) -> ray.ObjectRef:
     names, signatures = zip(*units)
     return ray.put(pa.table([pa.array(names, pa.string()), pa.array(signatures, pa.string())],
                             schema=UNIT_FIELDS))
@@ -190,7 +200,7 @@ def _put_block(units: list[tuple[str, str]]) -> "ray.ObjectRef":
 
 # ------------------------------------------------------------------ reading units (Ray tasks)
 
-def expand_units(units: pa.Table, spec: SourceSpec, location: "SourceLocation | str",
+def expand_units(units: pa.Table, spec: SourceSpec, location: SourceLocation | str,
                  options: IngestOptions, node_column: bool = False) -> Iterator[pa.Table]:
     """Ray map_batches UDF: a batch of units -> bounded tables of raw rows, marked with the
     Ray node that read them (schema metadata, or with `node_column` a column that survives
@@ -228,12 +238,12 @@ def rows_to_commit(chunk: pa.Table) -> pa.Table:
 
 
 def _unit_rows(spec: SourceSpec, location: SourceLocation, unit: str,
-               signature: Optional[str], options: IngestOptions) -> Iterator[dict]:
+               signature: str | None, options: IngestOptions) -> Iterator[dict]:
     """The unit's rows, each naming its unit and signature; the last one also says how
     many rows the unit yielded (held back one row to know which is last). A key repeated
     within the unit (a tar whose members of one sample are not adjacent) keeps its first
     item: one id is one row."""
-    previous: Optional[dict] = None
+    previous: dict | None = None
     count = 0
     seen: set[str] = set()
     for item in _items_of_unit(spec, location, unit, signature, options):
@@ -251,7 +261,7 @@ def _unit_rows(spec: SourceSpec, location: SourceLocation, unit: str,
 
 
 def _items_of_unit(spec: SourceSpec, location: SourceLocation, unit: str,
-                   signature: Optional[str], options: IngestOptions) -> Iterator[FoundItem]:
+                   signature: str | None, options: IngestOptions) -> Iterator[FoundItem]:
     if readers.is_folder_unit(unit):
         yield readers.unreadable_folder_item(unit)
     elif spec.kind == "image_folder":
@@ -280,7 +290,7 @@ def read_units(units: ray.data.Dataset, spec: SourceSpec, location: SourceLocati
     )
 
 
-def build_raw_dataset(spec: SourceSpec, uri: "str | Path",
+def build_raw_dataset(spec: SourceSpec, uri: str | Path,
                       options: IngestOptions = IngestOptions()) -> ray.data.Dataset:
     """The lazy dataset of every `raw_images` row of the source (a full read, nothing
     compared; for benches and one-shot writes)."""
@@ -301,8 +311,8 @@ class IngestReport(ChunkedReport):
     units_read: int = 0
     rows: int = 0  # rows in the table after the run
     rows_removed: int = 0
-    rebuilt_because: Optional[str] = None  # set when an old-schema table was rebuilt
-    version_before: Optional[int] = None
+    rebuilt_because: str | None = None  # set when an old-schema table was rebuilt
+    version_before: int | None = None
     nodes: set[str] = field(default_factory=set)
 
     @property
@@ -321,9 +331,9 @@ class IngestReport(ChunkedReport):
 ChunkHook = Callable[[pa.Table, ChunkedRun], None]
 
 
-def ingest_source(spec: SourceSpec, uri: "str | Path | SourceLocation", target: CommitTarget,
+def ingest_source(spec: SourceSpec, uri: str | Path | SourceLocation, target: CommitTarget,
                   options: IngestOptions = IngestOptions(),
-                  on_chunk: Optional[ChunkHook] = None,
+                  on_chunk: ChunkHook | None = None,
                   log: Callable[[str], None] = lambda message: None) -> IngestReport:
     """Bring the source's table up to date with the source: read what changed, commit it
     in chunks, delete what left. Safe to kill at any point and to rerun."""

@@ -8,9 +8,9 @@ build their file system from those settings, never from their own environment.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Mapping, Optional
 
 import pyarrow.fs as pafs
 
@@ -26,12 +26,12 @@ class SourceLocation:
     parquet file) rather than a folder or prefix."""
 
     uri: str
-    settings: Optional[StoreSettings] = field(default=None, repr=False)
+    settings: StoreSettings | None = field(default=None, repr=False)
     single_file: bool = False
 
     @classmethod
-    def of(cls, uri: "str | Path", overrides: Optional[Mapping[str, str]] = None
-           ) -> "SourceLocation":
+    def of(cls, uri: str | Path, overrides: Mapping[str, str] | None = None
+           ) -> SourceLocation:
         text = object_store.as_uri(uri)
         if object_store.is_object_store(text):
             return cls(text.rstrip("/"), StoreSettings.resolve(text, overrides))
@@ -41,7 +41,7 @@ class SourceLocation:
     def is_local(self) -> bool:
         return self.settings is None
 
-    def table(self, version: Optional[int] = None) -> TableRef:
+    def table(self, version: int | None = None) -> TableRef:
         """The source as a Lance table (a source of kind `lance`)."""
         return TableRef(self.uri, version, self.settings)
 
@@ -58,7 +58,7 @@ class SourceLocation:
         """The file system path of a unit (a path relative to the location)."""
         return self.base if self.single_file else f"{self.base.rstrip('/')}/{rel}"
 
-    def as_single_file(self) -> "SourceLocation":
+    def as_single_file(self) -> SourceLocation:
         return replace(self, single_file=True)
 
     def check_reachable(self) -> None:
@@ -66,10 +66,10 @@ class SourceLocation:
         if self.settings:
             object_store.check_reachable(self.uri, self.settings)
 
-    def info(self, path: Optional[str] = None) -> pafs.FileInfo:
+    def info(self, path: str | None = None) -> pafs.FileInfo:
         return self.filesystem().get_file_info(path or self.base)
 
 
-def signature(size: Optional[int], mtime_ns: Optional[int]) -> str:
+def signature(size: int | None, mtime_ns: int | None) -> str:
     """What a listing says about a file's content: its size and modification time (ns)."""
     return f"{size}:{mtime_ns}"

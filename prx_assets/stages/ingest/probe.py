@@ -56,7 +56,7 @@ def probe_image(data: bytes | None, max_pixels: int = DEFAULT_MAX_PIXELS) -> Pro
                     fmt, (width, height) = img.format, img.size
             finally:
                 Image.MAX_IMAGE_PIXELS = previous_cap
-    except Exception as exc:  # noqa: BLE001 - any parser failure is a recorded reason
+    except Exception as exc:
         return _unparseable(data, exc)
     if fmt not in SUPPORTED_FORMATS:
         return ProbeResult(STATUS_UNSUPPORTED, fmt, width, height, f"format {fmt} not accepted")

@@ -10,14 +10,18 @@ import json
 import os
 import posixpath
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
-from typing import Iterator
 
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from prx_assets.stages.ingest.probe import STATUS_MISSING_IMAGE, STATUS_UNREADABLE, STATUS_UNSAFE_PATH
 from prx_assets.stages.ingest.location import SourceLocation, signature
+from prx_assets.stages.ingest.probe import (
+    STATUS_MISSING_IMAGE,
+    STATUS_UNREADABLE,
+    STATUS_UNSAFE_PATH,
+)
 from prx_assets.stages.ingest.raw_rows import FoundItem
 from prx_assets.stages.ingest.sources import SourceSpec
 
@@ -35,11 +39,11 @@ UNIT_SUFFIXES = {"image_folder": IMAGE_FOLDER_EXTENSIONS, "webdataset": (".tar",
                  "parquet": (".parquet",)}
 
 
-def _location(where: "SourceLocation | Path | str") -> SourceLocation:
+def _location(where: SourceLocation | Path | str) -> SourceLocation:
     return where if isinstance(where, SourceLocation) else SourceLocation.of(where)
 
 
-def resolve_location(spec: SourceSpec, where: "SourceLocation | Path | str") -> SourceLocation:
+def resolve_location(spec: SourceSpec, where: SourceLocation | Path | str) -> SourceLocation:
     """The source's location, checked: on an object store the bucket, credentials and
     endpoint first (`ObjectStoreError`), then that the path exists (`SourceNotFoundError`);
     marked `single_file` when the uri names one file rather than a folder or prefix."""
@@ -58,11 +62,11 @@ def resolve_location(spec: SourceSpec, where: "SourceLocation | Path | str") -> 
     return location.as_single_file() if info.type == pafs.FileType.File else location
 
 
-def check_source_exists(spec: SourceSpec, uri: "SourceLocation | Path | str") -> None:
+def check_source_exists(spec: SourceSpec, uri: SourceLocation | Path | str) -> None:
     resolve_location(spec, uri)
 
 
-def list_units(spec: SourceSpec, uri: "SourceLocation | Path | str") -> Iterator[str]:
+def list_units(spec: SourceSpec, uri: SourceLocation | Path | str) -> Iterator[str]:
     """Paths (relative to `uri`, POSIX, sorted per directory) of the units to read, and a
     `folder_unit` for each folder that could not be listed."""
     for unit, _ in list_unit_entries(spec, resolve_location(spec, uri)):
@@ -199,7 +203,7 @@ def _with_key(found: FoundItem | bytes, key: str, caption: str | None) -> FoundI
     return FoundItem(key=key, data=found, caption=caption)
 
 
-def read_image_file(spec: SourceSpec, uri: "SourceLocation | Path", rel: str,
+def read_image_file(spec: SourceSpec, uri: SourceLocation | Path, rel: str,
                     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> FoundItem:
     location = _location(uri)
     path = location.path_of(rel)
@@ -230,7 +234,7 @@ def _split_wds_name(name: str) -> tuple[str, str]:
     return key, ext.lower() if dot else ""
 
 
-def read_tar(spec: SourceSpec, uri: "SourceLocation | Path", rel: str,
+def read_tar(spec: SourceSpec, uri: SourceLocation | Path, rel: str,
              max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> Iterator[FoundItem]:
     """Stream a WebDataset shard from an input stream (a local file or an object read
     front to back): members grouped by key, never extracted, never downloaded whole."""
@@ -309,7 +313,7 @@ def _wds_caption(spec: SourceSpec, sample: dict[str, bytes]) -> str | None:
     return None
 
 
-def read_parquet_file(spec: SourceSpec, uri: "SourceLocation | Path", rel: str,
+def read_parquet_file(spec: SourceSpec, uri: SourceLocation | Path, rel: str,
                       batch_rows: int = 256, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
                       ) -> Iterator[FoundItem]:
     """Stream a parquet file in record batches through the file system (ranged reads on an

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
 import scipy.optimize
 
-from prx_assets.storage.filters import all_of, eq_filter
 from prx_assets.models.embeddings import EMBEDDING_DIM, MODEL_ID, MiniLMEmbedder, model_fingerprint
+from prx_assets.storage.filters import all_of, eq_filter
 
 LABELS = ("visual", "text", "nsfw")
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -99,7 +99,7 @@ class LinearClassifier:
                                            "validation": self.validation, "model": MODEL_ID})))
 
     @classmethod
-    def load(cls, path: Path = WEIGHTS) -> "LinearClassifier":
+    def load(cls, path: Path = WEIGHTS) -> LinearClassifier:
         with np.load(path) as stored:
             meta = json.loads(str(stored["meta"]))
             return cls(stored["weights"], stored["bias"], meta["l2"], meta["training_set_sha"],
@@ -185,7 +185,7 @@ def embedded_classifier_version(l2: float = DEFAULT_L2) -> str:
 def label_rows(ids: Sequence[str], caption_version: Sequence[str], classifier_version: str,
                labels: Sequence[str], scores: np.ndarray, embeddings: np.ndarray) -> pa.Table:
     """Rows of LABELS_SCHEMA; `scores` has one column per entry of LABELS."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     n = len(ids)
     columns = {
         "id": pa.array(ids, pa.string()),

@@ -12,23 +12,41 @@ throughout.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
+from prx_assets.engine.chunked import (
+    ChunkedReport,
+    ChunkedRun,
+    CommitTarget,
+    drop_ids,
+    keep_ids,
+    run_chunked,
+)
 from prx_assets.models.embeddings import MiniLMEmbedder
 from prx_assets.stages.labels.backends import (
-    QUESTION, OpenAILabelClient, OpenAISettings, VLLMSettings, build_vllm_labeler,
-    vllm_sampling_params)
+    QUESTION,
+    OpenAILabelClient,
+    OpenAISettings,
+    VLLMSettings,
+    build_vllm_labeler,
+    vllm_sampling_params,
+)
 from prx_assets.stages.labels.labels import (
-    DEFAULT_L2, LABELS, LABELS_SCHEMA, EmbeddedLabeler, active_labels_filter,
-    embedded_classifier_version, label_rows, version_hash)
-from prx_assets.engine.chunked import (
-    ChunkedReport, ChunkedRun, CommitTarget, drop_ids, keep_ids, run_chunked)
+    DEFAULT_L2,
+    LABELS,
+    LABELS_SCHEMA,
+    EmbeddedLabeler,
+    active_labels_filter,
+    embedded_classifier_version,
+    label_rows,
+    version_hash,
+)
 from prx_assets.storage.filters import in_filter
 from prx_assets.storage.lance_tables import FragmentPolicy, create_empty
 from prx_assets.storage.refs import TableRef

@@ -19,10 +19,10 @@ import hashlib
 import io
 import json
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -84,7 +84,7 @@ class ParsedRequests:
     requests: list[OptOutRequest] = field(default_factory=list)
     errors: list[RowError] = field(default_factory=list)
 
-    def extend(self, other: "ParsedRequests") -> None:
+    def extend(self, other: ParsedRequests) -> None:
         self.requests += other.requests
         self.errors += other.errors
 
@@ -136,8 +136,8 @@ def parse_timestamp(text: str) -> datetime:
         stamp = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:
         raise ValueError(f"timestamp {text!r} is not ISO 8601") from None
-    return stamp.replace(tzinfo=timezone.utc) if stamp.tzinfo is None else stamp.astimezone(
-        timezone.utc)
+    return stamp.replace(tzinfo=UTC) if stamp.tzinfo is None else stamp.astimezone(
+        UTC)
 
 
 def parse_file(location: Location) -> ParsedRequests:
@@ -216,7 +216,7 @@ class _Keys:
     by_type: dict[str, dict[str, list[OptOutRequest]]]
 
     @classmethod
-    def of(cls, requests: Iterable[OptOutRequest], source: str) -> "_Keys":
+    def of(cls, requests: Iterable[OptOutRequest], source: str) -> _Keys:
         by_type: dict[str, dict[str, list[OptOutRequest]]] = {k: {} for k in KEY_TYPES}
         for request in requests:
             if request.key_type == "id" and not request.value.startswith(f"{source}:"):

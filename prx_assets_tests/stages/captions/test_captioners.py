@@ -16,15 +16,21 @@ import pytest
 import ray.data
 from PIL import Image
 
-from prx_assets.stages.captions import runs as caption_runs
-from prx_assets.stages.captions.runs import caption_source, pending_requests
-from prx_assets.stages.captions.captioners import (
-    CaptionerSpec, OpenAICaptioner, TransformersCaptioner, caption_stage, vllm_postprocess,
-    vllm_preprocess, vllm_processor_config)
-from prx_assets.stages.captions.captions import load_prompt
-from prx_assets.testing.tiny_vlm import build_tiny_qwen3_vl
 from prx_assets.demo.corpus import encode, photo_variant, real_photo_paths
+from prx_assets.stages.captions import runs as caption_runs
+from prx_assets.stages.captions.captioners import (
+    CaptionerSpec,
+    OpenAICaptioner,
+    TransformersCaptioner,
+    caption_stage,
+    vllm_postprocess,
+    vllm_preprocess,
+    vllm_processor_config,
+)
+from prx_assets.stages.captions.captions import load_prompt
+from prx_assets.stages.captions.runs import caption_source, pending_requests
 from prx_assets.storage.refs import TableRef
+from prx_assets.testing.tiny_vlm import build_tiny_qwen3_vl
 
 
 @pytest.fixture(scope="session")
@@ -254,7 +260,11 @@ def test_openai_backend_through_ray(ray_session, photos):
 # --- vLLM through ray.data.llm (configuration only: no vLLM on this machine) --------------
 
 def test_vllm_processor_configuration_matches_installed_ray_data_llm(photos):
-    from ray.data.llm import PrepareMultimodalStageConfig, build_processor, vLLMEngineProcessorConfig
+    from ray.data.llm import (
+        PrepareMultimodalStageConfig,
+        build_processor,
+        vLLMEngineProcessorConfig,
+    )
 
     spec = CaptionerSpec(backend="vllm", model="Qwen/Qwen3-VL-8B-Instruct", batch_size=32,
                          concurrency=4, accelerator_type="H200",

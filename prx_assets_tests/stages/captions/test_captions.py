@@ -2,10 +2,16 @@ import pytest
 
 from prx_assets.stages.captions.captioners import CaptionerSpec, model_image
 from prx_assets.stages.captions.captions import (
-    STATUS_EMPTY, STATUS_OK, STATUS_REFUSED, active_caption_filter, clean_caption, load_prompt,
-    word_histogram)
-from prx_assets_tests.conftest import jpeg_bytes
+    STATUS_EMPTY,
+    STATUS_OK,
+    STATUS_REFUSED,
+    active_caption_filter,
+    clean_caption,
+    load_prompt,
+    word_histogram,
+)
 from prx_assets.storage.refs import TableRef
+from prx_assets_tests.conftest import jpeg_bytes
 
 
 def test_caption_version_names_everything_that_changes_a_caption():

@@ -5,10 +5,17 @@ import lance
 import pytest
 from PIL import Image
 
-from prx_assets.stages.corpus.corpus import CORPUS_SCHEMA, build_corpus
 from prx_assets.models.embeddings import MiniLMEmbedder
+from prx_assets.stages.corpus.corpus import CORPUS_SCHEMA, build_corpus
 from prx_assets.stages.corpus.search import (
-    CorpusNotBuilt, EmptyCorpus, SearchError, UnknownId, format_hits, search_text, similar)
+    CorpusNotBuilt,
+    EmptyCorpus,
+    SearchError,
+    UnknownId,
+    format_hits,
+    search_text,
+    similar,
+)
 from prx_assets.storage.refs import TableRef
 from prx_assets_tests.fixtures.corpus_tables import write_source
 from prx_assets_tests.fixtures.labelled_captions import TEST_CAPTIONS

@@ -3,8 +3,13 @@ import numpy as np
 import pyarrow as pa
 
 from prx_assets.stages.dedup.dedup import (
-    HashInput, bucket_of, duplicates_dataset, group_candidates, near_duplicate_shares,
-    reference_duplicates)
+    HashInput,
+    bucket_of,
+    duplicates_dataset,
+    group_candidates,
+    near_duplicate_shares,
+    reference_duplicates,
+)
 from prx_assets.stages.images.stage import PHASH_SCHEMA
 from prx_assets.storage.refs import TableRef
 

@@ -3,7 +3,14 @@ import math
 import pytest
 
 from prx_assets.stages.images.buckets import (
-    DEFAULT_TIERS, BucketRule, Shape, aspect_ratios, assign_bucket, choose_tier, tier_shapes)
+    DEFAULT_TIERS,
+    BucketRule,
+    Shape,
+    aspect_ratios,
+    assign_bucket,
+    choose_tier,
+    tier_shapes,
+)
 
 
 @pytest.mark.parametrize("tier", DEFAULT_TIERS)

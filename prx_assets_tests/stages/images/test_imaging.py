@@ -8,15 +8,20 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from prx_assets.demo.corpus import encode, photo_variant, procedural_image, real_photo_paths
 from prx_assets.stages.images import phash as phash_mod
 from prx_assets.stages.images import pil_backend
+from prx_assets.stages.images.buckets import Shape
 from prx_assets.stages.images.fidelity import psnr
 from prx_assets.stages.images.imaging import (
-    ImageOptions, cover_box, oriented_size, process_image, to_rgb)
-from prx_assets.stages.images.buckets import Shape
-from prx_assets.demo.corpus import encode, photo_variant, procedural_image, real_photo_paths
-from prx_assets_tests.fixtures import stock_pillow
+    ImageOptions,
+    cover_box,
+    oriented_size,
+    process_image,
+    to_rgb,
+)
 from prx_assets_tests.conftest import image_bytes, jpeg_bytes
+from prx_assets_tests.fixtures import stock_pillow
 
 GOLDEN = Path(__file__).parent / "data" / "stock_phashes.json"
 

@@ -8,7 +8,12 @@ import ray.data
 
 from prx_assets.stages.images.imaging import ImageOptions
 from prx_assets.stages.images.stage import (
-    BUCKETED_SCHEMA, ImageTables, pending_raw, removed_ids, settings_fingerprint)
+    BUCKETED_SCHEMA,
+    ImageTables,
+    pending_raw,
+    removed_ids,
+    settings_fingerprint,
+)
 from prx_assets.storage.refs import TableRef
 
 CURRENT = settings_fingerprint(ImageOptions())

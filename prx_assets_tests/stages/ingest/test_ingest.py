@@ -6,12 +6,12 @@ import pytest
 
 from prx_assets.stages.ingest.ids import sample_id
 from prx_assets.stages.ingest.ingest import IngestOptions, build_raw_dataset, plan_ingest
-from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
 from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.stages.ingest.readers import SourceNotFoundError
 from prx_assets.stages.ingest.sources import SourceSpec
-from prx_assets_tests.conftest import jpeg_bytes
+from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
 from prx_assets.storage.refs import TableRef
+from prx_assets_tests.conftest import jpeg_bytes
 
 
 def ingest(spec: SourceSpec, uri: Path, tmp_path: Path, **options) -> pa.Table:

@@ -6,10 +6,18 @@ from ray.data.llm import vLLMEngineProcessorConfig
 from ray.llm._internal.batch.stages import vllm_engine_stage
 
 from prx_assets.stages.labels.backends import (
-    DEFAULT_LLM, OpenAILabelClient, OpenAISettings, VLLMSettings, parse_label,
-    scores_from_top_logprobs, vllm_postprocess, vllm_preprocess, vllm_processor_config)
-from prx_assets.stages.labels.runs import LabelerSpec
+    DEFAULT_LLM,
+    OpenAILabelClient,
+    OpenAISettings,
+    VLLMSettings,
+    parse_label,
+    scores_from_top_logprobs,
+    vllm_postprocess,
+    vllm_preprocess,
+    vllm_processor_config,
+)
 from prx_assets.stages.labels.labels import LABELS
+from prx_assets.stages.labels.runs import LabelerSpec
 from prx_assets_tests.fixtures.local_chat_server import chat_server
 
 

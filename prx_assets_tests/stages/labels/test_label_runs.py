@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 from prx_assets.stages.labels.backends import OpenAISettings
+from prx_assets.stages.labels.labels import LABELS_SCHEMA, active_labels_filter
 from prx_assets.stages.labels.runs import LabelerSpec, label_coverage, label_source, pool_size
 from prx_assets.storage.refs import TableRef
-from prx_assets.stages.labels.labels import LABELS_SCHEMA, active_labels_filter
 from prx_assets_tests.fixtures.labelled_captions import labelled_test_captions, write_captions
 from prx_assets_tests.fixtures.local_chat_server import chat_server
 

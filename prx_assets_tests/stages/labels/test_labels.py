@@ -3,8 +3,16 @@ import pytest
 
 from prx_assets.models.embeddings import EMBEDDING_DIM, MiniLMEmbedder
 from prx_assets.stages.labels.labels import (
-    CAPTION_SET, LABELS, LabelledCaption, embedded_classifier_version, file_sha,
-    load_caption_set, load_embedded_classifier, per_class_accuracy, train_classifier)
+    CAPTION_SET,
+    LABELS,
+    LabelledCaption,
+    embedded_classifier_version,
+    file_sha,
+    load_caption_set,
+    load_embedded_classifier,
+    per_class_accuracy,
+    train_classifier,
+)
 from prx_assets_tests.fixtures.labelled_captions import TEST_CAPTIONS
 
 

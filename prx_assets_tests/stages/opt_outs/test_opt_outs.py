@@ -2,10 +2,15 @@ import lance
 import pyarrow as pa
 
 from prx_assets.stages.dedup.dedup import DUPLICATES_SCHEMA
+from prx_assets.stages.opt_outs.opt_outs import (
+    affected_sources,
+    ids_for_source,
+    parse_directory,
+    parse_file,
+    resolve,
+)
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import Location
-from prx_assets.stages.opt_outs.opt_outs import (
-    affected_sources, ids_for_source, parse_directory, parse_file, resolve)
 
 SHA_A = "a" * 64
 SHA_B = "b" * 64
@@ -110,8 +115,7 @@ def test_request_files_in_a_bucket_are_listed_fingerprinted_and_parsed(s3_server
     """Under an s3:// root the request folder is a prefix: listed (hidden files and other
     suffixes ignored), fingerprinted by content, parsed; the browser's request is one put."""
     from prx_assets.browser.optout import pending_requests, write_request
-    from prx_assets.stages.opt_outs.opt_outs import (
-        fingerprint, opt_out_dir, request_files)
+    from prx_assets.stages.opt_outs.opt_outs import fingerprint, opt_out_dir, request_files
     from prx_assets.storage import object_store
 
     store = Storage(s3_root)
