@@ -378,21 +378,28 @@ def _create_if_absent(table: TableRef, rows: pa.Table, schema: pa.Schema) -> Opt
         raise
 
 
-def overwrite_rows(table: TableRef, rows: pa.Table, schema: pa.Schema) -> int:
+def overwrite_rows(table: TableRef, rows: pa.Table, schema: pa.Schema,
+                   policy: Optional[FragmentPolicy] = None) -> int:
     """`rows` as the table's whole new version, in one commit (created if absent): readers
     see the previous rows or these, never a mix. For small tables written whole."""
     prepare_output_dir(table, "Lance table")
     mode = "overwrite" if table.exists() else "create"
     return lance.write_dataset(rows.cast(schema), table.uri, schema=schema, mode=mode,
-                               storage_options=table.lance_options()).version
+                               storage_options=table.lance_options(),
+                               **_fragment_sizes(policy)).version
 
 
 def append_rows(table: TableRef, rows: pa.Table, schema: pa.Schema,
                 policy: Optional[FragmentPolicy] = None) -> int:
     """`rows` appended in one commit (the table created if absent); returns the version."""
     prepare_output_dir(table, "Lance table")
-    kwargs = {"max_rows_per_file": policy.max_rows,
-              "max_bytes_per_file": policy.target_bytes} if policy else {}
     return lance.write_dataset(rows.cast(schema), table.uri, schema=schema,
                                mode="append" if table.exists() else "create",
-                               storage_options=table.lance_options(), **kwargs).version
+                               storage_options=table.lance_options(),
+                               **_fragment_sizes(policy)).version
+
+
+def _fragment_sizes(policy: Optional[FragmentPolicy]) -> dict[str, int]:
+    """`write_dataset`'s file-size arguments for `policy` (Lance's defaults without one)."""
+    return {"max_rows_per_file": policy.max_rows,
+            "max_bytes_per_file": policy.target_bytes} if policy else {}
