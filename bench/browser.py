@@ -42,7 +42,7 @@ from prx_assets.stages.images.stage import BUCKETED_SCHEMA, settings_fingerprint
 from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.stages.labels.labels import LABELS_SCHEMA
 from prx_assets.stages.opt_outs.opt_outs import AUDIT_SCHEMA
-from prx_assets.stages.shards.mds import MDS_SAMPLES_SCHEMA
+from prx_assets.stages.shards.mapping import MDS_SAMPLES_SCHEMA
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
 

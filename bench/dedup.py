@@ -21,7 +21,6 @@ import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
-import lance
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -38,7 +37,9 @@ from prx_assets.stages.opt_outs.opt_outs import (
     parse_directory,
     resolve,
 )
-from prx_assets.stages.shards import mds
+from prx_assets.stages.shards.mds import write_mds_tree
+from prx_assets.stages.shards.plan import SampleInputs, WriteOptions
+from prx_assets.stages.shards.trees import current_tree
 from prx_assets.stages.shards.rewrite import rewrite_without_skipped
 from prx_assets.stages.skip_lists.skip_lists import (
     apply_skip_lists,
@@ -47,6 +48,7 @@ from prx_assets.stages.skip_lists.skip_lists import (
     mapping_shards,
     sidecar_files,
 )
+from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 
 HASHES = 10_000_000
@@ -127,9 +129,7 @@ def _corpus(root: Path, source: str = "web") -> None:
     raw = pa.table({"id": ids, "source_key": [f"k{n}" for n in range(SAMPLES)],
                     "sha256": [f"{n:064x}" for n in range(SAMPLES)]})
     for name, table in [("bucketed_images", bucketed), ("captions", captions), ("raw_images", raw)]:
-        uri = Path(Storage(root).table(name, source))  # a location string, local here
-        uri.parent.mkdir(parents=True, exist_ok=True)
-        lance.write_dataset(table, str(uri))
+        overwrite_rows(Storage(root).table(name, source), table, table.schema)
 
 
 def apply_opt_out(root: Path, source: str = "web") -> int:
@@ -139,26 +139,24 @@ def apply_opt_out(root: Path, source: str = "web") -> int:
     mapping = Storage(root).table("mds_samples", source)
     shards, _ = mapping_shards(mapping)
     lists = build_skip_lists(mapping_batches(mapping), {"optout": ids_for_source(audit, source)})
-    return apply_skip_lists(mds.current_tree(root, source), lists, shards).skipped_total
+    return apply_skip_lists(current_tree(root, source), lists, shards).skipped_total
 
 
 def opt_out_figures() -> list[Figure]:
     root = Path(tempfile.mkdtemp(prefix="bench-dedup-"))
     try:
         _corpus(root)
-        inputs = mds.SampleInputs(
-            bucketed_uri=str(Storage(root).table("bucketed_images", "web")),
-            captions_uri=str(Storage(root).table("captions", "web")),
-            caption_filter=active_caption_filter(CAPTION_VERSION))
-        options = mds.WriteOptions(size_limit=64 << 20, parallel=False)
-        mds.write_mds_tree(inputs, root, "web", options)
-        opt_out_dir(root).mkdir()
+        inputs = SampleInputs(Storage(root).table("bucketed_images", "web"),
+                              Storage(root).table("captions", "web"),
+                              caption_filter=active_caption_filter(CAPTION_VERSION))
+        options = WriteOptions(size_limit=64 << 20, parallel=False)
+        write_mds_tree(inputs, root, "web", options)
         (opt_out_dir(root) / "new.csv").write_text(
             "key_type,value,timestamp,reference\n"
             f"sha256,{17:064x},2026-11-30T00:00:00Z,bench\n")
         runs = []
         for _ in range(5):
-            for sidecar in sidecar_files(mds.current_tree(root, "web")):
+            for sidecar in sidecar_files(current_tree(root, "web")):
                 sidecar.unlink()
             runs.append(timed(lambda: apply_opt_out(root)))
         apply_s = min(seconds for seconds, _ in runs)

@@ -20,16 +20,20 @@ import tempfile
 import zlib
 from pathlib import Path
 
-import lance
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from bench.common import OUT, Figure, report, timed
 from prx_assets.engine import ray_runtime
-from prx_assets.stages.shards import mds
-from prx_assets.storage.layout import Storage
+from prx_assets.stages.shards.mds import write_mds_tree
+from prx_assets.stages.shards.plan import WriteOptions
+from prx_assets.stages.shards.trees import current_tree, tree_leaves
 from prx_assets.stages.skip_lists.skip_lists import sidecar_path
+from prx_assets.storage.lance_tables import FragmentPolicy, overwrite_rows
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.refs import TableRef
+from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
 WRITE_SHAPES = ((512, 512, 512), (512, 448, 576), (512, 576, 448))
@@ -37,12 +41,11 @@ LOAD_SHAPES = ((1, 64, 64), (1, 48, 80), (1, 80, 48))
 BATCH = 32
 
 
-def copy_baseline(bucketed_uri: str, out: Path) -> int:
+def copy_baseline(bucketed: TableRef, out: Path) -> int:
     """Read the image column from Lance and write every JPEG into one file."""
     written = 0
     with open(out, "wb") as sink:
-        for batch in lance.dataset(bucketed_uri).to_batches(columns=["image"],
-                                                            filter="status = 'ok'"):
+        for batch in bucketed.open().to_batches(columns=["image"], filter="status = 'ok'"):
             for image in batch.column("image").to_pylist():
                 written += sink.write(image)
     return written
@@ -51,14 +54,13 @@ def copy_baseline(bucketed_uri: str, out: Path) -> int:
 def replicate(root: Path, source: str, times: int) -> None:
     """Grow the bucketed and captions tables `times`-fold with new ids and the same bytes
     (generating ~512x512 images is the slow part of building a bench corpus)."""
-    for asset in ("bucketed_images", "captions"):
-        uri = str(Storage(root).table(asset, source))
-        table = lance.dataset(uri).to_table()
+    for asset in (BUCKETED_IMAGES, CAPTIONS):
+        ref = Storage(root).table(asset, source)
+        table = ref.to_table()
         copies = [table.set_column(table.schema.get_field_index("id"), "id",
                                    pc.binary_join_element_wise(table["id"], f"-{k}", ""))
                   for k in range(times)]
-        lance.write_dataset(pa.concat_tables(copies), uri, mode="overwrite",
-                            max_rows_per_file=1000)
+        overwrite_rows(ref, pa.concat_tables(copies), table.schema, FragmentPolicy(max_rows=1000))
 
 
 def bench_writing(work: Path) -> list[Figure]:
@@ -68,12 +70,12 @@ def bench_writing(work: Path) -> list[Figure]:
     inputs = inputs_for(root, "bench")
     # Several Ray tasks, as on a real source; full builds (an incremental rerun of the same
     # inputs would find nothing to write).
-    options = mds.WriteOptions(rows_per_part=400, incremental=False)
-    mds.write_mds_tree(inputs, root, "bench", options, log=lambda _: None)  # warm the workers
-    write_s, tree = timed(lambda: mds.write_mds_tree(inputs, root, "bench", options,
-                                                     log=lambda _: None))
+    options = WriteOptions(rows_per_part=400, incremental=False)
+    write_mds_tree(inputs, root, "bench", options, log=lambda _: None)  # warm the workers
+    write_s, tree = timed(lambda: write_mds_tree(inputs, root, "bench", options,
+                                                 log=lambda _: None))
     copy_s, copied = timed(lambda: copy_baseline(
-        str(Storage(root).table("bucketed_images", "bench")), work / "copy.bin"))
+        Storage(root).table(BUCKETED_IMAGES, "bench"), work / "copy.bin"))
     print(f"mds write: {tree.samples} samples, {tree.shards} shards, {tree.bytes / 1e6:.1f} MB "
           f"in {write_s:.2f} s; copy {copied / 1e6:.1f} MB in {copy_s:.2f} s")
     return [Figure("mds", "write MB/s", tree.bytes / 1e6 / write_s, "read Lance + copy bytes",
@@ -83,7 +85,7 @@ def bench_writing(work: Path) -> list[Figure]:
 def add_skip_lists(mds_root: Path, source: str, every: int = 10) -> int:
     """Skip about one sample in `every` (by a hash of its place), as dedup would."""
     skipped = 0
-    for leaf in mds.tree_leaves(mds.current_tree(mds_root, source)):
+    for leaf in tree_leaves(current_tree(mds_root, source)):
         for shard in json.loads((leaf / "index.json").read_text())["shards"]:
             name = shard["raw_data"]["basename"]
             indices = [i for i in range(shard["samples"])
@@ -106,10 +108,10 @@ def bench_loading(work: Path) -> list[Figure]:
 
     root = work / "load"
     build_corpus(root, "bench", per_shape=2000, shapes=LOAD_SHAPES, uncaptioned=0, rejected=0)
-    mds.write_mds_tree(inputs_for(root, "bench"), root, "bench",
-                       mds.WriteOptions(size_limit=1 << 20, parallel=False), log=lambda _: None)
+    write_mds_tree(inputs_for(root, "bench"), root, "bench",
+                   WriteOptions(size_limit=1 << 20, parallel=False), log=lambda _: None)
     skipped = add_skip_lists(root / "mds", "bench")
-    leaves = mds.tree_leaves(mds.current_tree(root, "bench"), 1)
+    leaves = tree_leaves(current_tree(root, "bench"), 1)
 
     clean_stale_shared_memory()
     plain = StreamingDataset(streams=[Stream(local=str(leaf)) for leaf in leaves],

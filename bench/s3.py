@@ -32,6 +32,7 @@ from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.stages.ingest.sources import SourceSpec
 from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.refs import Location
 from prx_assets.storage.tables import RAW_IMAGES
 
 N_IMAGES = 160
@@ -61,21 +62,22 @@ def bench_ingest(local_root: Path, s3_root: str) -> list[Figure]:
 
 
 def bench_mds_write(local_root: Path, s3_root: str) -> list[Figure]:
-    from prx_assets.stages.shards import mds
+    from prx_assets.stages.shards.mds import write_mds_tree
+    from prx_assets.stages.shards.plan import WriteOptions
     from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
     build_corpus(local_root / "mds-in", "bench", per_shape=MDS_PER_SHAPE, uncaptioned=0,
                  rejected=0)
     inputs = inputs_for(local_root / "mds-in", "bench")
-    options = mds.WriteOptions(rows_per_part=200)
-    quiet = dict(log=lambda _: None)
+    options = WriteOptions(rows_per_part=200)
+    quiet = {"log": lambda _: None}
     # Warm the Ray workers and imports first (as the ingest figure does), else the first
     # write pays for them.
-    mds.write_mds_tree(inputs, local_root / "mds-warm", "bench", options, **quiet)
-    local_s, tree = timed(lambda: mds.write_mds_tree(inputs, local_root / "mds-out", "bench",
-                                                     options, **quiet))
-    s3_s, s3_tree = timed(lambda: mds.write_mds_tree(inputs, Storage(s3_root), "bench",
-                                                     options, **quiet))
+    write_mds_tree(inputs, local_root / "mds-warm", "bench", options, **quiet)
+    local_s, tree = timed(lambda: write_mds_tree(inputs, local_root / "mds-out", "bench",
+                                                 options, **quiet))
+    s3_s, s3_tree = timed(lambda: write_mds_tree(inputs, Storage(s3_root), "bench",
+                                                 options, **quiet))
     print(f"s3 mds write: {tree.bytes / 1e6:.1f} MB: local {local_s:.2f} s, "
           f"s3:// {s3_s:.2f} s")
     return [Figure("s3", "MDS write MB/s, s3:// root", s3_tree.bytes / 1e6 / s3_s, "local disk",
@@ -97,7 +99,7 @@ def streamed(**stream) -> tuple[float, int]:
     return seconds, samples
 
 
-def loaded(root: str, cache: Path | None) -> tuple[float, int]:
+def loaded(root: Location | str, cache: Path | None) -> tuple[float, int]:
     """Seconds and samples for one pass of the project loader (`prx_assets.loader`: skip
     lists applied, sidecars read beside the shards) over tier 1 of the tree under `root`."""
     from streaming.base.util import clean_stale_shared_memory
@@ -116,15 +118,17 @@ def bench_loader(local_root: Path, s3_root: str, work: Path) -> list[Figure]:
     """The same tree written twice from the same tables, under a local root and into the
     bucket (versioned prefix + pointer); the project loader reads each, the remote one
     into an empty cache (every shard downloaded) and then again warm."""
-    from prx_assets.stages.shards import mds
+    from prx_assets.stages.shards.mds import write_mds_tree
+    from prx_assets.stages.shards.plan import WriteOptions
+    from prx_assets.stages.shards.trees import current_tree, current_tree_uri, tree_leaves
     from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
     root = local_root / "load"
     build_corpus(root, "bench", per_shape=3000, shapes=LOAD_SHAPES, uncaptioned=0, rejected=0)
-    options, quiet = mds.WriteOptions(size_limit=1 << 20, parallel=False), dict(log=lambda _: None)
-    mds.write_mds_tree(inputs_for(root, "bench"), root, "bench", options, **quiet)
+    options, quiet = WriteOptions(size_limit=1 << 20, parallel=False), {"log": lambda _: None}
+    write_mds_tree(inputs_for(root, "bench"), root, "bench", options, **quiet)
     remote_root = Storage(f"{s3_root}-load")
-    mds.write_mds_tree(inputs_for(root, "bench"), remote_root, "bench", options, **quiet)
+    write_mds_tree(inputs_for(root, "bench"), remote_root, "bench", options, **quiet)
 
     local_s, local_n = loaded(str(root / "mds"), None)
     cache = work / "loader-cache"
@@ -133,8 +137,8 @@ def bench_loader(local_root: Path, s3_root: str, work: Path) -> list[Figure]:
     assert local_n == cold_n == warm_n, (local_n, cold_n, warm_n)
     # mosaicml-streaming alone on one leaf of the remote tree (what a trainer without our
     # loader gets), for scale: the loader adds the sidecar reads and the skip filter.
-    [leaf] = mds.tree_leaves(mds.current_tree(root / "mds", "bench"), 1)
-    remote_leaf = f"{mds.current_tree_uri(remote_root, 'bench')}/{leaf.parent.name}/{leaf.name}"
+    [leaf] = tree_leaves(current_tree(root / "mds", "bench"), 1)
+    remote_leaf = f"{current_tree_uri(remote_root, 'bench')}/{leaf.parent.name}/{leaf.name}"
     plain_s, plain_n = streamed(remote=remote_leaf, local=str(work / "plain-cache"))
     # The loader yields whole global batches only (no padding, no repeats): a stream's last
     # partial batch is left out, which plain StreamingDataset pads instead.
@@ -159,9 +163,10 @@ def main() -> list[Figure]:
     server = start_seaweedfs(work / "server")
     saved = dict(os.environ)
     try:
-        # The variables a user sets (and mosaicml-streaming's own name for the endpoint);
-        # set before Ray starts, so its workers see them as a cluster's nodes would.
-        os.environ.update({**server.env(), "S3_ENDPOINT_URL": server.endpoint})
+        # The standard variables a user's shell holds (the bench plays that user): the
+        # pipeline resolves its settings from them once, on the driver, and hands them to
+        # Ray tasks in its handles; the loader's downloads (boto3) read them as they are.
+        os.environ.update(server.env())
         server.create_bucket(BUCKET)
         ray_runtime.connect()
         s3_root = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"

@@ -199,7 +199,7 @@ def kernel_chunk(job: tuple[str, list[str]]) -> dict:
     from prx_assets.stages.ingest.raw_rows import raw_row
     from prx_assets.stages.ingest.readers import read_image_file
     from prx_assets.stages.ingest.sources import SourceSpec
-    from prx_assets.stages.shards.mds import MDS_COLUMNS
+    from prx_assets.stages.shards.plan import MDS_COLUMNS
 
     root, files = job
     spec = SourceSpec(name="kernel", kind="image_folder", uri=root)

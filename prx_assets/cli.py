@@ -91,7 +91,7 @@ def _browse(args: argparse.Namespace) -> int:
 
 def _mds_uri(args: argparse.Namespace) -> int:
     """The current tree's location: `StreamingDataset(remote=<it>/<tier>/<W>x<H>)` reads it."""
-    from prx_assets.stages.shards.mds import current_tree_uri
+    from prx_assets.stages.shards.trees import current_tree_uri
     from prx_assets.storage.layout import Storage
 
     try:

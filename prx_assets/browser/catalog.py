@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prx_assets.stages.shards.mds import current_tree
+from prx_assets.stages.shards.trees import current_tree
 from prx_assets.stages.skip_lists.skip_lists import (
     SHARD_SUFFIX,
     SIDECAR_SUFFIX,

@@ -1,24 +1,33 @@
 """mds_shards: each source's kept, captioned images as MDS shards by tier and shape; the
 leaves_stream check; rewrite_shards_job, which rebuilds a tree without its skipped samples."""
 
-from typing import Optional
 
 import dagster as dg
 
+from prx_assets.defs.metadata import (
+    browser_link,
+    content_data_version,
+    counts_table,
+    incremental_metadata,
+    input_versions,
+    latest_data_version,
+    latest_recorded,
+    materialized_lance_version,
+)
+from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
 from prx_assets.stages.captions.captions import active_caption_filter
-from prx_assets.stages.shards.mds import (
-    DEFAULT_ROWS_PER_PART, SampleInputs, TreeReport, WriteOptions, verify_tree, write_mds_tree)
+from prx_assets.stages.shards.mds import write_mds_tree
+from prx_assets.stages.shards.plan import DEFAULT_ROWS_PER_PART, SampleInputs, WriteOptions
+from prx_assets.stages.shards.publish import TreeReport
 from prx_assets.stages.shards.rewrite import pinned_inputs, rewrite_without_skipped
+from prx_assets.stages.shards.verify import verify_tree
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, MDS_SHARDS, SKIP_LISTS
-from prx_assets.defs.metadata import (
-    browser_link, content_data_version, counts_table, incremental_metadata, input_versions,
-    latest_data_version, latest_recorded, materialized_lance_version)
-from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
+
 
 class MdsShardsConfig(dg.Config):
     size_limit_mb: int = 128
-    compression: Optional[str] = None  # JPEG does not compress further
+    compression: str | None = None  # JPEG does not compress further
     rows_per_part: int = DEFAULT_ROWS_PER_PART
     keep_trees: int = 2
     # False: a full build even when only a few samples changed (new shards for everything).
@@ -35,12 +44,11 @@ def sample_inputs(context: dg.AssetExecutionContext, store: Storage,
     """Both inputs pinned at their materialised versions, the ones recorded as lineage."""
     source = context.partition_key
     return SampleInputs(
-        bucketed_uri=store.table(BUCKETED_IMAGES, source),
-        captions_uri=store.table(CAPTIONS, source),
-        caption_filter=active_caption_filter(caption_version),
-        bucketed_version=materialized_lance_version(context.instance, BUCKETED_IMAGES, source),
-        captions_version=materialized_lance_version(context.instance, CAPTIONS, source),
-        storage_options=store.lance_options())
+        bucketed=store.table(BUCKETED_IMAGES, source).at(
+            materialized_lance_version(context.instance, BUCKETED_IMAGES, source)),
+        captions=store.table(CAPTIONS, source).at(
+            materialized_lance_version(context.instance, CAPTIONS, source)),
+        caption_filter=active_caption_filter(caption_version))
 
 
 def build_mds_shards(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefinition:
@@ -119,7 +127,7 @@ def mds_tree_check(partitions_def: dg.PartitionsDefinition) -> dg.AssetChecksDef
 class RewriteConfig(dg.Config):
     # Reasons whose samples leave the shards; None: every reason in the sidecars. Reasons
     # not listed (e.g. ablations still being compared) stay skip lists of the new tree.
-    reasons: Optional[list[str]] = None
+    reasons: list[str] | None = None
     size_limit_mb: int = 128
     rows_per_part: int = DEFAULT_ROWS_PER_PART
     keep_trees: int = 2
@@ -154,8 +162,8 @@ def rewrite_shards(context: dg.OpExecutionContext, config: RewriteConfig,
         "mapping_lance_version": tree.mapping_version, "rewrite": True,
         "rewritten_reasons": ", ".join(report.rewritten_reasons) or "none",
         "excluded_by_rewrite": report.excluded,
-        f"input_version/{BUCKETED_IMAGES}": inputs.bucketed_version or -1,
-        f"input_version/{CAPTIONS}": inputs.captions_version or -1})
+        f"input_version/{BUCKETED_IMAGES}": inputs.bucketed.version or -1,
+        f"input_version/{CAPTIONS}": inputs.captions.version or -1})
     carried = report.carried_over
     yield dg.AssetMaterialization(asset_key=SKIP_LISTS, partition=source, metadata={
         "tree": dg.MetadataValue.path(str(tree.path)), "samples": tree.samples,

@@ -1,18 +1,40 @@
 """skip_lists: per-shard sidecars of one source's MDS tree, and the skipped-share check."""
 
+
 import dagster as dg
 
-from prx_assets.stages.opt_outs.opt_outs import ids_for_source, opt_out_dir, parse_directory, resolve
-from prx_assets.stages.shards.mds import current_tree_uri
-from prx_assets.stages.skip_lists.skip_lists import (
-    REASON_DEDUP, REASON_OPTOUT, REASON_STALE, build_skip_lists, duplicate_ids, label_ids, mapping_batches,
-    mapping_shards, publish_skip_lists, read_ablations, skip_shares)
-from prx_assets.storage.layout import Storage
-from prx_assets.storage.tables import (
-    CAPTION_LABELS, DUPLICATES, MDS_SAMPLES, MDS_SHARDS, OPT_OUTS, SKIP_LISTS)
 from prx_assets.defs.metadata import browser_link, incremental_metadata
 from prx_assets.defs.resources import (
-    CaptionerResource, ClassifierResource, SourcesResource, StorageResource)
+    CaptionerResource,
+    ClassifierResource,
+    SourcesResource,
+    StorageResource,
+)
+from prx_assets.stages.opt_outs.opt_outs import ids_for_source, parse_directory, resolve
+from prx_assets.stages.shards.trees import tree_store
+from prx_assets.stages.skip_lists.skip_lists import (
+    REASON_DEDUP,
+    REASON_OPTOUT,
+    REASON_STALE,
+    build_skip_lists,
+    duplicate_ids,
+    label_ids,
+    mapping_batches,
+    mapping_shards,
+    publish_skip_lists,
+    read_ablations,
+    skip_shares,
+)
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.refs import TableRef
+from prx_assets.storage.tables import (
+    CAPTION_LABELS,
+    DUPLICATES,
+    MDS_SAMPLES,
+    MDS_SHARDS,
+    OPT_OUTS,
+    SKIP_LISTS,
+)
 
 
 class SkipListsConfig(dg.Config):
@@ -43,18 +65,18 @@ def build_skip_lists_asset(partitions_def: dg.PartitionsDefinition) -> dg.Assets
                    ) -> dg.MaterializeResult:
         source = context.partition_key
         store = storage.get()
-        mapping_version = store.latest_version(MDS_SAMPLES, source)
         mapping = store.table(MDS_SAMPLES, source)
+        mapping_version = mapping.latest_version()
         if mapping_version is None:
             raise dg.Failure(f"{mapping} does not exist: materialise mds_shards for {source}")
+        mapping = mapping.at(mapping_version)  # the lists and the lineage: one version
         versions = (captioner.caption_version(), classifier.classifier_version())
         reasons, lineage = _reasons(context, config, store, source, sources.load().names,
                                     versions)
-        options = store.lance_options()
-        shards, per_leaf = mapping_shards(mapping, storage_options=options)
-        lists = build_skip_lists(mapping_batches(mapping, storage_options=options), reasons)
+        shards, per_leaf = mapping_shards(mapping)
+        lists = build_skip_lists(mapping_batches(mapping), reasons)
         report = publish_skip_lists(store, source, lists, shards)
-        tree = current_tree_uri(store, source)
+        tree = tree_store(store, source).current_tree()
         context.log.info(f"{source}: {report.written} sidecar(s) written, {report.removed} "
                          f"removed, {report.unchanged} unchanged under {tree}")
         lineage[f"input_version/{MDS_SAMPLES}"] = mapping_version
@@ -80,27 +102,34 @@ def _reasons(context: dg.AssetExecutionContext, config: SkipListsConfig, store: 
     """The ids each reason removes from this source, and the input versions read."""
     reasons: dict[str, set[str]] = {}
     lineage: dict = {}
-    if config.dedup and store.exists(DUPLICATES):
-        reasons[REASON_DEDUP] = duplicate_ids(store.table(DUPLICATES), source,
-                                               storage_options=store.storage_options)
-        lineage[f"input_version/{DUPLICATES}"] = store.latest_version(DUPLICATES)
-    if config.skip_labels and store.exists(CAPTION_LABELS, source):
-        reasons.update(label_ids(store.table(CAPTION_LABELS, source), config.skip_labels,
-                                 *versions, storage_options=store.storage_options))
-        lineage[f"input_version/{CAPTION_LABELS}"] = store.latest_version(CAPTION_LABELS, source)
+    duplicates = _pinned_if_exists(store.table(DUPLICATES)) if config.dedup else None
+    if duplicates is not None:
+        reasons[REASON_DEDUP] = duplicate_ids(duplicates, source)
+        lineage[f"input_version/{DUPLICATES}"] = duplicates.version
+    labels = _pinned_if_exists(store.table(CAPTION_LABELS, source)) if config.skip_labels \
+        else None
+    if labels is not None:
+        reasons.update(label_ids(labels, config.skip_labels, *versions))
+        lineage[f"input_version/{CAPTION_LABELS}"] = labels.version
         lineage["caption_version"], lineage["classifier_version"] = versions
     elif config.skip_labels:
         context.log.warning(f"{source}: no caption_labels table yet; label reasons not applied")
     if config.opt_outs:
-        parsed = parse_directory(opt_out_dir(store), storage_options=store.storage_options)
+        parsed = parse_directory(store.opt_outs_dir)
         audit = resolve(parsed.requests, all_sources, store)
         reasons[REASON_OPTOUT] = ids_for_source(audit, source)
         lineage["opt_out_requests"] = len(parsed.requests)
         lineage["opt_out_malformed_rows"] = len(parsed.errors)
     if config.ablations:
-        for name, ids in read_ablations(store.ablations_dir, store.storage_options).items():
+        for name, ids in read_ablations(store.ablations_dir).items():
             reasons[name] = {i for i in ids if i.startswith(f"{source}:")}
     return reasons, lineage
+
+
+def _pinned_if_exists(table: TableRef) -> TableRef | None:
+    """The table at its latest version (what is read and recorded), None if never written."""
+    version = table.latest_version()
+    return None if version is None else table.at(version)
 
 
 def _reason_table(counts, total: int) -> dg.TableMetadataValue:
@@ -137,13 +166,12 @@ def skipped_share_check(partitions_def: dg.PartitionsDefinition) -> dg.AssetChec
     def skipped_share(context: dg.AssetCheckExecutionContext, config: SkipShareConfig,
                       storage: StorageResource) -> dg.AssetCheckResult:
         source, store = context.partition_key, storage.get()
-        _, per_leaf = mapping_shards(store.table(MDS_SAMPLES, source),
-                                     storage_options=store.lance_options())
-        shares = skip_shares(current_tree_uri(store, source), per_leaf, store.storage_options)
+        _, per_leaf = mapping_shards(store.table(MDS_SAMPLES, source))
+        shares = skip_shares(tree_store(store, source).current_tree(), per_leaf)
+        share = {leaf: round(k / n, 4) if n else 0.0 for leaf, (n, k) in shares.items()}
         records = [dg.TableRecord({"stream": leaf, "samples": n, "skipped": k,
-                                   "share": round(k / n, 4) if n else 0.0})
-                   for leaf, (n, k) in shares.items()]
-        over = [r.data["stream"] for r in records if r.data["share"] > config.warn_above]
+                                   "share": share[leaf]}) for leaf, (n, k) in shares.items()]
+        over = [leaf for leaf in shares if share[leaf] > config.warn_above]
         return dg.AssetCheckResult(
             passed=not over, severity=dg.AssetCheckSeverity.WARN,
             description=skip_share_warning(source, records, over, config.warn_above),

@@ -14,7 +14,7 @@ from pathlib import Path
 from prx_assets.stages.captions.captions import active_caption_filter
 from prx_assets.stages.images.buckets import STATUS_BAD_ASPECT, STATUS_TOO_SMALL
 from prx_assets.stages.labels.labels import active_labels_filter
-from prx_assets.stages.shards.mds import current_tree_uri
+from prx_assets.stages.shards.trees import tree_store
 from prx_assets.stages.skip_lists.skip_lists import (
     duplicate_ids,
     read_sidecar,
@@ -23,6 +23,7 @@ from prx_assets.stages.skip_lists.skip_lists import (
 )
 from prx_assets.storage.filters import in_filter
 from prx_assets.storage.layout import Storage, as_storage
+from prx_assets.storage.refs import Location
 from prx_assets.storage.tables import (
     BUCKETED_IMAGES,
     CAPTION_LABELS,
@@ -67,18 +68,17 @@ def _count(storage: Storage, table: str, source: str | None,
     return ref.count_rows(filter=condition) if ref.exists() else 0
 
 
-def skipped_in_tree(tree: Path | str, storage_options: Mapping[str, str] | None = None) -> int:
+def skipped_in_tree(tree: Location) -> int:
     """Samples the sidecars skip, any reason (a sample skipped for two reasons counts once);
     `tree` is a local folder or a version's `s3://` prefix."""
-    return sum(len(skipped_indices(read_sidecar(path, storage_options)))
-               for path in tree_sidecars(str(tree), storage_options))
+    return sum(len(skipped_indices(read_sidecar(sidecar))) for sidecar in tree_sidecars(tree))
 
 
 def source_funnel(storage: Storage | str | Path, source: str, caption_version: str,
                   classifier_version: str) -> Funnel:
     storage = as_storage(storage)
     try:
-        skipped = skipped_in_tree(current_tree_uri(storage, source), storage.storage_options)
+        skipped = skipped_in_tree(tree_store(storage, source).current_tree())
     except FileNotFoundError:  # no shards written yet
         skipped = 0
     return Funnel(
@@ -90,8 +90,7 @@ def source_funnel(storage: Storage | str | Path, source: str, caption_version: s
         captioned=_count(storage, CAPTIONS, source, active_caption_filter(caption_version)),
         labelled=_count(storage, CAPTION_LABELS, source,
                         active_labels_filter(caption_version, classifier_version)),
-        duplicates=len(duplicate_ids(storage.table(DUPLICATES), source,
-                                     storage_options=storage.storage_options)),
+        duplicates=len(duplicate_ids(storage.table(DUPLICATES), source)),
         skipped=skipped,
         in_shards=_count(storage, MDS_SAMPLES, source),
     )

@@ -162,7 +162,7 @@ def print_summary(runs: list[PartitionRun], sources_file: Path) -> None:
                                                 classifier_version)):
             print(line)
         print(f"   tables: {storage.root}/lance/<asset>/{source}.lance")
-        print(f"   shards: {storage.mds_tree(source)}/<tier>/<W>x<H>/ (skip lists beside them)")
+        print(f"   shards: {storage.mds_root / source}/<tier>/<W>x<H>/ (skip lists beside them)")
     print(f"\ncaption version {caption_version}, classifier version {classifier_version}")
     for run in runs:
         if not run.source.startswith("("):

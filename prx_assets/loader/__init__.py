@@ -25,9 +25,9 @@ from prx_assets.loader.dataset import (
     SkipListMismatch,
     SkipListStreamingDataset,
 )
-from prx_assets.loader.streams import (
-    Leaf, default_weights, leaf_streams, plan_leaves, use_remote_settings)
+from prx_assets.loader.streams import Leaf, default_weights, leaf_streams, plan_leaves
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.refs import Location, as_location
 
 __all__ = [
     "LOCAL_PREDOWNLOAD",
@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 
-def build_dataset(mds_root: str | Path | None, tier: int, batch_size: int, *,
+def build_dataset(mds_root: Location | str | Path | None, tier: int, batch_size: int, *,
                   weights: Mapping[str, float] | None = None,
                   sources_file: Path | None = None,
                   skip_reasons: Iterable[str] | None = None, seed: int = 9176,
@@ -53,10 +53,10 @@ def build_dataset(mds_root: str | Path | None, tier: int, batch_size: int, *,
     weights: per-source weights (default: `weight` in sources.yaml); skip_reasons: `None` for
     every reason in the sidecars (`stale` always applies); mds_root: `None` for the configured
     storage's MDS root, a local folder or an `s3://` prefix, whose shards then stream into
-    `cache_dir`. Extra kwargs go to `StreamingDataset`."""
+    `cache_dir` (downloaded with the credentials of this process's environment). Extra
+    kwargs go to `StreamingDataset`."""
     weights = dict(weights) if weights is not None else default_weights(sources_file)
-    root = str(mds_root or Storage.from_env().mds_root)
-    use_remote_settings(root)
+    root = as_location(mds_root) if mds_root else Storage.from_env().mds_root
     leaves = plan_leaves(root, tier, weights)
     if any(leaf.remote for leaf in leaves):
         kwargs.setdefault("predownload", None)  # streaming's default throttle for downloads
@@ -66,7 +66,7 @@ def build_dataset(mds_root: str | Path | None, tier: int, batch_size: int, *,
                                     shuffle_seed=seed, **kwargs)
 
 
-def build_loader(mds_root: str | Path | None, tier: int, batch_size: int, *,
+def build_loader(mds_root: Location | str | Path | None, tier: int, batch_size: int, *,
                  encode_captions: CaptionEncoder | None = None, num_workers: int = 0,
                  **dataset_kwargs: Any) -> StreamingDataLoader:
     """`build_dataset` wrapped in a StreamingDataLoader (which carries state_dict for resume).

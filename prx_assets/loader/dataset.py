@@ -24,15 +24,21 @@ import mmap
 import os
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from numpy.typing import NDArray
 from streaming import StreamingDataset
+from streaming.base.format.base.reader import JointReader
 
 from prx_assets.stages.skip_lists.skip_lists import (
-    REASON_STALE, SIDECAR_SUFFIX, read_sidecar, sidecar_path)
-from prx_assets.storage import object_store
+    REASON_STALE,
+    SIDECAR_SUFFIX,
+    read_sidecar,
+    sidecar_name,
+    sidecar_path,
+)
+from prx_assets.storage.refs import Location
 
 OPEN_SHARDS = 64  # memory maps kept open per worker (least recently used closed first)
 # mosaicml-streaming's default predownload (8 x batch) makes the ready thread sleep in 7 ms
@@ -78,6 +84,11 @@ class SkipListStreamingDataset(StreamingDataset):
         self.skip_digest = hashlib.sha256(np.flatnonzero(self.skipped).tobytes()).hexdigest()[:16]
         self.length = self._samples_per_rank(epoch=0)  # what len() and len(DataLoader) report
 
+    @property
+    def joint_shards(self) -> list[JointReader]:
+        """The shard readers: MDS shards are joint (samples and their offsets in one file)."""
+        return cast("list[JointReader]", self.shards)
+
     # ----------------------------------------------------------------------- skip lists
     def _read_skip_lists(self, wanted: frozenset[str] | None
                          ) -> tuple[NDArray[np.bool_], Counter]:
@@ -85,13 +96,15 @@ class SkipListStreamingDataset(StreamingDataset):
         skipped = np.zeros(self.num_samples, np.bool_)
         found: Counter = Counter()
         remote_sidecars = self._remote_sidecars()
-        for shard_id, shard in enumerate(self.shards):
+        for shard_id, shard in enumerate(self.joint_shards):
             stream = self.streams[int(self.stream_per_shard[shard_id])]
             if stream.remote:
-                path = f"{stream.remote.rstrip('/')}/{_sidecar_name(shard.raw_data.basename)}"
-                lists = read_sidecar(path) if path in remote_sidecars[stream.remote] else {}
+                name = sidecar_name(shard.raw_data.basename)
+                sidecar = remote_sidecars[stream.remote].get(name)
+                path = f"{stream.remote.rstrip('/')}/{name}"
+                lists = read_sidecar(sidecar) if sidecar else {}
             else:
-                path = sidecar_path(f"{shard.dirname}/{shard.split}/{shard.raw_data.basename}")
+                path = str(sidecar_path(f"{shard.dirname}/{shard.split}/{shard.raw_data.basename}"))
                 lists = read_sidecar(path)
             offset = int(self.sample_offset_per_shard[shard_id])
             for reason, indices in lists.items():
@@ -103,10 +116,12 @@ class SkipListStreamingDataset(StreamingDataset):
                     skipped[offset + local] = True
         return skipped, found
 
-    def _remote_sidecars(self) -> dict[str, set[str]]:
-        """Per remote stream, the sidecars that exist: one listing per leaf instead of one
-        request per shard (most shards have none)."""
-        return {stream.remote: set(object_store.list_files(stream.remote, SIDECAR_SUFFIX))
+    def _remote_sidecars(self) -> dict[str, dict[str, Location]]:
+        """Per remote stream, the sidecars that exist by name: one listing per leaf instead
+        of one request per shard (most shards have none). Read with the settings of this
+        process's environment, as the shards are."""
+        return {stream.remote: {sidecar.name: sidecar for sidecar
+                                in Location.of(stream.remote).files(SIDECAR_SUFFIX)}
                 for stream in self.streams if stream.remote}
 
     def resample_streams(self, epoch: int, stream_id: int | None = None
@@ -126,7 +141,7 @@ class SkipListStreamingDataset(StreamingDataset):
     def _samples_multiple(self, world) -> int:
         """Stream sizes that partition into full global batches with no repeats or padding."""
         nodes = math.lcm(int(self.num_canonical_nodes or world.num_nodes), world.num_nodes)
-        return nodes * world.ranks_per_node * int(self.batch_size)
+        return nodes * world.ranks_per_node * int(self.batch_size or 1)  # never None: required here
 
     def _samples_per_rank(self, epoch: int) -> int:
         """Samples each rank yields in `epoch` (the base class counts skipped ones too)."""
@@ -154,7 +169,7 @@ class SkipListStreamingDataset(StreamingDataset):
 
     def _local_uncompressed(self) -> bool:
         return (all(stream.remote is None for stream in self.streams)
-                and all(shard.zip_data is None for shard in self.shards))
+                and all(shard.zip_data is None for shard in self.joint_shards))
 
     def _read_local(self, sample_ids: NDArray[np.int64]) -> Iterator[dict[str, Any]]:
         offsets = self.sample_offset_per_shard
@@ -162,9 +177,10 @@ class SkipListStreamingDataset(StreamingDataset):
         local_ids = sample_ids - offsets[shard_ids]
         maps = _ShardMaps(self.shards, OPEN_SHARDS)
         try:
-            for shard_id, index in zip(shard_ids.tolist(), local_ids.tolist()):
+            for shard_id, index in zip(shard_ids.tolist(), local_ids.tolist(), strict=True):
                 shard, data = self.shards[shard_id], maps.sample(shard_id, index)
-                yield shard.decode_sample(data) if self.decode_images else _jpeg_as_bytes(shard, data)
+                yield (shard.decode_sample(data) if self.decode_images
+                       else _jpeg_as_bytes(shard, data))
         finally:
             maps.close()
 
@@ -191,10 +207,6 @@ class SkipListStreamingDataset(StreamingDataset):
                 f"(digest {obj.get(STATE_DIGEST)} -> {self.skip_digest}); the sample order "
                 "would differ, refusing to resume mid-epoch")
         super().load_state_dict(obj)
-
-
-def _sidecar_name(shard_basename: str) -> str:
-    return shard_basename.removesuffix(".mds") + SIDECAR_SUFFIX
 
 
 def _drop(units: NDArray[np.int64], sample_ids: NDArray[np.int64], keep: NDArray[np.bool_]
@@ -249,7 +261,8 @@ def _jpeg_as_bytes(shard, data: bytes) -> dict[str, Any]:
             head += 4
         sizes.append(size)
     sample, position = {}, head
-    for name, encoding, size in zip(shard.column_names, shard.column_encodings, sizes):
+    for name, encoding, size in zip(shard.column_names, shard.column_encodings, sizes,
+                                    strict=True):
         value = data[position:position + size]
         sample[name] = value if encoding == "jpeg" else mds_decode(encoding, value)
         position += size

@@ -1,9 +1,14 @@
 """Streams for the loader: one per leaf (tier, shape) of each source's current MDS tree,
-local or on an object store (a remote stream with a local cache folder)."""
+local or on an object store (a remote stream with a local cache folder).
+
+Trees are resolved and their indexes read through `Location` handles; the shards of a
+remote stream are downloaded by mosaicml-streaming's own boto3 client, which reads the
+trainer's environment as it is (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+`AWS_ENDPOINT_URL`, profiles): the loader sets no variable.
+"""
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -12,9 +17,9 @@ from pathlib import Path
 from streaming import Stream
 
 from prx_assets.stages.ingest.sources import load_sources
-from prx_assets.stages.shards.mds import read_index
-from prx_assets.stages.shards.trees import TreeStore, leaf_names
-from prx_assets.storage import object_store
+from prx_assets.stages.shards.trees import leaf_names, leaf_samples, source_trees
+from prx_assets.storage.object_store import is_object_store, split_uri
+from prx_assets.storage.refs import Location, as_location
 
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "prx-mds-cache"
 
@@ -30,7 +35,7 @@ class Leaf:
 
     @property
     def remote(self) -> bool:
-        return object_store.is_object_store(self.path)
+        return is_object_store(self.path)
 
 
 def default_weights(sources_file: Path | None = None) -> dict[str, float]:
@@ -38,7 +43,8 @@ def default_weights(sources_file: Path | None = None) -> dict[str, float]:
     return {s.name: s.weight for s in load_sources(sources_file).sources if s.weight > 0}
 
 
-def plan_leaves(mds_root: Path | str, tier: int, weights: Mapping[str, float]) -> list[Leaf]:
+def plan_leaves(mds_root: Location | Path | str, tier: int, weights: Mapping[str, float]
+                ) -> list[Leaf]:
     """Each source's weight split across its leaves of `tier` by their sample counts.
 
     `mds_root` is `$PRX_DATA_ROOT/mds`: a local folder or an s3:// prefix (its current
@@ -47,39 +53,22 @@ def plan_leaves(mds_root: Path | str, tier: int, weights: Mapping[str, float]) -
     training without it changes the mix."""
     if not weights or sum(weights.values()) <= 0:
         raise ValueError("weights must name at least one source with a positive weight")
-    root = object_store.as_uri(mds_root)
-    if not object_store.is_object_store(root):
-        root = str(Path(root).resolve())
+    root = as_location(mds_root)
     total_weight = float(sum(weights.values()))
     leaves: list[Leaf] = []
     for source, weight in sorted(weights.items()):
         if weight <= 0:
             continue
-        tree = _current_tree(root, source)
-        counted = [(path, sum(s["samples"] for s in read_index(str(path))))
-                   for path in _tier_leaves(root, source, tree, tier)]
-        counted = [(path, n) for path, n in counted if n > 0]
+        tree = source_trees(root, source).current_tree()
+        counted = [(tree / name, leaf_samples(tree / name)) for name in leaf_names(tree)
+                   if name.split("/")[0] == str(tier)]
+        counted = [(leaf, n) for leaf, n in counted if n > 0]
         source_samples = sum(n for _, n in counted)
         if not source_samples:
             raise ValueError(f"source {source!r} has no samples at tier {tier} in {tree}")
-        leaves += [Leaf(source, path, n, weight / total_weight * n / source_samples)
-                   for path, n in counted]
+        leaves += [Leaf(source, leaf.path if leaf.is_local else leaf.uri, n,
+                        weight / total_weight * n / source_samples) for leaf, n in counted]
     return leaves
-
-
-def _current_tree(root: str, source: str) -> str:
-    if object_store.is_object_store(root):
-        return TreeStore(root, source).current_tree()
-    from prx_assets.stages.shards.mds import current_tree
-
-    return str(current_tree(Path(root), source))
-
-
-def _tier_leaves(root: str, source: str, tree: str, tier: int) -> list[Path | str]:
-    names = [n for n in leaf_names(TreeStore(root, source), tree) if n.split("/")[0] == str(tier)]
-    if object_store.is_object_store(tree):
-        return [f"{tree}/{name}" for name in names]
-    return [Path(tree) / name for name in names]
 
 
 def leaf_streams(leaves: list[Leaf], cache_dir: Path | str | None = None) -> list[Stream]:
@@ -90,16 +79,9 @@ def leaf_streams(leaves: list[Leaf], cache_dir: Path | str | None = None) -> lis
     streams = []
     for leaf in leaves:
         if leaf.remote:
-            _, bucket, key = object_store.split_uri(str(leaf.path))
+            _, bucket, key = split_uri(str(leaf.path))
             streams.append(Stream(remote=str(leaf.path), local=str(cache / bucket / key),
                                   proportion=leaf.proportion))
         else:
             streams.append(Stream(local=str(leaf.path), proportion=leaf.proportion))
     return streams
-
-
-def use_remote_settings(mds_root: str) -> None:
-    """mosaicml-streaming downloads with boto3 from the environment; it reads
-    S3_ENDPOINT_URL, so the standard AWS_ENDPOINT_URL is passed on under that name too."""
-    for name, value in object_store.streaming_env(mds_root).items():
-        os.environ.setdefault(name, value)

@@ -379,31 +379,28 @@ def _create_if_absent(table: TableRef, rows: pa.Table, schema: pa.Schema) -> int
         raise
 
 
-def overwrite_rows(table: TableRef, rows: pa.Table, schema: pa.Schema) -> int:
+def overwrite_rows(table: TableRef, rows: pa.Table, schema: pa.Schema,
+                   policy: FragmentPolicy | None = None) -> int:
     """`rows` as the table's whole new version, in one commit (created if absent): readers
     see the previous rows or these, never a mix. For small tables written whole."""
     prepare_output_dir(table, "Lance table")
     mode = "overwrite" if table.exists() else "create"
     return lance.write_dataset(rows.cast(schema), table.uri, schema=schema, mode=mode,
-                               storage_options=table.lance_options()).version
+                               storage_options=table.lance_options(),
+                               **_fragment_sizes(policy)).version
 
 
 def append_rows(table: TableRef, rows: pa.Table, schema: pa.Schema,
                 policy: FragmentPolicy | None = None) -> int:
     """`rows` appended in one commit (the table created if absent); returns the version."""
     prepare_output_dir(table, "Lance table")
-    kwargs = {"max_rows_per_file": policy.max_rows,
-              "max_bytes_per_file": policy.target_bytes} if policy else {}
     return lance.write_dataset(rows.cast(schema), table.uri, schema=schema,
                                mode="append" if table.exists() else "create",
-                               storage_options=table.lance_options(), **kwargs).version
+                               storage_options=table.lance_options(),
+                               **_fragment_sizes(policy)).version
 
 
-# TRANSITION (removed once the shards, skip-list and browser areas use TableRef): the old
-# location-and-options calls, so those areas keep running while they move.
-def open_table(uri, version=None, storage_options=None):  # pragma: no cover
-    return TableRef.of(uri, version, storage_options).open()
-
-
-def table_exists(uri, storage_options=None) -> bool:  # pragma: no cover
-    return TableRef.of(uri, overrides=storage_options).exists()
+def _fragment_sizes(policy: FragmentPolicy | None) -> dict[str, int]:
+    """`write_dataset`'s file-size arguments for `policy` (Lance's defaults without one)."""
+    return {"max_rows_per_file": policy.max_rows,
+            "max_bytes_per_file": policy.target_bytes} if policy else {}

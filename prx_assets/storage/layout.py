@@ -108,19 +108,6 @@ class Storage:
         """Named ablation lists: `<name>.txt`, one sample id per line."""
         return self.location(ABLATIONS_DIR)
 
-    # TRANSITION (removed once every area uses the handles).
-    def lance_options(self):  # pragma: no cover
-        return self.settings.as_lance() if self.settings else None
-
-    def open(self, name, source=None, version=None):  # pragma: no cover
-        return self.table(name, source).at(version).open()
-
-    def exists(self, name, source=None):  # pragma: no cover
-        return self.table(name, source).exists()
-
-    def latest_version(self, name, source=None):  # pragma: no cover
-        return self.table(name, source).latest_version()
-
 
 def as_storage(storage: Storage | str | Path) -> Storage:
     """A Storage, or the root URI (or local folder) to build one from."""

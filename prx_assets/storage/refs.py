@@ -286,6 +286,11 @@ class Location:
         fs.copy_file(source, target.filesystem()[1])
 
 
+def as_location(where: Location | str | PurePath) -> Location:
+    """A Location, or the URI (or local path) to make one from with the standard settings."""
+    return where if isinstance(where, Location) else Location.of(where)
+
+
 def sync_folder(folder: Path | str) -> None:
     """Flush a folder's entries to disk, so a rename into it survives a crash."""
     fd = os.open(folder, os.O_RDONLY)

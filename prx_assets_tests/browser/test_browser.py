@@ -15,7 +15,7 @@ from urllib.parse import quote
 import pytest
 from PIL import Image
 
-from prx_assets.stages.shards.mds import current_tree
+from prx_assets.stages.shards.trees import current_tree
 from prx_assets.stages.skip_lists.skip_lists import read_sidecar
 from prx_assets.testing.chromium import screenshot
 from prx_assets_tests.browser import tiny_corpus

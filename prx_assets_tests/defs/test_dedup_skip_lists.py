@@ -5,18 +5,18 @@ import io
 import json
 
 import dagster as dg
-import lance
 import pyarrow as pa
 from PIL import Image
 
-from prx_assets.stages.ingest.ids import sample_id
-from prx_assets.stages.images.stage import PHASH_SCHEMA
-from prx_assets.storage.layout import Storage
-from prx_assets.stages.images.phash import phash
-from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
-from prx_assets.stages.skip_lists.skip_lists import read_sidecar
 from prx_assets.definitions import build_defs
 from prx_assets.demo.corpus import encode, real_photo_paths
+from prx_assets.stages.images.phash import phash
+from prx_assets.stages.images.stage import PHASH_SCHEMA
+from prx_assets.stages.ingest.ids import sample_id
+from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
+from prx_assets.stages.skip_lists.skip_lists import read_sidecar
+from prx_assets.storage.lance_tables import overwrite_rows
+from prx_assets.storage.layout import Storage
 from prx_assets_tests.conftest import image_bytes, write_sources
 
 
@@ -63,8 +63,8 @@ def _write_source(root, source, items):
         shard.write_bytes(b"MDS shard")
     for name, rows, schema in [("raw_images", raw, RAW_IMAGES_SCHEMA),
                                ("phashes", hashes, PHASH_SCHEMA), ("mds_samples", mapping, None)]:
-        uri = Storage(root).table(name, source)
-        lance.write_dataset(pa.Table.from_pylist(rows, schema=schema), uri)
+        table = pa.Table.from_pylist(rows, schema=schema)
+        overwrite_rows(Storage(root).table(name, source), table, table.schema)
     return {r["source_key"]: r for r in raw}, {r["id"]: r for r in mapping}
 
 
@@ -81,15 +81,15 @@ def test_duplicates_opt_outs_sensor_and_skip_lists(ray_session, data_root, tmp_p
     defs = build_defs(sources)
     instance = dg.DagsterInstance.ephemeral()
     (web, web_mds), (stock, _) = (_write_source(data_root, s, CORPUS[s]) for s in CORPUS)
-    hashes = {s: {r["id"]: r["phash"] for r in lance.dataset(
-        str(Storage(data_root).table("phashes", s))).to_table().to_pylist()} for s in CORPUS}
+    hashes = {s: {r["id"]: r["phash"] for r in Storage(data_root).table(
+        "phashes", s).to_table().to_pylist()} for s in CORPUS}
     assert hashes["web"][web["p1.jpg"]["id"]] == hashes["stock"][stock["p1.jpg"]["id"]]
     result = defs.resolve_job_def("dedup_job").execute_in_process(instance=instance)
     assert result.success
 
     # Cross-source, cross-resolution groups keep the most pixels; exact ties go to the
     # first source, then to the smaller id; flat images are never duplicates.
-    dups = lance.dataset(str(Storage(data_root).table("duplicates"))).to_table().to_pylist()
+    dups = Storage(data_root).table("duplicates").to_table().to_pylist()
     groups = {}
     for row in dups:
         groups.setdefault(row["kept_id"], set()).add(row["id"])

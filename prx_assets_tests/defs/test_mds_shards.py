@@ -1,11 +1,12 @@
 import dagster as dg
-import lance
 
-from prx_assets.stages.shards import mds
 from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
 from prx_assets.defs.shards import build_mds_shards, mds_tree_check
-from prx_assets_tests.defs.test_raw_images import checks
+from prx_assets.stages.shards import trees, verify
+from prx_assets.storage.lance_tables import overwrite_rows
+from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import ACTIVE, build_corpus
+from prx_assets_tests.defs.test_raw_images import checks
 
 
 def _materialize(instance, version=ACTIVE):
@@ -33,10 +34,10 @@ def test_mds_shards_writes_the_tree_with_metadata_and_check(ray_session, data_ro
     reasons = {r.data["reason"]: r.data["count"] for r in meta["left_out_by_reason"].value.records}
     assert reasons == {"no_caption": len(corpus["no_caption"])}
     assert meta["caption_version"].value == ACTIVE
-    tree = mds.current_tree(data_root, "web")
+    tree = trees.current_tree(data_root, "web")
     assert meta["tree_version"].value == tree.name
-    mapping = lance.dataset(str(data_root / "lance/mds_samples/web.lance"))
-    assert meta["mapping_lance_version"].value == mapping.version
+    mapping = Storage(data_root).table("mds_samples", "web")
+    assert meta["mapping_lance_version"].value == mapping.latest_version()
 
     # An older caption version is another corpus: every row has a usable "old-v0" caption.
     older = _materialize(instance, version="old-v0")
@@ -49,13 +50,13 @@ def test_check_fails_when_a_leaf_and_the_mapping_disagree(ray_session, data_root
     build_corpus(data_root, "web", per_shape=3)
     instance = dg.DagsterInstance.ephemeral()
     assert _materialize(instance).success
-    leaf = mds.tree_leaves(mds.current_tree(data_root, "web"))[0]
-    uri = str(data_root / "lance/mds_samples/web.lance")
-    table = lance.dataset(uri).to_table()
-    leaf_name = str(leaf.relative_to(mds.current_tree(data_root, "web")))
+    leaf = trees.tree_leaves(trees.current_tree(data_root, "web"))[0]
+    mapping = Storage(data_root).table("mds_samples", "web")
+    table = mapping.to_table()
+    leaf_name = str(leaf.relative_to(trees.current_tree(data_root, "web")))
     keep = [r for r in table.to_pylist() if r["leaf"] != leaf_name][1:]
-    lance.write_dataset(table.from_pylist(keep, schema=table.schema), uri, mode="overwrite")
-    found, problems = mds.verify_tree(data_root, "web")
+    overwrite_rows(mapping, table.from_pylist(keep, schema=table.schema), table.schema)
+    found, problems = verify.verify_tree(data_root, "web")
     assert not all(c.ok for c in found) and not problems
 
 
@@ -63,7 +64,8 @@ def test_build_defs_wires_mds_shards_after_bucketed_images_and_captions(tmp_path
     from prx_assets.definitions import build_defs
     from prx_assets_tests.conftest import write_sources
 
-    sources = write_sources(tmp_path / "s.yaml", [f"{{name: web, kind: image_folder, uri: {tmp_path}}}"])
+    sources = write_sources(tmp_path / "s.yaml",
+                            [f"{{name: web, kind: image_folder, uri: {tmp_path}}}"])
     graph = build_defs(sources).resolve_asset_graph()
     key = dg.AssetKey("mds_shards")
     assert graph.get(key).parent_keys == {dg.AssetKey("bucketed_images"), dg.AssetKey("captions")}

@@ -1,28 +1,32 @@
 import gc
 
 import dagster as dg
-import lance
 from streaming.base.util import clean_stale_shared_memory
 
-from prx_assets.stages.shards import mds
-from prx_assets.storage.layout import Storage
-from prx_assets.stages.skip_lists.skip_lists import (
-    apply_skip_lists, build_skip_lists, mapping_batches, mapping_shards, sidecar_files)
 from prx_assets.definitions import build_defs
-from prx_assets_tests.conftest import write_sources
+from prx_assets.stages.shards import mds, plan, trees
+from prx_assets.stages.skip_lists.skip_lists import (
+    apply_skip_lists,
+    build_skip_lists,
+    mapping_batches,
+    mapping_shards,
+    sidecar_files,
+)
+from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import ACTIVE, build_corpus, inputs_for
+from prx_assets_tests.conftest import write_sources
 
 
 def _ids(root) -> set[str]:
-    uri = Storage(root).table("mds_samples", "web")
-    return set(lance.dataset(str(uri)).to_table(columns=["id"]).column("id").to_pylist())
+    mapping = Storage(root).table("mds_samples", "web")
+    return set(mapping.to_table(columns=["id"]).column("id").to_pylist())
 
 
 def test_rewrite_job_drops_skipped_samples_and_records_the_new_tree(data_root, tmp_path):
     clean_stale_shared_memory()
     build_corpus(data_root, "web", per_shape=10, shapes=((1, 48, 48), (1, 64, 48)))
     mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web",
-                       mds.WriteOptions(size_limit=8_000, parallel=False))
+                       plan.WriteOptions(size_limit=8_000, parallel=False))
     instance = dg.DagsterInstance.ephemeral()
     instance.report_runless_asset_event(dg.AssetMaterialization(
         "mds_shards", partition="web", metadata={"caption_version": ACTIVE}))
@@ -30,7 +34,7 @@ def test_rewrite_job_drops_skipped_samples_and_records_the_new_tree(data_root, t
     before = _ids(data_root)
     skipped = set(sorted(before)[::3])
     shards, _ = mapping_shards(mapping)
-    apply_skip_lists(mds.current_tree(data_root, "web"),
+    apply_skip_lists(trees.current_tree(data_root, "web"),
                      build_skip_lists(mapping_batches(mapping), {"dedup": skipped}), shards)
 
     defs = build_defs(write_sources(tmp_path / "s.yaml",
@@ -42,7 +46,7 @@ def test_rewrite_job_drops_skipped_samples_and_records_the_new_tree(data_root, t
         resources={"ray_cluster": dg.ResourceDefinition.none_resource()})
     assert result.success
     assert _ids(data_root) == before - skipped
-    assert sidecar_files(mds.current_tree(data_root, "web")) == []
+    assert sidecar_files(trees.current_tree(data_root, "web")) == []
     events = {e.event_specific_data.materialization.asset_key.path[-1]:
               e.event_specific_data.materialization.metadata
               for e in result.get_asset_materialization_events()}

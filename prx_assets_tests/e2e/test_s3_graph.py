@@ -95,14 +95,14 @@ def test_the_whole_graph_of_a_webdataset_source_lives_in_the_bucket(
     assert [p for p in scratch.rglob("*") if p.is_file()] == []
 
     store = Storage(s3_root)
-    assert store.open(RAW_IMAGES, SOURCE).count_rows() == 14
-    assert store.open(CAPTIONS, SOURCE).count_rows() == 14
-    assert store.open(CAPTION_LABELS, SOURCE).count_rows() == 14
-    assert store.open(DUPLICATES).count_rows() == 4  # two groups of two
-    audit = store.open(OPT_OUTS).to_table(columns=["id", "via"]).to_pylist()
+    assert store.table(RAW_IMAGES, SOURCE).count_rows() == 14
+    assert store.table(CAPTIONS, SOURCE).count_rows() == 14
+    assert store.table(CAPTION_LABELS, SOURCE).count_rows() == 14
+    assert store.table(DUPLICATES).count_rows() == 4  # two groups of two
+    audit = store.table(OPT_OUTS).to_table(columns=["id", "via"]).to_pylist()
     assert {"id": opted_out, "via": "direct"} in audit
-    assert store.open(CORPUS).count_rows() == 14
-    assert store.open(MDS_SAMPLES, SOURCE).count_rows() == 14
+    assert store.table(CORPUS).count_rows() == 14
+    assert store.table(MDS_SAMPLES, SOURCE).count_rows() == 14
     resources = build_defs(sources).resources
     funnel = source_funnel(store, SOURCE, resources["captioner"].caption_version(),
                            resources["classifier"].classifier_version())
@@ -150,15 +150,15 @@ def _read_back_from_the_bucket(store: Storage, opted_out: str, tmp_path: Path,
 
     from prx_assets.loader import build_dataset
     from prx_assets.stages.skip_lists.skip_lists import REASON_DEDUP, REASON_OPTOUT, duplicate_ids
-    from prx_assets.storage import object_store
 
     uri = _cli("mds-uri", SOURCE).strip()
     assert uri.startswith(f"{store.root}/mds/.trees/{SOURCE}/"), uri
-    samples = store.open(MDS_SAMPLES, SOURCE).to_table(columns=["id", "tier", "leaf"]).to_pylist()
+    samples = store.table(MDS_SAMPLES, SOURCE).to_table(columns=["id", "tier", "leaf"]).to_pylist()
     leaf = sorted({s["leaf"] for s in samples})[0]  # e.g. 512/512x512
     monkeypatch.delenv("S3_ENDPOINT_URL", raising=False)
-    for name, value in object_store.streaming_env(uri).items():
-        monkeypatch.setenv(name, value)  # what a trainer sets for streaming's boto3
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)  # a trainer's own standard variables for boto3
+    monkeypatch.setenv("AWS_DEFAULT_REGION", s3_server.region)
     clean_stale_shared_memory()
     dataset = StreamingDataset(remote=f"{uri}/{leaf}", local=str(tmp_path / "cache-plain"),
                                batch_size=1, shuffle=False)
@@ -182,7 +182,7 @@ def _read_back_from_the_bucket(store: Storage, opted_out: str, tmp_path: Path,
                             if s["tier"] == tier and s["id"] not in dropped)
 
     # search and similar on the corpus table in the bucket.
-    row = store.open(CORPUS).to_table(columns=["id", "caption"], limit=1).to_pylist()[0]
+    row = store.table(CORPUS).to_table(columns=["id", "caption"], limit=1).to_pylist()[0]
     word = max(row["caption"].split(), key=len).strip(".,;:")
     found = _cli("search", word, "--k", "14")
     assert row["id"] in found, (word, found)
@@ -232,11 +232,12 @@ def test_a_bad_data_root_fails_the_partition_at_once_naming_the_uri_and_cause(
 
 
 @pytest.mark.timeout(900)
-def test_captions_labels_dedup_and_opt_outs_pass_the_storage_options_to_ray_tasks(
+def test_captions_labels_dedup_and_opt_outs_carry_their_settings_into_ray_tasks(
         ray_session, s3_server, s3_root, monkeypatch):
     """Here the Ray workers started before the test set the AWS variables, and the
-    environment holds a wrong secret: these stages work only on the options the Storage
-    resolved and handed to every Lance call and Ray read (the right secret, an override)."""
+    environment holds a wrong secret: these stages work only on the settings the Storage
+    resolved into its table handles, carried into every Lance call and Ray read (the right
+    secret, an override)."""
     import pyarrow as pa
     import ray.data
 
@@ -269,43 +270,37 @@ def test_captions_labels_dedup_and_opt_outs_pass_the_storage_options_to_ray_task
     }
     for name, table in inputs.items():
         write_dataset_atomically(ray.data.from_arrow(table), store.table(name, "web"),
-                                 FragmentPolicy(), table.schema, options)
+                                 FragmentPolicy(), table.schema)
 
     spec = CaptionerSpec()
-    captions_uri = store.table(CAPTIONS, "web")
-    requests = pending_requests(
-        ray.data.read_lance(store.table(BUCKETED_IMAGES, "web"),
-                            storage_options=store.lance_options()),
-        ray.data.read_lance(store.table(RAW_IMAGES, "web"), storage_options=store.lance_options()),
-        captions_uri, spec, options)
-    assert caption_source(requests, captions_uri, spec, chunk_rows=4,
-                          storage_options=options).written == 6
-    cover = coverage(store.table(BUCKETED_IMAGES, "web"), captions_uri, spec.version(),
-                     storage_options=options)
+    captions = store.table(CAPTIONS, "web")
+    requests = pending_requests(store.table(BUCKETED_IMAGES, "web").read(),
+                                store.table(RAW_IMAGES, "web").read(), captions, spec)
+    assert caption_source(requests, captions, spec, chunk_rows=4).written == 6
+    cover = coverage(store.table(BUCKETED_IMAGES, "web"), captions, spec.version())
     assert (cover.kept, cover.done) == (6, 6)
-    again = pending_requests(ray.data.read_lance(store.table(BUCKETED_IMAGES, "web"),
-                                                 storage_options=store.lance_options()),
-                             None, captions_uri, CaptionerSpec(), options)
+    again = pending_requests(store.table(BUCKETED_IMAGES, "web").read(), None, captions,
+                             CaptionerSpec())
     assert again.count() == 0  # done ids read from the bucket
 
-    labels_uri, caption_filter = store.table(CAPTION_LABELS, "web"), active_caption_filter(
+    labels, caption_filter = store.table(CAPTION_LABELS, "web"), active_caption_filter(
         spec.version())
-    report = label_source(captions_uri, labels_uri, spec.version(), caption_filter,
-                          LabelerSpec(), chunk_rows=4, storage_options=options)
+    report = label_source(captions, labels, spec.version(), caption_filter,
+                          LabelerSpec(), chunk_rows=4)
     assert report.written == 6
-    assert label_coverage(captions_uri, labels_uri, caption_filter, spec.version(),
-                          report.classifier_version, options).labelled == 6
+    assert label_coverage(captions, labels, caption_filter, spec.version(),
+                          report.classifier_version).labelled == 6
 
     hashes, missing = hash_inputs(store, ["web"])
     assert missing == []
-    duplicates_uri = store.table(DUPLICATES)
-    write_dataset_atomically(duplicates_dataset(hashes), duplicates_uri, FragmentPolicy(),
-                             DUPLICATES_SCHEMA, options)
-    summary = summarise(duplicates_uri, {"web": 6}, storage_options=options)
+    duplicates = store.table(DUPLICATES)
+    write_dataset_atomically(duplicates_dataset(hashes), duplicates, FragmentPolicy(),
+                             DUPLICATES_SCHEMA)
+    summary = summarise(duplicates, {"web": 6})
     assert summary.groups == 1 and summary.removed_per_source == {"web": 1}
 
     put_opt_out(s3_server, s3_root, "web:00")
-    parsed = parse_directory(opt_out_dir(store), storage_options=options)
+    parsed = parse_directory(opt_out_dir(store))
     assert [r.value for r in parsed.requests] == ["web:00"] and parsed.errors == []
     audit = resolve(parsed.requests, ["web"], store).to_pylist()
     assert sorted((r["id"], r["via"]) for r in audit) == [("web:00", "direct"),

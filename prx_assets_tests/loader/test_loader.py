@@ -9,16 +9,15 @@ import zlib
 from collections import Counter
 from pathlib import Path
 
-import lance
 import pytest
 import torch
 from PIL import Image
 from streaming.base.util import clean_stale_shared_memory
 
-from prx_assets.stages.shards import mds
-from prx_assets.storage.layout import Storage
-from prx_assets.stages.skip_lists.skip_lists import sidecar_path
 from prx_assets.loader import SkipListMismatch, build_dataset, build_loader
+from prx_assets.stages.shards import mds, plan, trees
+from prx_assets.stages.skip_lists.skip_lists import sidecar_path
+from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
 TIER, BATCH = 1, 4
@@ -30,13 +29,13 @@ WEIGHTS = {"alpha": 3.0, "beta": 1.0}
 def corpus(tmp_path_factory):
     """Two sources' trees (several shards per leaf) with skip sidecars on some shards."""
     root = tmp_path_factory.mktemp("loader") / "data"
-    options = mds.WriteOptions(size_limit=12_000, parallel=False)
+    options = plan.WriteOptions(size_limit=12_000, parallel=False)
     for seed, source in enumerate(WEIGHTS):
         build_corpus(root, source, per_shape=40, seed=seed, shapes=SHAPES)
         mds.write_mds_tree(inputs_for(root, source), root, source, options)
     mapping = {}
     for source in WEIGHTS:
-        rows = lance.dataset(str(Storage(root).table("mds_samples", source))).to_table().to_pylist()
+        rows = Storage(root).table("mds_samples", source).to_table().to_pylist()
         mapping.update({(source, r["leaf"], r["shard"], r["sample_index"]): r["id"] for r in rows})
     skipped = {"dedup": set(), "nsfw": set()}
     for (source, leaf, shard, index), sample_id in mapping.items():
@@ -53,7 +52,7 @@ def corpus(tmp_path_factory):
 def _write_sidecars(mds_root: Path, reason: str, places) -> None:
     by_shard: dict[Path, list[int]] = {}
     for source, leaf, shard, index in places:
-        by_shard.setdefault(mds.current_tree(mds_root, source) / leaf / shard, []).append(index)
+        by_shard.setdefault(trees.current_tree(mds_root, source) / leaf / shard, []).append(index)
     for shard, indices in by_shard.items():
         path = sidecar_path(shard)
         lists = json.loads(path.read_text())["lists"] if path.exists() else {}
@@ -165,7 +164,7 @@ def test_ranks_and_workers_get_equal_disjoint_batches(corpus):
     assert not set(ids[0]) & set(ids[1])
     skipped = corpus["skipped"]["dedup"] | corpus["skipped"]["nsfw"]
     assert not skipped & (set(ids[0]) | set(ids[1]))
-    for a, b in zip(*per_rank):  # the same step on both ranks has one shape
+    for a, b in zip(*per_rank, strict=True):  # the same step on both ranks has one shape
         assert a[0].split("-")[1] == b[0].split("-")[1]
 
 

@@ -12,19 +12,28 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
-import lance
-
-from prx_assets.storage.layout import Storage, as_storage
-from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, MDS_SAMPLES
-from prx_assets.stages.shards.mds import SampleInputs, TreeReport, WriteOptions, write_mds_tree
+from prx_assets.stages.shards.mds import write_mds_tree
+from prx_assets.stages.shards.plan import SampleInputs, WriteOptions
+from prx_assets.stages.shards.publish import TreeReport
 from prx_assets.stages.shards.trees import tree_store
 from prx_assets.stages.skip_lists.skip_lists import (
-    REASON_STALE, ApplyReport, build_skip_lists, mapping_batches, mapping_shards,
-    publish_skip_lists, reasons_in, skipped_ids)
+    REASON_STALE,
+    SCAN_ROWS,
+    ApplyReport,
+    build_skip_lists,
+    mapping_batches,
+    mapping_shards,
+    publish_skip_lists,
+    reasons_in,
+    skipped_ids,
+)
+from prx_assets.storage.layout import Storage, as_storage
+from prx_assets.storage.refs import TableRef
+from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, MDS_SAMPLES
 
 logger = logging.getLogger(__name__)
 
@@ -41,56 +50,52 @@ def pinned_inputs(storage: Storage | str | Path, source: str, caption_filter: st
     """The inputs of the current tree, at the Lance versions it was built from."""
     storage = as_storage(storage)
     store = tree_store(storage, source)
-    manifest = store.manifest(store.current_version() or "") if store.current_version() else None
+    current = store.current_version()
+    manifest = store.manifest(current) if current else None
     if manifest is None:
         raise FileNotFoundError(f"no MDS tree for source {source!r} under {storage.mds_root}; "
                                 "materialise mds_shards first")
     return SampleInputs(
-        bucketed_uri=storage.table(BUCKETED_IMAGES, source),
-        captions_uri=storage.table(CAPTIONS, source),
-        caption_filter=caption_filter,
-        bucketed_version=manifest.get("bucketed_version"),
-        captions_version=manifest.get("captions_version"))
+        bucketed=storage.table(BUCKETED_IMAGES, source).at(manifest.get("bucketed_version")),
+        captions=storage.table(CAPTIONS, source).at(manifest.get("captions_version")),
+        caption_filter=caption_filter)
 
 
-def _ids(uri: str, version: int | None = None, condition: str | None = None,
-         storage_options=None) -> set[str]:
-    scanner = lance.dataset(str(uri), version=version, storage_options=storage_options).scanner(
-        columns=["id"], filter=condition, batch_size=1 << 18)
+def _ids(table: TableRef, condition: str | None = None) -> set[str]:
+    scanner = table.open().scanner(columns=["id"], filter=condition, batch_size=SCAN_ROWS)
     return {i for batch in scanner.to_batches() for i in batch.column("id").to_pylist()}
 
 
 def rewrite_without_skipped(inputs: SampleInputs, storage: Storage | str | Path, source: str,
                             reasons: Iterable[str] | None = None,
-                            options: WriteOptions = WriteOptions(),
+                            options: WriteOptions | None = None,
                             log: Callable[[str], None] = logger.info) -> RewriteReport:
     """Rebuild `source`'s tree without the samples skipped for `reasons` (all by default).
     Stale samples (superseded by an incremental run) are never in the mapping table, so the
     rewrite leaves them out whatever `reasons` says."""
     storage = as_storage(storage)
-    options_ = storage.storage_options
+    inputs = inputs.pinned()  # the ids planned here and the build read one version
     old_tree = tree_store(storage, source).current_tree()
     mapping = storage.table(MDS_SAMPLES, source)
-    present = reasons_in(old_tree, options_) - {REASON_STALE}
+    present = reasons_in(old_tree) - {REASON_STALE}
     rewritten = sorted(present if reasons is None else set(reasons) & present)
-    excluded = skipped_ids(old_tree, mapping, rewritten, storage_options=options_)
-    kept_lists = {r: skipped_ids(old_tree, mapping, [r], storage_options=options_) - excluded
+    excluded = skipped_ids(old_tree, mapping, rewritten)
+    kept_lists = {r: skipped_ids(old_tree, mapping, [r]) - excluded
                   for r in sorted(present - set(rewritten))}
     log(f"{source}: rewriting without {len(excluded):,} skipped samples "
         f"({', '.join(rewritten) or 'no reason'}); carrying over {', '.join(kept_lists) or 'none'}")
     # The new tree is a subset of the current one: what earlier rewrites (or the current
     # build's own rules) left out stays out.
-    lance_options = storage.lance_options()
-    kept = _ids(mapping, storage_options=lance_options) - excluded
-    planned = _ids(inputs.bucketed_uri, inputs.bucketed_version, "status = 'ok'",
-                   storage_options=lance_options)
+    kept = _ids(mapping) - excluded
+    planned = _ids(inputs.bucketed, "status = 'ok'")
     inputs = dataclasses.replace(inputs, exclude_ids=frozenset(inputs.exclude_ids
                                                                | (planned - kept)))
     report = write_mds_tree(inputs, storage, source,
-                            dataclasses.replace(options, incremental=False), log)
-    shards, _ = mapping_shards(report.mapping_uri, storage_options=lance_options)
+                            dataclasses.replace(options or WriteOptions(), incremental=False),
+                            log)
+    shards, _ = mapping_shards(report.mapping)
     carried = publish_skip_lists(storage, source, build_skip_lists(
-        mapping_batches(report.mapping_uri, storage_options=lance_options),
-        {r: ids for r, ids in kept_lists.items() if ids}), shards)
+        mapping_batches(report.mapping), {r: ids for r, ids in kept_lists.items() if ids}),
+        shards)
     return RewriteReport(tree=report, excluded=len(excluded), rewritten_reasons=rewritten,
                          carried_over=carried)

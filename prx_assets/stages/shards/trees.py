@@ -15,6 +15,9 @@ Files carried from one version into the next are hard links locally (same inode,
 copied; a copy only across devices, logged) and server-side copies (CopyObject) on S3: S3
 has no links, and mosaicml-streaming resolves a shard's basename under its leaf, so a
 shard of another version's prefix cannot be named from this version's index.
+
+The loader, the browser and `prx-assets mds-uri` resolve trees through this module alone: it
+imports neither Ray nor mosaicml-streaming (a trainer's process pays for neither).
 """
 
 from __future__ import annotations
@@ -24,15 +27,14 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Mapping, Optional
+from pathlib import Path, PurePath
 
-from prx_assets.storage import object_store
-from prx_assets.storage.layout import Storage
+from prx_assets.storage.layout import MDS_DIR, Storage, as_storage
+from prx_assets.storage.refs import Location, as_location
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ TREES_DIR = ".trees"
 PARTIAL_SUFFIX = ".partial"
 TREE_MANIFEST = "tree.json"
 POINTER_SUFFIX = ".current.json"
+INDEX = "index.json"
 COPY_THREADS = 16  # concurrent server-side copies when carrying a version's files on S3
 
 
@@ -48,233 +51,212 @@ def new_tree_version() -> str:
     return datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
 
 
+def leaf_name(tier: int, width: int, height: int) -> str:
+    return f"{tier}/{width}x{height}"
+
+
+def leaf_key(name: str) -> tuple[int, int, int]:
+    """`512/640x480` -> (512, 640, 480)."""
+    tier, shape = name.split("/")
+    width, height = shape.split("x")
+    return int(tier), int(width), int(height)
+
+
+def lineage(manifest: dict, version: str) -> list[str]:
+    """Every version whose shards the tree `version` holds (itself included): the
+    `tree_version` values its mapping rows may carry."""
+    own = manifest.get("shards_of", version)  # a skip-lists version holds its parent's shards
+    return sorted({*manifest.get("carried_versions", []), own})
+
+
 @dataclass
 class TreeStore:
     """One source's trees under an MDS root (a local folder or an `s3://` prefix)."""
 
-    mds_root: str
+    mds_root: Location
     source: str
-    storage_options: Optional[Mapping[str, str]] = None
     log: Callable[[str], None] = logger.info
 
     @property
     def is_local(self) -> bool:
-        return not object_store.is_object_store(self.mds_root)
+        return self.mds_root.is_local
 
     @property
-    def trees_dir(self) -> str:
-        return f"{self.mds_root}/{TREES_DIR}/{self.source}"
+    def trees_dir(self) -> Location:
+        return self.mds_root / TREES_DIR / self.source
 
     @property
-    def link(self) -> str:
+    def link(self) -> Location:
         """Local: the symlink naming the current version. S3: the pointer object."""
-        if self.is_local:
-            return f"{self.mds_root}/{self.source}"
-        return f"{self.mds_root}/{self.source}{POINTER_SUFFIX}"
+        return self.mds_root / (self.source if self.is_local else self.source + POINTER_SUFFIX)
 
-    def tree_uri(self, version: str) -> str:
-        return f"{self.trees_dir}/{version}"
+    def tree(self, version: str) -> Location:
+        return self.trees_dir / version
 
-    def staging_uri(self, version: str) -> str:
+    def staging(self, version: str) -> Location:
         """Where a version is built: aside locally, its own (unpublished) prefix on S3."""
-        return self.tree_uri(version) + (PARTIAL_SUFFIX if self.is_local else "")
+        return self.trees_dir / (version + (PARTIAL_SUFFIX if self.is_local else ""))
 
     # ------------------------------------------------------------------ reading
-    def current_version(self) -> Optional[str]:
+    def current_version(self) -> str | None:
         if self.is_local:
-            link = Path(self.link)
+            link = self.link.path
             # A real folder in place of the link reads as a tree (publishing refuses it).
             return link.resolve().name if link.exists() else None
         try:
-            return str(json.loads(self.read_text(self.link))["version"])
+            return str(json.loads(self.link.read_text())["version"])
         except FileNotFoundError:
             return None
 
-    def current_tree(self) -> str:
+    def current_tree(self) -> Location:
         """The current version's location, resolved once (a later swap does not move it)."""
         version = self.current_version()
         if version is None:
             raise FileNotFoundError(f"no MDS tree for source {self.source!r} at {self.link}; "
                                     "materialise mds_shards first")
-        return str(Path(self.link).resolve()) if self.is_local else self.tree_uri(version)
+        if self.is_local:
+            return Location(str(self.link.path.resolve()))
+        return self.tree(version)
 
-    def manifest(self, version: str) -> Optional[dict]:
+    def manifest(self, version: str) -> dict | None:
         try:
-            return json.loads(self.read_text(f"{self.tree_uri(version)}/{TREE_MANIFEST}"))
+            return json.loads((self.tree(version) / TREE_MANIFEST).read_text())
         except FileNotFoundError:
             return None
 
     def versions(self) -> list[str]:
         """Complete versions (their manifest written), oldest first."""
-        fs, path = self.fs(self.trees_dir)
-        import pyarrow.fs as pafs
-
-        names = sorted(info.base_name for info in fs.get_file_info(
-            pafs.FileSelector(path, allow_not_found=True)) if info.type == pafs.FileType.Directory)
-        return [n for n in names if not n.endswith(PARTIAL_SUFFIX)
-                and self.exists(f"{self.tree_uri(n)}/{TREE_MANIFEST}")]
-
-    def read_text(self, uri: str) -> str:
-        return object_store.read_text(uri, self.storage_options)
-
-    def exists(self, uri: str) -> bool:
-        import pyarrow.fs as pafs
-
-        fs, path = self.fs(uri)
-        return fs.get_file_info(path).type != pafs.FileType.NotFound
-
-    def files(self, folder: str, suffix: str = "") -> list[str]:
-        return object_store.list_files(folder, suffix, self.storage_options)
+        return [name for name in self.trees_dir.folders() if not name.endswith(PARTIAL_SUFFIX)
+                and (self.tree(name) / TREE_MANIFEST).exists()]
 
     # ------------------------------------------------------------------ writing
     def prepare(self) -> None:
         if self.is_local:
-            Path(self.trees_dir).mkdir(parents=True, exist_ok=True)
+            self.trees_dir.make_dirs()
         else:
-            object_store.check_reachable(self.mds_root, self.storage_options)
+            self.mds_root.check_reachable()
 
-    def make_dirs(self, folder: str) -> None:
-        if self.is_local:
-            Path(folder).mkdir(parents=True, exist_ok=True)
-
-    def write_text(self, uri: str, text: str) -> None:
-        """Locally through a temporary file and a rename (readers never see half a file);
-        on S3 one PUT (an object is visible whole or not at all)."""
-        if not self.is_local:
-            object_store.write_text(uri, text, self.storage_options)
-            return
-        path = Path(uri)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-    def carry(self, src: str, dst: str) -> None:
+    def carry(self, src: Location, dst: Location) -> None:
         """An older version's file into a new version without moving its bytes through us:
         a hard link locally (a copy only across devices), a server-side copy on S3."""
         if not self.is_local:
-            fs, source = self.fs(src)
-            fs.copy_file(source, self.fs(dst)[1])
+            src.copy_to(dst)
             return
-        Path(dst).parent.mkdir(parents=True, exist_ok=True)
+        dst.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            os.link(src, dst)
+            os.link(src.path, dst.path)
         except OSError as exc:
             if exc.errno != errno.EXDEV:
                 raise
             self.log(f"{src}: on another device than {dst}; copied instead of linked")
-            shutil.copy2(src, dst)
+            shutil.copy2(src.path, dst.path)
 
-    def carry_many(self, pairs: list[tuple[str, str]]) -> None:
+    def carry_many(self, pairs: list[tuple[Location, Location]]) -> None:
         """`carry` for many files: on S3 the copies run concurrently (each is one request
         that waits on the store; 100k shards one after another would take hours)."""
         if self.is_local or len(pairs) < 2:
             for src, dst in pairs:
                 self.carry(src, dst)
             return
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(COPY_THREADS) as pool:
             for _ in pool.map(lambda pair: self.carry(*pair), pairs):
                 pass
 
-    def move(self, src: str, dst: str) -> None:
+    def move(self, src: Location, dst: Location) -> None:
         if self.is_local:
-            os.replace(src, dst)
+            os.replace(src.path, dst.path)
             return
-        fs, source = self.fs(src)
-        fs.copy_file(source, self.fs(dst)[1])
-        fs.delete_file(source)
+        src.copy_to(dst)
+        src.delete()
 
-    def delete_tree(self, uri: str) -> None:
-        if self.is_local:
-            shutil.rmtree(uri, ignore_errors=True)
-            return
-        fs, path = self.fs(uri)
-        try:
-            fs.delete_dir(path)
-        except FileNotFoundError:
-            pass
-
-    def finish(self, version: str) -> str:
+    def finish(self, version: str) -> Location:
         """A built version made complete (its manifest already inside): renamed locally."""
-        final = self.tree_uri(version)
+        final = self.tree(version)
         if self.is_local:
-            os.rename(self.staging_uri(version), final)
+            os.rename(self.staging(version).path, final.path)
         return final
 
     def publish(self, version: str) -> None:
         """Make `version` current, atomically: replace the symlink, or PUT the pointer."""
         if not self.is_local:
-            self.write_text(self.link, json.dumps(
-                {"version": version, "tree": self.tree_uri(version)}, sort_keys=True))
+            self.link.write_text(json.dumps(
+                {"version": version, "tree": str(self.tree(version))}, sort_keys=True))
             return
-        link = Path(self.link)
+        link = self.link.path
         if link.exists() and not link.is_symlink():
             raise RuntimeError(f"{link} is a real folder, not the tree symlink; move it away first")
-        target = Path(self.tree_uri(version))
         temporary = link.with_name(f".{link.name}.{version}.link")
         if os.path.lexists(temporary):
             temporary.unlink()
-        os.symlink(os.path.relpath(target, link.parent), temporary)
+        os.symlink(os.path.relpath(self.tree(version).path, link.parent), temporary)
         os.replace(temporary, link)
 
     def remove_unpublished(self, keep: frozenset[str] = frozenset()) -> None:
         """Leftovers of killed builds: `.partial` folders, and complete versions newer than
         the current one that never became current (except `keep`)."""
         current = self.current_version()
-        if self.is_local:
-            for partial in Path(self.trees_dir).glob("*" + PARTIAL_SUFFIX):
-                shutil.rmtree(partial, ignore_errors=True)
-        for version in self._all_version_dirs():
-            if version in keep or version.endswith(PARTIAL_SUFFIX):
-                continue
-            if current is None or version > current:
-                self.delete_tree(self.tree_uri(version))
+        for name in self.trees_dir.folders():
+            if name.endswith(PARTIAL_SUFFIX):
+                (self.trees_dir / name).delete()
+            elif name not in keep and (current is None or name > current):
+                self.tree(name).delete()
 
     def prune(self, keep: int) -> None:
         """Keep the current version and the `keep - 1` before it (a trainer may still read
         one it resolved earlier)."""
         current = self.current_version()
-        published = [v for v in self._all_version_dirs()
-                     if not v.endswith(PARTIAL_SUFFIX) and current and v <= current]
+        published = [name for name in self.trees_dir.folders()
+                     if not name.endswith(PARTIAL_SUFFIX) and current and name <= current]
         for old in published[:-max(1, keep)]:
-            self.delete_tree(self.tree_uri(old))
-
-    def _all_version_dirs(self) -> list[str]:
-        import pyarrow.fs as pafs
-
-        fs, path = self.fs(self.trees_dir)
-        return sorted(info.base_name for info in fs.get_file_info(
-            pafs.FileSelector(path, allow_not_found=True)) if info.type == pafs.FileType.Directory)
-
-    def fs(self, uri: str):
-        """(pyarrow FileSystem, path) for a location under this store."""
-        return object_store.filesystem(uri, self.storage_options)
+            self.tree(old).delete()
 
 
 def tree_store(storage: Storage, source: str, log: Callable[[str], None] = logger.info
                ) -> TreeStore:
-    return TreeStore(storage.mds_root, source, storage.storage_options, log)
+    return TreeStore(storage.mds_root, source, log)
 
 
-def leaf_names(store: TreeStore, tree: str) -> list[str]:
-    """Leaves (`<tier>/<W>x<H>`, the folders holding an index.json) of a tree, sorted."""
-    import pyarrow.fs as pafs
+def source_trees(root: Location | str | PurePath, source: str) -> TreeStore:
+    """The source's trees under `root`: the MDS root (`$PRX_DATA_ROOT/mds`), or locally the
+    data root above it."""
+    root = as_location(root)
+    if root.is_local and not os.path.lexists(root.path / source) \
+            and os.path.lexists(root.path / MDS_DIR / source):
+        root = root / MDS_DIR
+    return TreeStore(root, source)
 
-    fs, path = store.fs(tree)
-    infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
-    root = path.rstrip("/") + "/"
-    names = []
-    for info in infos:
-        if info.type == pafs.FileType.File and info.base_name == "index.json":
-            rel = info.path[len(root):] if info.path.startswith(root) else info.path
-            parts = rel.split("/")
-            if len(parts) == 3:
-                names.append(f"{parts[0]}/{parts[1]}")
-    return sorted(names)
+
+def current_tree(root: Location | str | PurePath, source: str) -> Path:
+    """The source's current local tree, resolved once (a later swap does not move what you
+    hold). `root` is the MDS root (`$PRX_DATA_ROOT/mds`); the data root above it is accepted
+    too. For any root, local or s3://, see `current_tree_uri`."""
+    return source_trees(root, source).current_tree().path
+
+
+def current_tree_uri(storage: Storage | str | Path, source: str) -> str:
+    """The current tree of `source` as a location: a resolved local folder or the version's
+    `s3://` prefix (what `prx-assets mds-uri` prints; `<it>/<tier>/<W>x<H>` is a stream)."""
+    return str(tree_store(as_storage(storage), source).current_tree())
+
+
+def leaf_names(tree: Location) -> list[str]:
+    """Leaves (`<tier>/<W>x<H>`, the folders holding an index.json) of a tree, sorted: one
+    listing per tier, one existence check per leaf (on S3 no listing of every shard)."""
+    return sorted(f"{tier}/{shape}" for tier in tree.folders()
+                  for shape in (tree / tier).folders() if (tree / tier / shape / INDEX).exists())
+
+
+def tree_leaves(tree: Path, tier: int | None = None) -> list[Path]:
+    """Leaf folders of a local tree, optionally of one tier, sorted."""
+    pattern = f"{tier}/*/{INDEX}" if tier is not None else f"*/*/{INDEX}"
+    return sorted(p.parent for p in Path(tree).glob(pattern))
+
+
+def read_index(leaf: Location) -> list[dict]:
+    """A leaf's index.json shard entries."""
+    return json.loads((leaf / INDEX).read_text())["shards"]
+
+
+def leaf_samples(leaf: Location | str | PurePath) -> int:
+    """Samples the leaf's index lists (what a plain StreamingDataset of it counts)."""
+    return sum(shard["samples"] for shard in read_index(as_location(leaf)))

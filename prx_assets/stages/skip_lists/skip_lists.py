@@ -8,32 +8,33 @@ An absent sidecar means nothing is skipped. Reasons are `dedup`, `text`, `nsfw` 
 other caption label chosen), `optout`, and one per named ablation list. Shards are never
 touched: changing what is skipped costs one small file per shard, not a rewrite.
 
-Each sidecar is replaced atomically (temporary file in the same folder, then
+Locally each sidecar is replaced atomically (temporary file in the same folder, then
 `os.replace`), so a reader sees the old list or the new one, never half a file. A crash
 part-way leaves some shards on the old lists and some on the new, each a valid state; a
-rerun converges.
+rerun converges. On an object store a change of lists is a new tree version with its own
+sidecar set (`publish_skip_lists`).
+
+This module imports neither Ray nor mosaicml-streaming: the training loader reads sidecars
+through it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterable, Mapping
+from pathlib import Path, PurePath
 
-import lance
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.shards.trees import TREE_MANIFEST, leaf_names, new_tree_version, tree_store
-from prx_assets.storage import object_store
-from prx_assets.storage.lance_tables import open_table, table_exists
 from prx_assets.storage.filters import all_of, eq_filter, in_filter, sql_string
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.refs import Location, TableRef, as_location
 
 SIDECAR_VERSION = 1
 SHARD_SUFFIX = ".mds"
@@ -48,37 +49,38 @@ ABLATION_NAME = re.compile(r"^[a-z0-9_]+$")
 RESERVED_REASONS = frozenset({"dedup", "optout", "text", "nsfw", "visual", REASON_STALE})
 # Columns of the MDS mapping table (`mds_samples`) a skip list needs.
 MAPPING_COLUMNS = ["id", "leaf", "shard", "sample_index"]
+SCAN_ROWS = 1 << 18  # rows per batch when scanning a table for ids
 
 ShardKey = tuple[str, str]  # (leaf relative to the source's tree, shard file name)
 SkipLists = dict[ShardKey, dict[str, list[int]]]
 
 
-def sidecar_path(shard_path: str | Path) -> Path:
-    """`.../shard.00003.mds` -> `.../shard.00003.skip.json`."""
+def sidecar_name(shard_name: str) -> str:
+    """`shard.00003.mds` -> `shard.00003.skip.json`."""
+    return shard_name.removesuffix(SHARD_SUFFIX) + SIDECAR_SUFFIX
+
+
+def shard_name_of(sidecar: str) -> str:
+    """`shard.00003.skip.json` -> `shard.00003.mds`."""
+    return sidecar.removesuffix(SIDECAR_SUFFIX) + SHARD_SUFFIX
+
+
+def sidecar_path(shard_path: str | PurePath) -> Path:
+    """The sidecar beside a local shard."""
     shard_path = Path(shard_path)
-    return shard_path.with_name(shard_path.name.removesuffix(SHARD_SUFFIX) + SIDECAR_SUFFIX)
+    return shard_path.with_name(sidecar_name(shard_path.name))
 
 
-def sidecar_uri(shard_uri: str) -> str:
-    """`sidecar_path` for a URI string (`s3://...` must not go through pathlib)."""
-    return shard_uri.removesuffix(SHARD_SUFFIX) + SIDECAR_SUFFIX
-
-
-def read_sidecar(path: str | Path, storage_options: Mapping[str, str] | None = None
-                 ) -> dict[str, list[int]]:
-    """The skip lists of one shard by reason; {} when the sidecar does not exist.
-    `path` may be an `s3://` URI (read with the root's settings). (The training loader reads
-    sidecars through this function.)"""
+def read_sidecar(sidecar: Location | str | PurePath) -> dict[str, list[int]]:
+    """The skip lists of one shard by reason; {} when the sidecar does not exist. A path or
+    URI is read with the standard settings, a Location with its own. (The training loader
+    reads sidecars through this function.)"""
     try:
-        if object_store.is_object_store(path):
-            text = object_store.read_text(object_store.as_uri(path), storage_options)
-        else:
-            text = Path(path).read_text()
-        data = json.loads(text)
+        data = json.loads(as_location(sidecar).read_text())
     except FileNotFoundError:
         return {}
     if data.get("version") != SIDECAR_VERSION:
-        raise ValueError(f"{path}: unsupported skip sidecar version {data.get('version')!r}")
+        raise ValueError(f"{sidecar}: unsupported skip sidecar version {data.get('version')!r}")
     return {str(reason): [int(i) for i in indices] for reason, indices in data["lists"].items()}
 
 
@@ -91,23 +93,16 @@ def sidecar_body(lists: Mapping[str, Iterable[int]]) -> str | None:
     return json.dumps({"version": SIDECAR_VERSION, "lists": clean}, separators=(",", ":"))
 
 
-def write_sidecar(path: Path, lists: Mapping[str, Iterable[int]]) -> None:
-    """Atomically replace the sidecar; empty lists remove it (absent = nothing skipped)."""
-    path = Path(path)
+def write_sidecar(sidecar: Location | str | PurePath, lists: Mapping[str, Iterable[int]]
+                  ) -> None:
+    """Replace the sidecar whole (readers see the old lists or the new ones); empty lists
+    remove it (absent = nothing skipped)."""
+    location = as_location(sidecar)
     body = sidecar_body(lists)
     if body is None:
-        path.unlink(missing_ok=True)
-        return
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(body)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        location.delete()
+    else:
+        location.write_text(body)
 
 
 def skipped_indices(lists: Mapping[str, list[int]], reasons: Iterable[str] | None = None
@@ -117,19 +112,18 @@ def skipped_indices(lists: Mapping[str, list[int]], reasons: Iterable[str] | Non
     return {i for ids in chosen.values() for i in ids}
 
 
-def read_ablations(directory: Path | str,
-                   storage_options: Mapping[str, str] | None = None) -> dict[str, set[str]]:
+def read_ablations(directory: Location | str | PurePath) -> dict[str, set[str]]:
     """Named ablation lists: `<directory>/<name>.txt`, one id per line, `#` comments. The
-    folder may be an `s3://` prefix (listed and read with the root's settings)."""
+    folder may be an `s3://` prefix (a Location with its settings, a URI with the standard
+    ones)."""
     lists: dict[str, set[str]] = {}
-    for uri in object_store.list_files(object_store.as_uri(directory), ".txt", storage_options):
-        name = uri.rsplit("/", 1)[1].removesuffix(".txt")
+    for file in as_location(directory).files(".txt"):
+        name = file.name.removesuffix(".txt")
         if not ABLATION_NAME.match(name):
-            raise ValueError(f"{uri}: ablation name {name!r} must match [a-z0-9_]+")
+            raise ValueError(f"{file}: ablation name {name!r} must match [a-z0-9_]+")
         if name in RESERVED_REASONS:
-            raise ValueError(f"{uri}: ablation name {name!r} is a built-in reason")
-        text = object_store.read_text(uri, storage_options)
-        lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
+            raise ValueError(f"{file}: ablation name {name!r} is a built-in reason")
+        lines = (line.split("#", 1)[0].strip() for line in file.read_text().splitlines())
         lists[name] = {line for line in lines if line}
     return lists
 
@@ -147,7 +141,7 @@ def build_skip_lists(mapping: Iterable[pa.RecordBatch], reasons: Mapping[str, se
             rows = batch.filter(pc.fill_null(pc.is_in(ids, value_set=values), False))
             for leaf, shard, index in zip(rows.column("leaf").to_pylist(),
                                           rows.column("shard").to_pylist(),
-                                          rows.column("sample_index").to_pylist()):
+                                          rows.column("sample_index").to_pylist(), strict=True):
                 lists.setdefault((leaf, shard), {}).setdefault(reason, []).append(int(index))
     return {key: {r: sorted(set(v)) for r, v in by_reason.items()}
             for key, by_reason in lists.items()}
@@ -174,7 +168,7 @@ def apply_skip_lists(tree: Path, lists: SkipLists, shards: Iterable[ShardKey]) -
     in place; shards not in `lists` lose their other reasons. `stale` lists (mds_shards'
     own) are kept as they are. Unchanged sidecars are not rewritten."""
     tree = Path(tree)
-    on_disk = {(str(p.parent.relative_to(tree)), p.name.removesuffix(SIDECAR_SUFFIX) + SHARD_SUFFIX)
+    on_disk = {(str(p.parent.relative_to(tree)), shard_name_of(p.name))
                for p in sidecar_files(tree)}
     report = ApplyReport()
     final: SkipLists = {}
@@ -216,41 +210,40 @@ def _count_skipped(report: ApplyReport, final: SkipLists) -> ApplyReport:
     return report
 
 
-def publish_skip_lists(storage, source: str, lists: SkipLists, shards: Iterable[ShardKey]
-                       ) -> ApplyReport:
+def publish_skip_lists(storage: Storage, source: str, lists: SkipLists,
+                       shards: Iterable[ShardKey]) -> ApplyReport:
     """Apply `lists` to `source`'s current tree. Locally the sidecars are replaced in place
     (each atomically). On an object store a new tree version is made: every shard and index
     server-side copied into it, a new sidecar set written, the pointer moved last, so a
     reader holding the old pointer still reads the old version whole."""
     store = tree_store(storage, source)
-    if store.is_local:
-        return apply_skip_lists(Path(store.current_tree()), lists, shards)
-    current = store.current_version()
     old_tree = store.current_tree()
+    if store.is_local:
+        return apply_skip_lists(old_tree.path, lists, shards)
+    current = store.current_version()
     version = new_tree_version()
-    staging = store.staging_uri(version)
+    staging = store.staging(version)
     report = ApplyReport()
     final: SkipLists = {}
-    options = store.storage_options
+    wanted = set(shards) | set(lists)
     try:
-        for leaf in leaf_names(store, old_tree):
-            names = object_store.list_files(f"{old_tree}/{leaf}", "", options)
-            store.carry_many([(uri, f"{staging}/{leaf}/{uri.rsplit('/', 1)[1]}")
-                              for uri in names if not uri.endswith(SIDECAR_SUFFIX)])
-            old_sidecars = {uri.rsplit("/", 1)[1] for uri in names if uri.endswith(SIDECAR_SUFFIX)}
-            leaf_shards = {shard for l, shard in set(shards) | set(lists) if l == leaf}
-            leaf_shards |= {n.removesuffix(SIDECAR_SUFFIX) + SHARD_SUFFIX for n in old_sidecars}
+        for leaf in leaf_names(old_tree):
+            files = (old_tree / leaf).files()
+            store.carry_many([(file, staging / leaf / file.name) for file in files
+                              if not file.name.endswith(SIDECAR_SUFFIX)])
+            old_sidecars = {file.name for file in files if file.name.endswith(SIDECAR_SUFFIX)}
+            leaf_shards = {shard for name, shard in wanted if name == leaf}
+            leaf_shards |= {shard_name_of(name) for name in old_sidecars}
             for shard in sorted(leaf_shards):
                 report.shards += 1
-                name = shard.removesuffix(SHARD_SUFFIX) + SIDECAR_SUFFIX
-                old = (read_sidecar(f"{old_tree}/{leaf}/{name}", options)
-                       if name in old_sidecars else {})
+                name = sidecar_name(shard)
+                old = read_sidecar(old_tree / leaf / name) if name in old_sidecars else {}
                 new = with_stale_of(old, lists.get((leaf, shard), {}))
                 final[(leaf, shard)] = new
                 report.count_change(old, new)
                 body = sidecar_body(new)
                 if body is not None:
-                    store.write_text(f"{staging}/{leaf}/{name}", body)
+                    (staging / leaf / name).write_text(body)
                     failpoint("skip_lists.sidecar_staged")
                 if old == new:
                     report.unchanged += 1
@@ -258,133 +251,120 @@ def publish_skip_lists(storage, source: str, lists: SkipLists, shards: Iterable[
                     report.written += 1
                 else:
                     report.removed += 1
-        manifest = json.loads(store.read_text(f"{old_tree}/{TREE_MANIFEST}"))
+        manifest = json.loads((old_tree / TREE_MANIFEST).read_text())
         # Same shards as the parent (whose version wrote them): the mapping stays right.
         manifest.update(tree_version=version, parent=current, commits_mapping=False,
                         mapping_base_version=None,
                         shards_of=manifest.get("shards_of", current))
-        store.write_text(f"{staging}/{TREE_MANIFEST}", json.dumps(manifest, indent=2,
-                                                                   sort_keys=True))
+        (staging / TREE_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     except BaseException:
-        store.delete_tree(staging)
+        staging.delete()
         raise
     store.publish(version)
     store.prune(int(manifest.get("keep_trees", 2)))
     return _count_skipped(report, final)
 
 
-def mapping_batches(uri: Path | str, batch_rows: int = 1 << 18,
-                    storage_options: Mapping[str, str] | None = None
+def mapping_batches(mapping: TableRef, batch_rows: int = SCAN_ROWS
                     ) -> Iterable[pa.RecordBatch]:
-    return lance.dataset(str(uri), storage_options=storage_options).scanner(
-        columns=MAPPING_COLUMNS, batch_size=batch_rows).to_batches()
+    return mapping.open().scanner(columns=MAPPING_COLUMNS, batch_size=batch_rows).to_batches()
 
 
-def mapping_shards(uri: Path | str, batch_rows: int = 1 << 18,
-                   storage_options: Mapping[str, str] | None = None
+def mapping_shards(mapping: TableRef, batch_rows: int = SCAN_ROWS
                    ) -> tuple[set[ShardKey], dict[str, int]]:
     """Every shard of the mapping table, and samples per leaf (one stream each)."""
     shards: set[ShardKey] = set()
     per_leaf: Counter = Counter()
-    for batch in lance.dataset(str(uri), storage_options=storage_options).scanner(
-            columns=["leaf", "shard"], batch_size=batch_rows).to_batches():
+    for batch in mapping.open().scanner(columns=["leaf", "shard"],
+                                        batch_size=batch_rows).to_batches():
         pairs = pa.table({"leaf": batch.column("leaf"), "shard": batch.column("shard")})
         counts = pairs.group_by(["leaf", "shard"]).aggregate([([], "count_all")])
         for leaf, shard, n in zip(counts.column("leaf").to_pylist(),
                                   counts.column("shard").to_pylist(),
-                                  counts.column("count_all").to_pylist()):
+                                  counts.column("count_all").to_pylist(), strict=True):
             shards.add((leaf, shard))
             per_leaf[leaf] += n
     return shards, dict(per_leaf)
 
 
 def sidecar_files(tree: Path) -> list[Path]:
+    """Every sidecar under a local tree."""
     return sorted(Path(tree).rglob(f"*{SIDECAR_SUFFIX}"))
 
 
-def tree_sidecars(tree: str, storage_options: Mapping[str, str] | None = None) -> list[str]:
-    """Every sidecar of a tree (local folder or s3:// prefix), as sorted locations."""
-    if not object_store.is_object_store(tree):
-        return [str(p) for p in sidecar_files(Path(tree))]
-    import pyarrow.fs as pafs
-
-    fs, path = object_store.filesystem(tree, storage_options)
-    infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
-    base = tree.rstrip("/")
-    return sorted(f"{base}/{info.path[len(path) + 1:]}" for info in infos
-                  if info.type == pafs.FileType.File and info.base_name.endswith(SIDECAR_SUFFIX))
+def tree_sidecars(tree: Location) -> list[Location]:
+    """Every sidecar of a tree (`<tier>/<W>x<H>/*.skip.json`), local or on an object store:
+    one listing per tier and per leaf."""
+    return [sidecar for tier in tree.folders() for shape in (tree / tier).folders()
+            for sidecar in (tree / tier / shape).files(SIDECAR_SUFFIX)]
 
 
-def duplicate_ids(duplicates_uri: Path | str, source: str, batch_rows: int = 1 << 18,
-                  storage_options: Mapping[str, str] | None = None) -> set[str]:
-    """The source's non-kept copies (the kept copy of a group is listed with id == kept_id)."""
-    if not table_exists(duplicates_uri, storage_options):
-        return set()
-    scanner = open_table(duplicates_uri, storage_options=storage_options).scanner(
-        columns=["id"], batch_size=batch_rows,
-        filter=f"id != kept_id AND starts_with(id, {sql_string(source + ':')})")
+def _ids(table: TableRef, condition: str, batch_rows: int) -> set[str]:
+    scanner = table.open().scanner(columns=["id"], filter=condition, batch_size=batch_rows)
     return {i for batch in scanner.to_batches() for i in batch.column("id").to_pylist()}
 
 
-def label_ids(labels_uri: Path | str, labels: Iterable[str], caption_version: str,
-              classifier_version: str, batch_rows: int = 1 << 18,
-              storage_options: Mapping[str, str] | None = None) -> dict[str, set[str]]:
+def duplicate_ids(duplicates: TableRef, source: str, batch_rows: int = SCAN_ROWS) -> set[str]:
+    """The source's non-kept copies (the kept copy of a group is listed with id == kept_id)."""
+    if not duplicates.exists():
+        return set()
+    return _ids(duplicates, f"id != kept_id AND starts_with(id, {sql_string(source + ':')})",
+                batch_rows)
+
+
+def label_ids(labels_table: TableRef, labels: Iterable[str], caption_version: str,
+              classifier_version: str, batch_rows: int = SCAN_ROWS) -> dict[str, set[str]]:
     """Ids per chosen label, from the active caption and classifier versions only."""
     labels = sorted(set(labels))
     found: dict[str, set[str]] = {label: set() for label in labels}
-    if not labels or not table_exists(labels_uri, storage_options):
+    if not labels or not labels_table.exists():
         return found
     condition = all_of(eq_filter("caption_version", caption_version),
                        eq_filter("classifier_version", classifier_version),
                        in_filter("label", labels))
-    scanner = open_table(labels_uri, storage_options=storage_options).scanner(
-        columns=["id", "label"], filter=condition, batch_size=batch_rows)
+    scanner = labels_table.open().scanner(columns=["id", "label"], filter=condition,
+                                          batch_size=batch_rows)
     for batch in scanner.to_batches():
         for sample_id, label in zip(batch.column("id").to_pylist(),
-                                    batch.column("label").to_pylist()):
+                                    batch.column("label").to_pylist(), strict=True):
             found[label].add(sample_id)
     return found
 
 
-def skip_shares(tree: Path | str, per_leaf: Mapping[str, int],
-                storage_options: Mapping[str, str] | None = None) -> dict[str, tuple[int, int]]:
+def skip_shares(tree: Location, per_leaf: Mapping[str, int]) -> dict[str, tuple[int, int]]:
     """(stored samples, skipped) per stream (leaf), read back from the tree's sidecars;
     `per_leaf` is the mapping table's live samples per leaf. Stale samples are stored and
     read past but not in the mapping: they count as stored and as skipped."""
-    tree = str(tree)
     skipped: Counter = Counter()
     stale: Counter = Counter()
-    for path in tree_sidecars(tree, storage_options):
-        leaf = path[len(tree) + 1:].rsplit("/", 1)[0]
-        lists = read_sidecar(path, storage_options)
+    for sidecar in tree_sidecars(tree):
+        leaf = sidecar.parent.uri[len(tree.uri.rstrip("/")) + 1:]
+        lists = read_sidecar(sidecar)
         skipped[leaf] += len(skipped_indices(lists))
         stale[leaf] += len(lists.get(REASON_STALE, []))
     leaves = sorted(set(per_leaf) | set(stale))
     return {leaf: (per_leaf.get(leaf, 0) + stale[leaf], skipped.get(leaf, 0)) for leaf in leaves}
 
 
-def skipped_ids(tree: Path | str, mapping_uri: Path | str, reasons: Iterable[str] | None = None,
-                batch_rows: int = 1 << 18, storage_options: Mapping[str, str] | None = None
-                ) -> set[str]:
+def skipped_ids(tree: Location | str | PurePath, mapping: TableRef,
+                reasons: Iterable[str] | None = None, batch_rows: int = SCAN_ROWS) -> set[str]:
     """The live ids a tree's sidecars skip (for the selected reasons; all by default)."""
-    from prx_assets.storage.object_store import lance_options
-
+    tree = as_location(tree)
     wanted = None if reasons is None else list(reasons)
     per_shard: dict[ShardKey, set[int]] = {}
     found: set[str] = set()
-    for batch in mapping_batches(mapping_uri, batch_rows,
-                                 lance_options(str(mapping_uri), storage_options)):
+    for batch in mapping_batches(mapping, batch_rows):
         for sample_id, leaf, shard, index in zip(
                 batch.column("id").to_pylist(), batch.column("leaf").to_pylist(),
-                batch.column("shard").to_pylist(), batch.column("sample_index").to_pylist()):
+                batch.column("shard").to_pylist(), batch.column("sample_index").to_pylist(),
+                strict=True):
             if (leaf, shard) not in per_shard:
-                lists = read_sidecar(sidecar_uri(f"{tree}/{leaf}/{shard}"), storage_options)
+                lists = read_sidecar(tree / leaf / sidecar_name(shard))
                 per_shard[(leaf, shard)] = skipped_indices(lists, wanted)
             if index in per_shard[(leaf, shard)]:
                 found.add(sample_id)
     return found
 
 
-def reasons_in(tree: Path | str, storage_options: Mapping[str, str] | None = None) -> set[str]:
-    return {reason for path in tree_sidecars(str(tree), storage_options)
-            for reason in read_sidecar(path, storage_options)}
+def reasons_in(tree: Location) -> set[str]:
+    return {reason for sidecar in tree_sidecars(tree) for reason in read_sidecar(sidecar)}

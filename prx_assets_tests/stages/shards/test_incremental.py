@@ -10,26 +10,25 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-import lance
 import numpy as np
 import pyarrow as pa
 import pytest
 from streaming import StreamingDataset
 from streaming.base.util import clean_stale_shared_memory
 
+from prx_assets.demo.corpus import procedural_image
 from prx_assets.engine import failpoints
 from prx_assets.loader import build_dataset
+from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
 from prx_assets.stages.images.imaging import encode_jpeg
 from prx_assets.stages.images.stage import BUCKETED_SCHEMA
-from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
-from prx_assets.stages.shards import mds
+from prx_assets.stages.shards import mds, plan, trees, verify
 from prx_assets.stages.skip_lists.skip_lists import REASON_STALE, read_sidecar, sidecar_path
+from prx_assets.storage.lance_tables import append_rows
 from prx_assets.storage.layout import Storage
-from prx_assets.demo.corpus import procedural_image
-from prx_assets.testing.mds_corpus import (
-    ACTIVE, _bucketed, _caption, build_corpus, inputs_for)
+from prx_assets.testing.mds_corpus import ACTIVE, _bucketed, _caption, build_corpus, inputs_for
 
-OPTIONS = mds.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
+OPTIONS = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
 NEW_ID = "web:1-64x64-9999"
 
 
@@ -38,18 +37,16 @@ def add_sample(data_root: Path, sample_id: str, shape=(1, 64, 64)) -> None:
     tier, w, h = shape
     data = encode_jpeg(procedural_image(np.random.default_rng(99), w, h))
     storage = Storage(data_root)
-    lance.write_dataset(pa.Table.from_pylist([_bucketed(sample_id, "web", "ok", tier, w, h, data)],
-                                             schema=BUCKETED_SCHEMA),
-                        storage.table("bucketed_images", "web"), mode="append")
-    lance.write_dataset(pa.Table.from_pylist(
+    append_rows(storage.table("bucketed_images", "web"),
+                pa.Table.from_pylist([_bucketed(sample_id, "web", "ok", tier, w, h, data)],
+                                     schema=BUCKETED_SCHEMA), BUCKETED_SCHEMA)
+    append_rows(storage.table("captions", "web"), pa.Table.from_pylist(
         [_caption(sample_id, ACTIVE, f"a picture {sample_id}", "ok",
-                  datetime(2026, 1, 2, tzinfo=UTC))], schema=CAPTIONS_SCHEMA),
-        storage.table("captions", "web"), mode="append")
+                  datetime(2026, 1, 2, tzinfo=UTC))], schema=CAPTIONS_SCHEMA), CAPTIONS_SCHEMA)
 
 
 def remove_sample(data_root: Path, sample_id: str) -> None:
-    lance.dataset(Storage(data_root).table("bucketed_images", "web")).delete(
-        f"id = '{sample_id}'")
+    Storage(data_root).table("bucketed_images", "web").open().delete(f"id = '{sample_id}'")
 
 
 def shard_inodes(tree: Path) -> dict[str, int]:
@@ -57,7 +54,7 @@ def shard_inodes(tree: Path) -> dict[str, int]:
 
 
 def mapping(data_root: Path) -> list[dict]:
-    return lance.dataset(Storage(data_root).table("mds_samples", "web")).to_table().to_pylist()
+    return Storage(data_root).table("mds_samples", "web").to_table().to_pylist()
 
 
 def test_one_new_and_one_removed_sample_append_one_shard_and_skip_one(data_root):
@@ -73,7 +70,7 @@ def test_one_new_and_one_removed_sample_append_one_shard_and_skip_one(data_root)
     assert second.changed and second.appended and second.tree_version != first.tree_version
     assert (second.processed, second.removed) == (1, 1)
     assert second.reused == len(corpus["images"]) - 1
-    tree = mds.current_tree(data_root, "web")
+    tree = trees.current_tree(data_root, "web")
     assert tree == second.path
     # Old shards: the same inodes (hard links), none rewritten; exactly one new shard, in the
     # new sample's leaf, numbered after that leaf's old ones.
@@ -90,12 +87,12 @@ def test_one_new_and_one_removed_sample_append_one_shard_and_skip_one(data_root)
     rows = {r["id"]: r for r in mapping(data_root)}
     assert gone not in rows and rows[NEW_ID]["shard"] == f"shard.{old_in_leaf:05d}.mds"
     assert set(rows) == (set(corpus["images"]) - {gone}) | {NEW_ID}
-    checks, problems = mds.verify_tree(data_root, "web")
+    checks, problems = verify.verify_tree(data_root, "web")
     assert all(c.ok for c in checks) and not problems, (checks, problems)
 
     # A plain StreamingDataset sees every stored sample; the loader skips the stale one.
     stored = 0
-    for leaf in mds.tree_leaves(tree):
+    for leaf in trees.tree_leaves(tree):
         dataset = StreamingDataset(local=str(leaf), batch_size=1, shuffle=False)
         stored += dataset.num_samples
         del dataset
@@ -128,17 +125,17 @@ def test_a_changed_sample_is_rewritten_and_its_old_copy_skipped(data_root):
     mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
     changed = sorted(corpus["images"])[0]
     before = next(r for r in mapping(data_root) if r["id"] == changed)
-    captions = lance.dataset(Storage(data_root).table("captions", "web"))
-    captions.delete(f"id = '{changed}' AND caption_version = '{ACTIVE}'")  # re-captioned:
+    captions = Storage(data_root).table("captions", "web")
+    captions.open().delete(f"id = '{changed}' AND caption_version = '{ACTIVE}'")  # re-captioned:
     recaptioned = _caption(changed, ACTIVE, "a new caption", "ok",  # a new row, created later
                            datetime(2026, 3, 1, tzinfo=UTC))
-    lance.write_dataset(pa.Table.from_pylist([recaptioned], schema=CAPTIONS_SCHEMA),
-                        Storage(data_root).table("captions", "web"), mode="append")
+    append_rows(captions, pa.Table.from_pylist([recaptioned], schema=CAPTIONS_SCHEMA),
+                CAPTIONS_SCHEMA)
     report = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
     assert (report.processed, report.removed) == (1, 1)
     after = [r for r in mapping(data_root) if r["id"] == changed]
     assert len(after) == 1 and after[0]["shard"] != before["shard"]
-    tree = mds.current_tree(data_root, "web")
+    tree = trees.current_tree(data_root, "web")
     assert read_sidecar(sidecar_path(tree / before["leaf"] / before["shard"]))[REASON_STALE] == [
         before["sample_index"]]
 
@@ -147,18 +144,18 @@ def test_other_settings_mean_a_full_build(data_root):
     build_corpus(data_root, "web", per_shape=3)
     mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
     other = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web",
-                               mds.WriteOptions(size_limit=90_000, parallel=False))
+                               plan.WriteOptions(size_limit=90_000, parallel=False))
     assert other.changed and not other.appended and other.processed == other.samples
 
 
 _APPEND = """
 import sys
 from pathlib import Path
-from prx_assets.stages.shards import mds
+from prx_assets.stages.shards import mds, plan
 from prx_assets.testing.mds_corpus import inputs_for
 root = Path(sys.argv[1])
 mds.write_mds_tree(inputs_for(root, "web"), root, "web",
-                   mds.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False))
+                   plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False))
 """
 
 
@@ -166,8 +163,8 @@ def test_a_kill_mid_append_leaves_the_previous_tree_and_the_rerun_has_no_duplica
         data_root, tmp_path):
     corpus = build_corpus(data_root, "web", per_shape=4)
     first = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
-    mapping_uri = Storage(data_root).table("mds_samples", "web")
-    mapping_version = lance.dataset(mapping_uri).version
+    mapping_table = Storage(data_root).table("mds_samples", "web")
+    mapping_version = mapping_table.latest_version()
     add_sample(data_root, NEW_ID)
 
     marker = tmp_path / "marker.json"
@@ -185,18 +182,18 @@ def test_a_kill_mid_append_leaves_the_previous_tree_and_the_rerun_has_no_duplica
     finally:
         if child.poll() is None:
             child.kill()
-    assert list((data_root / "mds/.trees/web").glob("*" + mds.PARTIAL_SUFFIX))
-    assert mds.current_tree(data_root, "web") == first.path
-    assert lance.dataset(mapping_uri).version == mapping_version
-    checks, problems = mds.verify_tree(data_root, "web")  # the previous tree reads whole
+    assert list((data_root / "mds/.trees/web").glob("*" + trees.PARTIAL_SUFFIX))
+    assert trees.current_tree(data_root, "web") == first.path
+    assert mapping_table.latest_version() == mapping_version
+    checks, problems = verify.verify_tree(data_root, "web")  # the previous tree reads whole
     assert all(c.ok for c in checks) and not problems
 
     rerun = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
     assert rerun.processed == 1 and rerun.reused == len(corpus["images"])
     ids = [r["id"] for r in mapping(data_root)]
     assert len(ids) == len(set(ids)) == len(corpus["images"]) + 1
-    assert not list((data_root / "mds/.trees/web").glob("*" + mds.PARTIAL_SUFFIX))
-    checks, problems = mds.verify_tree(data_root, "web")
+    assert not list((data_root / "mds/.trees/web").glob("*" + trees.PARTIAL_SUFFIX))
+    checks, problems = verify.verify_tree(data_root, "web")
     assert all(c.ok for c in checks) and not problems
 
 
@@ -209,15 +206,15 @@ def test_a_kill_between_mapping_commit_and_publish_is_rolled_forward(data_root, 
         raise KeyboardInterrupt("killed before publishing")
 
     with monkeypatch.context() as patch:
-        patch.setattr(mds.TreeStore, "publish", killed)
+        patch.setattr(trees.TreeStore, "publish", killed)
         with pytest.raises(KeyboardInterrupt):
             mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
-    assert mds.current_tree(data_root, "web") == first.path  # the mapping is ahead
+    assert trees.current_tree(data_root, "web") == first.path  # the mapping is ahead
     rerun = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
     assert not rerun.changed  # the interrupted version was published, nothing left to do
-    assert mds.current_tree(data_root, "web").name != first.tree_version
+    assert trees.current_tree(data_root, "web").name != first.tree_version
     assert NEW_ID in {r["id"] for r in mapping(data_root)}
-    checks, problems = mds.verify_tree(data_root, "web")
+    checks, problems = verify.verify_tree(data_root, "web")
     assert all(c.ok for c in checks) and not problems
 
 

@@ -8,18 +8,19 @@ import sys
 import time
 from pathlib import Path
 
-import lance
 import numpy as np
 import pytest
 from PIL import Image
 from streaming import Stream, StreamingDataset
 from streaming.base.util import clean_stale_shared_memory
 
-from prx_assets.stages.shards import mds
+from prx_assets.stages.shards import mds, parts, plan, trees, verify
+from prx_assets.stages.shards.mapping import MDS_SAMPLES_SCHEMA
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.refs import Location
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
-SMALL = mds.WriteOptions(size_limit=60_000, rows_per_part=7)  # several parts and shards per leaf
+SMALL = plan.WriteOptions(size_limit=60_000, rows_per_part=7)  # several parts and shards per leaf
 
 
 def _q92_tables() -> dict:
@@ -42,12 +43,12 @@ def test_tree_holds_the_kept_captioned_rows_byte_for_byte(ray_session, data_root
     assert report.left_out == {"no_caption": len(corpus["no_caption"])}
     assert {leaf.name for leaf in report.leaves} == {"1/64x64", "1/48x80", "1/80x48", "2/96x96"}
     assert report.shards > len(report.leaves)  # size_limit split the leaves
-    tree = mds.current_tree(data_root, "web")
+    tree = trees.current_tree(data_root, "web")
     assert tree == report.path and os.path.islink(data_root / "mds" / "web")
-    assert mds.current_tree(data_root / "mds", "web") == tree  # the MDS root works too
+    assert trees.current_tree(data_root / "mds", "web") == tree  # the MDS root works too
 
-    mapping = lance.dataset(str(Storage(data_root).table("mds_samples", "web"))).to_table()
-    assert mapping.schema == mds.MDS_SAMPLES_SCHEMA
+    mapping = Storage(data_root).table("mds_samples", "web").to_table()
+    assert mapping.schema == MDS_SAMPLES_SCHEMA
     assert sorted(mapping["id"].to_pylist()) == sorted(corpus["images"])
     assert set(mapping["tree_version"].to_pylist()) == {report.tree_version}
     where = {r["id"]: r for r in mapping.to_pylist()}
@@ -56,10 +57,10 @@ def test_tree_holds_the_kept_captioned_rows_byte_for_byte(ray_session, data_root
     walked = sorted(Path(d) for d, _, files in os.walk(data_root / "mds" / "web")
                     if "index.json" in files)
     assert [p.relative_to(data_root / "mds" / "web") for p in walked] == [
-        p.relative_to(tree) for p in mds.tree_leaves(tree)]
+        p.relative_to(tree) for p in trees.tree_leaves(tree)]
 
     q92 = _q92_tables()
-    for leaf in mds.tree_leaves(tree):
+    for leaf in trees.tree_leaves(tree):
         clean_stale_shared_memory()
         dataset = StreamingDataset(local=str(leaf), shuffle=False, batch_size=1)
         rel = str(leaf.relative_to(tree))
@@ -94,40 +95,40 @@ def test_same_inputs_give_byte_identical_trees(ray_session, data_root):
     second = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", full)
     assert first.tree_version != second.tree_version
     files = sorted(p.relative_to(first.path) for p in first.path.rglob("*")
-                   if p.is_file() and p.name != mds.TREE_MANIFEST)
+                   if p.is_file() and p.name != trees.TREE_MANIFEST)
     assert files and files == sorted(p.relative_to(second.path) for p in second.path.rglob("*")
-                                     if p.is_file() and p.name != mds.TREE_MANIFEST)
+                                     if p.is_file() and p.name != trees.TREE_MANIFEST)
     for rel in files:
         assert (first.path / rel).read_bytes() == (second.path / rel).read_bytes(), rel
-    assert mds.current_tree(data_root, "web") == second.path
+    assert trees.current_tree(data_root, "web") == second.path
     third = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", full)
     assert not first.path.exists() and second.path.exists()  # keep_trees=2: current + previous
-    assert mds.current_tree(data_root, "web") == third.path
+    assert trees.current_tree(data_root, "web") == third.path
 
 
 _KILLED_WRITER = """
 import sys, time
 from pathlib import Path
-from prx_assets.stages.shards import mds
+from prx_assets.stages.shards import mds, merge, plan
 from prx_assets.testing.mds_corpus import inputs_for
 root, flag = Path(sys.argv[1]), Path(sys.argv[2])
-merge = mds.merge_leaf
+merge_leaf = merge.merge_leaf
 def merge_then_hang(*args, **kwargs):
-    shards = merge(*args, **kwargs)
+    shards = merge_leaf(*args, **kwargs)
     flag.write_text("merging")  # some of the new tree is on disk
     time.sleep(600)
-mds.merge_leaf = merge_then_hang
+merge.merge_leaf = merge_then_hang
 mds.write_mds_tree(inputs_for(root, "web"), root, "web",
-                   mds.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False))
+                   plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False))
 """
 
 
 def test_a_killed_build_leaves_the_previous_tree_current(data_root, tmp_path):
     corpus = build_corpus(data_root, "web", per_shape=6)
     before = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web",
-                                mds.WriteOptions(size_limit=60_000, parallel=False))
-    mapping_uri = str(Storage(data_root).table("mds_samples", "web"))
-    mapping_version = lance.dataset(mapping_uri).version
+                                plan.WriteOptions(size_limit=60_000, parallel=False))
+    mapping_table = Storage(data_root).table("mds_samples", "web")
+    mapping_version = mapping_table.latest_version()
     build_corpus(data_root, "web", per_shape=8)  # new samples: the killed build appends
 
     flag = tmp_path / "flag"
@@ -145,28 +146,28 @@ def test_a_killed_build_leaves_the_previous_tree_current(data_root, tmp_path):
         if child.poll() is None:
             child.kill()
 
-    partial = list((data_root / "mds" / ".trees" / "web").glob("*" + mds.PARTIAL_SUFFIX))
+    partial = list((data_root / "mds" / ".trees" / "web").glob("*" + trees.PARTIAL_SUFFIX))
     assert partial, "the kill should have left a partial build behind"
-    assert mds.current_tree(data_root, "web") == before.path
-    assert lance.dataset(mapping_uri).version == mapping_version
+    assert trees.current_tree(data_root, "web") == before.path
+    assert mapping_table.latest_version() == mapping_version
     clean_stale_shared_memory()
-    streams = [Stream(local=str(leaf)) for leaf in mds.tree_leaves(before.path)]
+    streams = [Stream(local=str(leaf)) for leaf in trees.tree_leaves(before.path)]
     dataset = StreamingDataset(streams=streams, shuffle=False, batch_size=1)
     assert sorted(dataset[i]["id"] for i in range(dataset.num_samples)) == sorted(corpus["images"])
     del dataset
 
     after = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web",
-                               mds.WriteOptions(parallel=False))
+                               plan.WriteOptions(parallel=False))
     assert not any(p.exists() for p in partial)  # a rerun clears the leftovers
-    assert after.samples == 4 * 8 - 2 and mds.current_tree(data_root, "web") == after.path
+    assert after.samples == 4 * 8 - 2 and trees.current_tree(data_root, "web") == after.path
 
 
 def test_excluded_ids_are_left_out_and_counted(data_root):
     corpus = build_corpus(data_root, "web", per_shape=4)
     drop = sorted(corpus["images"])[:3]
     inputs = inputs_for(data_root, "web")
-    inputs = mds.SampleInputs(**{**inputs.__dict__, "exclude_ids": frozenset(drop)})
-    report = mds.write_mds_tree(inputs, data_root, "web", mds.WriteOptions(parallel=False))
+    inputs = plan.SampleInputs(**{**inputs.__dict__, "exclude_ids": frozenset(drop)})
+    report = mds.write_mds_tree(inputs, data_root, "web", plan.WriteOptions(parallel=False))
     assert report.left_out == {"excluded": 3, "no_caption": 2}
     assert report.samples == len(corpus["images"]) - 3
 
@@ -177,32 +178,33 @@ def test_a_real_folder_in_place_of_the_tree_link_is_refused(data_root):
     (data_root / "mds" / "web" / "keep.txt").write_text("not ours")
     with pytest.raises(RuntimeError, match="real folder"):
         mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web",
-                           mds.WriteOptions(parallel=False))
+                           plan.WriteOptions(parallel=False))
 
 
 def test_small_parts_share_a_task_and_keep_their_order():
-    specs = [mds.PartSpec(out=Path(f"leaf{i}"), ids=[f"x{i}"] * n, image_rows=np.arange(n),
+    specs = [parts.PartSpec(out=Location(f"leaf{i}"), ids=[f"x{i}"] * n, image_rows=np.arange(n),
                       caption_rows=np.arange(n)) for i, n in enumerate([3, 4, 10, 2, 2])]
-    groups = mds.task_groups(specs, rows_per_task=8)
+    groups = parts.task_groups(specs, rows_per_task=8)
     assert [[spec.out.name for spec in group] for group in groups] == [
         ["leaf0", "leaf1"], ["leaf2"], ["leaf3", "leaf4"]]
 
 
 def test_every_cpu_gets_a_task_when_the_parts_are_small():
-    n = mds.MIN_ROWS_PER_TASK
-    specs = [mds.PartSpec(out=Path(f"leaf{i}"), ids=["x"] * n, image_rows=np.arange(n),
+    n = parts.MIN_ROWS_PER_TASK
+    specs = [parts.PartSpec(out=Location(f"leaf{i}"), ids=["x"] * n, image_rows=np.arange(n),
                           caption_rows=np.arange(n)) for i in range(6)]
-    assert mds.rows_per_task(specs, rows_per_part=50_000, cpus=2) == 3 * n
-    assert mds.rows_per_task(specs, rows_per_part=n, cpus=2) == n
-    assert len(mds.task_groups(specs, mds.rows_per_task(specs, 50_000, cpus=2))) == 2
+    assert parts.rows_per_task(specs, rows_per_part=50_000, cpus=2) == 3 * n
+    assert parts.rows_per_task(specs, rows_per_part=n, cpus=2) == n
+    assert len(parts.task_groups(specs, parts.rows_per_task(specs, 50_000, cpus=2))) == 2
     # A small source stays one task: a worker's imports cost more than a split saves.
-    assert mds.rows_per_task(specs[:1], rows_per_part=50_000, cpus=8) == n
+    assert parts.rows_per_task(specs[:1], rows_per_part=50_000, cpus=8) == n
 
 
-def test_streamed_counts_answer_from_a_child_that_exits_and_errors_come_back(ray_session, data_root):
+def test_streamed_counts_answer_from_a_child_that_exits_and_errors_come_back(ray_session,
+                                                                            data_root):
     build_corpus(data_root, "web", per_shape=3)
     report = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", SMALL)
-    leaves = [str(leaf) for leaf in mds.tree_leaves(report.path)]
-    assert mds.streamed_counts(leaves) == [mds.leaf_samples(leaf) for leaf in leaves]
+    leaves = [str(leaf) for leaf in trees.tree_leaves(report.path)]
+    assert verify.streamed_counts(leaves) == [trees.leaf_samples(leaf) for leaf in leaves]
     with pytest.raises(Exception, match="no-such-leaf"):
-        mds.streamed_counts([str(data_root / "no-such-leaf")])
+        verify.streamed_counts([str(data_root / "no-such-leaf")])

@@ -8,37 +8,40 @@ import gc
 import io
 import json
 
-import lance
 from streaming import StreamingDataset
 from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets import cli
 from prx_assets.loader import build_dataset
-from prx_assets.stages.shards import mds
+from prx_assets.stages.shards import mds, plan, verify
 from prx_assets.stages.shards.trees import tree_store
 from prx_assets.stages.skip_lists.skip_lists import (
-    REASON_STALE, build_skip_lists, mapping_batches, mapping_shards, publish_skip_lists,
-    read_sidecar)
-from prx_assets.storage import object_store
+    REASON_STALE,
+    build_skip_lists,
+    mapping_batches,
+    mapping_shards,
+    publish_skip_lists,
+    read_sidecar,
+)
+from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.refs import Location
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
-OPTIONS = mds.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
+OPTIONS = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
 
 
 def _upload_tables(local_root, storage: Storage) -> None:
     """The fixture's input tables, written into the bucket."""
     for name in ("bucketed_images", "captions"):
-        table = lance.dataset(Storage(local_root).table(name, "web")).to_table()
-        lance.write_dataset(table, storage.table(name, "web"), mode="overwrite",
-                            storage_options=storage.lance_options())
+        table = Storage(local_root).table(name, "web").to_table()
+        overwrite_rows(storage.table(name, "web"), table, table.schema)
 
 
 def _inputs(storage: Storage):
-    return mds.SampleInputs(bucketed_uri=storage.table("bucketed_images", "web"),
-                            captions_uri=storage.table("captions", "web"),
-                            caption_filter=inputs_for(storage.root, "web").caption_filter,
-                            storage_options=storage.lance_options())
+    return plan.SampleInputs(bucketed=storage.table("bucketed_images", "web"),
+                             captions=storage.table("captions", "web"),
+                             caption_filter=inputs_for(storage.root, "web").caption_filter)
 
 
 def _mds_uri() -> str:
@@ -70,35 +73,34 @@ def test_tree_on_s3_streams_appends_and_versions_its_skip_lists(ray_session, s3_
     assert isinstance(first.path, str) and first.path.startswith(s3_root + "/mds/.trees/web/")
     assert first.samples == len(corpus["images"])
     store = tree_store(storage, "web")
-    pointer = json.loads(object_store.read_text(store.link))
+    pointer = json.loads(store.link.read_text())
     assert pointer["version"] == first.tree_version
     assert not (tmp_path / "data").exists()  # nothing of the tree on local disk
 
-    # mds-uri prints the prefix a plain StreamingDataset streams a leaf from (with
-    # AWS_ENDPOINT_URL set only: streaming's S3_ENDPOINT_URL is not in the environment).
+    # mds-uri prints the prefix a plain StreamingDataset streams a leaf from, with the
+    # standard variables alone (streaming's own S3_ENDPOINT_URL is not in the environment:
+    # its boto3 client reads AWS_ENDPOINT_URL itself).
     monkeypatch.delenv("S3_ENDPOINT_URL", raising=False)
     uri = _mds_uri()
     assert uri == first.path
-    for name, value in object_store.streaming_env(uri).items():
-        monkeypatch.setenv(name, value)  # what a trainer sets for boto3
     count, ids = _stream_count(f"{uri}/1/64x64", tmp_path / "cache-1")
-    assert count == sum(i.startswith("web:1-64x64") for i in corpus["images"]) and ids == sorted(ids)
-    checks, problems = mds.verify_tree(storage, "web")
+    assert count == sum(i.startswith("web:1-64x64") for i in corpus["images"])
+    assert ids == sorted(ids)
+    checks, problems = verify.verify_tree(storage, "web")
     assert all(c.ok for c in checks) and not problems, (checks, problems)
 
     # Append: one sample removed (stale), none added; the new version holds server-side
     # copies of every old shard and a sidecar with the stale index.
     gone = sorted(i for i in corpus["images"] if i.startswith("web:1-64x64"))[0]
-    lance.dataset(storage.table("bucketed_images", "web"),
-                  storage_options=storage.lance_options()).delete(f"id = '{gone}'")
+    storage.table("bucketed_images", "web").open().delete(f"id = '{gone}'")
     second = mds.write_mds_tree(_inputs(storage), storage, "web", OPTIONS)
     assert second.appended and (second.processed, second.removed) == (0, 1)
     assert _mds_uri() == second.path != first.path
-    sidecars = object_store.list_files(f"{second.path}/1/64x64", ".skip.json")
+    sidecars = Location.of(f"{second.path}/1/64x64").files(".skip.json")
     assert [read_sidecar(p)[REASON_STALE] for p in sidecars] == [[0]]
     count, _ = _stream_count(f"{second.path}/1/64x64", tmp_path / "cache-2")
     assert count == sum(i.startswith("web:1-64x64") for i in corpus["images"])  # still stored
-    checks, problems = mds.verify_tree(storage, "web")
+    checks, problems = verify.verify_tree(storage, "web")
     assert all(c.ok for c in checks) and not problems, (checks, problems)
 
     # The loader streams the remote tree into its cache and skips the stale sample.
@@ -111,16 +113,15 @@ def test_tree_on_s3_streams_appends_and_versions_its_skip_lists(ray_session, s3_
     # A skip-lists update is a new version with a new sidecar set, the pointer moved last;
     # the version a reader resolved before still reads whole, with its own sidecars.
     dedup = sorted(expected)[:2]
-    mapping_uri = storage.table("mds_samples", "web")
-    options = storage.lance_options()
-    shards, _ = mapping_shards(mapping_uri, storage_options=options)
+    mapping_table = storage.table("mds_samples", "web")
+    shards, _ = mapping_shards(mapping_table)
     report = publish_skip_lists(storage, "web", build_skip_lists(
-        mapping_batches(mapping_uri, storage_options=options), {"dedup": set(dedup)}), shards)
+        mapping_batches(mapping_table), {"dedup": set(dedup)}), shards)
     assert report.skipped_per_reason == {"dedup": 2, REASON_STALE: 1}
     third = _mds_uri()
     assert third not in (second.path, first.path)
     held = second.path  # what a trainer resolved before the update
-    assert [read_sidecar(p) for p in object_store.list_files(f"{held}/1/64x64", ".skip.json")
+    assert [read_sidecar(p) for p in Location.of(f"{held}/1/64x64").files(".skip.json")
             ] == [{REASON_STALE: [0]}]
     count, _ = _stream_count(f"{held}/1/64x64", tmp_path / "cache-3")
     assert count == sum(i.startswith("web:1-64x64") for i in corpus["images"])

@@ -1,13 +1,16 @@
 import gc
 
-import lance
-
-from prx_assets.stages.shards import mds
-from prx_assets.storage.layout import Storage
+from prx_assets.loader import build_dataset
+from prx_assets.stages.shards import mds, plan, trees
 from prx_assets.stages.shards.rewrite import rewrite_without_skipped
 from prx_assets.stages.skip_lists.skip_lists import (
-    apply_skip_lists, build_skip_lists, mapping_batches, mapping_shards, sidecar_files)
-from prx_assets.loader import build_dataset
+    apply_skip_lists,
+    build_skip_lists,
+    mapping_batches,
+    mapping_shards,
+    sidecar_files,
+)
+from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
 SHAPES = ((1, 48, 48), (1, 64, 48))
@@ -26,15 +29,15 @@ def _loader_ids(root) -> list[str]:
 
 def test_rewrite_yields_the_same_ids_and_empties_the_skip_lists(tmp_path):
     root = tmp_path / "data"
-    options = mds.WriteOptions(size_limit=8_000, parallel=False)
+    options = plan.WriteOptions(size_limit=8_000, parallel=False)
     build_corpus(root, "web", per_shape=20, shapes=SHAPES, uncaptioned=0)
     mds.write_mds_tree(inputs_for(root, "web"), root, "web", options)
     mapping = Storage(root).table("mds_samples", "web")
-    ids = sorted(lance.dataset(str(mapping)).to_table(columns=["id"]).column("id").to_pylist())
+    ids = sorted(mapping.to_table(columns=["id"]).column("id").to_pylist())
     reasons = {"dedup": set(ids[::4]), "nsfw": set(ids[1:6]), "no_blue": set(ids[::7])}
     shards, _ = mapping_shards(mapping)
     assert len(shards) > 2
-    apply_skip_lists(mds.current_tree(root, "web"), build_skip_lists(mapping_batches(mapping),
+    apply_skip_lists(trees.current_tree(root, "web"), build_skip_lists(mapping_batches(mapping),
                                                                      reasons), shards)
     before = _loader_ids(root)
     skipped = set().union(*reasons.values())
@@ -46,12 +49,12 @@ def test_rewrite_yields_the_same_ids_and_empties_the_skip_lists(tmp_path):
                                      reasons=["dedup", "nsfw"], options=options)
     assert report.excluded == len(reasons["dedup"] | reasons["nsfw"])
     assert set(_loader_ids(root)) == set(before)
-    tree = mds.current_tree(root, "web")
+    tree = trees.current_tree(root, "web")
     assert [p.parent.name for p in sidecar_files(tree)]  # only no_blue survives
     assert report.carried_over.skipped_per_reason.keys() == {"no_blue"}
 
     report = rewrite_without_skipped(inputs_for(root, "web"), root, "web", options=options)
     assert set(_loader_ids(root)) == set(before)
-    assert sidecar_files(mds.current_tree(root, "web")) == []  # skip lists now empty
-    left = set(lance.dataset(str(mapping)).to_table(columns=["id"]).column("id").to_pylist())
+    assert sidecar_files(trees.current_tree(root, "web")) == []  # skip lists now empty
+    left = set(mapping.to_table(columns=["id"]).column("id").to_pylist())
     assert left == set(before)

@@ -2,14 +2,30 @@ import json
 import os
 import threading
 
-import lance
 import pyarrow as pa
 import pytest
 
 from prx_assets.stages.dedup.dedup import DUPLICATES_SCHEMA
 from prx_assets.stages.skip_lists.skip_lists import (
-    apply_skip_lists, build_skip_lists, duplicate_ids, label_ids, mapping_batches,
-    mapping_shards, read_ablations, read_sidecar, sidecar_path, skipped_indices, write_sidecar)
+    apply_skip_lists,
+    build_skip_lists,
+    duplicate_ids,
+    label_ids,
+    mapping_batches,
+    mapping_shards,
+    read_ablations,
+    read_sidecar,
+    sidecar_path,
+    skipped_indices,
+    write_sidecar,
+)
+from prx_assets.storage.lance_tables import overwrite_rows
+from prx_assets.storage.refs import TableRef
+
+
+def _table(where: TableRef, rows: pa.Table) -> TableRef:
+    overwrite_rows(where, rows, rows.schema)
+    return where
 
 
 def _mapping(tmp_path, rows_per_shard=5, shards=("shard.00000.mds", "shard.00001.mds")):
@@ -19,9 +35,7 @@ def _mapping(tmp_path, rows_per_shard=5, shards=("shard.00000.mds", "shard.00001
             for i in range(rows_per_shard):
                 rows.append({"id": f"web:{leaf[:3]}-{s}-{i}", "leaf": leaf, "shard": shard,
                              "sample_index": i})
-    uri = tmp_path / "mds_samples.lance"
-    lance.write_dataset(pa.Table.from_pylist(rows), str(uri))
-    return uri
+    return _table(TableRef.of(tmp_path / "mds_samples.lance"), pa.Table.from_pylist(rows))
 
 
 def test_lists_per_shard_and_reason_are_sorted_shard_local_indices(tmp_path):
@@ -123,23 +137,23 @@ def test_ablation_names_cannot_shadow_built_in_reasons(tmp_path):
 
 
 def test_labels_come_from_the_active_versions_only_and_dedup_skips_non_kept(tmp_path):
-    labels = tmp_path / "caption_labels.lance"
+    labels = TableRef.of(tmp_path / "caption_labels.lance")
     rows = [("web:1", "cap2", "cls2", "text"), ("web:2", "cap2", "cls2", "nsfw"),
             ("web:3", "cap2", "cls2", "visual"), ("web:4", "cap1", "cls2", "text"),
             ("web:5", "cap2", "cls1", "nsfw"), ("web:6", "cap'2", "cls2", "text")]
-    lance.write_dataset(pa.table({k: [r[i] for r in rows] for i, k in enumerate(
-        ["id", "caption_version", "classifier_version", "label"])}), str(labels))
+    _table(labels, pa.table({k: [r[i] for r in rows] for i, k in enumerate(
+        ["id", "caption_version", "classifier_version", "label"])}))
     assert label_ids(labels, ["text", "nsfw"], "cap2", "cls2") == {
         "text": {"web:1"}, "nsfw": {"web:2"}}
     assert label_ids(labels, ["text"], "cap'2", "cls2") == {"text": {"web:6"}}  # quoted
-    assert label_ids(tmp_path / "absent.lance", ["text"], "cap2", "cls2") == {"text": set()}
+    assert label_ids(TableRef.of(tmp_path / "absent.lance"), ["text"], "cap2", "cls2") == {
+        "text": set()}
 
-    duplicates = tmp_path / "duplicates.lance"
-    lance.write_dataset(pa.Table.from_pylist([
+    duplicates = _table(TableRef.of(tmp_path / "duplicates.lance"), pa.Table.from_pylist([
         {"id": "web:1", "kept_id": "web:1", "phash": 1, "group_size": 3},
         {"id": "web:2", "kept_id": "web:1", "phash": 1, "group_size": 3},
         {"id": "web_b:2", "kept_id": "web:1", "phash": 1, "group_size": 3}],
-        schema=DUPLICATES_SCHEMA), str(duplicates))
+        schema=DUPLICATES_SCHEMA))
     assert duplicate_ids(duplicates, "web") == {"web:2"}  # not the kept copy, not web_b
     assert duplicate_ids(duplicates, "web_b") == {"web_b:2"}
 
@@ -165,12 +179,11 @@ def test_stale_lists_are_kept_whatever_the_reasons_say(tmp_path):
 
 
 def test_ablation_lists_are_read_from_an_object_store(s3_root):
-    from prx_assets.storage import object_store
     from prx_assets.storage.layout import Storage
 
     folder = Storage(s3_root).ablations_dir
-    object_store.write_text(f"{folder}/no_cats.txt", "web:1\n# a comment\nweb:2  # why\n")
-    object_store.write_text(f"{folder}/readme.md", "not a list")
+    (folder / "no_cats.txt").write_text("web:1\n# a comment\nweb:2  # why\n")
+    (folder / "readme.md").write_text("not a list")
     assert read_ablations(folder) == {"no_cats": {"web:1", "web:2"}}
     assert read_ablations(f"{s3_root}/absent") == {}
 
@@ -181,19 +194,16 @@ def test_dedup_and_label_reasons_are_read_from_a_bucket(s3_server, s3_root, monk
     the storage options handed in (the environment holds a wrong secret)."""
     from prx_assets.storage.layout import Storage
 
-    options = {"aws_secret_access_key": s3_server.secret_key}
-    store = Storage(s3_root, options)
+    store = Storage(s3_root, {"aws_secret_access_key": s3_server.secret_key})
     duplicates, labels = store.table("duplicates"), store.table("caption_labels", "web")
-    lance.write_dataset(pa.Table.from_pylist([
+    _table(duplicates, pa.Table.from_pylist([
         {"id": "web:1", "kept_id": "web:1", "phash": 1, "group_size": 2},
         {"id": "web:2", "kept_id": "web:1", "phash": 1, "group_size": 2}],
-        schema=DUPLICATES_SCHEMA), duplicates, storage_options=store.lance_options())
-    lance.write_dataset(pa.table({"id": ["web:3"], "caption_version": ["cap"],
-                                  "classifier_version": ["cls"], "label": ["text"]}),
-                        labels, storage_options=store.lance_options())
+        schema=DUPLICATES_SCHEMA))
+    _table(labels, pa.table({"id": ["web:3"], "caption_version": ["cap"],
+                             "classifier_version": ["cls"], "label": ["text"]}))
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
-    assert duplicate_ids(duplicates, "web", storage_options=options) == {"web:2"}
-    assert label_ids(labels, ["text"], "cap", "cls", storage_options=options) == {
-        "text": {"web:3"}}
-    assert label_ids(store.table("caption_labels", "other"), ["text"], "cap", "cls",
-                     storage_options=options) == {"text": set()}
+    assert duplicate_ids(duplicates, "web") == {"web:2"}
+    assert label_ids(labels, ["text"], "cap", "cls") == {"text": {"web:3"}}
+    assert label_ids(store.table("caption_labels", "other"), ["text"], "cap", "cls") == {
+        "text": set()}

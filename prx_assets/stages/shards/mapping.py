@@ -1,0 +1,95 @@
+"""The mapping table `lance/mds_samples/<source>.lance`: where every live sample of the
+current tree is stored (leaf, shard, shard-local index), with the tree version that wrote
+the shard and the sample's fingerprint. One row per live id; stale samples are not in it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from prx_assets.stages.shards.trees import leaf_name
+from prx_assets.storage.filters import in_filter
+from prx_assets.storage.lance_tables import overwrite_rows
+from prx_assets.storage.refs import TableRef
+
+MDS_SAMPLES_SCHEMA = pa.schema([
+    pa.field("id", pa.string(), nullable=False),
+    pa.field("source", pa.string(), nullable=False),
+    pa.field("tier", pa.int32(), nullable=False),
+    pa.field("width", pa.int32(), nullable=False),
+    pa.field("height", pa.int32(), nullable=False),
+    pa.field("leaf", pa.string(), nullable=False),  # relative to mds/<source>, e.g. 512/512x512
+    pa.field("shard", pa.string(), nullable=False),  # e.g. shard.00000.mds
+    pa.field("sample_index", pa.int64(), nullable=False),  # shard-local
+    pa.field("tree_version", pa.string(), nullable=False),  # the version that wrote the shard
+    pa.field("fingerprint", pa.int64(), nullable=False),  # see plan.sample_fingerprints
+])
+# What an incremental run compares the plan with, and where a stale sample is stored.
+APPEND_COLUMNS = ["id", "fingerprint", "leaf", "shard", "sample_index"]
+
+
+def mapping_rows(source: str, key: tuple[int, int, int], leaf_rows: pa.Table,
+                 shards: list[dict], tree_version: str) -> pa.Table:
+    """Mapping rows of `leaf_rows`, written (in order) as the shards `shards`."""
+    counts = [entry["samples"] for entry in shards]
+    if sum(counts) != leaf_rows.num_rows:
+        raise RuntimeError(f"{leaf_name(*key)}: shards hold {sum(counts)} samples, "
+                           f"planned {leaf_rows.num_rows}")
+    n = leaf_rows.num_rows
+    names = np.repeat([entry["raw_data"]["basename"] for entry in shards], counts)
+    local = (np.concatenate([np.arange(c, dtype=np.int64) for c in counts]) if counts
+             else np.zeros(0, np.int64))
+    tier, width, height = key
+    return pa.table({
+        "id": leaf_rows["id"],
+        "source": pa.array([source] * n, pa.string()),
+        "tier": pa.array(np.full(n, tier), pa.int32()),
+        "width": pa.array(np.full(n, width), pa.int32()),
+        "height": pa.array(np.full(n, height), pa.int32()),
+        "leaf": pa.array([leaf_name(*key)] * n, pa.string()),
+        "shard": pa.array(names.tolist(), pa.string()),
+        "sample_index": pa.array(local, pa.int64()),
+        "tree_version": pa.array([tree_version] * n, pa.string()),
+        "fingerprint": leaf_rows["fingerprint"],
+    }, schema=MDS_SAMPLES_SCHEMA)
+
+
+def mapping_for_append(mapping: TableRef) -> pa.Table | None:
+    """The mapping's rows an incremental run compares with, or None when there is none to
+    compare with (never written, or a mapping of a layout without fingerprints)."""
+    if not mapping.exists():
+        return None
+    table = mapping.latest().open()
+    if "fingerprint" not in table.schema.names:
+        return None
+    return table.to_table(columns=APPEND_COLUMNS)
+
+
+def ids_gone(mapping: TableRef, plan: pa.Table) -> int:
+    """Ids of the previous mapping not planned any more (a full build's rows_removed)."""
+    if not mapping.exists():
+        return 0
+    old = mapping.latest().to_table(columns=["id"])["id"]
+    return int(pc.sum(pc.invert(pc.is_in(old, value_set=plan["id"]))).as_py() or 0)
+
+
+def write_mapping(mapping: TableRef, rows: pa.Table) -> int:
+    """One overwrite commit: readers see the previous mapping or this one, never a mix."""
+    return overwrite_rows(mapping, rows, MDS_SAMPLES_SCHEMA)
+
+
+def update_mapping(mapping: TableRef, new_rows: pa.Table, removed_ids: list[str]) -> int:
+    """One commit: rows of newly written samples in (a changed id's row replaced), rows of
+    removed ids out; every other row untouched."""
+    dataset = mapping.latest().open()
+    gone = in_filter("id", removed_ids) if removed_ids else None
+    if new_rows.num_rows == 0:
+        dataset.delete(gone)
+    else:
+        merge = dataset.merge_insert("id").when_matched_update_all() \
+            .when_not_matched_insert_all()
+        if gone:
+            merge = merge.when_not_matched_by_source_delete(gone)
+        merge.execute(new_rows)
+    return mapping.latest().open().version

@@ -1,0 +1,180 @@
+"""Writing parts: consecutive id-sorted rows of one leaf, fetched by Lance row id and written
+with mosaicml-streaming's `MDSWriter`, one Ray task per few parts.
+
+A part on an object store is written into a local temporary folder, and each shard is
+uploaded through the part's `Location` (an S3 client built from the handle's settings) and
+removed as soon as it is finished: local disk holds about one shard, and no credential goes
+into the environment of the task (MDSWriter's own uploader would read them from there).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+from streaming import MDSWriter
+
+from prx_assets.engine.failpoints import failpoint
+from prx_assets.engine.progress import StageProgress
+from prx_assets.stages.shards.plan import MDS_COLUMNS, SampleInputs, WriteOptions
+from prx_assets.storage.refs import Location
+
+IMAGE_COLUMNS = ["id", "source", "image", "width", "height", "original_width", "original_height"]
+TAKE_ROWS = 64  # rows fetched from Lance per read inside a task (bounded memory)
+# A task starts a worker that imports streaming (and torch): below this many rows per task,
+# splitting a source's parts over more CPUs costs more than it saves.
+MIN_ROWS_PER_TASK = 10_000
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """One part's work: consecutive id-sorted rows of one leaf."""
+
+    out: Location  # the part's folder: local, or an s3:// prefix (uploaded shard by shard)
+    ids: list[str]
+    image_rows: np.ndarray  # Lance row ids in bucketed_images
+    caption_rows: np.ndarray  # Lance row ids in captions
+
+
+def part_specs(leaf_rows: pa.Table, leaf_dir: Location, rows_per_part: int) -> list[PartSpec]:
+    """The leaf's rows cut into parts of `rows_per_part`, each in its own folder."""
+    specs = []
+    for n, start in enumerate(range(0, leaf_rows.num_rows, rows_per_part)):
+        rows = leaf_rows.slice(start, rows_per_part)
+        specs.append(PartSpec(
+            out=leaf_dir / f"part.{n:05d}", ids=rows["id"].to_pylist(),
+            image_rows=rows["image_row"].to_numpy(), caption_rows=rows["caption_row"].to_numpy()))
+    return specs
+
+
+class PartWriter(MDSWriter):
+    """An MDSWriter into a local folder; with a `destination`, each shard is uploaded there
+    as soon as it is flushed, then deleted locally. The part's index is not uploaded: the
+    driver writes the leaf's index from the entries the task returns."""
+
+    def __init__(self, *, destination: Location | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.destination = destination
+
+    def flush_shard(self) -> None:
+        super().flush_shard()
+        if self.destination is None:
+            return
+        entry = self.shards[-1]
+        basename = (entry.get("zip_data") or entry["raw_data"])["basename"]
+        written = Path(self.local) / basename
+        (self.destination / basename).write_bytes(written.read_bytes())
+        written.unlink()
+
+
+@contextmanager
+def part_writer(out: Location, options: WriteOptions) -> Iterator[MDSWriter]:
+    """A writer for the part folder `out`: in place locally, through a local temporary
+    folder (about one shard at a time) on an object store."""
+    scratch = None if out.is_local else tempfile.mkdtemp(prefix="prx-mds-part-")
+    try:
+        with PartWriter(destination=None if scratch is None else out,
+                        out=str(out.path) if scratch is None else f"{scratch}/part",
+                        columns=MDS_COLUMNS, size_limit=options.size_limit,
+                        compression=options.compression, exist_ok=True) as writer:
+            yield writer
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def write_part(spec: PartSpec, inputs: SampleInputs, options: WriteOptions) -> list[dict]:
+    """Write one part (in a Ray task, or in this process); returns its shard entries."""
+    bucketed, captions = inputs.bucketed.open(), inputs.captions.open()
+    with part_writer(spec.out, options) as writer:
+        for start in range(0, len(spec.ids), TAKE_ROWS):
+            stop = start + TAKE_ROWS
+            images = _rows_by_id(bucketed._take_rows(spec.image_rows[start:stop].tolist(),
+                                                     columns=IMAGE_COLUMNS))
+            texts = _rows_by_id(captions._take_rows(spec.caption_rows[start:stop].tolist(),
+                                                    columns=["id", "caption"]))
+            for sample_id in spec.ids[start:stop]:
+                writer.write(_sample(images[sample_id], texts[sample_id]["caption"]))
+            failpoint("mds.write_part")
+    return json.loads(json.dumps(writer.shards))
+
+
+def _rows_by_id(table: pa.Table) -> dict[str, dict]:
+    return {row["id"]: row for row in table.to_pylist()}
+
+
+def _sample(row: dict, caption: str) -> dict:
+    return {"image": bytes(row["image"]), "caption": caption, "id": row["id"],
+            "source": row["source"], "width": int(row["width"]), "height": int(row["height"]),
+            "original_width": int(row["original_width"]),
+            "original_height": int(row["original_height"])}
+
+
+def write_parts(specs: list[PartSpec], inputs: SampleInputs, options: WriteOptions
+                ) -> list[list[dict]]:
+    return [write_part(spec, inputs, options) for spec in specs]
+
+
+_write_parts_task = ray.remote(num_cpus=1)(write_parts)
+
+
+def run_parts(specs: list[PartSpec], inputs: SampleInputs, options: WriteOptions,
+              log: Callable[[str], None], stage: str = "mds_shards") -> list[list[dict]]:
+    """All parts (as Ray tasks unless `options.parallel` is off); results in the order of
+    `specs`; progress (samples written out of those planned) logged as tasks end, as one
+    `stage` line at most every 10 s."""
+    progress = StageProgress(stage, sum(len(spec.ids) for spec in specs), log,
+                             unit="samples")
+    if not options.parallel:
+        results = []
+        for spec in specs:
+            results.append(write_part(spec, inputs, options))
+            progress.advance(len(spec.ids))
+        progress.finish()
+        return results
+    inputs_ref, options_ref = ray.put(inputs), ray.put(options)
+    groups = task_groups(specs, rows_per_task(specs, options.rows_per_part,
+                                              ray.cluster_resources().get("CPU", 1)))
+    refs = [_write_parts_task.remote(group, inputs_ref, options_ref) for group in groups]
+    samples = {ref: sum(len(spec.ids) for spec in group)
+               for ref, group in zip(refs, groups, strict=True)}
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)  # surface a failed task now
+        progress.advance(samples[ready[0]])
+    progress.finish()
+    return [entries for group in ray.get(refs) for entries in group]
+
+
+def rows_per_task(specs: list[PartSpec], rows_per_part: int, cpus: float) -> int:
+    """Rows a task packs: up to a part's, but few enough that every CPU gets a task (a
+    source of a million samples in small leaves was a handful of tasks for its CPUs), and
+    not under MIN_ROWS_PER_TASK."""
+    total = sum(len(spec.ids) for spec in specs)
+    spread = max(MIN_ROWS_PER_TASK, math.ceil(total / max(1, int(cpus))))
+    return max(1, min(rows_per_part, spread))
+
+
+def task_groups(specs: list[PartSpec], rows_per_task: int) -> list[list[PartSpec]]:
+    """Consecutive parts packed into tasks of up to `rows_per_task` rows: a source with many
+    small leaves (one part each) would otherwise pay a task's start-up per leaf."""
+    groups: list[list[PartSpec]] = []
+    rows = 0
+    for spec in specs:
+        if not groups or rows + len(spec.ids) > rows_per_task:
+            groups.append([])
+            rows = 0
+        groups[-1].append(spec)
+        rows += len(spec.ids)
+    return groups

@@ -1,0 +1,200 @@
+"""Planning a build from metadata only: which samples a tree holds (kept rows of
+`bucketed_images` with a usable caption), their fingerprints, and what an incremental run
+changes against the mapping table. No image bytes, no caption text."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from prx_assets.stages.shards.trees import TreeStore, new_tree_version
+from prx_assets.storage.refs import Location, TableRef
+
+# The design's MDS sample. `image` is declared `jpeg` so any StreamingDataset decodes it to a
+# PIL image, but we hand MDSWriter the bytes: `mds_encode` stores bytes as they are, so the
+# pipeline's Q92 JPEG is never re-encoded (the `jpeg` encoder would save a PIL image at Q75).
+MDS_COLUMNS = {
+    "image": "jpeg",
+    "caption": "str",
+    "id": "str",
+    "source": "str",
+    "width": "int",
+    "height": "int",
+    "original_width": "int",
+    "original_height": "int",
+}
+# What a sample's fingerprint is made of: columns read without touching image bytes or
+# caption text. The image stage rewrites a changed image's row (new phash, pixels, shape);
+# the captions stage writes a new caption row (new created_at, n_words) when it re-captions.
+FINGERPRINT_IMAGE_COLUMNS = ["tier", "width", "height", "original_width", "original_height",
+                             "phash", "pixels"]
+FINGERPRINT_CAPTION_COLUMNS = ["created_at", "n_words"]
+
+DEFAULT_SIZE_LIMIT = 128 << 20  # ~128 MB shards, the design's size
+DEFAULT_ROWS_PER_PART = 50_000  # one Ray task per part: ~5-20 GB of JPEGs, a few dozen shards
+
+
+@dataclass(frozen=True)
+class SampleInputs:
+    """Where a source's samples come from: kept bucketed rows joined with usable captions.
+    A build pins both tables (`pinned`), so what it plans, writes and records as lineage
+    is one version of each."""
+
+    bucketed: TableRef
+    captions: TableRef
+    caption_filter: str  # Lance SQL selecting the active, usable caption rows
+    exclude_ids: frozenset[str] = frozenset()  # e.g. a rewrite without skipped samples
+
+    def pinned(self) -> SampleInputs:
+        return dataclasses.replace(self, bucketed=self.bucketed.pinned(),
+                                   captions=self.captions.pinned())
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    size_limit: int = DEFAULT_SIZE_LIMIT
+    compression: str | None = None  # JPEG bytes do not compress further
+    rows_per_part: int = DEFAULT_ROWS_PER_PART
+    keep_trees: int = 2  # the current tree and the one before (a trainer may still read it)
+    parallel: bool = True  # Ray tasks; False writes the parts in this process (tiny sources)
+    incremental: bool = True  # False: always a full build (a rewrite, a byte-identity check)
+
+
+def build_settings(inputs: SampleInputs, options: WriteOptions) -> dict:
+    """What every shard of a tree depends on besides the samples: a change means a full
+    build (the old shards would differ from new ones)."""
+    return {"size_limit": options.size_limit, "compression": options.compression,
+            "caption_filter": inputs.caption_filter, "columns": MDS_COLUMNS}
+
+
+@dataclass(frozen=True)
+class Build:
+    """One run of `write_mds_tree`: what its steps share."""
+
+    store: TreeStore  # the source's trees
+    mapping: TableRef  # the source's mds_samples table
+    inputs: SampleInputs  # pinned
+    options: WriteOptions
+    base_version: int | None  # the mapping's version before this run (None: never written)
+    version: str = field(default_factory=new_tree_version)  # the tree version it makes
+
+    @property
+    def source(self) -> str:
+        return self.store.source
+
+    @property
+    def log(self) -> Callable[[str], None]:
+        return self.store.log
+
+    @property
+    def staging(self) -> Location:
+        return self.store.staging(self.version)
+
+    @property
+    def settings(self) -> dict:
+        return build_settings(self.inputs, self.options)
+
+
+def plan_samples(inputs: SampleInputs) -> tuple[pa.Table, Counter]:
+    """Kept rows with a usable caption, sorted by (tier, width, height, id), each with its
+    fingerprint, plus the rows left out by reason. Reads ids, shapes, row ids and the
+    fingerprint columns only: no image bytes, no caption text."""
+    bucketed = inputs.bucketed.open()
+    present = set(bucketed.schema.names)
+    extra = [c for c in FINGERPRINT_IMAGE_COLUMNS if c in present and c not in
+             ("tier", "width", "height")]
+    kept = bucketed.to_table(columns=["id", "tier", "width", "height", *extra],
+                             filter="status = 'ok'", with_row_id=True)
+    kept = kept.rename_columns([*kept.column_names[:-1], "image_row"])
+    captions = inputs.captions.open()
+    caption_extra = [c for c in FINGERPRINT_CAPTION_COLUMNS if c in captions.schema.names]
+    usable = captions.to_table(columns=["id", *caption_extra], filter=inputs.caption_filter,
+                               with_row_id=True)
+    # Several usable rows for one id should not happen; take the first written, deterministically.
+    usable = usable.group_by("id").aggregate(
+        [("_rowid", "min"), *((c, "max") for c in caption_extra)])
+    usable = usable.rename_columns(["id", "caption_row", *(f"caption_{c}" for c in caption_extra)])
+    joined = kept.join(usable, "id", join_type="left outer")
+    left_out: Counter = Counter()
+    if inputs.exclude_ids:
+        excluded = pc.is_in(joined["id"], value_set=pa.array(sorted(inputs.exclude_ids)))
+        left_out["excluded"] = pc.sum(excluded).as_py() or 0
+        joined = joined.filter(pc.invert(excluded))
+    missing = pc.is_null(joined["caption_row"])
+    left_out["no_caption"] = pc.sum(missing).as_py() or 0
+    joined = joined.filter(pc.invert(missing))
+    parts = [*FINGERPRINT_IMAGE_COLUMNS, *(f"caption_{c}" for c in FINGERPRINT_CAPTION_COLUMNS)]
+    joined = joined.append_column("fingerprint", sample_fingerprints(
+        joined, [c for c in parts if c in joined.column_names]))
+    order = [("tier", "ascending"), ("width", "ascending"), ("height", "ascending"),
+             ("id", "ascending")]
+    plan = joined.select(["id", "tier", "width", "height", "image_row", "caption_row",
+                          "fingerprint"])
+    return plan.sort_by(order), +left_out
+
+
+def sample_fingerprints(table: pa.Table, columns: list[str]) -> pa.Array:
+    """A 64-bit mix of integer-like columns per row (nulls as 0): equal inputs, equal
+    fingerprint. Changed means a different fingerprint; documented in docs/mds.md."""
+    mixed = np.zeros(table.num_rows, np.uint64)
+    with np.errstate(over="ignore"):
+        for name in columns:
+            column = table[name]
+            if pa.types.is_timestamp(column.type):
+                column = column.cast(pa.int64())
+            values = pc.fill_null(column.cast(pa.int64()), 0).to_numpy().astype(np.uint64)
+            mixed = (mixed ^ values) * np.uint64(0x9E3779B97F4A7C15)
+            mixed ^= mixed >> np.uint64(31)
+    return pa.array(mixed.view(np.int64), pa.int64())
+
+
+@dataclass
+class Delta:
+    """What an incremental run changes, against the current tree's mapping table."""
+
+    write: pa.Table  # plan rows to write: new ids and changed ids, in plan order
+    stale: pa.Table  # mapping rows (id, leaf, shard, sample_index) newly superseded
+    removed_ids: list[str]  # ids leaving the mapping (not in the plan any more)
+    reused: int  # live samples carried over unchanged
+
+    @property
+    def empty(self) -> bool:
+        return self.write.num_rows == 0 and self.stale.num_rows == 0
+
+
+def plan_delta(plan: pa.Table, mapping: pa.Table) -> Delta:
+    """New / changed / removed / unchanged ids, from the plan's and the mapping's
+    fingerprints (ids and a few integers per row; no image bytes)."""
+    old = mapping.select(["id", "fingerprint", "leaf", "shard", "sample_index"]) \
+        .rename_columns(["id", "old_fingerprint", "leaf", "shard", "sample_index"])
+    joined = plan.select(["id", "fingerprint"]).join(old, "id", join_type="full outer")
+    in_plan = pc.is_valid(joined["fingerprint"])
+    in_old = pc.is_valid(joined["old_fingerprint"])
+    differs = pc.fill_null(pc.not_equal(joined["fingerprint"], joined["old_fingerprint"]), True)
+    to_write = pc.and_(in_plan, differs)
+    superseded = pc.and_(in_old, differs)
+    write_ids = joined.filter(to_write)["id"]
+    stale = joined.filter(superseded).select(["id", "leaf", "shard", "sample_index"])
+    removed = joined.filter(pc.invert(in_plan))["id"].to_pylist()
+    reused = int(pc.sum(pc.and_(in_old, pc.invert(differs))).as_py() or 0)
+    write = plan.filter(pc.is_in(plan["id"], value_set=write_ids))
+    return Delta(write=write, stale=stale, removed_ids=sorted(removed), reused=reused)
+
+
+def split_leaves(plan: pa.Table) -> list[tuple[tuple[int, int, int], pa.Table]]:
+    """The sorted plan cut into one slice per (tier, width, height), in order."""
+    if plan.num_rows == 0:
+        return []
+    keys = list(zip(*(plan[c].to_pylist() for c in ("tier", "width", "height")), strict=True))
+    leaves, start = [], 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or keys[i] != keys[start]:
+            leaves.append((keys[start], plan.slice(start, i - start)))
+            start = i
+    return leaves

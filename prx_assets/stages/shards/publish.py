@@ -1,0 +1,214 @@
+"""A build's commits, in order: the version staged and made complete (its manifest last),
+the mapping table committed, the version published, old versions pruned; and the roll
+forward of a run killed between its mapping commit and its publish (docs/mds.md)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from prx_assets.stages.shards.mapping import update_mapping, write_mapping
+from prx_assets.stages.shards.merge import (
+    LeafEntries,
+    StaleCounts,
+    carry_old_leaves,
+    write_new_leaves,
+)
+from prx_assets.stages.shards.plan import Build, Delta
+from prx_assets.stages.shards.trees import (
+    TREE_MANIFEST,
+    TreeStore,
+    leaf_key,
+    leaf_name,
+    leaf_names,
+    lineage,
+    read_index,
+)
+from prx_assets.storage.refs import Location, TableRef
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LeafReport:
+    tier: int
+    width: int
+    height: int
+    samples: int  # live samples (stored minus stale)
+    shards: int
+    bytes: int
+
+    @property
+    def name(self) -> str:
+        return leaf_name(self.tier, self.width, self.height)
+
+
+@dataclass
+class TreeReport:
+    source: str
+    tree_version: str
+    path: Path | str  # a local folder, or the version's s3:// prefix
+    mapping: TableRef  # the mapping table at the version that describes this tree
+    left_out: Counter = field(default_factory=Counter)
+    leaves: list[LeafReport] = field(default_factory=list)
+    processed: int = 0  # samples written by this run
+    reused: int = 0  # live samples carried in old shards
+    removed: int = 0  # samples newly skipped as stale (or, in a full build, gone)
+    changed: bool = True  # False: nothing changed, no new version was made
+    appended: bool = False  # True: old shards carried, new shards appended
+
+    @property
+    def mapping_version(self) -> int:
+        assert self.mapping.version is not None  # reports name a committed version
+        return self.mapping.version
+
+    @property
+    def samples(self) -> int:
+        return sum(leaf.samples for leaf in self.leaves)
+
+    @property
+    def shards(self) -> int:
+        return sum(leaf.shards for leaf in self.leaves)
+
+    @property
+    def bytes(self) -> int:
+        return sum(leaf.bytes for leaf in self.leaves)
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What a build did, for its report and the asset's incremental metadata."""
+
+    processed: int
+    reused: int
+    removed: int
+    appended: bool
+
+
+def full_build(build: Build, plan: pa.Table, left_out: Counter, removed: int) -> TreeReport:
+    try:
+        build.staging.make_dirs()  # an empty source still gets an (empty) tree
+        written, mapping = write_new_leaves(build, plan, {})
+        leaves = leaf_reports({}, {}, written)
+        write_manifest(build, carried=[], samples=plan.num_rows)
+        final = build.store.finish(build.version)
+    except BaseException:
+        build.staging.delete()
+        raise
+    mapping_version = write_mapping(build.mapping, mapping)
+    return publish(build, final, mapping_version, left_out, leaves,
+                   Counts(processed=plan.num_rows, reused=0, removed=removed, appended=False))
+
+
+def append_build(build: Build, delta: Delta, left_out: Counter, current: str) -> TreeReport:
+    store = build.store
+    build.log(f"{build.source}: appending {delta.write.num_rows:,} samples to tree {current}; "
+              f"{delta.stale.num_rows:,} become stale, {delta.reused:,} carried")
+    old_manifest = store.manifest(current) or {}
+    try:
+        build.staging.make_dirs()
+        existing, stale_per_shard = carry_old_leaves(store, store.tree(current), build.staging,
+                                                     delta.stale)
+        written, mapping = write_new_leaves(build, delta.write, existing)
+        leaves = leaf_reports(existing, stale_per_shard, written)
+        write_manifest(build, carried=lineage(old_manifest, current),
+                       samples=sum(leaf.samples for leaf in leaves), parent=current)
+        final = store.finish(build.version)
+    except BaseException:
+        build.staging.delete()
+        raise
+    mapping_version = update_mapping(build.mapping, mapping, delta.removed_ids)
+    return publish(build, final, mapping_version, left_out, leaves,
+                   Counts(processed=delta.write.num_rows, reused=delta.reused,
+                          removed=delta.stale.num_rows, appended=True))
+
+
+def leaf_reports(existing: LeafEntries, stale: StaleCounts, written: LeafEntries
+                 ) -> list[LeafReport]:
+    reports = []
+    for name in sorted(set(existing) | set(written), key=leaf_key):
+        entries = [*existing.get(name, []), *written.get(name, [])]
+        stored = sum(e["samples"] for e in entries)
+        stale_n = sum(stale.get((name, e["raw_data"]["basename"]), 0) for e in entries)
+        reports.append(LeafReport(*leaf_key(name), samples=stored - stale_n,
+                                  shards=len(entries), bytes=_bytes(entries)))
+    return reports
+
+
+def _bytes(entries: list[dict]) -> int:
+    return sum(entry["raw_data"]["bytes"] for entry in entries)
+
+
+def write_manifest(build: Build, *, carried: list[str], samples: int,
+                   parent: str | None = None) -> None:
+    """tree.json, last inside the version: complete means it exists. `carried_versions`
+    names the older versions whose shards this one also holds (with this version: the
+    mapping's tree_version values; see `lineage`);
+    `mapping_base_version` lets a later run tell whether this build's mapping commit
+    happened before a kill (see finish_interrupted_publish)."""
+    (build.staging / TREE_MANIFEST).write_text(json.dumps({
+        "source": build.source, "tree_version": build.version, "samples": samples,
+        "bucketed_version": build.inputs.bucketed.version,
+        "captions_version": build.inputs.captions.version,
+        "settings": build.settings, "carried_versions": carried, "parent": parent,
+        "commits_mapping": True, "mapping_base_version": build.base_version,
+        "keep_trees": build.options.keep_trees,
+    }, indent=2, sort_keys=True))
+
+
+def publish(build: Build, final: Location, mapping_version: int, left_out: Counter,
+            leaves: list[LeafReport], counts: Counts) -> TreeReport:
+    build.store.publish(build.version)
+    build.store.prune(build.options.keep_trees)
+    build.log(f"{build.source}: tree {build.version} is current "
+              f"({sum(leaf.samples for leaf in leaves):,} live samples, "
+              f"{sum(leaf.shards for leaf in leaves)} shards; processed={counts.processed}, "
+              f"reused={counts.reused}, removed={counts.removed}, appended={counts.appended})")
+    return TreeReport(source=build.source, tree_version=build.version, path=report_path(final),
+                      mapping=build.mapping.at(mapping_version), left_out=left_out,
+                      leaves=leaves, processed=counts.processed, reused=counts.reused,
+                      removed=counts.removed, appended=counts.appended)
+
+
+def report_path(tree: Location) -> Path | str:
+    """A tree as reports give it: a local folder, or its `s3://` prefix."""
+    return tree.path if tree.is_local else tree.uri
+
+
+def unchanged_report(build: Build, current: str, left_out: Counter) -> TreeReport:
+    tree = build.store.tree(current)
+    mapping = build.mapping.pinned()
+    live = Counter(mapping.to_table(columns=["leaf"])["leaf"].to_pylist())
+    leaves = []
+    for name in leaf_names(tree):
+        entries = read_index(tree / name)
+        leaves.append(LeafReport(*leaf_key(name), samples=live.get(name, 0),
+                                 shards=len(entries), bytes=_bytes(entries)))
+    return TreeReport(source=build.source, tree_version=current, path=report_path(tree),
+                      mapping=mapping, left_out=left_out, leaves=leaves,
+                      processed=0, reused=sum(live.values()), removed=0, changed=False)
+
+
+def finish_interrupted_publish(store: TreeStore, mapping: TableRef,
+                               log: Callable[[str], None] = logger.info) -> None:
+    """A run killed after its mapping commit but before publishing left a complete version
+    the mapping already describes: publish it (roll forward). Any other unpublished version
+    (killed before its mapping commit) is deleted."""
+    current = store.current_version()
+    newer = [v for v in store.versions() if current is None or v > current]
+    keep: frozenset[str] = frozenset()
+    if newer:
+        manifest = store.manifest(newer[-1]) or {}
+        expected = (manifest.get("mapping_base_version") or 0) + 1
+        if manifest.get("commits_mapping") and mapping.latest_version() == expected:
+            log(f"{store.source}: tree {newer[-1]} was built and mapped but not published "
+                "(a killed run); publishing it now")
+            store.publish(newer[-1])
+            keep = frozenset({newer[-1]})
+    store.remove_unpublished(keep)

@@ -1,0 +1,132 @@
+"""The `leaves_stream` check: every leaf of the current tree opened with a plain
+`streaming.StreamingDataset`, its sample count compared with the mapping table plus the
+stale samples of its sidecars; mapping rows of a version the tree does not hold reported.
+
+A StreamingDataset counts a leaf from its `index.json` alone (shards are read lazily). A
+remote leaf's index is fetched through its `Location` (the storage's own S3 client) into a
+local folder the dataset opens: the check needs no credentials in any environment, and
+streaming parses the same bytes it would have downloaded itself.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pyarrow.compute as pc
+
+from prx_assets.stages.shards.trees import INDEX, leaf_names, lineage, tree_store
+from prx_assets.stages.skip_lists.skip_lists import REASON_STALE, SIDECAR_SUFFIX, read_sidecar
+from prx_assets.storage.layout import Storage, as_storage
+from prx_assets.storage.refs import Location
+from prx_assets.storage.tables import MDS_SAMPLES
+
+CHILD_EXIT_WAIT_S = 60  # how long a child that answered may take to exit before it is killed
+
+
+@dataclass(frozen=True)
+class LeafCheck:
+    leaf: str
+    streamed: int  # samples a plain StreamingDataset sees
+    mapped: int  # rows of the mapping table for this leaf (live samples)
+    stale: int = 0  # samples stored but skipped as stale (not in the mapping)
+
+    @property
+    def ok(self) -> bool:
+        return self.streamed == self.mapped + self.stale
+
+
+def verify_tree(storage: Storage | str | Path, source: str) -> tuple[list[LeafCheck], list[str]]:
+    """Count every leaf of the current tree as `streaming.StreamingDataset` does and compare
+    with the mapping table plus the stale samples of its sidecars; also report mapping rows
+    of a version the tree does not hold."""
+    storage = as_storage(storage)
+    store = tree_store(storage, source)
+    tree = store.current_tree()
+    version = tree.name
+    held = set(lineage(store.manifest(version) or {}, version))
+    mapping = storage.table(MDS_SAMPLES, source).to_table(columns=["leaf", "tree_version"])
+    problems = sorted({f"mapping rows of tree {v}, current is {version}"
+                       for v in pc.unique(mapping["tree_version"]).to_pylist() if v not in held})
+    mapped = Counter(mapping["leaf"].to_pylist())
+    leaves = leaf_names(tree)
+    streamed = leaf_stream_counts([tree / leaf for leaf in leaves])
+    checks = [LeafCheck(leaf, count, mapped.pop(leaf, 0), stale_in_leaf(tree / leaf))
+              for leaf, count in zip(leaves, streamed, strict=True)]
+    checks += [LeafCheck(name, 0, n) for name, n in sorted(mapped.items())]  # no such leaf
+    return checks, problems
+
+
+def stale_in_leaf(leaf: Location) -> int:
+    return sum(len(read_sidecar(sidecar).get(REASON_STALE, []))
+               for sidecar in leaf.files(SIDECAR_SUFFIX))
+
+
+def leaf_stream_counts(leaves: list[Location]) -> list[int]:
+    """`streamed_counts` of local or remote leaves (a remote leaf's index fetched first)."""
+    if not leaves:
+        return []
+    with tempfile.TemporaryDirectory(prefix="prx-mds-check-") as scratch:
+        folders = [leaf.path if leaf.is_local else _fetch_index(leaf, Path(scratch) / str(n))
+                   for n, leaf in enumerate(leaves)]
+        return streamed_counts([str(folder) for folder in folders])
+
+
+def _fetch_index(leaf: Location, folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / INDEX).write_bytes((leaf / INDEX).read_bytes())
+    return folder
+
+
+def streamed_counts(leaves: list[str]) -> list[int]:
+    """Samples per local leaf as one plain StreamingDataset (a stream per leaf) sees them.
+
+    Runs in a spawned process: every StreamingDataset registers shared-memory objects that
+    later datasets in the same process keep open (thousands of descriptors after a few dozen
+    leaves), so a long-lived process such as a Dagster run must not create them itself.
+
+    A Pool is not used: leaving it terminates its worker with SIGTERM, which the worker may
+    ignore once streaming is imported, and `terminate()` then waits for it forever. The child
+    sends its answer down a pipe and exits on its own; one that lingers after answering is
+    killed."""
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_send_streamed_counts, args=(leaves, send), daemon=True)
+    child.start()
+    send.close()
+    try:
+        answer = receive.recv()
+    except EOFError:
+        child.join()
+        raise RuntimeError("the StreamingDataset check process died before answering "
+                           f"(exit code {child.exitcode})") from None
+    finally:
+        receive.close()
+        child.join(timeout=CHILD_EXIT_WAIT_S)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer
+
+
+def _send_streamed_counts(leaves: list[str], send: Connection) -> None:
+    try:
+        answer: object = _streamed_counts(leaves)
+    except BaseException as exc:  # sent back and raised in the caller, with its message
+        answer = exc
+    send.send(answer)
+    send.close()
+
+
+def _streamed_counts(leaves: list[str]) -> list[int]:
+    from streaming import Stream, StreamingDataset
+
+    dataset = StreamingDataset(streams=[Stream(local=leaf) for leaf in leaves], batch_size=1,
+                               shuffle=False)
+    return [int(n) for n in dataset.samples_per_stream]
