@@ -84,7 +84,7 @@ def test_opt_out_request_is_a_valid_pipeline_request(tmp_path):
     record = json.loads(path.read_text())
     assert record == {"key_type": "id", "value": "web:abc", "timestamp": when.isoformat(),
                       "reference": "ticket 7 <b>"}
-    parsed = parse_directory(tmp_path / "opt_outs")
+    parsed = parse_directory(path.parent)
     assert not parsed.errors and [r.value for r in parsed.requests] == ["web:abc"]
     assert pending_requests(tmp_path, "web:abc") == [path.name]
     assert pending_requests(tmp_path, "web:other") == []
