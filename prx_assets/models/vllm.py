@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from ray.data.llm import Processor, vLLMEngineProcessorConfig
 
 RowFn = Callable[[dict[str, Any]], dict[str, Any]]
+INFERENCE_ERROR = "__inference_error__"  # Ray's column: the error of a failed row, else ""
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,8 @@ class VLLMEngine:
     batch_size: int = 64  # rows per request batch sent to an engine replica
     concurrency: int = 1  # engine replicas
     accelerator_type: str | None = None  # e.g. "H200"
-    # True: a row whose inference fails comes back with `__inference_error__` set;
-    # False: it fails the run.
+    # True: a row whose inference fails is postprocessed like the others, with
+    # `__inference_error__` set (`postprocess_failed_rows`); False: it fails the run.
     continue_on_error: bool = False
     images: bool = False  # run the multimodal preparation stage (image parts in messages)
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": False}
@@ -71,5 +72,28 @@ class VLLMEngine:
         """A Ray Data processor: dataset of input rows in, dataset of postprocessed rows out."""
         from ray.data.llm import build_processor
 
-        return build_processor(self.processor_config(), preprocess=preprocess,
-                               postprocess=postprocess)
+        processor = build_processor(self.processor_config(), preprocess=preprocess,
+                                    postprocess=postprocess)
+        if self.continue_on_error:
+            postprocess_failed_rows(processor, postprocess)
+        return processor
+
+
+def postprocess_failed_rows(processor: Processor, postprocess: RowFn) -> None:
+    """Send the rows whose inference failed through `postprocess` too.
+
+    Ray's processor hands a failed row back whole, without calling `postprocess`: every
+    column its stages made (the image, the prompt, the tokens) and none of the postprocessed
+    ones. Captioning then read it as an answer with no text, a final status that is never
+    retried, and the error itself was lost. Here a failed row is postprocessed like the
+    others (the postprocess reads `__inference_error__`), and keeps that column, which Ray
+    sets to "" on every other row.
+    """
+    wrapped = cast(RowFn, processor.postprocess)  # Ray wraps even an absent postprocess
+
+    def every_row(row: dict[str, Any]) -> dict[str, Any]:
+        out = wrapped(row)
+        error = out.get(INFERENCE_ERROR) or ""
+        return {**postprocess(out), INFERENCE_ERROR: error} if error else out
+
+    processor.postprocess = every_row

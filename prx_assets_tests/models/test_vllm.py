@@ -56,3 +56,38 @@ def test_processor_hands_the_config_and_row_functions_to_build_processor(monkeyp
     assert VLLMEngine("m").processor(pre, post) == "processor"
     assert isinstance(calls["config"], vLLMEngineProcessorConfig)
     assert (calls["preprocess"], calls["postprocess"]) == (pre, post)
+
+
+def test_a_failed_row_goes_through_postprocess_like_the_others():
+    """Ray's processor hands a failed row back whole, past the postprocess; with
+    continue_on_error the row is postprocessed too, so every row has the same columns and
+    the caller sees the error (captioning recorded such a row as an empty answer before)."""
+    from ray.llm._internal.batch.processor.base import Processor
+
+    from prx_assets.models.vllm import INFERENCE_ERROR, postprocess_failed_rows
+    from prx_assets.stages.captions.captioners import vllm_postprocess
+
+    config = VLLMEngine("m", continue_on_error=True).processor_config()
+    data = Processor.DATA_COLUMN
+    ok = {"id": "a", "image": b"jpeg", "generated_text": "A red barn."}
+    failed = {"id": "b", "image": b"jpeg", "prompt": "...", "generated_text": "",
+              INFERENCE_ERROR: "ValueError: prompt too long"}
+    as_ray = Processor(config, [], postprocess=vllm_postprocess)
+    assert as_ray.postprocess({data: dict(failed)}) == failed  # the installed Ray's behaviour
+    postprocess_failed_rows(as_ray, vllm_postprocess)
+    assert as_ray.postprocess({data: dict(ok)}) == \
+        {"id": "a", "raw": "A red barn.", "error": None, INFERENCE_ERROR: ""}
+    assert as_ray.postprocess({data: dict(failed)}) == \
+        {"id": "b", "raw": None, "error": "ValueError: prompt too long",
+         INFERENCE_ERROR: "ValueError: prompt too long"}
+
+
+def test_only_an_engine_that_keeps_failed_rows_wraps_its_postprocess(monkeypatch):
+    class Built:
+        postprocess = staticmethod(lambda row: row)
+
+    monkeypatch.setattr(ray.data.llm, "build_processor", lambda config, **_: Built())
+    post = (lambda row: row)
+    assert VLLMEngine("m").processor(post, post).postprocess is Built.postprocess
+    wrapped = VLLMEngine("m", continue_on_error=True).processor(post, post).postprocess
+    assert wrapped is not Built.postprocess

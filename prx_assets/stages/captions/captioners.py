@@ -56,6 +56,9 @@ class CaptionerSpec:
     temperature: float = 0.2
     top_p: float = 0.9
     repetition_penalty: float = 1.05
+    # Benchmarks: every caption exactly max_tokens long, end of sequence ignored, so that
+    # throughput compares across models and runs (a random-weight model never stops alone).
+    fixed_length: bool = False
     image_budget: int = 448 * 448  # pixels of the image sent to the model
     seed: int = 0
     batch_size: int = 16
@@ -91,9 +94,12 @@ class CaptionerSpec:
     def sampling(self) -> dict:
         if not self.uses_model:
             return {}
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "repetition_penalty": self.repetition_penalty,
-                "seed": self.seed}
+        sampling = {"max_tokens": self.max_tokens, "temperature": self.temperature,
+                    "top_p": self.top_p, "repetition_penalty": self.repetition_penalty,
+                    "seed": self.seed}
+        if self.fixed_length:  # vLLM's and its server's name; transformers: min_new_tokens
+            sampling["ignore_eos"] = True
+        return sampling
 
     def prompt(self) -> str:
         return load_prompt(self.prompt_name) if self.uses_model else ""
@@ -216,12 +222,13 @@ class TransformersCaptioner:
                                 padding=True).to(self.device)
         self.torch.manual_seed(self.spec.seed)
         sampling = self.spec.temperature > 0
+        length = {"min_new_tokens": self.spec.max_tokens} if self.spec.fixed_length else {}
         with self.torch.inference_mode():
             out = self.model.generate(
                 **inputs, max_new_tokens=self.spec.max_tokens, do_sample=sampling,
                 temperature=self.spec.temperature if sampling else None,
                 top_p=self.spec.top_p if sampling else None,
-                repetition_penalty=self.spec.repetition_penalty)
+                repetition_penalty=self.spec.repetition_penalty, **length)
         new_tokens = out[:, inputs["input_ids"].shape[1]:]
         return self.processor.batch_decode(new_tokens, skip_special_tokens=True)
 
@@ -269,8 +276,12 @@ class OpenAICaptioner:
 # --- backend: vLLM through ray.data.llm ---------------------------------------------------
 
 def vllm_engine(spec: CaptionerSpec) -> VLLMEngine:
-    """The multimodal vLLM stage: one image per prompt, the spec's engine arguments on top."""
-    engine_kwargs = {"max_model_len": 8192, "limit_mm_per_prompt": {"image": 1},
+    """The multimodal vLLM stage: one image per prompt, the spec's engine arguments on top.
+
+    No video: vLLM allows 999 items of every modality a model takes unless told otherwise,
+    and sizes its start-up memory profile (encoder cache, activations) for the largest of
+    them; a caption request never holds a video."""
+    engine_kwargs = {"max_model_len": 8192, "limit_mm_per_prompt": {"image": 1, "video": 0},
                      **spec.engine_kwargs}
     return VLLMEngine(model=spec.model, engine_kwargs=engine_kwargs,
                       batch_size=spec.batch_size, concurrency=spec.concurrency,

@@ -75,6 +75,7 @@ class VLLMSettings:
     tensor_parallel_size: int = 1
     max_model_len: int = 4096
     accelerator_type: str | None = None
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # vLLM's, on top of ours
 
 
 def vllm_sampling_params() -> dict[str, Any]:
@@ -88,7 +89,8 @@ def vllm_engine(settings: VLLMSettings) -> VLLMEngine:
         model=settings.model,
         engine_kwargs={"max_model_len": settings.max_model_len,
                        "tensor_parallel_size": settings.tensor_parallel_size,
-                       "enable_prefix_caching": True},  # the question prefix is shared
+                       "enable_prefix_caching": True,  # the question prefix is shared
+                       **settings.engine_kwargs},
         concurrency=settings.concurrency,
         batch_size=settings.batch_size,
         accelerator_type=settings.accelerator_type,

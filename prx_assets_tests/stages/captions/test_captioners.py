@@ -86,6 +86,15 @@ def test_transformers_in_ray_actors_caption_every_id_with_its_own_image(
         assert rows[sample_id]["caption"] == " ".join(expected.split()).strip()
 
 
+def test_fixed_length_captions_have_exactly_max_tokens(tiny_vlm, photos):
+    """The benchmarks' setting: no caption ends early (the tiny tokenizer has one token per
+    character, and the model writes only letters, spaces and full stops)."""
+    captioner = TransformersCaptioner(tiny_spec(tiny_vlm, max_tokens=16, fixed_length=True))
+    ids, jpegs = list(photos)[:4], list(photos.values())[:4]
+    out = captioner({"id": np.array(ids, dtype=object), "image": np.array(jpegs, dtype=object)})
+    assert [len(raw) for raw in out["raw"]] == [16] * 4 and out["error"] == [None] * 4
+
+
 def test_captions_leave_the_model_batch_by_batch(ray_session, tiny_vlm, photos):
     """Each model batch's captions reach the driver as their own block: a chunked commit of
     `chunk_rows` does not wait for later batches (a killed run loses at most a chunk)."""
@@ -275,7 +284,8 @@ def test_vllm_processor_configuration_matches_installed_ray_data_llm(photos):
         == ("Qwen/Qwen3-VL-8B-Instruct", 32, 4, "H200")
     assert config.should_continue_on_error is True
     assert config.engine_kwargs["max_model_len"] == 16384
-    assert config.engine_kwargs["limit_mm_per_prompt"] == {"image": 1}
+    # One image and no video: vLLM's start-up profile is sized for what a request can hold.
+    assert config.engine_kwargs["limit_mm_per_prompt"] == {"image": 1, "video": 0}
     stage = PrepareMultimodalStageConfig.model_validate(config.prepare_multimodal_stage) \
         if isinstance(config.prepare_multimodal_stage, dict) else config.prepare_multimodal_stage
     assert stage.enabled and stage.chat_template_content_format == "openai"

@@ -22,9 +22,17 @@ def test_caption_version_names_everything_that_changes_a_caption():
     for changed in (CaptionerSpec(backend="transformers", model="/models/b"),
                     CaptionerSpec(backend="transformers", model="/models/a", temperature=0.7),
                     CaptionerSpec(backend="transformers", model="/models/a", image_budget=1024),
+                    CaptionerSpec(backend="transformers", model="/models/a", fixed_length=True),
                     CaptionerSpec(backend="vllm", model="/models/a")):
         assert changed.version() != base.version()
     assert CaptionerSpec().version() == CaptionerSpec(image_budget=1, temperature=0.9).version()
+
+
+def test_fixed_length_asks_vllm_to_ignore_the_end_of_sequence():
+    spec = CaptionerSpec(backend="vllm", model="m", max_tokens=200)
+    assert "ignore_eos" not in spec.sampling()  # production versions stay as they were
+    fixed = CaptionerSpec(backend="vllm", model="m", max_tokens=200, fixed_length=True)
+    assert fixed.sampling() == {**spec.sampling(), "ignore_eos": True}
 
 
 def test_spec_refuses_incomplete_configurations():

@@ -28,6 +28,13 @@ def test_vllm_config_builds_against_the_installed_ray_data_llm():
     assert (config.concurrency, config.batch_size) == (2, 128)
     assert config.engine_kwargs["task_type"] == "generate"
     assert config.chat_template_stage.chat_template_kwargs == {"enable_thinking": False}
+    # Engine arguments of the settings go on top of the stage's own (the GPU bench's random
+    # weights, a memory share).
+    dummy = vllm_processor_config(VLLMSettings(engine_kwargs={"load_format": "dummy",
+                                                              "max_model_len": 2048}))
+    assert dummy.engine_kwargs["load_format"] == "dummy"
+    assert dummy.engine_kwargs["max_model_len"] == 2048
+    assert dummy.engine_kwargs["enable_prefix_caching"] is True
     # The row carries guided choice in the key the installed vLLM stage turns into
     # StructuredOutputsParams: exactly one of the three labels can come out.
     row = vllm_preprocess({"id": "a", "caption_version": "v", "caption": "A red barn."})
