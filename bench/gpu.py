@@ -272,19 +272,21 @@ class Tables:
 
 def run_stages(tables: Tables, plan: Plan, clocks: tuple[StageClock, StageClock],
                between: Callable[[], None]) -> None:
-    """The only calls into the stages: captions, then labels over them, on local table paths
-    (where the storage layer's table handles change, this function changes)."""
+    """The only calls into the stages: captions, then labels over them, on local tables
+    through the storage layer's handles."""
     from prx_assets.stages.captions.captions import active_caption_filter
     from prx_assets.stages.captions.runs import caption_source, pending_requests, read_kept
     from prx_assets.stages.labels.runs import label_source
+    from prx_assets.storage.refs import TableRef
 
     captioning, classification = clocks
     spec, version = plan.captioner, plan.captioner.version()
+    captions = TableRef.of(tables.captions)
     captioning.start()
-    requests = pending_requests(read_kept(tables.bucketed, None, spec), None, tables.captions,
+    requests = pending_requests(read_kept(TableRef.of(tables.bucketed), spec), None, captions,
                                 spec)
     try:
-        caption_source(requests, tables.captions, spec, chunk_rows=plan.chunks[0],
+        caption_source(requests, captions, spec, chunk_rows=plan.chunks[0],
                        on_chunk=lambda r: captioning.mark(r.commits.rows))
     except StageCut:
         pass
@@ -293,7 +295,7 @@ def run_stages(tables: Tables, plan: Plan, clocks: tuple[StageClock, StageClock]
     write_label_inputs(tables.captions, tables.label_inputs, version, plan.copies)
     classification.start()
     try:
-        label_source(tables.label_inputs, tables.labels, version,
+        label_source(TableRef.of(tables.label_inputs), TableRef.of(tables.labels), version,
                      active_caption_filter(version), plan.labeler, chunk_rows=plan.chunks[1],
                      on_chunk=lambda r: classification.mark(r.commits.rows))
     except StageCut:
