@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import lance
 import pyarrow as pa
@@ -388,12 +388,19 @@ def overwrite_rows(table: TableRef, rows: pa.Table, schema: pa.Schema) -> int:
                                storage_options=table.lance_options()).version
 
 
+class _FileLimits(TypedDict, total=False):
+    """`lance.write_dataset`'s file-size arguments (Lance's defaults where absent)."""
+
+    max_rows_per_file: int
+    max_bytes_per_file: int
+
+
 def append_rows(table: TableRef, rows: pa.Table, schema: pa.Schema,
                 policy: FragmentPolicy | None = None) -> int:
     """`rows` appended in one commit (the table created if absent); returns the version."""
     prepare_output_dir(table, "Lance table")
-    kwargs = {"max_rows_per_file": policy.max_rows,
-              "max_bytes_per_file": policy.target_bytes} if policy else {}
+    kwargs: _FileLimits = {"max_rows_per_file": policy.max_rows,
+                           "max_bytes_per_file": policy.target_bytes} if policy else {}
     return lance.write_dataset(rows.cast(schema), table.uri, schema=schema,
                                mode="append" if table.exists() else "create",
                                storage_options=table.lance_options(), **kwargs).version
