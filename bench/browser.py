@@ -49,7 +49,12 @@ from prx_assets.storage.refs import TableRef
 ROWS = int(os.environ.get("PRX_BROWSER_BENCH_ROWS", "100000"))
 SOURCES = ("alpha", "beta")
 SHAPES = ((512, 512), (576, 448), (448, 576), (640, 384))
-WORDS = ["red", "blue", "green", "wooden", "metal", "glass", "cat", "dog", "bicycle", "street", "window", "lamp", "table", "chair", "mountain", "river", "cloud", "portrait", "city", "night", "light", "shadow", "stone", "tree", "flower", "car", "boat", "bridge", "sign", "poster", "screen", "kitchen", "garden", "beach", "snow", "desert", "forest"]
+WORDS = [
+    "red", "blue", "green", "wooden", "metal", "glass", "cat", "dog", "bicycle", "street",
+    "window", "lamp", "table", "chair", "mountain", "river", "cloud", "portrait", "city", "night",
+    "light", "shadow", "stone", "tree", "flower", "car", "boat", "bridge", "sign", "poster",
+    "screen", "kitchen", "garden", "beach", "snow", "desert", "forest",
+]
 SAMPLES_PER_SHARD = 2048
 REPEATS = 15
 
@@ -192,7 +197,7 @@ def bare_grid(catalog: Catalog) -> None:
 
 
 def bare_search(catalog: Catalog, text: str) -> None:
-    catalog.corpus().to_table(columns=FACET_COLUMNS + ["id", "caption", "_score"],
+    catalog.corpus().to_table(columns=[*FACET_COLUMNS, "id", "caption", "_score"],
                               full_text_query=text, limit=queries.MAX_SEARCH_HITS,
                               with_row_address=True)
 
@@ -308,7 +313,7 @@ def main() -> list[Figure]:
                 # Interleaved, best of medians: the machine is shared with other jobs.
                 served_s = bare_s = float("inf")
                 for _ in range(2):
-                    served_s = min(served_s, median_s(lambda: get(port, path)))
+                    served_s = min(served_s, median_s(lambda path=path: get(port, path)))
                     bare_s = min(bare_s, median_s(bare))
                 figures.append(Figure("browser", f"{name} server ms", served_s * 1e3,
                                       "bare Lance queries", bare_s * 1e3, "ms"))

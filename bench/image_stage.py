@@ -6,9 +6,10 @@ pipeline's; and phash agreement with stock `imagehash.phash` of the original fil
 
 Photos: every sample photo scikit-image and matplotlib ship, as shipped and rescaled (stock
 Pillow's Lanczos, written once to bench/out/image_photos/ so both builds read the same
-bytes) to 1.5-17 MP, JPEG and PNG; they cover all four tiers, upscales and downscales. Each candidate runs in its own long-lived
-worker process (`bench/image_worker.py`); rounds alternate the candidates' order and every
-figure is a median of per-round ratios (the machine is shared). Run it on one core:
+bytes) to 1.5-17 MP, JPEG and PNG; they cover all four tiers, upscales and downscales. Each
+candidate runs in its own long-lived worker process (`bench/image_worker.py`); rounds
+alternate the candidates' order and every figure is a median of per-round ratios (the
+machine is shared). Run it on one core:
 `nice taskset -c 0 .venv/bin/python -m bench.image_stage` (PRX_BENCH_ROUNDS, default 3;
 about 10 minutes on a shared core).
 """
@@ -37,7 +38,8 @@ SPLIT_IMAGES = 16  # the time split is a share: a third of the photos is enough
 class Worker:
     def __init__(self, label: str, stock_dir: Path | None):
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-        args = [sys.executable, "-m", "bench.image_worker"] + ([str(stock_dir)] if stock_dir else [])
+        args = [sys.executable, "-m", "bench.image_worker",
+                *([str(stock_dir)] if stock_dir else [])]
         self.label = label
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      cwd=Path(__file__).resolve().parents[1], env=env)
@@ -89,7 +91,7 @@ def measure(rounds: int) -> dict:
 
 def _median_ratio(a: list[float], b: list[float]) -> float:
     """Median over rounds of a[r] / b[r]."""
-    return float(np.median([x / y for x, y in zip(a, b)]))
+    return float(np.median([x / y for x, y in zip(a, b, strict=True)]))
 
 
 def fidelity(result: dict, run: tuple[str, str]) -> dict:
@@ -98,7 +100,7 @@ def fidelity(result: dict, run: tuple[str, str]) -> dict:
     deltas, agree, hashed = [], 0, 0
     naive = result["outputs"][("stock", "naive")]
     for (exact, ref_hash), (jpeg, phash), (naive_jpeg, _) in zip(
-            result["reference"], result["outputs"][run], naive):
+            result["reference"], result["outputs"][run], naive, strict=True):
         if jpeg is None:
             continue
         ours = psnr(exact, np.asarray(Image.open(io.BytesIO(jpeg)).convert("RGB")))
@@ -143,8 +145,8 @@ def main() -> list[Figure]:
                    "images hashed", fid["hashed"], "images"),
         ]
     naive_fid = fidelity(result, ("stock", "naive"))
-    rows.insert(0, ("naive stock Pillow (two decodes)", 1.0, _median_ratio(naive, s[("stock", "decode")]),
-                    naive_fid))
+    rows.insert(0, ("naive stock Pillow (two decodes)", 1.0,
+                    _median_ratio(naive, s[("stock", "decode")]), naive_fid))
     rows.append((f"bare decode ({' '.join(result['backends']['stock'])})",
                  _median_ratio(naive, s[("stock", "decode")]), 1.0, None))
     print("| pipeline | x naive stock Pillow | stage / bare decode | PSNR delta median / worst "
@@ -152,7 +154,8 @@ def main() -> list[Figure]:
     print("| --- | --- | --- | --- | --- |")
     for label, vs_naive, vs_decode, fid in rows:
         fid_text = ("-", "-") if fid is None else (
-            f"{fid['median_db']:+.3f} / {fid['worst_db']:+.3f} dB", f"{fid['agree']}/{fid['hashed']}")
+            f"{fid['median_db']:+.3f} / {fid['worst_db']:+.3f} dB",
+            f"{fid['agree']}/{fid['hashed']}")
         print(f"| {label} | {vs_naive:.2f} | {vs_decode:.2f} | {fid_text[0]} | {fid_text[1]} |")
     for build, steps in result["splits"].items():
         total = sum(steps.values())

@@ -107,10 +107,12 @@ def split(images: list[bytes]) -> dict[str, float]:
         if bucket.status != "ok":
             continue
         step("decode", image.load)
-        step("hash", lambda: phash_mod.phash(image))
-        rgb = step("colour", lambda: oriented_rgb(image))
-        resized = step("resize", lambda: resize_to_shape(rgb, bucket.shape, ImageOptions()))
-        step("encode", lambda: encode_jpeg(resized))
+        # Each lambda is called at once, inside `step`; the defaults bind this image's values.
+        step("hash", lambda image=image: phash_mod.phash(image))
+        rgb = step("colour", lambda image=image: oriented_rgb(image))
+        resized = step("resize", lambda rgb=rgb, shape=bucket.shape:
+                       resize_to_shape(rgb, shape, ImageOptions()))
+        step("encode", lambda resized=resized: encode_jpeg(resized))
     return steps
 
 
@@ -125,7 +127,7 @@ def main() -> None:
         if command == "photos":
             answer = photo_files(Path(arg))
         elif command == "load":
-            images = [open(p, "rb").read() for p in arg]
+            images = [Path(p).read_bytes() for p in arg]
             backend = pil_backend.current()
             answer = (backend.name, backend.version)
         elif command == "time":

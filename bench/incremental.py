@@ -249,8 +249,8 @@ def child_run(setup: Setup, instance, settings: dict, chunk_rows: int | None = N
         raise RuntimeError(f"the child printed no run id:\n{output[-3000:]}")
     run_id = output.split("RUN ", 1)[1].split()[0]
     if kill_after_first_chunk:
-        start = [e.timestamp for e in instance.all_logs(
-            run_id, of_type=DagsterEventType.STEP_START) if e.step_key == "image_stage"][0]
+        start = next(e.timestamp for e in instance.all_logs(
+            run_id, of_type=DagsterEventType.STEP_START) if e.step_key == "image_stage")
         run = instance.get_run_by_id(run_id)
         if run is not None and not run.is_finished:
             instance.report_run_failed(run, "SIGKILLed by the incremental bench")

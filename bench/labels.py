@@ -31,7 +31,14 @@ from prx_assets.storage.tables import CORPUS
 ROWS = 100_000
 K = 10
 QUERIES = 40
-WORDS = ["red", "blue", "green", "grey", "wooden", "stone", "glass", "metal", "dog", "cat", "horse", "bird", "tree", "river", "mountain", "street", "car", "bicycle", "table", "chair", "window", "door", "lamp", "book", "screen", "chart", "page", "menu", "poster", "sign", "woman", "man", "child", "hand", "face", "shadow", "light", "sunset", "morning", "snow", "rain", "beach", "forest", "kitchen", "garden", "bridge", "boat", "train", "market", "bakery", "heron", "spreadsheet"]
+WORDS = [
+    "red", "blue", "green", "grey", "wooden", "stone", "glass", "metal", "dog", "cat", "horse",
+    "bird", "tree", "river", "mountain", "street", "car", "bicycle", "table", "chair", "window",
+    "door", "lamp", "book", "screen", "chart", "page", "menu", "poster", "sign", "woman", "man",
+    "child", "hand", "face", "shadow", "light", "sunset", "morning", "snow", "rain", "beach",
+    "forest", "kitchen", "garden", "bridge", "boat", "train", "market", "bakery", "heron",
+    "spreadsheet",
+]
 
 
 def classifier_throughput(n: int = 96) -> list[Figure]:

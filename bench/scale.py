@@ -27,6 +27,7 @@ cores: PRX_SCALE_IMAGES=1000 is a quick look.
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -101,15 +102,14 @@ def run_pipeline(sources_file: Path, data_root: Path, images: int) -> PipelineRu
            "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
     command = [sys.executable, "-m", "bench.scale", "--child", str(sources_file), str(result)]
     started = time.perf_counter()
-    log = open(data_root / "child.log", "w")
-    child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                             cwd=Path(__file__).resolve().parent.parent)
-    with TreeMemoryMonitor(child.pid, dump=data_root / "peaks.json") as monitor:
-        _, status, usage = os.wait4(child.pid, 0)  # usage: the child and what it reaped
-    code = os.waitstatus_to_exitcode(status)
-    seconds = time.perf_counter() - started
-    monitor.peaks.cpu_s = max(monitor.peaks.cpu_s, usage.ru_utime + usage.ru_stime)
-    log.close()
+    with open(data_root / "child.log", "w") as log:
+        child = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                 cwd=Path(__file__).resolve().parent.parent)
+        with TreeMemoryMonitor(child.pid, dump=data_root / "peaks.json") as monitor:
+            _, status, usage = os.wait4(child.pid, 0)  # usage: the child and what it reaped
+        code = os.waitstatus_to_exitcode(status)
+        seconds = time.perf_counter() - started
+        monitor.peaks.cpu_s = max(monitor.peaks.cpu_s, usage.ru_utime + usage.ru_stime)
     if code != 0 or not result.exists():
         tail = (data_root / "child.log").read_text()[-3000:]
         raise RuntimeError(f"pipeline child failed ({code}):\n{tail}")
@@ -226,7 +226,7 @@ def kernel_chunk(job: tuple[str, list[str]]) -> dict:
     _worker["chunks"] += 1
     with MDSWriter(columns=MDS_COLUMNS, out=str(out), size_limit=128 << 20,
                    compression=None) as writer:
-        for (row, result), caption in zip(kept, captions):
+        for (row, result), caption in zip(kept, captions, strict=True):
             writer.write({"image": result.image, "caption": caption, "id": row["id"],
                           "source": row["source"], "width": result.width,
                           "height": result.height, "original_width": result.original_width,
@@ -318,7 +318,8 @@ def bucketed_bytes(uri: Path) -> tuple[dict[str, int], dict[str, dict]]:
         statuses.update(batch.column("status").to_pylist())
         lengths = pc.binary_length(batch.column("image")).to_pylist()
         for status, tier, length in zip(batch.column("status").to_pylist(),
-                                        batch.column("tier").to_pylist(), lengths):
+                                        batch.column("tier").to_pylist(), lengths,
+                                        strict=True):
             if status == "ok":
                 images[str(tier)] += 1
                 total[str(tier)] += length
@@ -520,7 +521,7 @@ def main() -> list[Figure]:
         details["runs"][label] = run_details(run, kernels[label])
         save_details(details)
     labels = list(sizes)
-    for smaller, larger in zip(labels, labels[1:]):
+    for smaller, larger in itertools.pairwise(labels):
         print_memory_ratio(runs[larger], runs[smaller])
         figures += memory_figures(runs[larger], runs[smaller])
         details["memory_ratios"][f"{larger}/{smaller}"] = memory_ratios(runs[larger],

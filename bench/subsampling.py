@@ -35,7 +35,8 @@ def main() -> list[Figure]:
         for img in images:
             data = encode_jpeg(img, 92, mode)
             sizes.append(len(data))
-            first.append(psnr(np.asarray(img), np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))))
+            decoded = Image.open(io.BytesIO(data)).convert("RGB")
+            first.append(psnr(np.asarray(img), np.asarray(decoded)))
             tenth.append(cycle_psnr(np.asarray(img), 92, mode, (10,))[10])
         stats[mode] = (np.mean(sizes) / 1e3, np.median(first), np.median(tenth))
     print(f"subsampling on {len(images)} real-photo buckets: " + "; ".join(

@@ -17,7 +17,8 @@ import json
 import random
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "prx_assets" / "stages" / "labels" / "data" / "caption_labels.jsonl"
+OUT = (Path(__file__).resolve().parents[1] / "prx_assets" / "stages" / "labels" / "data"
+       / "caption_labels.jsonl")
 PER_CLASS = 140
 VALIDATION_SHARE = 0.2
 
@@ -43,7 +44,8 @@ V_SUBJECTS = [
     "a ceramic vase holding dried lavender stems", "a surfer riding a breaking wave",
     "a market stall piled with tomatoes, peppers and aubergines", "a snowy village street",
     "a woman in a yellow raincoat walking a dog", "a close-up of a honeybee on a sunflower",
-    "a modern living room with a grey sofa and a low oak table", "a steam locomotive crossing a stone viaduct",
+    "a modern living room with a grey sofa and a low oak table",
+    "a steam locomotive crossing a stone viaduct",
     "a plate of croissants on a marble counter", "a field of tulips in parallel rows",
     "a horse grazing beside a wooden fence", "an empty subway platform with tiled walls",
     "a couple in swimwear sitting on beach towels under an umbrella",
@@ -52,18 +54,22 @@ V_SUBJECTS = [
     "a bride and groom posing under an arch of white flowers",
     "a potter shaping clay on a spinning wheel", "a lighthouse on a rocky headland",
     "a bowl of mixed berries on a linen napkin", "a sailboat moored in a calm harbour",
-    "a bearded man playing an acoustic guitar on a stool", "a desert road stretching to the horizon",
+    "a bearded man playing an acoustic guitar on a stool",
+    "a desert road stretching to the horizon",
 ]
 V_DETAILS = [
     "Its {c} surface shows fine scratches and a slightly worn texture near the edges.",
-    "In the foreground, a {c} object sits slightly out of focus, partly covering the lower left corner.",
+    "In the foreground, a {c} object sits slightly out of focus, partly covering the lower left "
+    "corner.",
     "The main subject occupies the centre of the frame, with a {c} element directly behind it.",
     "Small details are visible: a frayed strap, a chipped corner, and a {c} stain on the side.",
     "A {c} wall fills the background, its paint peeling in a few places.",
-    "To the right, a second figure stands partly cut off by the edge of the image, wearing {c} clothing.",
+    "To the right, a second figure stands partly cut off by the edge of the image, wearing {c} "
+    "clothing.",
     "The ground is covered with {c} gravel and scattered leaves.",
     "Reflections of the surroundings appear in a {c} puddle near the bottom of the frame.",
-    "Behind the subject, blurred shapes of trees and a {c} building suggest a shallow depth of field.",
+    "Behind the subject, blurred shapes of trees and a {c} building suggest a shallow depth of "
+    "field.",
     "The texture of the fabric is visible, a coarse {c} weave with loose threads.",
     "Several {c} flowers grow between the stones along the path.",
     "The sky above is {c}, with thin streaks of cloud near the horizon.",
@@ -85,7 +91,8 @@ V_CLOSERS = [
 # --- text: images a person reads ------------------------------------------------------
 T_SUBJECTS = [
     "a scanned page of a printed contract", "a screenshot of a spreadsheet application",
-    "a presentation slide with a title and bullet points", "a poster dominated by large printed text",
+    "a presentation slide with a title and bullet points",
+    "a poster dominated by large printed text",
     "a bar chart comparing quarterly revenue", "a photographed restaurant menu",
     "a screenshot of a chat conversation on a phone", "a page from a textbook about chemistry",
     "a line graph of temperature over twelve months", "a handwritten note on lined paper",
@@ -95,23 +102,35 @@ T_SUBJECTS = [
     "a page of sheet music with printed lyrics", "a whiteboard covered with handwritten equations",
     "a form with labelled fields and checkboxes", "a screenshot of an email inbox",
     "a scientific paper's first page with an abstract", "a flyer announcing a community event",
-    "a timetable of train departures on a display board", "a table of nutritional information on a package",
+    "a timetable of train departures on a display board",
+    "a table of nutritional information on a package",
     "a certificate with printed text and a signature", "a book cover dominated by a long title",
-    "a screenshot of a terminal with command output", "a dashboard with several small charts and numbers",
+    "a screenshot of a terminal with command output",
+    "a dashboard with several small charts and numbers",
     "a street poster listing concert dates", "a page of a dictionary",
 ]
 T_TRANSCRIPTS = [
-    "The heading reads \"Quarterly Results 2023\" and below it the text says \"Revenue increased by 12% compared to the previous year\".",
-    "The visible text reads \"Terms and Conditions. 1. Definitions. In this agreement the following words shall have the meanings set out below\".",
-    "The title reads \"Agenda\" followed by the items \"Introduction\", \"Budget review\", \"Hiring plan\" and \"Questions\".",
-    "The text at the top says \"Total due: $142.50\" and lists items with quantities and prices in two columns.",
-    "The lines read \"def main():\", \"    data = load(path)\" and \"    return summarize(data)\" in monospaced font.",
-    "The largest words read \"SUMMER FESTIVAL\" with the dates \"June 14-16\" and \"Free entry\" underneath.",
+    "The heading reads \"Quarterly Results 2023\" and below it the text says \"Revenue increased "
+    "by 12% compared to the previous year\".",
+    "The visible text reads \"Terms and Conditions. 1. Definitions. In this agreement the "
+    "following words shall have the meanings set out below\".",
+    "The title reads \"Agenda\" followed by the items \"Introduction\", \"Budget review\", "
+    "\"Hiring plan\" and \"Questions\".",
+    "The text at the top says \"Total due: $142.50\" and lists items with quantities and prices in "
+    "two columns.",
+    "The lines read \"def main():\", \"    data = load(path)\" and \"    return summarize(data)\" "
+    "in monospaced font.",
+    "The largest words read \"SUMMER FESTIVAL\" with the dates \"June 14-16\" and \"Free entry\" "
+    "underneath.",
     "The axis labels read \"Month\" and \"Temperature (C)\", with values from 0 to 30.",
-    "The message bubbles read \"Are you coming tonight?\", \"Yes, around 8\" and \"Great, see you there\".",
-    "The text reads \"Abstract. We propose a method for estimating depth from a single image\" in a small serif font.",
-    "The columns are labelled \"Name\", \"Date\", \"Amount\" and \"Status\", with about twenty rows of entries.",
-    "The legend lists \"Product A\", \"Product B\" and \"Other\" with percentages 45%, 35% and 20%.",
+    "The message bubbles read \"Are you coming tonight?\", \"Yes, around 8\" and \"Great, see you "
+    "there\".",
+    "The text reads \"Abstract. We propose a method for estimating depth from a single image\" in "
+    "a small serif font.",
+    "The columns are labelled \"Name\", \"Date\", \"Amount\" and \"Status\", with about twenty "
+    "rows of entries.",
+    "The legend lists \"Product A\", \"Product B\" and \"Other\" with percentages 45%, 35% and "
+    "20%.",
     "The heading reads \"Chapter 4: Chemical Bonds\" followed by dense paragraphs of body text.",
 ]
 T_DETAILS = [
@@ -151,7 +170,8 @@ N_SUBJECTS = [
     "an adult man masturbating while seated on a chair",
     "an explicit pornographic scene with two adults having sex in a shower",
     "a nude adult woman on her knees performing oral sex on a standing man",
-    "a topless adult woman wearing only open lingerie, her breasts and genitals exposed in a sexual pose",
+    "a topless adult woman wearing only open lingerie, her breasts and genitals exposed in a "
+    "sexual pose",
 ]
 N_DETAILS = [
     "The bodies are fully unclothed and the genitals are clearly visible in the frame.",

@@ -193,7 +193,9 @@ async def http_error(request: Request, exc: Exception, state: BrowserState) -> R
 
 class Handler(Protocol):
     """A view: the request and the app's state in, a response out (async where it awaits
-    the request's body)."""
+    the request's body); a function, whose name names its route."""
+
+    __name__: str
 
     def __call__(self, request: Request, state: BrowserState
                  ) -> Response | Awaitable[Response]: ...

@@ -314,7 +314,7 @@ def _column_facets(rows: pa.Table) -> dict[str, list[tuple[str, int]]]:
     # each facet's counts summed from the groups: one pass over the matches, not four.
     groups = rows.select(FACET_COLUMNS).group_by(FACET_COLUMNS).aggregate([([], "count_all")])
     sums: dict[str, dict[str, int]] = {"source": {}, "label": {}, "tier": {}, "shape": {}}
-    columns = [groups.column(name).to_pylist() for name in FACET_COLUMNS + ["count_all"]]
+    columns = [groups.column(name).to_pylist() for name in [*FACET_COLUMNS, "count_all"]]
     for source, label, tier, width, height, n in zip(*columns, strict=True):
         for facet, value in (("source", source), ("label", label), ("tier", tier),
                              ("shape", f"{width}x{height}" if width and height else None)):

@@ -79,12 +79,12 @@ def grid(catalog: Catalog, query: Query, with_facets: bool = True) -> Grid:
     start = query.page * PAGE_SIZE
     facet_rows: pa.Table | None = None
     if query.text or query.similar:
-        hits = _ranked(table, query, where, FACET_COLUMNS + ["id", "caption"])
+        hits = _ranked(table, query, where, [*FACET_COLUMNS, "id", "caption"])
         total = hits.num_rows
         tiles = _tiles(hits.slice(start, PAGE_SIZE), "_score" if query.text else "_distance")
         capped = bool(query.text) and total >= MAX_SEARCH_HITS
         if with_facets:
-            facet_rows = hits.select(FACET_COLUMNS + ["_rowaddr"])
+            facet_rows = hits.select([*FACET_COLUMNS, "_rowaddr"])
     else:
         total = table.count_rows(filter=where)
         tiles = _tiles(table.to_table(columns=GRID_COLUMNS, filter=where, offset=start,
@@ -108,7 +108,7 @@ def _ranked(table: LanceDataset, query: Query, where: pc.Expression | None,
         if not _has_index(table, "caption"):
             raise NotFound("the corpus has no full-text index on caption: rematerialise "
                            "`corpus`")
-        return table.to_table(columns=columns + ["_score"], full_text_query=query.text,
+        return table.to_table(columns=[*columns, "_score"], full_text_query=query.text,
                               filter=where, prefilter=where is not None, limit=MAX_SEARCH_HITS,
                               with_row_address=True)
     vector = table.to_table(columns=["embedding"], filter=eq_filter("id", query.similar),
@@ -117,7 +117,7 @@ def _ranked(table: LanceDataset, query: Query, where: pc.Expression | None,
         raise NotFound(f"no sample with id {query.similar!r} in the corpus")
     # Unfiltered first (the sample's own row is then the nearest), then facets applied.
     hits = table.to_table(
-        columns=columns + ["_distance"], filter=where, prefilter=where is not None,
+        columns=[*columns, "_distance"], filter=where, prefilter=where is not None,
         nearest={"column": "embedding", "k": SIMILAR_K + 1, "metric": "cosine",
                  "q": np.asarray(vector.column("embedding")[0].as_py(), np.float32),
                  "nprobes": NPROBES, "refine_factor": REFINE_FACTOR},

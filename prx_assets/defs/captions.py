@@ -12,6 +12,7 @@ partition per run, in the `gpu` pool (the captions asset names it).
 """
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import dagster as dg
@@ -250,7 +251,7 @@ class StalePartition:
     run_key: str
 
 
-def stale_partitions(instance: dg.DagsterInstance, partitions: list[str], version: str,
+def stale_partitions(instance: dg.DagsterInstance, partitions: Sequence[str], version: str,
                      retry_failures: bool = False) -> list[StalePartition]:
     """Partitions whose captions need a run, with why; sources without images are skipped."""
     stale = []

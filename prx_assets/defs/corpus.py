@@ -55,14 +55,18 @@ def pinned_versions(tables: SourceTables) -> dict:
             for table, v in versions.items()}
 
 
-def recorded_sources(previous: dg.AssetMaterialization) -> set[str]:
-    """The sources the previous materialisation read (named by its input-version entries)."""
+def recorded_sources(previous: dg.AssetMaterialization | None) -> set[str]:
+    """The sources the previous materialisation read (named by its input-version entries);
+    none without one."""
+    if previous is None:
+        return set()
     return {key.rsplit("/", 1)[1] for key in previous.metadata
             if key.startswith(INPUT_VERSION) and key.count("/") == 2}
 
 
-def changed_since(previous: dg.AssetMaterialization, tables: SourceTables) -> bool:
-    """Whether any input version of the source differs from what `previous` recorded."""
+def changed_since(previous: dg.AssetMaterialization | None, tables: SourceTables) -> bool:
+    """Whether any input version of the source differs from what `previous` recorded (all
+    of them without a previous materialisation)."""
     return any(recorded(previous, key) != version
                for key, version in pinned_versions(tables).items())
 

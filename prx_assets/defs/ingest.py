@@ -49,8 +49,9 @@ def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
                     "original caption and a status per item (ok or the reason it is unusable). "
                     "Incremental: only new or changed items are read, removed ones deleted.",
     )
-    def raw_images(context: dg.AssetExecutionContext, config: IngestConfig, ray_cluster: RayResource,
-                   sources: SourcesResource, storage: StorageResource) -> dg.MaterializeResult:
+    def raw_images(context: dg.AssetExecutionContext, config: IngestConfig,
+                   ray_cluster: RayResource, sources: SourcesResource,
+                   storage: StorageResource) -> dg.MaterializeResult:
         catalog = sources.load()
         spec = catalog.get(context.partition_key)
         uri = catalog.location_of(spec.name)

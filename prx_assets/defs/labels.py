@@ -93,7 +93,8 @@ class LabelCoverageConfig(dg.Config):
 
 
 class LabelSharesConfig(dg.Config):
-    """Bounds on each label's share; the reference pipeline saw a few percent text and a tiny NSFW share."""
+    """Bounds on each label's share; the reference pipeline saw a few percent text and a tiny
+    NSFW share."""
 
     visual_min: float = 0.8
     text_max: float = 0.1

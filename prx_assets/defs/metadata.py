@@ -118,8 +118,8 @@ def bucket_metadata(profile: BucketProfile) -> dict:
         "kept": profile.kept,
         "kept_share": round(profile.kept_share, 4),
         "rejects_by_reason": counts_table(rejects, "reason", profile.rows),
-        "images_per_tier": counts_table(Counter({str(t): n for t, n in profile.tier_counts.items()}),
-                                        "tier", profile.kept),
+        "images_per_tier": counts_table(
+            Counter({str(t): n for t, n in profile.tier_counts.items()}), "tier", profile.kept),
         "images_per_shape": shapes,
     }
 

@@ -87,8 +87,12 @@ def spec_fields(spec: type, exclude: Iterable[str] = ()) -> type[dg.Configurable
         if f.name in exclude:
             continue
         namespace["__annotations__"][f.name] = hints[f.name]
-        namespace[f.name] = f.default if f.default is not dataclasses.MISSING \
-            else f.default_factory()
+        if f.default is not dataclasses.MISSING:
+            namespace[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            namespace[f.name] = f.default_factory()
+        else:  # a Dagster config field needs a default: every spec field has one
+            raise TypeError(f"{spec.__name__}.{f.name} has no default")
     return type(f"{spec.__name__}Fields", (dg.ConfigurableResource,), namespace)
 
 
@@ -103,7 +107,9 @@ def spec_values(resource: dg.ConfigurableResource, spec: type,
 CAPTIONER_SECRETS = ("api_key",)
 
 
-class CaptionerResource(spec_fields(CaptionerSpec, exclude=CAPTIONER_SECRETS)):
+# ignore[misc]: the base class is made at import time from the spec's fields (spec_fields),
+# which mypy cannot follow: it takes the base for Any, so the spec's fields go unchecked here.
+class CaptionerResource(spec_fields(CaptionerSpec, exclude=CAPTIONER_SECRETS)):  # type: ignore[misc]
     """Which model captions images, how, and which caption version downstream reads.
 
     Every field of CaptionerSpec is a field here, with the spec's default. Defaults come
@@ -148,7 +154,8 @@ def captioner_from_file(path: Path | None = None) -> CaptionerResource:
 LABELER_NESTED = ("openai", "vllm")
 
 
-class ClassifierResource(spec_fields(LabelerSpec, exclude=LABELER_NESTED)):
+# ignore[misc]: a base made from LabelerSpec's fields (see CaptionerResource).
+class ClassifierResource(spec_fields(LabelerSpec, exclude=LABELER_NESTED)):  # type: ignore[misc]
     """Which backend labels captions visual / text / nsfw: `embedded` (MiniLM + a small
     classifier on the CPU, the default), `openai` (an OpenAI-compatible endpoint) or `vllm`
     (Qwen3-8B through ray.data.llm). Every scalar field of LabelerSpec is a field here."""

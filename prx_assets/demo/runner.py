@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,7 +100,7 @@ def _after_all_sources(defs: dg.Definitions, instance: dg.DagsterInstance,
 def _materialization_metadata(result: dg.ExecuteInProcessResult) -> dict:
     metadata = {}
     for event in result.get_asset_materialization_events():
-        mat = event.event_specific_data.materialization
+        mat = event.materialization
         metadata[mat.asset_key.to_user_string()] = {k: v.value for k, v in mat.metadata.items()}
     return metadata
 
@@ -110,7 +111,7 @@ def check_results(result: dg.ExecuteInProcessResult) -> tuple[dict, dict]:
     checks, notes = {}, {}
     for event in result.all_events:
         if event.event_type_value == "ASSET_CHECK_EVALUATION":
-            evaluation = event.event_specific_data
+            evaluation = event.asset_check_evaluation_data
             name = f"{evaluation.asset_key.to_user_string()}:{evaluation.check_name}"
             checks[name] = ("passed" if evaluation.passed
                             else f"failed ({evaluation.severity.value})")
@@ -119,7 +120,7 @@ def check_results(result: dg.ExecuteInProcessResult) -> tuple[dict, dict]:
     return checks, notes
 
 
-def _measured(metadata: dict) -> str:
+def _measured(metadata: Mapping[str, dg.MetadataValue]) -> str:
     """A check's plain metadata in one line, for checks that give no description."""
     plain = [f"{k} {v.value}" for k, v in metadata.items()
              if isinstance(v.value, (int, float, str)) and not k.startswith("dagster/")]
@@ -151,9 +152,10 @@ def print_summary(runs: list[PartitionRun], sources_file: Path) -> None:
     """Per source: its runs, the funnel from raw files to streamed samples, where the outputs
     live; then the global assets, the checks that did not pass, and how to open the UI."""
     storage = Storage.from_env()
-    defs = build_defs(sources_file)
-    caption_version = defs.resources["captioner"].caption_version()
-    classifier_version = defs.resources["classifier"].classifier_version()
+    resources = build_defs(sources_file).resources
+    assert resources is not None  # build_defs binds the shared resources
+    caption_version = resources["captioner"].caption_version()
+    classifier_version = resources["classifier"].classifier_version()
     for source in load_sources(sources_file).names:
         mine = [run for run in runs if run.source.split(" ")[0] == source]
         outcome = "ok" if mine and all(run.success for run in mine) else "FAILED"

@@ -24,12 +24,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 import lance
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
+from prx_assets.engine.batches import arrow_batches, batch_fn
 from prx_assets.storage.lance_tables import FragmentPolicy, cleanup, compact, upsert
 from prx_assets.storage.refs import TableRef
 
@@ -122,7 +124,7 @@ def run_chunked(pending: ray.data.Dataset | None,
     if pending is None:
         return run
     started = time.perf_counter()
-    for chunk in stage(pending).iter_batches(batch_size=chunk_rows, batch_format="pyarrow"):
+    for chunk in arrow_batches(stage(pending), batch_size=chunk_rows):
         rows = to_commit(chunk) if to_commit else chunk
         if rows.num_rows:
             run.lance_version = upsert(target.table, rows, target.schema, list(target.keys))
@@ -164,11 +166,19 @@ def pending_rows(rows: ray.data.Dataset, target: TableRef, done_filter: str | No
     return rows if done is None else without_ids(rows, done, n_done, broadcast_limit)
 
 
+@overload
+def collect_ids(ids: ray.data.Dataset, limit: None = None) -> pa.Array: ...
+
+
+@overload
+def collect_ids(ids: ray.data.Dataset, limit: int) -> pa.Array | None: ...
+
+
 def collect_ids(ids: ray.data.Dataset, limit: int | None = None) -> pa.Array | None:
     """The `id` column as one array, or None once there are more than `limit` (then join
     instead of broadcasting)."""
     chunks, n = [], 0
-    for batch in ids.iter_batches(batch_format="pyarrow", batch_size=65536):
+    for batch in arrow_batches(ids, batch_size=65536):
         # A Ray join's output may hold the ids as large_string.
         chunks.append(batch.column(ID).cast(pa.string()))
         n += batch.num_rows
@@ -192,7 +202,7 @@ def drop_ids(rows: ray.data.Dataset, ids: pa.Array) -> ray.data.Dataset:
     on a 2-CPU node: both actors idle 45 % of the time, never both busy)."""
     if len(ids) == 0:
         return rows
-    return rows.map_batches(keep_ids, fn_kwargs={"ids": ids, "member": False},
+    return rows.map_batches(batch_fn(keep_ids), fn_kwargs={"ids": ids, "member": False},
                             batch_format="pyarrow", zero_copy_batch=True, num_cpus=0)
 
 

@@ -44,7 +44,7 @@ def quiet_ray_data() -> None:
 
 
 def _duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
+    seconds = max(0, round(seconds))
     if seconds < 60:
         return f"{seconds} s"
     if seconds < 3600:

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import lance
 import pyarrow as pa
@@ -379,6 +379,13 @@ def _create_if_absent(table: TableRef, rows: pa.Table, schema: pa.Schema) -> int
         raise
 
 
+class _FileLimits(TypedDict, total=False):
+    """`lance.write_dataset`'s file-size arguments (Lance's defaults where absent)."""
+
+    max_rows_per_file: int
+    max_bytes_per_file: int
+
+
 def overwrite_rows(table: TableRef, rows: pa.Table, schema: pa.Schema,
                    policy: FragmentPolicy | None = None) -> int:
     """`rows` as the table's whole new version, in one commit (created if absent): readers
@@ -400,7 +407,8 @@ def append_rows(table: TableRef, rows: pa.Table, schema: pa.Schema,
                                **_fragment_sizes(policy)).version
 
 
-def _fragment_sizes(policy: FragmentPolicy | None) -> dict[str, int]:
+def _fragment_sizes(policy: FragmentPolicy | None) -> _FileLimits:
     """`write_dataset`'s file-size arguments for `policy` (Lance's defaults without one)."""
-    return {"max_rows_per_file": policy.max_rows,
-            "max_bytes_per_file": policy.target_bytes} if policy else {}
+    if policy is None:
+        return {}
+    return {"max_rows_per_file": policy.max_rows, "max_bytes_per_file": policy.target_bytes}

@@ -48,7 +48,8 @@ _ENV_KEYS = {
 _ALIASES = {
     "endpoint": "aws_endpoint", "endpoint_url": "aws_endpoint", "aws_endpoint_url": "aws_endpoint",
     "access_key_id": "aws_access_key_id", "secret_access_key": "aws_secret_access_key",
-    "session_token": "aws_session_token", "token": "aws_session_token", "aws_token": "aws_session_token",
+    "session_token": "aws_session_token", "token": "aws_session_token",
+    "aws_token": "aws_session_token",
     "region": "aws_region", "aws_allow_http": "allow_http",
 }
 # (bucket, resolved options) already checked in this process: one preflight per bucket and

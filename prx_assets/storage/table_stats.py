@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from prx_assets.storage.refs import TableRef
 
 # Megapixel bands and aspect-ratio bands used for the resolution summary.
-MP_BANDS = [(0, 0.25), (0.25, 0.5), (0.5, 1.0), (1.0, 2.0), (2.0, 4.0), (4.0, 12.0), (12.0, math.inf)]
+MP_BANDS = [(0, 0.25), (0.25, 0.5), (0.5, 1.0), (1.0, 2.0), (2.0, 4.0), (4.0, 12.0),
+            (12.0, math.inf)]
 AR_BANDS = [(0, 0.5), (0.5, 0.8), (0.8, 1.25), (1.25, 2.0), (2.0, math.inf)]
 
 
@@ -56,9 +57,10 @@ def profile_table(ref: TableRef, batch_rows: int = 65_536) -> TableProfile:
         if "format" in columns:
             profile.format_counts.update(f for f in columns["format"] if f)
         if "n_bytes" in columns:
-            profile.image_bytes += sum(n or 0 for n, s in zip(columns["n_bytes"], statuses) if s == "ok")
+            profile.image_bytes += sum(n or 0 for n, s in zip(columns["n_bytes"], statuses,
+                                                              strict=True) if s == "ok")
         if "width" in columns and "height" in columns:
-            for w, h, s in zip(columns["width"], columns["height"], statuses):
+            for w, h, s in zip(columns["width"], columns["height"], statuses, strict=True):
                 if s == "ok" and w and h:
                     profile.megapixel_bands[band_label(w * h / 1e6, MP_BANDS, " MP")] += 1
                     profile.aspect_bands[band_label(w / h, AR_BANDS)] += 1
@@ -92,7 +94,8 @@ def bucket_profile(ref: TableRef, batch_rows: int = 65_536) -> BucketProfile:
         data = batch.to_pydict()
         profile.rows += batch.num_rows
         profile.status_counts.update(data["status"])
-        for status, tier, w, h in zip(data["status"], data["tier"], data["width"], data["height"]):
+        for status, tier, w, h in zip(data["status"], data["tier"], data["width"], data["height"],
+                                      strict=True):
             if status == "ok":
                 profile.tier_counts[tier] += 1
                 profile.shape_counts[(tier, f"{w}x{h}")] += 1

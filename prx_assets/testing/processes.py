@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -23,9 +24,7 @@ def wait_for_group_gone(pgid: int, timeout: float = 30) -> None:
         if not left:
             return
         for proc in left:
-            try:
+            with contextlib.suppress(psutil.Error):
                 proc.kill()
-            except psutil.Error:
-                pass
         time.sleep(0.1)
     raise AssertionError(f"processes of group {pgid} still alive after SIGKILL")

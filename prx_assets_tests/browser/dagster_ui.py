@@ -7,6 +7,7 @@ through the same coordinator and daemon as `make ui`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -74,12 +75,8 @@ class DagsterDev:
         if self.process is None or self.process.poll() is not None:
             return
         os.killpg(self.process.pid, signal.SIGINT)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.process.wait(30)

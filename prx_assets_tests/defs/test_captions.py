@@ -51,8 +51,8 @@ def run_captions_scenario(instance, data_root, tmp_path):
     resources = {"captioner": defs.resources["captioner"]}
 
     def sensor_partitions(definitions=defs):
-        context = dg.build_sensor_context(instance=instance,
-                                          resources={"captioner": definitions.resources["captioner"]})
+        context = dg.build_sensor_context(
+            instance=instance, resources={"captioner": definitions.resources["captioner"]})
         result = definitions.get_sensor_def("recaption_sensor")(context)
         if isinstance(result, dg.SkipReason):
             return {}

@@ -30,7 +30,8 @@ def test_image_stage_decodes_once_into_two_tables_with_checks(ray_session, data_
     (folder / "broken.jpg").write_bytes(good[:300] + b"\x00" * 2000 + good[-200:])  # bad middle
     (folder / "flat.png").write_bytes(_png(Image.new("RGB", (700, 700), (40, 40, 40))))
     (folder / "notes.jpg").write_bytes(b"text")
-    sources = write_sources(tmp_path / "s.yaml", [f"{{name: web, kind: image_folder, uri: {folder}}}"])
+    sources = write_sources(tmp_path / "s.yaml",
+                            [f"{{name: web, kind: image_folder, uri: {folder}}}"])
 
     instance = dg.DagsterInstance.ephemeral()
     result = build_defs(sources).resolve_job_def("corpus_job").execute_in_process(
@@ -60,10 +61,12 @@ def test_image_stage_decodes_once_into_two_tables_with_checks(ray_session, data_
     assert set(hashes) == {i for i, r in rows.items() if r["status"] == "ok"}
     originals = {r["id"]: r["image"] for r in raw}
     ids = sorted(hashes)
-    reference = dict(zip(ids, stock_pillow.stock([originals[i] for i in ids])["phash"]))
-    for sample_id, h in hashes.items():
-        assert hash_hex(h["phash"]) == reference[sample_id]  # stock imagehash.phash
-        assert h["pixels"] == rows[sample_id]["original_width"] * rows[sample_id]["original_height"]
+    reference = dict(zip(ids, stock_pillow.stock([originals[i] for i in ids])["phash"],
+                         strict=True))
+    for image_id, h in hashes.items():
+        assert hash_hex(h["phash"]) == reference[image_id]  # stock imagehash.phash
+        row = rows[image_id]
+        assert h["pixels"] == row["original_width"] * row["original_height"]
     assert [h["flat"] for h in hashes.values()].count(True) == 1
 
     outcome = checks(result)

@@ -25,13 +25,15 @@ def test_caption_labels_then_corpus(ray_session, data_root, tmp_path):
     sources = write_sources(tmp_path / "s.yaml",
                             [f"{{name: web, kind: image_folder, uri: {tmp_path / 'imgs'}}}"])
     partitions = dg.StaticPartitionsDefinition(["web"])
-    resources = {"captioner": CaptionerResource(active_version=CAPTION_VERSION), "classifier": ClassifierResource(),
-                 "ray_cluster": RayResource(), "sources": SourcesResource(path=str(sources)),
+    resources = {"captioner": CaptionerResource(active_version=CAPTION_VERSION),
+                 "classifier": ClassifierResource(), "ray_cluster": RayResource(),
+                 "sources": SourcesResource(path=str(sources)),
                  "storage": StorageResource()}
     instance = dg.DagsterInstance.ephemeral()
 
-    labelled = dg.materialize([build_caption_labels(partitions), *caption_labels_checks(partitions)],
-                              partition_key="web", resources=resources, instance=instance)
+    labelled = dg.materialize(
+        [build_caption_labels(partitions), *caption_labels_checks(partitions)],
+        partition_key="web", resources=resources, instance=instance)
     assert labelled.success
     meta = labelled.get_asset_materialization_events()[0].materialization.metadata
     assert meta["labelled_now"].value == 6 and meta["coverage"].value == 1.0
@@ -63,7 +65,8 @@ def test_caption_labels_then_corpus(ray_session, data_root, tmp_path):
     assert built.success
     corpus = lance.dataset(str(data_root / "lance/corpus.lance"))
     assert corpus.count_rows() == 6
-    assert search_text(TableRef.of(data_root / "lance/corpus.lance"), "battery", k=1)[0].id == "web:text1"
+    hits = search_text(TableRef.of(data_root / "lance/corpus.lance"), "battery", k=1)
+    assert hits[0].id == "web:text1"
     corpus_meta = built.get_asset_materialization_events()[0].materialization.metadata
     assert corpus_meta["dagster/row_count"].value == 6
     assert "INVERTED" in corpus_meta["indexes"].value

@@ -39,8 +39,8 @@ def run_partition(sources: Path, partition: str, instance: dg.DagsterInstance):
 
 
 def materialization(result, asset: str = "raw_images") -> dict:
-    events = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()
-              if e.event_specific_data.materialization.asset_key.path[-1] == asset]
+    events = [e.materialization for e in result.get_asset_materialization_events()
+              if e.materialization.asset_key.path[-1] == asset]
     assert len(events) == 1
     return {k: v.value for k, v in events[0].metadata.items()}
 
@@ -83,7 +83,8 @@ def test_missing_source_path_fails_that_partition_clearly(ray_session, data_root
     result = run_partition(two_sources, "gone", dg.DagsterInstance.ephemeral())
     assert not result.success
     failure = result.failure_data_for_node("raw_images")
-    assert "source 'gone'" in failure.error.message and "/nonexistent/images" in failure.error.message
+    message = failure.error.message
+    assert "source 'gone'" in message and "/nonexistent/images" in message
 
 
 def test_code_location_validates_from_the_workspace():
@@ -97,8 +98,8 @@ def test_code_location_validates_from_the_workspace():
 # ------------------------------------------------------------------ incremental reruns
 
 def data_version(result, asset: str = "raw_images") -> str:
-    [event] = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()
-               if e.event_specific_data.materialization.asset_key.path[-1] == asset]
+    [event] = [e.materialization for e in result.get_asset_materialization_events()
+               if e.materialization.asset_key.path[-1] == asset]
     return event.tags["dagster/data_version"]
 
 

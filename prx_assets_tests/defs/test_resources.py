@@ -78,6 +78,6 @@ def test_the_example_captioner_file_loads_through_prx_captioner(monkeypatch, tmp
     assert captioner.produced_version() == spec.version() == captioner.caption_version()
     bad = tmp_path / "bad.yaml"
     bad.write_text("- backend: vllm\n")
-    with pytest.raises(ValueError, match="bad.yaml: expected a mapping"):
+    with pytest.raises(ValueError, match=r"bad\.yaml: expected a mapping"):
         captioner_from_file(bad)
     assert captioner_from_file(tmp_path / "absent.yaml").spec() == CaptionerSpec()

@@ -12,6 +12,7 @@ at the same place however loaded the machine is.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -108,10 +109,8 @@ class RunProcess:
 
     def kill(self) -> None:
         """SIGKILL the whole process group: the run, its Ray driver, raylet and workers."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.process.wait(timeout=60)
         wait_for_group_gone(self.process.pid)
 
@@ -233,7 +232,7 @@ def tree_state(data_root: Path, source: str, stream: bool = False) -> dict:
     if stream:  # a process importing streaming: seconds, so only where asked
         names = sorted(leaves)
         counts = streamed_counts([str(tree / name) for name in names]) if names else []
-        state["streamed"] = dict(zip(names, counts))
+        state["streamed"] = dict(zip(names, counts, strict=True))
     return state
 
 

@@ -7,6 +7,7 @@ never touches the test session's embedded Ray.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -50,22 +51,22 @@ class TwoNodeCluster:
         self.processes.append(self._spawn(args, log_name))
 
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen:
-        log = open(Path(self.temp_dir) / log_name, "a")
-        return subprocess.Popen(
-            [RAY, "start", "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus}",
-             "--disable-usage-stats", *args],
-            env={**self.env, **self.node_envs.get(log_name, {})}, stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True)
+        # The child gets its own copy of the descriptor: this one can close once it started.
+        with open(Path(self.temp_dir) / log_name, "a") as log:
+            return subprocess.Popen(
+                [RAY, "start", "--block", "--node-ip-address=127.0.0.1",
+                 f"--num-cpus={self.cpus}", "--disable-usage-stats", *args],
+                env={**self.env, **self.node_envs.get(log_name, {})}, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
 
     def _restart_exited(self) -> None:
         """A node whose `ray start` gave up (its raylet can time out on a loaded machine) is
         started again; a real cluster's node supervisor would do the same."""
         for i, process in enumerate(self.processes):
             if process.poll() is not None:
-                try:  # whatever it left behind in its process group
+                # whatever it left behind in its process group
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 self.processes[i] = self._spawn(*self.starts[i])
 
     def __enter__(self) -> TwoNodeCluster:
@@ -80,8 +81,8 @@ class TwoNodeCluster:
         return {**self.env, "RAY_ADDRESS": self.address}
 
     def _wait_for_nodes(self, count: int, timeout: float = 300) -> None:
-        probe = ("import ray; ray.init(address='%s', _node_ip_address='127.0.0.1', "
-                 "logging_level='ERROR'); print(sum(n['Alive'] for n in ray.nodes()))" % self.address)
+        probe = (f"import ray; ray.init(address='{self.address}', _node_ip_address='127.0.0.1', "
+                 "logging_level='ERROR'); print(sum(n['Alive'] for n in ray.nodes()))")
         deadline = time.time() + timeout
         while time.time() < deadline:
             out = subprocess.run([sys.executable, "-c", probe], env=self.env, capture_output=True,
@@ -99,7 +100,5 @@ class TwoNodeCluster:
                 os.killpg(process.pid, signal.SIGTERM)
                 process.wait(timeout=30)
             except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass

@@ -122,7 +122,8 @@ class Corpus:
         return RunSpec(self.sources, job, partition, self.home, self.data_root, tuple(assets),
                        captioner or self.captioner)
 
-    def run(self, job: str, partition: str | None, assets=(), defs=None) -> dg.ExecuteInProcessResult:
+    def run(self, job: str, partition: str | None, assets=(), defs=None
+            ) -> dg.ExecuteInProcessResult:
         result = run_in_process(defs or self.defs, job, partition, self.instance, assets)
         assert result.success, _failure(result)
         return result
@@ -460,7 +461,7 @@ def test_two_partitions_at_once(corpus, tmp_path):
     runs = [RunProcess(corpus.spec("corpus_job", source, STAGE_ASSETS), tmp_path)
             for source in ("alt", "more")]
     results = [run.wait(timeout=600) for run in runs]
-    for i, (run, result) in enumerate(zip(runs, results)):
+    for i, (run, result) in enumerate(zip(runs, results, strict=True)):
         if not result["success"] and RAY_START_TIMEOUT in run.output():  # see start_run
             runs[i] = RunProcess(corpus.spec("corpus_job", run.spec.partition, STAGE_ASSETS),
                                  tmp_path)

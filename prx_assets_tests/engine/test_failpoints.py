@@ -108,7 +108,7 @@ def test_armed_without_marker_fails_clearly(monkeypatch):
 
 
 def test_unknown_point_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="unknown failpoint.*ingest.expand_units"):
+    with pytest.raises(ValueError, match=r"unknown failpoint.*ingest\.expand_units"):
         failpoints.env("ingest.typo", tmp_path / "marker")
 
 

@@ -13,6 +13,7 @@ Each prints one line `RESULT{json}` when it finishes; warnings go to stderr.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -88,10 +89,8 @@ class WriterProcess:
     def kill(self) -> None:
         from prx_assets.testing.processes import wait_for_group_gone
 
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.process.wait(60)
         wait_for_group_gone(self.process.pid)
 

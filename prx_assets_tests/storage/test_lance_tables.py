@@ -36,7 +36,8 @@ def blob_rows(n: int, size: int = 10_000, start: int = 0) -> ray.data.Dataset:
 
 
 def test_layout_follows_the_design(tmp_path: Path):
-    assert Storage(tmp_path).table("raw_images", "web").uri == str(tmp_path / "lance/raw_images/web.lance")
+    assert (Storage(tmp_path).table("raw_images", "web").uri
+            == str(tmp_path / "lance/raw_images/web.lance"))
     assert Storage(tmp_path).table("duplicates").uri == str(tmp_path / "lance/duplicates.lance")
 
 
@@ -55,8 +56,8 @@ def test_write_commits_once_and_compacts_by_bytes(ray_session, tmp_path: Path):
 def test_compaction_merges_small_fragments_toward_the_byte_target(tmp_path: Path):
     uri = TableRef.of(tmp_path / "t.lance")
     rng = np.random.default_rng(0)
-    table = pa.table({"id": [str(i) for i in range(100)], "blob": [rng.bytes(10_000) for _ in range(100)]},
-                     schema=SCHEMA)
+    table = pa.table({"id": [str(i) for i in range(100)],
+                      "blob": [rng.bytes(10_000) for _ in range(100)]}, schema=SCHEMA)
     lance.write_dataset(table, uri.uri, max_rows_per_file=5)  # 20 tiny fragments
     before = compact(uri, FragmentPolicy(target_bytes=500_000))
     after = lance.dataset(str(uri))
@@ -114,7 +115,7 @@ def test_a_file_in_the_way_of_an_output_folder_is_named(tmp_path):
         prepare_output_dir(TableRef.of(tmp_path / "lance" / "raw_images" / "web.lance"),
                            "Lance table")
     (tmp_path / "t.lance").write_text("")
-    with pytest.raises(OutputPathError, match="t.lance is a file, not a folder"):
+    with pytest.raises(OutputPathError, match=r"t\.lance is a file, not a folder"):
         prepare_output_dir(TableRef.of(tmp_path / "t.lance"), "Lance table")
     prepare_output_dir(TableRef.of(tmp_path / "ok" / "x.lance"), "Lance table")
     assert (tmp_path / "ok").is_dir() and not (tmp_path / "ok" / "x.lance").exists()

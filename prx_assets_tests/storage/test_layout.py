@@ -44,7 +44,7 @@ def test_wrong_table_use_is_refused_by_name(tmp_path):
 def test_open_and_versions(tmp_path):
     table = Storage(str(tmp_path)).table(RAW_IMAGES, "web")
     assert table.latest_version() is None and not table.exists()
-    with pytest.raises(FileNotFoundError, match="raw_images/web.lance"):
+    with pytest.raises(FileNotFoundError, match=r"raw_images/web\.lance"):
         table.open()
     lance.write_dataset(pa.table({"id": ["a"]}), table.uri)
     lance.write_dataset(pa.table({"id": ["b"]}), table.uri, mode="append")

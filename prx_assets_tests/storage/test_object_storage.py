@@ -96,7 +96,7 @@ def test_tables_on_s3_write_append_merge_and_read_at_versions(s3_server, s3_root
     table = storage.table(CAPTIONS, "web")
     assert table.uri == f"{s3_root}/lance/captions/web.lance"
     assert table.latest_version() is None and not table.exists()
-    with pytest.raises(FileNotFoundError, match="captions/web.lance"):
+    with pytest.raises(FileNotFoundError, match=r"captions/web\.lance"):
         table.open()
 
     first = upsert(table, rows(["a", "b"]), SCHEMA, ["id"])
@@ -105,7 +105,8 @@ def test_tables_on_s3_write_append_merge_and_read_at_versions(s3_server, s3_root
     append_rows(table, rows(["d"]), SCHEMA)
 
     latest = table.to_table().to_pydict()
-    assert sorted(zip(latest["id"], latest["v"])) == [("a", 0), ("b", 1), ("c", 1), ("d", 0)]
+    assert (sorted(zip(latest["id"], latest["v"], strict=True))
+            == [("a", 0), ("b", 1), ("c", 1), ("d", 0)])
     assert sorted(table.at(first).to_table()["id"].to_pylist()) == ["a", "b"]
     assert any(k.endswith(".manifest") for k in keys_under(s3_server, table.uri))
 
@@ -116,7 +117,8 @@ def test_ray_write_checks_and_stats_on_s3_leave_nothing_on_local_disk(
     storage = Storage.from_env()
     uri = storage.table(RAW_IMAGES, "web")
     ids = [f"web:{i}" for i in range(40)]
-    data = ray.data.from_items([{"id": i, "v": n} for n, i in enumerate(ids)], override_num_blocks=4)
+    data = ray.data.from_items([{"id": i, "v": n} for n, i in enumerate(ids)],
+                               override_num_blocks=4)
     policy = FragmentPolicy(target_bytes=1 << 20)
     report = write_dataset_atomically(data, uri, policy, SCHEMA)
     assert report.rows == 40 and report.bytes > 0 and report.version >= 1
@@ -308,7 +310,8 @@ def test_a_create_that_finds_the_table_created_meanwhile_merges_into_it(
     monkeypatch.setattr(lance_tables, "write_fragments", write_then_lose_the_race)
     upsert(uri, rows(["second", "shared"], v=2), SCHEMA, ["id"])
     table = uri.to_table().to_pydict()
-    assert sorted(zip(table["id"], table["v"])) == [("first", 1), ("second", 2), ("shared", 2)]
+    assert (sorted(zip(table["id"], table["v"], strict=True))
+            == [("first", 1), ("second", 2), ("shared", 2)])
 
 
 def test_the_io_manager_hands_downstream_a_pinned_read_from_the_bucket(

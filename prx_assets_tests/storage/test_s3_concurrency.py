@@ -21,7 +21,7 @@ POINT = "storage.upsert_uncommitted"
 def table_rows(uri: TableRef, version: int | None = None) -> dict[str, int]:
     table = uri.at(version).to_table().to_pydict()
     assert len(table["id"]) == len(set(table["id"])), "duplicate ids"
-    return dict(zip(table["id"], table["v"]))
+    return dict(zip(table["id"], table["v"], strict=True))
 
 
 def data_files_in_bucket(server, uri: str) -> int:
@@ -72,13 +72,14 @@ def test_two_whole_table_rewrites_at_once_one_commits_the_other_fails_clearly(
     with CommitConflictError naming the table; the table is exactly the winner's rows."""
     uri = Storage(s3_root).table(CAPTIONS, "web")
     upsert(uri, rows(["old"], 0), SCHEMA, ["id"])
-    writers, results = race_two_writers(s3_server, tmp_path, "overwrite", uri,
-                                        "storage.overwrite_uncommitted",
-                                        "both writers wrote their fragments")
+    _, results = race_two_writers(s3_server, tmp_path, "overwrite", uri,
+                                  "storage.overwrite_uncommitted",
+                                  "both writers wrote their fragments")
 
-    [winner] = [n for n, r in zip("ab", results) if "version" in r]
+    [winner] = [n for n, r in zip("ab", results, strict=True) if "version" in r]
     [loser] = [r for r in results if "conflict" in r]
-    assert uri.uri in loser["conflict"] and "another writer committed version 2" in loser["conflict"]
+    conflict = loser["conflict"]
+    assert uri.uri in conflict and "another writer committed version 2" in conflict
     assert table_rows(uri) == {f"{winner}{i}": sum(winner.encode()) for i in range(5)}
     assert uri.latest_version() == 2 and sorted(table_rows(uri, 1)) == ["old"]
 

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 from PIL import Image
 
+from prx_assets.engine.batches import batch_fn
 from prx_assets.models.openai_client import EndpointError, OpenAIClient
 from prx_assets.models.vllm import VLLMEngine
 from prx_assets.stages.captions.captions import (
@@ -113,7 +114,7 @@ class CaptionerSpec:
 
 def model_image(jpeg: bytes, pixel_budget: int) -> Image.Image:
     """The bucketed JPEG scaled down to at most `pixel_budget` pixels (never up)."""
-    img = Image.open(io.BytesIO(jpeg))
+    img: Image.Image = Image.open(io.BytesIO(jpeg))
     scale = min(1.0, math.sqrt(pixel_budget / (img.width * img.height)))
     size = (max(1, round(img.width * scale)), max(1, round(img.height * scale)))
     img.draft("RGB", size)  # DCT-domain downscale while decoding
@@ -135,8 +136,10 @@ def chat_messages(prompt: str, image: Any, image_part: str = "image") -> list[di
 def finish_captions(batch: pa.Table, spec: CaptionerSpec, version: str) -> pa.Table:
     """Rows {id, raw, error} to CAPTIONS_SCHEMA rows."""
     now = datetime.now(UTC)
-    rows = {name: [] for name in CAPTIONS_SCHEMA.names}
+    rows: dict[str, list[Any]] = {name: [] for name in CAPTIONS_SCHEMA.names}
     for row in batch.select(["id", "raw", "error"]).to_pylist():
+        caption: str | None
+        error: str | None
         if row["error"]:
             caption, status, error = None, STATUS_FAILED, str(row["error"])[:2000]
         else:
@@ -186,12 +189,16 @@ class TransformersCaptioner:
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
         self.processor = AutoProcessor.from_pretrained(spec.model)
         self.processor.tokenizer.padding_side = "left"  # decoder-only batching
+        # ignore: transformers decorates PreTrainedModel.to with functools.wraps, and
+        # typeshed's wraps does not bind `self` on a method (mypy takes the device for it).
         self.model = AutoModelForImageTextToText.from_pretrained(
-            spec.model, dtype=dtype).to(self.device).eval()
+            spec.model, dtype=dtype).to(self.device).eval()  # type: ignore[arg-type]
         self.prompt = spec.prompt()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict:
-        ids, images, errors = list(batch["id"]), [], []
+        ids = list(batch["id"])
+        images: list[Image.Image | None] = []
+        errors: list[str | None] = []
         for jpeg in batch["image"]:
             try:
                 images.append(model_image(jpeg, self.spec.image_budget))
@@ -200,14 +207,14 @@ class TransformersCaptioner:
                 images.append(None)
                 errors.append(f"image: {type(exc).__name__}: {exc}")
         raws: list[str | None] = [None] * len(ids)
-        good = [i for i, img in enumerate(images) if img is not None]
+        good = {i: img for i, img in enumerate(images) if img is not None}
         try:
-            for i, text in zip(good, self.generate([images[i] for i in good])):
+            for i, text in zip(good, self.generate(list(good.values())), strict=True):
                 raws[i] = text
         except Exception:  # find the row that broke the batch; the others still get captions
-            for i in good:
+            for i, img in good.items():
                 try:
-                    raws[i] = self.generate([images[i]])[0]
+                    raws[i] = self.generate([img])[0]
                 except Exception as exc:
                     errors[i] = f"generate: {type(exc).__name__}: {exc}"
         return _result(ids, raws, errors)
@@ -297,7 +304,7 @@ def vllm_processor_config(spec: CaptionerSpec):
 def vllm_preprocess(spec: CaptionerSpec) -> Callable[[dict], dict]:
     """Row -> the processor's request: messages (image as PIL) and sampling params."""
     prompt = spec.prompt()
-    sampling = {k: v for k, v in spec.sampling().items()}
+    sampling = dict(spec.sampling())
 
     def preprocess(row: dict) -> dict:
         image = model_image(row["image"], spec.image_budget)
@@ -360,6 +367,6 @@ def caption_stage(requests: ray.data.Dataset, spec: CaptionerSpec) -> ray.data.D
     # commits downstream (chunk_rows) would wait for it. After a model, finishing (a string
     # clean-up) asks for no CPU: with a CPU of its own, Ray Data's resource budget left it no
     # room beside the actor on a small node, and every caption waited for the last batch.
-    return raw.map_batches(finish_captions, fn_kwargs={"spec": spec, "version": version},
+    return raw.map_batches(batch_fn(finish_captions), fn_kwargs={"spec": spec, "version": version},
                            batch_format="pyarrow", batch_size=None,
                            num_cpus=0 if spec.uses_model else None)

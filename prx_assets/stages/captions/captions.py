@@ -8,6 +8,7 @@ side in one table and downstream assets pick the active one.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from dataclasses import dataclass
@@ -42,14 +43,18 @@ DEFAULT_PROMPT = "caption_v1"
 
 def active_caption_filter(version: str) -> str:
     """Lance SQL filter for the usable captions of one version."""
-    return all_of(eq_filter("caption_version", _checked_version(version)),
-                  eq_filter("status", STATUS_OK))
+    condition = all_of(eq_filter("caption_version", _checked_version(version)),
+                       eq_filter("status", STATUS_OK))
+    assert condition is not None  # two conditions, neither empty
+    return condition
 
 
 def done_filter(version: str) -> str:
     """Rows of a version that need no more work (failures are retried)."""
-    return all_of(eq_filter("caption_version", _checked_version(version)),
-                  in_filter("status", FINAL_STATUSES))
+    condition = all_of(eq_filter("caption_version", _checked_version(version)),
+                       in_filter("status", FINAL_STATUSES))
+    assert condition is not None  # two conditions, neither empty
+    return condition
 
 
 def _checked_version(text: str) -> str:
@@ -132,5 +137,5 @@ def word_histogram(counts: list[int], edges: tuple[int, ...] = (0, 50, 100, 150,
     for n in counts:
         i = max(j for j, edge in enumerate(edges) if n >= edge)
         bins[i] += 1
-    labels = [f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])] + [f"{edges[-1]}+"]
-    return list(zip(labels, bins))
+    labels = [f"{lo}-{hi - 1}" for lo, hi in itertools.pairwise(edges)] + [f"{edges[-1]}+"]
+    return list(zip(labels, bins, strict=True))

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
+from prx_assets.engine.batches import batch_fn
 from prx_assets.engine.chunked import BROADCAST_IDS as DEFAULT_BROADCAST_IDS
 from prx_assets.engine.chunked import (
     ChunkedReport,
@@ -100,7 +101,7 @@ def with_source_captions(requests: ray.data.Dataset, raw_captions: ray.data.Data
     if ids is None:
         return requests.join(captions, join_type="inner", on=("id",),
                              num_partitions=hash_partitions(BROADCAST_IDS))
-    return captions.map_batches(keep_ids, fn_kwargs={"ids": ids, "member": True},
+    return captions.map_batches(batch_fn(keep_ids), fn_kwargs={"ids": ids, "member": True},
                                 batch_format="pyarrow", zero_copy_batch=True)
 
 

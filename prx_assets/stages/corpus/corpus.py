@@ -23,6 +23,7 @@ import io
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import lance
 import numpy as np
@@ -31,6 +32,7 @@ import pyarrow.compute as pc
 import ray.data
 from PIL import Image
 
+from prx_assets.engine.batches import arrow_batches, batch_fn
 from prx_assets.models.embeddings import EMBEDDING_DIM
 from prx_assets.storage.filters import eq_filter
 from prx_assets.storage.lance_tables import (
@@ -56,8 +58,8 @@ CHUNK_ROWS = 16_384  # rows per append when a source is replaced (~30 KB each wi
 # of a few dozen rows and the last tasks of a source do not run alone for long.
 THUMBNAIL_BATCH_ROWS = 32
 # The indexes the corpus carries, by column (the vector one only past MIN_ROWS_FOR_VECTOR_INDEX).
-SCALAR_INDEXES = {"caption": "INVERTED", "source": "BITMAP", "label": "BITMAP",
-                  "tier": "BITMAP"}
+SCALAR_INDEXES: dict[str, Literal["INVERTED", "BITMAP"]] = {
+    "caption": "INVERTED", "source": "BITMAP", "label": "BITMAP", "tier": "BITMAP"}
 VECTOR_INDEX = ("embedding", "IVF_PQ")
 
 CORPUS_SCHEMA = pa.schema([
@@ -121,10 +123,10 @@ def thumbnail(jpeg: bytes, side: int = THUMB_SIDE) -> bytes | None:
     try:
         with Image.open(io.BytesIO(jpeg)) as img:
             img.draft("RGB", (side, side))  # decode at a reduced scale: much faster
-            img = img.convert("RGB")
-            img.thumbnail((side, side), Image.LANCZOS)
+            rgb = img.convert("RGB")
+            rgb.thumbnail((side, side), Image.Resampling.LANCZOS)
             out = io.BytesIO()
-            img.save(out, "JPEG", quality=THUMB_QUALITY)
+            rgb.save(out, "JPEG", quality=THUMB_QUALITY)
             return out.getvalue()
     except (OSError, ValueError):
         return None
@@ -159,7 +161,8 @@ def source_metadata(tables: SourceTables) -> pa.Table:
 
 def corpus_batch(batch: pa.Table, meta: pa.Table) -> pa.Table:
     """Kept-image rows joined with the source's metadata, thumbnailed; unmatched dropped."""
-    looked_up = dict(zip(META_COLUMNS, _lookup(batch.column("id"), meta, META_COLUMNS)))
+    looked_up = dict(zip(META_COLUMNS, _lookup(batch.column("id"), meta, META_COLUMNS),
+                         strict=True))
     matched = pc.is_valid(looked_up["label"])
     rows = {c: batch.column(c).filter(matched) for c in IMAGE_COLUMNS if c != "image"}
     rows.update({c: looked_up[c].filter(matched) for c in META_COLUMNS})
@@ -171,7 +174,7 @@ def corpus_batch(batch: pa.Table, meta: pa.Table) -> pa.Table:
 def source_dataset(tables: SourceTables) -> tuple[ray.data.Dataset, int]:
     meta = source_metadata(tables)
     kept = tables.bucketed.read(columns=IMAGE_COLUMNS, filter="status = 'ok'")
-    dataset = kept.map_batches(corpus_batch, fn_kwargs={"meta": meta},
+    dataset = kept.map_batches(batch_fn(corpus_batch), fn_kwargs={"meta": meta},
                                batch_format="pyarrow", batch_size=THUMBNAIL_BATCH_ROWS)
     return dataset, meta.num_rows
 
@@ -241,7 +244,7 @@ def append_source(corpus: TableRef, tables: SourceTables, chunk_rows: int,
     """Append a source's corpus rows in chunks (one atomic Append each); returns the rows."""
     dataset, _ = source_dataset(tables)
     written = 0
-    for chunk in dataset.iter_batches(batch_size=chunk_rows, batch_format="pyarrow"):
+    for chunk in arrow_batches(dataset, batch_size=chunk_rows):
         if chunk.num_rows:
             append_rows(corpus, chunk, CORPUS_SCHEMA)
             written += chunk.num_rows
@@ -270,7 +273,7 @@ def index_config() -> str:
 
 
 def expected_indexes(rows: int) -> dict[str, str]:
-    expected = dict(SCALAR_INDEXES)
+    expected: dict[str, str] = dict(SCALAR_INDEXES)
     if rows >= MIN_ROWS_FOR_VECTOR_INDEX:
         expected[VECTOR_INDEX[0]] = VECTOR_INDEX[1]
     return expected
@@ -299,7 +302,7 @@ def create_indexes(corpus: TableRef, columns: list[str] | None = None) -> dict[s
                                num_partitions=vector_index_partitions(rows),
                                num_sub_vectors=PQ_SUB_VECTORS)
         else:
-            table.create_scalar_index(column, index_type=kind, replace=True)
+            table.create_scalar_index(column, index_type=SCALAR_INDEXES[column], replace=True)
         built[column] = kind
     if rows < MIN_ROWS_FOR_VECTOR_INDEX and (columns is None or VECTOR_INDEX[0] in columns):
         built[VECTOR_INDEX[0]] = \

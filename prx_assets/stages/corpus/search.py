@@ -92,7 +92,7 @@ def search_text(corpus: TableRef, text: str, k: int = 10, source: str | None = N
     if not _has_index(table, "caption"):
         raise EmptyCorpus(f"the corpus at {corpus} has no full-text index on caption: "
                           "rematerialise `corpus`")
-    result = table.to_table(columns=RESULT_COLUMNS + ["_score"], full_text_query=text, limit=k,
+    result = table.to_table(columns=[*RESULT_COLUMNS, "_score"], full_text_query=text, limit=k,
                             filter=_filters(source, label), prefilter=True)
     return _hits(result, "_score")
 
@@ -117,7 +117,7 @@ def similar(corpus: TableRef, sample_id: str, k: int = 10, source: str | None = 
 def nearest(table: lance.LanceDataset, query: np.ndarray, k: int,
             filter: str | None = None) -> pa.Table:
     return table.to_table(
-        columns=RESULT_COLUMNS + ["_distance"], filter=filter, prefilter=filter is not None,
+        columns=[*RESULT_COLUMNS, "_distance"], filter=filter, prefilter=filter is not None,
         nearest={"column": "embedding", "q": query, "k": k, "metric": "cosine",
                  "nprobes": NPROBES, "refine_factor": REFINE_FACTOR})
 

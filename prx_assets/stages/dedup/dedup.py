@@ -106,7 +106,7 @@ def reference_duplicates(candidates: Iterable[dict]) -> list[dict]:
     groups: dict[int, list[dict]] = defaultdict(list)
     for row in candidates:
         groups[row["phash"]].append(row)
-    out = []
+    out: list[dict] = []
     for phash, rows in groups.items():
         if len(rows) < 2:
             continue
@@ -191,7 +191,7 @@ def summarise(duplicates: TableRef, rows_per_source: dict[str, int], top: int = 
         kept = batch.column("kept_id").to_pylist()
         sizes = batch.column("group_size").to_pylist()
         hashes = batch.column("phash").to_pylist()
-        for sample_id, kept_id, size, phash in zip(ids, kept, sizes, hashes):
+        for sample_id, kept_id, size, phash in zip(ids, kept, sizes, hashes, strict=True):
             if sample_id == kept_id:
                 summary.groups += 1
                 largest.append((size, phash, kept_id))
@@ -222,7 +222,8 @@ def near_duplicate_shares(hashes: Iterator[np.ndarray], probes: np.ndarray,
     return {d: float(np.mean(nearest <= d)) for d in range(1, max_distance + 1)}
 
 
-def hash_inputs(storage: Storage | str | Path, sources: list[str]) -> tuple[list[HashInput], list[str]]:
+def hash_inputs(storage: Storage | str | Path, sources: list[str]
+                ) -> tuple[list[HashInput], list[str]]:
     """Each source's phashes table pinned at its latest version, and the sources that
     have none yet (reported, not fatal: dedup covers what has been hashed)."""
     storage = as_storage(storage)

@@ -56,9 +56,9 @@ def lossless_bucket(original: bytes, options: ImageOptions) -> np.ndarray:
     """The bucket image as the pipeline would make it before JPEG: full decode, no shortcuts."""
     image = Image.open(io.BytesIO(original))
     bucket = assign_bucket(*oriented_size(image), options.rule)
-    image = oriented_rgb(image)
+    assert bucket.shape is not None, bucket.status  # callers pass bucketable images only
     exact = ImageOptions(rule=options.rule, resize_mode=options.resize_mode, reducing_gap=None)
-    return np.asarray(resize_to_shape(image, bucket.shape, exact))
+    return np.asarray(resize_to_shape(oriented_rgb(image), bucket.shape, exact))
 
 
 def band_of(width: int, height: int) -> str | None:
@@ -90,11 +90,11 @@ class BandReport:
 
 def deterministic_sample(bucketed: TableRef, per_band: int) -> dict[str, list[str]]:
     """The `per_band` smallest ids (ids are hashes: an unbiased, stable sample) per band."""
-    heaps: dict[str, list[str]] = {band: [] for band in BANDS}
+    heaps: dict[str, list[_Desc]] = {band: [] for band in BANDS}
     table = bucketed.open()
     for batch in table.to_batches(columns=["id", "width", "height"], filter="status = 'ok'"):
         data = batch.to_pydict()
-        for sample_id, w, h in zip(data["id"], data["width"], data["height"]):
+        for sample_id, w, h in zip(data["id"], data["width"], data["height"], strict=True):
             band = band_of(w, h)
             if band is None:
                 continue
@@ -141,4 +141,4 @@ def fidelity_report(bucketed_table: TableRef, raw_table: TableRef, options: Imag
 
 def _rows(table: lance.LanceDataset, columns: list[str], ids: list[str]):
     data = table.to_table(columns=columns, filter=in_filter("id", ids)).to_pydict()
-    return zip(data[columns[0]], data[columns[1]])
+    return zip(data[columns[0]], data[columns[1]], strict=True)

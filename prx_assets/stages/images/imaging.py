@@ -75,8 +75,10 @@ def to_rgb(image: Image.Image) -> Image.Image:
     if mode in ("I;16", "I;16B", "I;16L", "I;16N"):
         return image.point(lambda v: v / 256).convert("L").convert("RGB")
     if mode in ("I", "F"):
+        high = image.getextrema()[1]
+        assert isinstance(high, (int, float))  # one band: (min, max), not a pair per band
         return image.convert("F").point(lambda v: v / 256).convert("L").convert("RGB") \
-            if image.getextrema()[1] > 255 else image.convert("L").convert("RGB")
+            if high > 255 else image.convert("L").convert("RGB")
     if mode == "P":
         image = image.convert("RGBA" if "transparency" in image.info else "RGB")
         mode = image.mode
@@ -117,7 +119,7 @@ def draft_request(stored_w: int, stored_h: int, shape: Shape, margin: float,
 def resize_to_shape(image: Image.Image, shape: Shape, options: ImageOptions) -> Image.Image:
     box = (None if options.resize_mode == "stretch"
            else cover_box(image.width, image.height, shape))
-    return image.resize((shape.width, shape.height), Image.LANCZOS, box=box,
+    return image.resize((shape.width, shape.height), Image.Resampling.LANCZOS, box=box,
                         reducing_gap=options.reducing_gap)
 
 
@@ -151,15 +153,17 @@ def process_image(data: bytes, options: ImageOptions = ImageOptions()) -> ImageR
 
 def _decode_and_encode(image: Image.Image, bucket: Bucket, result: ImageResult,
                        options: ImageOptions, swapped: bool) -> ImageResult:
+    shape = bucket.shape
+    assert shape is not None, bucket.status  # called for "ok" buckets only, which have one
     if getattr(image, "is_animated", False):
         image.seek(0)
     if options.draft_margin is not None and image.format == "JPEG":
-        request = draft_request(image.width, image.height, bucket.shape, options.draft_margin,
+        request = draft_request(image.width, image.height, shape, options.draft_margin,
                                 swapped)
         image.draft("RGB" if image.mode in ("RGB", "YCbCr", "CMYK") else image.mode, request)
     image.load()
     result.phash, result.flat = phash_mod.phash(image)  # pre-orientation, like imagehash
-    resized = resize_to_shape(oriented_rgb(image), bucket.shape, options)
-    result.tier, result.width, result.height = bucket.tier, bucket.shape.width, bucket.shape.height
+    resized = resize_to_shape(oriented_rgb(image), shape, options)
+    result.tier, result.width, result.height = bucket.tier, shape.width, shape.height
     result.image = encode_jpeg(resized, options.quality, options.subsampling)
     return result

@@ -9,13 +9,15 @@ hashing costs no second decode.
 The grey conversion and the 32x32 Lanczos are re-implemented in numpy, integer for integer
 as stock Pillow computes them (ITU-R 601 luma with 16-bit fixed-point weights; Pillow's
 Lanczos support, coefficient rounding to 22 fractional bits, horizontal then vertical pass,
-each rounded and clipped to 8 bits, in stock Pillow 13's pass order). pillow-simd's versions of both differ by one grey level
-here and there, which flips hash bits; with this thumbnail the hash is the same whichever
-Pillow build is loaded. The sums are exact in float64 (at most ~2^40), so BLAS does them.
+each rounded and clipped to 8 bits, in stock Pillow 13's pass order). pillow-simd's versions
+of both differ by one grey level here and there, which flips hash bits; with this thumbnail
+the hash is the same whichever Pillow build is loaded. The sums are exact in float64 (at most
+~2^40), so BLAS does them.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from functools import lru_cache
 
@@ -104,14 +106,15 @@ def grey_pixels(image: Image.Image) -> np.ndarray:
 
 
 @lru_cache(maxsize=256)
-def _weight_groups(in_size: int, out_size: int) -> tuple[tuple[int, int, int, int, np.ndarray], ...]:
+def _weight_groups(in_size: int, out_size: int
+                   ) -> tuple[tuple[int, int, int, int, np.ndarray], ...]:
     """The weight matrix cut into column groups, each with the input span its weights cover:
     a downscale's matrix is mostly zeros, and skipping them saves a third of the products."""
     matrix = lanczos_matrix(in_size, out_size)
     used = matrix != 0
     groups = []
     bounds = np.linspace(0, out_size, min(_WEIGHT_GROUPS, out_size) + 1).astype(int)
-    for first, last in zip(bounds[:-1], bounds[1:]):
+    for first, last in itertools.pairwise(bounds):
         rows = np.flatnonzero(used[:, first:last].any(axis=1))
         lo, hi = (int(rows[0]), int(rows[-1]) + 1) if len(rows) else (0, 1)
         groups.append((lo, hi, int(first), int(last),

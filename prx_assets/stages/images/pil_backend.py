@@ -57,7 +57,8 @@ def _owner(binary: Path) -> str:
         for entry in dist.files or ():
             if entry.name == binary.name and entry.hash is not None:
                 try:
-                    same_file = Path(dist.locate_file(entry)).resolve() == binary.resolve()
+                    located = str(dist.locate_file(entry))
+                    same_file = Path(located).resolve() == binary.resolve()
                 except OSError:
                     same_file = False
                 if same_file:

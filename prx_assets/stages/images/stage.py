@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
+from prx_assets.engine.batches import batch_fn
 from prx_assets.engine.chunked import (
     BROADCAST_IDS,
     ChunkedReport,
@@ -176,15 +177,15 @@ def pending_raw(raw: ray.data.Dataset, tables: ImageTables, fingerprint: str,
     if n_fresh > broadcast_limit:
         keys = tables.bucketed.at(table.version).read(columns=["id", "raw_sha256"],
                                                       filter=where) \
-            .map_batches(_with_key, fn_kwargs={"sha_column": "raw_sha256"},
+            .map_batches(batch_fn(_with_key), fn_kwargs={"sha_column": "raw_sha256"},
                          batch_format="pyarrow").select_columns([KEY])
-        return raw.map_batches(_with_key, fn_kwargs={"sha_column": "sha256"},
+        return raw.map_batches(batch_fn(_with_key), fn_kwargs={"sha_column": "sha256"},
                                batch_format="pyarrow") \
             .join(keys, join_type="left_anti", on=(KEY,),
                   num_partitions=hash_partitions(n_fresh)).drop_columns([KEY])
     fresh = table.to_table(columns=["id", "raw_sha256"], filter=where)
     keys = made_from_key(fresh.column("id"), fresh.column("raw_sha256")).combine_chunks()
-    return raw.map_batches(_drop_keys, fn_kwargs={"keys": keys}, batch_format="pyarrow",
+    return raw.map_batches(batch_fn(_drop_keys), fn_kwargs={"keys": keys}, batch_format="pyarrow",
                            zero_copy_batch=True)
 
 

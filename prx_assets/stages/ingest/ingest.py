@@ -29,6 +29,7 @@ import ray
 import ray.data
 from ray.data.aggregate import Count, Max
 
+from prx_assets.engine.batches import arrow_batches
 from prx_assets.engine.chunked import (
     BROADCAST_IDS,
     ChunkedReport,
@@ -93,7 +94,8 @@ def completed_units(target: CommitTarget) -> dict[str, str]:
     groups = table.group_by(["unit", "unit_signature"]).aggregate(
         [("unit_items", "max"), ([], "count_all")])
     complete = groups.filter(pc.equal(groups["unit_items_max"], groups["count_all"]))
-    return dict(zip(complete["unit"].to_pylist(), complete["unit_signature"].to_pylist()))
+    return dict(zip(complete["unit"].to_pylist(), complete["unit_signature"].to_pylist(),
+                    strict=True))
 
 
 def schema_mismatch(target: CommitTarget) -> str | None:
@@ -173,7 +175,9 @@ def plan_ingest_joined(spec: SourceSpec, uri: str | Path | SourceLocation,
     if not plan.blocks:
         return plan
     listed = ray.data.from_arrow_refs(plan.blocks)
-    pending = listed.join(completed_pairs(target), join_type="left_anti", on=UNIT_KEYS,
+    # ignore: Ray annotates `on` as Tuple[str] (one column), though a join takes several.
+    pending = listed.join(completed_pairs(target), join_type="left_anti",
+                          on=UNIT_KEYS,  # type: ignore[arg-type]
                           num_partitions=hash_partitions(plan.units_listed)).materialize()
     plan.pending_rows, plan.pending_units = pending, pending.count()
     return plan
@@ -193,7 +197,7 @@ def _complete_only(groups: pa.Table) -> pa.Table:
 
 
 def _put_block(units: list[tuple[str, str]]) -> ray.ObjectRef:
-    names, signatures = zip(*units)
+    names, signatures = zip(*units, strict=True)
     return ray.put(pa.table([pa.array(names, pa.string()), pa.array(signatures, pa.string())],
                             schema=UNIT_FIELDS))
 
@@ -211,7 +215,7 @@ def expand_units(units: pa.Table, spec: SourceSpec, location: SourceLocation | s
                   if "unit_signature" in units.column_names else [None] * units.num_rows)
     for table in rows_to_tables(
         row
-        for unit, signature in zip(units.column("unit").to_pylist(), signatures)
+        for unit, signature in zip(units.column("unit").to_pylist(), signatures, strict=True)
         for row in _unit_rows(spec, location, unit, signature, options)
     ):
         yield _with_node_column(table) if node_column else tag_with_node(table)
@@ -392,10 +396,11 @@ def stale_ids_joined(target: CommitTarget, listed: ray.data.Dataset, n_listed: i
     if target.version() is None:
         return []
     rows = target.table.latest().read(columns=["id", *UNIT_KEYS])
-    stale = rows.join(listed, join_type="left_anti", on=UNIT_KEYS,
+    # ignore: Ray annotates `on` as Tuple[str] (one column), though a join takes several.
+    stale = rows.join(listed, join_type="left_anti", on=UNIT_KEYS,  # type: ignore[arg-type]
                       num_partitions=hash_partitions(max(n_listed, target.open().count_rows())))
     # A join's output may hold large_string: read the ids whatever their string type.
-    return [id_ for batch in stale.select_columns(["id"]).iter_batches(batch_format="pyarrow")
+    return [id_ for batch in arrow_batches(stale.select_columns(["id"]))
             for id_ in batch.column("id").to_pylist()]
 
 

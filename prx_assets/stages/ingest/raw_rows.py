@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 
@@ -54,7 +55,7 @@ class FoundItem:
 
 def raw_row(source: str, item: FoundItem, max_pixels: int = DEFAULT_MAX_PIXELS) -> dict:
     """Probe the item's bytes (header only) and return its `raw_images` row."""
-    row = {
+    row: dict[str, Any] = {
         "id": sample_id(source, item.key),
         "source": source,
         "source_key": item.key,

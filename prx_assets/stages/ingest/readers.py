@@ -114,7 +114,8 @@ def _walk_sorted(root: Path, directory: Path, suffixes: tuple[str, ...],
             yield from _walk_sorted(root, Path(entry.path), suffixes, caption_suffix)
         elif entry.name.lower().endswith(suffixes):
             sig = _local_signature(entry)
-            sibling = by_name.get(_caption_name(entry.name, caption_suffix))
+            caption_name = _caption_name(entry.name, caption_suffix)
+            sibling = by_name.get(caption_name) if caption_name is not None else None
             if sibling is not None:
                 sig += f"+{_local_signature(sibling)}"
             yield Path(entry.path).relative_to(root).as_posix(), sig
@@ -248,8 +249,9 @@ def read_tar(spec: SourceSpec, uri: SourceLocation | Path, rel: str,
                 if member.isdir():
                     continue
                 if _is_unsafe_member(member.name) or not member.isfile():
-                    yield FoundItem(key=f"{rel}/{member.name}", status=STATUS_UNSAFE_PATH,
-                                    error=f"tar member {member.name!r} is a link or escapes the root")
+                    yield FoundItem(
+                        key=f"{rel}/{member.name}", status=STATUS_UNSAFE_PATH,
+                        error=f"tar member {member.name!r} is a link or escapes the root")
                     continue
                 key, ext = _split_wds_name(member.name)
                 if key != current_key:
@@ -346,7 +348,8 @@ def read_parquet_file(spec: SourceSpec, uri: SourceLocation | Path, rel: str,
 
 
 def _parquet_item(spec: SourceSpec, location: SourceLocation, base: str, key: str,
-                  value: object, caption: object, max_file_bytes: int) -> FoundItem:
+                  value: bytes | str | None, caption: object, max_file_bytes: int
+                  ) -> FoundItem:
     caption_text = str(caption).strip() if caption else None
     if value is None:
         return FoundItem(key=key, caption=caption_text, status=STATUS_MISSING_IMAGE,
@@ -378,6 +381,7 @@ def read_lance_fragment(spec: SourceSpec, location: SourceLocation, unit: str, v
     """The rows of one fragment of the source table, at the version its signature names."""
     table = location.table(int(version.removeprefix("v"))).open()
     fragment = table.get_fragment(int(unit.removeprefix(LANCE_UNIT_PREFIX)))
+    assert fragment is not None, unit  # listed from this very version of the table
     columns = [c for c in (spec.key_column, spec.image_column, spec.caption_column,
                            spec.url_column) if c]
     for batch in fragment.to_batches(columns=columns, batch_size=batch_rows):

@@ -111,7 +111,8 @@ def vllm_preprocess(row: dict[str, Any]) -> dict[str, Any]:
 
 def vllm_postprocess(row: dict[str, Any]) -> dict[str, Any]:
     label = parse_label(row.get("generated_text"))
-    keep = {k: row[k] for k in ("id", "caption_version", "embedding") if k in row}
+    keep: dict[str, Any] = {k: row[k] for k in ("id", "caption_version", "embedding")
+                            if k in row}
     return {**keep, "label": label, "scores": one_hot(label)}
 
 

@@ -3,9 +3,10 @@
 Labels `visual`, `text`, `nsfw`, decided from the caption alone. The embedded backend (the
 default, CPU, nothing to download) embeds each caption with MiniLM and applies a small
 multinomial logistic regression trained on the labelled caption set kept in
-`stages/labels/data/caption_labels.jsonl`; its weights are stored in `stages/labels/data/caption_classifier.npz`
-and rebuilt deterministically by `train_classifier` (see scripts/train_caption_classifier.py).
-The embedding is kept: it is the corpus table's vector column.
+`stages/labels/data/caption_labels.jsonl`; its weights are stored in
+`stages/labels/data/caption_classifier.npz` and rebuilt deterministically by
+`train_classifier` (see scripts/train_caption_classifier.py). The embedding is kept: it is
+the corpus table's vector column.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ LABELS_SCHEMA = pa.schema([
 
 def active_labels_filter(caption_version: str, classifier_version: str) -> str:
     """Lance SQL filter selecting the rows downstream assets read."""
-    return all_of(eq_filter("caption_version", caption_version),
-                  eq_filter("classifier_version", classifier_version))
+    condition = all_of(eq_filter("caption_version", caption_version),
+                       eq_filter("classifier_version", classifier_version))
+    assert condition is not None  # two conditions, neither empty
+    return condition
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import numpy as np
 import pyarrow as pa
@@ -82,7 +83,11 @@ class LabelerSpec:
         """Short hash of backend, model, training set / prompt and classifier parameters."""
         if self.backend == "embedded":
             return f"embedded-{embedded_classifier_version(self.l2)}"
-        model = self.openai.model if self.backend == "openai" else self.vllm.model
+        if self.backend == "openai":
+            assert self.openai is not None  # __post_init__ refuses openai without settings
+            model = self.openai.model
+        else:
+            model = self.vllm.model
         return f"{self.backend}-" + version_hash(backend=self.backend, model=model,
                                                 prompt=QUESTION, sampling=vllm_sampling_params())
 
@@ -228,12 +233,21 @@ def actor_pool(spec: LabelerSpec, pending: int | None = None) -> ray.data.ActorP
     return ray.data.ActorPoolStrategy(min_size=1, max_size=size, initial_size=initial)
 
 
+class _PoolArgs(TypedDict):
+    """The `map_batches` arguments of every actor-pool stage of the labeller."""
+
+    batch_format: str
+    batch_size: int
+    compute: ray.data.ActorPoolStrategy
+    num_cpus: float
+
+
 def label_stage(pending: ray.data.Dataset, spec: LabelerSpec, rows: int | None = None
                 ) -> ray.data.Dataset:
     """Caption rows in (`rows` of them, when known), STAGE_SCHEMA rows out, in an actor pool
     (`actor_pool`)."""
-    pool = dict(batch_format="pyarrow", batch_size=spec.batch_size,
-                compute=actor_pool(spec, rows), num_cpus=spec.threads_per_actor)
+    pool: _PoolArgs = {"batch_format": "pyarrow", "batch_size": spec.batch_size,
+                       "compute": actor_pool(spec, rows), "num_cpus": spec.threads_per_actor}
     version = spec.version()
     if spec.backend == "embedded":
         return pending.map_batches(EmbeddedLabelStage, fn_constructor_kwargs={

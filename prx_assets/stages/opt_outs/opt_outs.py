@@ -204,7 +204,7 @@ def _csv_rows(text: str) -> Iterator[tuple[int, dict | Exception]]:
         if len(row) != len(header):
             yield start, ValueError(f"expected {len(header)} columns, got {len(row)}")
             continue
-        yield start, dict(zip(header, row))
+        yield start, dict(zip(header, row, strict=True))
 
 
 # --- resolution -------------------------------------------------------------------------
@@ -247,7 +247,8 @@ def _direct_matches(raw: TableRef, keys: _Keys, batch_rows: int
             rows = batch.filter(pc.fill_null(hit, False))
             shas = rows.column("sha256").to_pylist() if "sha256" in rows.schema.names else None
             for i, (key, sample_id) in enumerate(zip(rows.column(key_type).to_pylist(),
-                                                     rows.column("id").to_pylist())):
+                                                     rows.column("id").to_pylist(),
+                                                     strict=True)):
                 for request in values[key]:
                     yield request, sample_id, shas[i] if shas else None
 
@@ -263,7 +264,8 @@ def _same_bytes(raw: TableRef, shas: dict[str, set[str]], batch_rows: int
         hit = pc.fill_null(pc.is_in(batch.column("sha256"), value_set=pa.array(list(shas))),
                            False)
         rows = batch.filter(hit)
-        yield from zip(rows.column("sha256").to_pylist(), rows.column("id").to_pylist())
+        yield from zip(rows.column("sha256").to_pylist(), rows.column("id").to_pylist(),
+                       strict=True)
 
 
 def _group_members(duplicates: TableRef, ids: set[str], batch_rows: int
@@ -275,14 +277,16 @@ def _group_members(duplicates: TableRef, ids: set[str], batch_rows: int
     phash_of: dict[str, int] = {}
     for batch in table.scanner(columns=["id", "phash"], batch_size=batch_rows).to_batches():
         rows = batch.filter(pc.is_in(batch.column("id"), value_set=pa.array(list(ids))))
-        phash_of.update(zip(rows.column("id").to_pylist(), rows.column("phash").to_pylist()))
+        phash_of.update(zip(rows.column("id").to_pylist(), rows.column("phash").to_pylist(),
+                            strict=True))
     if not phash_of:
         return {}
     members: dict[int, set[str]] = {}
     wanted = pa.array(sorted(set(phash_of.values())), pa.int64())
     for batch in table.scanner(columns=["id", "phash"], batch_size=batch_rows).to_batches():
         rows = batch.filter(pc.is_in(batch.column("phash"), value_set=wanted))
-        pairs = zip(rows.column("id").to_pylist(), rows.column("phash").to_pylist())
+        pairs = zip(rows.column("id").to_pylist(), rows.column("phash").to_pylist(),
+                    strict=True)
         for sample_id, phash in pairs:
             members.setdefault(phash, set()).add(sample_id)
     return {i: members.get(p, set()) - {i} for i, p in phash_of.items()}
@@ -324,8 +328,10 @@ def resolve(requests: list[OptOutRequest], sources: list[str], storage: Storage 
 def _audit_table(requests: list[OptOutRequest], found: dict[str, dict[str, str]]) -> pa.Table:
     rows = []
     for request in requests:
-        matches = found.get(request.request_id) or {None: VIA_NO_MATCH}
-        for sample_id, via in sorted(matches.items(), key=lambda kv: str(kv[0])):
+        # (id, via) per match; no match is one row with no id
+        matches: list[tuple[str | None, str]] = (
+            list((found.get(request.request_id) or {}).items()) or [(None, VIA_NO_MATCH)])
+        for sample_id, via in sorted(matches, key=lambda kv: str(kv[0])):
             rows.append({
                 "request_id": request.request_id, "file": request.file, "line": request.line,
                 "key_type": request.key_type, "value": request.value,

@@ -43,7 +43,8 @@ def photos() -> dict[str, bytes]:
     """Real photos as bucketed-style Q92 JPEGs, keyed by id."""
     rng = np.random.default_rng(3)
     paths = real_photo_paths()
-    return {f"web:{i:02d}": encode(photo_variant(rng, Image.open(paths[i % len(paths)])), "JPEG", 92)
+    return {f"web:{i:02d}": encode(photo_variant(rng, Image.open(paths[i % len(paths)])),
+                                   "JPEG", 92)
             for i in range(10)}
 
 
@@ -139,7 +140,7 @@ def test_failed_rows_are_retried_and_versions_coexist(ray_session, tmp_path, pho
         retry = pending_requests(bucketed, None, uri, spec)
         assert list(retry.to_pandas()["id"]) == ["web:bad"]
         caption_source(retry, uri, spec)
-        assert Counter(r["id"] for r in rows_of(uri)) == Counter(list(photos)[:4] + ["web:bad"])
+        assert Counter(r["id"] for r in rows_of(uri)) == Counter([*list(photos)[:4], "web:bad"])
 
         # A new caption version captions everything again, beside the old version.
         new_spec = openai_spec(server.url, temperature=0.7)
@@ -299,7 +300,8 @@ def test_vllm_processor_configuration_matches_installed_ray_data_llm(photos):
     assert system["content"] == load_prompt()
     image_part = user["content"][0]
     assert image_part["type"] == "image_pil" and isinstance(image_part["image_pil"], Image.Image)
-    assert image_part["image_pil"].width * image_part["image_pil"].height <= spec.image_budget * 1.01
+    image = image_part["image_pil"]
+    assert image.width * image.height <= spec.image_budget * 1.01
     assert request["sampling_params"] == {"max_tokens": 320, "temperature": 0.2, "top_p": 0.9,
                                           "repetition_penalty": 1.05, "seed": 0}
     assert vllm_postprocess({"id": "a", "generated_text": "A cat.", "__inference_error__": ""}) \

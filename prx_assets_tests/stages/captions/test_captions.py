@@ -1,4 +1,5 @@
 import pytest
+from PIL import UnidentifiedImageError
 
 from prx_assets.stages.captions.captioners import CaptionerSpec, model_image
 from prx_assets.stages.captions.captions import (
@@ -54,7 +55,8 @@ def test_prompt_states_the_rules_in_our_words():
 
 
 @pytest.mark.parametrize("raw, status, expected", [
-    ("  A red chair\n\n stands   on a grey floor. ", STATUS_OK, "A red chair stands on a grey floor."),
+    ("  A red chair\n\n stands   on a grey floor. ", STATUS_OK,
+     "A red chair stands on a grey floor."),
     ("Caption: A dog lies on grass.", STATUS_OK, "A dog lies on grass."),
     ("A red chair stands on a grey floor. A lamp hangs above it. The wall beh", STATUS_OK,
      "A red chair stands on a grey floor. A lamp hangs above it."),
@@ -88,7 +90,7 @@ def test_model_image_respects_the_pixel_budget_and_never_upscales():
     assert abs(big.width / big.height - 1024 / 768) < 0.02
     small = model_image(jpeg_bytes(320, 240), 448 * 448)
     assert small.size == (320, 240)
-    with pytest.raises(Exception):
+    with pytest.raises(UnidentifiedImageError):
         model_image(b"not a jpeg", 1000)
 
 

@@ -52,7 +52,8 @@ def test_corpus_holds_one_row_per_labelled_kept_image_with_thumbnails(corpus):
     rows = {r["id"]: r for r in table.to_table().to_pylist()}
     assert "web:nocaption0" not in rows and "web:tiny" not in rows
     heron = rows["web:heron"]
-    assert (heron["tier"], heron["width"], heron["height"], heron["label"]) == (512, 576, 448, "visual")
+    assert ((heron["tier"], heron["width"], heron["height"], heron["label"])
+            == (512, 576, 448, "visual"))
     assert heron["caption"] == TEST_CAPTIONS["visual"][0] and heron["phash"] == 0
     assert max(Image.open(io.BytesIO(heron["thumbnail"])).size) == 256
     assert report.indexes["caption"] == "INVERTED" and report.indexes["label"] == "BITMAP"

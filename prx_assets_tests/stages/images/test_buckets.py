@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import pytest
@@ -22,14 +23,15 @@ def test_each_tier_has_13_aligned_shapes_with_flat_area(tier):
     assert Shape(tier, tier) in shapes  # aspect 1.0 exactly
     aspects = [s.aspect for s in shapes]
     assert aspects == sorted(aspects)
-    assert aspects[0] == pytest.approx(0.5, rel=0.03) and aspects[-1] == pytest.approx(2.0, rel=0.03)
+    assert aspects[0] == pytest.approx(0.5, rel=0.03)
+    assert aspects[-1] == pytest.approx(2.0, rel=0.03)
     assert [Shape(s.height, s.width) for s in reversed(shapes)] == list(shapes)  # transposes
 
 
 def test_ratios_are_geometric_with_one_in_the_middle():
     ratios = aspect_ratios()
     assert ratios[6] == pytest.approx(1.0)
-    steps = {round(b / a, 9) for a, b in zip(ratios, ratios[1:])}
+    steps = {round(b / a, 9) for a, b in itertools.pairwise(ratios)}
     assert len(steps) == 1 and math.isclose(steps.pop(), 2 ** (1 / 6), rel_tol=1e-9)
 
 

@@ -51,7 +51,7 @@ def test_phash_matches_stock_imagehash_on_real_photos_and_flags_flat_images():
     photos = real_photo_jpegs(40)
     results = [process_image(d) for d in photos]
     reference = stock_pillow.stock(photos)["phash"]
-    hashed = [(r, ref) for r, ref in zip(results, reference) if r.status == "ok"]
+    hashed = [(r, ref) for r, ref in zip(results, reference, strict=True) if r.status == "ok"]
     assert len(hashed) >= 30
     assert [phash_mod.hash_hex(r.phash) for r, _ in hashed] == [ref for _, ref in hashed]
     flat = process_image(image_bytes(Image.new("RGB", (800, 800), (90, 90, 90)), "PNG"))
@@ -121,7 +121,8 @@ def test_grey_thumbnail_is_stock_pillows_bit_for_bit():
     encoded += [image_bytes(base.convert(m), "TIFF") for m in ("CMYK", "I;16")]
     encoded += real_photo_jpegs(6, seed=8)
     reference = stock_pillow.stock(encoded)
-    for data, thumb, ref_hash in zip(encoded, reference["thumb"], reference["phash"]):
+    for data, thumb, ref_hash in zip(encoded, reference["thumb"], reference["phash"],
+                                     strict=True):
         image = decode(data)
         assert np.array_equal(phash_mod.grey_thumbnail(image), thumb), image.mode
         assert phash_mod.hash_hex(phash_mod.phash(image)[0]) == ref_hash, image.mode
@@ -136,7 +137,8 @@ def test_both_pillow_builds_agree_within_the_fidelity_bound():
     reference = stock_pillow.stock(photos, kernel=True)
     compared = 0
     for data, stock_jpeg, exact, stock_hash in zip(photos, reference["image"],
-                                                   reference["exact"], reference["phash"]):
+                                                   reference["exact"], reference["phash"],
+                                                   strict=True):
         ours = process_image(data)
         assert (ours.image is None) == (stock_jpeg is None)
         if ours.status != "ok":
@@ -225,7 +227,7 @@ def test_animated_images_use_the_first_frame():
 
 def test_shortcuts_stay_visually_identical_to_the_exact_path():
     exact = ImageOptions(draft_margin=None, reducing_gap=None)
-    for data in real_photo_jpegs(8, seed=3) + [jpeg_bytes(4000, 3000, 9)]:
+    for data in [*real_photo_jpegs(8, seed=3), jpeg_bytes(4000, 3000, 9)]:
         fast, slow = process_image(data), process_image(data, exact)
         if fast.status == "ok":
             assert psnr(np.asarray(decode(fast.image)), np.asarray(decode(slow.image))) >= 40

@@ -26,7 +26,8 @@ N = 5
 
 
 def target(path: Path) -> CommitTarget:
-    return CommitTarget(TableRef.of(path), RAW_IMAGES_SCHEMA, ["id"], FragmentPolicy(target_bytes=512 << 20))
+    return CommitTarget(TableRef.of(path), RAW_IMAGES_SCHEMA, ["id"],
+                        FragmentPolicy(target_bytes=512 << 20))
 
 
 def ingest(spec: SourceSpec, table: Path, **options) -> IngestReport:

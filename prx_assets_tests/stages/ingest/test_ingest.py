@@ -48,7 +48,8 @@ def test_ids_are_stable_across_reruns_and_unique(ray_session, small_folder, tmp_
 def test_decompression_bomb_cap_is_configurable(ray_session, small_folder, tmp_path):
     spec = SourceSpec(name="web", kind="image_folder", uri=str(small_folder))
     table = ingest(spec, small_folder, tmp_path, max_pixels=250_000)
-    statuses = dict(zip(table.column("source_key").to_pylist(), table.column("status").to_pylist()))
+    statuses = dict(zip(table.column("source_key").to_pylist(), table.column("status").to_pylist(),
+                        strict=True))
     assert statuses["a/one.jpg"] == "too_many_pixels"  # 640x480 > 250k
     assert statuses["three.webp"] == "ok"  # 300x600 < 250k
 
@@ -77,7 +78,7 @@ def test_units_reach_ray_in_bounded_blocks_without_a_manifest(ray_session, small
     plan = plan_ingest(spec, small_folder, done={}, block_units=3)
     blocks = [ray.get(ref) for ref in plan.blocks]
     assert [b.num_rows for b in blocks] == [3, 3, 2] and plan.pending_units == 8
-    assert sum((b.column("unit").to_pylist() for b in blocks), []) == list(plan.listed)
+    assert [unit for b in blocks for unit in b.column("unit").to_pylist()] == list(plan.listed)
     done = dict(list(plan.listed.items())[:5])  # already committed under these signatures
     again = plan_ingest(spec, small_folder, done=done, block_units=3)
     assert again.pending_units == 3 and again.listed == plan.listed

@@ -42,7 +42,7 @@ def test_invalid_entries_name_source_and_field(tmp_path: Path, entry: str, messa
 def test_duplicate_names_are_rejected(tmp_path: Path):
     path = write_sources(tmp_path / "s.yaml", [
         "{name: a, kind: image_folder, uri: x}", "{name: a, kind: parquet, uri: y}"])
-    with pytest.raises(SourcesError, match="source #2 'a'.*duplicate"):
+    with pytest.raises(SourcesError, match=r"source #2 'a'.*duplicate"):
         load_sources(path)
 
 

@@ -15,7 +15,8 @@ def _filter(version: str) -> str:
 
 
 def test_embedded_labels_are_incremental_across_caption_versions(ray_session, tmp_path):
-    captions, labels = TableRef.of(tmp_path / "captions.lance"), TableRef.of(tmp_path / "labels.lance")
+    captions = TableRef.of(tmp_path / "captions.lance")
+    labels = TableRef.of(tmp_path / "labels.lance")
     rows = labelled_test_captions()
     write_captions(captions, [(i, c) for i, c, _ in rows], "v1")
     write_captions(captions, [("web:refused", "I'm sorry")], "v1", status="refused")
@@ -49,7 +50,8 @@ def test_embedded_labels_are_incremental_across_caption_versions(ray_session, tm
 
 def test_openai_backend_labels_through_the_pool_and_leaves_failures_for_later(
         ray_session, tmp_path):
-    captions, labels = TableRef.of(tmp_path / "captions.lance"), TableRef.of(tmp_path / "labels.lance")
+    captions = TableRef.of(tmp_path / "captions.lance")
+    labels = TableRef.of(tmp_path / "labels.lance")
     write_captions(captions, [("s:1", "A screenshot of a settings page."),
                               ("s:2", "A dog asleep on a porch."),
                               ("s:3", "Some gibberish caption.")], "v1")
@@ -68,14 +70,15 @@ def test_openai_backend_labels_through_the_pool_and_leaves_failures_for_later(
 
 def test_missing_captions_table_is_a_clear_error(ray_session, tmp_path):
     with pytest.raises(FileNotFoundError, match="materialise captions first"):
-        label_source(TableRef.of(tmp_path / "none.lance"), TableRef.of(tmp_path / "labels.lance"), "v1", _filter("v1"),
-                     LabelerSpec())
+        label_source(TableRef.of(tmp_path / "none.lance"), TableRef.of(tmp_path / "labels.lance"),
+                     "v1", _filter("v1"), LabelerSpec())
 
 
 def test_a_caption_written_again_is_labelled_again(ray_session, tmp_path):
     """A changed source file gets a new caption row under the same id and version (the
     captions asset drops the stale one): its old label must not survive."""
-    captions, labels = TableRef.of(tmp_path / "captions.lance"), TableRef.of(tmp_path / "labels.lance")
+    captions = TableRef.of(tmp_path / "captions.lance")
+    labels = TableRef.of(tmp_path / "labels.lance")
     rows = labelled_test_captions()
     write_captions(captions, [(i, c) for i, c, _ in rows], "v1")
     spec = LabelerSpec(batch_size=8)

@@ -23,7 +23,7 @@ def embedder() -> MiniLMEmbedder:
 
 def test_embeddings_are_normalised_and_put_similar_captions_close(embedder):
     texts = [TEST_CAPTIONS["visual"][0], TEST_CAPTIONS["visual"][1], TEST_CAPTIONS["text"][0]]
-    vectors = embedder.embed(texts + ["", "a short one"])
+    vectors = embedder.embed([*texts, "", "a short one"])
     assert vectors.shape == (5, EMBEDDING_DIM) and vectors.dtype == np.float32
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
     # order-independent: batching sorts by length internally
