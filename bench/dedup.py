@@ -39,8 +39,8 @@ from prx_assets.stages.opt_outs.opt_outs import (
 )
 from prx_assets.stages.shards.mds import write_mds_tree
 from prx_assets.stages.shards.plan import SampleInputs, WriteOptions
-from prx_assets.stages.shards.trees import current_tree
 from prx_assets.stages.shards.rewrite import rewrite_without_skipped
+from prx_assets.stages.shards.trees import current_tree
 from prx_assets.stages.skip_lists.skip_lists import (
     apply_skip_lists,
     build_skip_lists,

@@ -25,6 +25,7 @@ Without `--tiny` and without a GPU it exits with status 2 and says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -285,21 +286,17 @@ def run_stages(tables: Tables, plan: Plan, clocks: tuple[StageClock, StageClock]
     captioning.start()
     requests = pending_requests(read_kept(TableRef.of(tables.bucketed), spec), None, captions,
                                 spec)
-    try:
+    with contextlib.suppress(StageCut):  # the stage was cut at its time budget
         caption_source(requests, captions, spec, chunk_rows=plan.chunks[0],
                        on_chunk=lambda r: captioning.mark(r.commits.rows))
-    except StageCut:
-        pass
     captioning.end()
     between()
     write_label_inputs(tables.captions, tables.label_inputs, version, plan.copies)
     classification.start()
-    try:
+    with contextlib.suppress(StageCut):
         label_source(TableRef.of(tables.label_inputs), TableRef.of(tables.labels), version,
                      active_caption_filter(version), plan.labeler, chunk_rows=plan.chunks[1],
                      on_chunk=lambda r: classification.mark(r.commits.rows))
-    except StageCut:
-        pass
     classification.end()
 
 

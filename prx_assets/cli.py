@@ -25,8 +25,8 @@ def _make_demo_corpus(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     """Materialise every asset for every source of the demo corpus, then summarise."""
-    from prx_assets.stages.ingest.sources import sources_path
     from prx_assets.demo.corpus import make_demo_corpus
+    from prx_assets.stages.ingest.sources import sources_path
 
     corpus = Path(args.dir)
     if not (corpus / "sources.yaml").exists() or args.rebuild:
@@ -47,7 +47,7 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if all(r.success for r in results) else 1
 
 
-def _corpus() -> "TableRef":
+def _corpus() -> TableRef:
     from prx_assets.storage.layout import Storage
     from prx_assets.storage.tables import CORPUS
 

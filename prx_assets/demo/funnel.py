@@ -7,7 +7,6 @@ with a filter, or a pass over the skip sidecars: nothing is loaded whole.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 

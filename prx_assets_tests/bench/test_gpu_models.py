@@ -7,7 +7,6 @@ import itertools
 from collections import Counter
 from pathlib import Path
 
-import pytest
 import regex
 from PIL import Image
 
@@ -38,7 +37,7 @@ def trained_vocabulary(text: str, merges: int) -> list[bytes]:
     tokens = [bytes([b]) for b in range(256)]
     pieces = [[bytes([b]) for b in piece.encode()] for piece in regex.findall(PRETOKENIZE, text)]
     for _ in range(merges):
-        pairs = Counter(pair for piece in pieces for pair in zip(piece, piece[1:], strict=False))
+        pairs = Counter(pair for piece in pieces for pair in itertools.pairwise(piece))
         if not pairs:
             break
         (left, right), _ = pairs.most_common(1)[0]

@@ -26,6 +26,7 @@ from prx_assets.storage.tables import (
     RAW_IMAGES,
     SKIP_LISTS,
 )
+from prx_assets.testing.s3_server import S3Server
 from prx_assets_tests.conftest import write_sources
 from prx_assets_tests.e2e.s3_runs import (
     GLOBAL_TABLES,
@@ -110,7 +111,7 @@ def test_the_whole_graph_of_a_webdataset_source_lives_in_the_bucket(
     assert 3 <= funnel.skipped < 14  # the copies and the opt-out, maybe label skips, read
     # from the sidecars in the bucket
 
-    _read_back_from_the_bucket(store, opted_out, tmp_path, monkeypatch)
+    _read_back_from_the_bucket(store, opted_out, tmp_path, monkeypatch, s3_server)
 
     # The opt-out sensor reads the same folder in the bucket: one new file, one run for
     # the audit and one skip-lists run for the source it hits.
@@ -139,7 +140,7 @@ def _cli(*argv: str) -> str:
 
 
 def _read_back_from_the_bucket(store: Storage, opted_out: str, tmp_path: Path,
-                               monkeypatch: pytest.MonkeyPatch) -> None:
+                               monkeypatch: pytest.MonkeyPatch, s3_server: S3Server) -> None:
     """What a user does with the outputs, PRX_DATA_ROOT in the bucket: `mds-uri`, a plain
     StreamingDataset over one leaf, the project loader (skip lists applied), search and
     similar; every shard read lands in the given cache folders only."""

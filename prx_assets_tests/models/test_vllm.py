@@ -87,7 +87,9 @@ def test_only_an_engine_that_keeps_failed_rows_wraps_its_postprocess(monkeypatch
         postprocess = staticmethod(lambda row: row)
 
     monkeypatch.setattr(ray.data.llm, "build_processor", lambda config, **_: Built())
-    post = (lambda row: row)
+    def post(row: dict) -> dict:
+        return row
+
     assert VLLMEngine("m").processor(post, post).postprocess is Built.postprocess
     wrapped = VLLMEngine("m", continue_on_error=True).processor(post, post).postprocess
     assert wrapped is not Built.postprocess
