@@ -205,7 +205,7 @@ def test_image_stage_incremental_in_a_bucket(ray_session, s3_server, s3_root, tm
     assert _counts(changed["phashes"]) == (1, 2, 1)
     meta = changed["bucketed_images"].materialization.metadata
     assert meta["path"].value == f"{s3_root}/lance/bucketed_images/web.lance"
-    ids = Storage(s3_root).open("bucketed_images", "web").to_table(columns=["id"])
+    ids = Storage(s3_root).table("bucketed_images", "web").to_table(columns=["id"])
     assert sorted(ids.column("id").to_pylist()) == sorted(
         sample_id("web", p.name) for p in folder.iterdir())
     assert not (tmp_path / "data").exists()

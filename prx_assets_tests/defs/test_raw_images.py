@@ -262,10 +262,10 @@ def test_sources_in_the_bucket_ingest_into_the_bucket_and_rerun_incrementally(
     tars = materialization(run_partition(sources, "tars", instance))
     pqs = materialization(run_partition(sources, "pq", instance))
     assert counts(tars) == (1, 3, 0) and counts(pqs) == (0, 2, 1)
-    table = Storage(s3_root).open("raw_images", "tars").to_table(columns=["source_key", "image"])
+    table = Storage(s3_root).table("raw_images", "tars").to_table(columns=["source_key", "image"])
     assert sorted(table["source_key"].to_pylist()) == ["a.tar/a0", "a.tar/a1", "b.tar/b0",
                                                        "c.tar/c0"]
-    assert sorted(Storage(s3_root).open("raw_images", "pq").to_table(
+    assert sorted(Storage(s3_root).table("raw_images", "pq").to_table(
         columns=["source_key"])["source_key"].to_pylist()) == ["k1", "k2"]
 
 
