@@ -214,19 +214,15 @@ def update_corpus(corpus: TableRef, changed: list[SourceTables], gone: list[str]
     everything is written, the rerun finds the source changed again and redoes it.
     `on_rows(n)` is told of each chunk of `n` rows appended (progress)."""
     corpus = corpus.latest()
-    report = CorpusReport(write=None)  # type: ignore[arg-type]
-    for name in [*gone, *(t.name for t in changed)]:
-        report.deleted[name] = delete_source(corpus, name)
-    for tables in changed:
-        report.inserted[tables.name] = append_source(corpus, tables, chunk_rows, on_rows)
-    if len(corpus.open().get_fragments()) > 1 and (report.processed or report.removed):
+    deleted = {name: delete_source(corpus, name) for name in [*gone, *(t.name for t in changed)]}
+    inserted = {t.name: append_source(corpus, t, chunk_rows, on_rows) for t in changed}
+    if len(corpus.open().get_fragments()) > 1 and (any(inserted.values()) or any(deleted.values())):
         compact(corpus, policy)
         cleanup(corpus.open(), policy)
-    report.write = describe_write(corpus.open())
-    report.rows_per_source = {name: corpus.count_rows(filter=eq_filter("source", name))
-                              for name in [*keep, *(t.name for t in changed)]}
-    report.indexes = create_indexes(corpus) if rebuild_indexes else update_indexes(corpus)
-    return report
+    rows_per_source = {name: corpus.count_rows(filter=eq_filter("source", name))
+                       for name in [*keep, *(t.name for t in changed)]}
+    indexes = create_indexes(corpus) if rebuild_indexes else update_indexes(corpus)
+    return CorpusReport(describe_write(corpus.open()), rows_per_source, indexes, inserted, deleted)
 
 
 def delete_source(corpus: TableRef, source: str) -> int:
