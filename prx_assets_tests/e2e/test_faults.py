@@ -34,6 +34,8 @@ from prx_assets.stages.ingest.ids import sample_id
 from prx_assets.stages.shards.trees import PARTIAL_SUFFIX, TREES_DIR, current_tree
 from prx_assets.stages.shards.verify import verify_tree
 from prx_assets.stages.skip_lists.skip_lists import read_sidecar, sidecar_files, skipped_ids
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.tables import MDS_SAMPLES
 from prx_assets_tests.conftest import jpeg_bytes, write_sources
 from prx_assets_tests.e2e.fault_runs import (
     CaptionServer,
@@ -376,7 +378,7 @@ def test_kill_during_skip_lists(corpus, tmp_path):
     ablations.mkdir(exist_ok=True)
     (ablations / "faults.txt").write_text("\n".join(ablated) + "\n")
     before = store_state(corpus.data_root, ["web"])
-    mapping = corpus.uri("mds_samples", "web")
+    mapping = Storage(corpus.data_root).table(MDS_SAMPLES, "web")
     dedup = skipped_ids(tree, mapping, ["dedup"])
     assert dedup == {sample_id("web", "wcopy.jpg")} or dedup == {sample_id("web", "w00.jpg")}
     try:

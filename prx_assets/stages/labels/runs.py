@@ -141,8 +141,8 @@ def drop_orphan_labels(labels: TableRef, captions: TableRef, chunk: int = 10_000
     table = labels.latest().open()
     orphans: set[str] = set()
     for batch in table.to_batches(columns=["id"]):
-        table = pa.Table.from_batches([batch])
-        orphans.update(keep_ids(table, captioned, member=False).column("id").to_pylist())
+        ids = pa.Table.from_batches([batch])
+        orphans.update(keep_ids(ids, captioned, member=False).column("id").to_pylist())
     if not orphans:
         return 0
     before = table.count_rows()

@@ -1,10 +1,17 @@
 import lance
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from prx_assets.stages.labels.backends import OpenAISettings
 from prx_assets.stages.labels.labels import LABELS_SCHEMA, active_labels_filter
-from prx_assets.stages.labels.runs import LabelerSpec, label_coverage, label_source, pool_size
+from prx_assets.stages.labels.runs import (
+    LabelerSpec,
+    drop_orphan_labels,
+    label_coverage,
+    label_source,
+    pool_size,
+)
 from prx_assets.storage.refs import TableRef
 from prx_assets_tests.fixtures.labelled_captions import labelled_test_captions, write_captions
 from prx_assets_tests.fixtures.local_chat_server import chat_server
@@ -12,6 +19,19 @@ from prx_assets_tests.fixtures.local_chat_server import chat_server
 
 def _filter(version: str) -> str:
     return f"caption_version = '{version}' AND status = 'ok'"
+
+
+def test_labels_of_ids_without_a_caption_are_deleted_every_version_pair(tmp_path):
+    captions = TableRef.of(tmp_path / "captions.lance")
+    labels = TableRef.of(tmp_path / "labels.lance")
+    lance.write_dataset(pa.table({"id": ["s:1", "s:3"]}), str(captions))
+    # Two label rows (two version pairs) for s:2, whose item left the source.
+    lance.write_dataset(pa.table({"id": ["s:1", "s:2", "s:2", "s:3"],
+                                  "label": ["visual", "text", "text", "nsfw"]}), str(labels))
+
+    assert drop_orphan_labels(labels, captions, chunk=1) == 2
+    assert sorted(labels.latest().to_table().column("id").to_pylist()) == ["s:1", "s:3"]
+    assert drop_orphan_labels(labels, captions) == 0
 
 
 def test_embedded_labels_are_incremental_across_caption_versions(ray_session, tmp_path):
