@@ -58,7 +58,7 @@ def run_source(sources: Path, captioner: Path, instance: dg.DagsterInstance) -> 
 
 
 def table_rows(root: Path, table: str) -> list[dict]:
-    rows = Storage(root).open(table, SOURCE).to_table(columns=COMPARED[table]).to_pylist()
+    rows = Storage(root).table(table, SOURCE).to_table(columns=COMPARED[table]).to_pylist()
     return sorted(rows, key=lambda row: (row["id"], repr(row)))
 
 

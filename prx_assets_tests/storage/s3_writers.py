@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from prx_assets.storage.refs import TableRef
+
 SCHEMA = pa.schema([("id", pa.string()), ("v", pa.int64())])
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,7 +39,7 @@ def chunk_ids(count: int) -> list[str]:
     return [f"c{i:03d}" for i in range(count)]
 
 
-def upsert_main(uri: str, name: str) -> dict:
+def upsert_main(uri: TableRef, name: str) -> dict:
     from prx_assets.storage.lance_tables import upsert
 
     value = sum(name.encode())
@@ -45,7 +47,7 @@ def upsert_main(uri: str, name: str) -> dict:
                               SCHEMA, ["id"])}
 
 
-def chunked_main(uri: str, count: int, chunk: int) -> dict:
+def chunked_main(uri: TableRef, count: int, chunk: int) -> dict:
     import ray.data
 
     from prx_assets.engine import ray_runtime
@@ -109,7 +111,7 @@ def wait_until(condition, writers: list[WriterProcess], what: str, guard_s: floa
         time.sleep(0.05)
 
 
-def overwrite_main(uri: str, name: str) -> dict:
+def overwrite_main(uri: TableRef, name: str) -> dict:
     import ray.data
 
     from prx_assets.engine import ray_runtime
@@ -129,8 +131,6 @@ def overwrite_main(uri: str, name: str) -> dict:
 
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    from prx_assets.storage.refs import TableRef
-
     mode, location, *rest = argv
     uri = TableRef.of(location)
     if mode == "upsert":
