@@ -137,14 +137,17 @@ def cluster_groups(vectors: np.ndarray, eps_values: Sequence[float],
     vectors, one row of labels per eps: rows are joined when cosine > 1 - eps."""
     n = len(vectors)
     parents = np.tile(np.arange(n, dtype=np.int64), (len(eps_values), 1))
+    loosest = 1.0 - max(eps_values, default=0.0)
     for start in range(0, n, block_rows):
         block = vectors[start:start + block_rows] @ vectors[start:].T
-        # Only pairs (i, j) with j > i: the block's strict upper triangle.
-        block[np.tril_indices(block.shape[0], k=0, m=block.shape[1])] = -np.inf
+        i, j = np.nonzero(block > loosest)  # few: candidates at the loosest eps only
+        upper = j > i  # each pair once, never a row with itself
+        i, j = i[upper], j[upper]
+        similarity = block[i, j]
         for level, eps in enumerate(eps_values):
-            i, j = np.nonzero(block > 1.0 - eps)
-            if i.size:
-                parents[level] = union(parents[level], i + start, j + start)
+            close = similarity > 1.0 - eps
+            if close.any():
+                parents[level] = union(parents[level], i[close] + start, j[close] + start)
     return np.stack([roots(p) for p in parents]) if n else parents
 
 

@@ -1,7 +1,7 @@
 """Synthetic embeddings with known answers, shared by the tests and the bench.
 
 - `planted_duplicates`: a mixture of topics (so k-means has structure to find) in which
-  some samples have near copies (cosine to their original >= ~0.97, as re-encodes and
+  some samples have near copies (cosine to their original >= ~0.975, as re-encodes and
   small edits of one image are in an image encoder's space); the planted groups are the
   ground truth of SemDeDup.
 - `long_tailed_mixture`: topics whose sizes follow a power law, the shape of web data
@@ -37,28 +37,30 @@ def pairs_of(group: np.ndarray) -> set[tuple[int, int]]:
 
 
 def planted_duplicates(n: int, dim: int = 128, topics: int = 200, copy_share: float = 0.2,
-                       max_copies: int = 4, noise: tuple[float, float] = (0.02, 0.12),
+                       max_copies: int = 4, noise: tuple[float, float] = (0.03, 0.22),
                        seed: int = 0) -> Planted:
-    """`n` samples: originals drawn around `topics` centres, a `copy_share` of them followed
-    by 1..max_copies noisy copies (relative noise in `noise`), then all shuffled."""
+    """`n` samples: originals drawn around `topics` centres, a `copy_share` of them with
+    1..max_copies noisy copies (relative noise in `noise`), then all shuffled."""
     rng = np.random.default_rng(seed)
+    originals = n
+    copies = np.where(rng.random(originals) < copy_share,
+                      rng.integers(1, max_copies + 1, originals), 0)
+    sizes = copies + 1
+    sizes = sizes[:np.searchsorted(np.cumsum(sizes), n, side="right")]
+    sizes = np.r_[sizes, np.ones(n - int(sizes.sum()), np.int64)]  # singletons fill up to n
     centres = rng.normal(size=(topics, dim))
-    vectors = np.empty((n, dim), np.float32)
-    group = np.full(n, -1, np.int64)
-    row = number = 0
-    while row < n:
-        base = centres[rng.integers(topics)] + rng.normal(size=dim) * 0.9
-        base /= np.linalg.norm(base)
-        copies = int(rng.integers(1, max_copies + 1)) if rng.random() < copy_share else 0
-        copies = min(copies, n - row - 1)
-        vectors[row] = base
-        for c in range(1, copies + 1):
-            jitter = rng.normal(size=dim)
-            vectors[row + c] = base + jitter / np.linalg.norm(jitter) * rng.uniform(*noise)
-        if copies:
-            group[row:row + copies + 1] = number
-            number += 1
-        row += copies + 1
+    bases = centres[rng.integers(topics, size=sizes.size)]
+    bases += rng.normal(size=(sizes.size, dim)) * 0.9
+    bases /= np.linalg.norm(bases, axis=1, keepdims=True)
+    owner = np.repeat(np.arange(sizes.size), sizes)
+    first = np.r_[0, np.cumsum(sizes)[:-1]]
+    is_copy = np.ones(n, bool)
+    is_copy[first] = False
+    jitter = rng.normal(size=(int(is_copy.sum()), dim))
+    jitter *= (rng.uniform(*noise, size=len(jitter)) / np.linalg.norm(jitter, axis=1))[:, None]
+    vectors = bases[owner]
+    vectors[is_copy] += jitter
+    group = np.where(sizes[owner] > 1, owner, -1)
     order = rng.permutation(n)
     pixels = rng.integers(1, 16, size=n).astype(np.int64) * 65_536
     return Planted(normalise(vectors[order]), group[order], pixels)
