@@ -32,7 +32,7 @@ import ray.data
 from prx_assets.engine.batches import batch_fn
 from prx_assets.models.embeddings import MODEL_ID
 from prx_assets.storage.filters import all_of, eq_filter, in_filter
-from prx_assets.storage.lance_tables import append_rows
+from prx_assets.storage.lance_tables import append_rows, overwrite_rows
 from prx_assets.storage.refs import TableRef
 
 CAPTION_ENCODER_PREFIX = "caption-minilm"
@@ -206,13 +206,22 @@ class WriteCounts:
     failed: int = 0
     errors: list[str] | None = None
     dim: int | None = None
+    replaced: bool = False  # the table held vectors of another size: replaced whole
+
+
+def table_dim(table: TableRef) -> int | None:
+    if not table.exists():
+        return None
+    return int(table.open().schema.field("embedding").type.list_size)
 
 
 def write_embeddings(table: TableRef, batches: Iterable[pa.Table], encoder: str,
                      removed: list[str]) -> WriteCounts:
     """Delete the rows of `removed` ids, then append each batch of (id, embedding[, error])
     as unit vectors under `encoder` (one commit per batch: a killed run keeps what it
-    committed and its rerun embeds only the rest). Failed rows are counted, not written."""
+    committed and its rerun embeds only the rest). Failed rows are counted, not written.
+    Encoders coexist in a table when their vectors have one size (a Lance vector column has
+    one); an encoder of another size replaces the table with its first batch."""
     if removed and table.exists():
         dataset = table.open()
         for start in range(0, len(removed), DELETE_CHUNK):
@@ -228,11 +237,15 @@ def write_embeddings(table: TableRef, batches: Iterable[pa.Table], encoder: str,
         if batch.num_rows == 0:
             continue
         vectors = np.asarray(batch.column("embedding").to_pylist(), np.float32)
-        counts.dim = vectors.shape[1]
         rows = pa.table({"id": batch.column("id"),
                          "encoder": pa.array([encoder] * batch.num_rows, pa.string()),
                          "embedding": vector_column(unit_rows(vectors))})
-        append_rows(table, rows, embeddings_schema(counts.dim))
+        if counts.dim is None and table_dim(table) not in (None, vectors.shape[1]):
+            counts.replaced = True
+            overwrite_rows(table, rows, embeddings_schema(vectors.shape[1]))
+        else:
+            append_rows(table, rows, embeddings_schema(vectors.shape[1]))
+        counts.dim = vectors.shape[1]
         counts.written += batch.num_rows
     return counts
 
@@ -252,3 +265,21 @@ def read_space(table: TableRef, encoder: str) -> tuple[pa.Array, np.ndarray]:
     if not ids:
         return pa.array([], pa.string()), np.zeros((0, 1), np.float32)
     return pa.concat_arrays(ids), np.concatenate(chunks).astype(np.float32)
+
+
+# Below this many rows an exact scan is fast and IVF / PQ have too little to train on.
+MIN_ROWS_FOR_VECTOR_INDEX = 4096
+
+
+def index_vectors(table: TableRef) -> str:
+    """An IVF_PQ cosine index on `embedding` (rebuilt whole), or why there is none."""
+    dataset = table.open()
+    rows = dataset.count_rows()
+    if rows < MIN_ROWS_FOR_VECTOR_INDEX:
+        return f"none: {rows} rows (< {MIN_ROWS_FOR_VECTOR_INDEX}, exact search)"
+    dim = dataset.schema.field("embedding").type.list_size
+    sub_vectors = next(s for s in (dim // 8, dim // 4, dim // 2, 1) if s and dim % s == 0)
+    dataset.create_index("embedding", "IVF_PQ", metric="cosine", replace=True,
+                         num_partitions=max(1, int(rows ** 0.5) // 4),
+                         num_sub_vectors=sub_vectors)
+    return "IVF_PQ (cosine)"

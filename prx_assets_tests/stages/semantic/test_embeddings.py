@@ -64,3 +64,14 @@ def test_incremental_write_reuses_deletes_and_keeps_other_encoders(tmp_path):
     assert sorted(ids.to_pylist()) == ["web:1", "web:3"]
     assert np.allclose(vectors[ids.to_pylist().index("web:1")], [0.6, 0.8])
     assert read_space(table, "enc-b")[0].to_pylist() == ["web:1"]
+
+
+def test_an_encoder_of_another_size_replaces_the_table(tmp_path):
+    table = TableRef.of(tmp_path / "web.lance")
+    write_embeddings(table, [pa.table({"id": ["web:1"], "embedding": [[1.0, 0.0]]})], "a", [])
+    counts = write_embeddings(table, [pa.table({"id": ["web:1", "web:2"],
+                                                "embedding": [[1.0, 0, 0], [0, 1.0, 0]]})],
+                              "b", [])
+    assert counts.replaced and counts.written == 2
+    assert read_space(table, "a")[0].to_pylist() == []
+    assert sorted(read_space(table, "b")[0].to_pylist()) == ["web:1", "web:2"]
