@@ -146,7 +146,8 @@ def _space(context: dg.AssetExecutionContext, store: Storage, names: list[str]
     if space.missing:
         context.log.warning(f"no image_embeddings yet for {', '.join(space.missing)}")
     lineage = {f"input_version/{name}": v for name, v in space.versions.items()}
-    return space, encoder, {**lineage, "encoder": encoder,
+    note = context.resources.image_encoder.space_note()
+    return space, encoder, {**lineage, "encoder": encoder, "space": note,
                             "sources_missing": ", ".join(space.missing) or "none"}
 
 
