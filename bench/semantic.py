@@ -10,16 +10,24 @@ answers.
 2. Concept balancing on a long-tailed mixture (60 topics, power law): largest / median
    leaf cluster before and after hierarchical balancing to 1/8 of the samples (target
    >= 10x flatter), and the fewest samples any leaf keeps (target >= 1).
-3. Memory per pairwise task (Python allocation peak of the largest cluster's task) at
+3. image_embeddings with the tiny random-init CLIP tower: images/s through the pipeline
+   (a Lance read, Ray Data, one `VisionEncoder` actor, model load included) against a bare
+   loop of the same encoder's decode + forward over the same JPEGs in this process
+   (PRX_SEMANTIC_EMBED_IMAGES, default 512; 0 skips it). The tiny tower makes the
+   pipeline's fixed costs as visible as they can be; a real encoder hides them.
+4. Memory per pairwise task (Python allocation peak of the largest cluster's task) at
    10^5 and 10^6 embeddings: flat, since clusters hold ~5,000 rows whatever the corpus
    (PRX_SEMANTIC_MEMORY_ROWS to change the sizes, e.g. "100000" alone on a small box).
 """
 
 from __future__ import annotations
 
+import io
 import os
+import tempfile
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -139,6 +147,50 @@ def memory_figures(sizes: list[int]) -> list[Figure]:
             for n, (_, peak) in peaks.items()]
 
 
+def embedding_figures(images: int, side: int = 64, batch: int = 32) -> list[Figure]:
+    from PIL import Image
+
+    from prx_assets.engine import ray_runtime
+    from prx_assets.engine.batches import arrow_batches
+    from prx_assets.stages.semantic.embeddings import VisionEncoder, image_vectors
+    from prx_assets.storage.lance_tables import overwrite_rows
+    from prx_assets.storage.refs import TableRef
+    from prx_assets.testing.tiny_vision import tiny_vision_tower
+
+    rng = np.random.default_rng(0)
+    jpegs = []
+    for _ in range(images):
+        out = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (side, side, 3), dtype=np.uint8)).save(
+            out, "JPEG", quality=92)
+        jpegs.append(out.getvalue())
+    ids = [f"bench:{i}" for i in range(images)]
+    rows = pa.table({"id": ids, "status": ["ok"] * images, "image": jpegs})
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = str(tiny_vision_tower(Path(tmp) / "clip"))
+        table = TableRef.of(Path(tmp) / "bucketed.lance")
+        overwrite_rows(table, rows, rows.schema)
+        encoder = VisionEncoder(checkpoint)
+        start = time.perf_counter()
+        for first in range(0, images, batch):
+            encoder(rows.slice(first, batch))
+        bare_s = time.perf_counter() - start
+        started = ray_runtime.connect()
+        try:
+            start = time.perf_counter()
+            done = sum(b.num_rows for b in arrow_batches(
+                image_vectors(table, ids, checkpoint, actors=1, batch_size=batch)))
+            pipeline_s = time.perf_counter() - start
+        finally:
+            if started:
+                ray_runtime.disconnect()
+    print(f"semantic: image_embeddings {done} {side}px JPEGs, tiny CLIP: pipeline "
+          f"{pipeline_s:.1f} s, bare loop {bare_s:.1f} s (overhead "
+          f"{pipeline_s / bare_s - 1:.0%})")
+    return [Figure("semantic", "embed images/s (tiny CLIP)", done / pipeline_s,
+                   "bare decode+forward loop", images / bare_s, "img/s")]
+
+
 def main() -> None:
     n = env_int("PRX_SEMANTIC_ROWS", 100_000)
     baseline_rows = env_int("PRX_SEMANTIC_BASELINE_ROWS", 10_240)
@@ -147,6 +199,9 @@ def main() -> None:
     figures = semdedup_figures(n, baseline_rows)
     figures += balance_figures(env_int("PRX_SEMANTIC_LARGEST_TOPIC", 4000))
     figures += memory_figures(memory_rows)
+    embed_images = env_int("PRX_SEMANTIC_EMBED_IMAGES", 512)
+    if embed_images:
+        figures += embedding_figures(embed_images)
     report(figures, "semantic")
 
 
