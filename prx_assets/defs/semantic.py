@@ -38,6 +38,7 @@ from prx_assets.stages.semantic.semdedup import (
     SemDedupConfig,
     largest_groups,
     ray_runner,
+    reported_only,
     run_serially,
     semantic_duplicates,
 )
@@ -136,6 +137,9 @@ class SemanticDuplicatesConfig(dg.Config):
     cluster_cap: int = DEFAULT_CLUSTER_CAP
     ray_tasks: bool = True  # one Ray task per batch of clusters (False: in this process)
     seed: int = 0
+    # In the caption space (no image encoder) two images with one caption look identical,
+    # so its groups are reported only unless this is set: skip lists act on image spaces.
+    apply_in_caption_space: bool = False
 
 
 def _space(context: dg.AssetExecutionContext, store: Storage, names: list[str]
@@ -173,13 +177,17 @@ def build_semantic_duplicates() -> dg.AssetsDefinition:
         runner = ray_runner() if config.ray_tasks else run_serially
         result = semantic_duplicates(space.ids, space.vectors, space.pixels, space.rank,
                                      settings, runner)
-        version = overwrite_rows(store.table(SEMANTIC_DUPLICATES), result.duplicates,
+        image_encoder: ImageEncoderResource = context.resources.image_encoder
+        applied = bool(image_encoder.checkpoint) or config.apply_in_caption_space
+        table = result.duplicates if applied else reported_only(result.duplicates)
+        version = overwrite_rows(store.table(SEMANTIC_DUPLICATES), table,
                                  SEMANTIC_DUPLICATES_SCHEMA)
         removed = result.removed_by_eps[config.eps]
         return dg.MaterializeResult(metadata={
             **recorded, "lance_version": version, "embeddings": result.rows,
             "clusters": result.clusters, "largest_cluster": result.largest_cluster,
             "faiss_gpu": result.on_gpu, "eps": config.eps, "removed": removed,
+            "applied_by_skip_lists": applied,
             "removed_share": round(removed / result.rows, 4) if result.rows else 0.0,
             "removed_share_by_eps": dg.MetadataValue.md(
                 _eps_markdown(result.removed_by_eps, result.rows, config.eps)),

@@ -25,6 +25,7 @@ from prx_assets.stages.skip_lists.skip_lists import (
     mapping_shards,
     publish_skip_lists,
     read_ablations,
+    semantic_duplicate_ids,
     skip_shares,
     unbalanced_ids,
 )
@@ -121,7 +122,7 @@ def _reasons(context: dg.AssetExecutionContext, config: SkipListsConfig, store: 
         lineage[f"input_version/{DUPLICATES}"] = duplicates.version
     semantic = _pinned_if_exists(store.table(SEMANTIC_DUPLICATES)) if config.semdedup else None
     if semantic is not None:
-        reasons[REASON_SEMDEDUP] = duplicate_ids(semantic, source)
+        reasons[REASON_SEMDEDUP] = semantic_duplicate_ids(semantic, source)
         lineage[f"input_version/{SEMANTIC_DUPLICATES}"] = semantic.version
     concepts = _pinned_if_exists(store.table(CONCEPTS)) if config.balance else None
     if concepts is not None:

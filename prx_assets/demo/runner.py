@@ -192,9 +192,11 @@ def print_summary(runs: list[PartitionRun], sources_file: Path) -> None:
                   f"{dups.get('duplicate_groups')} groups -> {dups.get('path')}")
         semantic = run.metadata.get(SEMANTIC_DUPLICATES, {})
         if semantic:
+            acted = ("skipped by semdedup" if semantic.get("applied_by_skip_lists")
+                     else "reported only")
             print(f"   semantic duplicates: {semantic.get('removed')} of "
-                  f"{semantic.get('embeddings')} removed at eps {semantic.get('eps')} in the "
-                  f"space {semantic.get('encoder')}")
+                  f"{semantic.get('embeddings')} at eps {semantic.get('eps')} ({acted}) in "
+                  f"the {semantic.get('space')}")
         concepts = run.metadata.get(CONCEPTS, {})
         if concepts:
             print(f"   concepts: clusters per level {concepts.get('levels')}; balanced sample "

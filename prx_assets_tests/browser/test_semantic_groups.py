@@ -11,7 +11,7 @@ from prx_assets.storage.layout import Storage
 
 def _row(sample_id: str, kept_id: str, size: int, similarity: float = 0.97) -> dict:
     return {"id": sample_id, "kept_id": kept_id, "group": 0, "group_size": size,
-            "cluster": 0, "similarity": similarity}
+            "cluster": 0, "similarity": similarity, "applied": True}
 
 
 def test_semantic_groups_page_largest_first_kept_copy_leading(tmp_path):

@@ -92,8 +92,10 @@ def test_semantic_assets_on_paraphrased_captions(ray_session, data_root, tmp_pat
     # (equal pixels: the source listed first), then the smaller id.
     assert groups == {"web:bike": {"web:bike", "stock:bike2"},
                       "web:dogs1": {"web:dogs1", "web:dogs2"}}
+    assert not any(row["applied"] for row in rows)  # caption space: reported only
     meta = _meta(run, "semantic_duplicates")
     assert meta["removed"].value == 2 and meta["embeddings"].value == 9
+    assert meta["applied_by_skip_lists"].value is False
     assert "| 0.15 (acting) | 0.85 | 2 | 22.22% |" in meta["removed_share_by_eps"].value
     assert "| 0.05 | 0.95 | 0 | 0.00% |" in meta["removed_share_by_eps"].value
     assert meta["largest_groups"].value.records[0].data["group_size"] == 2
@@ -123,5 +125,5 @@ def test_semantic_assets_on_paraphrased_captions(ray_session, data_root, tmp_pat
                          instance=instance)
     rows = Storage(data_root).table("semantic_duplicates").to_table().to_pylist()
     assert {r["kept_id"] for r in rows} == {"web:bike"}
-    assert len(rows) == 6
+    assert len(rows) == 6 and all(r["applied"] for r in rows)
     assert _meta(run, "semantic_duplicates")["embeddings"].value == 6

@@ -49,7 +49,8 @@ def test_semdedup_and_balance_reach_the_sidecars(data_root, tmp_path):
     sidecar = _write_tree(data_root)
     store = Storage(data_root)
     group = [
-        {"id": i, "kept_id": "web:a", "group": 0, "group_size": 3, "cluster": 0, "similarity": 0.97}
+        {"id": i, "kept_id": "web:a", "group": 0, "group_size": 3, "cluster": 0,
+         "similarity": 0.97, "applied": True}
         for i in ("web:a", "web:b", "stock:z")
     ]
     overwrite_rows(

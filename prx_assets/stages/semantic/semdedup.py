@@ -47,6 +47,8 @@ SEMANTIC_DUPLICATES_SCHEMA = pa.schema([
     pa.field("group_size", pa.int32(), nullable=False),
     pa.field("cluster", pa.int32(), nullable=False),  # the k-means cluster it was found in
     pa.field("similarity", pa.float32(), nullable=False),  # cosine to the kept copy
+    # Whether skip lists act on the group (False: reported only, e.g. in the caption space).
+    pa.field("applied", pa.bool_(), nullable=False),
 ])
 
 
@@ -271,7 +273,15 @@ def kept_copies(ids: pa.Array, group: np.ndarray, pixels: np.ndarray, rank: np.n
         "group": grouped.column("phash"), "group_size": grouped.column("group_size"),
         "cluster": pa.array(cluster_of[own], pa.int32()),
         "similarity": pa.array(np.minimum(similarity, 1.0).astype(np.float32)),
+        "applied": pa.array(np.ones(len(own), bool)),
     }, schema=SEMANTIC_DUPLICATES_SCHEMA)
+
+
+def reported_only(duplicates: pa.Table) -> pa.Table:
+    """The same groups, marked as not acted on by skip lists."""
+    index = duplicates.schema.get_field_index("applied")
+    return duplicates.set_column(index, SEMANTIC_DUPLICATES_SCHEMA.field("applied"),
+                                 pa.array(np.zeros(duplicates.num_rows, bool)))
 
 
 def largest_groups(duplicates: pa.Table, top: int = 10, ids_shown: int = 5) -> list[dict]:

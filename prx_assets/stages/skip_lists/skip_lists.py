@@ -319,6 +319,15 @@ def duplicate_ids(duplicates: TableRef, source: str, batch_rows: int = SCAN_ROWS
                 batch_rows)
 
 
+def semantic_duplicate_ids(semantic: TableRef, source: str, batch_rows: int = SCAN_ROWS
+                           ) -> set[str]:
+    """The source's non-kept copies of the semantic groups skip lists act on (`applied`)."""
+    if not semantic.exists():
+        return set()
+    return _ids(semantic, f"applied = true AND id != kept_id AND "
+                          f"starts_with(id, {sql_string(source + ':')})", batch_rows)
+
+
 def unbalanced_ids(concepts: TableRef, source: str, batch_rows: int = SCAN_ROWS) -> set[str]:
     """The source's samples the balanced concept sample leaves out (one row per sample at
     level 1 of the `concepts` table)."""

@@ -9,8 +9,8 @@ from prx_assets.stages.semantic.spaces import CONCEPTS_SCHEMA
 from prx_assets.stages.skip_lists.skip_lists import (
     OPT_IN_REASONS,
     build_skip_lists,
-    duplicate_ids,
     read_ablations,
+    semantic_duplicate_ids,
     unbalanced_ids,
 )
 from prx_assets.storage.lance_tables import overwrite_rows
@@ -21,13 +21,18 @@ def test_semdedup_and_balance_ids_per_source(tmp_path):
     semantic = TableRef.of(tmp_path / "semantic_duplicates.lance")
     overwrite_rows(semantic, pa.Table.from_pylist([
         {"id": "web:a", "kept_id": "web:a", "group": 0, "group_size": 3, "cluster": 0,
-         "similarity": 1.0},
+         "similarity": 1.0, "applied": True},
         {"id": "web:b", "kept_id": "web:a", "group": 0, "group_size": 3, "cluster": 0,
-         "similarity": 0.97},
+         "similarity": 0.97, "applied": True},
         {"id": "stock:c", "kept_id": "web:a", "group": 0, "group_size": 3, "cluster": 0,
-         "similarity": 0.96}], schema=SEMANTIC_DUPLICATES_SCHEMA), SEMANTIC_DUPLICATES_SCHEMA)
-    assert duplicate_ids(semantic, "web") == {"web:b"}
-    assert duplicate_ids(semantic, "stock") == {"stock:c"}
+         "similarity": 0.96, "applied": True},
+        {"id": "web:d", "kept_id": "web:e", "group": 1, "group_size": 2, "cluster": 0,
+         "similarity": 0.99, "applied": False}], schema=SEMANTIC_DUPLICATES_SCHEMA),
+        SEMANTIC_DUPLICATES_SCHEMA)
+    # A group reported only (applied false, e.g. found in the caption space) skips nothing.
+    assert semantic_duplicate_ids(semantic, "web") == {"web:b"}
+    assert semantic_duplicate_ids(semantic, "stock") == {"stock:c"}
+    assert semantic_duplicate_ids(TableRef.of(tmp_path / "absent.lance"), "web") == set()
 
     concepts = TableRef.of(tmp_path / "concepts.lance")
     rows = [{"id": i, "level": level, "cluster": 0, "balanced": kept}
