@@ -14,7 +14,9 @@ from prx_assets.stages.captions.captions import active_caption_filter
 from prx_assets.stages.semantic.concepts import (
     DEFAULT_SIZES,
     DEFAULT_TARGET_SHARE,
+    MIN_ROWS_PER_LEAF,
     balanced_selection,
+    effective_sizes,
     hierarchical_kmeans,
     largest_to_median,
     size_histogram,
@@ -218,6 +220,8 @@ class ConceptsConfig(dg.Config):
     # The balanced sample's size as a share of the samples (the `balance` skip reason
     # leaves out the rest; off by default in the loader).
     target_share: float = DEFAULT_TARGET_SHARE
+    # Levels are scaled down together below this many rows per leaf (a small corpus).
+    min_rows_per_leaf: int = MIN_ROWS_PER_LEAF
     seed: int = 0
     top_clusters: int = 5
     captions_per_cluster: int = 3
@@ -240,7 +244,8 @@ def build_concepts() -> dg.AssetsDefinition:
                                      CONCEPTS_SCHEMA)
             return dg.MaterializeResult(metadata={**recorded, "lance_version": version,
                                                   "samples": 0})
-        tree = hierarchical_kmeans(space.vectors, config.level_sizes, config.seed)
+        sizes = effective_sizes(config.level_sizes, space.rows, config.min_rows_per_leaf)
+        tree = hierarchical_kmeans(space.vectors, sizes, config.seed)
         keep = balanced_selection(tree, round(config.target_share * space.rows), config.seed)
         version = overwrite_rows(store.table(CONCEPTS), concept_rows(space.ids, tree, keep),
                                  CONCEPTS_SCHEMA)
@@ -250,6 +255,7 @@ def build_concepts() -> dg.AssetsDefinition:
                                  context.resources.captioner.caption_version())
         return dg.MaterializeResult(metadata={
             **recorded, "lance_version": version, "samples": space.rows,
+            "level_sizes_used": ", ".join(str(k) for k in sizes),
             "levels": ", ".join(str(int((tree.sizes(level) > 0).sum()))
                                 for level in range(1, len(tree.levels) + 1)),
             "balanced_samples": int(keep.sum()),

@@ -80,7 +80,8 @@ def test_semantic_assets_on_paraphrased_captions(ray_session, data_root, tmp_pat
 
     config = {"ops": {"semantic_duplicates": {"config": {"eps": 0.15,
                                                          "report_eps": [0.05, 0.15]}},
-                      "concepts": {"config": {"level_sizes": [4, 2], "target_share": 0.5}}}}
+                      "concepts": {"config": {"level_sizes": [4, 2], "target_share": 0.5,
+                                               "min_rows_per_leaf": 1}}}}
     run = dg.materialize([build_semantic_duplicates(), build_concepts()], resources=resources,
                          instance=instance, run_config=config)
     assert run.success

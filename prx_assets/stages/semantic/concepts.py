@@ -26,6 +26,9 @@ from prx_assets.stages.semantic.kmeans import kmeans, normalise
 MIN_LEVELS, MAX_LEVELS = 1, 4
 DEFAULT_SIZES = (64, 8)  # leaves first; the demo corpus is small
 DEFAULT_TARGET_SHARE = 0.5
+# Fewer rows per leaf than this and k-means leaves are noise (the demo's 280 captions in 64
+# leaves: 4 each); the levels are then scaled down together (`effective_sizes`).
+MIN_ROWS_PER_LEAF = 16
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,16 @@ def check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
     if any(s < 1 for s in sizes) or list(sizes) != sorted(sizes, reverse=True):
         raise ValueError(f"cluster counts per level must be >= 1 and shrink upwards: {sizes}")
     return sizes
+
+
+def effective_sizes(sizes: Sequence[int], rows: int,
+                    min_rows_per_leaf: int = MIN_ROWS_PER_LEAF) -> tuple[int, ...]:
+    """`sizes`, scaled down by one factor when the leaves would hold fewer than
+    `min_rows_per_leaf` rows on average (each level at least one cluster)."""
+    sizes = check_sizes(sizes)
+    factor = min(1.0, (rows // max(1, min_rows_per_leaf)) / sizes[0])
+    scaled = [max(1, round(s * factor)) for s in sizes]
+    return tuple(min(scaled[:i + 1]) for i in range(len(scaled)))
 
 
 def hierarchical_kmeans(vectors: np.ndarray, sizes: Sequence[int] = DEFAULT_SIZES,

@@ -4,6 +4,7 @@ import pytest
 from prx_assets.stages.semantic.concepts import (
     balanced_selection,
     check_sizes,
+    effective_sizes,
     hierarchical_kmeans,
     largest_to_median,
     leaf_budgets,
@@ -64,3 +65,10 @@ def test_level_sizes_are_checked():
 def test_size_histogram_counts_every_non_empty_cluster():
     bins = size_histogram(np.array([1, 2, 3, 50, 0, 1000]))
     assert sum(count for _, _, count in bins) == 5
+
+
+def test_levels_shrink_together_on_a_small_corpus():
+    assert effective_sizes((64, 8), 280) == (17, 2)
+    assert effective_sizes((64, 8), 10_000) == (64, 8)
+    assert effective_sizes((64, 8, 2), 5) == (1, 1, 1)
+    assert effective_sizes((4, 2), 9, min_rows_per_leaf=1) == (4, 2)
