@@ -42,7 +42,7 @@ def _demo(args: argparse.Namespace) -> int:
     # Partitioned asset checks are a Dagster preview feature this project uses on purpose;
     # its warning, repeated per definition build, tells a demo user nothing to act on.
     warnings.filterwarnings("ignore", category=dg.PreviewWarning)
-    results = materialize_all(sources_file)
+    results = materialize_all(sources_file, semantic=True)
     print_summary(results, sources_file)
     return 0 if all(r.success for r in results) else 1
 

@@ -27,16 +27,29 @@ from prx_assets.defs.resources import (
     StorageResource,
     captioner_from_file,
 )
+from prx_assets.defs.semantic import ImageEncoderResource, semantic_defs
 from prx_assets.defs.shards import shard_defs
 from prx_assets.defs.skip_lists import skip_list_defs
 from prx_assets.stages.ingest.sources import load_sources, sources_path
-from prx_assets.storage.tables import CORPUS, DUPLICATES, OPT_OUTS, SKIP_LISTS
+from prx_assets.storage.tables import (
+    CONCEPTS,
+    CORPUS,
+    DUPLICATES,
+    IMAGE_EMBEDDINGS,
+    OPT_OUTS,
+    SEMANTIC_DUPLICATES,
+    SKIP_LISTS,
+)
 
 # Assets over every source at once: run on their own, not once per source partition.
 GLOBAL_ASSETS = dg.AssetSelection.assets(DUPLICATES, OPT_OUTS)
 # Skip lists need the global duplicates, so they run after dedup_job, per source.
 SKIP_LIST_ASSETS = dg.AssetSelection.assets(SKIP_LISTS)
 CORPUS_ASSETS = dg.AssetSelection.assets(CORPUS)
+# Semantic curation runs on its own: embeddings per source (after captions and labels), then
+# the global semantic duplicates and concepts (before skip_lists_job, which applies them).
+EMBEDDING_ASSETS = dg.AssetSelection.assets(IMAGE_EMBEDDINGS)
+SEMANTIC_ASSETS = dg.AssetSelection.assets(SEMANTIC_DUPLICATES, CONCEPTS)
 
 
 def pipeline_jobs(partitions: dg.PartitionsDefinition) -> list[dg.UnresolvedAssetJobDefinition]:
@@ -44,12 +57,19 @@ def pipeline_jobs(partitions: dg.PartitionsDefinition) -> list[dg.UnresolvedAsse
     return [
         dg.define_asset_job(
             "corpus_job", partitions_def=partitions,
-            selection=dg.AssetSelection.all() - GLOBAL_ASSETS - SKIP_LIST_ASSETS - CORPUS_ASSETS,
+            selection=(dg.AssetSelection.all() - GLOBAL_ASSETS - SKIP_LIST_ASSETS - CORPUS_ASSETS
+                       - EMBEDDING_ASSETS - SEMANTIC_ASSETS),
             description="Every asset of the corpus for one source."),
         dg.define_asset_job("dedup_job", selection=GLOBAL_ASSETS,
                             description="Global duplicates and the opt-out audit."),
         dg.define_asset_job("skip_lists_job", selection=SKIP_LIST_ASSETS, partitions_def=partitions,
                             description="One source's skip lists (after dedup_job)."),
+        dg.define_asset_job("embeddings_job", selection=EMBEDDING_ASSETS,
+                            partitions_def=partitions,
+                            description="One source's image embeddings (after corpus_job)."),
+        dg.define_asset_job("semantic_job", selection=SEMANTIC_ASSETS,
+                            description="Semantic duplicates and concepts across sources "
+                                        "(after embeddings_job)."),
     ]
 
 
@@ -69,6 +89,7 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
         shard_defs(partitions),
         skip_list_defs(partitions),
         corpus_defs(partitions),
+        semantic_defs(partitions),
     ]
     shared = dg.Definitions(
         jobs=pipeline_jobs(partitions),
@@ -79,6 +100,7 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
             "lance_io_manager": RayLanceIOManager(storage=storage),
             "captioner": captioner,
             "classifier": ClassifierResource(),
+            "image_encoder": ImageEncoderResource(),
         })
     return dg.Definitions.merge(*stages, shared)
 

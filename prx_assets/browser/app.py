@@ -7,7 +7,8 @@ Views (each a few bounded Lance queries, see `queries`):
     /sample/{id}              one sample: full image, every caption version, labels, its
                               duplicate group, near duplicates, skip reasons, lineage
     /sample/{id}/opt-out      GET: the confirmation page; POST (page token): the request
-    /duplicates               near-duplicate clusters (Hamming 1-4) and exact groups
+    /duplicates               near-duplicate clusters (Hamming 1-4), exact groups and
+                              semantic (SemDeDup) groups
     /random                   redirect to a random sample
     /thumb/{id}, /image/{id}  JPEG bytes (thumbnail from `corpus`, full from
                               `bucketed_images`), with caching headers
@@ -139,8 +140,10 @@ def duplicates_page(request: Request, state: BrowserState) -> Response:
     except NotFound as err:
         return state.not_found(request, str(err))
     groups, total = queries.exact_groups(state.catalog, int(page_text))
+    semantic, semantic_total = queries.semantic_groups(state.catalog, int(page_text))
     return state.render(request, "duplicates.html", near=near[:100], near_total=len(near),
-                        groups=groups, groups_total=total, page=int(page_text))
+                        groups=groups, groups_total=total, page=int(page_text),
+                        semantic=semantic, semantic_total=semantic_total)
 
 
 def random_sample(request: Request, state: BrowserState) -> Response:

@@ -39,6 +39,7 @@ from prx_assets.storage.tables import (
     MDS_SAMPLES,
     OPT_OUTS,
     RAW_IMAGES,
+    SEMANTIC_DUPLICATES,
 )
 
 if TYPE_CHECKING:
@@ -307,6 +308,34 @@ def exact_groups(catalog: Catalog, page: int = 0, per_page: int = 20
         mine = [{"id": m["id"], "kept": m["id"] == kept_id} for m in members
                 if m["kept_id"] == kept_id]
         groups.append(ExactGroup(phash, sorted(mine, key=lambda m: (not m["kept"], m["id"]))))
+    return groups, total
+
+
+@dataclass
+class SemanticGroup:
+    members: list[dict]  # id, kept, similarity (cosine to the kept copy)
+
+
+def semantic_groups(catalog: Catalog, page: int = 0, per_page: int = 20
+                    ) -> tuple[list[SemanticGroup], int]:
+    """A page of SemDeDup groups, largest first (the `semantic_duplicates` table)."""
+    table = catalog.table(SEMANTIC_DUPLICATES)
+    if table is None:
+        return [], 0
+    kept_filter = "id = kept_id"
+    total = table.count_rows(filter=kept_filter)
+    heads = table.to_table(columns=["kept_id", "group_size"], filter=kept_filter)
+    order = pc.sort_indices(heads, [("group_size", "descending"), ("kept_id", "ascending")])
+    kept = heads.take(order).slice(page * per_page, per_page).column("kept_id")
+    of_page = pc.field("kept_id").isin(kept.combine_chunks())
+    members = table.to_table(columns=["id", "kept_id", "similarity"], filter=of_page,
+                             limit=max(1, per_page) * 1000).to_pylist()
+    groups = []
+    for kept_id in kept.to_pylist():
+        mine = [{"id": m["id"], "kept": m["id"] == kept_id,
+                 "similarity": round(float(m["similarity"]), 3)}
+                for m in members if m["kept_id"] == kept_id]
+        groups.append(SemanticGroup(sorted(mine, key=lambda m: (not m["kept"], m["id"]))))
     return groups, total
 
 

@@ -13,8 +13,10 @@ from prx_assets.defs.resources import (
 from prx_assets.stages.opt_outs.opt_outs import ids_for_source, parse_directory, resolve
 from prx_assets.stages.shards.trees import tree_store
 from prx_assets.stages.skip_lists.skip_lists import (
+    REASON_BALANCE,
     REASON_DEDUP,
     REASON_OPTOUT,
+    REASON_SEMDEDUP,
     REASON_STALE,
     build_skip_lists,
     duplicate_ids,
@@ -23,16 +25,20 @@ from prx_assets.stages.skip_lists.skip_lists import (
     mapping_shards,
     publish_skip_lists,
     read_ablations,
+    semantic_duplicate_ids,
     skip_shares,
+    unbalanced_ids,
 )
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import (
     CAPTION_LABELS,
+    CONCEPTS,
     DUPLICATES,
     MDS_SAMPLES,
     MDS_SHARDS,
     OPT_OUTS,
+    SEMANTIC_DUPLICATES,
     SKIP_LISTS,
 )
 
@@ -43,6 +49,11 @@ class SkipListsConfig(dg.Config):
     # would drop the field from the run config schema.
     skip_labels: list[str] = ["text", "nsfw"]  # noqa: RUF012
     dedup: bool = True
+    # Embedding-space duplicates and the concept-balance complement, when their global
+    # tables exist. Written to the sidecars; a training run picks them (the loader leaves
+    # `balance` out unless named).
+    semdedup: bool = True
+    balance: bool = True
     opt_outs: bool = True
     # Named ablation lists: $PRX_DATA_ROOT/ablations/<name>.txt, one id per line.
     ablations: bool = True
@@ -54,11 +65,12 @@ def build_skip_lists_asset(partitions_def: dg.PartitionsDefinition) -> dg.Assets
     @dg.asset(
         partitions_def=partitions_def,
         name=SKIP_LISTS,
-        deps=[MDS_SHARDS, DUPLICATES, CAPTION_LABELS, OPT_OUTS],
+        deps=[MDS_SHARDS, DUPLICATES, CAPTION_LABELS, OPT_OUTS, SEMANTIC_DUPLICATES, CONCEPTS],
         group_name="dedup",
         kinds={"json"},
         description="Per-shard skip lists (shard.NNNNN.skip.json beside each shard): "
-                    "non-kept duplicates, chosen caption labels, opt-outs and named "
+                    "non-kept duplicates (pHash and semantic), the concept-balance "
+                    "complement, chosen caption labels, opt-outs and named "
                     "ablations. Shards are never touched.",
     )
     def skip_lists(context: dg.AssetExecutionContext, config: SkipListsConfig,
@@ -108,6 +120,14 @@ def _reasons(context: dg.AssetExecutionContext, config: SkipListsConfig, store: 
     if duplicates is not None:
         reasons[REASON_DEDUP] = duplicate_ids(duplicates, source)
         lineage[f"input_version/{DUPLICATES}"] = duplicates.version
+    semantic = _pinned_if_exists(store.table(SEMANTIC_DUPLICATES)) if config.semdedup else None
+    if semantic is not None:
+        reasons[REASON_SEMDEDUP] = semantic_duplicate_ids(semantic, source)
+        lineage[f"input_version/{SEMANTIC_DUPLICATES}"] = semantic.version
+    concepts = _pinned_if_exists(store.table(CONCEPTS)) if config.balance else None
+    if concepts is not None:
+        reasons[REASON_BALANCE] = unbalanced_ids(concepts, source)
+        lineage[f"input_version/{CONCEPTS}"] = concepts.version
     labels = _pinned_if_exists(store.table(CAPTION_LABELS, source)) if config.skip_labels \
         else None
     if labels is not None:

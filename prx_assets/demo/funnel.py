@@ -15,6 +15,7 @@ from prx_assets.stages.images.buckets import STATUS_BAD_ASPECT, STATUS_TOO_SMALL
 from prx_assets.stages.labels.labels import active_labels_filter
 from prx_assets.stages.shards.trees import tree_store
 from prx_assets.stages.skip_lists.skip_lists import (
+    OPT_IN_REASONS,
     duplicate_ids,
     read_sidecar,
     skipped_indices,
@@ -68,9 +69,12 @@ def _count(storage: Storage, table: str, source: str | None,
 
 
 def skipped_in_tree(tree: Location) -> int:
-    """Samples the sidecars skip, any reason (a sample skipped for two reasons counts once);
-    `tree` is a local folder or a version's `s3://` prefix."""
-    return sum(len(skipped_indices(read_sidecar(sidecar))) for sidecar in tree_sidecars(tree))
+    """Samples the sidecars skip for the reasons the loader applies by default (any but the
+    opt-in `balance`; a sample skipped for two reasons counts once); `tree` is a local
+    folder or a version's `s3://` prefix."""
+    return sum(len(skipped_indices({reason: ids for reason, ids in read_sidecar(sidecar).items()
+                                    if reason not in OPT_IN_REASONS}))
+               for sidecar in tree_sidecars(tree))
 
 
 def source_funnel(storage: Storage | str | Path, source: str, caption_version: str,

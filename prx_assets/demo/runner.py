@@ -13,7 +13,7 @@ from prx_assets.demo.funnel import format_funnel, source_funnel
 from prx_assets.engine import ray_runtime
 from prx_assets.stages.ingest.sources import load_sources
 from prx_assets.storage.layout import Storage
-from prx_assets.storage.tables import CORPUS, DUPLICATES, MDS_SAMPLES
+from prx_assets.storage.tables import CONCEPTS, CORPUS, DUPLICATES, MDS_SAMPLES, SEMANTIC_DUPLICATES
 
 # The console shows INFO and above (progress lines, warnings, failures): Dagster's DEBUG
 # events (step starts, handled outputs, ...) are two thirds of what a run prints. The run's
@@ -66,8 +66,10 @@ def _partition_run(name: str, result: dg.ExecuteInProcessResult) -> PartitionRun
 
 
 def materialize_all(sources_file: Path, instance: dg.DagsterInstance | None = None,
-                    corpus_run_config: dict | None = None) -> list[PartitionRun]:
+                    corpus_run_config: dict | None = None, semantic: bool = False
+                    ) -> list[PartitionRun]:
     """Every asset for every source: corpus_job per source (with `corpus_run_config`), then
+    (with `semantic`) each source's embeddings and the semantic duplicates and concepts,
     dedup across sources, each source's skip lists, and the corpus table."""
     instance = instance or dg.DagsterInstance.get()
     defs = build_defs(sources_file)
@@ -77,10 +79,24 @@ def materialize_all(sources_file: Path, instance: dg.DagsterInstance | None = No
     for source in load_sources(sources_file).names:
         runs.append(_partition_run(source, _run(job, instance, corpus_run_config,
                                                 partition_key=source)))
+    if semantic:
+        runs += _semantic_runs(defs, instance, load_sources(sources_file).names)
     runs += _after_all_sources(defs, instance, load_sources(sources_file).names)
     if runs and all(run.success for run in runs):  # the corpus table spans every source
         runs.append(_partition_run("(all sources: corpus_table_job)",
                                    _run(defs.resolve_job_def("corpus_table_job"), instance)))
+    return runs
+
+
+def _semantic_runs(defs: dg.Definitions, instance: dg.DagsterInstance, sources: list[str]
+                   ) -> list[PartitionRun]:
+    """Each source's image embeddings, then semantic duplicates and concepts across them
+    (before skip_lists_job, which turns them into the semdedup and balance reasons)."""
+    runs = [_partition_run(f"{source} (embeddings_job)", _run(
+        defs.resolve_job_def("embeddings_job"), instance, partition_key=source))
+        for source in sources]
+    runs.append(_partition_run("(all sources: semantic_job)",
+                               _run(defs.resolve_job_def("semantic_job"), instance)))
     return runs
 
 
@@ -174,6 +190,19 @@ def print_summary(runs: list[PartitionRun], sources_file: Path) -> None:
         if dups:
             print(f"   duplicates: {dups.get('removed')} copies removed in "
                   f"{dups.get('duplicate_groups')} groups -> {dups.get('path')}")
+        semantic = run.metadata.get(SEMANTIC_DUPLICATES, {})
+        if semantic:
+            acted = ("skipped by semdedup" if semantic.get("applied_by_skip_lists")
+                     else "reported only")
+            print(f"   semantic duplicates: {semantic.get('removed')} of "
+                  f"{semantic.get('embeddings')} at eps {semantic.get('eps')} ({acted}) in "
+                  f"the {semantic.get('space')}")
+        concepts = run.metadata.get(CONCEPTS, {})
+        if concepts:
+            print(f"   concepts: clusters per level {concepts.get('levels')}; balanced sample "
+                  f"{concepts.get('balanced_samples')} of {concepts.get('samples')} (largest/"
+                  f"median leaf {concepts.get('largest_to_median_before')} -> "
+                  f"{concepts.get('largest_to_median_after')})")
         corpus = run.metadata.get(CORPUS, {})
         if corpus:
             print(f"   corpus: {corpus.get('dagster/row_count')} rows -> {corpus.get('path')}; "

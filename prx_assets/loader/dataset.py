@@ -32,6 +32,7 @@ from streaming import StreamingDataset
 from streaming.base.format.base.reader import JointReader
 
 from prx_assets.stages.skip_lists.skip_lists import (
+    OPT_IN_REASONS,
     REASON_STALE,
     SIDECAR_SUFFIX,
     read_sidecar,
@@ -59,8 +60,9 @@ class SkipListStreamingDataset(StreamingDataset):
     Args:
         streams: one `streaming.Stream` per leaf (see `prx_assets.loader.build_dataset`).
         batch_size: per-device batch size (required: batches are formed per stream).
-        skip_reasons: reasons to apply; `None` applies every reason found in the sidecars,
-            `()` applies none but `stale` (samples an incremental mds_shards run superseded,
+        skip_reasons: reasons to apply; `None` applies every reason found in the sidecars
+            except the opt-in ones (`balance`: named to be applied), `()` applies none but
+            `stale` (samples an incremental mds_shards run superseded,
             always applied: they are no longer part of the source).
         shuffle_seed: the seed of the deterministic shuffle.
         decode_images: False yields the `jpeg` columns as their stored bytes (local shards),
@@ -79,7 +81,8 @@ class SkipListStreamingDataset(StreamingDataset):
         wanted = None if skip_reasons is None else frozenset(skip_reasons) | {REASON_STALE}
         self.skipped, found = self._read_skip_lists(wanted)
         self.skip_reasons: list[str] = sorted(
-            found if wanted is None else {r for r in wanted if r != REASON_STALE or r in found})
+            set(found) - OPT_IN_REASONS if wanted is None
+            else {r for r in wanted if r != REASON_STALE or r in found})
         self.skip_counts: Counter = found
         self.skip_digest = hashlib.sha256(np.flatnonzero(self.skipped).tobytes()).hexdigest()[:16]
         self.length = self._samples_per_rank(epoch=0)  # what len() and len(DataLoader) report
@@ -109,7 +112,7 @@ class SkipListStreamingDataset(StreamingDataset):
             offset = int(self.sample_offset_per_shard[shard_id])
             for reason, indices in lists.items():
                 found[reason] += len(indices)
-                if wanted is None or reason in wanted:
+                if (reason not in OPT_IN_REASONS) if wanted is None else (reason in wanted):
                     local = np.asarray(indices, np.int64)
                     if local.size and (local.min() < 0 or local.max() >= shard.samples):
                         raise ValueError(f"{path}: index out of range for {shard.samples} samples")

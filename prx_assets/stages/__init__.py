@@ -7,10 +7,11 @@ In the order a source goes through them:
 3. `captions`    dense re-captions, versioned
 4. `labels`      caption classification (visual / text / nsfw)
 5. `dedup`       exact pHash duplicates across sources (global)
-6. `opt_outs`    the audited opt-out requests (global)
-7. `shards`      MDS trees per tier and shape
-8. `skip_lists`  per-shard sidecars: dedup, labels, opt-outs, ablations
-9. `corpus`      the searchable table over every source (global)
+6. `semantic`    image embeddings, SemDeDup and concept balance (global steps)
+7. `opt_outs`    the audited opt-out requests (global)
+8. `shards`      MDS trees per tier and shape
+9. `skip_lists`  per-shard sidecars: dedup, semdedup, balance, labels, opt-outs, ablations
+10. `corpus`     the searchable table over every source (global)
 
 Their Dagster wiring is `prx_assets.defs.<stage>`.
 """

@@ -10,13 +10,17 @@ PHASHES = "phashes"
 CAPTIONS = "captions"
 CAPTION_LABELS = "caption_labels"
 MDS_SAMPLES = "mds_samples"  # which shard and index holds each sample of the current tree
+IMAGE_EMBEDDINGS = "image_embeddings"  # one vector per kept image and encoder
 
 DUPLICATES = "duplicates"
 OPT_OUTS = "opt_outs"
 CORPUS = "corpus"
+SEMANTIC_DUPLICATES = "semantic_duplicates"  # SemDeDup groups across sources
+CONCEPTS = "concepts"  # hierarchical k-means cluster per sample per level, balance flag
 
-PER_SOURCE = (RAW_IMAGES, BUCKETED_IMAGES, PHASHES, CAPTIONS, CAPTION_LABELS, MDS_SAMPLES)
-GLOBAL = (DUPLICATES, OPT_OUTS, CORPUS)
+PER_SOURCE = (RAW_IMAGES, BUCKETED_IMAGES, PHASHES, CAPTIONS, CAPTION_LABELS, MDS_SAMPLES,
+              IMAGE_EMBEDDINGS)
+GLOBAL = (DUPLICATES, OPT_OUTS, CORPUS, SEMANTIC_DUPLICATES, CONCEPTS)
 
 # Artifacts that are not Lance tables: each source's MDS tree and the skip-list sidecars
 # beside its shards (assets of these names record them).

@@ -4,8 +4,10 @@ Beside each shard `shard.NNNNN.mds` of an MDS leaf sits `shard.NNNNN.skip.json`:
 
     {"version": 1, "lists": {"<reason>": [sorted shard-local sample indices], ...}}
 
-An absent sidecar means nothing is skipped. Reasons are `dedup`, `text`, `nsfw` (and any
-other caption label chosen), `optout`, and one per named ablation list. Shards are never
+An absent sidecar means nothing is skipped. Reasons are `dedup`, `semdedup` (embedding-space
+duplicates), `balance` (the samples concept balancing leaves out: opt-in, the loader applies
+it only when named), `text`, `nsfw` (and any other caption label chosen), `optout`, and one
+per named ablation list. Shards are never
 touched: changing what is skipped costs one small file per shard, not a rewrite.
 
 Locally each sidecar is replaced atomically (temporary file in the same folder, then
@@ -40,13 +42,18 @@ SIDECAR_VERSION = 1
 SHARD_SUFFIX = ".mds"
 SIDECAR_SUFFIX = ".skip.json"
 REASON_DEDUP, REASON_OPTOUT = "dedup", "optout"
+REASON_SEMDEDUP, REASON_BALANCE = "semdedup", "balance"
+# Reasons the loader applies only when a training run names them (skip_reasons=None leaves
+# them out): balancing changes the data mix, which is an experiment, not hygiene.
+OPT_IN_REASONS = frozenset({REASON_BALANCE})
 # Samples an incremental mds_shards run superseded (the id changed or left the source): still
 # stored in an older shard, written by mds_shards itself, always applied by the loader and
 # kept by the skip_lists asset whatever it is configured with; a rewrite drops them.
 REASON_STALE = "stale"
 ABLATION_NAME = re.compile(r"^[a-z0-9_]+$")
 # An ablation list is its own reason, so it cannot take a built-in reason's name.
-RESERVED_REASONS = frozenset({"dedup", "optout", "text", "nsfw", "visual", REASON_STALE})
+RESERVED_REASONS = frozenset({"dedup", "optout", "text", "nsfw", "visual", REASON_STALE,
+                              REASON_SEMDEDUP, REASON_BALANCE})
 # Columns of the MDS mapping table (`mds_samples`) a skip list needs.
 MAPPING_COLUMNS = ["id", "leaf", "shard", "sample_index"]
 SCAN_ROWS = 1 << 18  # rows per batch when scanning a table for ids
@@ -310,6 +317,24 @@ def duplicate_ids(duplicates: TableRef, source: str, batch_rows: int = SCAN_ROWS
         return set()
     return _ids(duplicates, f"id != kept_id AND starts_with(id, {sql_string(source + ':')})",
                 batch_rows)
+
+
+def semantic_duplicate_ids(semantic: TableRef, source: str, batch_rows: int = SCAN_ROWS
+                           ) -> set[str]:
+    """The source's non-kept copies of the semantic groups skip lists act on (`applied`)."""
+    if not semantic.exists():
+        return set()
+    return _ids(semantic, f"applied = true AND id != kept_id AND "
+                          f"starts_with(id, {sql_string(source + ':')})", batch_rows)
+
+
+def unbalanced_ids(concepts: TableRef, source: str, batch_rows: int = SCAN_ROWS) -> set[str]:
+    """The source's samples the balanced concept sample leaves out (one row per sample at
+    level 1 of the `concepts` table)."""
+    if not concepts.exists():
+        return set()
+    return _ids(concepts, f"level = 1 AND balanced = false AND "
+                          f"starts_with(id, {sql_string(source + ':')})", batch_rows)
 
 
 def label_ids(labels_table: TableRef, labels: Iterable[str], caption_version: str,

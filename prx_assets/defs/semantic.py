@@ -1,0 +1,323 @@
+"""Semantic curation: image_embeddings (per source), semantic_duplicates and concepts
+(global), and the `image_encoder` resource that names the embedding space."""
+
+import itertools
+
+import dagster as dg
+import numpy as np
+import pyarrow as pa
+
+from prx_assets.defs.metadata import browser_link, incremental_metadata
+from prx_assets.defs.resources import SourcesResource
+from prx_assets.engine.batches import arrow_batches
+from prx_assets.stages.captions.captions import active_caption_filter
+from prx_assets.stages.semantic.concepts import (
+    DEFAULT_SIZES,
+    DEFAULT_TARGET_SHARE,
+    MIN_ROWS_PER_LEAF,
+    balanced_selection,
+    effective_sizes,
+    hierarchical_kmeans,
+    largest_to_median,
+    size_histogram,
+)
+from prx_assets.stages.semantic.embeddings import (
+    caption_encoder_name,
+    caption_vectors,
+    encoder_name,
+    image_vectors,
+    index_vectors,
+    kept_ids,
+    plan,
+    write_embeddings,
+)
+from prx_assets.stages.semantic.semdedup import (
+    DEFAULT_CLUSTER_CAP,
+    DEFAULT_CLUSTER_ROWS,
+    DEFAULT_EPS,
+    REPORT_EPS,
+    SEMANTIC_DUPLICATES_SCHEMA,
+    SemDedupConfig,
+    largest_groups,
+    ray_runner,
+    reported_only,
+    run_serially,
+    semantic_duplicates,
+)
+from prx_assets.stages.semantic.spaces import CONCEPTS_SCHEMA, Space, concept_rows, gather
+from prx_assets.storage.filters import all_of, in_filter
+from prx_assets.storage.lance_tables import overwrite_rows
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.tables import (
+    BUCKETED_IMAGES,
+    CAPTION_LABELS,
+    CAPTIONS,
+    CONCEPTS,
+    IMAGE_EMBEDDINGS,
+    PHASHES,
+    SEMANTIC_DUPLICATES,
+)
+
+CAPTION_SPACE_NOTE = ("caption space: MiniLM embeddings of the active captions (no image "
+                      "encoder configured; the demo's fallback)")
+
+
+class ImageEncoderResource(dg.ConfigurableResource):
+    """The embedding space: a CLIP or SigLIP checkpoint folder (`checkpoint`), or, unset,
+    the caption embeddings the labels stage computed."""
+
+    checkpoint: str | None = None
+    actors: int = 1
+    threads_per_actor: int = 1
+    batch_size: int = 32
+
+    def encoder(self, caption_version: str) -> str:
+        return (encoder_name(self.checkpoint) if self.checkpoint
+                else caption_encoder_name(caption_version))
+
+    def space_note(self) -> str:
+        return f"image encoder {self.checkpoint}" if self.checkpoint else CAPTION_SPACE_NOTE
+
+
+def build_image_embeddings(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+    @dg.asset(
+        name=IMAGE_EMBEDDINGS, partitions_def=partitions_def, group_name="semantic",
+        deps=[BUCKETED_IMAGES, CAPTION_LABELS], kinds={"ray", "lance"}, code_version="1",
+        required_resource_keys={"captioner", "image_encoder", "ray_cluster", "storage"},
+        description="One unit vector per kept image under the configured encoder (a CLIP / "
+                    "SigLIP vision tower on Ray Data actors, or the caption embeddings when "
+                    "none is configured); incremental per encoder.")
+    def image_embeddings(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        source = context.partition_key
+        store: Storage = context.resources.storage.get()
+        image_encoder: ImageEncoderResource = context.resources.image_encoder
+        caption_version = context.resources.captioner.caption_version()
+        encoder = image_encoder.encoder(caption_version)
+        bucketed = store.table(BUCKETED_IMAGES, source)
+        if bucketed.latest_version() is None:
+            raise dg.Failure(f"{bucketed} does not exist: materialise bucketed_images first")
+        bucketed = bucketed.pinned()
+        table = store.table(IMAGE_EMBEDDINGS, source)
+        work = plan(kept_ids(bucketed), table, encoder)
+        lineage: dict = {f"input_version/{BUCKETED_IMAGES}": bucketed.version}
+        if image_encoder.checkpoint:
+            batches = arrow_batches(image_vectors(
+                bucketed, work.todo, image_encoder.checkpoint, image_encoder.actors,
+                image_encoder.batch_size, image_encoder.threads_per_actor)) if work.todo else []
+        else:
+            labels = store.table(CAPTION_LABELS, source)
+            if labels.latest_version() is None:
+                raise dg.Failure(f"{labels} does not exist: no caption embeddings to use")
+            labels = labels.pinned()
+            lineage[f"input_version/{CAPTION_LABELS}"] = labels.version
+            batches = caption_vectors(labels, caption_version, work.todo) if work.todo else []
+        counts = write_embeddings(table, batches, encoder, work.removed)
+        index = index_vectors(table) if table.exists() else "no table"
+        context.log.info(f"{source}: {counts.written} embedded, {work.reused} reused, "
+                         f"{len(work.removed)} removed under {encoder}")
+        return dg.MaterializeResult(metadata={
+            **lineage, **browser_link(context),
+            "encoder": encoder, "space": image_encoder.space_note(),
+            "lance_version": table.latest_version() or 0,
+            **incremental_metadata(counts.written, work.reused, len(work.removed)),
+            "failed": counts.failed, "failures": "; ".join(counts.errors or []) or "none",
+            # In the caption space an image without a usable caption has no vector yet.
+            "not_embedded": len(work.todo) - counts.written - counts.failed,
+            "vector_index": index,
+            # Vectors of another size were there (another encoder): the table was replaced.
+            "replaced_other_space": counts.replaced,
+        })
+
+    return image_embeddings
+
+
+class SemanticDuplicatesConfig(dg.Config):
+    eps: float = DEFAULT_EPS
+    # The shares reported (the SemDeDup table); the acting eps is always among them.
+    report_eps: list[float] = list(REPORT_EPS)  # noqa: RUF012 (see SkipListsConfig)
+    cluster_rows: int = DEFAULT_CLUSTER_ROWS
+    cluster_cap: int = DEFAULT_CLUSTER_CAP
+    ray_tasks: bool = True  # one Ray task per batch of clusters (False: in this process)
+    seed: int = 0
+    # In the caption space (no image encoder) two images with one caption look identical,
+    # so its groups are reported only unless this is set: skip lists act on image spaces.
+    apply_in_caption_space: bool = False
+
+
+def _space(context: dg.AssetExecutionContext, store: Storage, names: list[str]
+           ) -> tuple[Space, str, dict]:
+    caption_version = context.resources.captioner.caption_version()
+    encoder = context.resources.image_encoder.encoder(caption_version)
+    space = gather(store, names, encoder)
+    if space.missing:
+        context.log.warning(f"no image_embeddings yet for {', '.join(space.missing)}")
+    lineage = {f"input_version/{name}": v for name, v in space.versions.items()}
+    note = context.resources.image_encoder.space_note()
+    return space, encoder, {**lineage, "encoder": encoder, "space": note,
+                            "sources_missing": ", ".join(space.missing) or "none"}
+
+
+def build_semantic_duplicates() -> dg.AssetsDefinition:
+    @dg.asset(
+        name=SEMANTIC_DUPLICATES, group_name="semantic", kinds={"ray", "lance"},
+        deps=[dg.AssetDep(IMAGE_EMBEDDINGS, partition_mapping=dg.AllPartitionMapping()),
+              dg.AssetDep(PHASHES, partition_mapping=dg.AllPartitionMapping())],
+        code_version="1",
+        required_resource_keys={"captioner", "image_encoder", "ray_cluster", "sources",
+                                "storage"},
+        description="SemDeDup across every source: k-means, then pairs above cosine 1 - eps "
+                    "within each cluster joined into groups; the copy kept follows the pHash "
+                    "dedup (most pixels, source order, id). The rest: skip reason semdedup.")
+    def semantic_duplicates_asset(context: dg.AssetExecutionContext,
+                                  config: SemanticDuplicatesConfig) -> dg.MaterializeResult:
+        sources: SourcesResource = context.resources.sources
+        store: Storage = context.resources.storage.get()
+        space, _, recorded = _space(context, store, sources.load().names)
+        settings = SemDedupConfig(eps=config.eps, report_eps=tuple(config.report_eps),
+                                  cluster_rows=config.cluster_rows,
+                                  cluster_cap=config.cluster_cap, seed=config.seed)
+        runner = ray_runner() if config.ray_tasks else run_serially
+        result = semantic_duplicates(space.ids, space.vectors, space.pixels, space.rank,
+                                     settings, runner)
+        image_encoder: ImageEncoderResource = context.resources.image_encoder
+        applied = bool(image_encoder.checkpoint) or config.apply_in_caption_space
+        table = result.duplicates if applied else reported_only(result.duplicates)
+        version = overwrite_rows(store.table(SEMANTIC_DUPLICATES), table,
+                                 SEMANTIC_DUPLICATES_SCHEMA)
+        removed = result.removed_by_eps[config.eps]
+        return dg.MaterializeResult(metadata={
+            **recorded, "lance_version": version, "embeddings": result.rows,
+            "clusters": result.clusters, "largest_cluster": result.largest_cluster,
+            "faiss_gpu": result.on_gpu, "eps": config.eps, "removed": removed,
+            "applied_by_skip_lists": applied,
+            "removed_share": round(removed / result.rows, 4) if result.rows else 0.0,
+            "removed_share_by_eps": dg.MetadataValue.md(
+                _eps_markdown(result.removed_by_eps, result.rows, config.eps)),
+            "largest_groups": _groups_table(largest_groups(result.duplicates)),
+        })
+
+    return semantic_duplicates_asset
+
+
+def _eps_markdown(removed: dict[float, int], rows: int, acting: float) -> str:
+    lines = ["| eps | cosine above | removed | share |", "| --- | --- | --- | --- |"]
+    for eps, n in sorted(removed.items()):
+        mark = " (acting)" if eps == acting else ""
+        share = n / rows if rows else 0.0
+        lines.append(f"| {eps:g}{mark} | {1 - eps:.2f} | {n} | {share:.2%} |")
+    return "\n".join(lines)
+
+
+def _groups_table(groups: list[dict]) -> dg.TableMetadataValue:
+    return dg.MetadataValue.table([dg.TableRecord(g) for g in groups], schema=dg.TableSchema(
+        columns=[dg.TableColumn("group_size", "int"), dg.TableColumn("kept_id", "string"),
+                 dg.TableColumn("ids", "string")]))
+
+
+class ConceptsConfig(dg.Config):
+    # Clusters per level, leaves first (1 to 4 levels, shrinking upwards).
+    level_sizes: list[int] = list(DEFAULT_SIZES)  # noqa: RUF012 (see SkipListsConfig)
+    # The balanced sample's size as a share of the samples (the `balance` skip reason
+    # leaves out the rest; off by default in the loader).
+    target_share: float = DEFAULT_TARGET_SHARE
+    # Levels are scaled down together below this many rows per leaf (a small corpus).
+    min_rows_per_leaf: int = MIN_ROWS_PER_LEAF
+    seed: int = 0
+    top_clusters: int = 5
+    captions_per_cluster: int = 3
+
+
+def build_concepts() -> dg.AssetsDefinition:
+    @dg.asset(
+        name=CONCEPTS, group_name="semantic", kinds={"lance"}, code_version="1",
+        deps=[dg.AssetDep(IMAGE_EMBEDDINGS, partition_mapping=dg.AllPartitionMapping())],
+        required_resource_keys={"captioner", "image_encoder", "sources", "storage"},
+        description="Hierarchical k-means concepts: a cluster per sample per level, and a "
+                    "balanced sample (the hierarchical method's water-filling from the top "
+                    "level down); the unbalanced rest is the skip reason balance.")
+    def concepts(context: dg.AssetExecutionContext, config: ConceptsConfig
+                 ) -> dg.MaterializeResult:
+        store: Storage = context.resources.storage.get()
+        space, _, recorded = _space(context, store, context.resources.sources.load().names)
+        if space.rows == 0:
+            version = overwrite_rows(store.table(CONCEPTS), CONCEPTS_SCHEMA.empty_table(),
+                                     CONCEPTS_SCHEMA)
+            return dg.MaterializeResult(metadata={**recorded, "lance_version": version,
+                                                  "samples": 0})
+        sizes = effective_sizes(config.level_sizes, space.rows, config.min_rows_per_leaf)
+        tree = hierarchical_kmeans(space.vectors, sizes, config.seed)
+        keep = balanced_selection(tree, round(config.target_share * space.rows), config.seed)
+        version = overwrite_rows(store.table(CONCEPTS), concept_rows(space.ids, tree, keep),
+                                 CONCEPTS_SCHEMA)
+        before = tree.sizes(1)
+        after = np.bincount(tree.leaves[keep], minlength=len(before))
+        captions = _top_clusters(store, space, tree.leaves, before, config,
+                                 context.resources.captioner.caption_version())
+        return dg.MaterializeResult(metadata={
+            **recorded, "lance_version": version, "samples": space.rows,
+            "level_sizes_used": ", ".join(str(k) for k in sizes),
+            "levels": ", ".join(str(int((tree.sizes(level) > 0).sum()))
+                                for level in range(1, len(tree.levels) + 1)),
+            "balanced_samples": int(keep.sum()),
+            "largest_to_median_before": round(largest_to_median(before), 2),
+            "largest_to_median_after": round(largest_to_median(after), 2),
+            "leaf_sizes": dg.MetadataValue.md(_histogram_markdown(before, after)),
+            "top_clusters": dg.MetadataValue.md(captions),
+        })
+
+    return concepts
+
+
+def _histogram_markdown(before: np.ndarray, after: np.ndarray) -> str:
+    """Leaf clusters per size bin, before and after balancing, with text bars (a plot the
+    UI renders as it is)."""
+    lines = ["| leaf size | clusters before | | clusters after | |",
+             "| --- | --- | --- | --- | --- |"]
+    edges = sorted({lo for lo, _, _ in size_histogram(before)}
+                   | {lo for lo, _, _ in size_histogram(after)})
+    top = int(max(before.max(initial=1), 1))
+    bounds = [*edges, top + 1]
+    for lo, hi in itertools.pairwise(bounds):
+        n_before = int(((before >= lo) & (before < hi)).sum())
+        n_after = int(((after >= lo) & (after < hi)).sum())
+        lines.append(f"| {lo}-{hi - 1} | {n_before} | {'█' * n_before} | {n_after} | "
+                     f"{'█' * n_after} |")
+    return "\n".join(lines)
+
+
+def _top_clusters(store: Storage, space: Space, leaves: np.ndarray, sizes: np.ndarray,
+                  config: ConceptsConfig, caption_version: str) -> str:
+    """The largest leaf clusters with a few of their captions (what the concept is)."""
+    chosen = np.argsort(-sizes, kind="stable")[:config.top_clusters]
+    samples = {int(c): space.ids.take(pa_indices(np.flatnonzero(leaves == c)
+                                                 [:config.captions_per_cluster])).to_pylist()
+               for c in chosen}
+    texts = _captions(store, [i for ids in samples.values() for i in ids], caption_version)
+    lines = ["| leaf cluster | size | sample captions |", "| --- | --- | --- |"]
+    for cluster, ids in samples.items():
+        shown = " / ".join(texts.get(i, i)[:120].replace("|", " ") for i in ids)
+        lines.append(f"| {cluster} | {int(sizes[cluster])} | {shown} |")
+    return "\n".join(lines)
+
+
+def pa_indices(rows: np.ndarray) -> pa.Array:
+    return pa.array(rows, pa.int64())
+
+
+def _captions(store: Storage, ids: list[str], caption_version: str) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for source in sorted({i.split(":", 1)[0] for i in ids}):
+        table = store.table(CAPTIONS, source)
+        if table.latest_version() is None:
+            continue
+        condition = all_of(active_caption_filter(caption_version),
+                           in_filter("id", [i for i in ids if i.startswith(source + ":")]))
+        rows = table.to_table(columns=["id", "caption"], filter=condition)
+        found.update(zip(rows.column("id").to_pylist(), rows.column("caption").to_pylist(),
+                         strict=True))
+    return found
+
+
+def semantic_defs(partitions_def: dg.PartitionsDefinition) -> dg.Definitions:
+    return dg.Definitions(assets=[build_image_embeddings(partitions_def),
+                                  build_semantic_duplicates(), build_concepts()])

@@ -1,0 +1,48 @@
+"""`balance` is opt-in in the loader: skip_reasons=None applies every other reason found."""
+
+import gc
+import json
+
+import pytest
+from streaming.base.util import clean_stale_shared_memory
+
+from prx_assets.loader import build_dataset
+from prx_assets.stages.shards import mds, plan, trees
+from prx_assets.stages.skip_lists.skip_lists import sidecar_path
+from prx_assets.storage.layout import Storage
+from prx_assets.testing.mds_corpus import build_corpus, inputs_for
+
+SHAPES = ((1, 48, 48),)
+
+
+@pytest.fixture()
+def tree(tmp_path):
+    clean_stale_shared_memory()
+    root = tmp_path / "data"
+    build_corpus(root, "alpha", per_shape=12, shapes=SHAPES)
+    mds.write_mds_tree(inputs_for(root, "alpha"), root, "alpha",
+                       plan.WriteOptions(parallel=False))
+    rows = Storage(root).table("mds_samples", "alpha").to_table().to_pylist()
+    by_shard: dict = {}
+    for row in rows:
+        by_shard.setdefault((row["leaf"], row["shard"]), []).append(row["sample_index"])
+    (leaf, shard), indices = sorted(by_shard.items())[0]
+    indices = sorted(indices)
+    lists = {"semdedup": indices[:2], "balance": indices[2:6]}
+    path = sidecar_path(trees.current_tree(root / "mds", "alpha") / leaf / shard)
+    path.write_text(json.dumps({"version": 1, "lists": lists}))
+    yield root / "mds"
+    gc.collect()
+    clean_stale_shared_memory()
+
+
+def test_balance_applies_only_when_named(tree):
+    default = build_dataset(tree, 1, 2, weights={"alpha": 1.0}, shuffle=False)
+    assert default.skip_reasons == ["semdedup"]
+    assert int(default.skipped.sum()) == 2
+    assert default.skip_counts["balance"] == 4  # found and counted, not applied
+    del default
+    balanced = build_dataset(tree, 1, 2, weights={"alpha": 1.0}, shuffle=False,
+                             skip_reasons=["semdedup", "balance"])
+    assert balanced.skip_reasons == ["balance", "semdedup"]
+    assert int(balanced.skipped.sum()) == 6
