@@ -65,6 +65,8 @@ def kmeans(vectors: np.ndarray, k: int, seed: int = 0, iterations: int = DEFAULT
                          max_points_per_centroid=MAX_POINTS_PER_CENTROID,
                          min_points_per_centroid=1, verbose=False)
     model.train(vectors, init_centroids=plus_plus_seeds(vectors, k, seed) if plus_plus else None)
+    if model.centroids is None:  # faiss sets them in train(); None only before it
+        raise RuntimeError("faiss k-means returned no centroids")
     centroids = normalise(model.centroids)
     return KMeansResult(centroids, assign(vectors, centroids), on_gpu)
 
