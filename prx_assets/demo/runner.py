@@ -23,13 +23,11 @@ CONSOLE_LEVEL = "INFO"
 # Checks that warn on the demo's own data, and why: what a new user reads under the warning.
 DEMO_NOTES = {
     "caption_labels:label_shares":
-        "expected on the demo: every crop of one photo (Grace Hopper's portrait) has the same "
-        "caption, \"A woman in a dark naval uniform ... poses for a formal portrait\", which "
-        "the small embedded classifier labels nsfw, and those copies pass the 2% bound; on "
-        "real data, look at the captions so labelled (bounds: LabelSharesConfig)",
+        "not expected on the demo (its captions are photos and abstract pictures): look at "
+        "the captions so labelled with `make browse` (/?label=nsfw); bounds: LabelSharesConfig",
     "skip_lists:skipped_share":
         "expected on the demo: its streams (tier and shape) hold 1-10 samples, so one planted "
-        "duplicate or nsfw-labelled sample is over 10% of one; on real data, run "
+        "duplicate is over 10% of one; on real data, run "
         "rewrite_shards_job (bound: SkipShareConfig.warn_above)",
 }
 
