@@ -9,6 +9,7 @@ from pathlib import Path
 import dagster as dg
 
 from prx_assets.definitions import build_defs
+from prx_assets.demo.console import short_console_logger, wrap
 from prx_assets.demo.funnel import format_funnel, source_funnel
 from prx_assets.engine import ray_runtime
 from prx_assets.stages.ingest.sources import load_sources
@@ -53,6 +54,8 @@ def with_console_level(run_config: dict | None, level: str = CONSOLE_LEVEL) -> d
 
 def _run(job, instance: dg.DagsterInstance, run_config: dict | None = None,
          **kwargs) -> dg.ExecuteInProcessResult:
+    """The job in this process, its console one short line per event (demo.console)."""
+    job = job.with_logger_defs({"console": short_console_logger})
     return job.execute_in_process(instance=instance, run_config=with_console_level(run_config),
                                   raise_on_error=False, **kwargs)
 
@@ -174,10 +177,22 @@ def print_summary(runs: list[PartitionRun], sources_file: Path) -> None:
                   f"{dups.get('duplicate_groups')} groups -> {dups.get('path')}")
         corpus = run.metadata.get(CORPUS, {})
         if corpus:
-            print(f"   corpus: {corpus.get('dagster/row_count')} rows -> {corpus.get('path')}; "
-                  f"try `prx-assets search \"a cat\"`")
+            print(f"   corpus: {corpus.get('dagster/row_count')} rows -> {corpus.get('path')}")
     print()
     for line in check_lines(runs):
+        print("\n".join(wrap(line)))
+    for line in closing_lines():
         print(line)
-    print("\nOpen the UI with `make ui` (http://127.0.0.1:3000): every run, check and metadata "
-          "table above is there, per source partition.")
+
+
+def closing_lines() -> list[str]:
+    """What to do next, with the exact commands (each line short)."""
+    return [
+        "",
+        "Next:",
+        "   make ui        # Dagster at http://127.0.0.1:3000: runs, checks, each source's "
+        "funnel",
+        "   make browse    # the corpus browser at http://127.0.0.1:8080: images, captions, "
+        "rejects",
+        "   .venv/bin/prx-assets search \"a cat\"    # captions from the shell",
+    ]
