@@ -11,6 +11,7 @@ Views (each a few bounded Lance queries, see `queries`):
     /random                   redirect to a random sample
     /thumb/{id}, /image/{id}  JPEG bytes (thumbnail from `corpus`, full from
                               `bucketed_images`), with caching headers
+    /favicon.ico              the icon (an SVG), so no page logs a 404
 
 Each view is a handler function of the request and the app's `BrowserState` (its tables,
 opt-out tokens and templates); `ROUTES` maps the URLs to them and `create_app` binds them
@@ -179,6 +180,12 @@ def _jpeg(request: Request, data: bytes, version: int, cache: str) -> Response:
     return Response(data, media_type="image/jpeg", headers=headers)
 
 
+def favicon(request: Request, state: BrowserState) -> Response:
+    """The icon pages link to, also where browsers look for it unasked (no 404 logged)."""
+    return Response((HERE / "static" / "favicon.svg").read_bytes(), media_type="image/svg+xml",
+                    headers={"Cache-Control": THUMB_CACHE})
+
+
 async def http_error(request: Request, exc: Exception, state: BrowserState) -> Response:
     """Starlette's own errors (no route, a method not allowed, the images' 404) as the
     browser's error page."""
@@ -210,6 +217,7 @@ ROUTES: list[tuple[str, Handler, tuple[str, ...]]] = [
     ("/random", random_sample, ("GET",)),
     ("/thumb/{sample_id}", thumbnail_jpeg, ("GET",)),
     ("/image/{sample_id}", image_jpeg, ("GET",)),
+    ("/favicon.ico", favicon, ("GET",)),
 ]
 
 

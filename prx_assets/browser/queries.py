@@ -20,6 +20,8 @@ import pyarrow.compute as pc
 from prx_assets.browser.catalog import Catalog, NotFound, valid_id
 from prx_assets.browser.facets import (
     FACET_COLUMNS,
+    IdSet,
+    IdSets,
     Query,
     corpus_filter,
     facet_counts,
@@ -69,6 +71,36 @@ class Grid:
     capped: bool = False  # a search with more matches than MAX_SEARCH_HITS
     facets: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
     facets_partial: bool = False  # facet counts over the first MAX_FACET_ROWS matches
+    # tile id -> what happens to it in training: ("trains" | "skipped" | "removed", words)
+    fates: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+# The skip reason under which exact-duplicate copies leave the shards (dedup's skip list).
+DEDUP_REASON = "dedup"
+
+
+def fate(sample_id: str, sets: IdSets | None) -> tuple[str, str]:
+    """What training does with one sample: ("removed", "removed: duplicate") for a copy
+    dedup removed, ("skipped", "skipped: reason, ...") for one a skip list names, else
+    ("trains", "trains")."""
+    if sets is None:
+        return ("trains", "trains")
+    reasons = sorted(r for r, ids in sets["skip"].items() if sample_id in ids)
+    if sample_id in sets["dup"]["duplicate"] or DEDUP_REASON in reasons:
+        return ("removed", "removed: duplicate")
+    if reasons:
+        return ("skipped", "skipped: " + ", ".join(reasons))
+    return ("trains", "trains")
+
+
+def fate_counts(rows: int, sets: IdSets) -> dict[str, int]:
+    """Of the corpus' `rows`: how many train, how many a skip list skips, how many are
+    removed duplicates (each sample counted once, removal first)."""
+    removed = set(sets["dup"]["duplicate"].ids) | set(
+        sets["skip"].get(DEDUP_REASON, IdSet.of(())).ids)
+    skipped = set().union(*(ids.ids for ids in sets["skip"].values())) - removed
+    return {"trains": max(0, rows - len(removed) - len(skipped)), "skipped": len(skipped),
+            "removed": len(removed)}
 
 
 def grid(catalog: Catalog, query: Query, with_facets: bool = True) -> Grid:
@@ -97,7 +129,7 @@ def grid(catalog: Catalog, query: Query, with_facets: bool = True) -> Grid:
               facet_counts(facet_rows, sets, membership(catalog, table, sets)))
     partial = facet_rows is not None and facet_rows.num_rows < total
     return Grid(tiles, total, query.page, max(1, -(-total // PAGE_SIZE)), capped, facets,
-                partial)
+                partial, {tile.id: fate(tile.id, sets) for tile in tiles})
 
 
 def _ranked(table: LanceDataset, query: Query, where: pc.Expression | None,
@@ -343,7 +375,10 @@ def random_id(catalog: Catalog, rng: np.random.Generator | None = None) -> str:
 
 
 def overview(catalog: Catalog) -> dict:
-    """Counts for the header: corpus rows and its version, sources present."""
+    """Counts for the header: corpus rows and its version, sources present, and how many
+    of the rows train, are skipped or are removed duplicates."""
     table = catalog.corpus()
-    return {"rows": table.count_rows(), "version": table.version,
-            "sources": catalog.sources_of(BUCKETED_IMAGES)}
+    rows = table.count_rows()
+    return {"rows": rows, "version": table.version,
+            "sources": catalog.sources_of(BUCKETED_IMAGES),
+            "fates": fate_counts(rows, id_sets(catalog))}

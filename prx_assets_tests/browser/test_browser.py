@@ -190,6 +190,46 @@ def test_random_sample(served, tiny, page):
     assert page.locator("h1.sample-id").inner_text() in corpus_ids(tiny)
 
 
+def test_grid_cards_say_which_samples_train(served, tiny, page):
+    page.goto(served.url + "/")
+    page.wait_for_function(ALL_THUMBS_LOADED)
+    fates = dict(zip(tile_ids(page), page.locator("#grid .tile .badge").all_inner_texts(),
+                     strict=True))
+    removed = {i for i, words in fates.items() if words == "removed: duplicate"}
+    # The two copies dedup removed (the facet counts the same ones), every other card trains.
+    assert removed == {tiny.id("stock", "spaceman.jpg"), tiny.id("stock", "coffee-bright.jpg")}
+    assert facet(page, "dup")["duplicate"] == len(removed)
+    assert {words for i, words in fates.items() if i not in removed} == {"trains"}
+    header = {page.locator("#fates [data-fate]").nth(i).get_attribute("data-fate"):
+              int(page.locator("#fates [data-fate]").nth(i).inner_text().split()[0])
+              for i in range(3)}
+    assert header == {"trains": 7, "skipped": 0, "removed": 2}
+    assert sum(header.values()) == int(page.locator("#total").inner_text())
+
+
+def test_search_cards_name_their_score(served, page):
+    page.goto(served.url + "/?q=tabby+cat")
+    score = page.locator("#grid .tile .score").first.inner_text()
+    assert re.fullmatch(r"relevance \(BM25\) [0-9]+\.[0-9]{2}", score), score
+    page.goto(served.url + "/")
+    assert page.locator("#grid .tile .score").count() == 0
+
+
+def test_no_page_logs_a_console_error_or_a_failed_request(served, tiny, page):
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("response", lambda r: errors.append(f"{r.status} {r.url}")
+            if r.status >= 400 else None)
+    sample = tiny.id("web", "astronaut.jpg")
+    for path in ("/", "/?q=cat", f"/?similar={sample}", f"/sample/{sample}",
+                 f"/sample/{sample}/opt-out", "/duplicates", "/?source=stock&dup=duplicate"):
+        page.goto(served.url + path)
+        page.wait_for_load_state("load")
+    assert errors == []
+    icon = page.request.get(served.url + "/favicon.ico")
+    assert icon.status == 200 and icon.headers["content-type"].startswith("image/svg+xml")
+
+
 def _raw_get(served, path: str) -> tuple[int, bytes]:
     """A request with the path exactly as written (a browser would normalise `..`)."""
     connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
@@ -301,3 +341,5 @@ def test_opt_out_from_the_page_reaches_audit_and_skip_lists(served, tiny, page):
     assert "direct" in page.locator("#opted-out").inner_text()
     page.goto(served.url + "/?skip=optout")
     assert tile_ids(page) == [sample]
+    assert page.locator("#grid .tile .badge").inner_text() == "skipped: optout"
+    assert page.locator('#fates [data-fate="skipped"]').inner_text() == "1 skipped"
