@@ -9,6 +9,7 @@ from pathlib import Path
 import dagster as dg
 
 from prx_assets.definitions import build_defs
+from prx_assets.defs.report import tag_run_with_warnings
 from prx_assets.demo.console import short_console_logger, wrap
 from prx_assets.demo.funnel import format_funnel, source_funnel
 from prx_assets.engine import ray_runtime
@@ -56,8 +57,11 @@ def _run(job, instance: dg.DagsterInstance, run_config: dict | None = None,
          **kwargs) -> dg.ExecuteInProcessResult:
     """The job in this process, its console one short line per event (demo.console)."""
     job = job.with_logger_defs({"console": short_console_logger})
-    return job.execute_in_process(instance=instance, run_config=with_console_level(run_config),
-                                  raise_on_error=False, **kwargs)
+    result = job.execute_in_process(instance=instance, run_config=with_console_level(run_config),
+                                    raise_on_error=False, **kwargs)
+    # What the check_warnings_tag sensor does under `make ui`: the Runs page shows it.
+    tag_run_with_warnings(instance, result.run_id)
+    return result
 
 
 def _partition_run(name: str, result: dg.ExecuteInProcessResult) -> PartitionRun:

@@ -6,6 +6,7 @@ from datetime import datetime
 
 import dagster as dg
 
+from prx_assets.defs.report import WARNINGS_TAG
 from prx_assets.demo.console import MAX_WIDTH, clip, quiet_third_party, short_event, wrap
 from prx_assets.demo.corpus import generate_items
 from prx_assets.demo.runner import _run, check_lines, closing_lines
@@ -57,6 +58,8 @@ def test_a_demo_run_prints_no_line_over_the_width_and_no_full_run_id(capfd):
     assert any("an info line from the asset" in line for line in mine)
     assert all(len(line) <= MAX_WIDTH for line in console)
     assert not any(result.run_id in line for line in console)
+    # The run carries the checks that warned (none here) as a tag, as under `make ui`.
+    assert instance.get_run_by_id(result.run_id).tags[WARNINGS_TAG] == "none"
 
 
 def test_summary_lines_wrap_rather_than_lose_words():
