@@ -8,6 +8,9 @@ Views (each a few bounded Lance queries, see `queries`):
                               duplicate group, near duplicates, skip reasons, lineage
     /sample/{id}/opt-out      GET: the confirmation page; POST (page token): the request
     /duplicates               near-duplicate clusters (Hamming 1-4) and exact groups
+    /rejected                 counts of rejected images per reason and source; ?reason=
+                              (&source=, &page=) a page of them, thumbnails where they decode
+    /reject-thumb/{id}        a thumbnail of a rejected image, from its raw bytes
     /random                   redirect to a random sample
     /thumb/{id}, /image/{id}  JPEG bytes (thumbnail from `corpus`, full from
                               `bucketed_images`), with caching headers
@@ -42,7 +45,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from prx_assets.browser import queries
+from prx_assets.browser import queries, rejects
 from prx_assets.browser.catalog import BadQuery, Catalog, NotFound
 from prx_assets.browser.facets import Query
 from prx_assets.browser.optout import Tokens, pending_requests, write_request
@@ -144,6 +147,22 @@ def duplicates_page(request: Request, state: BrowserState) -> Response:
                         groups=groups, groups_total=total, page=int(page_text))
 
 
+def rejected_page(request: Request, state: BrowserState) -> Response:
+    params = request.query_params
+    page_text = params.get("page", "0")
+    if not page_text.isdigit() or int(page_text) > 100_000:
+        return state.error(request, 400, "Bad request", "page must be a small number")
+    try:
+        page = (rejects.rejects(state.catalog, params["reason"], params.get("source", ""),
+                                int(page_text)) if params.get("reason") else None)
+        counts = rejects.reject_counts(state.catalog)
+    except BadQuery as err:
+        return state.error(request, 400, "Bad request", str(err))
+    except NotFound as err:
+        return state.not_found(request, str(err))
+    return state.render(request, "rejected.html", counts=counts, page=page)
+
+
 def random_sample(request: Request, state: BrowserState) -> Response:
     try:
         sample_id = queries.random_id(state.catalog)
@@ -165,6 +184,15 @@ def thumbnail_jpeg(request: Request, state: BrowserState) -> Response:
 def image_jpeg(request: Request, state: BrowserState) -> Response:
     try:
         data, version = queries.full_image(state.catalog, request.path_params["sample_id"])
+    except NotFound:
+        raise HTTPException(404) from None
+    return _jpeg(request, data, version, IMAGE_CACHE)
+
+
+def reject_jpeg(request: Request, state: BrowserState) -> Response:
+    try:
+        data, version = rejects.reject_thumbnail(state.catalog,
+                                                 request.path_params["sample_id"])
     except NotFound:
         raise HTTPException(404) from None
     return _jpeg(request, data, version, IMAGE_CACHE)
@@ -214,9 +242,11 @@ ROUTES: list[tuple[str, Handler, tuple[str, ...]]] = [
     ("/sample/{sample_id}", sample_page, ("GET",)),
     ("/sample/{sample_id}/opt-out", opt_out_page, ("GET", "POST")),
     ("/duplicates", duplicates_page, ("GET",)),
+    ("/rejected", rejected_page, ("GET",)),
     ("/random", random_sample, ("GET",)),
     ("/thumb/{sample_id}", thumbnail_jpeg, ("GET",)),
     ("/image/{sample_id}", image_jpeg, ("GET",)),
+    ("/reject-thumb/{sample_id}", reject_jpeg, ("GET",)),
     ("/favicon.ico", favicon, ("GET",)),
 ]
 

@@ -215,6 +215,35 @@ def test_search_cards_name_their_score(served, page):
     assert page.locator("#grid .tile .score").count() == 0
 
 
+def test_rejected_view_shows_what_was_thrown_away(served, tiny, page):
+    page.goto(served.url + "/")
+    page.click("#rejected-link")
+    page.wait_for_url("**/rejected")
+    reasons = page.locator('[data-facet="reject"] a').evaluate_all(
+        "els => els.map(e => [e.dataset.reason, e.dataset.source])")
+    assert reasons == [["too_small", "stock"]]  # the 200x200 photo, below the 384 floor
+    page.locator('[data-facet="reject"] a').first.click()
+    page.wait_for_url(re.compile(r"reason=too_small"))
+    tiny_id = tiny.id("stock", "tiny.jpg")
+    assert tile_ids_of(page, "#rejects") == [tiny_id]
+    assert page.locator("#reject-total").inner_text() == "1"
+    tile = page.locator(f'#rejects .tile[data-id="{tiny_id}"]')
+    assert tile.locator(".badge").inner_text() == "rejected: too_small"
+    assert "200x200" in tile.inner_text()
+    image = tile.locator("img")
+    page.wait_for_function("i => i.complete && i.naturalWidth > 0", arg=image.element_handle())
+    assert image.evaluate("i => [i.naturalWidth, i.naturalHeight]") == [200, 200]
+    screenshot(page, "rejected")
+    assert page.request.get(served.url + "/rejected?reason=..%2F").status == 400
+    assert page.request.get(served.url + "/rejected?reason=too_small&source=nope").status == 404
+    assert page.request.get(served.url + f"/reject-thumb/{tiny.id('stock', 'nope.jpg')}"
+                            ).status == 404
+
+
+def tile_ids_of(page, grid: str) -> list[str]:
+    return page.locator(f"{grid} .tile").evaluate_all("els => els.map(e => e.dataset.id)")
+
+
 def test_no_page_logs_a_console_error_or_a_failed_request(served, tiny, page):
     errors: list[str] = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
@@ -222,7 +251,8 @@ def test_no_page_logs_a_console_error_or_a_failed_request(served, tiny, page):
             if r.status >= 400 else None)
     sample = tiny.id("web", "astronaut.jpg")
     for path in ("/", "/?q=cat", f"/?similar={sample}", f"/sample/{sample}",
-                 f"/sample/{sample}/opt-out", "/duplicates", "/?source=stock&dup=duplicate"):
+                 f"/sample/{sample}/opt-out", "/duplicates", "/?source=stock&dup=duplicate",
+                 "/rejected", "/rejected?reason=too_small&source=stock"):
         page.goto(served.url + path)
         page.wait_for_load_state("load")
     assert errors == []
