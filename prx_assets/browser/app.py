@@ -11,6 +11,7 @@ Views (each a few bounded Lance queries, see `queries`):
     /rejected                 counts of rejected images per reason and source; ?reason=
                               (&source=, &page=) a page of them, thumbnails where they decode
     /reject-thumb/{id}        a thumbnail of a rejected image, from its raw bytes
+    /original/{id}            a sample's original (raw bytes), downscaled to 1024 px
     /random                   redirect to a random sample
     /thumb/{id}, /image/{id}  JPEG bytes (thumbnail from `corpus`, full from
                               `bucketed_images`), with caching headers
@@ -48,13 +49,16 @@ from starlette.staticfiles import StaticFiles
 from prx_assets.browser import queries, rejects
 from prx_assets.browser.catalog import BadQuery, Catalog, NotFound
 from prx_assets.browser.facets import Query
+from prx_assets.browser.links import dagster_url
 from prx_assets.browser.optout import Tokens, pending_requests, write_request
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.tables import BUCKETED_IMAGES
 
 HERE = Path(__file__).parent
 # Immutable per corpus version: the ETag names the version, so a rebuilt corpus is refetched.
 THUMB_CACHE = "public, max-age=86400"
 IMAGE_CACHE = "public, max-age=3600"
+ORIGINAL_PX = 1024  # the original beside the bucketed crop, at most this on its longest side
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,7 @@ def sample_page(request: Request, state: BrowserState) -> Response:
     except NotFound as err:
         return state.not_found(request, str(err))
     return state.render(request, "sample.html", s=found, token=state.tokens.token(found.id),
+                        dagster=dagster_url(BUCKETED_IMAGES, found.row["source"]),
                         requested=pending_requests(state.catalog.storage, found.id),
                         opted=request.query_params.get("opted") == "1")
 
@@ -198,6 +203,16 @@ def reject_jpeg(request: Request, state: BrowserState) -> Response:
     return _jpeg(request, data, version, IMAGE_CACHE)
 
 
+def original_jpeg(request: Request, state: BrowserState) -> Response:
+    """The sample's original (its raw bytes, before the crop to its bucket), downscaled."""
+    try:
+        data, version = rejects.raw_preview(state.catalog, request.path_params["sample_id"],
+                                            ORIGINAL_PX)
+    except NotFound:
+        raise HTTPException(404) from None
+    return _jpeg(request, data, version, IMAGE_CACHE)
+
+
 def _jpeg(request: Request, data: bytes, version: int, cache: str) -> Response:
     """The bytes with an ETag of the sample and table version; 304 when the client has it."""
     etag = '"' + hashlib.sha256(f"{request.path_params['sample_id']}@{version}".encode()
@@ -247,6 +262,7 @@ ROUTES: list[tuple[str, Handler, tuple[str, ...]]] = [
     ("/thumb/{sample_id}", thumbnail_jpeg, ("GET",)),
     ("/image/{sample_id}", image_jpeg, ("GET",)),
     ("/reject-thumb/{sample_id}", reject_jpeg, ("GET",)),
+    ("/original/{sample_id}", original_jpeg, ("GET",)),
     ("/favicon.ico", favicon, ("GET",)),
 ]
 

@@ -96,6 +96,12 @@ def rejects(catalog: Catalog, reason: str, source: str = "", page: int = 0) -> R
 def reject_thumbnail(catalog: Catalog, sample_id: str) -> tuple[bytes, int]:
     """A JPEG thumbnail of a rejected image that decodes, from its raw bytes, and the
     raw_images version it came from."""
+    return raw_preview(catalog, sample_id, THUMB_PX)
+
+
+def raw_preview(catalog: Catalog, sample_id: str, max_px: int) -> tuple[bytes, int]:
+    """The raw image (the original, before bucketing) as a JPEG at most `max_px` on its
+    longest side, and the raw_images version it came from."""
     valid_id(sample_id)
     sources = catalog.sources_of(RAW_IMAGES)
     source = next((s for s in sources if sample_id.startswith(f"{s}:")), None)
@@ -108,7 +114,7 @@ def reject_thumbnail(catalog: Catalog, sample_id: str) -> tuple[bytes, int]:
         raise NotFound(f"no raw image for {sample_id!r}")
     try:
         with Image.open(io.BytesIO(data)) as img:
-            img.thumbnail((THUMB_PX, THUMB_PX))
+            img.thumbnail((max_px, max_px))
             out = io.BytesIO()
             img.convert("RGB").save(out, "JPEG", quality=85)
     except (OSError, ValueError, Image.DecompressionBombError) as err:

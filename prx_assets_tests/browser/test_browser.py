@@ -133,6 +133,13 @@ def test_sample_page_shows_every_caption_version(served, tiny, page):
     page.wait_for_function("() => { const i = document.querySelector('#full-image');"
                            " return i.complete && i.naturalWidth > 0; }")
     assert page.locator("#full-image").evaluate("i => i.naturalWidth") == 512
+    # The original (640x640 on disk) beside its bucketed crop, and where it was made.
+    page.wait_for_function("() => { const i = document.querySelector('#original-image');"
+                           " return i.complete && i.naturalWidth > 0; }")
+    assert page.locator("#original-image").evaluate(
+        "i => [i.naturalWidth, i.naturalHeight]") == [640, 640]
+    assert page.locator("#dagster-run").get_attribute("href") == (
+        "http://127.0.0.1:3000/assets/bucketed_images?partition=web")
     screenshot(page, "sample", full_page=True)
     # The exact copy in the other source, with the kept one marked; lineage and labels.
     group = page.locator("#group").inner_text()
