@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.browser.catalog import Catalog, NotFound, valid_id
@@ -44,7 +45,6 @@ from prx_assets.storage.tables import (
 )
 
 if TYPE_CHECKING:
-    import pyarrow as pa
     from lance import LanceDataset
 
 PAGE_SIZE = 48
@@ -317,7 +317,41 @@ def near_duplicates_of(catalog: Catalog, sample_id: str) -> list[dict]:
 @dataclass
 class ExactGroup:
     phash: int
-    members: list[dict]  # id, kept
+    members: list[dict]  # id, kept, source, source_key, width, height, n_bytes, sha256
+    byte_identical: bool = False  # every copy has the kept copy's bytes (sha256)
+    why_kept: str = ""
+
+
+def raw_facts(catalog: Catalog, ids: list[str]) -> dict[str, dict]:
+    """Source key, original size, bytes and sha256 of each id, from its source's raw_images
+    (one query per source; an id's source is the listed source its id starts with)."""
+    by_source: dict[str, list[str]] = {}
+    for source in catalog.sources_of(RAW_IMAGES):
+        mine = [i for i in ids if i.startswith(f"{source}:")]
+        if mine:
+            by_source[source] = mine
+    facts: dict[str, dict] = {}
+    for source, mine in by_source.items():
+        table = catalog.table(RAW_IMAGES, source)
+        if table is None:
+            continue
+        rows = table.to_table(columns=["id", "source_key", "width", "height", "n_bytes",
+                                       "sha256"],
+                              filter=pc.field("id").isin(pa.array(mine, pa.string())),
+                              limit=len(mine))
+        facts.update({row["id"]: {**row, "source": source} for row in rows.to_pylist()})
+    return facts
+
+
+def why_kept(members: list[dict]) -> str:
+    """Why dedup kept this copy (most pixels; ties: first source, then smallest id)."""
+    kept = next(m for m in members if m["kept"])
+    pixels = [(m.get("width") or 0) * (m.get("height") or 0) for m in members]
+    mine = (kept.get("width") or 0) * (kept.get("height") or 0)
+    if mine and pixels.count(mine) == 1 and mine == max(pixels):
+        return f"kept: the most pixels ({kept['width']}x{kept['height']})"
+    return "kept: as many pixels as another copy; the tie goes to the first source listed, " \
+           "then the smallest id"
 
 
 def exact_groups(catalog: Catalog, page: int = 0, per_page: int = 20
@@ -334,11 +368,15 @@ def exact_groups(catalog: Catalog, page: int = 0, per_page: int = 20
     of_page = pc.field("kept_id").isin(kept.column("kept_id").combine_chunks())
     members = table.to_table(columns=["id", "kept_id", "phash"], filter=of_page,
                              limit=max(1, per_page) * 1000).to_pylist()
+    facts = raw_facts(catalog, [m["id"] for m in members])
     groups = []
     for kept_id, phash in zip(kept_ids, kept.column("phash").to_pylist(), strict=True):
-        mine = [{"id": m["id"], "kept": m["id"] == kept_id} for m in members
-                if m["kept_id"] == kept_id]
-        groups.append(ExactGroup(phash, sorted(mine, key=lambda m: (not m["kept"], m["id"]))))
+        mine = [{**facts.get(m["id"], {}), "id": m["id"], "kept": m["id"] == kept_id}
+                for m in members if m["kept_id"] == kept_id]
+        mine.sort(key=lambda m: (not m["kept"], m["id"]))
+        shas = {m.get("sha256") for m in mine}
+        groups.append(ExactGroup(phash, mine, len(shas) == 1 and None not in shas,
+                                 why_kept(mine)))
     return groups, total
 
 

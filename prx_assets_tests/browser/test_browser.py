@@ -182,6 +182,17 @@ def test_duplicates_page_has_near_and_exact_clusters(served, tiny, page):
     kept = page.locator("#exact-groups a.kept").evaluate_all("els => els.map(e => e.title)")
     assert sorted(kept) == sorted([tiny.id("web", "astronaut.jpg"),
                                    tiny.id("web", "coffee.jpg")])
+    # Readable groups: titled by the kept copy's key and source, byte-identical files told
+    # from re-encoded copies of the same phash, why this copy was kept, and a legend.
+    kinds = {exact.nth(i).locator(".group-title").inner_text().split(" (")[0]:
+             exact.nth(i).get_attribute("data-kind") for i in range(2)}
+    assert kinds == {"astronaut.jpg": "bytes", "coffee.jpg": "phash"}
+    astronaut = exact.filter(has_text="astronaut.jpg")
+    assert "(web)" in astronaut.locator(".group-title").inner_text()
+    assert "identical bytes" in astronaut.inner_text() and "spaceman.jpg" in astronaut.inner_text()
+    assert "tie goes to the first source" in astronaut.locator(".why-kept").inner_text()
+    assert "640x640" in astronaut.inner_text()
+    assert "byte-identical" in page.locator("#legend").inner_text()
     page.goto(served.url + f"/sample/{tiny.id('web', 'motorbike.jpg')}")
     assert "distance 2" in page.locator("#near").inner_text()
     page.goto(served.url + "/duplicates")
