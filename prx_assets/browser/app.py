@@ -101,6 +101,7 @@ def grid_page(request: Request, state: BrowserState) -> Response:
     except NotFound as err:  # also a `similar` id that cannot be a sample's
         return state.not_found(request, str(err))
     return state.render(request, "grid.html", query=query, grid=result, info=info,
+                        shapes=queries.shape_grid(result.facets.get("tier_shape", [])),
                         page_size=queries.PAGE_SIZE, max_hits=queries.MAX_SEARCH_HITS,
                         max_facet_rows=queries.MAX_FACET_ROWS)
 

@@ -75,6 +75,27 @@ class Grid:
     fates: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
+@dataclass
+class ShapeGrid:
+    """The shape facet as a grid: a row per tier, a column per aspect ratio (w/h), each
+    cell the shape of that tier and aspect and its count among the matches."""
+
+    aspects: list[float]
+    rows: list[tuple[int, list[tuple[str, int] | None]]]
+
+
+def shape_grid(tier_shapes: list[tuple[str, int]]) -> ShapeGrid:
+    """From the `tier_shape` facet ("512:608x432", count)."""
+    cells: dict[tuple[int, float], tuple[str, int]] = {}
+    for key, count in tier_shapes:
+        tier, shape = key.split(":")
+        width, height = shape.split("x")
+        cells[(int(tier), round(int(width) / int(height), 2))] = (shape, count)
+    aspects = sorted({aspect for _, aspect in cells})
+    tiers = sorted({tier for tier, _ in cells})
+    return ShapeGrid(aspects, [(tier, [cells.get((tier, a)) for a in aspects]) for tier in tiers])
+
+
 # The skip reason under which exact-duplicate copies leave the shards (dedup's skip list).
 DEDUP_REASON = "dedup"
 

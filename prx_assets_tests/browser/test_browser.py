@@ -45,6 +45,13 @@ def facet(page, name: str) -> dict[str, int]:
             for i in range(items.count())}
 
 
+def shape_cells(page) -> dict[str, int]:
+    """The shape facet's grid: shape -> count, from its cells (tier rows, aspect columns)."""
+    links = page.locator('[data-facet="shape"] td a')
+    return {links.nth(i).get_attribute("data-value"): int(links.nth(i).inner_text())
+            for i in range(links.count())}
+
+
 def test_grid_loads_real_thumbnails(served, tiny, page):
     page.goto(served.url + "/")
     page.wait_for_function(ALL_THUMBS_LOADED)
@@ -83,12 +90,15 @@ def test_a_facet_narrows_the_counts(served, tiny, page):
     page.goto(served.url + "/")
     before = facet(page, "source")
     assert before == {"web": 5, "stock": 4}
-    assert sum(facet(page, "shape").values()) == 9
+    assert sum(shape_cells(page).values()) == 9
+    # A row per tier, a column per aspect ratio: here one tier (512) and four shapes.
+    assert page.locator('[data-facet="shape"] tr').count() == 2
+    assert shape_cells(page) == {"608x432": 5, "512x512": 2, "576x464": 1, "640x400": 1}
     page.locator('[data-facet="source"] a[data-value="stock"]').click()
     page.wait_for_url(re.compile(r"source=stock"))
     assert page.locator("#total").inner_text() == "4"
     assert facet(page, "source") == {"stock": 4}
-    assert sum(facet(page, "shape").values()) == 4
+    assert sum(shape_cells(page).values()) == 4
     assert all(i.startswith("stock:") for i in tile_ids(page)) and len(tile_ids(page)) == 4
     assert facet(page, "dup") == {"duplicate": 2, "unique": 2}
     page.wait_for_function(ALL_THUMBS_LOADED)
