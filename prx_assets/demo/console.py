@@ -104,17 +104,15 @@ def quiet_third_party() -> list[str]:
       its log level is set to errors only.
     - Lance warns that it is not fork-safe whenever the process forks (Ray starting its
       workers); the demo's processes never use a Lance dataset across a fork.
-    - Ray's core logs notices such as "actor ... has constructor arguments in the object
-      store" at its ERROR level: its backend log level is set to fatal.
+    - Not silenced: Ray's C++ core logs a notice about actor restarts ("constructor
+      arguments in the object store") at its ERROR level; RAY_BACKEND_LOG_LEVEL would hide
+      it but makes every raylet print a longer line saying so.
     - Ray warns that token authentication is off for a local cluster: the demo's cluster
       listens on loopback only, so auth is set off explicitly, and said once. A cluster
       named by RAY_ADDRESS keeps its own settings.
     """
     notes = []
     os.environ.setdefault("LANCE_LOG", "error")
-    # Ray's C++ core logs notices at its ERROR level (an `E` line about actor restarts in a
-    # run that succeeded); a real failure reaches the driver as a Python exception.
-    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
     warnings.filterwarnings("ignore", message="lance is not fork-safe")
     if not os.environ.get("RAY_ADDRESS") and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "disabled"

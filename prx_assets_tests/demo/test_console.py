@@ -80,7 +80,7 @@ def test_the_closing_block_names_make_ui_and_make_browse():
 
 
 def test_third_party_noise_is_silenced_and_said_once(monkeypatch):
-    for name in ("LANCE_LOG", "RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_BACKEND_LOG_LEVEL"):
+    for name in ("LANCE_LOG", "RAY_AUTH_MODE", "RAY_ADDRESS"):
         monkeypatch.delenv(name, raising=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -89,7 +89,6 @@ def test_third_party_noise_is_silenced_and_said_once(monkeypatch):
                       stacklevel=1)
     assert not caught
     assert os.environ["LANCE_LOG"] == "error" and os.environ["RAY_AUTH_MODE"] == "disabled"
-    assert os.environ["RAY_BACKEND_LOG_LEVEL"] == "fatal"
     assert len(notes) == 1 and "token authentication off" in notes[0]
     # A cluster's own settings are left alone.
     monkeypatch.delenv("RAY_AUTH_MODE")
