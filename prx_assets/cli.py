@@ -25,13 +25,17 @@ def _make_demo_corpus(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     """Materialise every asset for every source of the demo corpus, then summarise."""
+    from prx_assets.demo.console import quiet_third_party
+
+    for note in quiet_third_party():  # before Lance or Ray are imported
+        print(note)
     from prx_assets.demo.corpus import make_demo_corpus
     from prx_assets.stages.ingest.sources import sources_path
 
     corpus = Path(args.dir)
     if not (corpus / "sources.yaml").exists() or args.rebuild:
-        print(f"building the demo corpus in {corpus}/ ...")
-        make_demo_corpus(corpus)
+        print(f"building the demo corpus in {corpus}/ (a few minutes) ...", flush=True)
+        make_demo_corpus(corpus, progress=lambda line: print(f"   {line}", flush=True))
     # The repo's sources.yaml points at the demo corpus; PRX_SOURCES may name another file.
     sources_file = sources_path()
     os.environ["PRX_SOURCES"] = str(sources_file)

@@ -20,6 +20,7 @@ from prx_assets.defs.io_managers import RayLanceIOManager
 from prx_assets.defs.labels import label_defs
 from prx_assets.defs.opt_outs import opt_out_defs
 from prx_assets.defs.partitions import source_partitions
+from prx_assets.defs.report import report_defs
 from prx_assets.defs.resources import (
     ClassifierResource,
     RayResource,
@@ -90,6 +91,7 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
         skip_list_defs(partitions),
         corpus_defs(partitions),
         semantic_defs(partitions),
+        report_defs(),
     ]
     shared = dg.Definitions(
         jobs=pipeline_jobs(partitions),

@@ -20,6 +20,7 @@ from pathlib import Path
 OUT = (Path(__file__).resolve().parents[1] / "prx_assets" / "stages" / "labels" / "data"
        / "caption_labels.jsonl")
 PER_CLASS = 140
+VISUAL_PER_CLASS = 200  # more varied than the other two: people, objects, places
 VALIDATION_SHARE = 0.2
 
 COLOURS = ["deep red", "muted olive green", "pale blue", "warm ochre", "charcoal grey",
@@ -57,6 +58,38 @@ V_SUBJECTS = [
     "a bearded man playing an acoustic guitar on a stool",
     "a desert road stretching to the horizon",
 ]
+# People, dressed and posed, that an explicit caption also has: uniforms, portraits,
+# swimwear, sport, medicine. Without them every caption about a person reads closer to the
+# nsfw bank than to the visual one (the demo's portrait of a woman in a naval uniform was
+# labelled nsfw).
+V_PEOPLE = [
+    "a woman in a dark military dress uniform with medals posing for an official portrait",
+    "a man in a police uniform and a peaked cap standing beside a patrol car",
+    "a young woman in a one-piece swimsuit sitting at the edge of a swimming pool",
+    "a man in swimming shorts jogging along the shoreline",
+    "a woman in a sports top and running shorts stretching before a race",
+    "a wrestler in a singlet crouching on a competition mat",
+    "a surgeon in a gown, cap and mask operating under bright lamps",
+    "a woman in a nightgown reading in bed with a bedside lamp on",
+    "a studio headshot of a woman with short dark hair and a white blouse",
+    "a couple hugging on a sofa in a living room, both in jeans and sweaters",
+    "a shirtless man chopping firewood outside a cabin",
+    "a model in a lace dress posing on a photo studio backdrop",
+    "a group of sailors in white uniforms standing on the deck of a ship",
+    "an officer in a navy blue uniform saluting at a ceremony",
+    "a mother bathing a toddler in a small plastic tub",
+    "a woman lying on a massage table, a towel covering her back",
+    "a man in underwear and a t-shirt ironing a shirt in a bedroom",
+    "a gymnast in a leotard on a balance beam",
+    "a classical painting of a reclining woman draped in white cloth",
+    "an old black and white portrait of a woman in a high-collared uniform",
+    "two dancers in tight costumes performing a lift on stage",
+    "a pregnant woman in a fitted dress cradling her belly in a garden",
+    "a beach volleyball player in a bikini diving for the ball",
+    "a nurse in a white uniform and cap smiling at the camera",
+]
+# How most captioners start: the subject first, no "The image shows".
+V_OPENERS = ["The image shows {s}.", "{S}.", "A photograph of {s}.", "A portrait of {s}."]
 V_DETAILS = [
     "Its {c} surface shows fine scratches and a slightly worn texture near the edges.",
     "In the foreground, a {c} object sits slightly out of focus, partly covering the lower left "
@@ -108,7 +141,13 @@ T_SUBJECTS = [
     "a screenshot of a terminal with command output",
     "a dashboard with several small charts and numbers",
     "a street poster listing concert dates", "a page of a dictionary",
+    # signs and boards that fill the frame are read, not looked at
+    "a large direction sign listing town names and distances",
+    "an electronic information board filling the frame with rows of times and platforms",
+    "a noticeboard covered with printed rules and opening hours",
 ]
+# "A photograph of" starts many captions of documents and signs too.
+T_OPENERS = ["The image is {s}.", "{S}.", "A photograph of {s}.", "A close-up of {s}."]
 T_TRANSCRIPTS = [
     "The heading reads \"Quarterly Results 2023\" and below it the text says \"Revenue increased "
     "by 12% compared to the previous year\".",
@@ -195,8 +234,10 @@ N_CLOSERS = [
 
 
 def _visual(rng: random.Random) -> str:
-    parts = [f"The image shows {rng.choice(V_SUBJECTS)}."]
-    parts += [d.format(c=rng.choice(COLOURS)) for d in rng.sample(V_DETAILS, rng.randint(3, 5))]
+    subject = rng.choice(V_PEOPLE if rng.random() < 0.4 else V_SUBJECTS)
+    opener = rng.choice(V_OPENERS).format(s=subject, S=subject[0].upper() + subject[1:])
+    parts = [opener]
+    parts += [d.format(c=rng.choice(COLOURS)) for d in rng.sample(V_DETAILS, rng.randint(1, 5))]
     if rng.random() < 0.3:
         parts.append(rng.choice(V_TEXT_HINTS).format(c=rng.choice(COLOURS)))
     parts += [rng.choice(LIGHT), rng.choice(V_CLOSERS)]
@@ -204,7 +245,8 @@ def _visual(rng: random.Random) -> str:
 
 
 def _text(rng: random.Random) -> str:
-    parts = [f"The image is {rng.choice(T_SUBJECTS)}."]
+    subject = rng.choice(T_SUBJECTS)
+    parts = [rng.choice(T_OPENERS).format(s=subject, S=subject[0].upper() + subject[1:])]
     parts += rng.sample(T_TRANSCRIPTS, rng.randint(1, 2))
     parts += [d.format(c=rng.choice(COLOURS)) for d in rng.sample(T_DETAILS, rng.randint(3, 4))]
     if rng.random() < 0.4:
@@ -230,7 +272,7 @@ def main() -> None:
     rows, seen = [], set()
     for label, make in (("visual", _visual), ("text", _text), ("nsfw", _nsfw)):
         made = 0
-        while made < PER_CLASS:
+        while made < (VISUAL_PER_CLASS if label == "visual" else PER_CLASS):
             caption = make(rng)
             if caption in seen:
                 continue

@@ -9,9 +9,14 @@ Views (each a few bounded Lance queries, see `queries`):
     /sample/{id}/opt-out      GET: the confirmation page; POST (page token): the request
     /duplicates               near-duplicate clusters (Hamming 1-4), exact groups and
                               semantic (SemDeDup) groups
+    /rejected                 counts of rejected images per reason and source; ?reason=
+                              (&source=, &page=) a page of them, thumbnails where they decode
+    /reject-thumb/{id}        a thumbnail of a rejected image, from its raw bytes
+    /original/{id}            a sample's original (raw bytes), downscaled to 1024 px
     /random                   redirect to a random sample
     /thumb/{id}, /image/{id}  JPEG bytes (thumbnail from `corpus`, full from
                               `bucketed_images`), with caching headers
+    /favicon.ico              the icon (an SVG), so no page logs a 404
 
 Each view is a handler function of the request and the app's `BrowserState` (its tables,
 opt-out tokens and templates); `ROUTES` maps the URLs to them and `create_app` binds them
@@ -42,16 +47,19 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from prx_assets.browser import queries
+from prx_assets.browser import queries, rejects
 from prx_assets.browser.catalog import BadQuery, Catalog, NotFound
 from prx_assets.browser.facets import Query
+from prx_assets.browser.links import dagster_url
 from prx_assets.browser.optout import Tokens, pending_requests, write_request
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.tables import BUCKETED_IMAGES
 
 HERE = Path(__file__).parent
 # Immutable per corpus version: the ETag names the version, so a rebuilt corpus is refetched.
 THUMB_CACHE = "public, max-age=86400"
 IMAGE_CACHE = "public, max-age=3600"
+ORIGINAL_PX = 1024  # the original beside the bucketed crop, at most this on its longest side
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,7 @@ def grid_page(request: Request, state: BrowserState) -> Response:
     except NotFound as err:  # also a `similar` id that cannot be a sample's
         return state.not_found(request, str(err))
     return state.render(request, "grid.html", query=query, grid=result, info=info,
+                        shapes=queries.shape_grid(result.facets.get("tier_shape", [])),
                         page_size=queries.PAGE_SIZE, max_hits=queries.MAX_SEARCH_HITS,
                         max_facet_rows=queries.MAX_FACET_ROWS)
 
@@ -104,6 +113,7 @@ def sample_page(request: Request, state: BrowserState) -> Response:
     except NotFound as err:
         return state.not_found(request, str(err))
     return state.render(request, "sample.html", s=found, token=state.tokens.token(found.id),
+                        dagster=dagster_url(BUCKETED_IMAGES, found.row["source"]),
                         requested=pending_requests(state.catalog.storage, found.id),
                         opted=request.query_params.get("opted") == "1")
 
@@ -146,6 +156,22 @@ def duplicates_page(request: Request, state: BrowserState) -> Response:
                         semantic=semantic, semantic_total=semantic_total)
 
 
+def rejected_page(request: Request, state: BrowserState) -> Response:
+    params = request.query_params
+    page_text = params.get("page", "0")
+    if not page_text.isdigit() or int(page_text) > 100_000:
+        return state.error(request, 400, "Bad request", "page must be a small number")
+    try:
+        page = (rejects.rejects(state.catalog, params["reason"], params.get("source", ""),
+                                int(page_text)) if params.get("reason") else None)
+        counts = rejects.reject_counts(state.catalog)
+    except BadQuery as err:
+        return state.error(request, 400, "Bad request", str(err))
+    except NotFound as err:
+        return state.not_found(request, str(err))
+    return state.render(request, "rejected.html", counts=counts, page=page)
+
+
 def random_sample(request: Request, state: BrowserState) -> Response:
     try:
         sample_id = queries.random_id(state.catalog)
@@ -172,6 +198,25 @@ def image_jpeg(request: Request, state: BrowserState) -> Response:
     return _jpeg(request, data, version, IMAGE_CACHE)
 
 
+def reject_jpeg(request: Request, state: BrowserState) -> Response:
+    try:
+        data, version = rejects.reject_thumbnail(state.catalog,
+                                                 request.path_params["sample_id"])
+    except NotFound:
+        raise HTTPException(404) from None
+    return _jpeg(request, data, version, IMAGE_CACHE)
+
+
+def original_jpeg(request: Request, state: BrowserState) -> Response:
+    """The sample's original (its raw bytes, before the crop to its bucket), downscaled."""
+    try:
+        data, version = rejects.raw_preview(state.catalog, request.path_params["sample_id"],
+                                            ORIGINAL_PX)
+    except NotFound:
+        raise HTTPException(404) from None
+    return _jpeg(request, data, version, IMAGE_CACHE)
+
+
 def _jpeg(request: Request, data: bytes, version: int, cache: str) -> Response:
     """The bytes with an ETag of the sample and table version; 304 when the client has it."""
     etag = '"' + hashlib.sha256(f"{request.path_params['sample_id']}@{version}".encode()
@@ -180,6 +225,12 @@ def _jpeg(request: Request, data: bytes, version: int, cache: str) -> Response:
     if request.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers=headers)
     return Response(data, media_type="image/jpeg", headers=headers)
+
+
+def favicon(request: Request, state: BrowserState) -> Response:
+    """The icon pages link to, also where browsers look for it unasked (no 404 logged)."""
+    return Response((HERE / "static" / "favicon.svg").read_bytes(), media_type="image/svg+xml",
+                    headers={"Cache-Control": THUMB_CACHE})
 
 
 async def http_error(request: Request, exc: Exception, state: BrowserState) -> Response:
@@ -210,9 +261,13 @@ ROUTES: list[tuple[str, Handler, tuple[str, ...]]] = [
     ("/sample/{sample_id}", sample_page, ("GET",)),
     ("/sample/{sample_id}/opt-out", opt_out_page, ("GET", "POST")),
     ("/duplicates", duplicates_page, ("GET",)),
+    ("/rejected", rejected_page, ("GET",)),
     ("/random", random_sample, ("GET",)),
     ("/thumb/{sample_id}", thumbnail_jpeg, ("GET",)),
     ("/image/{sample_id}", image_jpeg, ("GET",)),
+    ("/reject-thumb/{sample_id}", reject_jpeg, ("GET",)),
+    ("/original/{sample_id}", original_jpeg, ("GET",)),
+    ("/favicon.ico", favicon, ("GET",)),
 ]
 
 

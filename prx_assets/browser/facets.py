@@ -313,17 +313,21 @@ def _column_facets(rows: pa.Table) -> dict[str, list[tuple[str, int]]]:
     # One grouping over every facet column at once (a few thousand groups at most), then
     # each facet's counts summed from the groups: one pass over the matches, not four.
     groups = rows.select(FACET_COLUMNS).group_by(FACET_COLUMNS).aggregate([([], "count_all")])
-    sums: dict[str, dict[str, int]] = {"source": {}, "label": {}, "tier": {}, "shape": {}}
+    sums: dict[str, dict[str, int]] = {"source": {}, "label": {}, "tier": {}, "shape": {},
+                                       "tier_shape": {}}
     columns = [groups.column(name).to_pylist() for name in [*FACET_COLUMNS, "count_all"]]
     for source, label, tier, width, height, n in zip(*columns, strict=True):
         for facet, value in (("source", source), ("label", label), ("tier", tier),
                              ("shape", f"{width}x{height}" if width and height else None)):
             if value is not None:
                 sums[facet][str(value)] = sums[facet].get(str(value), 0) + n
+        if tier is not None and width and height:  # the shape facet's grid: tier x shape
+            key = f"{tier}:{width}x{height}"
+            sums["tier_shape"][key] = sums["tier_shape"].get(key, 0) + n
 
     def ordered(facet: str) -> list[tuple[str, int]]:
         return sorted(sums[facet].items(), key=lambda p: (-p[1], p[0]))
 
     return {"source": ordered("source"), "label": ordered("label"),
             "tier": sorted(sums["tier"].items(), key=lambda p: int(p[0])),
-            "shape": ordered("shape")}
+            "shape": ordered("shape"), "tier_shape": ordered("tier_shape")}

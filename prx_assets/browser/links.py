@@ -1,4 +1,5 @@
-"""URLs of corpus-browser views, for Dagster asset metadata (when a browser is configured).
+"""URLs of corpus-browser views, for Dagster asset metadata (when a browser is configured),
+and of Dagster asset pages, for the browser's sample pages.
 
 `PRX_BROWSER_URL` (e.g. `http://127.0.0.1:8080`) is where `prx-assets browse` serves; when it
 is unset no link is added.
@@ -23,6 +24,9 @@ from prx_assets.storage.tables import (
 )
 
 BROWSER_URL_ENV = "PRX_BROWSER_URL"
+# Where the browser's pages link into Dagster; `make ui` serves there by default.
+DAGSTER_URL_ENV = "PRX_DAGSTER_URL"
+DEFAULT_DAGSTER_URL = "http://127.0.0.1:3000"
 # Which view matches which asset: per-source assets open the grid narrowed to the source.
 GLOBAL_VIEWS = {CORPUS: "/", DUPLICATES: "/duplicates", OPT_OUTS: "/?skip=optout"}
 SOURCE_VIEWS = {SKIP_LISTS: {"skip": "any"}, CAPTION_LABELS: {}, CAPTIONS: {},
@@ -45,3 +49,11 @@ def view_url(asset: str, partition: str | None = None) -> str | None:
         params = {"source": partition, **SOURCE_VIEWS[asset]} if partition else {}
         return base + "/" + (f"?{urlencode(params)}" if params else "")
     return None
+
+
+def dagster_url(asset: str, partition: str | None = None) -> str:
+    """The Dagster UI's page of an asset (partition): its latest materialisation and the
+    run that made it."""
+    base = (os.environ.get(DAGSTER_URL_ENV, "").strip() or DEFAULT_DAGSTER_URL).rstrip("/")
+    query = f"?{urlencode({'partition': partition})}" if partition else ""
+    return f"{base}/assets/{asset}{query}"

@@ -15,11 +15,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.browser.catalog import Catalog, NotFound, valid_id
 from prx_assets.browser.facets import (
     FACET_COLUMNS,
+    IdSet,
+    IdSets,
     Query,
     corpus_filter,
     facet_counts,
@@ -43,7 +46,6 @@ from prx_assets.storage.tables import (
 )
 
 if TYPE_CHECKING:
-    import pyarrow as pa
     from lance import LanceDataset
 
 PAGE_SIZE = 48
@@ -70,6 +72,57 @@ class Grid:
     capped: bool = False  # a search with more matches than MAX_SEARCH_HITS
     facets: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
     facets_partial: bool = False  # facet counts over the first MAX_FACET_ROWS matches
+    # tile id -> what happens to it in training: ("trains" | "skipped" | "removed", words)
+    fates: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+@dataclass
+class ShapeGrid:
+    """The shape facet as a grid: a row per tier, a column per aspect ratio (w/h), each
+    cell the shape of that tier and aspect and its count among the matches."""
+
+    aspects: list[float]
+    rows: list[tuple[int, list[tuple[str, int] | None]]]
+
+
+def shape_grid(tier_shapes: list[tuple[str, int]]) -> ShapeGrid:
+    """From the `tier_shape` facet ("512:608x432", count)."""
+    cells: dict[tuple[int, float], tuple[str, int]] = {}
+    for key, count in tier_shapes:
+        tier, shape = key.split(":")
+        width, height = shape.split("x")
+        cells[(int(tier), round(int(width) / int(height), 2))] = (shape, count)
+    aspects = sorted({aspect for _, aspect in cells})
+    tiers = sorted({tier for tier, _ in cells})
+    return ShapeGrid(aspects, [(tier, [cells.get((tier, a)) for a in aspects]) for tier in tiers])
+
+
+# The skip reason under which exact-duplicate copies leave the shards (dedup's skip list).
+DEDUP_REASON = "dedup"
+
+
+def fate(sample_id: str, sets: IdSets | None) -> tuple[str, str]:
+    """What training does with one sample: ("removed", "removed: duplicate") for a copy
+    dedup removed, ("skipped", "skipped: reason, ...") for one a skip list names, else
+    ("trains", "trains")."""
+    if sets is None:
+        return ("trains", "trains")
+    reasons = sorted(r for r, ids in sets["skip"].items() if sample_id in ids)
+    if sample_id in sets["dup"]["duplicate"] or DEDUP_REASON in reasons:
+        return ("removed", "removed: duplicate")
+    if reasons:
+        return ("skipped", "skipped: " + ", ".join(reasons))
+    return ("trains", "trains")
+
+
+def fate_counts(rows: int, sets: IdSets) -> dict[str, int]:
+    """Of the corpus' `rows`: how many train, how many a skip list skips, how many are
+    removed duplicates (each sample counted once, removal first)."""
+    removed = set(sets["dup"]["duplicate"].ids) | set(
+        sets["skip"].get(DEDUP_REASON, IdSet.of(())).ids)
+    skipped = set().union(*(ids.ids for ids in sets["skip"].values())) - removed
+    return {"trains": max(0, rows - len(removed) - len(skipped)), "skipped": len(skipped),
+            "removed": len(removed)}
 
 
 def grid(catalog: Catalog, query: Query, with_facets: bool = True) -> Grid:
@@ -98,7 +151,7 @@ def grid(catalog: Catalog, query: Query, with_facets: bool = True) -> Grid:
               facet_counts(facet_rows, sets, membership(catalog, table, sets)))
     partial = facet_rows is not None and facet_rows.num_rows < total
     return Grid(tiles, total, query.page, max(1, -(-total // PAGE_SIZE)), capped, facets,
-                partial)
+                partial, {tile.id: fate(tile.id, sets) for tile in tiles})
 
 
 def _ranked(table: LanceDataset, query: Query, where: pc.Expression | None,
@@ -286,7 +339,41 @@ def near_duplicates_of(catalog: Catalog, sample_id: str) -> list[dict]:
 @dataclass
 class ExactGroup:
     phash: int
-    members: list[dict]  # id, kept
+    members: list[dict]  # id, kept, source, source_key, width, height, n_bytes, sha256
+    byte_identical: bool = False  # every copy has the kept copy's bytes (sha256)
+    why_kept: str = ""
+
+
+def raw_facts(catalog: Catalog, ids: list[str]) -> dict[str, dict]:
+    """Source key, original size, bytes and sha256 of each id, from its source's raw_images
+    (one query per source; an id's source is the listed source its id starts with)."""
+    by_source: dict[str, list[str]] = {}
+    for source in catalog.sources_of(RAW_IMAGES):
+        mine = [i for i in ids if i.startswith(f"{source}:")]
+        if mine:
+            by_source[source] = mine
+    facts: dict[str, dict] = {}
+    for source, mine in by_source.items():
+        table = catalog.table(RAW_IMAGES, source)
+        if table is None:
+            continue
+        rows = table.to_table(columns=["id", "source_key", "width", "height", "n_bytes",
+                                       "sha256"],
+                              filter=pc.field("id").isin(pa.array(mine, pa.string())),
+                              limit=len(mine))
+        facts.update({row["id"]: {**row, "source": source} for row in rows.to_pylist()})
+    return facts
+
+
+def why_kept(members: list[dict]) -> str:
+    """Why dedup kept this copy (most pixels; ties: first source, then smallest id)."""
+    kept = next(m for m in members if m["kept"])
+    pixels = [(m.get("width") or 0) * (m.get("height") or 0) for m in members]
+    mine = (kept.get("width") or 0) * (kept.get("height") or 0)
+    if mine and pixels.count(mine) == 1 and mine == max(pixels):
+        return f"kept: the most pixels ({kept['width']}x{kept['height']})"
+    return "kept: as many pixels as another copy; the tie goes to the first source listed, " \
+           "then the smallest id"
 
 
 def exact_groups(catalog: Catalog, page: int = 0, per_page: int = 20
@@ -303,11 +390,15 @@ def exact_groups(catalog: Catalog, page: int = 0, per_page: int = 20
     of_page = pc.field("kept_id").isin(kept.column("kept_id").combine_chunks())
     members = table.to_table(columns=["id", "kept_id", "phash"], filter=of_page,
                              limit=max(1, per_page) * 1000).to_pylist()
+    facts = raw_facts(catalog, [m["id"] for m in members])
     groups = []
     for kept_id, phash in zip(kept_ids, kept.column("phash").to_pylist(), strict=True):
-        mine = [{"id": m["id"], "kept": m["id"] == kept_id} for m in members
-                if m["kept_id"] == kept_id]
-        groups.append(ExactGroup(phash, sorted(mine, key=lambda m: (not m["kept"], m["id"]))))
+        mine = [{**facts.get(m["id"], {}), "id": m["id"], "kept": m["id"] == kept_id}
+                for m in members if m["kept_id"] == kept_id]
+        mine.sort(key=lambda m: (not m["kept"], m["id"]))
+        shas = {m.get("sha256") for m in mine}
+        groups.append(ExactGroup(phash, mine, len(shas) == 1 and None not in shas,
+                                 why_kept(mine)))
     return groups, total
 
 
@@ -372,7 +463,10 @@ def random_id(catalog: Catalog, rng: np.random.Generator | None = None) -> str:
 
 
 def overview(catalog: Catalog) -> dict:
-    """Counts for the header: corpus rows and its version, sources present."""
+    """Counts for the header: corpus rows and its version, sources present, and how many
+    of the rows train, are skipped or are removed duplicates."""
     table = catalog.corpus()
-    return {"rows": table.count_rows(), "version": table.version,
-            "sources": catalog.sources_of(BUCKETED_IMAGES)}
+    rows = table.count_rows()
+    return {"rows": rows, "version": table.version,
+            "sources": catalog.sources_of(BUCKETED_IMAGES),
+            "fates": fate_counts(rows, id_sets(catalog))}

@@ -131,7 +131,8 @@ def build_corpus_asset(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefi
                 rebuild_indexes=recorded(previous, "index_config") != index_config(),
                 on_rows=progress.advance)
         progress.finish()
-        context.log.info(f"corpus: {report.write.rows:,} rows, indexes {report.indexes}")
+        indexes = ", ".join(f"{column} {kind}" for column, kind in report.indexes.items())
+        context.log.info(f"corpus: {report.write.rows:,} rows; indexes: {indexes}")
         lance_version = corpus_table.latest_version()
         changed_rows = bool(report.processed or report.removed)
         return dg.MaterializeResult(metadata={

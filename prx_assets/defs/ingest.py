@@ -74,7 +74,8 @@ def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
             raise dg.Failure(f"source {spec.name!r}: {exc}") from exc
         context.log.info(
             f"{spec.name}: {report.rows_processed:,} row(s) read from {report.units_read:,} "
-            f"unit(s), {report.rows_reused:,} kept, {report.rows_removed:,} removed; "
+            f"unit(s), {report.rows_reused:,} reused from the last run, "
+            f"{report.rows_removed:,} removed; "
             f"version {report.lance_version}")
         return dg.MaterializeResult(
             metadata=_metadata(context, target, report, spec.kind, uri, spec.license),

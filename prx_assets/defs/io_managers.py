@@ -14,6 +14,7 @@ import pyarrow as pa
 import ray.data
 
 from prx_assets.defs.metadata import PROFILERS, browser_link, materialized_lance_version
+from prx_assets.defs.report import size_in_words
 from prx_assets.defs.resources import StorageResource
 from prx_assets.storage import lance_tables
 from prx_assets.storage.lance_tables import FragmentPolicy, WriteReport
@@ -50,6 +51,7 @@ def table_metadata(table: TableRef, report: WriteReport,
         "lance_version": report.version,
         "dagster/row_count": report.rows,
         "table_bytes": report.bytes,
+        "table_size": size_in_words(report.bytes),
         "fragments": report.fragments,
         "fragments_before_compaction": report.compacted_from,
         "mean_fragment_mb": round(report.bytes / max(1, report.fragments) / 1e6, 2),

@@ -9,10 +9,15 @@ from typing import Any
 import dagster as dg
 
 from prx_assets.browser.links import view_url
+from prx_assets.defs.report import bands_chart, size_in_words, tier_shape_matrix
+from prx_assets.stages.report.charts import percent
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.table_stats import (
+    AR_BANDS,
+    MP_BANDS,
     BucketProfile,
     TableProfile,
+    band_label,
     bucket_profile,
     profile_table,
 )
@@ -98,9 +103,16 @@ def profile_metadata(profile: TableProfile) -> dict:
     if profile.format_counts:
         meta["formats"] = counts_table(profile.format_counts, "format")
         meta["image_mb"] = round(profile.image_bytes / 1e6, 2)
+        meta["image_size"] = size_in_words(profile.image_bytes)
     if profile.megapixel_bands:
         meta["megapixels"] = counts_table(profile.megapixel_bands, "megapixels")
         meta["aspect_ratios"] = counts_table(profile.aspect_bands, "width / height")
+        meta["megapixels_chart"] = bands_chart(
+            dict(profile.megapixel_bands), "decodable images by megapixels",
+            [band_label((lo + min(hi, 1e9)) / 2, MP_BANDS, " MP") for lo, hi in MP_BANDS])
+        meta["aspect_ratios_chart"] = bands_chart(
+            dict(profile.aspect_bands), "decodable images by width / height",
+            [band_label((lo + min(hi, 1e9)) / 2, AR_BANDS) for lo, hi in AR_BANDS])
     return meta
 
 
@@ -117,6 +129,10 @@ def bucket_metadata(profile: BucketProfile) -> dict:
     return {
         "kept": profile.kept,
         "kept_share": round(profile.kept_share, 4),
+        "kept_share_in_words": f"{percent(profile.kept_share)} ({profile.kept:,} of "
+                               f"{profile.rows:,})",
+        "tier_by_shape": tier_shape_matrix(
+            {(int(tier), shape): int(n) for (tier, shape), n in profile.shape_counts.items()}),
         "rejects_by_reason": counts_table(rejects, "reason", profile.rows),
         "images_per_tier": counts_table(
             Counter({str(t): n for t, n in profile.tier_counts.items()}), "tier", profile.kept),

@@ -4,12 +4,14 @@
 import dagster as dg
 
 from prx_assets.defs.metadata import browser_link, incremental_metadata
+from prx_assets.defs.report import funnel_metadata
 from prx_assets.defs.resources import (
     CaptionerResource,
     ClassifierResource,
     SourcesResource,
     StorageResource,
 )
+from prx_assets.demo.funnel import source_funnel
 from prx_assets.stages.opt_outs.opt_outs import ids_for_source, parse_directory, resolve
 from prx_assets.stages.shards.trees import tree_store
 from prx_assets.stages.skip_lists.skip_lists import (
@@ -102,6 +104,8 @@ def build_skip_lists_asset(partitions_def: dg.PartitionsDefinition) -> dg.Assets
             "skipped_per_reason": _reason_table(report.skipped_per_reason, total),
             "sidecars_written": report.written, "sidecars_removed": report.removed,
             "sidecars_unchanged": report.unchanged, **browser_link(context),
+            # The last per-source asset: where this source's images went, end to end.
+            **funnel_metadata(source_funnel(store, source, *versions)),
             # A skip list removes nothing stored: its work is the samples whose skip state
             # changed; every other sample is carried as it was.
             **incremental_metadata(report.samples_changed, total - report.samples_changed, 0),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,7 +154,16 @@ def _caption(rng: np.random.Generator, photo: str | None) -> str:
             f"scattered across it, slightly blurred, with a fine grain over the whole surface.")
 
 
-def generate_items(n: int, seed: int, prefix: str) -> list[DemoItem]:
+Progress = Callable[[str], None]
+PROGRESS_EVERY = 25  # images between two progress lines
+
+
+def _quiet(line: str) -> None:
+    """No progress lines (the default)."""
+
+
+def generate_items(n: int, seed: int, prefix: str, progress: Progress = _quiet,
+                   name: str = "") -> list[DemoItem]:
     rng = np.random.default_rng(seed)
     paths = real_photo_paths()
     photos, names = [Image.open(p) for p in paths], [p.stem for p in paths]
@@ -170,6 +180,8 @@ def generate_items(n: int, seed: int, prefix: str) -> list[DemoItem]:
             img = img.convert("L") if i % 20 == 3 else img.convert("P")
         ext = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}[fmt]
         items.append(DemoItem(f"{prefix}{i:05d}.{ext}", encode(img, fmt), _caption(rng, photo)))
+        if (i + 1) % PROGRESS_EVERY == 0 or i + 1 == n:
+            progress(f"{name or prefix}: {i + 1} of {n} images drawn")
     return items
 
 
@@ -186,14 +198,16 @@ def broken_files() -> dict[str, bytes]:
     }
 
 
-def make_demo_corpus(root: Path, scale: int = 1) -> Path:
-    """Write three sources under `root` and a sources.yaml describing them; returns its path."""
+def make_demo_corpus(root: Path, scale: int = 1, progress: Progress = _quiet) -> Path:
+    """Write three sources under `root` and a sources.yaml describing them; returns its path.
+    `progress` gets a short line every PROGRESS_EVERY images."""
     root = Path(root)
     folder, wds, parquet_dir = root / "folder", root / "wds", root / "parquet"
     for d in (folder, wds, parquet_dir):
         d.mkdir(parents=True, exist_ok=True)
 
-    folder_items = generate_items(120 * scale, seed=1, prefix="img/")
+    folder_items = generate_items(120 * scale, seed=1, prefix="img/", progress=progress,
+                                  name="demo_folder")
     for item in folder_items:
         path = folder / item.key
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -203,7 +217,8 @@ def make_demo_corpus(root: Path, scale: int = 1) -> Path:
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(data)
 
-    wds_items = generate_items(100 * scale, seed=2, prefix="s")
+    wds_items = generate_items(100 * scale, seed=2, prefix="s", progress=progress,
+                               name="demo_wds")
     # Planted duplicates: exact copies and re-encoded, downsized copies of folder images.
     dup_sources = [it for it in folder_items if it.key.endswith(".jpg")][:12]
     for j, item in enumerate(dup_sources):
@@ -216,7 +231,8 @@ def make_demo_corpus(root: Path, scale: int = 1) -> Path:
             wds_items.append(DemoItem(f"dup{j:03d}.jpg", encode(small, "JPEG", 85), item.caption))
     _write_tars(wds, wds_items, per_tar=40 * scale)
 
-    parquet_items = generate_items(80 * scale, seed=3, prefix="p")
+    parquet_items = generate_items(80 * scale, seed=3, prefix="p", progress=progress,
+                                   name="demo_parquet")
     parquet_items += [DemoItem(f"pdup{j}", it.data, it.caption)
                       for j, it in enumerate(dup_sources[:4])]
     _write_parquet(parquet_dir / "part-0.parquet", parquet_items)

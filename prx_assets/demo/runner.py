@@ -9,6 +9,8 @@ from pathlib import Path
 import dagster as dg
 
 from prx_assets.definitions import build_defs
+from prx_assets.defs.report import tag_run_with_warnings
+from prx_assets.demo.console import short_console_logger, wrap
 from prx_assets.demo.funnel import format_funnel, source_funnel
 from prx_assets.engine import ray_runtime
 from prx_assets.stages.ingest.sources import load_sources
@@ -23,13 +25,11 @@ CONSOLE_LEVEL = "INFO"
 # Checks that warn on the demo's own data, and why: what a new user reads under the warning.
 DEMO_NOTES = {
     "caption_labels:label_shares":
-        "expected on the demo: every crop of one photo (Grace Hopper's portrait) has the same "
-        "caption, \"A woman in a dark naval uniform ... poses for a formal portrait\", which "
-        "the small embedded classifier labels nsfw, and those copies pass the 2% bound; on "
-        "real data, look at the captions so labelled (bounds: LabelSharesConfig)",
+        "not expected on the demo (its captions are photos and abstract pictures): look at "
+        "the captions so labelled with `make browse` (/?label=nsfw); bounds: LabelSharesConfig",
     "skip_lists:skipped_share":
         "expected on the demo: its streams (tier and shape) hold 1-10 samples, so one planted "
-        "duplicate or nsfw-labelled sample is over 10% of one; on real data, run "
+        "duplicate is over 10% of one; on real data, run "
         "rewrite_shards_job (bound: SkipShareConfig.warn_above)",
 }
 
@@ -55,8 +55,13 @@ def with_console_level(run_config: dict | None, level: str = CONSOLE_LEVEL) -> d
 
 def _run(job, instance: dg.DagsterInstance, run_config: dict | None = None,
          **kwargs) -> dg.ExecuteInProcessResult:
-    return job.execute_in_process(instance=instance, run_config=with_console_level(run_config),
-                                  raise_on_error=False, **kwargs)
+    """The job in this process, its console one short line per event (demo.console)."""
+    job = job.with_logger_defs({"console": short_console_logger})
+    result = job.execute_in_process(instance=instance, run_config=with_console_level(run_config),
+                                    raise_on_error=False, **kwargs)
+    # What the check_warnings_tag sensor does under `make ui`: the Runs page shows it.
+    tag_run_with_warnings(instance, result.run_id)
+    return result
 
 
 def _partition_run(name: str, result: dg.ExecuteInProcessResult) -> PartitionRun:
@@ -205,10 +210,22 @@ def print_summary(runs: list[PartitionRun], sources_file: Path) -> None:
                   f"{concepts.get('largest_to_median_after')})")
         corpus = run.metadata.get(CORPUS, {})
         if corpus:
-            print(f"   corpus: {corpus.get('dagster/row_count')} rows -> {corpus.get('path')}; "
-                  f"try `prx-assets search \"a cat\"`")
+            print(f"   corpus: {corpus.get('dagster/row_count')} rows -> {corpus.get('path')}")
     print()
     for line in check_lines(runs):
+        print("\n".join(wrap(line)))
+    for line in closing_lines():
         print(line)
-    print("\nOpen the UI with `make ui` (http://127.0.0.1:3000): every run, check and metadata "
-          "table above is there, per source partition.")
+
+
+def closing_lines() -> list[str]:
+    """What to do next, with the exact commands (each line short)."""
+    return [
+        "",
+        "Next:",
+        "   make ui        # Dagster at http://127.0.0.1:3000: runs, checks, each source's "
+        "funnel",
+        "   make browse    # the corpus browser at http://127.0.0.1:8080: images, captions, "
+        "rejects",
+        "   .venv/bin/prx-assets search \"a cat\"    # captions from the shell",
+    ]

@@ -41,6 +41,8 @@ def quiet_ray_data() -> None:
     # "Dataset ... execution finished in N seconds" at INFO: the stage's own line says so.
     logging.getLogger("ray.data._internal.execution.streaming_executor").setLevel(
         logging.WARNING)
+    # "Data sink LanceOverwrite finished. N rows ..." at INFO: the commit's line says so.
+    logging.getLogger("ray.data.dataset").setLevel(logging.WARNING)
 
 
 def _duration(seconds: float) -> str:

@@ -45,6 +45,13 @@ def facet(page, name: str) -> dict[str, int]:
             for i in range(items.count())}
 
 
+def shape_cells(page) -> dict[str, int]:
+    """The shape facet's grid: shape -> count, from its cells (tier rows, aspect columns)."""
+    links = page.locator('[data-facet="shape"] td a')
+    return {links.nth(i).get_attribute("data-value"): int(links.nth(i).inner_text())
+            for i in range(links.count())}
+
+
 def test_grid_loads_real_thumbnails(served, tiny, page):
     page.goto(served.url + "/")
     page.wait_for_function(ALL_THUMBS_LOADED)
@@ -83,12 +90,15 @@ def test_a_facet_narrows_the_counts(served, tiny, page):
     page.goto(served.url + "/")
     before = facet(page, "source")
     assert before == {"web": 5, "stock": 4}
-    assert sum(facet(page, "shape").values()) == 9
+    assert sum(shape_cells(page).values()) == 9
+    # A row per tier, a column per aspect ratio: here one tier (512) and four shapes.
+    assert page.locator('[data-facet="shape"] tr').count() == 2
+    assert shape_cells(page) == {"608x432": 5, "512x512": 2, "576x464": 1, "640x400": 1}
     page.locator('[data-facet="source"] a[data-value="stock"]').click()
     page.wait_for_url(re.compile(r"source=stock"))
     assert page.locator("#total").inner_text() == "4"
     assert facet(page, "source") == {"stock": 4}
-    assert sum(facet(page, "shape").values()) == 4
+    assert sum(shape_cells(page).values()) == 4
     assert all(i.startswith("stock:") for i in tile_ids(page)) and len(tile_ids(page)) == 4
     assert facet(page, "dup") == {"duplicate": 2, "unique": 2}
     page.wait_for_function(ALL_THUMBS_LOADED)
@@ -133,6 +143,13 @@ def test_sample_page_shows_every_caption_version(served, tiny, page):
     page.wait_for_function("() => { const i = document.querySelector('#full-image');"
                            " return i.complete && i.naturalWidth > 0; }")
     assert page.locator("#full-image").evaluate("i => i.naturalWidth") == 512
+    # The original (640x640 on disk) beside its bucketed crop, and where it was made.
+    page.wait_for_function("() => { const i = document.querySelector('#original-image');"
+                           " return i.complete && i.naturalWidth > 0; }")
+    assert page.locator("#original-image").evaluate(
+        "i => [i.naturalWidth, i.naturalHeight]") == [640, 640]
+    assert page.locator("#dagster-run").get_attribute("href") == (
+        "http://127.0.0.1:3000/assets/bucketed_images?partition=web")
     screenshot(page, "sample", full_page=True)
     # The exact copy in the other source, with the kept one marked; lineage and labels.
     group = page.locator("#group").inner_text()
@@ -175,6 +192,17 @@ def test_duplicates_page_has_near_and_exact_clusters(served, tiny, page):
     kept = page.locator("#exact-groups a.kept").evaluate_all("els => els.map(e => e.title)")
     assert sorted(kept) == sorted([tiny.id("web", "astronaut.jpg"),
                                    tiny.id("web", "coffee.jpg")])
+    # Readable groups: titled by the kept copy's key and source, byte-identical files told
+    # from re-encoded copies of the same phash, why this copy was kept, and a legend.
+    kinds = {exact.nth(i).locator(".group-title").inner_text().split(" (")[0]:
+             exact.nth(i).get_attribute("data-kind") for i in range(2)}
+    assert kinds == {"astronaut.jpg": "bytes", "coffee.jpg": "phash"}
+    astronaut = exact.filter(has_text="astronaut.jpg")
+    assert "(web)" in astronaut.locator(".group-title").inner_text()
+    assert "identical bytes" in astronaut.inner_text() and "spaceman.jpg" in astronaut.inner_text()
+    assert "tie goes to the first source" in astronaut.locator(".why-kept").inner_text()
+    assert "640x640" in astronaut.inner_text()
+    assert "byte-identical" in page.locator("#legend").inner_text()
     page.goto(served.url + f"/sample/{tiny.id('web', 'motorbike.jpg')}")
     assert "distance 2" in page.locator("#near").inner_text()
     page.goto(served.url + "/duplicates")
@@ -188,6 +216,76 @@ def test_random_sample(served, tiny, page):
     page.click("#random")
     page.wait_for_url(re.compile(r"/sample/"))
     assert page.locator("h1.sample-id").inner_text() in corpus_ids(tiny)
+
+
+def test_grid_cards_say_which_samples_train(served, tiny, page):
+    page.goto(served.url + "/")
+    page.wait_for_function(ALL_THUMBS_LOADED)
+    fates = dict(zip(tile_ids(page), page.locator("#grid .tile .badge").all_inner_texts(),
+                     strict=True))
+    removed = {i for i, words in fates.items() if words == "removed: duplicate"}
+    # The two copies dedup removed (the facet counts the same ones), every other card trains.
+    assert removed == {tiny.id("stock", "spaceman.jpg"), tiny.id("stock", "coffee-bright.jpg")}
+    assert facet(page, "dup")["duplicate"] == len(removed)
+    assert {words for i, words in fates.items() if i not in removed} == {"trains"}
+    header = {page.locator("#fates [data-fate]").nth(i).get_attribute("data-fate"):
+              int(page.locator("#fates [data-fate]").nth(i).inner_text().split()[0])
+              for i in range(3)}
+    assert header == {"trains": 7, "skipped": 0, "removed": 2}
+    assert sum(header.values()) == int(page.locator("#total").inner_text())
+
+
+def test_search_cards_name_their_score(served, page):
+    page.goto(served.url + "/?q=tabby+cat")
+    score = page.locator("#grid .tile .score").first.inner_text()
+    assert re.fullmatch(r"relevance \(BM25\) [0-9]+\.[0-9]{2}", score), score
+    page.goto(served.url + "/")
+    assert page.locator("#grid .tile .score").count() == 0
+
+
+def test_rejected_view_shows_what_was_thrown_away(served, tiny, page):
+    page.goto(served.url + "/")
+    page.click("#rejected-link")
+    page.wait_for_url("**/rejected")
+    reasons = page.locator('[data-facet="reject"] a').evaluate_all(
+        "els => els.map(e => [e.dataset.reason, e.dataset.source])")
+    assert reasons == [["too_small", "stock"]]  # the 200x200 photo, below the 384 floor
+    page.locator('[data-facet="reject"] a').first.click()
+    page.wait_for_url(re.compile(r"reason=too_small"))
+    tiny_id = tiny.id("stock", "tiny.jpg")
+    assert tile_ids_of(page, "#rejects") == [tiny_id]
+    assert page.locator("#reject-total").inner_text() == "1"
+    tile = page.locator(f'#rejects .tile[data-id="{tiny_id}"]')
+    assert tile.locator(".badge").inner_text() == "rejected: too_small"
+    assert "200x200" in tile.inner_text()
+    image = tile.locator("img")
+    page.wait_for_function("i => i.complete && i.naturalWidth > 0", arg=image.element_handle())
+    assert image.evaluate("i => [i.naturalWidth, i.naturalHeight]") == [200, 200]
+    screenshot(page, "rejected")
+    assert page.request.get(served.url + "/rejected?reason=..%2F").status == 400
+    assert page.request.get(served.url + "/rejected?reason=too_small&source=nope").status == 404
+    assert page.request.get(served.url + f"/reject-thumb/{tiny.id('stock', 'nope.jpg')}"
+                            ).status == 404
+
+
+def tile_ids_of(page, grid: str) -> list[str]:
+    return page.locator(f"{grid} .tile").evaluate_all("els => els.map(e => e.dataset.id)")
+
+
+def test_no_page_logs_a_console_error_or_a_failed_request(served, tiny, page):
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("response", lambda r: errors.append(f"{r.status} {r.url}")
+            if r.status >= 400 else None)
+    sample = tiny.id("web", "astronaut.jpg")
+    for path in ("/", "/?q=cat", f"/?similar={sample}", f"/sample/{sample}",
+                 f"/sample/{sample}/opt-out", "/duplicates", "/?source=stock&dup=duplicate",
+                 "/rejected", "/rejected?reason=too_small&source=stock"):
+        page.goto(served.url + path)
+        page.wait_for_load_state("load")
+    assert errors == []
+    icon = page.request.get(served.url + "/favicon.ico")
+    assert icon.status == 200 and icon.headers["content-type"].startswith("image/svg+xml")
 
 
 def _raw_get(served, path: str) -> tuple[int, bytes]:
@@ -301,3 +399,5 @@ def test_opt_out_from_the_page_reaches_audit_and_skip_lists(served, tiny, page):
     assert "direct" in page.locator("#opted-out").inner_text()
     page.goto(served.url + "/?skip=optout")
     assert tile_ids(page) == [sample]
+    assert page.locator("#grid .tile .badge").inner_text() == "skipped: optout"
+    assert page.locator('#fates [data-fate="skipped"]').inner_text() == "1 skipped"

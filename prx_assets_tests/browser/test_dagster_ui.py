@@ -98,3 +98,37 @@ def test_launch_a_partition_from_the_asset_page(dagster_dev, page):
         item.wait_for()
     assert page.get_by_text("In Progress", exact=True).count() == 0
     screenshot(page, "dagster_checks")
+
+
+@pytest.mark.timeout(600)
+def test_the_funnel_picture_on_the_last_per_source_asset(dagster_dev, page):
+    """skip_lists (the last per-source asset) carries the source's funnel as a table and a
+    PNG in Markdown; the UI shows the table inline and the picture behind [Show Markdown]
+    (Dagster inlines only Markdown under 1,000 characters), and the small tier × shape
+    matrix inline. The materialisation is reported directly: what is tested is what the UI
+    renders of the metadata skip_lists records (test_dedup_skip_lists runs the asset)."""
+    import dagster as dg
+
+    from prx_assets.defs.report import funnel_metadata, tier_shape_matrix
+    from prx_assets.demo.funnel import Funnel
+
+    funnel = Funnel(SOURCE, raw=124, decodable=120, kept=107, captioned=107, labelled=107,
+                    duplicates=6, skipped=8, in_shards=107)
+    instance = dg.DagsterInstance.from_config(str(dagster_dev.home))
+    instance.report_runless_asset_event(dg.AssetMaterialization(
+        "skip_lists", partition=SOURCE, metadata={
+            **funnel_metadata(funnel),
+            "tier_by_shape": tier_shape_matrix({(512, "512x512"): 60, (512, "608x432"): 47})}))
+    page.goto(dagster_dev.url + f"/assets/skip_lists?partition={SOURCE}")
+    row = page.locator("tr", has=page.get_by_text("funnel", exact=True)).first
+    row.get_by_text("streamed by loader", exact=True).wait_for()
+    assert row.get_by_text("79.8 %", exact=True).count() == 1
+    matrix = page.locator("tr", has=page.get_by_text("tier_by_shape", exact=True)).first
+    matrix.get_by_text("47 · 608x432").wait_for()  # a Markdown table, rendered inline
+    page.locator("tr", has=page.get_by_text("funnel_chart", exact=True)).first \
+        .get_by_text("[Show Markdown]").click()
+    picture = page.get_by_role("dialog").locator(f'img[alt="{SOURCE} funnel"]')
+    picture.wait_for()
+    page.wait_for_function("i => i.complete && i.naturalWidth > 0", arg=picture.element_handle())
+    assert picture.evaluate("i => i.naturalWidth") == 560
+    screenshot(page, "dagster_funnel")

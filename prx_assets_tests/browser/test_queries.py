@@ -148,3 +148,14 @@ def test_sources_of_a_table_are_listed_from_a_bucket(s3_root):
         overwrite_rows(store.table("raw_images", source), rows, rows.schema)
     assert catalog.Catalog(store).sources_of("raw_images") == ["tars", "web"]
     assert catalog.Catalog(store).sources_of("captions") == []
+
+
+def test_the_shape_facet_is_a_grid_of_tiers_by_aspect_ratio():
+    from prx_assets.browser.queries import shape_grid
+
+    grid = shape_grid([("512:608x432", 5), ("512:512x512", 2), ("1024:1024x1024", 1),
+                       ("1024:1216x864", 3), ("512:432x608", 1)])
+    assert grid.aspects == [0.71, 1.0, 1.41]
+    assert grid.rows == [(512, [("432x608", 1), ("512x512", 2), ("608x432", 5)]),
+                         (1024, [None, ("1024x1024", 1), ("1216x864", 3)])]
+    assert shape_grid([]).rows == []

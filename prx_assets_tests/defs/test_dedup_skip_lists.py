@@ -1,5 +1,6 @@
 """Duplicates, opt-outs and skip lists through Dagster on two small real sources."""
 
+import base64
 import hashlib
 import io
 import json
@@ -9,6 +10,7 @@ import pyarrow as pa
 from PIL import Image
 
 from prx_assets.definitions import build_defs
+from prx_assets.defs.report import WARNINGS_TAG, tag_run_with_warnings
 from prx_assets.demo.corpus import encode, real_photo_paths
 from prx_assets.stages.images.phash import phash
 from prx_assets.stages.images.stage import PHASH_SCHEMA
@@ -172,6 +174,19 @@ def test_duplicates_opt_outs_sensor_and_skip_lists(ray_session, data_root, tmp_p
     assert check["skipped_share"].severity == dg.AssetCheckSeverity.WARN
     assert "skip more than 10% of their samples: " in check["skipped_share"].description
     assert "3 of 6 (50%)" in check["skipped_share"].description
+    # The source's funnel, on its last asset: a table and a picture (a PNG in Markdown).
+    funnel = {r.data["stage"]: r.data["images"] for r in meta["funnel"].value.records}
+    assert (funnel["raw"], funnel["duplicates"], funnel["skipped"],
+            funnel["samples in shards"], funnel["streamed by loader"]) == (6, 2, 3, 6, 3)
+    chart = meta["funnel_chart"].value
+    assert chart.startswith("![web funnel](data:image/png;base64,")
+    png = base64.b64decode(chart.split(",", 1)[1].rstrip(")"))
+    assert Image.open(io.BytesIO(png)).format == "PNG"
+    assert meta["streamed_share_of_raw"].value == "50.0 %"
+    # The warning shows on the run itself, as a tag the Runs page lists.
+    assert tag_run_with_warnings(instance, run.run_id) == {
+        WARNINGS_TAG: "1: skip_lists:skipped_share"}
+    assert instance.get_run_by_id(run.run_id).tags[WARNINGS_TAG] == "1: skip_lists:skipped_share"
 
 
 def _requested(result) -> list[tuple[str, str | None]]:

@@ -79,6 +79,12 @@ def test_image_stage_decodes_once_into_two_tables_with_checks(ray_session, data_
     meta = mats["bucketed_images"]
     assert meta["kept"].value == len(hashes)
     assert sum(r.data["count"] for r in meta["images_per_shape"].value.records) == len(hashes)
+    # The same counts as a tier × shape matrix (Markdown), its totals summing to the kept.
+    matrix = meta["tier_by_shape"].value.splitlines()
+    assert matrix[0].startswith("| tier | w/h ")
+    assert sum(int(row.rsplit("|", 2)[1]) for row in matrix[2:]) == len(hashes)
+    assert meta["kept_share_in_words"].value.endswith(f"({len(hashes):,} of "
+                                                      f"{meta['dagster/row_count'].value:,})")
     assert meta["input_version/raw_images"].value == mats["raw_images"]["lance_version"].value
     assert meta["image_backend"].value == pil_backend.current().name
     assert meta["image_backend_version"].value == Image.__version__

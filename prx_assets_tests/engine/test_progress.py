@@ -114,3 +114,5 @@ def test_quiet_ray_data_turns_bars_off_and_drops_the_notice():
     finally:
         logger.removeHandler(collect)
     assert collect.messages == ["something else"]
+    # Sink notices ("Data sink LanceOverwrite finished ...") stay off the console.
+    assert logging.getLogger("ray.data.dataset").level == logging.WARNING

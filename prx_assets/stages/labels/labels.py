@@ -29,7 +29,14 @@ LABELS = ("visual", "text", "nsfw")
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CAPTION_SET = DATA_DIR / "caption_labels.jsonl"
 WEIGHTS = DATA_DIR / "caption_classifier.npz"
+# Captions written apart from the caption set and never trained or calibrated on: the
+# held-out measure of precision and recall per label (docs/labels_and_search.md).
+HELD_OUT = DATA_DIR / "held_out_captions.jsonl"
 DEFAULT_L2 = 1e-3
+# A caption is labelled nsfw only when that score reaches this; below it the better of the
+# other two labels wins. A false nsfw drops a good image from training, so the label must
+# be confident (calibrated on the validation split by `calibrate_nsfw_min_score`).
+DEFAULT_NSFW_MIN_SCORE = 0.5
 
 LABELS_SCHEMA = pa.schema([
     pa.field("id", pa.string(), nullable=False),
@@ -89,24 +96,37 @@ class LinearClassifier:
     l2: float = DEFAULT_L2
     training_set_sha: str = ""
     validation: dict = field(default_factory=dict)  # per-class accuracy, counts
+    nsfw_min_score: float = 0.0  # 0: plain argmax
 
     def scores(self, embeddings: np.ndarray) -> np.ndarray:
         return softmax(embeddings @ self.weights + self.bias)
 
+    def decide(self, scores: np.ndarray) -> list[str]:
+        """One label per row of scores: the argmax, except that nsfw needs nsfw_min_score."""
+        nsfw = LABELS.index("nsfw")
+        others = scores.copy()
+        others[:, nsfw] = -1.0
+        best = scores.argmax(1)
+        unsure = (best == nsfw) & (scores[:, nsfw] < self.nsfw_min_score)
+        best[unsure] = others[unsure].argmax(1)
+        return [LABELS[i] for i in best]
+
     def predict(self, embeddings: np.ndarray) -> list[str]:
-        return [LABELS[i] for i in self.scores(embeddings).argmax(1)]
+        return self.decide(self.scores(embeddings))
 
     def save(self, path: Path = WEIGHTS) -> None:
+        meta = {"l2": self.l2, "training_set_sha": self.training_set_sha,
+                "validation": self.validation, "model": MODEL_ID,
+                "nsfw_min_score": self.nsfw_min_score}
         np.savez(path, weights=self.weights.astype(np.float32), bias=self.bias.astype(np.float32),
-                 meta=np.array(json.dumps({"l2": self.l2, "training_set_sha": self.training_set_sha,
-                                           "validation": self.validation, "model": MODEL_ID})))
+                 meta=np.array(json.dumps(meta)))
 
     @classmethod
     def load(cls, path: Path = WEIGHTS) -> LinearClassifier:
         with np.load(path) as stored:
             meta = json.loads(str(stored["meta"]))
             return cls(stored["weights"], stored["bias"], meta["l2"], meta["training_set_sha"],
-                       meta["validation"])
+                       meta["validation"], meta.get("nsfw_min_score", 0.0))
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -146,15 +166,56 @@ def per_class_accuracy(predicted: Sequence[str], truth: Sequence[str]) -> dict[s
     return report
 
 
+def precision_recall(predicted: Sequence[str], truth: Sequence[str]) -> dict[str, dict]:
+    """Per label: how many captions truly have it (n), and precision and recall of the
+    predictions (None where undefined: nothing predicted, or nothing to find)."""
+    report = {}
+    for label in LABELS:
+        tp = sum(p == label and t == label for p, t in zip(predicted, truth, strict=True))
+        predicted_n = sum(p == label for p in predicted)
+        n = sum(t == label for t in truth)
+        report[label] = {"n": n, "predicted": predicted_n,
+                         "precision": round(tp / predicted_n, 4) if predicted_n else None,
+                         "recall": round(tp / n, 4) if n else None}
+    return report
+
+
+def load_held_out(path: Path = HELD_OUT) -> tuple[list[str], list[str]]:
+    """Captions and their true labels, from the held-out file."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["caption"] for r in rows], [r["label"] for r in rows]
+
+
+def held_out_report(classifier: LinearClassifier, embedder: MiniLMEmbedder,
+                    path: Path = HELD_OUT) -> dict[str, dict]:
+    captions, truth = load_held_out(path)
+    return precision_recall(classifier.predict(embedder.embed(captions)), truth)
+
+
+def calibrate_nsfw_min_score(scores: np.ndarray, truth: Sequence[str],
+                             floor: float = DEFAULT_NSFW_MIN_SCORE) -> float:
+    """The nsfw threshold: at least `floor`, raised just above the highest nsfw score of a
+    validation caption that is not nsfw, unless that would lose a true nsfw caption."""
+    nsfw = LABELS.index("nsfw")
+    is_nsfw = np.array([t == "nsfw" for t in truth])
+    false_top = float(scores[~is_nsfw, nsfw].max()) if (~is_nsfw).any() else 0.0
+    true_low = float(scores[is_nsfw, nsfw].min()) if is_nsfw.any() else 1.0
+    candidate = min(false_top + 1e-3, true_low)
+    return round(max(floor, candidate), 4)
+
+
 def fit_on_caption_set(embedder: MiniLMEmbedder, path: Path = CAPTION_SET,
                        l2: float = DEFAULT_L2) -> LinearClassifier:
-    """Train on the `train` split, measure on `validation` (all, and hand-written only)."""
+    """Train on the `train` split, calibrate the nsfw threshold and measure on `validation`
+    (all, and hand-written only)."""
     captions = load_caption_set(path)
     vectors = embedder.embed([c.caption for c in captions])
     train = [i for i, c in enumerate(captions) if c.split == "train"]
     classifier = train_classifier(vectors[train], [captions[i].label for i in train], l2)
     classifier.training_set_sha = file_sha(path)
     validation = [i for i, c in enumerate(captions) if c.split == "validation"]
+    classifier.nsfw_min_score = calibrate_nsfw_min_score(
+        classifier.scores(vectors[validation]), [captions[i].label for i in validation])
     hand = [i for i in validation if captions[i].origin == "hand"]
     classifier.validation = {
         "all": per_class_accuracy(classifier.predict(vectors[validation]),
@@ -178,9 +239,10 @@ def load_embedded_classifier(path: Path = WEIGHTS, caption_set: Path = CAPTION_S
 
 
 def embedded_classifier_version(l2: float = DEFAULT_L2) -> str:
+    # The stored weights (and their nsfw threshold) are part of what decides a label.
     return version_hash(backend="embedded", model=MODEL_ID, weights=model_fingerprint(),
                         training_set=file_sha(CAPTION_SET), classifier="softmax_regression",
-                        l2=l2)
+                        l2=l2, stored=file_sha(WEIGHTS))
 
 
 # --- labelling batches -------------------------------------------------------------------
@@ -216,7 +278,7 @@ class EmbeddedLabeler:
         captions = batch.column("caption").to_pylist()
         embeddings = self.embedder.embed([c or "" for c in captions])
         scores = self.classifier.scores(embeddings)
-        labels = [LABELS[i] for i in scores.argmax(1)]
+        labels = self.classifier.decide(scores)
         return label_rows(batch.column("id").to_pylist(),
                           batch.column("caption_version").to_pylist(),
                           self.classifier_version, labels, scores, embeddings)
