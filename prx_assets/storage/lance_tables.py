@@ -31,6 +31,8 @@ from ray.data.block import Block, BlockAccessor
 from ray.data.datasource.datasink import Datasink, WriteResult
 
 from prx_assets.engine.failpoints import failpoint
+from prx_assets.storage.filters import in_filter
+from prx_assets.storage.key_index import KeyIndexPolicy
 from prx_assets.storage.object_store import is_object_store
 from prx_assets.storage.refs import Location, TableRef
 
@@ -52,6 +54,7 @@ class FragmentPolicy:
     target_bytes: int = DEFAULT_BLOB_FRAGMENT_BYTES
     max_rows: int = DEFAULT_METADATA_FRAGMENT_ROWS
     keep_versions: timedelta = timedelta(days=7)
+    key_index: KeyIndexPolicy = KeyIndexPolicy()
 
 
 @dataclass
@@ -346,16 +349,71 @@ def upsert(table: TableRef, rows: pa.Table, schema: pa.Schema, keys: list[str]) 
             .when_not_matched_insert_all().execute_uncommitted(rows)
         failpoint("storage.upsert_uncommitted")
         try:
-            return lance.LanceDataset.commit(table.uri, transaction,
-                                             storage_options=table.lance_options()).version
+            version = lance.LanceDataset.commit(table.uri, transaction,
+                                                storage_options=table.lance_options()).version
         except lance.commit.CommitConflictError as exc:
             log.warning("upsert into %s lost its commit on version %d to a concurrent writer "
                         "(attempt %d of %d): merging again on top (%s)", table, dataset.version,
                         attempt, UPSERT_ATTEMPTS, str(exc).split(",")[0])
+            continue
+        if version != dataset.version + 1 and len(keys) == 1:
+            # Rebased over another writer's commit: Lance finds keys two merges both
+            # inserted, not keys a concurrent append (`append_new`) brought.
+            version = drop_later_copies(table, keys[0], rows.column(keys[0])) or version
+        return version
     raise CommitConflictError(
         f"upsert into {table}: lost the commit to concurrent writers {UPSERT_ATTEMPTS} times; "
         "none of these rows were committed, the other writers' rows are kept: rerun to "
         "commit them")
+
+
+def append_new(table: TableRef, rows: pa.Table, schema: pa.Schema, key: str,
+               known_at: int | None) -> tuple[int, bool]:
+    """Append `rows` without looking their keys up: the caller knows they are distinct and
+    were absent from `table` at version `known_at` (None: the table did not exist). Returns
+    (version, clean): clean when the commit came straight after `known_at`, so no other
+    writer's commit can hold these keys. Otherwise another writer committed in between:
+    the keys of this chunk are checked and copies after the first are deleted
+    (`drop_later_copies`), and the caller should merge-insert from then on."""
+    table = table.latest()
+    rows = rows.cast(schema)
+    prepare_output_dir(table, "Lance table")
+    if known_at is None:
+        created = _create_if_absent(table, rows, schema)
+        if created is not None:
+            return created, True
+        return upsert(table, rows, schema, [key]), False
+    fragments = write_fragments(rows, table.uri, schema=schema,
+                                storage_options=table.lance_options())
+    version = lance.LanceDataset.commit(table.uri, lance.LanceOperation.Append(fragments),
+                                        read_version=known_at,
+                                        storage_options=table.lance_options()).version
+    if version == known_at + 1:
+        return version, True
+    return drop_later_copies(table, key, rows.column(key)) or version, False
+
+
+def drop_later_copies(table: TableRef, key: str, keys: pa.Array | pa.ChunkedArray
+                      ) -> int | None:
+    """Delete every row of `keys` but the first (lowest row address: the earliest commit,
+    so two writers repairing the same keys keep the same row). Returns the new version,
+    None when no key had a copy. A lookup through the key index: cost grows with `keys`."""
+    dataset = table.latest().open()
+    found = dataset.to_table(columns=[key], filter=in_filter(key, keys.to_pylist()),
+                             with_row_address=True)
+    if found.num_rows == len(keys):
+        return None
+    first: dict[str, int] = {}
+    for value, address in zip(found.column(key).to_pylist(),
+                              found.column("_rowaddr").to_pylist(), strict=True):
+        first[value] = min(address, first.get(value, address))
+    later = sorted(set(found.column("_rowaddr").to_pylist()) - set(first.values()))
+    if not later:
+        return None
+    log.warning("%s: %d row(s) written twice by concurrent writers; keeping the first copy",
+                table, len(later))
+    dataset.delete(f"_rowaddr IN ({', '.join(map(str, later))})")
+    return table.latest_version()
 
 
 def _create_if_absent(table: TableRef, rows: pa.Table, schema: pa.Schema) -> int | None:
