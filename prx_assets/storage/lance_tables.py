@@ -17,9 +17,10 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -42,6 +43,11 @@ log = logging.getLogger(__name__)
 DEFAULT_BLOB_FRAGMENT_BYTES = 512 << 20
 # Metadata-only tables: ~1M rows per fragment (docs/architecture.md, fragment hygiene).
 DEFAULT_METADATA_FRAGMENT_ROWS = 1 << 20
+# Tables holding blobs (images): how long a version superseded by a compaction or a
+# rewrite stays readable, so a reader that pinned it just before keeps working; its files
+# are freed by the first cleanup after that (`PRX_BLOB_GRACE_S` overrides). The 7-day
+# retention of metadata tables would hold a blob table's whole size twice for a week.
+DEFAULT_BLOB_GRACE = timedelta(minutes=10)
 NODE_TAG = b"prx.ray_node"
 # How often an upsert redoes its merge after losing the commit to a concurrent writer.
 UPSERT_ATTEMPTS = 5
@@ -55,6 +61,15 @@ class FragmentPolicy:
     max_rows: int = DEFAULT_METADATA_FRAGMENT_ROWS
     keep_versions: timedelta = timedelta(days=7)
     key_index: KeyIndexPolicy = KeyIndexPolicy()
+    # None: versions live `keep_versions`; else a version is freed once it has been
+    # superseded this long (blob tables: `blob_grace()`).
+    superseded_grace: timedelta | None = None
+
+
+def blob_grace() -> timedelta:
+    """The grace of superseded blob-table versions: `PRX_BLOB_GRACE_S` seconds if set."""
+    seconds = os.environ.get("PRX_BLOB_GRACE_S")
+    return timedelta(seconds=float(seconds)) if seconds else DEFAULT_BLOB_GRACE
 
 
 @dataclass
@@ -299,8 +314,32 @@ def compact(table: TableRef, policy: FragmentPolicy) -> int:
 
 
 def cleanup(table: lance.LanceDataset, policy: FragmentPolicy) -> None:
-    """Drop versions past the retention window and files of interrupted writes."""
+    """Drop versions past the retention window and files of interrupted writes; with a
+    `superseded_grace`, also every version superseded at least that long ago."""
     table.cleanup_old_versions(older_than=policy.keep_versions, delete_unverified=False)
+    if policy.superseded_grace is not None:
+        drop_superseded(table, policy.superseded_grace)
+
+
+def superseded_versions(versions: Sequence[Mapping[str, Any]], grace: timedelta,
+                        now: datetime) -> list[int]:
+    """The versions whose successor was committed at least `grace` before `now`: whoever
+    pinned one did so while it was the latest, more than `grace` ago."""
+    ordered = sorted(versions, key=lambda v: v["version"])
+    return [v["version"] for v, after in pairwise(ordered)
+            if after["timestamp"] <= now - grace]
+
+
+def drop_superseded(table: lance.LanceDataset, grace: timedelta) -> int:
+    """Free the files only versions superseded `grace` ago or earlier reference (a
+    compaction's inputs, a rewrite's old rows); returns the bytes removed. A reader still
+    on such a version gets `VersionRemovedError` from `TableRef`."""
+    # Lance's timestamps are naive local times (`datetime.fromtimestamp`).
+    gone = superseded_versions(table.versions(), grace, datetime.now())
+    if not gone:
+        return 0
+    return table.cleanup_old_versions(versions=gone, error_if_tagged_old_versions=False
+                                      ).bytes_removed
 
 
 def data_bytes(table: lance.LanceDataset) -> int:
