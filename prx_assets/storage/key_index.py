@@ -6,8 +6,10 @@ merge-insert takes its indexed path (a lookup per key) for the indexed fragments
 only the fragments added since the index was last brought up to date. So the writer keeps
 those few: after a commit that left more than `max_unindexed_rows` rows unindexed, the new
 fragments get a delta segment (cost: the new rows), and once there are `max_segments`
-segments they are merged into one. Compaction remaps the index itself (Lance rewrites it
-with the fragments).
+segments the newest are merged into one (the oldest, biggest one is left alone). Lance
+compacts only fragments one segment covers together, so the writer compacts after each
+index update: the fragments stay about as many as the segments, and each commit's
+manifest small. Compaction remaps the index (Lance rewrites it with the fragments).
 
 Lance's indexed merge path takes one key column: a target keyed on several columns
 (captions: id and caption version) still scans. An index is made once a table holds
@@ -55,14 +57,15 @@ def indexable_key(keys: list[str]) -> str | None:
     return keys[0] if len(keys) == 1 else None
 
 
-def maintain_key_index(table: TableRef, column: str, policy: KeyIndexPolicy) -> str:
+def maintain_key_index(table: TableRef, column: str, policy: KeyIndexPolicy,
+                       session: lance.Session | None = None) -> str:
     """Bring the key index of `table` up to `policy`: create it once the table is big
     enough, add a delta segment for the unindexed rows, merge the segments when there are
     too many. Returns what it did ("created", "delta", "merged" or "" for nothing). Cheap
     when there is nothing to do: the decision reads the manifest only."""
     if not policy.enabled:
         return ""
-    dataset = table.latest().open()
+    dataset = table.latest().open(session)
     stats = key_index_stats(dataset, column)
     if stats is None:
         if dataset.count_rows() < policy.min_rows:
@@ -77,8 +80,7 @@ def maintain_key_index(table: TableRef, column: str, policy: KeyIndexPolicy) -> 
             return ""
         return "created"
     if stats["num_segments"] >= policy.max_segments:
-        dataset.optimize.optimize_indices(index_names=[index_name(column)],
-                                          num_indices_to_merge=stats["num_segments"])
+        merge_newest_segments(dataset, column, policy)
         return "merged"
     if stats["num_unindexed_rows"] > policy.max_unindexed_rows:
         dataset.optimize.optimize_indices(index_names=[index_name(column)],
@@ -87,17 +89,29 @@ def maintain_key_index(table: TableRef, column: str, policy: KeyIndexPolicy) -> 
     return ""
 
 
-def refresh_key_index(table: TableRef, column: str, policy: KeyIndexPolicy) -> str:
-    """After a run (and its compaction): every row indexed and the segments merged into one,
-    so the next run starts from a whole index. Creates it if the table is big enough."""
+def merge_newest_segments(dataset: lance.LanceDataset, column: str,
+                          policy: KeyIndexPolicy) -> None:
+    """Merge the newest segments (and the unindexed rows) into one, leaving the oldest,
+    biggest one: the cost grows with the rows added since, not with the table."""
+    dataset.optimize.optimize_indices(index_names=[index_name(column)],
+                                      num_indices_to_merge=policy.max_segments - 1)
+
+
+def refresh_key_index(table: TableRef, column: str, policy: KeyIndexPolicy,
+                      session: lance.Session | None = None) -> str:
+    """After a run, before its compaction: every row indexed (a delta segment for the
+    rows still unindexed: their cost only), the newest segments merged once there are too
+    many. Creates the index if the table is big enough."""
     if not policy.enabled:
         return ""
-    dataset = table.latest().open()
+    dataset = table.latest().open(session)
     stats = key_index_stats(dataset, column)
     if stats is None:
-        return maintain_key_index(table, column, policy)
-    if stats["num_unindexed_rows"] == 0 and stats["num_segments"] <= 1:
+        return maintain_key_index(table, column, policy, session)
+    if stats["num_segments"] >= policy.max_segments:
+        merge_newest_segments(dataset, column, policy)
+        return "merged"
+    if stats["num_unindexed_rows"] == 0:
         return ""
-    dataset.optimize.optimize_indices(index_names=[index_name(column)],
-                                      num_indices_to_merge=max(1, stats["num_segments"]))
-    return "merged"
+    dataset.optimize.optimize_indices(index_names=[index_name(column)], num_indices_to_merge=0)
+    return "delta"

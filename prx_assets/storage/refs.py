@@ -119,14 +119,16 @@ class TableRef:
             raise object_store.ObjectStoreError(
                 f"cannot read Lance table {self.uri}: {exc}") from exc
 
-    def open(self) -> lance.LanceDataset:
-        """The table at this handle's version; FileNotFoundError naming the URI if absent."""
+    def open(self, session: lance.Session | None = None) -> lance.LanceDataset:
+        """The table at this handle's version; FileNotFoundError naming the URI if absent.
+        A `session` (Lance's caches: index pages, manifests) shared by the opens of one
+        writer spares each chunk reloading the key index."""
         import lance
 
         self.check_reachable()
         try:
             return lance.dataset(self.uri, version=self.version,
-                                 storage_options=self.lance_options())
+                                 storage_options=self.lance_options(), session=session)
         except (ValueError, FileNotFoundError, OSError) as exc:
             if not (self.is_local or object_store.is_not_found(exc)):
                 raise object_store.ObjectStoreError(

@@ -56,11 +56,13 @@ def test_new_rows_are_appended_and_the_key_index_kept_current(ray_session, tmp_p
     assert max(unindexed) <= 4 + 3  # never more than the lag plus one chunk unindexed
     assert run.index_updates >= 3
     table = out.open()
-    assert sorted(ids(out)) == IDS and run.compacted_from == 7
-    assert len(table.get_fragments()) == 1  # compacted, and the index remapped onto it
+    assert sorted(ids(out)) == IDS
     stats = key_index_stats(table, "id")
-    assert stats is not None
-    assert (stats["num_unindexed_rows"], stats["num_segments"]) == (0, 1)
+    assert stats is not None and stats["num_unindexed_rows"] == 0
+    # Compacted after each index update and at the end: a fragment per index segment
+    # (Lance compacts together only fragments one segment covers), the index remapped.
+    assert run.compacted_from < 7
+    assert len(table.get_fragments()) <= stats["num_segments"] <= 3
     assert uses_the_index(table)
     assert table.to_table(filter="id = 's:007'").column("value").to_pylist() == [49]
 
