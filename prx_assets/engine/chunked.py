@@ -52,6 +52,9 @@ from prx_assets.storage.refs import TableRef
 # hash-partitioned Ray join keeps memory bounded per node.
 BROADCAST_IDS = 1_000_000
 ID = "id"
+# A chunked writer's Lance caches: the key index's pages its lookups touch, and manifests.
+WRITER_INDEX_CACHE_BYTES = 256 << 20
+WRITER_METADATA_CACHE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -186,13 +189,13 @@ class _ChunkWriter:
         # Append only on one key: the repair after a concurrent commit looks that key up.
         self.appending = new_rows is not None and self.key is not None
         self.known_at = new_rows.version if new_rows else None
-        # Lance's caches, kept across the run's opens of the target (see `upsert`).
-        self.session: lance.Session | None = None
+        # Lance's caches, kept across the run's opens of the target (see `upsert`), and
+        # bounded: the driver's memory must not grow with the table's index or versions.
+        self.session = lance.Session(index_cache_size_bytes=WRITER_INDEX_CACHE_BYTES,
+                                     metadata_cache_size_bytes=WRITER_METADATA_CACHE_BYTES)
 
     def commit(self, rows: pa.Table, run: ChunkedRun) -> int:
         target = self.target
-        if self.session is None and target.version() is not None:
-            self.session = target.open().session()
         if self.appending and self.key is not None:
             version, clean = append_new(target.table, rows, target.schema, self.key,
                                         self.known_at)
