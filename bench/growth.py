@@ -139,8 +139,9 @@ def disk_per_live(table_dir: Path) -> float:
 def measure(rows: int, work: Path, baseline_max: int, chunk_rows: int) -> SizeRun:
     from prx_assets.engine.chunked import NewRows, pending_new_rows
     from prx_assets.storage.key_index import KeyIndexPolicy
-    from prx_assets.storage.lance_tables import FragmentPolicy, drop_superseded
+    from prx_assets.storage.lance_tables import FragmentPolicy
     from prx_assets.storage.refs import TableRef
+    from prx_assets.storage.retention import drop_superseded
 
     policy = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)  # the captions table's
     result = SizeRun(rows)

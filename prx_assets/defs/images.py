@@ -42,9 +42,10 @@ from prx_assets.stages.images.stage import (
     run_image_stage,
     settings_fingerprint,
 )
-from prx_assets.storage.lance_tables import FragmentPolicy, blob_grace, describe_write
+from prx_assets.storage.lance_tables import FragmentPolicy, describe_write
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
+from prx_assets.storage.retention import blob_grace
 from prx_assets.storage.table_stats import bucket_profile
 from prx_assets.storage.tables import BUCKETED_IMAGES, PHASHES, RAW_IMAGES
 

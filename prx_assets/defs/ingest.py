@@ -19,8 +19,9 @@ from prx_assets.stages.ingest.ingest import IngestOptions, IngestReport, ingest_
 from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS
 from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.stages.ingest.readers import DEFAULT_MAX_FILE_BYTES, SourceNotFoundError
-from prx_assets.storage.lance_tables import FragmentPolicy, blob_grace, describe_write
+from prx_assets.storage.lance_tables import FragmentPolicy, describe_write
 from prx_assets.storage.object_store import ObjectStoreError
+from prx_assets.storage.retention import blob_grace
 from prx_assets.storage.tables import RAW_IMAGES
 
 # Image-blob fragments, sized by bytes (docs/architecture.md, fragment hygiene).

@@ -17,10 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-from itertools import pairwise
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -36,6 +35,7 @@ from prx_assets.storage.filters import in_filter
 from prx_assets.storage.key_index import KeyIndexPolicy
 from prx_assets.storage.object_store import is_object_store
 from prx_assets.storage.refs import Location, TableRef
+from prx_assets.storage.retention import drop_superseded
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +43,6 @@ log = logging.getLogger(__name__)
 DEFAULT_BLOB_FRAGMENT_BYTES = 512 << 20
 # Metadata-only tables: ~1M rows per fragment (docs/architecture.md, fragment hygiene).
 DEFAULT_METADATA_FRAGMENT_ROWS = 1 << 20
-# Tables holding blobs (images): how long a version superseded by a compaction or a
-# rewrite stays readable, so a reader that pinned it just before keeps working; its files
-# are freed by the first cleanup after that (`PRX_BLOB_GRACE_S` overrides). The 7-day
-# retention of metadata tables would hold a blob table's whole size twice for a week.
-DEFAULT_BLOB_GRACE = timedelta(minutes=10)
 NODE_TAG = b"prx.ray_node"
 # How often an upsert redoes its merge after losing the commit to a concurrent writer.
 UPSERT_ATTEMPTS = 5
@@ -62,14 +57,8 @@ class FragmentPolicy:
     keep_versions: timedelta = timedelta(days=7)
     key_index: KeyIndexPolicy = KeyIndexPolicy()
     # None: versions live `keep_versions`; else a version is freed once it has been
-    # superseded this long (blob tables: `blob_grace()`).
+    # superseded this long (blob tables: `retention.blob_grace()`).
     superseded_grace: timedelta | None = None
-
-
-def blob_grace() -> timedelta:
-    """The grace of superseded blob-table versions: `PRX_BLOB_GRACE_S` seconds if set."""
-    seconds = os.environ.get("PRX_BLOB_GRACE_S")
-    return timedelta(seconds=float(seconds)) if seconds else DEFAULT_BLOB_GRACE
 
 
 @dataclass
@@ -319,27 +308,6 @@ def cleanup(table: lance.LanceDataset, policy: FragmentPolicy) -> None:
     table.cleanup_old_versions(older_than=policy.keep_versions, delete_unverified=False)
     if policy.superseded_grace is not None:
         drop_superseded(table, policy.superseded_grace)
-
-
-def superseded_versions(versions: Sequence[Mapping[str, Any]], grace: timedelta,
-                        now: datetime) -> list[int]:
-    """The versions whose successor was committed at least `grace` before `now`: whoever
-    pinned one did so while it was the latest, more than `grace` ago."""
-    ordered = sorted(versions, key=lambda v: v["version"])
-    return [v["version"] for v, after in pairwise(ordered)
-            if after["timestamp"] <= now - grace]
-
-
-def drop_superseded(table: lance.LanceDataset, grace: timedelta) -> int:
-    """Free the files only versions superseded `grace` ago or earlier reference (a
-    compaction's inputs, a rewrite's old rows); returns the bytes removed. A reader still
-    on such a version gets `VersionRemovedError` from `TableRef`."""
-    # Lance's timestamps are naive local times (`datetime.fromtimestamp`).
-    gone = superseded_versions(table.versions(), grace, datetime.now())
-    if not gone:
-        return 0
-    return table.cleanup_old_versions(versions=gone, error_if_tagged_old_versions=False
-                                      ).bytes_removed
 
 
 def data_bytes(table: lance.LanceDataset) -> int:

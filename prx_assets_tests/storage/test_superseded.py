@@ -12,13 +12,12 @@ import pytest
 from prx_assets.storage.lance_tables import (
     FragmentPolicy,
     append_rows,
-    blob_grace,
     cleanup,
     compact,
     data_bytes,
-    superseded_versions,
 )
 from prx_assets.storage.refs import TableRef, VersionRemovedError
+from prx_assets.storage.retention import blob_grace, superseded_versions
 
 SCHEMA = pa.schema([("id", pa.string()), ("image", pa.large_binary())])
 
