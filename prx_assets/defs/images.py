@@ -45,10 +45,12 @@ from prx_assets.stages.images.stage import (
 from prx_assets.storage.lance_tables import FragmentPolicy, describe_write
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
+from prx_assets.storage.retention import blob_grace
 from prx_assets.storage.table_stats import bucket_profile
 from prx_assets.storage.tables import BUCKETED_IMAGES, PHASHES, RAW_IMAGES
 
-BUCKETED_FRAGMENTS = FragmentPolicy(target_bytes=512 << 20)
+# Blobs: superseded versions freed after a short grace, not held a week.
+BUCKETED_FRAGMENTS = FragmentPolicy(target_bytes=512 << 20, superseded_grace=blob_grace())
 PHASH_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
 
 

@@ -21,6 +21,7 @@ from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.stages.ingest.readers import DEFAULT_MAX_FILE_BYTES, SourceNotFoundError
 from prx_assets.storage.lance_tables import FragmentPolicy, describe_write
 from prx_assets.storage.object_store import ObjectStoreError
+from prx_assets.storage.retention import blob_grace
 from prx_assets.storage.tables import RAW_IMAGES
 
 # Image-blob fragments, sized by bytes (docs/architecture.md, fragment hygiene).
@@ -57,7 +58,8 @@ def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
         uri = catalog.location_of(spec.name)
         store = storage.get()
         target = CommitTarget(store.table(RAW_IMAGES, spec.name), RAW_IMAGES_SCHEMA, ["id"],
-                              FragmentPolicy(target_bytes=FRAGMENT_BYTES))
+                              FragmentPolicy(target_bytes=FRAGMENT_BYTES,
+                                             superseded_grace=blob_grace()))
         options = IngestOptions(config.max_pixels, config.max_file_bytes, config.files_per_task,
                                 config.chunk_rows)
         context.log.info(f"ingesting source {spec.name!r} ({spec.kind}) from {uri}")

@@ -10,8 +10,14 @@ wrote. The pattern, shared by every such stage:
 3. **merge-insert** the results into the target in chunks of `chunk_rows`, keyed on the
    target's keys: each chunk is one atomic Lance commit, so a run killed after chunk k has
    committed exactly k chunks, a rerun selects only the rest, and a retried row replaces
-   its earlier row instead of doubling it (keys stay unique at every table version);
-4. **compact** the small fragments the chunks left and **clean up** old versions;
+   its earlier row instead of doubling it (keys stay unique at every table version).
+   Rows the stage knows are new (`NewRows`: selected absent at a version it names) are
+   **appended** instead, with no lookup at all, for as long as no other writer commits
+   in between (`lance_tables.append_new`); a merge-insert looks its keys up through the
+   target's key index (`storage.key_index`), which the run keeps up to date after each
+   commit, so a chunk's cost grows with the chunk, not with the table;
+4. merge the key index, **compact** the small fragments the chunks left (the index is
+   remapped onto them) and **clean up** old versions;
 5. **report** what was done (`ChunkedRun`), with a callback after each commit for progress
    and for the stage's own counts.
 
@@ -32,13 +38,23 @@ import pyarrow.compute as pc
 import ray.data
 
 from prx_assets.engine.batches import arrow_batches, batch_fn
-from prx_assets.storage.lance_tables import FragmentPolicy, cleanup, compact, upsert
+from prx_assets.storage.key_index import indexable_key, maintain_key_index, refresh_key_index
+from prx_assets.storage.lance_tables import (
+    FragmentPolicy,
+    append_new,
+    cleanup,
+    compact,
+    upsert,
+)
 from prx_assets.storage.refs import TableRef
 
 # Below this many ids, set membership is broadcast to every task (no shuffle); above it, a
 # hash-partitioned Ray join keeps memory bounded per node.
 BROADCAST_IDS = 1_000_000
 ID = "id"
+# A chunked writer's Lance caches: the key index's pages its lookups touch, and manifests.
+WRITER_INDEX_CACHE_BYTES = 256 << 20
+WRITER_METADATA_CACHE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -59,6 +75,14 @@ class CommitTarget:
         return self.table.latest_version()
 
 
+@dataclass(frozen=True)
+class NewRows:
+    """The rows a stage yields have distinct keys, none of them in the target at `version`
+    (None: the target did not exist): they can be appended without a lookup."""
+
+    version: int | None
+
+
 @dataclass
 class ChunkedRun:
     """What one chunked run did; updated after every commit, so a callback sees it grow."""
@@ -66,7 +90,9 @@ class ChunkedRun:
     chunks: int = 0  # chunks the stage yielded (a chunk with nothing to commit counts too)
     commits: int = 0  # merge-inserts committed
     rows: int = 0  # rows the stage yielded
-    committed: int = 0  # rows merge-inserted
+    committed: int = 0  # rows committed (appended or merge-inserted)
+    appended: int = 0  # of those, rows appended without a key lookup
+    index_updates: int = 0  # key index created, given a delta segment or merged
     seconds: float = 0.0
     lance_version: int | None = None  # the target's version after the run (or the commit)
     compacted_from: int | None = None  # fragments before compaction; None: not compacted
@@ -108,15 +134,18 @@ def run_chunked(pending: ray.data.Dataset | None,
                 stage: Callable[[ray.data.Dataset], ray.data.Dataset],
                 target: CommitTarget, chunk_rows: int, *,
                 to_commit: Callable[[pa.Table], pa.Table] | None = None,
-                on_chunk: ChunkCallback | None = None) -> ChunkedRun:
+                on_chunk: ChunkCallback | None = None,
+                new_rows: NewRows | None = None) -> ChunkedRun:
     """Run `stage` over `pending` and commit its output to `target` chunk by chunk.
 
     `pending=None` means nothing to do: the stage is not even built (no actor pool starts,
     no model loads). `to_commit` picks the rows of a chunk to write (default: all), e.g. to
     leave failed rows out so the next run retries them. `on_chunk(chunk, run)` runs after
     each chunk is committed; whatever it raises stops the run with the commits so far kept.
-    After the last chunk, a run of more than one commit compacts the target and cleans up
-    its old versions.
+    `new_rows` says the stage's rows are new as of a target version: they are appended
+    while no other writer commits (then merged). After each commit the key index is kept
+    up to date; after the last chunk, a run of more than one commit compacts the target,
+    merges its key index and cleans up its old versions.
     """
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be at least 1, not {chunk_rows}")
@@ -124,10 +153,11 @@ def run_chunked(pending: ray.data.Dataset | None,
     if pending is None:
         return run
     started = time.perf_counter()
+    writer = _ChunkWriter(target, new_rows)
     for chunk in arrow_batches(stage(pending), batch_size=chunk_rows):
         rows = to_commit(chunk) if to_commit else chunk
         if rows.num_rows:
-            run.lance_version = upsert(target.table, rows, target.schema, list(target.keys))
+            run.lance_version = writer.commit(rows, run)
             run.commits += 1
         run.chunks += 1
         run.rows += chunk.num_rows
@@ -135,12 +165,64 @@ def run_chunked(pending: ray.data.Dataset | None,
         run.seconds = time.perf_counter() - started
         if on_chunk:
             on_chunk(chunk, run)
+    # The index first: Lance does not compact fragments an index covers with ones it does
+    # not (or ones different segments cover) into one.
+    if run.commits and writer.key and refresh_key_index(target.table, writer.key,
+                                                        target.fragments.key_index,
+                                                        writer.session):
+        run.index_updates += 1
     if run.commits > 1:
         run.compacted_from = compact(target.table, target.fragments)
         cleanup(target.open(), target.fragments)
     run.lance_version = target.version()
     run.seconds = time.perf_counter() - started
     return run
+
+
+class _ChunkWriter:
+    """Commits a run's chunks: appends while the rows are known new and no other writer
+    has committed since, merge-inserts otherwise; keeps the key index up to date."""
+
+    def __init__(self, target: CommitTarget, new_rows: NewRows | None):
+        self.target = target
+        self.key = indexable_key(list(target.keys))
+        # Append only on one key: the repair after a concurrent commit looks that key up.
+        self.appending = new_rows is not None and self.key is not None
+        self.known_at = new_rows.version if new_rows else None
+        # Lance's caches, kept across the run's opens of the target (see `upsert`), and
+        # bounded: the driver's memory must not grow with the table's index or versions.
+        self.session = lance.Session(index_cache_size_bytes=WRITER_INDEX_CACHE_BYTES,
+                                     metadata_cache_size_bytes=WRITER_METADATA_CACHE_BYTES)
+
+    def commit(self, rows: pa.Table, run: ChunkedRun) -> int:
+        target = self.target
+        if self.appending and self.key is not None:
+            version, clean = append_new(target.table, rows, target.schema, self.key,
+                                        self.known_at)
+            run.appended += rows.num_rows if clean else 0
+            # Each clean append came straight after the last: the next chunk's rows are
+            # still absent. After another writer's commit, merge.
+            self.appending, self.known_at = clean, version
+        else:
+            version = upsert(target.table, rows, target.schema, list(target.keys),
+                             self.session)
+        action = self.key and maintain_key_index(target.table, self.key,
+                                                 target.fragments.key_index, self.session)
+        if not action:
+            return version
+        run.index_updates += 1
+        if action != "created":
+            # The fragments the new segment covers, compacted into one: the fragments, and
+            # so each commit's manifest, stay few.
+            compact(target.table, target.fragments)
+        latest = target.table.latest_version() or version
+        if self.appending:
+            # Index updates and compaction add no rows: the same count means no other
+            # writer added any since this chunk's commit, so the next rows are still new.
+            self.appending = (target.table.at(latest).count_rows()
+                              == target.table.at(version).count_rows())
+            self.known_at = latest
+        return latest
 
 
 # --- selecting pending rows ---------------------------------------------------------------
@@ -156,6 +238,24 @@ def committed_ids(table: TableRef, filter: str | None = None
     if count == 0:
         return None, 0
     return table.read(columns=[ID], filter=filter), count
+
+
+def pending_new_rows(rows: ray.data.Dataset, target: TableRef
+                     ) -> tuple[ray.data.Dataset, NewRows]:
+    """`rows` whose id is not in the target at its latest version now, and that version
+    (`run_chunked(new_rows=...)` appends them). `rows` must hold each id once."""
+    version = target.latest_version()
+    pinned = target.at(version) if version is not None else target
+    return pending_rows(rows, pinned), NewRows(version)
+
+
+def new_if_empty(target: TableRef) -> NewRows | None:
+    """Every row a stage yields is new while its target holds none (its first run): the
+    target's version then (None: absent), else None (rows may exist: merge)."""
+    version = target.latest_version()
+    if version is None:
+        return NewRows(None)
+    return NewRows(version) if target.at(version).count_rows() == 0 else None
 
 
 def pending_rows(rows: ray.data.Dataset, target: TableRef, done_filter: str | None = None,
@@ -199,11 +299,16 @@ def drop_ids(rows: ray.data.Dataset, ids: pa.Array) -> ray.data.Dataset:
 
     The filter asks for no CPU: it feeds a stage (a model's actor pool) that holds the
     node's CPUs, and charged one it waited for a free slot while the actors idled (labels
-    on a 2-CPU node: both actors idle 45 % of the time, never both busy)."""
+    on a 2-CPU node: both actors idle 45 % of the time, never both busy).
+
+    Whole blocks at a time (`batch_size=None`, blocks are already bounded in bytes by the
+    read): each call hashes all of `ids`, so 1,024-row batches made selecting the pending
+    rows of a 10⁶-row partition cost O(N²/1024) (a +0.1 % rerun at 10⁶ rows: 62 s)."""
     if len(ids) == 0:
         return rows
     return rows.map_batches(batch_fn(keep_ids), fn_kwargs={"ids": ids, "member": False},
-                            batch_format="pyarrow", zero_copy_batch=True, num_cpus=0)
+                            batch_format="pyarrow", batch_size=None, zero_copy_batch=True,
+                            num_cpus=0)
 
 
 def without_ids(rows: ray.data.Dataset, ids: ray.data.Dataset, n_ids: int,

@@ -31,8 +31,11 @@ from ray.data.block import Block, BlockAccessor
 from ray.data.datasource.datasink import Datasink, WriteResult
 
 from prx_assets.engine.failpoints import failpoint
+from prx_assets.storage.filters import in_filter
+from prx_assets.storage.key_index import KeyIndexPolicy
 from prx_assets.storage.object_store import is_object_store
 from prx_assets.storage.refs import Location, TableRef
+from prx_assets.storage.retention import drop_superseded
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,10 @@ class FragmentPolicy:
     target_bytes: int = DEFAULT_BLOB_FRAGMENT_BYTES
     max_rows: int = DEFAULT_METADATA_FRAGMENT_ROWS
     keep_versions: timedelta = timedelta(days=7)
+    key_index: KeyIndexPolicy = KeyIndexPolicy()
+    # None: versions live `keep_versions`; else a version is freed once it has been
+    # superseded this long (blob tables: `retention.blob_grace()`).
+    superseded_grace: timedelta | None = None
 
 
 @dataclass
@@ -296,8 +303,11 @@ def compact(table: TableRef, policy: FragmentPolicy) -> int:
 
 
 def cleanup(table: lance.LanceDataset, policy: FragmentPolicy) -> None:
-    """Drop versions past the retention window and files of interrupted writes."""
+    """Drop versions past the retention window and files of interrupted writes; with a
+    `superseded_grace`, also every version superseded at least that long ago."""
     table.cleanup_old_versions(older_than=policy.keep_versions, delete_unverified=False)
+    if policy.superseded_grace is not None:
+        drop_superseded(table, policy.superseded_grace)
 
 
 def data_bytes(table: lance.LanceDataset) -> int:
@@ -321,7 +331,8 @@ def describe_write(table: lance.LanceDataset) -> WriteReport:
     )
 
 
-def upsert(table: TableRef, rows: pa.Table, schema: pa.Schema, keys: list[str]) -> int:
+def upsert(table: TableRef, rows: pa.Table, schema: pa.Schema, keys: list[str],
+           session: lance.Session | None = None) -> int:
     """Commit `rows` atomically, replacing rows with the same keys (never doubling them);
     returns the new version. Used for chunked, resumable writes (captions, labels).
 
@@ -329,7 +340,9 @@ def upsert(table: TableRef, rows: pa.Table, schema: pa.Schema, keys: list[str]) 
     version exists (a conditional put on S3), so one commit wins; the other finds its merge
     preempted, merges again on top of the winner's version and commits that (up to
     `UPSERT_ATTEMPTS` times, then `CommitConflictError`). Neither writer's rows are lost and
-    keys stay unique."""
+    keys stay unique. A writer of many chunks passes one `session`: a merge looks its keys
+    up through the key index, whose pages a fresh open would read again each time (at 10⁶
+    rows: 0.3 s a chunk, against 15 ms with the cache kept)."""
     table = table.latest()
     rows = rows.cast(schema)
     prepare_output_dir(table, "Lance table")
@@ -339,23 +352,78 @@ def upsert(table: TableRef, rows: pa.Table, schema: pa.Schema, keys: list[str]) 
             return created
         # Another writer created the table first: merge into what it committed.
     for attempt in range(1, UPSERT_ATTEMPTS + 1):
-        dataset = table.open()
+        dataset = table.open(session)
         # The merge writes its files first and commits separately, so a lost commit is
         # redone from the winner's version (a merge's own retries are not bounded by us).
         transaction, _ = dataset.merge_insert(keys).when_matched_update_all() \
             .when_not_matched_insert_all().execute_uncommitted(rows)
         failpoint("storage.upsert_uncommitted")
         try:
-            return lance.LanceDataset.commit(table.uri, transaction,
-                                             storage_options=table.lance_options()).version
+            version = lance.LanceDataset.commit(table.uri, transaction,
+                                                storage_options=table.lance_options()).version
         except lance.commit.CommitConflictError as exc:
             log.warning("upsert into %s lost its commit on version %d to a concurrent writer "
                         "(attempt %d of %d): merging again on top (%s)", table, dataset.version,
                         attempt, UPSERT_ATTEMPTS, str(exc).split(",")[0])
+            continue
+        if version != dataset.version + 1 and len(keys) == 1:
+            # Rebased over another writer's commit: Lance finds keys two merges both
+            # inserted, not keys a concurrent append (`append_new`) brought.
+            version = drop_later_copies(table, keys[0], rows.column(keys[0])) or version
+        return version
     raise CommitConflictError(
         f"upsert into {table}: lost the commit to concurrent writers {UPSERT_ATTEMPTS} times; "
         "none of these rows were committed, the other writers' rows are kept: rerun to "
         "commit them")
+
+
+def append_new(table: TableRef, rows: pa.Table, schema: pa.Schema, key: str,
+               known_at: int | None) -> tuple[int, bool]:
+    """Append `rows` without looking their keys up: the caller knows they are distinct and
+    were absent from `table` at version `known_at` (None: the table did not exist). Returns
+    (version, clean): clean when the commit came straight after `known_at`, so no other
+    writer's commit can hold these keys. Otherwise another writer committed in between:
+    the keys of this chunk are checked and copies after the first are deleted
+    (`drop_later_copies`), and the caller should merge-insert from then on."""
+    table = table.latest()
+    rows = rows.cast(schema)
+    prepare_output_dir(table, "Lance table")
+    if known_at is None:
+        created = _create_if_absent(table, rows, schema)
+        if created is not None:
+            return created, True
+        return upsert(table, rows, schema, [key]), False
+    fragments = write_fragments(rows, table.uri, schema=schema,
+                                storage_options=table.lance_options())
+    version = lance.LanceDataset.commit(table.uri, lance.LanceOperation.Append(fragments),
+                                        read_version=known_at,
+                                        storage_options=table.lance_options()).version
+    if version == known_at + 1:
+        return version, True
+    return drop_later_copies(table, key, rows.column(key)) or version, False
+
+
+def drop_later_copies(table: TableRef, key: str, keys: pa.Array | pa.ChunkedArray
+                      ) -> int | None:
+    """Delete every row of `keys` but the first (lowest row address: the earliest commit,
+    so two writers repairing the same keys keep the same row). Returns the new version,
+    None when no key had a copy. A lookup through the key index: cost grows with `keys`."""
+    dataset = table.latest().open()
+    found = dataset.to_table(columns=[key], filter=in_filter(key, keys.to_pylist()),
+                             with_row_address=True)
+    if found.num_rows == len(keys):
+        return None
+    first: dict[str, int] = {}
+    for value, address in zip(found.column(key).to_pylist(),
+                              found.column("_rowaddr").to_pylist(), strict=True):
+        first[value] = min(address, first.get(value, address))
+    later = sorted(set(found.column("_rowaddr").to_pylist()) - set(first.values()))
+    if not later:
+        return None
+    log.warning("%s: %d row(s) written twice by concurrent writers; keeping the first copy",
+                table, len(later))
+    dataset.delete(f"_rowaddr IN ({', '.join(map(str, later))})")
+    return table.latest_version()
 
 
 def _create_if_absent(table: TableRef, rows: pa.Table, schema: pa.Schema) -> int | None:

@@ -36,6 +36,18 @@ def _local_uri(uri: str) -> str:
     return str(PurePath(uri.removeprefix("file://")))
 
 
+class VersionRemovedError(FileNotFoundError):
+    """A pinned version whose files cleanup freed: superseded (by a compaction or a
+    rewrite) longer ago than the table's grace, or past its retention."""
+
+    def __init__(self, table: TableRef):
+        super().__init__(
+            f"Lance table {table.uri}: version {table.version} was removed after a newer "
+            "version superseded it (a blob table keeps superseded versions for "
+            "PRX_BLOB_GRACE_S seconds, default 600; others for 7 days); read the latest "
+            "version instead (rerun)")
+
+
 @dataclass(frozen=True)
 class TableRef:
     """A Lance table: where it is, which version (None: the latest at each call) and the
@@ -107,18 +119,22 @@ class TableRef:
             raise object_store.ObjectStoreError(
                 f"cannot read Lance table {self.uri}: {exc}") from exc
 
-    def open(self) -> lance.LanceDataset:
-        """The table at this handle's version; FileNotFoundError naming the URI if absent."""
+    def open(self, session: lance.Session | None = None) -> lance.LanceDataset:
+        """The table at this handle's version; FileNotFoundError naming the URI if absent.
+        A `session` (Lance's caches: index pages, manifests) shared by the opens of one
+        writer spares each chunk reloading the key index."""
         import lance
 
         self.check_reachable()
         try:
             return lance.dataset(self.uri, version=self.version,
-                                 storage_options=self.lance_options())
+                                 storage_options=self.lance_options(), session=session)
         except (ValueError, FileNotFoundError, OSError) as exc:
             if not (self.is_local or object_store.is_not_found(exc)):
                 raise object_store.ObjectStoreError(
                     f"cannot read Lance table {self.uri}: {exc}") from exc
+            if self.version is not None and self.latest_version() is not None:
+                raise VersionRemovedError(self) from exc
             at = f" at version {self.version}" if self.version is not None else ""
             raise FileNotFoundError(f"cannot open Lance table {self.uri}{at}: {exc}") from exc
 
@@ -126,7 +142,17 @@ class TableRef:
                  **kwargs: Any) -> pa.Table:
         """Columns of the rows matching `filter`, read in this process (small columns of
         bounded tables: counts, ids of a delta, a mapping)."""
-        return self.open().to_table(columns=columns, filter=filter, **kwargs)
+        dataset = self.open()
+        try:
+            return dataset.to_table(columns=columns, filter=filter, **kwargs)
+        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+            # Opened just before cleanup freed its files: name that, not a missing file.
+            if self.version is not None and self.version not in self._live_versions():
+                raise VersionRemovedError(self) from exc
+            raise
+
+    def _live_versions(self) -> set[int]:
+        return {v["version"] for v in self.latest().open().versions()}
 
     def count_rows(self, filter: str | None = None) -> int:
         return self.open().count_rows(filter=filter)

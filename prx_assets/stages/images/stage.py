@@ -31,12 +31,14 @@ from prx_assets.engine.chunked import (
     CommitTarget,
     collect_ids,
     hash_partitions,
+    new_if_empty,
     run_chunked,
     without_ids,
 )
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.images.imaging import ImageOptions, process_image
 from prx_assets.storage.filters import in_filter, sql_string
+from prx_assets.storage.key_index import maintain_key_index, refresh_key_index
 from prx_assets.storage.lance_tables import (
     FragmentPolicy,
     cleanup,
@@ -291,6 +293,7 @@ def run_image_stage(raw: ray.data.Dataset, raw_table: TableRef, tables: ImageTab
         report.hashes_removed += delete_ids(tables.phashes, unhashed.combine_chunks())
         if hashed.num_rows:
             upsert(tables.phashes, hashed.select(PHASH_COLUMNS), PHASH_SCHEMA, ["id"])
+            maintain_key_index(tables.phashes, "id", tables.phash_policy.key_index)
             report.hashes_written += hashed.num_rows
         return chunk  # bucketed commits the whole chunk, after phashes
 
@@ -300,12 +303,16 @@ def run_image_stage(raw: ray.data.Dataset, raw_table: TableRef, tables: ImageTab
         if on_chunk:
             on_chunk(report)
 
+    # A first run (bucketed empty) appends: raw_images holds each id once.
+    new_rows = new_if_empty(tables.bucketed)
     pending = pending_raw(raw, tables, settings_fingerprint(options))
     target = CommitTarget(tables.bucketed, BUCKETED_SCHEMA, ["id"], tables.bucketed_policy)
     report.commits = run_chunked(
         pending, lambda rows: build_bucketed_dataset(rows, options).map_batches(
             with_node_column, batch_format="pyarrow", zero_copy_batch=True),
-        target, chunk_rows, to_commit=hashes_first, on_chunk=committed)
+        target, chunk_rows, to_commit=hashes_first, on_chunk=committed, new_rows=new_rows)
+    if report.commits.commits:
+        refresh_key_index(tables.phashes, "id", tables.phash_policy.key_index)
     if report.commits.commits > 1:
         report.hashes_compacted_from = compact(tables.phashes, tables.phash_policy)
         cleanup(tables.phashes.latest().open(), tables.phash_policy)

@@ -1,0 +1,236 @@
+"""Cost that grows with the work, not with the table: metadata rows written through the
+stages' own chunked writer (`engine.chunked.run_chunked`: Ray stage, chunks committed to
+Lance, key index kept current, compaction and cleanup), at several partition sizes.
+
+Rows are caption-like (a 24-hex-digit id as `ingest.ids.sample_id` makes, a caption
+version, 25–40 words of text, a word count, a status), keyed on `id`. Per size N, each
+on a fresh table:
+
+- **append**: a first run, every row known new (`NewRows`): appended, no key lookup;
+- **+0.1 %**: N/1000 more ids offered with the N already there (made before the clock
+  starts: upstream's work), selected by `pending_new_rows` (an anti-join on the committed
+  ids) and appended; its seconds as a share of the full run's;
+- **merge**: the same N rows as rows that may exist: merge-inserted, looked up through
+  the key index the run keeps current;
+- **merge, no index** (the baseline, up to `--baseline-max`): the merge as it was before
+  the key index, each chunk scanning the whole `id` column;
+- the driver's peak PSS and the process tree's (driver plus Ray) during the append run;
+- disk bytes per live byte of the table after the runs (every file under the table's
+  folder, against the data files the latest version references).
+
+Seconds per row and memory are printed as ratios against the smallest size; the merge
+against its no-index baseline at the same size. Targets (issue 31): per-row ratio ≤ 1.2
+from 10⁴ to 10⁶, memory ratio ≤ 1.2, +0.1 % rerun ≤ 2 % of a full run, disk ≤ 1.2× live.
+
+    python -m bench.growth --sizes 1e4,1e5,1e6
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from bench.common import Figure, report
+from bench.proc_memory import DRIVER, BackgroundSampler, sample_tree
+
+DEFAULT_SIZES = (2_000, 20_000)  # a smoke run for `make bench`; the note uses 1e4,1e5,1e6
+CHUNK_ROWS = 1024  # the captions stage's chunk
+SCHEMA = pa.schema([
+    pa.field("id", pa.string(), nullable=False), pa.field("caption_version", pa.string()),
+    pa.field("caption", pa.string()), pa.field("n_words", pa.int32()),
+    pa.field("status", pa.string()),
+])
+CAPTION_WORDS = ("a red wooden boat on a grey river at sunset with two people and a dog near "
+                 "the old stone bridge under heavy clouds while birds fly over green hills "
+                 "in soft morning light")
+WORDS = np.array(CAPTION_WORDS.split())
+
+
+def sample_ids(start: int, stop: int) -> list[str]:
+    """Ids like `ingest.ids.sample_id`: hashes, so they arrive in no order."""
+    return [f"bench:{hashlib.blake2b(str(i).encode(), digest_size=12).hexdigest()}"
+            for i in range(start, stop)]
+
+
+def id_batch(batch: dict) -> pa.Table:
+    ids = batch["id"]
+    return pa.table({"id": sample_ids(int(ids[0]), int(ids[-1]) + 1)})
+
+
+def caption_rows(batch: pa.Table) -> pa.Table:
+    """The stage: one caption-like row per id (deterministic per batch)."""
+    rng = np.random.default_rng(batch.num_rows)
+    counts = rng.integers(25, 41, batch.num_rows)
+    captions = [" ".join(WORDS[rng.integers(0, len(WORDS), n)]) for n in counts]
+    return pa.table({"id": batch.column("id"), "caption_version": ["v1"] * batch.num_rows,
+                     "caption": captions, "n_words": pa.array(counts, pa.int32()),
+                     "status": ["ok"] * batch.num_rows}, schema=SCHEMA)
+
+
+def inputs(rows: int):
+    import ray.data
+
+    blocks = max(1, rows // 65_536)
+    return ray.data.range(rows, override_num_blocks=blocks).map_batches(
+        id_batch, batch_size=None, batch_format="numpy")
+
+
+def stage(rows):
+    return rows.map_batches(caption_rows, batch_format="pyarrow", zero_copy_batch=True)
+
+
+class DriverPeak(BackgroundSampler):
+    """Peak PSS of this process and of its whole tree (with Ray), sampled from /proc."""
+
+    def __init__(self, interval: float = 0.25):
+        super().__init__(interval)
+        self.driver_kb = self.tree_kb = 0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sample = sample_tree(os.getpid())
+            self.driver_kb = max(self.driver_kb, sample.by_kind.get(DRIVER, 0))
+            self.tree_kb = max(self.tree_kb, sample.pss_kb)
+            self._stop.wait(self.interval)
+
+
+@dataclass
+class SizeRun:
+    rows: int
+    append_s: float = 0.0
+    rerun_s: float = 0.0
+    merge_s: float = 0.0
+    unindexed_merge_s: float | None = None
+    driver_kb: int = 0
+    tree_kb: int = 0
+    disk_per_live: float = 0.0  # after the runs, with the captions table's 7-day retention
+    disk_per_live_freed: float = 0.0  # then with superseded versions freed (grace 0)
+    details: dict = field(default_factory=dict)
+
+
+def timed_run(table_dir: Path, rows, policy, new_rows=None, chunk_rows: int = CHUNK_ROWS):
+    from prx_assets.engine.chunked import CommitTarget, run_chunked
+    from prx_assets.storage.refs import TableRef
+
+    target = CommitTarget(TableRef.of(table_dir), SCHEMA, ["id"], policy)
+    started = time.perf_counter()
+    run = run_chunked(rows, stage, target, chunk_rows, new_rows=new_rows)
+    return time.perf_counter() - started, run
+
+
+def disk_per_live(table_dir: Path) -> float:
+    from prx_assets.storage.lance_tables import data_bytes
+    from prx_assets.storage.refs import TableRef
+
+    disk = sum(p.stat().st_size for p in table_dir.rglob("*") if p.is_file())
+    return disk / max(1, data_bytes(TableRef.of(table_dir).open()))
+
+
+def measure(rows: int, work: Path, baseline_max: int, chunk_rows: int) -> SizeRun:
+    from prx_assets.engine.chunked import NewRows, pending_new_rows
+    from prx_assets.storage.key_index import KeyIndexPolicy
+    from prx_assets.storage.lance_tables import FragmentPolicy
+    from prx_assets.storage.refs import TableRef
+    from prx_assets.storage.retention import drop_superseded
+
+    policy = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)  # the captions table's
+    result = SizeRun(rows)
+    appended = work / f"append-{rows}.lance"
+    with DriverPeak() as peak:
+        result.append_s, run = timed_run(appended, inputs(rows), policy, NewRows(None),
+                                         chunk_rows)
+    result.driver_kb, result.tree_kb = peak.driver_kb, peak.tree_kb
+    result.details["append"] = {"commits": run.commits, "appended": run.appended,
+                                "index_updates": run.index_updates}
+    # The offered ids come from upstream (a table read, a listing): made before the clock.
+    more = inputs(rows + max(1, rows // 1000)).materialize()
+    started = time.perf_counter()
+    pending, new = pending_new_rows(more, TableRef.of(appended))
+    rerun_s, rerun = timed_run(appended, pending, policy, new, chunk_rows)
+    result.rerun_s = time.perf_counter() - started
+    result.details["rerun"] = {"committed": rerun.committed, "run_s": rerun_s}
+    result.disk_per_live = disk_per_live(appended)
+    drop_superseded(TableRef.of(appended).open(), timedelta(0))
+    result.disk_per_live_freed = disk_per_live(appended)
+    result.merge_s, _ = timed_run(work / f"merge-{rows}.lance", inputs(rows), policy,
+                                  chunk_rows=chunk_rows)
+    if rows <= baseline_max:
+        unindexed = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20,
+                                   key_index=KeyIndexPolicy(enabled=False))
+        result.unindexed_merge_s, _ = timed_run(work / f"noindex-{rows}.lance", inputs(rows),
+                                                unindexed, chunk_rows=chunk_rows)
+    return result
+
+
+def figures(runs: list[SizeRun]) -> list[Figure]:
+    first = runs[0]
+    base = f"{first.rows:.0e} rows"
+    out: list[Figure] = []
+    for run in runs:
+        at = f"@{run.rows:.0e}"
+        out += [
+            Figure("growth", f"append us/row {at}", 1e6 * run.append_s / run.rows, base,
+                   1e6 * first.append_s / first.rows, "us/row"),
+            Figure("growth", f"merge us/row {at}", 1e6 * run.merge_s / run.rows, base,
+                   1e6 * first.merge_s / first.rows, "us/row"),
+            Figure("growth", f"driver peak PSS {at}", run.driver_kb / 1024, base,
+                   first.driver_kb / 1024, "MiB"),
+            Figure("growth", f"tree peak PSS {at}", run.tree_kb / 1024, base,
+                   first.tree_kb / 1024, "MiB"),
+            Figure("growth", f"+0.1% rerun s {at}", run.rerun_s, "full append run",
+                   run.append_s, "s"),
+            Figure("growth", f"disk/live 7-day {at}", run.disk_per_live, "live bytes", 1.0,
+                   "x"),
+            Figure("growth", f"disk/live freed {at}", run.disk_per_live_freed, "live bytes",
+                   1.0, "x"),
+        ]
+        if run.unindexed_merge_s is not None:
+            out.append(Figure("growth", f"merge, key index {at}", run.merge_s,
+                              "merge without index", run.unindexed_merge_s, "s"))
+    return out
+
+
+def parse_sizes(text: str) -> list[int]:
+    return sorted({int(float(part)) for part in text.split(",") if part.strip()})
+
+
+def run(sizes: list[int], baseline_max: int, chunk_rows: int = CHUNK_ROWS) -> list[SizeRun]:
+    """Every size measured on fresh tables in a temporary folder (removed after)."""
+    from prx_assets.engine import ray_runtime
+    from prx_assets.storage.lance_tables import FragmentPolicy
+
+    ray_runtime.connect(num_cpus=2)
+    work = Path(tempfile.mkdtemp(prefix="prx-growth-"))
+    try:
+        # Ray Data's first execution starts its workers and actors: not the table's cost.
+        timed_run(work / "warm-up.lance", inputs(2 * chunk_rows), FragmentPolicy())
+        return [measure(rows, work, baseline_max, chunk_rows) for rows in sizes]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)))
+    parser.add_argument("--baseline-max", type=float, default=1e5,
+                        help="largest size at which the no-index merge baseline runs")
+    parser.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS)
+    args = parser.parse_args(argv if argv is not None else [])
+    runs = run(parse_sizes(args.sizes), int(args.baseline_max), args.chunk_rows)
+    report(figures(runs), "growth")
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
