@@ -200,8 +200,8 @@ def print_summary(runs: list[PartitionRun], sources_file: Path) -> None:
             acted = ("skipped by semdedup" if semantic.get("applied_by_skip_lists")
                      else "reported only")
             print(f"   semantic duplicates: {semantic.get('removed')} of "
-                  f"{semantic.get('embeddings')} at eps {semantic.get('eps')} ({acted}) in "
-                  f"the {semantic.get('space')}")
+                  f"{semantic.get('embeddings')} at eps {semantic.get('eps')} ({acted})")
+            print(f"      in the {semantic.get('space')}")
         concepts = run.metadata.get(CONCEPTS, {})
         if concepts:
             print(f"   concepts: clusters per level {concepts.get('levels')}; balanced sample "
