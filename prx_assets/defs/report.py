@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dagster as dg
 
-from prx_assets.demo.funnel import Funnel
 from prx_assets.stages.report.charts import (
     bar_chart_png,
     human_bytes,
@@ -14,6 +13,7 @@ from prx_assets.stages.report.charts import (
     png_markdown,
     tier_shape_markdown,
 )
+from prx_assets.stages.report.funnel import Funnel
 
 WARNINGS_TAG = "prx/check_warnings"
 # Dagster keeps tag values short; the names beyond this are counted, not listed.

@@ -11,8 +11,8 @@ from prx_assets.defs.resources import (
     SourcesResource,
     StorageResource,
 )
-from prx_assets.demo.funnel import source_funnel
 from prx_assets.stages.opt_outs.opt_outs import ids_for_source, parse_directory, resolve
+from prx_assets.stages.report.funnel import source_funnel
 from prx_assets.stages.shards.trees import tree_store
 from prx_assets.stages.skip_lists.skip_lists import (
     REASON_BALANCE,

@@ -11,9 +11,9 @@ import dagster as dg
 from prx_assets.definitions import build_defs
 from prx_assets.defs.report import tag_run_with_warnings
 from prx_assets.demo.console import short_console_logger, wrap
-from prx_assets.demo.funnel import format_funnel, source_funnel
 from prx_assets.engine import ray_runtime
 from prx_assets.stages.ingest.sources import load_sources
+from prx_assets.stages.report.funnel import format_funnel, source_funnel
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import CONCEPTS, CORPUS, DUPLICATES, MDS_SAMPLES, SEMANTIC_DUPLICATES
 

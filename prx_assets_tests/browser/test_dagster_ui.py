@@ -110,7 +110,7 @@ def test_the_funnel_picture_on_the_last_per_source_asset(dagster_dev, page):
     import dagster as dg
 
     from prx_assets.defs.report import funnel_metadata, tier_shape_matrix
-    from prx_assets.demo.funnel import Funnel
+    from prx_assets.stages.report.funnel import Funnel
 
     funnel = Funnel(SOURCE, raw=124, decodable=120, kept=107, captioned=107, labelled=107,
                     duplicates=6, skipped=8, in_shards=107)

@@ -14,7 +14,7 @@ from prx_assets.defs.report import (
     tag_run_with_warnings,
     warnings_tags,
 )
-from prx_assets.demo.funnel import Funnel
+from prx_assets.stages.report.funnel import Funnel
 
 
 def test_the_funnel_is_a_table_and_a_picture():

@@ -1,6 +1,6 @@
 """The demo funnel's "skipped" counts what the loader skips by default: not `balance`."""
 
-from prx_assets.demo.funnel import skipped_in_tree
+from prx_assets.stages.report.funnel import skipped_in_tree
 from prx_assets.stages.skip_lists.skip_lists import write_sidecar
 from prx_assets.storage.refs import as_location
 

@@ -91,8 +91,8 @@ def assert_same_table(left: Path, right: Path) -> None:
 def assert_funnel(runs: list, sources: Path, root: Path, capsys) -> None:
     """68 files, all decodable and kept, 4 planted copies; the summary prints the funnel."""
     from prx_assets.definitions import build_defs
-    from prx_assets.demo.funnel import source_funnel
     from prx_assets.demo.runner import print_summary
+    from prx_assets.stages.report.funnel import source_funnel
 
     resources = build_defs(sources).resources
     funnel = source_funnel(root, "web", resources["captioner"].caption_version(),

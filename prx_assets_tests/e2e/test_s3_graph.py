@@ -47,8 +47,8 @@ def test_the_whole_graph_of_a_webdataset_source_lives_in_the_bucket(
     from prx_assets.definitions import build_defs
     from prx_assets.defs.opt_outs import build_opt_out_sensor
     from prx_assets.defs.resources import StorageResource
-    from prx_assets.demo.funnel import source_funnel
     from prx_assets.stages.ingest.ids import sample_id
+    from prx_assets.stages.report.funnel import source_funnel
 
     # The source is a tar in the bucket too, streamed from there (never downloaded whole).
     tars = write_webdataset(tmp_path / "wds")
