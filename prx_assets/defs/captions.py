@@ -29,6 +29,7 @@ from prx_assets.defs.metadata import (
     recorded,
     recorded_input_version,
 )
+from prx_assets.defs.report import duration_metadata
 from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
 from prx_assets.engine.progress import StageProgress
 from prx_assets.stages.captions.captioners import CaptionerSpec
@@ -44,6 +45,7 @@ from prx_assets.stages.captions.runs import (
     pending_requests,
     read_kept,
 )
+from prx_assets.stages.report.charts import human_duration
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, RAW_IMAGES
 
@@ -160,6 +162,7 @@ def run_metadata(report: CaptionRunReport, spec, cover) -> dict:
         "captioned_this_run": report.written,
         "chunks_committed": report.chunks,
         "images_per_s": round(rate, 2),
+        **duration_metadata("stage_seconds", report.seconds),
         "rows_by_status": counts_table(Counter(report.statuses), "status"),
         "caption_words": words_table(report.word_counts),
         "kept_images": cover.kept,
@@ -169,8 +172,11 @@ def run_metadata(report: CaptionRunReport, spec, cover) -> dict:
     if gpus and rate > 0:
         meta["images_per_s_per_gpu"] = round(rate / gpus, 2)
         meta["projected_gpu_hours"] = round(cover.kept / (rate / gpus) / 3600, 2)
+        meta["projected_gpu_time_in_words"] = dg.MetadataValue.text(
+            human_duration(cover.kept / (rate / gpus)))
     elif rate > 0:
         meta["projected_hours_at_this_rate"] = round(cover.kept / rate / 3600, 3)
+        meta["projected_time_in_words"] = dg.MetadataValue.text(human_duration(cover.kept / rate))
     return meta
 
 

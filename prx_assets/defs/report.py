@@ -9,6 +9,7 @@ import dagster as dg
 from prx_assets.stages.report.charts import (
     bar_chart_png,
     human_bytes,
+    human_duration,
     percent,
     png_markdown,
     tier_shape_markdown,
@@ -59,6 +60,13 @@ def tier_shape_matrix(counts: dict[tuple[int, str], int]) -> dg.MetadataValue:
 
 def size_in_words(n_bytes: int) -> dg.MetadataValue:
     return dg.MetadataValue.text(human_bytes(n_bytes))
+
+
+def duration_metadata(name: str, seconds: float) -> dict:
+    """A duration as a number (for plots across runs) and beside it in words:
+    {"stage_seconds": 75.0, "stage_seconds_in_words": "1 min 15 s"}."""
+    return {name: round(seconds, 2),
+            f"{name}_in_words": dg.MetadataValue.text(human_duration(seconds))}
 
 
 # ------------------------------------------------------------------ warnings on the run
