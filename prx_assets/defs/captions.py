@@ -29,7 +29,7 @@ from prx_assets.defs.metadata import (
     recorded,
     recorded_input_version,
 )
-from prx_assets.defs.report import duration_metadata
+from prx_assets.defs.report import cost_metadata, duration_metadata
 from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
 from prx_assets.engine.progress import StageProgress
 from prx_assets.stages.captions.captioners import CaptionerSpec
@@ -102,6 +102,8 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
             metadata={
                 **input_versions(context, BUCKETED_IMAGES, RAW_IMAGES),
                 **run_metadata(report, spec, cover),
+                **cost_metadata(report.seconds, report.commits.rows, gpus_in_use(spec),
+                                captioner.gpu_hour_usd, captioner.cpu_hour_usd),
                 **captions_counts(report, cover, stale),
                 "stale_captions_dropped": stale,
                 "path": dg.MetadataValue.path(table.uri),

@@ -8,7 +8,7 @@ from collections import Counter
 import dagster as dg
 
 from prx_assets.defs.metadata import browser_link, counts_table, incremental_metadata
-from prx_assets.defs.report import duration_metadata
+from prx_assets.defs.report import cost_metadata, duration_metadata
 from prx_assets.defs.resources import ClassifierResource
 from prx_assets.engine.progress import StageProgress
 from prx_assets.stages.captions.captions import active_caption_filter
@@ -66,6 +66,8 @@ def build_caption_labels(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDe
             "failures": "; ".join(report.errors) or "none",
             "captions_per_s": round(report.captions_per_s, 2),
             **duration_metadata("stage_seconds", report.seconds),
+            **cost_metadata(report.seconds, report.commits.rows, classifier.gpus(),
+                            classifier.gpu_hour_usd, classifier.cpu_hour_usd),
             "coverage": round(coverage.share, 4),
             "label_shares": counts_table(Counter({label: coverage.counts.get(label, 0)
                                                   for label in LABELS}), "label"),

@@ -14,6 +14,7 @@ from prx_assets.stages.report.charts import (
     png_markdown,
     tier_shape_markdown,
 )
+from prx_assets.stages.report.cost import cost_markdown, cost_per_1000
 from prx_assets.stages.report.funnel import Funnel
 
 WARNINGS_TAG = "prx/check_warnings"
@@ -67,6 +68,17 @@ def duration_metadata(name: str, seconds: float) -> dict:
     {"stage_seconds": 75.0, "stage_seconds_in_words": "1 min 15 s"}."""
     return {name: round(seconds, 2),
             f"{name}_in_words": dg.MetadataValue.text(human_duration(seconds))}
+
+
+def cost_metadata(seconds: float, rows: int, gpus: float, gpu_hour_usd: float,
+                  cpu_hour_usd: float) -> dict:
+    """`cost_per_1000_images` (a line of Markdown) and its dollars as a number; nothing
+    when the run processed no rows."""
+    cost = cost_per_1000(seconds, rows, gpus, gpu_hour_usd, cpu_hour_usd)
+    if cost is None:
+        return {}
+    return {"cost_per_1000_images": dg.MetadataValue.md(cost_markdown(cost)),
+            "cost_per_1000_images_usd": round(cost.usd, 4)}
 
 
 # ------------------------------------------------------------------ warnings on the run

@@ -20,6 +20,7 @@ from prx_assets.stages.captions.captioners import CaptionerSpec
 from prx_assets.stages.ingest.sources import SourcesConfig, load_sources, sources_path
 from prx_assets.stages.labels.backends import DEFAULT_LLM, OpenAISettings, VLLMSettings
 from prx_assets.stages.labels.runs import LabelerSpec
+from prx_assets.stages.report.cost import DEFAULT_CPU_HOUR_USD, DEFAULT_GPU_HOUR_USD
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.object_store import SECRET_KEYS
 
@@ -122,6 +123,9 @@ class CaptionerResource(spec_fields(CaptionerSpec, exclude=CAPTIONER_SECRETS)): 
     backfill_cron: str = "0 3 * * *"  # the re-captioning schedule (off until turned on)
     # The version downstream assets read; empty means the version this config produces.
     active_version: str = ""
+    # Prices for `cost_per_1000_images` (assumptions by default: see stages/report/cost.py).
+    gpu_hour_usd: float = DEFAULT_GPU_HOUR_USD
+    cpu_hour_usd: float = DEFAULT_CPU_HOUR_USD
 
     def spec(self) -> CaptionerSpec:
         return CaptionerSpec(**spec_values(self, CaptionerSpec, exclude=CAPTIONER_SECRETS),
@@ -165,6 +169,13 @@ class ClassifierResource(spec_fields(LabelerSpec, exclude=LABELER_NESTED)):  # t
     api_key_env: str = "OPENAI_API_KEY"
     concurrency: int = 8  # openai: requests in flight per actor; vllm: engine replicas
     retries: int = 4
+    # Prices for `cost_per_1000_images` (assumptions by default: see stages/report/cost.py).
+    gpu_hour_usd: float = DEFAULT_GPU_HOUR_USD
+    cpu_hour_usd: float = DEFAULT_CPU_HOUR_USD
+
+    def gpus(self) -> float:
+        """GPUs a labelling run holds: one per vLLM engine replica, none otherwise."""
+        return float(self.concurrency) if self.backend == "vllm" else 0.0
 
     def spec(self) -> LabelerSpec:
         model = self.model or DEFAULT_LLM

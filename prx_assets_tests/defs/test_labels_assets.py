@@ -39,6 +39,9 @@ def test_caption_labels_then_corpus(ray_session, data_root, tmp_path):
     assert meta["labelled_now"].value == 6 and meta["coverage"].value == 1.0
     assert (meta["rows_processed"].value, meta["rows_reused"].value,
             meta["rows_removed"].value) == (6, 0, 0)
+    # The embedded classifier runs on the CPU: 6 captions priced per CPU machine-hour.
+    assert "per 1,000 images on 1 CPU machine" in meta["cost_per_1000_images"].value
+    assert meta["stage_seconds_in_words"].value.endswith(("s", "min"))
     shares = {r.data["label"]: r.data["count"] for r in meta["label_shares"].value.records}
     assert shares == {"visual": 2, "text": 2, "nsfw": 2}
     accuracy = {r.data["label"]: r.data["accuracy"]
