@@ -27,6 +27,7 @@ from prx_assets.defs.metadata import (
     latest_data_version,
     materialized_lance_version,
 )
+from prx_assets.defs.report import reject_sheet_metadata
 from prx_assets.defs.resources import RayResource, StorageResource
 from prx_assets.defs.table_checks import table_checks
 from prx_assets.engine.progress import StageProgress
@@ -129,6 +130,8 @@ def build_image_stage(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefin
         yield _result(context, store, BUCKETED_IMAGES, report, processed=report.written,
                       removed=report.removed, compacted_from=report.commits.compacted_from,
                       metadata={**lineage, **bucket_metadata(profile),
+                                **reject_sheet_metadata(tables.bucketed, raw,
+                                                        profile.status_counts),
                                 "image_backend": backend.name,
                                 "image_backend_version": backend.version,
                                 "settings": settings_fingerprint(options),

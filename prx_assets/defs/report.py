@@ -4,6 +4,8 @@ shows tags; a green run with warnings says so)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import dagster as dg
 
 from prx_assets.stages.report.charts import (
@@ -14,8 +16,10 @@ from prx_assets.stages.report.charts import (
     png_markdown,
     tier_shape_markdown,
 )
+from prx_assets.stages.report.contact_sheet import contact_sheet_png, reject_samples
 from prx_assets.stages.report.cost import cost_markdown, cost_per_1000
 from prx_assets.stages.report.funnel import Funnel
+from prx_assets.storage.refs import TableRef
 
 WARNINGS_TAG = "prx/check_warnings"
 # Dagster keeps tag values short; the names beyond this are counted, not listed.
@@ -79,6 +83,16 @@ def cost_metadata(seconds: float, rows: int, gpus: float, gpu_hour_usd: float,
         return {}
     return {"cost_per_1000_images": dg.MetadataValue.md(cost_markdown(cost)),
             "cost_per_1000_images_usd": round(cost.usd, 4)}
+
+
+def reject_sheet_metadata(bucketed: TableRef, raw: TableRef, counts: Mapping[str, int]) -> dict:
+    """`rejects_contact_sheet`: thumbnails of the first rejected images per reason that
+    decode, as a PNG in Markdown; nothing when there are none."""
+    png = contact_sheet_png(reject_samples(bucketed, raw), counts)
+    if png is None:
+        return {}
+    return {"rejects_contact_sheet": dg.MetadataValue.md(
+        png_markdown(png, "rejected images per reason"))}
 
 
 # ------------------------------------------------------------------ warnings on the run

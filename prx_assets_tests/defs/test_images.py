@@ -1,3 +1,4 @@
+import base64
 import io
 import shutil
 
@@ -11,6 +12,7 @@ from prx_assets.demo.corpus import encode, photo_variant, real_photo_paths
 from prx_assets.stages.images import pil_backend
 from prx_assets.stages.images.phash import hash_hex
 from prx_assets.stages.ingest.ids import sample_id
+from prx_assets.stages.report.contact_sheet import GAP_PX, THUMB_PX
 from prx_assets_tests.conftest import jpeg_bytes, write_sources
 from prx_assets_tests.defs.test_raw_images import checks
 from prx_assets_tests.fixtures import stock_pillow
@@ -89,6 +91,11 @@ def test_image_stage_decodes_once_into_two_tables_with_checks(ray_session, data_
     assert meta["image_backend"].value == pil_backend.current().name
     assert meta["image_backend_version"].value == Image.__version__
     assert mats["phashes"]["flat_images"].value == 1
+    # What was thrown away, as pictures: small.jpg (too_small) and wide.jpg (bad_aspect).
+    sheet = meta["rejects_contact_sheet"].value
+    assert sheet.startswith("![rejected images per reason](data:image/png;base64,")
+    rows = Image.open(io.BytesIO(base64.b64decode(sheet.split(",", 1)[1][:-1]))).height
+    assert rows == 2 * (THUMB_PX + GAP_PX) + GAP_PX
 
 
 def _png(img: Image.Image) -> bytes:
