@@ -27,7 +27,7 @@ from prx_assets.defs.metadata import (
     latest_data_version,
     materialized_lance_version,
 )
-from prx_assets.defs.report import reject_sheet_metadata
+from prx_assets.defs.report import duration_metadata, reject_sheet_metadata
 from prx_assets.defs.resources import RayResource, StorageResource
 from prx_assets.defs.table_checks import table_checks
 from prx_assets.engine.progress import StageProgress
@@ -135,7 +135,8 @@ def build_image_stage(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefin
                                 "image_backend": backend.name,
                                 "image_backend_version": backend.version,
                                 "settings": settings_fingerprint(options),
-                                "chunks_committed": report.commits.commits})
+                                "chunks_committed": report.commits.commits,
+                                **duration_metadata("stage_seconds", report.seconds)})
         yield _result(context, store, PHASHES, report, processed=report.hashes_written,
                       removed=report.hashes_removed, compacted_from=report.hashes_compacted_from,
                       metadata={**lineage, "flat_images": profile.flat,

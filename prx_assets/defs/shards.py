@@ -1,6 +1,7 @@
 """mds_shards: each source's kept, captioned images as MDS shards by tier and shape; the
 leaves_stream check; rewrite_shards_job, which rebuilds a tree without its skipped samples."""
 
+import time
 
 import dagster as dg
 
@@ -14,6 +15,7 @@ from prx_assets.defs.metadata import (
     latest_recorded,
     materialized_lance_version,
 )
+from prx_assets.defs.report import duration_metadata
 from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
 from prx_assets.stages.captions.captions import active_caption_filter
 from prx_assets.stages.shards.mds import write_mds_tree
@@ -64,13 +66,16 @@ def build_mds_shards(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
         caption_version = captioner.caption_version()
         store = storage.get()
         source = context.partition_key
+        started = time.monotonic()
         report = write_mds_tree(sample_inputs(context, store, caption_version), store,
                                 source, config.options(), log=context.log.info)
+        seconds = time.monotonic() - started
         previous = latest_data_version(context.instance, MDS_SHARDS, source)
         return dg.MaterializeResult(
             metadata={**tree_metadata(report), "caption_version": caption_version,
                       **incremental_metadata(report.processed, report.reused, report.removed),
                       "appended": report.appended, "new_tree": report.changed,
+                      **duration_metadata("stage_seconds", seconds),
                       **input_versions(context, BUCKETED_IMAGES, CAPTIONS),
                       **browser_link(context)},
             # The tree version names the content: unchanged when nothing changed.

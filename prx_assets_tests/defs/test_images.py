@@ -96,6 +96,8 @@ def test_image_stage_decodes_once_into_two_tables_with_checks(ray_session, data_
     assert sheet.startswith("![rejected images per reason](data:image/png;base64,")
     rows = Image.open(io.BytesIO(base64.b64decode(sheet.split(",", 1)[1][:-1]))).height
     assert rows == 2 * (THUMB_PX + GAP_PX) + GAP_PX
+    assert meta["stage_seconds"].value > 0
+    assert meta["stage_seconds_in_words"].value.endswith(("s", "min"))
 
 
 def _png(img: Image.Image) -> bytes:

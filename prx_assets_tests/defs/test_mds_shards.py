@@ -34,6 +34,8 @@ def test_mds_shards_writes_the_tree_with_metadata_and_check(ray_session, data_ro
     reasons = {r.data["reason"]: r.data["count"] for r in meta["left_out_by_reason"].value.records}
     assert reasons == {"no_caption": len(corpus["no_caption"])}
     assert meta["caption_version"].value == ACTIVE
+    assert meta["stage_seconds"].value > 0
+    assert meta["stage_seconds_in_words"].value.endswith(("s", "min"))
     tree = trees.current_tree(data_root, "web")
     assert meta["tree_version"].value == tree.name
     mapping = Storage(data_root).table("mds_samples", "web")
