@@ -61,12 +61,12 @@ def short_event(metadata: Mapping, level: str, when: datetime) -> list[str]:
     return lines
 
 
-def _event_name(event: object) -> str:
+def _event_name(event: dg.DagsterEvent | None) -> str:
     if event is None:
         return ""
     from dagster._core.events import EVENT_TYPE_TO_DISPLAY_STRING
 
-    kind = event.event_type  # type: ignore[attr-defined]
+    kind = event.event_type
     return EVENT_TYPE_TO_DISPLAY_STRING.get(kind, kind.value)
 
 
