@@ -89,12 +89,40 @@ def _similar(args: argparse.Namespace) -> int:
 
 
 def _browse(args: argparse.Namespace) -> int:
-    from prx_assets.browser.app import serve
+    from prx_assets.browser.app import UnsafeBind, check_bind, serve
+    from prx_assets.browser.auth import AuthConfigError, Curators
     from prx_assets.storage.layout import Storage
 
+    try:
+        curators = Curators.load(args.curator_tokens) if args.curator_tokens \
+            else Curators.from_env()
+        check_bind(args.host, curators)
+    except (AuthConfigError, UnsafeBind) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     storage = Storage.from_env()
-    print(f"corpus browser on http://{args.host}:{args.port}/ over {storage.root}")
-    serve(storage, host=args.host, port=args.port)
+    writes = (f"writes by {len(set(curators.by_digest.values()))} curator(s)" if curators
+              else "read-only (no curator tokens)")
+    print(f"corpus browser on http://{args.host}:{args.port}/ over {storage.root}; {writes}")
+    serve(storage, host=args.host, port=args.port, curators=curators)
+    return 0
+
+
+def _opt_out(args: argparse.Namespace) -> int:
+    """One request file for the ids, under this user's name: the sensor's next tick
+    requests the skip-list runs, as for a dropped file or the browser."""
+    import getpass
+
+    from prx_assets.browser.optout import write_requests
+    from prx_assets.storage.layout import Storage
+
+    try:
+        written = write_requests(Storage.from_env(), list(args.ids), args.reason,
+                                 requested_by=getpass.getuser(), door="cli")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{len(args.ids)} opt-out request(s) recorded in {written}")
     return 0
 
 
@@ -145,7 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     browse.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only)")
     browse.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    browse.add_argument("--curator-tokens", metavar="WHERE",
+                        help="curator tokens for writes: a file of '<curator> <token>' lines "
+                             "or env:VAR (default: $PRX_CURATOR_TOKENS; none: read-only)")
     browse.set_defaults(func=_browse)
+    opt_out = sub.add_parser("opt-out", help="record opt-out requests for sample ids (applied "
+                                             "by the opt-out sensor's next tick)")
+    opt_out.add_argument("ids", nargs="+", metavar="ID", help="sample ids (<source>:<hash>)")
+    opt_out.add_argument("--reason", required=True, help="why (a ticket, an e-mail id)")
+    opt_out.set_defaults(func=_opt_out)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -44,7 +44,8 @@ from prx_assets.storage.tables import (
 
 # Assets over every source at once: run on their own, not once per source partition.
 GLOBAL_ASSETS = dg.AssetSelection.assets(DUPLICATES, OPT_OUTS)
-# Skip lists need the global duplicates, so they run after dedup_job, per source.
+# Skip lists end corpus_job; they run again after dedup_job, per source, to apply the
+# global duplicates.
 SKIP_LIST_ASSETS = dg.AssetSelection.assets(SKIP_LISTS)
 CORPUS_ASSETS = dg.AssetSelection.assets(CORPUS)
 # Semantic curation runs on its own: embeddings per source (after captions and labels), then
@@ -58,9 +59,12 @@ def pipeline_jobs(partitions: dg.PartitionsDefinition) -> list[dg.UnresolvedAsse
     return [
         dg.define_asset_job(
             "corpus_job", partitions_def=partitions,
-            selection=(dg.AssetSelection.all() - GLOBAL_ASSETS - SKIP_LIST_ASSETS - CORPUS_ASSETS
+            # Ends with the source's skip lists: a fresh tree never goes out without the
+            # sidecars that apply the opt-outs recorded so far (fail closed).
+            selection=(dg.AssetSelection.all() - GLOBAL_ASSETS - CORPUS_ASSETS
                        - EMBEDDING_ASSETS - SEMANTIC_ASSETS),
-            description="Every asset of the corpus for one source."),
+            description="Every asset of the corpus for one source, ending with its skip "
+                        "lists."),
         dg.define_asset_job("dedup_job", selection=GLOBAL_ASSETS,
                             description="Global duplicates and the opt-out audit."),
         dg.define_asset_job("skip_lists_job", selection=SKIP_LIST_ASSETS, partitions_def=partitions,

@@ -6,7 +6,10 @@ Views (each a few bounded Lance queries, see `queries`):
                               facets source/label/tier/shape/dup/skip, ?page=
     /sample/{id}              one sample: full image, every caption version, labels, its
                               duplicate group, near duplicates, skip reasons, lineage
-    /sample/{id}/opt-out      GET: the confirmation page; POST (page token): the request
+    /sample/{id}/opt-out      GET: the confirmation page; POST (a curator's session, same
+                              origin, the session's form token, within its rate limit):
+                              the request, recorded under the curator's name
+    /login, /logout           a curator's session (see `auth`)
     /duplicates               near-duplicate clusters (Hamming 1-4), exact groups and
                               semantic (SemDeDup) groups
     /rejected                 counts of rejected images per reason and source; ?reason=
@@ -31,6 +34,8 @@ after another on the event loop. The opt-out handler is async only to read its f
 from __future__ import annotations
 
 import hashlib
+import hmac
+import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from functools import partial
@@ -42,16 +47,25 @@ import jinja2
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from prx_assets.browser import queries, rejects
+from prx_assets.browser.auth import (
+    SESSION_COOKIE,
+    BrowserAuth,
+    Curators,
+    is_loopback,
+    same_origin,
+)
 from prx_assets.browser.catalog import BadQuery, Catalog, NotFound
 from prx_assets.browser.facets import Query
 from prx_assets.browser.links import dagster_home_instance, dagster_url, run_url
-from prx_assets.browser.optout import Tokens, pending_requests, write_request
+from prx_assets.browser.optout import pending_requests, write_request
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS
 
@@ -60,24 +74,28 @@ HERE = Path(__file__).parent
 THUMB_CACHE = "public, max-age=86400"
 IMAGE_CACHE = "public, max-age=3600"
 ORIGINAL_PX = 1024  # the original beside the bucketed crop, at most this on its longest side
+# Paths a visitor reaches without a session where reading needs one (a non-loopback bind).
+OPEN_PATHS = ("/login", "/static/", "/favicon.ico")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class BrowserState:
-    """What every handler reads: the tables, the opt-out page tokens, the templates."""
+    """What every handler reads: the tables, who may write, the templates."""
 
     catalog: Catalog
-    tokens: Tokens
+    auth: BrowserAuth
     templates: jinja2.Environment
+    private_reads: bool = False  # reading too needs a session (a non-loopback bind)
     dagster: Any = None  # the Dagster instance for exact run links (`serve` opens it)
 
     @classmethod
-    def create(cls, storage: Storage | str | Path, tokens: Tokens | None = None,
-               dagster: Any = None) -> BrowserState:
+    def create(cls, storage: Storage | str | Path, auth: BrowserAuth | None = None,
+               private_reads: bool = False, dagster: Any = None) -> BrowserState:
         templates = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
                                        autoescape=True, undefined=jinja2.StrictUndefined)
         templates.globals["urlencode"] = urlencode
-        return cls(Catalog(storage), tokens or Tokens(), templates, dagster)
+        return cls(Catalog(storage), auth or BrowserAuth(), templates, private_reads, dagster)
 
     def render(self, request: Request, template: str, status: int = 200, **context: Any
                ) -> HTMLResponse:
@@ -113,7 +131,7 @@ def sample_page(request: Request, state: BrowserState) -> Response:
         found = queries.sample(state.catalog, request.path_params["sample_id"])
     except NotFound as err:
         return state.not_found(request, str(err))
-    return state.render(request, "sample.html", s=found, token=state.tokens.token(found.id),
+    return state.render(request, "sample.html", s=found,
                         dagster=sample_run_url(found, state.dagster),
                         requested=pending_requests(state.catalog.storage, found.id),
                         opted=request.query_params.get("opted") == "1")
@@ -128,26 +146,96 @@ def sample_run_url(found: queries.Sample, instance: Any) -> str:
 
 
 async def opt_out_page(request: Request, state: BrowserState) -> Response:
-    """GET: the confirmation page. POST: with the page's token and the box ticked, one new
-    request file, then back to the sample page."""
+    """GET: the confirmation page (a log-in link without a session). POST: when
+    `write_refusal` finds nothing wrong and the box is ticked, one new request file under
+    the curator's name, then back to the sample page."""
     try:
         row = await run_in_threadpool(queries.corpus_row, state.catalog,
                                       request.path_params["sample_id"],
                                       ["id", "source", "caption"])
     except NotFound as err:
         return state.not_found(request, str(err))
+    session = state.auth.session(request)
     if request.method == "GET":
-        return state.render(request, "optout.html", row=row, token=state.tokens.token(row["id"]))
+        return state.render(request, "optout.html", row=row, session=session)
     form = await request.form()
-    if not state.tokens.valid(row["id"], str(form.get("token", ""))):
-        return state.error(request, 403, "Forbidden", "the opt-out form's token is missing "
-                           "or wrong: open the sample page and try again")
+    refusal = write_refusal(request, state, str(form.get("token", "")))
+    if refusal is not None:
+        logger.warning(f"opt-out of {row['id']} refused: {refusal.status_code}")
+        return refusal
     if form.get("confirm") != "yes":
         return state.error(request, 400, "Not confirmed",
                            "tick the confirmation box to opt this image out")
-    await run_in_threadpool(write_request, state.catalog.storage, row["id"],
-                            str(form.get("reference", "")))
+    assert session is not None  # write_refusal refuses a request without one
+    written = await run_in_threadpool(write_request, state.catalog.storage, row["id"],
+                                      str(form.get("reference", "")),
+                                      requested_by=session.curator, door="browser")
+    logger.info(f"opt-out of {row['id']} by curator {session.curator}: {written.name}")
     return RedirectResponse(f"/sample/{row['id']}?opted=1", status_code=303)
+
+
+def write_refusal(request: Request, state: BrowserState, form_token: str) -> Response | None:
+    """Why this write may not happen (a response saying so), None when it may: a curator's
+    session, this server's origin, the session's form token, the curator's rate limit."""
+    auth = state.auth
+    if not auth.configured:
+        return state.error(request, 403, "Writing is off", "this browser was started "
+                           "without curator tokens (PRX_CURATOR_TOKENS): it only reads")
+    session = auth.session(request)
+    if session is None:
+        return state.error(request, 401, "Log in", "writing needs a curator: log in first")
+    if not same_origin(request):
+        return state.error(request, 403, "Forbidden", "the request does not come from a "
+                           "page of this server")
+    if not hmac.compare_digest(session.form_token, form_token):
+        return state.error(request, 403, "Forbidden", "the form's token is missing or "
+                           "wrong: open the page again and retry")
+    if not auth.writes.allow(session.curator):
+        return state.error(request, 429, "Too many requests",
+                           f"{session.curator}: rate limit of {auth.writes.limit} writes per "
+                           f"{auth.writes.window_s:.0f} s reached; retry later")
+    return None
+
+
+async def login_page(request: Request, state: BrowserState) -> Response:
+    """GET: the form. POST (same origin, within the client's log-in limit): a session
+    cookie for the token's curator, then on to `next` (a local path)."""
+    target = _local_path(request.query_params.get("next", "/"))
+    if request.method == "GET":
+        return state.render(request, "login.html", next=target, message="")
+    form = await request.form()
+    target = _local_path(str(form.get("next", "/")))
+    if not state.auth.configured:
+        return state.error(request, 403, "Writing is off", "no curator tokens configured")
+    if not same_origin(request):
+        return state.error(request, 403, "Forbidden", "the log-in does not come from a "
+                           "page of this server")
+    client = request.client.host if request.client else "unknown"
+    if not state.auth.logins.allow(client):
+        return state.error(request, 429, "Too many requests", "too many log-in attempts; "
+                           "retry later")
+    curator = state.auth.curators.who(str(form.get("token", ""))) \
+        if state.auth.curators else None
+    if curator is None:
+        logger.warning(f"failed curator log-in from {client}")
+        return state.render(request, "login.html", status=401, next=target,
+                            message="unknown token")
+    logger.info(f"curator {curator} logged in from {client}")
+    response = RedirectResponse(target, status_code=303)
+    response.set_cookie(**state.auth.cookie(state.auth.sessions.start(curator)))
+    return response
+
+
+def logout(request: Request, state: BrowserState) -> Response:
+    state.auth.sessions.end(request.cookies.get(SESSION_COOKIE))
+    response = RedirectResponse("/", status_code=303)
+    response.delete_cookie(SESSION_COOKIE, path="/")
+    return response
+
+
+def _local_path(target: str) -> str:
+    """`target` if it is a path on this server (no scheme, host or `//`), else `/`."""
+    return target if target.startswith("/") and not target.startswith("//") else "/"
 
 
 def duplicates_page(request: Request, state: BrowserState) -> Response:
@@ -277,6 +365,8 @@ ROUTES: list[tuple[str, Handler, tuple[str, ...]]] = [
     ("/reject-thumb/{sample_id}", reject_jpeg, ("GET",)),
     ("/original/{sample_id}", original_jpeg, ("GET",)),
     ("/favicon.ico", favicon, ("GET",)),
+    ("/login", login_page, ("GET", "POST")),
+    ("/logout", logout, ("POST",)),
 ]
 
 
@@ -288,20 +378,58 @@ def routes(state: BrowserState) -> list[BaseRoute]:
     return [*bound, Mount("/static", StaticFiles(directory=HERE / "static"), name="static")]
 
 
-def create_app(storage: Storage | str | Path, tokens: Tokens | None = None,
-               dagster: Any = None) -> Starlette:
-    """The app over `storage` (a Storage, or its root folder / URI); `dagster`, the instance
-    its sample pages find the exact writing run in."""
-    state = BrowserState.create(storage, tokens, dagster)
+class ReadsNeedLogin(BaseHTTPMiddleware):
+    """Where reading is private (a non-loopback bind), every page but the log-in needs a
+    session."""
+
+    def __init__(self, app, state: BrowserState) -> None:
+        super().__init__(app)
+        self.state = state
+
+    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint
+                       ) -> Response:
+        if (self.state.private_reads and not request.url.path.startswith(OPEN_PATHS)
+                and self.state.auth.session(request) is None):
+            return RedirectResponse(f"/login?{urlencode({'next': request.url.path})}",
+                                    status_code=303)
+        return await call_next(request)
+
+
+def create_app(storage: Storage | str | Path, auth: BrowserAuth | None = None,
+               private_reads: bool = False, dagster: Any = None) -> Starlette:
+    """The app over `storage` (a Storage, or its root folder / URI); `auth` says who may
+    write (default: nobody); `dagster`, the instance its sample pages find the exact
+    writing run in."""
+    state = BrowserState.create(storage, auth, private_reads, dagster)
     app = Starlette(routes=routes(state),
+                    middleware=[Middleware(ReadsNeedLogin, state=state)],
                     exception_handlers={HTTPException: partial(http_error, state=state)})
     app.state.browser = state
     app.state.catalog = state.catalog
     return app
 
 
-def serve(storage: Storage | str | Path, host: str = "127.0.0.1", port: int = 8080) -> None:
+class UnsafeBind(ValueError):
+    """A non-loopback bind without curator auth: anyone on the network could write."""
+
+
+def serve(storage: Storage | str | Path, host: str = "127.0.0.1", port: int = 8080,
+          curators: Curators | None = None) -> None:
+    """Serve the browser. On a loopback address reading is open and writing needs a
+    curator (none configured: read-only); any other address needs curators, and then
+    reading needs a session too."""
     import uvicorn
 
-    uvicorn.run(create_app(storage, dagster=dagster_home_instance()), host=host, port=port,
-                log_level="info")
+    app = create_app(storage, BrowserAuth(curators), private_reads=check_bind(host, curators),
+                     dagster=dagster_home_instance())
+    uvicorn.run(app, host=host, port=port, log_level="info")
+
+
+def check_bind(host: str, curators: Curators | None) -> bool:
+    """Whether reading needs a session at `host`; UnsafeBind where it may not be served."""
+    if is_loopback(host):
+        return False
+    if curators is None:
+        raise UnsafeBind(f"refusing to serve on {host}: a non-loopback address needs curator "
+                         "tokens (set PRX_CURATOR_TOKENS to a token file, or bind 127.0.0.1)")
+    return True

@@ -7,16 +7,16 @@ request. One file per request: a new file is a new request for the sensor's curs
 writing it (`Location.write_text`: a hidden temporary file renamed into place, or one PUT on
 S3) can never tear a file another process reads.
 
-The page token is an HMAC of the sample id under a secret held by the server process, so a
-POST is only accepted from a page that server rendered for that sample.
+Who may write is decided in `browser.auth` (an authenticated curator, same origin, the
+session's form token, within the curator's rate limit); each request line records the
+curator (`requested_by`) and the door (`browser`), which the `opt_outs` audit table keeps.
+The CLI (`prx-assets opt-out`) writes its requests through `write_requests` too.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
-import secrets
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -28,29 +28,34 @@ MAX_REFERENCE = 500
 REQUEST_PREFIX, REQUEST_SUFFIX = "browser-", ".jsonl"
 
 
-class Tokens:
-    def __init__(self, secret: bytes | None = None):
-        self._secret = secret or secrets.token_bytes(32)
-
-    def token(self, sample_id: str) -> str:
-        return hmac.new(self._secret, f"opt-out:{sample_id}".encode(), hashlib.sha256).hexdigest()
-
-    def valid(self, sample_id: str, token: str) -> bool:
-        return hmac.compare_digest(self.token(sample_id), str(token or ""))
-
-
 def write_request(storage: Storage | str | Path, sample_id: str, reference: str,
-                  now: datetime | None = None) -> Location:
-    """A new request file opting `sample_id` out; returns its location. The record is
-    checked with the pipeline's parser before it is written, so what lands is valid."""
+                  now: datetime | None = None, *, requested_by: str | None = None,
+                  door: str = "browser") -> Location:
+    """A new request file opting `sample_id` out; returns its location."""
+    return write_requests(storage, [sample_id], reference, now, requested_by=requested_by,
+                          door=door)
+
+
+def write_requests(storage: Storage | str | Path, sample_ids: list[str], reference: str,
+                   now: datetime | None = None, *, requested_by: str | None = None,
+                   door: str = "browser") -> Location:
+    """One new request file opting every id out (one line each, who and why on each);
+    returns its location. Each record is checked with the pipeline's parser before
+    anything is written, so what lands is valid; the write is durable (file and folder
+    flushed) and whole (renamed into place, or one PUT)."""
+    if not sample_ids:
+        raise ValueError("no sample id to opt out")
     now = now or datetime.now(UTC)
-    reference = " ".join(str(reference or "").split())[:MAX_REFERENCE] or "corpus browser"
-    record = {"key_type": "id", "value": sample_id, "timestamp": now.isoformat(),
-              "reference": reference}
-    digest = hashlib.sha256(f"{sample_id}\n{now.isoformat()}".encode()).hexdigest()[:10]
-    name = f"{REQUEST_PREFIX}{now:%Y%m%dT%H%M%S}-{digest}{REQUEST_SUFFIX}"
-    body = json.dumps(record) + "\n"
-    parse_request(json.loads(body), name, 1)  # ValueError naming what would be malformed
+    reference = " ".join(str(reference or "").split())[:MAX_REFERENCE] or f"corpus {door}"
+    who = {"requested_by": requested_by, "door": door} if requested_by else {"door": door}
+    records = [{"key_type": "id", "value": sample_id, "timestamp": now.isoformat(),
+                "reference": reference, **who} for sample_id in sample_ids]
+    digest = hashlib.sha256("\n".join([*sample_ids, now.isoformat()]).encode()
+                            ).hexdigest()[:10]
+    name = f"{door}-{now:%Y%m%dT%H%M%S}-{digest}{REQUEST_SUFFIX}"
+    body = "".join(json.dumps(record) + "\n" for record in records)
+    for line, record in enumerate(records, start=1):
+        parse_request(record, name, line)  # ValueError naming what would be malformed
     target = as_storage(storage).opt_outs_dir / name
     target.write_text(body)
     return target

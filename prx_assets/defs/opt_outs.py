@@ -85,6 +85,77 @@ def audit_metadata(parsed: ParsedRequests, audit: pa.Table) -> dict:
     }
 
 
+RUN_KEY_TAG = "dagster/run_key"  # Dagster tags every run a sensor requests with its key
+IN_FLIGHT = frozenset({dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED,
+                       dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED,
+                       dg.DagsterRunStatus.CANCELING})
+
+
+def read_cursor(cursor: str | None) -> tuple[dict[str, str], dict | None]:
+    """(request files applied: name -> fingerprint, the batch whose runs are pending).
+    A cursor of the older layout (a bare name -> fingerprint map) counts as applied."""
+    state = json.loads(cursor) if cursor else {}
+    if "done" not in state:
+        return state, None
+    return state["done"], state.get("pending")
+
+
+def write_cursor(done: dict[str, str], pending: dict | None) -> str:
+    return json.dumps({"done": done, "pending": pending}, sort_keys=True)
+
+
+def run_status(instance: dg.DagsterInstance, run_key: str) -> dg.DagsterRunStatus | None:
+    """The status of the latest run requested under `run_key`, None if there is none."""
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={RUN_KEY_TAG: run_key}), limit=1)
+    return runs[0].status if runs else None
+
+
+def batch_requests(batch: str, sources: list[str], files: list[str]) -> list[dict]:
+    """The runs one batch of request files needs: the audit, and skip lists per source hit."""
+    specs: list[dict] = [{"run_key": f"opt_outs:{batch}", "asset": OPT_OUTS, "partition": None}]
+    return specs + [{"run_key": f"skip_lists:{source}:{batch}", "asset": SKIP_LISTS,
+                     "partition": source, "files": ",".join(files)} for source in sources]
+
+
+def run_request(spec: dict) -> dg.RunRequest:
+    tags = {"prx/opt_out_files": spec["files"]} if spec.get("files") else None
+    return dg.RunRequest(run_key=spec["run_key"], partition_key=spec["partition"],
+                         asset_selection=[dg.AssetKey(spec["asset"])], tags=tags)
+
+
+def follow_up(instance: dg.DagsterInstance, pending: dict) -> tuple[list[dict], bool]:
+    """(runs to request again, whether every run of the batch succeeded). A failed or
+    cancelled run is requested again under a new key (a key names one run); a run not
+    created yet is requested again under its own key (Dagster dedups by key); one in
+    flight is waited for."""
+    again, succeeded = [], True
+    for spec in pending["runs"]:
+        status = run_status(instance, spec["run_key"])
+        if status == dg.DagsterRunStatus.SUCCESS:
+            continue
+        succeeded = False
+        if status is None:
+            again.append(spec)
+        elif status not in IN_FLIGHT:
+            again.append({**spec, "run_key": f"{_first_key(spec)}#{pending['attempt'] + 1}"})
+    return again, succeeded
+
+
+def retried(pending: dict, again: list[dict]) -> dict:
+    """The pending batch with the runs requested again in place of their earlier tries
+    (the attempt counts up when one of them is a new try of a failed run)."""
+    replaced = {_first_key(spec): spec for spec in again}
+    earlier = {spec["run_key"] for spec in pending["runs"]}
+    new_try = any(spec["run_key"] not in earlier for spec in again)
+    return {**pending, "attempt": pending["attempt"] + int(new_try),
+            "runs": [replaced.get(_first_key(spec), spec) for spec in pending["runs"]]}
+
+
+def _first_key(spec: dict) -> str:
+    """The run key of a batch's run before any retry suffix (`#<attempt>`)."""
+    return spec["run_key"].split("#", 1)[0]
+
+
 def build_opt_out_sensor(sources_file: str) -> dg.SensorDefinition:
     @dg.sensor(
         name="opt_out_sensor",
@@ -93,16 +164,32 @@ def build_opt_out_sensor(sources_file: str) -> dg.SensorDefinition:
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Watches $PRX_DATA_ROOT/opt_outs/ for new or changed request files, "
                     "resolves them, and requests skip_lists runs for exactly the sources "
-                    "whose images they remove (plus one run refreshing the opt_outs audit).",
+                    "whose images they remove (plus one run refreshing the opt_outs audit). "
+                    "A batch counts as applied only once every run it requested succeeded; "
+                    "a failed run is requested again.",
     )
     def opt_out_sensor(context: dg.SensorEvaluationContext, storage: StorageResource):
-        seen = json.loads(context.cursor) if context.cursor else {}
+        done, pending = read_cursor(context.cursor)
+        if pending is not None:
+            again, succeeded = follow_up(context.instance, pending)
+            if not succeeded:
+                if not again:
+                    return dg.SkipReason("waiting for the opt-out runs in flight: "
+                                         + ", ".join(s["run_key"] for s in pending["runs"]))
+                context.log.warning("opt-out runs not yet successful, requested again: "
+                                    + ", ".join(s["run_key"] for s in again))
+                pending = retried(pending, again)
+                return dg.SensorResult(run_requests=[run_request(s) for s in again],
+                                       cursor=write_cursor(done, pending))
+            done = {**done, **pending["files"]}
+            pending = None
         store = storage.get()
         folder = opt_out_dir(store)
         current = {file.name: fingerprint(file) for file in request_files(folder)}
-        new = {name: fp for name, fp in current.items() if seen.get(name) != fp}
+        new = {name: fp for name, fp in current.items() if done.get(name) != fp}
         if not new:
-            return dg.SkipReason(f"no new opt-out request files in {folder}")
+            return dg.SensorResult(skip_reason=f"no new opt-out request files in {folder}",
+                                   cursor=write_cursor(done, None))
         parsed = parse_directory(folder, names=new)
         for error in parsed.errors:
             context.log.warning(f"malformed opt-out row {error}")
@@ -111,13 +198,10 @@ def build_opt_out_sensor(sources_file: str) -> dg.SensorDefinition:
         context.log.info(f"{len(parsed.requests)} new request(s) in {', '.join(sorted(new))} "
                          f"affect: {', '.join(sources) or 'no source'}")
         batch = hashlib.sha256(json.dumps(new, sort_keys=True).encode()).hexdigest()[:12]
-        runs = [dg.RunRequest(run_key=f"opt_outs:{batch}",
-                              asset_selection=[dg.AssetKey(OPT_OUTS)])]
-        runs += [dg.RunRequest(run_key=f"skip_lists:{source}:{batch}", partition_key=source,
-                               asset_selection=[dg.AssetKey(SKIP_LISTS)],
-                               tags={"prx/opt_out_files": ",".join(sorted(new))})
-                 for source in sources]
-        return dg.SensorResult(run_requests=runs, cursor=json.dumps({**seen, **new}))
+        specs = batch_requests(batch, sources, sorted(new))
+        pending = {"files": new, "runs": specs, "attempt": 0}
+        return dg.SensorResult(run_requests=[run_request(s) for s in specs],
+                               cursor=write_cursor(done, pending))
 
     return opt_out_sensor
 

@@ -149,9 +149,11 @@ def captioner_from_file(path: Path | None = None) -> CaptionerResource:
     if not isinstance(values, dict):
         raise ValueError(f"{path}: expected a mapping of captioner settings")
     try:
-        return CaptionerResource(**values)
+        resource = CaptionerResource(**values)
+        resource.spec()  # checked now (an endpoint holding a key never reaches the UI)
     except Exception as exc:
         raise ValueError(f"{path}: {exc}") from None
+    return resource
 
 
 # The LLM backends' nested settings: built from the flat LLM fields of the resource.

@@ -1,5 +1,6 @@
 """skip_lists: per-shard sidecars of one source's MDS tree, and the skipped-share check."""
 
+from datetime import UTC, datetime, timedelta
 
 import dagster as dg
 
@@ -11,6 +12,7 @@ from prx_assets.defs.resources import (
     SourcesResource,
     StorageResource,
 )
+from prx_assets.stages.opt_outs.guard import pending_opt_outs, recorded_opt_outs
 from prx_assets.stages.opt_outs.opt_outs import ids_for_source, parse_directory, resolve
 from prx_assets.stages.report.funnel import source_funnel
 from prx_assets.stages.shards.trees import tree_store
@@ -212,6 +214,46 @@ def skipped_share_check(partitions_def: dg.PartitionsDefinition) -> dg.AssetChec
     return skipped_share
 
 
+class OptOutsAppliedConfig(dg.Config):
+    # How long an opt-out may take to reach the sidecars of the current tree (a sensor
+    # tick plus a skip_lists run) before the tree counts as leaking it.
+    delay_hours: float = 1.0
+
+
+def opt_outs_applied_check(partitions_def: dg.PartitionsDefinition
+                           ) -> dg.AssetChecksDefinition:
+    @dg.asset_check(asset=dg.AssetKey(SKIP_LISTS), name="opt_outs_applied",
+                    partitions_def=partitions_def, blocking=True,
+                    description="Fails when an opt-out recorded more than `delay_hours` ago "
+                                "is still streamable from the source's current tree (its "
+                                "shard's sidecar does not skip it); metadata names the "
+                                "oldest pending one.")
+    def opt_outs_applied(context: dg.AssetCheckExecutionContext, config: OptOutsAppliedConfig,
+                         storage: StorageResource) -> dg.AssetCheckResult:
+        source, store = context.partition_key, storage.get()
+        now = datetime.now(UTC)
+        pending = pending_opt_outs(store, source, recorded_opt_outs(store),
+                                   now - timedelta(hours=config.delay_hours))
+        metadata: dict = {"pending": len(pending), "delay_hours": config.delay_hours}
+        if pending:
+            oldest = pending[0]
+            metadata.update({
+                "oldest_pending_id": oldest.place.id,
+                "oldest_pending_request": oldest.opted.request_id,
+                "oldest_pending_requested_at": oldest.opted.requested_at.isoformat(),
+                "oldest_pending_hours": round(
+                    (now - oldest.opted.requested_at).total_seconds() / 3600, 2)})
+        return dg.AssetCheckResult(
+            passed=not pending, metadata=metadata,
+            description=(f"{len(pending)} opt-out(s) older than {config.delay_hours} h still "
+                         f"streamable from {source}'s current tree; the oldest: "
+                         f"{pending[0].place.id} ({pending[0].opted.request_id})"
+                         if pending else None))
+
+    return opt_outs_applied
+
+
 def skip_list_defs(partitions_def: dg.PartitionsDefinition) -> dg.Definitions:
     return dg.Definitions(assets=[build_skip_lists_asset(partitions_def)],
-                          asset_checks=[skipped_share_check(partitions_def)])
+                          asset_checks=[skipped_share_check(partitions_def),
+                                        opt_outs_applied_check(partitions_def)])

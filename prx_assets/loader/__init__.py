@@ -22,22 +22,26 @@ from streaming import StreamingDataLoader
 from prx_assets.loader.collate import CaptionEncoder, ShapeBatchCollate
 from prx_assets.loader.dataset import (
     LOCAL_PREDOWNLOAD,
+    OptOutGuard,
     SkipListMismatch,
     SkipListStreamingDataset,
 )
 from prx_assets.loader.streams import Leaf, default_weights, leaf_streams, plan_leaves
+from prx_assets.stages.opt_outs.guard import places, recorded_opt_outs
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import Location, as_location
 
 __all__ = [
     "LOCAL_PREDOWNLOAD",
     "Leaf",
+    "OptOutGuard",
     "ShapeBatchCollate",
     "SkipListMismatch",
     "SkipListStreamingDataset",
     "build_dataset",
     "build_loader",
     "default_weights",
+    "opt_out_guard",
     "plan_leaves",
 ]
 
@@ -47,7 +51,7 @@ def build_dataset(mds_root: Location | str | Path | None, tier: int, batch_size:
                   sources_file: Path | None = None,
                   skip_reasons: Iterable[str] | None = None, seed: int = 9176,
                   shuffle: bool = True, cache_dir: str | Path | None = None,
-                  **kwargs: Any) -> SkipListStreamingDataset:
+                  guard_opt_outs: bool = True, **kwargs: Any) -> SkipListStreamingDataset:
     """One stream per leaf of `tier` across the weighted sources' current trees.
 
     weights: per-source weights (default: `weight` in sources.yaml); skip_reasons: `None` for
@@ -55,16 +59,41 @@ def build_dataset(mds_root: Location | str | Path | None, tier: int, batch_size:
     concept sample; `stale` always applies); mds_root: `None` for the configured
     storage's MDS root, a local folder or an `s3://` prefix, whose shards then stream into
     `cache_dir` (downloaded with the credentials of this process's environment). Extra
-    kwargs go to `StreamingDataset`."""
+    kwargs go to `StreamingDataset`.
+
+    Fail closed: every opt-out recorded (in `opt_outs/` under the storage root of
+    `mds_root`) by the time the trees are opened is skipped even where a sidecar is
+    missing or stale; `guard_opt_outs=False` trusts the sidecars alone (benchmarks)."""
     weights = dict(weights) if weights is not None else default_weights(sources_file)
-    root = as_location(mds_root) if mds_root else Storage.from_env().mds_root
+    storage = Storage(as_location(mds_root).parent.uri) if mds_root else Storage.from_env()
+    root = as_location(mds_root) if mds_root else storage.mds_root
     leaves = plan_leaves(root, tier, weights)
     if any(leaf.remote for leaf in leaves):
         kwargs.setdefault("predownload", None)  # streaming's default throttle for downloads
+    guard = opt_out_guard(storage, leaves) if guard_opt_outs else None
     return SkipListStreamingDataset(streams=leaf_streams(leaves, cache_dir),
                                     batch_size=batch_size,
                                     skip_reasons=skip_reasons, shuffle=shuffle,
-                                    shuffle_seed=seed, **kwargs)
+                                    shuffle_seed=seed, opt_outs=guard, **kwargs)
+
+
+def opt_out_guard(storage: Storage, leaves: list[Leaf]) -> OptOutGuard:
+    """The opt-outs recorded now, placed in the leaves just planned (one per stream)."""
+    opted = recorded_opt_outs(storage)
+    if not opted:
+        return OptOutGuard()
+    per_leaf: dict[tuple[str, str], dict[str, list[int]]] = {}
+    for source in {leaf.source for leaf in leaves}:
+        for place in places(storage, source, opted):
+            shards = per_leaf.setdefault((source, place.leaf), {})
+            shards.setdefault(place.shard, []).append(place.sample_index)
+    return OptOutGuard(ids=frozenset(opted), per_stream=tuple(
+        per_leaf.get((leaf.source, _leaf_name(leaf)), {}) for leaf in leaves))
+
+
+def _leaf_name(leaf: Leaf) -> str:
+    """`<tier>/<W>x<H>`: the last two parts of the leaf's folder or prefix."""
+    return "/".join(str(leaf.path).rstrip("/").split("/")[-2:])
 
 
 def build_loader(mds_root: Location | str | Path | None, tier: int, batch_size: int, *,

@@ -23,7 +23,8 @@ import math
 import mmap
 import os
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -50,6 +51,17 @@ STATE_REASONS = "prx_skip_reasons"
 STATE_DIGEST = "prx_skip_digest"
 
 
+@dataclass(frozen=True)
+class OptOutGuard:
+    """Opt-outs the loader drops whatever the sidecars say (a missing or stale sidecar
+    must not leak one): per stream, the shard-local indices of the opted-out samples by
+    shard file name, and every opted-out id, checked again on each sample yielded in case
+    the mapping that placed them is older than the tree."""
+
+    ids: frozenset[str] = frozenset()
+    per_stream: tuple[Mapping[str, Sequence[int]], ...] = ()
+
+
 class SkipListMismatch(ValueError):
     """A checkpoint was taken with other skip lists than the ones this dataset applies."""
 
@@ -67,19 +79,25 @@ class SkipListStreamingDataset(StreamingDataset):
         shuffle_seed: the seed of the deterministic shuffle.
         decode_images: False yields the `jpeg` columns as their stored bytes (local shards),
             leaving the decode to the collate function (one decode per image either way).
+        opt_outs: recorded opt-outs skipped whatever the sidecars and `skip_reasons` say
+            (see `OptOutGuard`); `build_dataset` reads them when it opens the trees.
         **kwargs: passed to `StreamingDataset` (e.g. `num_canonical_nodes`, `shuffle_algo`).
     """
 
     def __init__(self, *, streams, batch_size: int, skip_reasons: Iterable[str] | None = None,
                  shuffle: bool = True, shuffle_seed: int = 9176,
                  predownload: int | None = LOCAL_PREDOWNLOAD, decode_images: bool = True,
-                 **kwargs: Any) -> None:
+                 opt_outs: OptOutGuard | None = None, **kwargs: Any) -> None:
         super().__init__(streams=streams, batch_size=batch_size, batching_method="per_stream",
                          shuffle=shuffle, shuffle_seed=shuffle_seed, predownload=predownload,
                          **kwargs)
         self.decode_images = decode_images
+        self.opt_outs = opt_outs or OptOutGuard()
         wanted = None if skip_reasons is None else frozenset(skip_reasons) | {REASON_STALE}
         self.skipped, found = self._read_skip_lists(wanted)
+        # Opted-out samples no sidecar skipped: the guard skips them (counted, for a check).
+        self.opt_outs_guarded = self._apply_opt_out_guard()
+        self.opt_outs_dropped = 0  # yielded samples the guard caught by id (stale mapping)
         self.skip_reasons: list[str] = sorted(
             set(found) - OPT_IN_REASONS if wanted is None
             else {r for r in wanted if r != REASON_STALE or r in found})
@@ -118,6 +136,23 @@ class SkipListStreamingDataset(StreamingDataset):
                         raise ValueError(f"{path}: index out of range for {shard.samples} samples")
                     skipped[offset + local] = True
         return skipped, found
+
+    def _apply_opt_out_guard(self) -> int:
+        """Mark the guard's opted-out samples skipped; how many no sidecar had skipped."""
+        if not self.opt_outs.per_stream:
+            return 0
+        newly = 0
+        for shard_id, shard in enumerate(self.joint_shards):
+            stream = int(self.stream_per_shard[shard_id])
+            indices = self.opt_outs.per_stream[stream].get(shard.raw_data.basename)
+            if not indices:
+                continue
+            local = np.asarray([i for i in indices if 0 <= i < shard.samples], np.int64)
+            if local.size:
+                places = int(self.sample_offset_per_shard[shard_id]) + local
+                newly += int(np.count_nonzero(~self.skipped[places]))
+                self.skipped[places] = True
+        return newly
 
     def _remote_sidecars(self) -> dict[str, dict[str, Location]]:
         """Per remote stream, the sidecars that exist by name: one listing per leaf instead
@@ -159,6 +194,18 @@ class SkipListStreamingDataset(StreamingDataset):
 
     # ----------------------------------------------------------------------- reading
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        samples = self._samples()
+        if not self.opt_outs.ids:
+            yield from samples
+            return
+        opted = self.opt_outs.ids
+        for sample in samples:
+            if sample["id"] in opted:  # only where the mapping was older than the tree
+                self.opt_outs_dropped += 1
+                continue
+            yield sample
+
+    def _samples(self) -> Iterator[dict[str, Any]]:
         if not self._local_uncompressed():
             yield from super().__iter__()
             return

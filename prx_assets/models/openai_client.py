@@ -20,13 +20,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from prx_assets.engine.redact import redact
+
 
 class EndpointError(RuntimeError):
     """A request that did not produce a completion. `retryable` says whether the last
     failure was transient; `attempts` counts the requests sent for it."""
 
     def __init__(self, message: str, retryable: bool, attempts: int = 1):
-        super().__init__(message)
+        super().__init__(redact(message))  # it ends in error columns and logs
         self.retryable = retryable
         self.attempts = attempts
 

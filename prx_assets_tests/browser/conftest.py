@@ -18,14 +18,15 @@ def tiny(tmp_path_factory, ray_session) -> tiny_corpus.TinyCorpus:
 
 
 class ServedApp:
-    def __init__(self, data_root: Path):
+    def __init__(self, data_root: Path, app=None):
         import uvicorn
 
         from prx_assets.browser.app import create_app
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(data_root), host="127.0.0.1", port=self.port,
+        app = app if app is not None else create_app(data_root)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                 log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -46,9 +47,17 @@ class ServedApp:
         self.thread.join(10)
 
 
+CURATOR_TOKEN = "curator-token-for-browser-tests"
+
+
 @pytest.fixture(scope="session")
 def served(tiny) -> ServedApp:
-    with ServedApp(tiny.data_root) as app:
+    """The browser with one curator (`CURATOR_TOKEN`), so the opt-out flow can be driven."""
+    from prx_assets.browser.app import create_app
+    from prx_assets.browser.auth import BrowserAuth, Curators
+
+    auth = BrowserAuth(Curators.parse(f"curator {CURATOR_TOKEN}"))
+    with ServedApp(tiny.data_root, create_app(tiny.data_root, auth)) as app:
         yield app
 
 

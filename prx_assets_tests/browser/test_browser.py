@@ -19,6 +19,7 @@ from prx_assets.stages.shards.trees import current_tree
 from prx_assets.stages.skip_lists.skip_lists import read_sidecar
 from prx_assets.testing.chromium import screenshot
 from prx_assets_tests.browser import tiny_corpus
+from prx_assets_tests.browser.conftest import CURATOR_TOKEN
 from prx_assets_tests.browser.tiny_corpus import table_ref
 
 pytestmark = pytest.mark.browser
@@ -332,11 +333,11 @@ def test_inputs_are_escaped_and_bad_ones_rejected(served, page):
     assert page.request.get(served.url + "/?similar=nope").status == 404
 
 
-def test_opt_out_post_needs_the_page_token(served, tiny, page):
+def test_opt_out_post_needs_a_curator(served, tiny, page):
     sample = tiny.id("web", "coffee.jpg")
     response = page.request.post(served.url + f"/sample/{sample}/opt-out",
                                  form={"token": "forged", "confirm": "yes"})
-    assert response.status == 403
+    assert response.status == 401
     assert not list((tiny.data_root / "opt_outs").glob("browser-*.jsonl"))
 
 
@@ -366,11 +367,17 @@ def test_opt_out_from_the_page_reaches_audit_and_skip_lists(served, tiny, page):
     page.goto(served.url + f"/sample/{sample}")
     page.click("#opt-out")
     page.wait_for_url(f"**/sample/{sample}/opt-out")
+    page.click("#login-link")  # writing needs a curator: log in, and back to this form
+    page.fill('input[name="token"]', CURATOR_TOKEN)
+    page.click("#log-in")
+    page.wait_for_selector("#curator")
+    assert f"/sample/{sample}/opt-out" in page.url
     page.fill('input[name="reference"]', "ticket-42 <b>")
     # Not confirmed: the browser refuses to submit the form, and so does the server.
     assert page.locator('input[name="confirm"]').evaluate("e => e.validity.valueMissing")
     token = page.locator('input[name="token"]').input_value()
-    unconfirmed = page.request.post(page.url, form={"token": token, "reference": "x"})
+    unconfirmed = page.request.post(page.url, form={"token": token, "reference": "x"},
+                                    headers={"Origin": served.url})
     assert unconfirmed.status == 400
     assert not list((tiny.data_root / "opt_outs").glob("browser-*.jsonl"))
     page.check('input[name="confirm"]')
@@ -386,8 +393,9 @@ def test_opt_out_from_the_page_reaches_audit_and_skip_lists(served, tiny, page):
     tiny_corpus.run_job(tiny, "skip_lists_job", "web")
     audit = table_ref(tiny.data_root, "opt_outs").to_table(
         filter=f"id = '{sample}'").to_pylist()
-    assert [(r["key_type"], r["value"], r["via"], r["reference"]) for r in audit] == [
-        ("id", sample, "direct", "ticket-42 <b>")]
+    assert [(r["key_type"], r["value"], r["via"], r["reference"], r["requested_by"],
+             r["door"]) for r in audit] == [
+        ("id", sample, "direct", "ticket-42 <b>", "curator", "browser")]
     place = table_ref(tiny.data_root, "mds_samples", "web").to_table(
         filter=f"id = '{sample}'").to_pylist()[0]
     sidecar = (current_tree(tiny.data_root, "web") / place["leaf"] /

@@ -12,7 +12,8 @@ import pyarrow.compute as pc
 import pytest
 
 from prx_assets.browser import catalog, facets, links
-from prx_assets.browser.optout import Tokens, pending_requests, write_request
+from prx_assets.browser.auth import RateLimit
+from prx_assets.browser.optout import pending_requests, write_request
 from prx_assets.stages.opt_outs.opt_outs import parse_directory
 from prx_assets.storage import filters
 
@@ -83,7 +84,7 @@ def test_opt_out_request_is_a_valid_pipeline_request(tmp_path):
     assert path.parent.path == tmp_path / "opt_outs" and path.name.startswith("browser-")
     record = json.loads(path.read_text())
     assert record == {"key_type": "id", "value": "web:abc", "timestamp": when.isoformat(),
-                      "reference": "ticket 7 <b>"}
+                      "reference": "ticket 7 <b>", "door": "browser"}
     parsed = parse_directory(path.parent)
     assert not parsed.errors and [r.value for r in parsed.requests] == ["web:abc"]
     assert pending_requests(tmp_path, "web:abc") == [path.name]
@@ -91,13 +92,13 @@ def test_opt_out_request_is_a_valid_pipeline_request(tmp_path):
     assert not list((tmp_path / "opt_outs").glob(".*"))  # no temporary file left behind
 
 
-def test_tokens_are_per_sample_and_per_server():
-    tokens = Tokens()
-    token = tokens.token("web:abc")
-    assert tokens.valid("web:abc", token)
-    assert not tokens.valid("web:abd", token)
-    assert not tokens.valid("web:abc", "")
-    assert not Tokens().valid("web:abc", token)
+def test_rate_limit_is_a_sliding_window_per_key():
+    now = [0.0]
+    limit = RateLimit(2, 60.0, clock=lambda: now[0])
+    assert [limit.allow("alice") for _ in range(3)] == [True, True, False]
+    assert limit.allow("bob")  # a limit per curator
+    now[0] = 60.0
+    assert limit.allow("alice")  # the first two left the window
 
 
 def test_view_urls_only_when_the_browser_is_configured(monkeypatch):

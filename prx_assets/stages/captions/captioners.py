@@ -27,6 +27,7 @@ import pyarrow as pa
 from PIL import Image
 
 from prx_assets.engine.batches import batch_fn
+from prx_assets.engine.redact import redact, url_credentials
 from prx_assets.models.openai_client import EndpointError, OpenAIClient
 from prx_assets.models.vllm import VLLMEngine
 from prx_assets.stages.captions.captions import (
@@ -83,6 +84,11 @@ class CaptionerSpec:
             raise ValueError(f"captioner backend {self.backend!r} needs a model")
         if self.backend == "openai" and not self.endpoint:
             raise ValueError("captioner backend 'openai' needs an endpoint URL")
+        secret = url_credentials(self.endpoint)
+        if secret:  # the endpoint is resource config, which the Dagster UI shows
+            raise ValueError(f"captioner endpoint holds a credential ({secret}); keep it out "
+                             "of the config: put the key in the variable `api_key_env` "
+                             "names (default OPENAI_API_KEY)")
 
     @property
     def uses_model(self) -> bool:
@@ -141,7 +147,7 @@ def finish_captions(batch: pa.Table, spec: CaptionerSpec, version: str) -> pa.Ta
         caption: str | None
         error: str | None
         if row["error"]:
-            caption, status, error = None, STATUS_FAILED, str(row["error"])[:2000]
+            caption, status, error = None, STATUS_FAILED, redact(str(row["error"]))[:2000]
         else:
             clean = clean_caption(row["raw"])
             caption, status, error = clean.caption or None, clean.status, clean.error

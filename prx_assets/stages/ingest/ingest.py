@@ -43,6 +43,7 @@ from prx_assets.stages.ingest import readers
 from prx_assets.stages.ingest.location import SourceLocation
 from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS
 from prx_assets.stages.ingest.raw_rows import (
+    DEFAULT_MAX_CAPTION_BYTES,
     RAW_IMAGES_SCHEMA,
     UNIT_COLUMNS,
     FoundItem,
@@ -68,6 +69,7 @@ UNIT_FIELDS = pa.schema([pa.field("unit", pa.string()), pa.field("unit_signature
 class IngestOptions:
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_file_bytes: int = readers.DEFAULT_MAX_FILE_BYTES
+    max_caption_bytes: int = DEFAULT_MAX_CAPTION_BYTES
     units_per_task: int = 64  # files per task for image folders; tars/parquet go one by one
     chunk_rows: int = 1024  # rows per merge-insert commit
 
@@ -251,7 +253,7 @@ def _unit_rows(spec: SourceSpec, location: SourceLocation, unit: str,
     count = 0
     seen: set[str] = set()
     for item in _items_of_unit(spec, location, unit, signature, options):
-        row = raw_row(spec.name, item, options.max_pixels)
+        row = raw_row(spec.name, item, options.max_pixels, options.max_caption_bytes)
         if row["id"] in seen:
             continue
         seen.add(row["id"])

@@ -11,6 +11,8 @@ import pyarrow as pa
 from prx_assets.stages.ingest.ids import sample_id
 from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS, STATUS_OK, probe_image, sha256_hex
 
+DEFAULT_MAX_CAPTION_BYTES = 16 << 10  # a source's caption above this is cut (with a note)
+
 RAW_IMAGES_SCHEMA = pa.schema(
     [
         pa.field("id", pa.string(), nullable=False),
@@ -53,8 +55,11 @@ class FoundItem:
     url: str | None = None
 
 
-def raw_row(source: str, item: FoundItem, max_pixels: int = DEFAULT_MAX_PIXELS) -> dict:
-    """Probe the item's bytes (header only) and return its `raw_images` row."""
+def raw_row(source: str, item: FoundItem, max_pixels: int = DEFAULT_MAX_PIXELS,
+            max_caption_bytes: int = DEFAULT_MAX_CAPTION_BYTES) -> dict:
+    """Probe the item's bytes (header only) and return its `raw_images` row. A caption
+    over `max_caption_bytes` (UTF-8) is cut there, and the row's `error` says so."""
+    caption, cut_note = capped_caption(item.caption, max_caption_bytes)
     row: dict[str, Any] = {
         "id": sample_id(source, item.key),
         "source": source,
@@ -65,7 +70,7 @@ def raw_row(source: str, item: FoundItem, max_pixels: int = DEFAULT_MAX_PIXELS) 
         "height": None,
         "n_bytes": len(item.data) if item.data is not None else None,
         "sha256": sha256_hex(item.data) if item.data else None,
-        "original_caption": item.caption,
+        "original_caption": caption,
         "status": item.status,
         "error": item.error,
         "url": item.url,
@@ -80,7 +85,22 @@ def raw_row(source: str, item: FoundItem, max_pixels: int = DEFAULT_MAX_PIXELS) 
                width=probe.width, height=probe.height)
     if probe.status == STATUS_OK:
         row["image"] = item.data  # original bytes, untouched
+    if cut_note and row["error"] is None:
+        row["error"] = cut_note
     return row
+
+
+def capped_caption(caption: str | None, max_bytes: int) -> tuple[str | None, str | None]:
+    """(the caption cut to at most `max_bytes` of UTF-8 on a character boundary, a note
+    saying what was cut), the caption as it is and None when it fits."""
+    if caption is None or len(caption) * 4 <= max_bytes:  # cheap: no encode when it must fit
+        return caption, None
+    data = caption.encode("utf-8", errors="replace")
+    if len(data) <= max_bytes:
+        return caption, None
+    cut = data[:max_bytes].decode("utf-8", errors="ignore")
+    return cut, (f"caption truncated: {len(data):,} bytes over the {max_bytes:,} byte cap "
+                 "(max_caption_bytes)")
 
 
 def rows_to_tables(rows: Iterable[dict], max_rows: int = 64,

@@ -13,6 +13,7 @@ import tarfile
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -29,6 +30,9 @@ IMAGE_FOLDER_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 DEFAULT_MAX_FILE_BYTES = 512 << 20  # a single image above this is refused, not loaded
 STATUS_FILE_TOO_LARGE = "file_too_large"
 STATUS_UNREADABLE_FOLDER = "unreadable_folder"
+STATUS_BAD_SCHEMA = "bad_schema"  # a file or table whose columns cannot hold what they name
+STATUS_NULL_KEY = "null_key"
+STATUS_DUPLICATE_KEY = "duplicate_key"
 
 
 class SourceNotFoundError(FileNotFoundError):
@@ -208,8 +212,25 @@ def read_image_file(spec: SourceSpec, uri: SourceLocation | Path, rel: str,
                     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> FoundItem:
     location = _location(uri)
     path = location.path_of(rel)
-    caption = _read_text(location, str(PurePosixPath(path).with_suffix(spec.caption_suffix)))
+    if not _inside_root(location, path):
+        return FoundItem(key=rel, status=STATUS_UNSAFE_PATH,
+                         error=f"{rel} is a link to a file outside the source folder; not "
+                               "read (copy the file into the source to ingest it)")
+    caption_path = str(PurePosixPath(path).with_suffix(spec.caption_suffix))
+    caption = _read_text(location, caption_path) if _inside_root(location, caption_path) \
+        else None
     return _with_key(read_file_bytes(location, path, max_file_bytes), rel, caption)
+
+
+def _inside_root(location: SourceLocation, path: str) -> bool:
+    """Whether a local path, links followed, stays under the source's folder (an object
+    store has no links: always)."""
+    if not location.is_local:
+        return True
+    root = Path(location.uri)
+    root = root.parent if location.single_file else root
+    real = Path(os.path.realpath(path))
+    return real.is_relative_to(Path(os.path.realpath(root)))
 
 
 def _read_text(location: SourceLocation, path: str) -> str | None:
@@ -319,7 +340,8 @@ def read_parquet_file(spec: SourceSpec, uri: SourceLocation | Path, rel: str,
                       batch_rows: int = 256, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
                       ) -> Iterator[FoundItem]:
     """Stream a parquet file in record batches through the file system (ranged reads on an
-    object store); images are bytes or paths relative to the file's folder."""
+    object store); images are bytes or paths relative to the file's folder. The schema is
+    checked before any row is read; null and repeated keys get row reasons."""
     location = _location(uri)
     path = location.path_of(rel)
     base = str(PurePosixPath(path).parent)
@@ -332,12 +354,18 @@ def read_parquet_file(spec: SourceSpec, uri: SourceLocation | Path, rel: str,
             yield FoundItem(key=f"{rel}#file", status=STATUS_UNREADABLE,
                             error=f"parquet {rel}: missing column(s) {', '.join(missing)}")
             return
-        row_index = 0
+        problem = schema_problem(spec, parquet.schema_arrow)
+        if problem:
+            yield FoundItem(key=f"{rel}#file", status=STATUS_BAD_SCHEMA,
+                            error=f"parquet {rel}: {problem}")
+            return
+        keys = _Keys(spec, rel)
         for batch in parquet.iter_batches(batch_size=batch_rows, columns=columns):
             for record in batch.to_pylist():
-                key = (str(record[spec.key_column]) if spec.key_column
-                       else f"{rel}#{row_index}")
-                row_index += 1
+                key, refused = keys.next(record)
+                if refused is not None:
+                    yield refused
+                    continue
                 caption = record.get(spec.caption_column) if spec.caption_column else None
                 item = _parquet_item(spec, location, base, key, record[spec.image_column],
                                      caption, max_file_bytes)
@@ -347,6 +375,58 @@ def read_parquet_file(spec: SourceSpec, uri: SourceLocation | Path, rel: str,
                         error=f"parquet {rel}: {type(exc).__name__}: {exc}")
 
 
+def schema_problem(spec: SourceSpec, schema: pa.Schema) -> str | None:
+    """What is wrong with a parquet file's or Lance table's columns for `spec` (the column,
+    its type and the fix), None when they can be read: the image column must hold bytes
+    (binary) or, with `image_is_path`, strings; key, caption and url columns scalars."""
+    image = schema.field(spec.image_column).type
+    wanted = "string" if spec.image_is_path else "binary"
+    fits = (pa.types.is_string(image) or pa.types.is_large_string(image)) if spec.image_is_path \
+        else (pa.types.is_binary(image) or pa.types.is_large_binary(image)
+              or pa.types.is_fixed_size_binary(image) or pa.types.is_string(image)
+              or pa.types.is_large_string(image))
+    if not fits:
+        return (f"column {spec.image_column!r} is {image}, not {wanted}: point `image_column` "
+                f"at the column holding the image {'paths' if spec.image_is_path else 'bytes'}")
+    for role in ("key_column", "caption_column", "url_column"):
+        name = getattr(spec, role)
+        if name and pa.types.is_nested(schema.field(name).type):
+            return (f"column {name!r} ({role}) is {schema.field(name).type}, not a scalar: "
+                    f"set `{role}` to a string or integer column")
+    return None
+
+
+class _Keys:
+    """Row keys of one file or fragment: the key column's value (or the row's position
+    without one); a null or repeated value is refused with a row reason, keyed by position
+    so that it cannot take another row's id."""
+
+    def __init__(self, spec: SourceSpec, rel: str):
+        self.spec, self.rel = spec, rel
+        self.row = 0
+        self.first_row: dict[str, int] = {}
+
+    def next(self, record: dict) -> tuple[str, FoundItem | None]:
+        row, self.row = self.row, self.row + 1
+        column = self.spec.key_column
+        if not column:
+            return f"{self.rel}#{row}", None
+        value = record[column]
+        if value is None:
+            return "", FoundItem(key=f"{self.rel}#{row}", status=STATUS_NULL_KEY,
+                                 error=f"key column {column!r} is null in row {row} of "
+                                       f"{self.rel}: fill it, or drop `key_column` to key "
+                                       "rows by position")
+        key = str(value)
+        first = self.first_row.setdefault(key, row)
+        if first != row:
+            return "", FoundItem(key=f"{self.rel}#{row}", status=STATUS_DUPLICATE_KEY,
+                                 error=f"key {key!r} of column {column!r} is also row {first} "
+                                       f"of {self.rel}: keys must be unique; the first row "
+                                       "is kept")
+        return key, None
+
+
 def _parquet_item(spec: SourceSpec, location: SourceLocation, base: str, key: str,
                   value: bytes | str | None, caption: object, max_file_bytes: int
                   ) -> FoundItem:
@@ -354,6 +434,9 @@ def _parquet_item(spec: SourceSpec, location: SourceLocation, base: str, key: st
     if value is None:
         return FoundItem(key=key, caption=caption_text, status=STATUS_MISSING_IMAGE,
                          error=f"column {spec.image_column!r} is null")
+    if not isinstance(value, (bytes, str)):  # the schema check lets no other type through
+        return FoundItem(key=key, caption=caption_text, status=STATUS_BAD_SCHEMA,
+                         error=f"column {spec.image_column!r} holds {type(value).__name__}")
     if spec.image_is_path or isinstance(value, str):
         relative = str(value)
         if _is_unsafe_member(relative):
@@ -384,21 +467,34 @@ def read_lance_fragment(spec: SourceSpec, location: SourceLocation, unit: str, v
     assert fragment is not None, unit  # listed from this very version of the table
     columns = [c for c in (spec.key_column, spec.image_column, spec.caption_column,
                            spec.url_column) if c]
+    missing = [c for c in columns if c not in table.schema.names]
+    problem = (f"missing column(s) {', '.join(missing)}" if missing
+               else schema_problem(spec, table.schema))
+    if problem:
+        yield FoundItem(key=f"{unit}#file", status=STATUS_BAD_SCHEMA,
+                        error=f"lance {location.uri} {unit}: {problem}")
+        return
+    keys = _Keys(spec, unit)
     for batch in fragment.to_batches(columns=columns, batch_size=batch_rows):
         for record in batch.to_pylist():
-            yield lance_record_item(spec, record)
+            key, refused = keys.next(record)
+            yield refused if refused is not None else lance_record_item(spec, record, key)
 
 
-def lance_record_item(spec: SourceSpec, record: dict) -> FoundItem:
+def lance_record_item(spec: SourceSpec, record: dict, key: str | None = None) -> FoundItem:
     """One row of an existing Lance table as a found item."""
-    key = str(record[spec.key_column])
+    key = key if key is not None else str(record[spec.key_column])
     caption = record.get(spec.caption_column) if spec.caption_column else None
     data = record.get(spec.image_column)
     url = record.get(spec.url_column) if spec.url_column else None
     if data is None:
         return _with_url(FoundItem(key=key, caption=caption, status=STATUS_MISSING_IMAGE,
                                    error=f"column {spec.image_column!r} is null"), url)
-    return _with_url(FoundItem(key=key, data=bytes(data), caption=caption), url)
+    if not isinstance(data, bytes):  # a Lance source holds the image bytes themselves
+        return FoundItem(key=key, status=STATUS_BAD_SCHEMA,
+                         error=f"column {spec.image_column!r} holds {type(data).__name__}, "
+                               "not image bytes")
+    return _with_url(FoundItem(key=key, data=data, caption=caption), url)
 
 
 def _with_url(item: FoundItem, url: object) -> FoundItem:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from prx_assets.engine.redact import url_credentials
 from prx_assets.models.openai_client import ChatReply, EndpointError, OpenAIClient
 from prx_assets.models.vllm import VLLMEngine
 from prx_assets.stages.labels.labels import LABELS
@@ -132,6 +133,12 @@ class OpenAISettings:
     retries: int = 4
     backoff_s: float = 0.5
     timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        secret = url_credentials(self.base_url)
+        if secret:  # the URL is resource config, which the Dagster UI shows
+            raise ValueError(f"classifier base_url holds a credential ({secret}); put the "
+                             "key in the variable `api_key_env` names instead")
 
 
 @dataclass

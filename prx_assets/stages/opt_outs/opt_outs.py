@@ -51,7 +51,11 @@ AUDIT_SCHEMA = pa.schema([
     pa.field("id", pa.string()),  # null: the request matched nothing (yet)
     pa.field("source", pa.string()),
     pa.field("via", pa.string(), nullable=False),
+    # Who asked and through which door (`browser`, `cli`, `file`): the audit's "who".
+    pa.field("requested_by", pa.string()),
+    pa.field("door", pa.string()),
 ])
+DOORS = ("browser", "cli", "file")
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,8 @@ class OptOutRequest:
     requested_at: datetime
     reference: str
     source: str | None = None
+    requested_by: str | None = None  # the curator (browser) or user (CLI); file: optional
+    door: str = "file"
 
     @property
     def request_id(self) -> str:
@@ -124,11 +130,19 @@ def parse_request(record: dict, file: str, line: int) -> OptOutRequest:
             raise ValueError(f"sha256 {value!r} is not 64 hex digits")
     if key_type == "id" and ":" not in value:
         raise ValueError(f"id {value!r} is not of the form <source>:<hash>")
-    source = record.get("source")
-    source = str(source).strip() or None if source is not None else None
+    source = _optional(record, "source")
+    door = _optional(record, "door") or "file"
+    if door not in DOORS:
+        raise ValueError(f"door {door!r} is not one of {', '.join(DOORS)}")
     return OptOutRequest(file=file, line=line, key_type=key_type, value=value,
                          requested_at=parse_timestamp(str(record["timestamp"])),
-                         reference=str(record["reference"]), source=source)
+                         reference=str(record["reference"]), source=source,
+                         requested_by=_optional(record, "requested_by"), door=door)
+
+
+def _optional(record: dict, name: str) -> str | None:
+    value = record.get(name)
+    return (str(value).strip() or None) if value is not None else None
 
 
 def parse_timestamp(text: str) -> datetime:
@@ -337,7 +351,7 @@ def _audit_table(requests: list[OptOutRequest], found: dict[str, dict[str, str]]
                 "key_type": request.key_type, "value": request.value,
                 "reference": request.reference, "requested_at": request.requested_at,
                 "id": sample_id, "source": sample_id.split(":", 1)[0] if sample_id else None,
-                "via": via})
+                "via": via, "requested_by": request.requested_by, "door": request.door})
     return pa.Table.from_pylist(rows, schema=AUDIT_SCHEMA)
 
 

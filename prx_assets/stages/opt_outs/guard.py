@@ -1,0 +1,136 @@
+"""Fail closed: the opt-outs recorded so far, where they sit in a source's current tree, and
+which of them a reader could still stream.
+
+The sidecars (`skip_lists`) are the fast path; this module is the defence behind them. The
+training loader drops every recorded opt-out it finds in the trees it opens even when a
+sidecar is missing or stale, and the `opt_outs_applied` check names the opt-outs that the
+sidecars of the current tree do not skip yet. "Recorded" means every request file in
+`$PRX_DATA_ROOT/opt_outs/` (the browser, the CLI and file drops all write one), resolved as
+`skip_lists` resolves them: by id, by the same bytes, and by phash copies in any source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from prx_assets.stages.opt_outs.opt_outs import parse_directory, resolve
+from prx_assets.stages.shards.trees import tree_store
+from prx_assets.stages.skip_lists.skip_lists import REASON_OPTOUT, read_sidecar, sidecar_name
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.refs import Location
+from prx_assets.storage.tables import MDS_SAMPLES, RAW_IMAGES
+
+SCAN_ROWS = 1 << 18
+
+
+@dataclass(frozen=True)
+class OptedOut:
+    """One opted-out id and the earliest request that removed it. `requested_at` is when
+    the pipeline learned of it: the request's own timestamp, or the time its file landed
+    in the folder if later (a file dropped today may carry last month's date)."""
+
+    id: str
+    requested_at: datetime
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a sample is stored in its source's current tree."""
+
+    id: str
+    leaf: str  # relative to the tree, e.g. 512/512x512
+    shard: str  # e.g. shard.00000.mds
+    sample_index: int
+
+
+def recorded_opt_outs(storage: Storage, sources: Iterable[str] | None = None
+                      ) -> dict[str, OptedOut]:
+    """Every id the request files recorded up to now remove, with its earliest request.
+    `sources`: those whose raw_images resolve the requests (default: every source with a
+    raw_images table, so that a copy of an image opted out elsewhere is found too)."""
+    parsed = parse_directory(storage.opt_outs_dir)
+    if not parsed.requests:
+        return {}
+    names = sorted(sources) if sources is not None else ingested_sources(storage)
+    audit = resolve(parsed.requests, names, storage)
+    landed = landed_at(storage.opt_outs_dir)
+    found: dict[str, OptedOut] = {}
+    for row in audit.to_pylist():
+        sample_id = row["id"]
+        if sample_id is None:
+            continue
+        stamp = max(row["requested_at"], landed.get(row["file"], row["requested_at"]))
+        known = found.get(sample_id)
+        if known is None or stamp < known.requested_at:
+            found[sample_id] = OptedOut(sample_id, stamp, row["request_id"])
+    return found
+
+
+def landed_at(folder: Location) -> dict[str, datetime]:
+    """When each file of the folder was last written (its modification time, UTC)."""
+    import pyarrow.fs as pafs
+
+    fs, path = folder.filesystem()
+    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    return {info.base_name: info.mtime.replace(tzinfo=UTC) if info.mtime.tzinfo is None
+            else info.mtime.astimezone(UTC)
+            for info in infos if info.type == pafs.FileType.File and info.mtime is not None}
+
+
+def ingested_sources(storage: Storage) -> list[str]:
+    """Sources with a raw_images table (`lance/raw_images/<source>.lance`)."""
+    return [name.removesuffix(".lance") for name in storage.table_folder(RAW_IMAGES).folders()
+            if name.endswith(".lance")]
+
+
+def places(storage: Storage, source: str, ids: Iterable[str]) -> list[Place]:
+    """Where the mapping table of `source` stores each of `ids` (those of this source)."""
+    wanted = sorted(i for i in ids if i.startswith(f"{source}:"))
+    mapping = storage.table(MDS_SAMPLES, source)
+    if not wanted or not mapping.exists():
+        return []
+    value_set = pa.array(wanted, pa.string())
+    found: list[Place] = []
+    scanner = mapping.open().scanner(columns=["id", "leaf", "shard", "sample_index"],
+                                     batch_size=SCAN_ROWS)
+    for batch in scanner.to_batches():
+        rows = batch.filter(pc.fill_null(pc.is_in(batch.column("id"), value_set=value_set),
+                                         False))
+        found += [Place(r["id"], r["leaf"], r["shard"], int(r["sample_index"]))
+                  for r in rows.to_pylist()]
+    return found
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An opt-out the current tree's sidecars do not skip: still streamable."""
+
+    opted: OptedOut
+    place: Place
+
+
+def pending_opt_outs(storage: Storage, source: str, opted: dict[str, OptedOut],
+                     recorded_before: datetime) -> list[Pending]:
+    """Opt-outs recorded before `recorded_before` that a reader of the source's current
+    tree would still stream (no `optout` entry in their shard's sidecar), oldest first."""
+    due = [o.id for o in opted.values() if o.requested_at <= recorded_before]
+    located = places(storage, source, due)
+    if not located:
+        return []
+    tree = tree_store(storage, source).current_tree()
+    sidecars: dict[tuple[str, str], set[int]] = {}
+    pending = []
+    for place in located:
+        key = (place.leaf, place.shard)
+        if key not in sidecars:
+            lists = read_sidecar(tree / place.leaf / sidecar_name(place.shard))
+            sidecars[key] = set(lists.get(REASON_OPTOUT, ()))
+        if place.sample_index not in sidecars[key]:
+            pending.append(Pending(opted[place.id], place))
+    return sorted(pending, key=lambda p: (p.opted.requested_at, p.place.id))

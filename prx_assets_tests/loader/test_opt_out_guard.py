@@ -1,0 +1,106 @@
+"""The loader fails closed: a recorded opt-out is never streamed, even when the sidecar that
+should skip it is missing (a build that published shards without sidecars) or stale (the
+mapping that placed it is older than the tree)."""
+
+import gc
+import json
+
+import pyarrow as pa
+import pytest
+from streaming.base.util import clean_stale_shared_memory
+
+from prx_assets.loader import build_dataset
+from prx_assets.stages.shards import mds, plan
+from prx_assets.storage.lance_tables import overwrite_rows
+from prx_assets.storage.layout import Storage
+from prx_assets.testing.mds_corpus import build_corpus, inputs_for
+
+SHAPES = ((1, 48, 48), (1, 48, 64))
+
+
+@pytest.fixture(autouse=True)
+def fresh_shared_memory():
+    clean_stale_shared_memory()
+    yield
+    gc.collect()
+    clean_stale_shared_memory()
+
+
+def write_raw_ids(root, source: str, ids: list[str]) -> None:
+    """The key columns of raw_images that opt-out requests resolve against."""
+    rows = pa.table({"id": ids, "source": [source] * len(ids),
+                     "source_key": [i.split(":", 1)[1] for i in ids]})
+    overwrite_rows(Storage(root).table("raw_images", source), rows, rows.schema)
+
+
+def opt_out(root, name: str, sample_id: str) -> None:
+    folder = root / "opt_outs"
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text(json.dumps({"key_type": "id", "value": sample_id,
+                                           "timestamp": "2026-11-01T00:00:00Z",
+                                           "reference": "ticket"}) + "\n")
+
+
+@pytest.fixture()
+def tree(tmp_path):
+    """One source's tree with no sidecar at all (what a build without skip_lists left)."""
+    root = tmp_path / "data"
+    build_corpus(root, "web", per_shape=8, shapes=SHAPES)
+    mds.write_mds_tree(inputs_for(root, "web"), root, "web",
+                       plan.WriteOptions(size_limit=4_000, parallel=False))
+    mapping = Storage(root).table("mds_samples", "web").to_table().to_pylist()
+    ids = sorted(r["id"] for r in mapping)
+    write_raw_ids(root, "web", ids)
+    assert not list((root / "mds").rglob("*.skip.json"))
+    return root, ids
+
+
+def streamed(root, **kwargs) -> list[str]:
+    dataset = build_dataset(root / "mds", 1, 1, weights={"web": 1.0}, shuffle=False,
+                            decode_images=False, **kwargs)
+    return [sample["id"] for sample in dataset]
+
+
+def test_an_opt_out_without_its_sidecar_is_not_streamed(tree):
+    root, ids = tree
+    assert sorted(streamed(root)) == ids
+    opt_out(root, "a.jsonl", ids[3])
+    dataset = build_dataset(root / "mds", 1, 1, weights={"web": 1.0}, shuffle=False,
+                            decode_images=False)
+    got = [sample["id"] for sample in dataset]
+    assert sorted(got) == [i for i in ids if i != ids[3]]
+    assert dataset.opt_outs_guarded == 1 and dataset.opt_outs_dropped == 0
+    assert len(dataset) == len(ids) - 1  # skipped before partitioning, like a sidecar
+    # Without the guard (what the sidecars alone give): the leak the guard closes.
+    assert ids[3] in streamed(root, guard_opt_outs=False)
+
+
+def test_a_copy_opted_out_in_another_source_is_not_streamed(tree):
+    """A phash copy of an image opted out elsewhere is skipped (duplicates table)."""
+    root, ids = tree
+    write_raw_ids(root, "stock", ["stock:orig"])
+    groups = pa.table({"id": ["stock:orig", ids[5]], "phash": pa.array([7, 7], pa.int64()),
+                       "kept_id": ["stock:orig", "stock:orig"]})
+    overwrite_rows(Storage(root).table("duplicates"), groups, groups.schema)
+    opt_out(root, "b.jsonl", "stock:orig")
+    assert ids[5] not in streamed(root)
+
+
+def test_a_mapping_older_than_the_tree_still_drops_by_id(tree):
+    """The mapping places the opt-out on the wrong sample (as for a loader opened on a tree
+    the mapping no longer describes): the id check on each sample still drops it."""
+    root, ids = tree
+    table = Storage(root).table("mds_samples", "web")
+    rows = table.to_table().to_pylist()
+    by_id = {r["id"]: r for r in rows}
+    victim, other = by_id[ids[2]], by_id[ids[6]]
+    swapped = {k: victim[k] for k in ("leaf", "shard", "sample_index")}
+    victim.update({k: other[k] for k in swapped})
+    other.update(swapped)
+    overwrite_rows(table, pa.Table.from_pylist(rows, schema=table.open().schema),
+                   table.open().schema)
+    opt_out(root, "c.jsonl", ids[2])
+    dataset = build_dataset(root / "mds", 1, 1, weights={"web": 1.0}, shuffle=False,
+                            decode_images=False)
+    got = [sample["id"] for sample in dataset]
+    assert ids[2] not in got and dataset.opt_outs_dropped == 1
