@@ -2,6 +2,7 @@
 leaves_stream check; rewrite_shards_job, which rebuilds a tree without its skipped samples."""
 
 import time
+from datetime import timedelta
 
 import dagster as dg
 
@@ -22,22 +23,28 @@ from prx_assets.stages.shards.mds import write_mds_tree
 from prx_assets.stages.shards.plan import DEFAULT_ROWS_PER_PART, SampleInputs, WriteOptions
 from prx_assets.stages.shards.publish import TreeReport
 from prx_assets.stages.shards.rewrite import pinned_inputs, rewrite_without_skipped
+from prx_assets.stages.shards.trees import DEFAULT_RETENTION
 from prx_assets.stages.shards.verify import verify_tree
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, MDS_SHARDS, SKIP_LISTS
+
+DEFAULT_RETENTION_DAYS = DEFAULT_RETENTION.total_seconds() / 86400
 
 
 class MdsShardsConfig(dg.Config):
     size_limit_mb: int = 128
     compression: str | None = None  # JPEG does not compress further
     rows_per_part: int = DEFAULT_ROWS_PER_PART
-    keep_trees: int = 2
+    # A superseded tree is removed this long after it stopped being current, and only when
+    # no reader lease holds it (docs/factory.md).
+    retention_days: float = DEFAULT_RETENTION_DAYS
     # False: a full build even when only a few samples changed (new shards for everything).
     incremental: bool = True
 
     def options(self) -> WriteOptions:
         return WriteOptions(size_limit=self.size_limit_mb << 20, compression=self.compression,
-                            rows_per_part=self.rows_per_part, keep_trees=self.keep_trees,
+                            rows_per_part=self.rows_per_part,
+                            retention=timedelta(days=self.retention_days),
                             incremental=self.incremental)
 
 
@@ -135,7 +142,7 @@ class RewriteConfig(dg.Config):
     reasons: list[str] | None = None
     size_limit_mb: int = 128
     rows_per_part: int = DEFAULT_ROWS_PER_PART
-    keep_trees: int = 2
+    retention_days: float = DEFAULT_RETENTION_DAYS
     parallel: bool = True
 
 
@@ -156,7 +163,8 @@ def rewrite_shards(context: dg.OpExecutionContext, config: RewriteConfig,
     caption_version = tree_caption_version(context.instance, source)
     inputs = pinned_inputs(store, source, active_caption_filter(caption_version))
     options = WriteOptions(size_limit=config.size_limit_mb << 20,
-                           rows_per_part=config.rows_per_part, keep_trees=config.keep_trees,
+                           rows_per_part=config.rows_per_part,
+                           retention=timedelta(days=config.retention_days),
                            parallel=config.parallel)
     report = rewrite_without_skipped(inputs, store, source, config.reasons, options,
                                      log=context.log.info)

@@ -25,7 +25,13 @@ from prx_assets.loader.dataset import (
     SkipListMismatch,
     SkipListStreamingDataset,
 )
-from prx_assets.loader.streams import Leaf, default_weights, leaf_streams, plan_leaves
+from prx_assets.loader.streams import (
+    Leaf,
+    default_weights,
+    hold_trees,
+    leaf_streams,
+    plan_leaves,
+)
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import Location, as_location
 
@@ -55,16 +61,27 @@ def build_dataset(mds_root: Location | str | Path | None, tier: int, batch_size:
     concept sample; `stale` always applies); mds_root: `None` for the configured
     storage's MDS root, a local folder or an `s3://` prefix, whose shards then stream into
     `cache_dir` (downloaded with the credentials of this process's environment). Extra
-    kwargs go to `StreamingDataset`."""
+    kwargs go to `StreamingDataset`.
+
+    Each source's tree is held by a reader lease, renewed while the dataset lives
+    (`dataset.reader_leases`; `release()` it to let the trees go before the process ends):
+    rebuilds meanwhile publish new trees, and this one stays until the epoch is done."""
     weights = dict(weights) if weights is not None else default_weights(sources_file)
     root = as_location(mds_root) if mds_root else Storage.from_env().mds_root
-    leaves = plan_leaves(root, tier, weights)
-    if any(leaf.remote for leaf in leaves):
-        kwargs.setdefault("predownload", None)  # streaming's default throttle for downloads
-    return SkipListStreamingDataset(streams=leaf_streams(leaves, cache_dir),
-                                    batch_size=batch_size,
-                                    skip_reasons=skip_reasons, shuffle=shuffle,
-                                    shuffle_seed=seed, **kwargs)
+    trees, keeper = hold_trees(root, weights)
+    try:
+        leaves = plan_leaves(root, tier, weights, trees)
+        if any(leaf.remote for leaf in leaves):
+            kwargs.setdefault("predownload", None)  # streaming's default download throttle
+        dataset = SkipListStreamingDataset(streams=leaf_streams(leaves, cache_dir),
+                                           batch_size=batch_size,
+                                           skip_reasons=skip_reasons, shuffle=shuffle,
+                                           shuffle_seed=seed, **kwargs)
+    except BaseException:
+        keeper.release()
+        raise
+    dataset.reader_leases = keeper
+    return dataset
 
 
 def build_loader(mds_root: Location | str | Path | None, tier: int, batch_size: int, *,

@@ -27,15 +27,24 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path, PurePath
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.engine.failpoints import failpoint
-from prx_assets.stages.shards.trees import TREE_MANIFEST, leaf_names, new_tree_version, tree_store
+from prx_assets.stages.shards.trees import (
+    DEFAULT_RETENTION,
+    TREE_MANIFEST,
+    TreeStore,
+    leaf_names,
+    new_tree_version,
+    tree_store,
+)
 from prx_assets.storage.filters import all_of, eq_filter, in_filter, sql_string
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.leases import Lease, tree_lease
 from prx_assets.storage.refs import Location, TableRef, as_location
 
 SIDECAR_VERSION = 1
@@ -219,15 +228,26 @@ def _count_skipped(report: ApplyReport, final: SkipLists) -> ApplyReport:
 
 def publish_skip_lists(storage: Storage, source: str, lists: SkipLists,
                        shards: Iterable[ShardKey]) -> ApplyReport:
-    """Apply `lists` to `source`'s current tree. Locally the sidecars are replaced in place
-    (each atomically). On an object store a new tree version is made: every shard and index
-    server-side copied into it, a new sidecar set written, the pointer moved last, so a
-    reader holding the old pointer still reads the old version whole."""
+    """Apply `lists` to `source`'s current tree, holding the source's tree lease (so no
+    mds_shards build carries the sidecars while they change). Locally the sidecars are
+    replaced in place (each atomically). On an object store a new tree version is made:
+    every shard and index server-side copied into it, a new sidecar set written, the
+    pointer moved last by compare-and-swap, so a reader holding the old pointer still
+    reads the old version whole, and old versions go only past retention and reader
+    leases."""
     store = tree_store(storage, source)
-    old_tree = store.current_tree()
-    if store.is_local:
-        return apply_skip_lists(old_tree.path, lists, shards)
-    current = store.current_version()
+    with tree_lease(store.data_root, source, log=store.log) as lease:
+        old_tree = store.current_tree()
+        if store.is_local:
+            failpoint("skip_lists.before_publish")
+            lease.check()
+            return apply_skip_lists(old_tree.path, lists, shards)
+        return _publish_version(store, old_tree, lists, shards, lease)
+
+
+def _publish_version(store: TreeStore, old_tree: Location, lists: SkipLists,
+                     shards: Iterable[ShardKey], lease: Lease) -> ApplyReport:
+    current = old_tree.name
     version = new_tree_version()
     staging = store.staging(version)
     report = ApplyReport()
@@ -267,9 +287,26 @@ def publish_skip_lists(storage: Storage, source: str, lists: SkipLists,
     except BaseException:
         staging.delete()
         raise
-    store.publish(version)
-    store.prune(int(manifest.get("keep_trees", 2)))
+    failpoint("skip_lists.before_publish")
+    lease.check()
+    store.publish(version, expected=current)
+    retention = manifest.get("retention_s")
+    store.prune(timedelta(seconds=float(retention)) if retention is not None
+                else DEFAULT_RETENTION)
     return _count_skipped(report, final)
+
+
+def stage_sidecars(staging: Location, lists: SkipLists) -> ApplyReport:
+    """Write the sidecars of a version being built (a rewrite's carried reasons), so they
+    publish with its shards: a published shard never lacks its sidecar."""
+    report = ApplyReport()
+    for (leaf, shard), by_reason in sorted(lists.items()):
+        report.shards += 1
+        report.count_change({}, by_reason)
+        if sidecar_body(by_reason) is not None:
+            write_sidecar(staging / leaf / sidecar_name(shard), by_reason)
+            report.written += 1
+    return _count_skipped(report, lists)
 
 
 def mapping_batches(mapping: TableRef, batch_rows: int = SCAN_ROWS

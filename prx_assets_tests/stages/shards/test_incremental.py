@@ -202,7 +202,7 @@ def test_a_kill_between_mapping_commit_and_publish_is_rolled_forward(data_root, 
     first = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
     add_sample(data_root, NEW_ID)
 
-    def killed(self, version):
+    def killed(self, version, expected):
         raise KeyboardInterrupt("killed before publishing")
 
     with monkeypatch.context() as patch:
