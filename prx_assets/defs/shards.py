@@ -6,6 +6,7 @@ from datetime import timedelta
 
 import dagster as dg
 
+from prx_assets.defs.leases import asset_lease
 from prx_assets.defs.metadata import (
     browser_link,
     content_data_version,
@@ -72,22 +73,23 @@ def build_mds_shards(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
                    storage: StorageResource) -> dg.MaterializeResult:
         caption_version = captioner.caption_version()
         store = storage.get()
-        source = context.partition_key
-        started = time.monotonic()
-        report = write_mds_tree(sample_inputs(context, store, caption_version), store,
-                                source, config.options(), log=context.log.info)
-        seconds = time.monotonic() - started
-        previous = latest_data_version(context.instance, MDS_SHARDS, source)
-        return dg.MaterializeResult(
-            metadata={**tree_metadata(report), "caption_version": caption_version,
-                      **incremental_metadata(report.processed, report.reused, report.removed),
-                      "appended": report.appended, "new_tree": report.changed,
-                      **duration_metadata("stage_seconds", seconds),
-                      **input_versions(context, BUCKETED_IMAGES, CAPTIONS),
-                      **browser_link(context)},
-            # The tree version names the content: unchanged when nothing changed.
-            data_version=content_data_version(previous, report.changed, report.mapping_version,
-                                              report.tree_version))
+        with asset_lease(context, store):
+            source = context.partition_key
+            started = time.monotonic()
+            report = write_mds_tree(sample_inputs(context, store, caption_version), store,
+                                    source, config.options(), log=context.log.info)
+            seconds = time.monotonic() - started
+            previous = latest_data_version(context.instance, MDS_SHARDS, source)
+            return dg.MaterializeResult(
+                metadata={**tree_metadata(report), "caption_version": caption_version,
+                          **incremental_metadata(report.processed, report.reused, report.removed),
+                          "appended": report.appended, "new_tree": report.changed,
+                          **duration_metadata("stage_seconds", seconds),
+                          **input_versions(context, BUCKETED_IMAGES, CAPTIONS),
+                          **browser_link(context)},
+                # The tree version names the content: unchanged when nothing changed.
+                data_version=content_data_version(previous, report.changed, report.mapping_version,
+                                                  report.tree_version))
 
     return mds_shards
 
@@ -166,8 +168,9 @@ def rewrite_shards(context: dg.OpExecutionContext, config: RewriteConfig,
                            rows_per_part=config.rows_per_part,
                            retention=timedelta(days=config.retention_days),
                            parallel=config.parallel)
-    report = rewrite_without_skipped(inputs, store, source, config.reasons, options,
-                                     log=context.log.info)
+    with asset_lease(context, store, MDS_SHARDS):  # the same writer as mds_shards
+        report = rewrite_without_skipped(inputs, store, source, config.reasons, options,
+                                         log=context.log.info)
     tree = report.tree
     yield dg.AssetMaterialization(asset_key=MDS_SHARDS, partition=source, metadata={
         "path": dg.MetadataValue.path(str(tree.path)), "tree_version": tree.tree_version,

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -90,7 +91,8 @@ def _shards(leaf: Path) -> list[dict]:
 
 def test_same_inputs_give_byte_identical_trees(ray_session, data_root):
     build_corpus(data_root, "web", per_shape=6)
-    full = dataclasses.replace(SMALL, incremental=False)  # a rebuild, not "nothing changed"
+    # A rebuild, not "nothing changed"; no retention: a superseded tree goes at once.
+    full = dataclasses.replace(SMALL, incremental=False, retention=timedelta(0))
     first = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", full)
     second = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", full)
     assert first.tree_version != second.tree_version
@@ -102,7 +104,8 @@ def test_same_inputs_give_byte_identical_trees(ray_session, data_root):
         assert (first.path / rel).read_bytes() == (second.path / rel).read_bytes(), rel
     assert trees.current_tree(data_root, "web") == second.path
     third = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", full)
-    assert not first.path.exists() and second.path.exists()  # keep_trees=2: current + previous
+    # Superseded, past the zero retention, no reader lease: both older trees are removed.
+    assert not first.path.exists() and not second.path.exists()
     assert trees.current_tree(data_root, "web") == third.path
 
 
