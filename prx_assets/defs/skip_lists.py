@@ -21,12 +21,10 @@ from prx_assets.stages.skip_lists.skip_lists import (
     REASON_OPTOUT,
     REASON_SEMDEDUP,
     REASON_STALE,
-    build_skip_lists,
+    apply_reasons,
     duplicate_ids,
     label_ids,
-    mapping_batches,
     mapping_shards,
-    publish_skip_lists,
     read_ablations,
     semantic_duplicate_ids,
     skip_shares,
@@ -87,14 +85,14 @@ def build_skip_lists_asset(partitions_def: dg.PartitionsDefinition) -> dg.Assets
             mapping_version = mapping.latest_version()
             if mapping_version is None:
                 raise dg.Failure(f"{mapping} does not exist: materialise mds_shards for {source}")
-            mapping = mapping.at(mapping_version)  # the lists and the lineage: one version
             versions = (captioner.caption_version(), classifier.classifier_version())
             reasons, lineage = _reasons(context, config, store, source, sources.load().names,
                                         versions)
-            shards, per_leaf = mapping_shards(mapping)
-            lists = build_skip_lists(mapping_batches(mapping), reasons)
-            report = publish_skip_lists(store, source, lists, shards)
-            tree = tree_store(store, source).current_tree()
+            # The mapping is read under the tree lease, with the lists built from it and
+            # published: the lists and the lineage are one version of it.
+            run = apply_reasons(store, source, reasons)
+            report, per_leaf, tree = run.report, run.per_leaf, run.tree
+            mapping_version = run.mapping.version
             context.log.info(f"{source}: {report.written} sidecar(s) written, {report.removed} "
                              f"removed, {report.unchanged} unchanged under {tree}")
             lineage[f"input_version/{MDS_SAMPLES}"] = mapping_version

@@ -136,7 +136,7 @@ def test_a_killed_build_leaves_the_previous_tree_current(data_root, tmp_path):
 
     flag = tmp_path / "flag"
     child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(data_root), str(flag)],
-                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+                             env={**os.environ, "PYTHONPATH": os.getcwd(), "PRX_LEASE_TTL_S": "1"})
     try:
         deadline = time.time() + 240
         while not flag.exists():
