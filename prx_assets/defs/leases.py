@@ -13,6 +13,8 @@ import dagster as dg
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.leases import Lease, LeaseHeldError, current_run_id, writer_lease
 
+GLOBAL_PARTITION = "_global"
+
 
 @contextmanager
 def asset_lease(context: dg.AssetExecutionContext | dg.OpExecutionContext, store: Storage,
@@ -21,10 +23,11 @@ def asset_lease(context: dg.AssetExecutionContext | dg.OpExecutionContext, store
     while the body runs; the lease names this run, so a waiting run's log and error say
     which run it waits for."""
     name = asset or context.asset_key.to_user_string()
+    # A global asset (corpus) has one writer in all: its lease is named after no source.
+    partition = context.partition_key if context.has_partition_key else GLOBAL_PARTITION
     token = current_run_id.set(context.run_id)
     try:
-        with writer_lease(store.location(), name, context.partition_key,
-                          log=context.log.info) as lease:
+        with writer_lease(store.location(), name, partition, log=context.log.info) as lease:
             yield lease
     except LeaseHeldError as exc:
         raise dg.Failure(str(exc)) from exc

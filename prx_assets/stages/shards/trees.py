@@ -205,7 +205,7 @@ class TreeStore:
         if not self.is_local:
             self._swap_pointer(version, expected)
             return
-        with self._pointer_lock():
+        with self.pointer_lock():
             named = self.current_version()
             if named != expected:
                 raise self.conflict(version, expected, named)
@@ -231,7 +231,7 @@ class TreeStore:
             raise self.conflict(version, expected, self.current_version())
 
     @contextmanager
-    def _pointer_lock(self) -> Iterator[None]:
+    def pointer_lock(self) -> Iterator[None]:
         import fcntl
 
         self.trees_dir.make_dirs()
