@@ -10,6 +10,7 @@ trainer's environment as it is (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
 from __future__ import annotations
 
 import tempfile
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,12 +84,25 @@ def hold_trees(mds_root: Location | Path | str, weights: Mapping[str, float],
                seconds: float = READER_TTL_S) -> tuple[dict[str, Location], ReaderLeaseKeeper]:
     """Each weighted source's current tree under a reader lease, renewed while the returned
     keeper lives (its thread renews every third of `seconds`); a tree is not pruned while
-    held (docs/factory.md, "Reader leases and retention")."""
+    held (docs/factory.md, "Reader leases and retention"). A reader that may not write
+    (read-only credentials) streams without a lease, warned: the tree is then kept for the
+    retention window only."""
     root = as_location(mds_root)
-    held = {source: hold_current_tree(root, source, seconds)
-            for source, weight in sorted(weights.items()) if weight > 0}
-    return ({source: tree for source, (tree, _) in held.items()},
-            ReaderLeaseKeeper([lease for _, lease in held.values()], seconds))
+    trees: dict[str, Location] = {}
+    leases = []
+    for source, weight in sorted(weights.items()):
+        if weight <= 0:
+            continue
+        try:
+            trees[source], lease = hold_current_tree(root, source, seconds)
+            leases.append(lease)
+        except FileNotFoundError:
+            raise  # no tree at all: the error names the source
+        except OSError as exc:  # refused (read-only credentials, a read-only folder)
+            warnings.warn(f"{source}: no reader lease ({exc}); the tree is kept only for its "
+                          "retention window after a rebuild supersedes it", stacklevel=2)
+            trees[source] = source_trees(root, source).current_tree()
+    return trees, ReaderLeaseKeeper(leases, seconds)
 
 
 def leaf_streams(leaves: list[Leaf], cache_dir: Path | str | None = None) -> list[Stream]:

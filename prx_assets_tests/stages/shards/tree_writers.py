@@ -11,6 +11,7 @@ Each prints `RESULT{json}` when it finishes; an error prints `ERROR{json}` and e
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -68,6 +69,8 @@ class Writer:
 
 
 def main(argv: list[str]) -> None:
+    # The stages log through `logging`: a lease wait or takeover shows in the writer's log.
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
     mode, root, *rest = argv
     try:
         result = mds_main(root) if mode == "mds" else skip_main(root, rest)
