@@ -10,6 +10,7 @@ against the run, on local disk and on the S3 test server (target: under 1 %).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import statistics
@@ -22,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from bench.common import OUT, Figure, report, timed
+from bench.mds import replicate
 from prx_assets.demo.corpus import procedural_image
 from prx_assets.engine import ray_runtime
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
@@ -43,6 +45,7 @@ REPEATS = 50  # lease + pointer-check rounds timed (mean)
 # is an upper bound for real sources.
 OPTIONS = WriteOptions(size_limit=1 << 20, rows_per_part=200)
 BUCKET = "prx-bench-leases"
+LARGE_TIMES = 40
 
 
 def add_samples(root: str, run: int, count: int = 4) -> None:
@@ -60,13 +63,13 @@ def add_samples(root: str, run: int, count: int = 4) -> None:
                 pa.Table.from_pylist(captions, schema=CAPTIONS_SCHEMA), CAPTIONS_SCHEMA)
 
 
-def incremental_run_s(root: str, first_run: int) -> float:
-    write_mds_tree(inputs_for(root, SOURCE), root, SOURCE, OPTIONS)  # the first, full build
+def incremental_run_s(root: str, first_run: int, options: WriteOptions) -> float:
+    write_mds_tree(inputs_for(root, SOURCE), root, SOURCE, options)  # the first, full build
     times = []
     for run in range(first_run, first_run + RUNS):
         add_samples(root, run)
         seconds, report_ = timed(lambda: write_mds_tree(inputs_for(root, SOURCE), root,
-                                                        SOURCE, OPTIONS))
+                                                        SOURCE, options))
         assert report_.appended  # type: ignore[attr-defined]
         times.append(seconds)
     return statistics.median(times)
@@ -95,8 +98,8 @@ def lease_and_check_s(root: str) -> float:
     return seconds / REPEATS
 
 
-def measure(label: str, root: str, first_run: int) -> Figure:
-    run_s = incremental_run_s(root, first_run)
+def measure(label: str, root: str, first_run: int, options: WriteOptions = OPTIONS) -> Figure:
+    run_s = incremental_run_s(root, first_run, options)
     added_s = lease_and_check_s(root)
     print(f"leases: {label}: incremental run {run_s * 1000:.0f} ms, leases + pointer check "
           f"{added_s * 1000:.2f} ms ({added_s / run_s:.2%})")
@@ -120,6 +123,12 @@ def main() -> list[Figure]:
                   for name in ("bucketed_images", "captions")}
         ray_runtime.connect()
         figures = [measure("local", local, first_run=0)]
+        # A larger source: the same thumbnails under new ids, 40 times over (32,000 rows).
+        large = str(work / "large")
+        build_corpus(Path(large), SOURCE, per_shape=200)
+        replicate(Path(large), SOURCE, LARGE_TIMES)
+        figures.append(measure(f"local, {800 * LARGE_TIMES:,} samples", large, first_run=0,
+                               options=dataclasses.replace(OPTIONS, rows_per_part=8000)))
         os.environ.update(server.env())
         server.create_bucket(BUCKET)
         for name, table in tables.items():

@@ -126,8 +126,9 @@ class LeaseFile(Protocol):
     def replace(self, data: bytes, tag: str) -> str | None:
         """Write `data` if the file is still at `tag`; the new tag, or None if not."""
 
-    def remove(self, tag: str) -> bool:
-        """Remove (or, on S3, expire) the file if still at `tag`."""
+    def remove(self, tag: str, expired: bytes) -> bool:
+        """Remove the file if still at `tag` (on S3: replace it by `expired`, a copy of the
+        lease that has expired)."""
 
 
 def _tag(data: bytes) -> str:
@@ -183,7 +184,7 @@ class LocalLeaseFile:
             Location(str(self.path)).write_bytes(data)  # temp file, fsync, rename, fsync dir
             return _tag(data)
 
-    def remove(self, tag: str) -> bool:
+    def remove(self, tag: str, expired: bytes) -> bool:
         with self._locked():
             current = self.read()
             if current is None or current[1] != tag:
@@ -243,13 +244,8 @@ class S3LeaseFile:
     def replace(self, data: bytes, tag: str) -> str | None:
         return self._put(data, IfMatch=tag)
 
-    def remove(self, tag: str) -> bool:
-        current = self.read()
-        if current is None:
-            return False
-        body = LeaseBody.decode(current[0])
-        expired = LeaseBody(body.name, body.owner, body.taken_at, 0.0)
-        return self.replace(expired.encode(), tag) is not None
+    def remove(self, tag: str, expired: bytes) -> bool:
+        return self.replace(expired, tag) is not None
 
 
 def lease_file(location: Location) -> LeaseFile:
@@ -346,8 +342,11 @@ class Lease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if self._file is not None and self._tag is not None and self._lost is None:
-            self._file.remove(self._tag)
+        if self._file is not None and self._tag is not None and self._body is not None \
+                and self._lost is None:
+            body = self._body
+            self._file.remove(self._tag, LeaseBody(body.name, body.owner, body.taken_at,
+                                                   0.0).encode())
         self._tag = None
 
     def _heartbeat(self) -> None:

@@ -91,8 +91,7 @@ def _shards(leaf: Path) -> list[dict]:
 
 def test_same_inputs_give_byte_identical_trees(ray_session, data_root):
     build_corpus(data_root, "web", per_shape=6)
-    # A rebuild, not "nothing changed"; no retention: a superseded tree goes at once.
-    full = dataclasses.replace(SMALL, incremental=False, retention=timedelta(0))
+    full = dataclasses.replace(SMALL, incremental=False)  # a rebuild, not "nothing changed"
     first = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", full)
     second = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", full)
     assert first.tree_version != second.tree_version
@@ -103,7 +102,9 @@ def test_same_inputs_give_byte_identical_trees(ray_session, data_root):
     for rel in files:
         assert (first.path / rel).read_bytes() == (second.path / rel).read_bytes(), rel
     assert trees.current_tree(data_root, "web") == second.path
-    third = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", full)
+    # No retention: a superseded tree no reader lease holds goes at the next publish.
+    third = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web",
+                               dataclasses.replace(full, retention=timedelta(0)))
     # Superseded, past the zero retention, no reader lease: both older trees are removed.
     assert not first.path.exists() and not second.path.exists()
     assert trees.current_tree(data_root, "web") == third.path
