@@ -25,10 +25,15 @@ def _make_demo_corpus(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     """Materialise every asset for every source of the demo corpus, then summarise."""
-    from prx_assets.demo.console import quiet_third_party
+    from prx_assets.demo.console import NoticeFilter, quiet_third_party
 
     for note in quiet_third_party():  # before Lance or Ray are imported
         print(note)
+    with NoticeFilter():
+        return _demo_runs(args)
+
+
+def _demo_runs(args: argparse.Namespace) -> int:
     from prx_assets.demo.corpus import make_demo_corpus
     from prx_assets.stages.ingest.sources import sources_path
 

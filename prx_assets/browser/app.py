@@ -50,10 +50,10 @@ from starlette.staticfiles import StaticFiles
 from prx_assets.browser import queries, rejects
 from prx_assets.browser.catalog import BadQuery, Catalog, NotFound
 from prx_assets.browser.facets import Query
-from prx_assets.browser.links import dagster_url
+from prx_assets.browser.links import dagster_home_instance, dagster_url, run_url
 from prx_assets.browser.optout import Tokens, pending_requests, write_request
 from prx_assets.storage.layout import Storage
-from prx_assets.storage.tables import BUCKETED_IMAGES
+from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS
 
 HERE = Path(__file__).parent
 # Immutable per corpus version: the ETag names the version, so a rebuilt corpus is refetched.
@@ -69,14 +69,15 @@ class BrowserState:
     catalog: Catalog
     tokens: Tokens
     templates: jinja2.Environment
+    dagster: Any = None  # the Dagster instance for exact run links (`serve` opens it)
 
     @classmethod
-    def create(cls, storage: Storage | str | Path, tokens: Tokens | None = None
-               ) -> BrowserState:
+    def create(cls, storage: Storage | str | Path, tokens: Tokens | None = None,
+               dagster: Any = None) -> BrowserState:
         templates = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
                                        autoescape=True, undefined=jinja2.StrictUndefined)
         templates.globals["urlencode"] = urlencode
-        return cls(Catalog(storage), tokens or Tokens(), templates)
+        return cls(Catalog(storage), tokens or Tokens(), templates, dagster)
 
     def render(self, request: Request, template: str, status: int = 200, **context: Any
                ) -> HTMLResponse:
@@ -113,9 +114,17 @@ def sample_page(request: Request, state: BrowserState) -> Response:
     except NotFound as err:
         return state.not_found(request, str(err))
     return state.render(request, "sample.html", s=found, token=state.tokens.token(found.id),
-                        dagster=dagster_url(BUCKETED_IMAGES, found.row["source"]),
+                        dagster=sample_run_url(found, state.dagster),
                         requested=pending_requests(state.catalog.storage, found.id),
                         opted=request.query_params.get("opted") == "1")
+
+
+def sample_run_url(found: queries.Sample, instance: Any) -> str:
+    """The run that wrote the sample's newest caption, else its image stage's asset page."""
+    source = found.row["source"]
+    if found.captions and found.captions[0].get("created_at"):
+        return run_url(CAPTIONS, source, found.captions[0]["created_at"], instance)
+    return dagster_url(BUCKETED_IMAGES, source)
 
 
 async def opt_out_page(request: Request, state: BrowserState) -> Response:
@@ -279,9 +288,11 @@ def routes(state: BrowserState) -> list[BaseRoute]:
     return [*bound, Mount("/static", StaticFiles(directory=HERE / "static"), name="static")]
 
 
-def create_app(storage: Storage | str | Path, tokens: Tokens | None = None) -> Starlette:
-    """The app over `storage` (a Storage, or its root folder / URI)."""
-    state = BrowserState.create(storage, tokens)
+def create_app(storage: Storage | str | Path, tokens: Tokens | None = None,
+               dagster: Any = None) -> Starlette:
+    """The app over `storage` (a Storage, or its root folder / URI); `dagster`, the instance
+    its sample pages find the exact writing run in."""
+    state = BrowserState.create(storage, tokens, dagster)
     app = Starlette(routes=routes(state),
                     exception_handlers={HTTPException: partial(http_error, state=state)})
     app.state.browser = state
@@ -292,4 +303,5 @@ def create_app(storage: Storage | str | Path, tokens: Tokens | None = None) -> S
 def serve(storage: Storage | str | Path, host: str = "127.0.0.1", port: int = 8080) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(storage), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(storage, dagster=dagster_home_instance()), host=host, port=port,
+                log_level="info")

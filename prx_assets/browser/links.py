@@ -8,6 +8,8 @@ is unset no link is added.
 from __future__ import annotations
 
 import os
+from datetime import datetime
+from typing import Any
 from urllib.parse import urlencode
 
 from prx_assets.storage.tables import (
@@ -51,9 +53,46 @@ def view_url(asset: str, partition: str | None = None) -> str | None:
     return None
 
 
+def dagster_base() -> str:
+    return (os.environ.get(DAGSTER_URL_ENV, "").strip() or DEFAULT_DAGSTER_URL).rstrip("/")
+
+
 def dagster_url(asset: str, partition: str | None = None) -> str:
     """The Dagster UI's page of an asset (partition): its latest materialisation and the
     run that made it."""
-    base = (os.environ.get(DAGSTER_URL_ENV, "").strip() or DEFAULT_DAGSTER_URL).rstrip("/")
     query = f"?{urlencode({'partition': partition})}" if partition else ""
-    return f"{base}/assets/{asset}{query}"
+    return f"{dagster_base()}/assets/{asset}{query}"
+
+
+def run_url(asset: str, partition: str, written_at: datetime | None, instance: Any) -> str:
+    """The Dagster UI's page of the run that wrote a row: the first materialisation of the
+    asset partition at or after the row's `created_at` (a run commits its rows, then
+    reports its materialisation). The asset page without an instance (`instance` None) or
+    when it holds no such run, say for a corpus built elsewhere."""
+    run_id = _writing_run(asset, partition, written_at, instance)
+    return f"{dagster_base()}/runs/{run_id}" if run_id else dagster_url(asset, partition)
+
+
+def _writing_run(asset: str, partition: str, written_at: datetime | None, instance: Any
+                 ) -> str | None:
+    if instance is None or written_at is None:
+        return None
+    import dagster as dg
+
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition],
+                              after_timestamp=written_at.timestamp()),
+        limit=1, ascending=True).records
+    return records[0].run_id if records else None
+
+
+def dagster_home_instance() -> Any:
+    """The Dagster instance under DAGSTER_HOME (the one `make ui` shows), or None."""
+    if not os.environ.get("DAGSTER_HOME"):
+        return None
+    import dagster as dg
+
+    try:
+        return dg.DagsterInstance.get()
+    except Exception:  # an unreadable instance only costs the exact link, not the page
+        return None

@@ -28,7 +28,7 @@ from prx_assets.defs.metadata import (
     latest_data_version,
     materialized_lance_version,
 )
-from prx_assets.defs.report import duration_metadata, reject_sheet_metadata
+from prx_assets.defs.report import cost_metadata, duration_metadata, reject_sheet_metadata
 from prx_assets.defs.resources import RayResource, StorageResource
 from prx_assets.defs.table_checks import table_checks
 from prx_assets.engine.progress import StageProgress
@@ -44,6 +44,7 @@ from prx_assets.stages.images.stage import (
     run_image_stage,
     settings_fingerprint,
 )
+from prx_assets.stages.report.cost import DEFAULT_CPU_HOUR_USD, DEFAULT_GPU_HOUR_USD
 from prx_assets.storage.lance_tables import FragmentPolicy, describe_write
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
@@ -72,6 +73,9 @@ class ImageStageConfig(dg.Config):
     # Rows per commit: what a kill can lose, and what the driver holds at once (resized
     # JPEGs, ~100-300 KB each). Not a setting of the output: changing it redoes nothing.
     chunk_rows: int = 512
+    # Price of the CPU machine the stage runs on, for `cost_per_1000_images` (an assumption
+    # by default: stages/report/cost.py).
+    cpu_hour_usd: float = DEFAULT_CPU_HOUR_USD
 
     def options(self) -> ImageOptions:
         rule = BucketRule(tiers=tuple(self.tiers), alignment=self.alignment,
@@ -138,7 +142,10 @@ def build_image_stage(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefin
                                     "image_backend_version": backend.version,
                                     "settings": settings_fingerprint(options),
                                     "chunks_committed": report.commits.commits,
-                                    **duration_metadata("stage_seconds", report.seconds)})
+                                    **duration_metadata("stage_seconds", report.seconds),
+                                    **cost_metadata(report.seconds, report.written, 0,
+                                                    DEFAULT_GPU_HOUR_USD,
+                                                    config.cpu_hour_usd)})
             yield _result(context, store, PHASHES, report, processed=report.hashes_written,
                           removed=report.hashes_removed,
                           compacted_from=report.hashes_compacted_from,

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import textwrap
+import threading
 import warnings
 from collections.abc import Mapping
 from datetime import datetime
@@ -104,9 +106,10 @@ def quiet_third_party() -> list[str]:
       its log level is set to errors only.
     - Lance warns that it is not fork-safe whenever the process forks (Ray starting its
       workers); the demo's processes never use a Lance dataset across a fork.
-    - Not silenced: Ray's C++ core logs a notice about actor restarts ("constructor
-      arguments in the object store") at its ERROR level; RAY_BACKEND_LOG_LEVEL would hide
-      it but makes every raylet print a longer line saying so.
+    - Ray's C++ core logs a notice about actor restarts ("constructor arguments in the
+      object store", ray#53727) at its ERROR level for every Ray Data actor pool: Ray Data
+      itself puts those arguments there. `NoticeFilter` drops the line on the process's
+      stderr and says it once (RAY_BACKEND_LOG_LEVEL would hide real errors too).
     - Ray warns that token authentication is off for a local cluster: the demo's cluster
       listens on loopback only, so auth is set off explicitly, and said once. A cluster
       named by RAY_ADDRESS keeps its own settings.
@@ -119,3 +122,68 @@ def quiet_third_party() -> list[str]:
         notes.append("ray: a local cluster on 127.0.0.1 only, token authentication off "
                      "(RAY_AUTH_MODE=token turns it on)")
     return notes
+
+
+# Lines written straight to the process's stderr by native code (no Python logger to
+# configure), each with the note said once in its place.
+NATIVE_NOTICES = (
+    (re.compile(rb"core_worker\.cc:\d+: Actor with class name: .* has constructor arguments "
+                rb"in the object store and max_restarts > 0"),
+     "ray: actor pools log an ERROR-level notice about restarting actors (ray#53727); "
+     "it is about Ray Data's own arguments, shown once here"),
+)
+
+
+class NoticeFilter:
+    """Routes file descriptor 2 through a pipe and a thread that drops the lines of
+    NATIVE_NOTICES, printing each one's note once; every other line passes unchanged.
+
+    The thread keeps forwarding after `close` (Ray's processes inherit the pipe and may
+    still write to it), so nothing written to stderr is lost or blocked."""
+
+    def __init__(self, notices=NATIVE_NOTICES) -> None:
+        self.notices = notices
+        self.said: set[str] = set()
+        self._saved: int | None = None
+        self._drained = threading.Event()
+        self._marker = b"prx-notice-filter-drained-%d\n" % id(self)
+
+    def __enter__(self) -> NoticeFilter:
+        sys.stderr.flush()
+        self._saved = os.dup(2)
+        read_end, write_end = os.pipe()
+        os.dup2(write_end, 2)
+        os.close(write_end)
+        threading.Thread(target=self._forward, args=(read_end, self._saved), daemon=True,
+                         name="prx-notice-filter").start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.stderr.flush()
+        if self._saved is None:
+            return
+        # Everything this process wrote before is through once the marker is: a barrier,
+        # not a wait for quiet. The bound only guards against a forwarder that died.
+        os.write(2, self._marker)
+        self._drained.wait(timeout=30)
+        os.dup2(self._saved, 2)  # our own pipe end closes; inherited ones live on
+
+    def filtered(self, line: bytes) -> bytes:
+        """What to write for one line: the line, its note the first time, or nothing."""
+        for pattern, note in self.notices:
+            if pattern.search(line):
+                if note in self.said:
+                    return b""
+                self.said.add(note)
+                return note.encode() + b"\n"
+        return line
+
+    def _forward(self, read_end: int, out: int) -> None:
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            for line in iter(pipe.readline, b""):
+                if line == self._marker:
+                    self._drained.set()
+                    continue
+                data = self.filtered(line)
+                if data:
+                    os.write(out, data)

@@ -149,7 +149,7 @@ def test_sample_page_shows_every_caption_version(served, tiny, page):
     assert page.locator("#original-image").evaluate(
         "i => [i.naturalWidth, i.naturalHeight]") == [640, 640]
     assert page.locator("#dagster-run").get_attribute("href") == (
-        "http://127.0.0.1:3000/assets/bucketed_images?partition=web")
+        "http://127.0.0.1:3000/assets/captions?partition=web")  # served without an instance
     screenshot(page, "sample", full_page=True)
     # The exact copy in the other source, with the kept one marked; lineage and labels.
     group = page.locator("#group").inner_text()

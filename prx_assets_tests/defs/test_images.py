@@ -98,6 +98,9 @@ def test_image_stage_decodes_once_into_two_tables_with_checks(ray_session, data_
     assert rows == 2 * (THUMB_PX + GAP_PX) + GAP_PX
     assert meta["stage_seconds"].value > 0
     assert meta["stage_seconds_in_words"].value.endswith(("s", "min"))
+    # No GPU: the cost is one CPU machine's time per 1,000 images at the configured price.
+    assert "on 1 CPU machine" in meta["cost_per_1000_images"].value
+    assert meta["cost_per_1000_images_usd"].value > 0
 
 
 def _png(img: Image.Image) -> bytes:

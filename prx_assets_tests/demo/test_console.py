@@ -7,7 +7,15 @@ from datetime import datetime
 import dagster as dg
 
 from prx_assets.defs.report import WARNINGS_TAG
-from prx_assets.demo.console import MAX_WIDTH, clip, quiet_third_party, short_event, wrap
+from prx_assets.demo.console import (
+    MAX_WIDTH,
+    NATIVE_NOTICES,
+    NoticeFilter,
+    clip,
+    quiet_third_party,
+    short_event,
+    wrap,
+)
 from prx_assets.demo.corpus import generate_items
 from prx_assets.demo.runner import _run, check_lines, closing_lines
 from prx_assets_tests.demo.test_runner import chatty
@@ -101,3 +109,23 @@ def test_building_the_corpus_says_how_far_it_got():
     items = generate_items(30, seed=5, prefix="x", progress=lines.append, name="demo_x")
     assert len(items) == 30
     assert lines == ["demo_x: 25 of 30 images drawn", "demo_x: 30 of 30 images drawn"]
+
+
+RAY_NOTICE = (b"[2026-12-02 15:24:39,123 E 12971 12971] core_worker.cc:2465: Actor with class "
+              b"name: 'MapWorker(MapBatches(EmbeddedLabelStage))' and ID: '3820ed8c' has "
+              b"constructor arguments in the object store and max_restarts > 0. If the "
+              b"arguments in the object store go out of scope or are lost, the actor restart "
+              b"will fail. See https://github.com/ray-project/ray/issues/53727 for details.\n")
+
+
+def test_rays_native_actor_notice_is_said_once_and_other_stderr_lines_pass(capfd):
+    with NoticeFilter():
+        os.write(2, RAY_NOTICE)
+        os.write(2, b"a real error line\n")
+        os.write(2, RAY_NOTICE.replace(b"EmbeddedLabelStage", b"VisionEncoder"))
+        os.write(2, b"the last line\n")
+    err = capfd.readouterr().err.splitlines()
+    assert err == [NATIVE_NOTICES[0][1], "a real error line", "the last line"]
+    assert all(len(line) <= MAX_WIDTH for line in err)
+    os.write(2, RAY_NOTICE)  # after the demo, stderr is the process's own again
+    assert "core_worker.cc" in capfd.readouterr().err
