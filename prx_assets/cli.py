@@ -127,15 +127,26 @@ def _opt_out(args: argparse.Namespace) -> int:
 
 
 def _mds_uri(args: argparse.Namespace) -> int:
-    """The current tree's location: `StreamingDataset(remote=<it>/<tier>/<W>x<H>)` reads it."""
-    from prx_assets.stages.shards.trees import current_tree_uri
+    """The current tree's location: `StreamingDataset(remote=<it>/<tier>/<W>x<H>)` reads it.
+    With `--lease HOURS`, a reader lease keeps that tree for HOURS (its id on stderr)."""
+    import time
+
+    from prx_assets.stages.shards.trees import current_tree_uri, hold_current_tree
     from prx_assets.storage.layout import Storage
 
+    storage = Storage.from_env()
     try:
-        print(current_tree_uri(Storage.from_env(), args.source))
+        if args.lease is None:
+            print(current_tree_uri(storage, args.source))
+            return 0
+        tree, lease = hold_current_tree(storage.mds_root, args.source, args.lease * 3600)
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    print(tree.uri)
+    until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(lease.expires_at))
+    print(f"reader lease {lease.lease_id} holds tree {lease.version} until {until} "
+          f"({lease.location}; delete it to release early)", file=sys.stderr)
     return 0
 
 
@@ -168,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                                           "folder or s3:// prefix; <uri>/<tier>/<W>x<H> is a "
                                           "stream)")
     uri.add_argument("source")
+    uri.add_argument("--lease", type=float, metavar="HOURS",
+                     help="hold the tree for HOURS with a reader lease (not removed meanwhile, "
+                          "whatever its retention); the lease id goes to stderr")
     uri.set_defaults(func=_mds_uri)
     browse = sub.add_parser("browse", help="serve the corpus browser (a web app over the tables)")
     browse.add_argument("--host", default="127.0.0.1",

@@ -19,6 +19,7 @@ import dagster as dg
 import ray.data
 
 from prx_assets.defs.io_managers import COLUMNS_KEY
+from prx_assets.defs.leases import asset_lease
 from prx_assets.defs.metadata import (
     browser_link,
     counts_table,
@@ -80,39 +81,40 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
         spec = captioner.spec()
         source = context.partition_key
         store = storage.get()
-        table = store.table(CAPTIONS, source)
-        stale = drop_stale_captions(context, store, with_caption=not spec.uses_model)
-        # Read here rather than through the IO manager's input: filtered and projected by
-        # Lance (no image bytes for the `original` backend), at the version it pinned.
-        kept = read_kept(store.table(BUCKETED_IMAGES, source).at(
-            materialized_lance_version(context.instance, BUCKETED_IMAGES, source)), spec)
-        requests = pending_requests(kept, raw_images, table, spec)
-        context.log.info(f"captioning {source!r} with {spec.backend} ({spec.model_name}), "
-                         f"version {spec.version()}")
+        with asset_lease(context, store):
+            table = store.table(CAPTIONS, source)
+            stale = drop_stale_captions(context, store, with_caption=not spec.uses_model)
+            # Read here rather than through the IO manager's input: filtered and projected by
+            # Lance (no image bytes for the `original` backend), at the version it pinned.
+            kept = read_kept(store.table(BUCKETED_IMAGES, source).at(
+                materialized_lance_version(context.instance, BUCKETED_IMAGES, source)), spec)
+            requests = pending_requests(kept, raw_images, table, spec)
+            context.log.info(f"captioning {source!r} with {spec.backend} ({spec.model_name}), "
+                             f"version {spec.version()}")
 
-        progress = StageProgress(f"{CAPTIONS}[{source}]",
-                                 captions_to_make(store, source, spec),
-                                 context.log.info, unit="images")
-        report = caption_source(requests, table, spec, captioner.chunk_rows,
-                                on_chunk=lambda r: progress.update(r.commits.rows))
-        progress.finish()
-        lance_version = report.lance_version or ensure_table(table)
-        cover = coverage(store.table(BUCKETED_IMAGES, source), table, report.version)
-        return dg.MaterializeResult(
-            metadata={
-                **input_versions(context, BUCKETED_IMAGES, RAW_IMAGES),
-                **run_metadata(report, spec, cover),
-                **cost_metadata(report.seconds, report.commits.rows, gpus_in_use(spec),
-                                captioner.gpu_hour_usd, captioner.cpu_hour_usd),
-                **captions_counts(report, cover, stale),
-                "stale_captions_dropped": stale,
-                "path": dg.MetadataValue.path(table.uri),
-                "lance_version": lance_version, **browser_link(context),
-            },
-            # Content-driven already: the table's version moves only when a chunk was
-            # committed or stale rows were dropped.
-            data_version=dg.DataVersion(f"{report.version}@{lance_version}"),
-        )
+            progress = StageProgress(f"{CAPTIONS}[{source}]",
+                                     captions_to_make(store, source, spec),
+                                     context.log.info, unit="images")
+            report = caption_source(requests, table, spec, captioner.chunk_rows,
+                                    on_chunk=lambda r: progress.update(r.commits.rows))
+            progress.finish()
+            lance_version = report.lance_version or ensure_table(table)
+            cover = coverage(store.table(BUCKETED_IMAGES, source), table, report.version)
+            return dg.MaterializeResult(
+                metadata={
+                    **input_versions(context, BUCKETED_IMAGES, RAW_IMAGES),
+                    **run_metadata(report, spec, cover),
+                    **cost_metadata(report.seconds, report.commits.rows, gpus_in_use(spec),
+                                    captioner.gpu_hour_usd, captioner.cpu_hour_usd),
+                    **captions_counts(report, cover, stale),
+                    "stale_captions_dropped": stale,
+                    "path": dg.MetadataValue.path(table.uri),
+                    "lance_version": lance_version, **browser_link(context),
+                },
+                # Content-driven already: the table's version moves only when a chunk was
+                # committed or stale rows were dropped.
+                data_version=dg.DataVersion(f"{report.version}@{lance_version}"),
+            )
 
     return captions
 

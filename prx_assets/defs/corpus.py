@@ -11,6 +11,7 @@ from collections import Counter
 
 import dagster as dg
 
+from prx_assets.defs.leases import asset_lease
 from prx_assets.defs.metadata import (
     browser_link,
     content_data_version,
@@ -100,62 +101,64 @@ def build_corpus_asset(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefi
         caption_version = context.resources.captioner.caption_version()
         classifier_version = context.resources.classifier.classifier_version()
         store: Storage = context.resources.storage.get()
-        names = [s.name for s in context.resources.sources.load().sources]
-        ready = [n for n in names if store.table(CAPTION_LABELS, n).exists()]
-        if not ready:
-            raise dg.Failure("no source has caption_labels yet: materialise them first")
-        skipped = sorted(set(names) - set(ready))
-        if skipped:
-            context.log.warning(f"sources without caption_labels left out: {skipped}")
-        tables = [source_tables(store, n, caption_version, classifier_version) for n in ready]
-        corpus_table = store.table(CORPUS)
-        previous = latest_materialization(context.instance, CORPUS, None)
-        reason = full_rebuild_reason(previous, store, caption_version, classifier_version)
-        changed = tables if reason else [t for t in tables if changed_since(previous, t)]
-        if not reason and len(changed) == len(tables) > 1:
-            reason = "every source changed"
-        # Rows per source are known only once joined with the labels: no total. A full
-        # build is one Ray write (no chunks to count): its closing line only.
-        progress = StageProgress(CORPUS, None, context.log.info)
-        if reason:
-            context.log.info(f"corpus: full rebuild ({reason})")
-            report = build_corpus(corpus_table, tables)
-            progress.update(report.write.rows)
-        else:
-            gone = sorted(recorded_sources(previous) - set(ready))
-            keep = [t.name for t in tables if t not in changed]
-            context.log.info(f"corpus: replacing {[t.name for t in changed]}, removing "
-                             f"{gone}, keeping {keep}")
-            report = update_corpus(
-                corpus_table, changed, gone, keep,
-                rebuild_indexes=recorded(previous, "index_config") != index_config(),
-                on_rows=progress.advance)
-        progress.finish()
-        indexes = ", ".join(f"{column} {kind}" for column, kind in report.indexes.items())
-        context.log.info(f"corpus: {report.write.rows:,} rows; indexes: {indexes}")
-        lance_version = corpus_table.latest_version()
-        changed_rows = bool(report.processed or report.removed)
-        return dg.MaterializeResult(metadata={
-            "path": dg.MetadataValue.path(corpus_table.uri),
-            "lance_version": lance_version,
-            "dagster/row_count": report.write.rows,
-            "fragments": report.write.fragments,
-            "caption_version": caption_version, "classifier_version": classifier_version,
-            **incremental_metadata(report.processed,
-                                   max(0, report.write.rows - report.processed),
-                                   report.removed),
-            "full_rebuild": reason or "no",
-            "sources_replaced": ", ".join(t.name for t in changed) or "none",
-            "rows_per_source": counts_table(Counter(report.rows_per_source), "source"),
-            "rows_written_per_source": counts_table(Counter(report.inserted), "source"),
-            "rows_deleted_per_source": counts_table(Counter(report.deleted), "source"),
-            "index_config": index_config(),
-            "indexes": dg.MetadataValue.md("\n".join(
-                f"- `{column}`: {kind}" for column, kind in report.indexes.items())),
-            "sources_left_out": ", ".join(skipped) or "none", **browser_link(context),
-            **{k: v for t in tables for k, v in pinned_versions(t).items()},
-        }, data_version=content_data_version(latest_data_version(context.instance, CORPUS, None),
-                                             changed_rows, lance_version))
+        with asset_lease(context, store):
+            names = [s.name for s in context.resources.sources.load().sources]
+            ready = [n for n in names if store.table(CAPTION_LABELS, n).exists()]
+            if not ready:
+                raise dg.Failure("no source has caption_labels yet: materialise them first")
+            skipped = sorted(set(names) - set(ready))
+            if skipped:
+                context.log.warning(f"sources without caption_labels left out: {skipped}")
+            tables = [source_tables(store, n, caption_version, classifier_version) for n in ready]
+            corpus_table = store.table(CORPUS)
+            previous = latest_materialization(context.instance, CORPUS, None)
+            reason = full_rebuild_reason(previous, store, caption_version, classifier_version)
+            changed = tables if reason else [t for t in tables if changed_since(previous, t)]
+            if not reason and len(changed) == len(tables) > 1:
+                reason = "every source changed"
+            # Rows per source are known only once joined with the labels: no total. A full
+            # build is one Ray write (no chunks to count): its closing line only.
+            progress = StageProgress(CORPUS, None, context.log.info)
+            if reason:
+                context.log.info(f"corpus: full rebuild ({reason})")
+                report = build_corpus(corpus_table, tables)
+                progress.update(report.write.rows)
+            else:
+                gone = sorted(recorded_sources(previous) - set(ready))
+                keep = [t.name for t in tables if t not in changed]
+                context.log.info(f"corpus: replacing {[t.name for t in changed]}, removing "
+                                 f"{gone}, keeping {keep}")
+                report = update_corpus(
+                    corpus_table, changed, gone, keep,
+                    rebuild_indexes=recorded(previous, "index_config") != index_config(),
+                    on_rows=progress.advance)
+            progress.finish()
+            indexes = ", ".join(f"{column} {kind}" for column, kind in report.indexes.items())
+            context.log.info(f"corpus: {report.write.rows:,} rows; indexes: {indexes}")
+            lance_version = corpus_table.latest_version()
+            changed_rows = bool(report.processed or report.removed)
+            return dg.MaterializeResult(metadata={
+                "path": dg.MetadataValue.path(corpus_table.uri),
+                "lance_version": lance_version,
+                "dagster/row_count": report.write.rows,
+                "fragments": report.write.fragments,
+                "caption_version": caption_version, "classifier_version": classifier_version,
+                **incremental_metadata(report.processed,
+                                       max(0, report.write.rows - report.processed),
+                                       report.removed),
+                "full_rebuild": reason or "no",
+                "sources_replaced": ", ".join(t.name for t in changed) or "none",
+                "rows_per_source": counts_table(Counter(report.rows_per_source), "source"),
+                "rows_written_per_source": counts_table(Counter(report.inserted), "source"),
+                "rows_deleted_per_source": counts_table(Counter(report.deleted), "source"),
+                "index_config": index_config(),
+                "indexes": dg.MetadataValue.md("\n".join(
+                    f"- `{column}`: {kind}" for column, kind in report.indexes.items())),
+                "sources_left_out": ", ".join(skipped) or "none", **browser_link(context),
+                **{k: v for t in tables for k, v in pinned_versions(t).items()},
+            }, data_version=content_data_version(
+                latest_data_version(context.instance, CORPUS, None), changed_rows,
+                lance_version))
 
     return corpus
 

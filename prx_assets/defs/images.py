@@ -18,6 +18,7 @@ from prx_assets.defs.io_managers import (
     FRAGMENT_ROWS_KEY,
     table_metadata,
 )
+from prx_assets.defs.leases import asset_lease
 from prx_assets.defs.metadata import (
     browser_link,
     bucket_metadata,
@@ -111,42 +112,45 @@ def build_image_stage(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefin
                     ray_cluster: RayResource, storage: StorageResource,
                     raw_images: ray.data.Dataset) -> Iterator[dg.MaterializeResult]:
         store, source = storage.get(), context.partition_key
-        lineage = input_versions(context, RAW_IMAGES)
-        # The same raw version the IO manager pinned `raw_images` to.
-        raw = store.table(RAW_IMAGES, source).at(
-            materialized_lance_version(context.instance, RAW_IMAGES, source))
-        tables = ImageTables(store.table(BUCKETED_IMAGES, source), store.table(PHASHES, source),
-                             BUCKETED_FRAGMENTS, PHASH_FRAGMENTS)
-        options = config.options()
+        with asset_lease(context, store, BUCKETED_IMAGES):
+            lineage = input_versions(context, RAW_IMAGES)
+            # The same raw version the IO manager pinned `raw_images` to.
+            raw = store.table(RAW_IMAGES, source).at(
+                materialized_lance_version(context.instance, RAW_IMAGES, source))
+            tables = ImageTables(store.table(BUCKETED_IMAGES, source), store.table(PHASHES, source),
+                                 BUCKETED_FRAGMENTS, PHASH_FRAGMENTS)
+            options = config.options()
 
-        progress = StageProgress(f"{BUCKETED_IMAGES}[{source}]",
-                                 images_to_process(raw, tables, options), context.log.info,
-                                 unit="images")
-        report = run_image_stage(raw_images, raw, tables, options, config.chunk_rows,
-                                 on_chunk=lambda r: progress.update(r.commits.rows))
-        progress.finish()
-        context.log.info(f"{source}: {report.written:,} image(s) processed, {report.removed:,} "
-                         f"removed, settings {settings_fingerprint(options)}")
-        # The Pillow build decides speed and (within 0.2 dB) pixels: the workers run this
-        # environment's, so the driver's is the one that ran.
-        backend = pil_backend.current()
-        profile = bucket_profile(tables.bucketed)
-        yield _result(context, store, BUCKETED_IMAGES, report, processed=report.written,
-                      removed=report.removed, compacted_from=report.commits.compacted_from,
-                      metadata={**lineage, **bucket_metadata(profile),
-                                **reject_sheet_metadata(tables.bucketed, raw,
-                                                        profile.status_counts),
-                                "image_backend": backend.name,
-                                "image_backend_version": backend.version,
-                                "settings": settings_fingerprint(options),
-                                "chunks_committed": report.commits.commits,
-                                **duration_metadata("stage_seconds", report.seconds),
-                                **cost_metadata(report.seconds, report.written, 0,
-                                                DEFAULT_GPU_HOUR_USD, config.cpu_hour_usd)})
-        yield _result(context, store, PHASHES, report, processed=report.hashes_written,
-                      removed=report.hashes_removed, compacted_from=report.hashes_compacted_from,
-                      metadata={**lineage, "flat_images": profile.flat,
-                                "hashed_images": profile.hashed})
+            progress = StageProgress(f"{BUCKETED_IMAGES}[{source}]",
+                                     images_to_process(raw, tables, options), context.log.info,
+                                     unit="images")
+            report = run_image_stage(raw_images, raw, tables, options, config.chunk_rows,
+                                     on_chunk=lambda r: progress.update(r.commits.rows))
+            progress.finish()
+            context.log.info(f"{source}: {report.written:,} image(s) processed, {report.removed:,} "
+                             f"removed, settings {settings_fingerprint(options)}")
+            # The Pillow build decides speed and (within 0.2 dB) pixels: the workers run this
+            # environment's, so the driver's is the one that ran.
+            backend = pil_backend.current()
+            profile = bucket_profile(tables.bucketed)
+            yield _result(context, store, BUCKETED_IMAGES, report, processed=report.written,
+                          removed=report.removed, compacted_from=report.commits.compacted_from,
+                          metadata={**lineage, **bucket_metadata(profile),
+                                    **reject_sheet_metadata(tables.bucketed, raw,
+                                                            profile.status_counts),
+                                    "image_backend": backend.name,
+                                    "image_backend_version": backend.version,
+                                    "settings": settings_fingerprint(options),
+                                    "chunks_committed": report.commits.commits,
+                                    **duration_metadata("stage_seconds", report.seconds),
+                                    **cost_metadata(report.seconds, report.written, 0,
+                                                    DEFAULT_GPU_HOUR_USD,
+                                                    config.cpu_hour_usd)})
+            yield _result(context, store, PHASHES, report, processed=report.hashes_written,
+                          removed=report.hashes_removed,
+                          compacted_from=report.hashes_compacted_from,
+                          metadata={**lineage, "flat_images": profile.flat,
+                                    "hashed_images": profile.hashed})
 
     return image_stage
 

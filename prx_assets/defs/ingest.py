@@ -5,6 +5,7 @@ incrementally: a rerun reads only the units that changed and deletes the rows th
 import dagster as dg
 
 from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, PROFILE_KEY, table_metadata
+from prx_assets.defs.leases import asset_lease
 from prx_assets.defs.metadata import (
     browser_link,
     content_data_version,
@@ -57,34 +58,35 @@ def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
         spec = catalog.get(context.partition_key)
         uri = catalog.location_of(spec.name)
         store = storage.get()
-        target = CommitTarget(store.table(RAW_IMAGES, spec.name), RAW_IMAGES_SCHEMA, ["id"],
-                              FragmentPolicy(target_bytes=FRAGMENT_BYTES,
-                                             superseded_grace=blob_grace()))
-        options = IngestOptions(config.max_pixels, config.max_file_bytes, config.files_per_task,
-                                config.chunk_rows)
-        context.log.info(f"ingesting source {spec.name!r} ({spec.kind}) from {uri}")
-        try:
-            store.check_reachable()
-            # Rows per unit are known only once read: the line counts rows, without a total
-            # (the listing's line before it says how many units are left to read).
-            progress = StageProgress(f"{RAW_IMAGES}[{spec.name}]", None, context.log.info)
-            report = ingest_source(spec, uri, target, options,
-                                   on_chunk=lambda _chunk, run: progress.update(run.rows),
-                                   log=context.log.info)
-            progress.finish()
-        except (SourceNotFoundError, ObjectStoreError) as exc:
-            raise dg.Failure(f"source {spec.name!r}: {exc}") from exc
-        context.log.info(
-            f"{spec.name}: {report.rows_processed:,} row(s) read from {report.units_read:,} "
-            f"unit(s), {report.rows_reused:,} reused from the last run, "
-            f"{report.rows_removed:,} removed; "
-            f"version {report.lance_version}")
-        return dg.MaterializeResult(
-            metadata=_metadata(context, target, report, spec.kind, uri, spec.license),
-            data_version=content_data_version(
-                latest_data_version(context.instance, context.asset_key, context.partition_key),
-                report.changed, report.lance_version),
-        )
+        with asset_lease(context, store):
+            target = CommitTarget(store.table(RAW_IMAGES, spec.name), RAW_IMAGES_SCHEMA, ["id"],
+                                  FragmentPolicy(target_bytes=FRAGMENT_BYTES,
+                                                 superseded_grace=blob_grace()))
+            options = IngestOptions(config.max_pixels, config.max_file_bytes, config.files_per_task,
+                                    config.chunk_rows)
+            context.log.info(f"ingesting source {spec.name!r} ({spec.kind}) from {uri}")
+            try:
+                store.check_reachable()
+                # Rows per unit are known only once read: the line counts rows, without a total
+                # (the listing's line before it says how many units are left to read).
+                progress = StageProgress(f"{RAW_IMAGES}[{spec.name}]", None, context.log.info)
+                report = ingest_source(spec, uri, target, options,
+                                       on_chunk=lambda _chunk, run: progress.update(run.rows),
+                                       log=context.log.info)
+                progress.finish()
+            except (SourceNotFoundError, ObjectStoreError) as exc:
+                raise dg.Failure(f"source {spec.name!r}: {exc}") from exc
+            context.log.info(
+                f"{spec.name}: {report.rows_processed:,} row(s) read from {report.units_read:,} "
+                f"unit(s), {report.rows_reused:,} reused from the last run, "
+                f"{report.rows_removed:,} removed; "
+                f"version {report.lance_version}")
+            return dg.MaterializeResult(
+                metadata=_metadata(context, target, report, spec.kind, uri, spec.license),
+                data_version=content_data_version(
+                    latest_data_version(context.instance, context.asset_key, context.partition_key),
+                    report.changed, report.lance_version),
+            )
 
     return raw_images
 

@@ -2,9 +2,11 @@
 leaves_stream check; rewrite_shards_job, which rebuilds a tree without its skipped samples."""
 
 import time
+from datetime import timedelta
 
 import dagster as dg
 
+from prx_assets.defs.leases import asset_lease
 from prx_assets.defs.metadata import (
     browser_link,
     content_data_version,
@@ -22,22 +24,28 @@ from prx_assets.stages.shards.mds import write_mds_tree
 from prx_assets.stages.shards.plan import DEFAULT_ROWS_PER_PART, SampleInputs, WriteOptions
 from prx_assets.stages.shards.publish import TreeReport
 from prx_assets.stages.shards.rewrite import pinned_inputs, rewrite_without_skipped
+from prx_assets.stages.shards.trees import DEFAULT_RETENTION
 from prx_assets.stages.shards.verify import verify_tree
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, MDS_SHARDS, SKIP_LISTS
+
+DEFAULT_RETENTION_DAYS = DEFAULT_RETENTION.total_seconds() / 86400
 
 
 class MdsShardsConfig(dg.Config):
     size_limit_mb: int = 128
     compression: str | None = None  # JPEG does not compress further
     rows_per_part: int = DEFAULT_ROWS_PER_PART
-    keep_trees: int = 2
+    # A superseded tree is removed this long after it stopped being current, and only when
+    # no reader lease holds it (docs/factory.md).
+    retention_days: float = DEFAULT_RETENTION_DAYS
     # False: a full build even when only a few samples changed (new shards for everything).
     incremental: bool = True
 
     def options(self) -> WriteOptions:
         return WriteOptions(size_limit=self.size_limit_mb << 20, compression=self.compression,
-                            rows_per_part=self.rows_per_part, keep_trees=self.keep_trees,
+                            rows_per_part=self.rows_per_part,
+                            retention=timedelta(days=self.retention_days),
                             incremental=self.incremental)
 
 
@@ -65,22 +73,23 @@ def build_mds_shards(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
                    storage: StorageResource) -> dg.MaterializeResult:
         caption_version = captioner.caption_version()
         store = storage.get()
-        source = context.partition_key
-        started = time.monotonic()
-        report = write_mds_tree(sample_inputs(context, store, caption_version), store,
-                                source, config.options(), log=context.log.info)
-        seconds = time.monotonic() - started
-        previous = latest_data_version(context.instance, MDS_SHARDS, source)
-        return dg.MaterializeResult(
-            metadata={**tree_metadata(report), "caption_version": caption_version,
-                      **incremental_metadata(report.processed, report.reused, report.removed),
-                      "appended": report.appended, "new_tree": report.changed,
-                      **duration_metadata("stage_seconds", seconds),
-                      **input_versions(context, BUCKETED_IMAGES, CAPTIONS),
-                      **browser_link(context)},
-            # The tree version names the content: unchanged when nothing changed.
-            data_version=content_data_version(previous, report.changed, report.mapping_version,
-                                              report.tree_version))
+        with asset_lease(context, store):
+            source = context.partition_key
+            started = time.monotonic()
+            report = write_mds_tree(sample_inputs(context, store, caption_version), store,
+                                    source, config.options(), log=context.log.info)
+            seconds = time.monotonic() - started
+            previous = latest_data_version(context.instance, MDS_SHARDS, source)
+            return dg.MaterializeResult(
+                metadata={**tree_metadata(report), "caption_version": caption_version,
+                          **incremental_metadata(report.processed, report.reused, report.removed),
+                          "appended": report.appended, "new_tree": report.changed,
+                          **duration_metadata("stage_seconds", seconds),
+                          **input_versions(context, BUCKETED_IMAGES, CAPTIONS),
+                          **browser_link(context)},
+                # The tree version names the content: unchanged when nothing changed.
+                data_version=content_data_version(previous, report.changed, report.mapping_version,
+                                                  report.tree_version))
 
     return mds_shards
 
@@ -135,7 +144,7 @@ class RewriteConfig(dg.Config):
     reasons: list[str] | None = None
     size_limit_mb: int = 128
     rows_per_part: int = DEFAULT_ROWS_PER_PART
-    keep_trees: int = 2
+    retention_days: float = DEFAULT_RETENTION_DAYS
     parallel: bool = True
 
 
@@ -156,10 +165,12 @@ def rewrite_shards(context: dg.OpExecutionContext, config: RewriteConfig,
     caption_version = tree_caption_version(context.instance, source)
     inputs = pinned_inputs(store, source, active_caption_filter(caption_version))
     options = WriteOptions(size_limit=config.size_limit_mb << 20,
-                           rows_per_part=config.rows_per_part, keep_trees=config.keep_trees,
+                           rows_per_part=config.rows_per_part,
+                           retention=timedelta(days=config.retention_days),
                            parallel=config.parallel)
-    report = rewrite_without_skipped(inputs, store, source, config.reasons, options,
-                                     log=context.log.info)
+    with asset_lease(context, store, MDS_SHARDS):  # the same writer as mds_shards
+        report = rewrite_without_skipped(inputs, store, source, config.reasons, options,
+                                         log=context.log.info)
     tree = report.tree
     yield dg.AssetMaterialization(asset_key=MDS_SHARDS, partition=source, metadata={
         "path": dg.MetadataValue.path(str(tree.path)), "tree_version": tree.tree_version,

@@ -4,6 +4,7 @@ from datetime import UTC, datetime, timedelta
 
 import dagster as dg
 
+from prx_assets.defs.leases import asset_lease
 from prx_assets.defs.metadata import browser_link, incremental_metadata
 from prx_assets.defs.report import funnel_metadata
 from prx_assets.defs.resources import (
@@ -22,12 +23,10 @@ from prx_assets.stages.skip_lists.skip_lists import (
     REASON_OPTOUT,
     REASON_SEMDEDUP,
     REASON_STALE,
-    build_skip_lists,
+    apply_reasons,
     duplicate_ids,
     label_ids,
-    mapping_batches,
     mapping_shards,
-    publish_skip_lists,
     read_ablations,
     semantic_duplicate_ids,
     skip_shares,
@@ -83,35 +82,36 @@ def build_skip_lists_asset(partitions_def: dg.PartitionsDefinition) -> dg.Assets
                    ) -> dg.MaterializeResult:
         source = context.partition_key
         store = storage.get()
-        mapping = store.table(MDS_SAMPLES, source)
-        mapping_version = mapping.latest_version()
-        if mapping_version is None:
-            raise dg.Failure(f"{mapping} does not exist: materialise mds_shards for {source}")
-        mapping = mapping.at(mapping_version)  # the lists and the lineage: one version
-        versions = (captioner.caption_version(), classifier.classifier_version())
-        reasons, lineage = _reasons(context, config, store, source, sources.load().names,
-                                    versions)
-        shards, per_leaf = mapping_shards(mapping)
-        lists = build_skip_lists(mapping_batches(mapping), reasons)
-        report = publish_skip_lists(store, source, lists, shards)
-        tree = tree_store(store, source).current_tree()
-        context.log.info(f"{source}: {report.written} sidecar(s) written, {report.removed} "
-                         f"removed, {report.unchanged} unchanged under {tree}")
-        lineage[f"input_version/{MDS_SAMPLES}"] = mapping_version
-        total = sum(per_leaf.values()) + report.skipped_per_reason.get(REASON_STALE, 0)
-        return dg.MaterializeResult(metadata={
-            **lineage, "tree": dg.MetadataValue.path(str(tree)),
-            "samples": total, "skipped": report.skipped_total,
-            "skipped_share": round(report.skipped_total / total, 4) if total else 0.0,
-            "skipped_per_reason": _reason_table(report.skipped_per_reason, total),
-            "sidecars_written": report.written, "sidecars_removed": report.removed,
-            "sidecars_unchanged": report.unchanged, **browser_link(context),
-            # The last per-source asset: where this source's images went, end to end.
-            **funnel_metadata(source_funnel(store, source, *versions)),
-            # A skip list removes nothing stored: its work is the samples whose skip state
-            # changed; every other sample is carried as it was.
-            **incremental_metadata(report.samples_changed, total - report.samples_changed, 0),
-        })
+        with asset_lease(context, store):
+            mapping = store.table(MDS_SAMPLES, source)
+            mapping_version = mapping.latest_version()
+            if mapping_version is None:
+                raise dg.Failure(f"{mapping} does not exist: materialise mds_shards for {source}")
+            versions = (captioner.caption_version(), classifier.classifier_version())
+            reasons, lineage = _reasons(context, config, store, source, sources.load().names,
+                                        versions)
+            # The mapping is read under the tree lease, with the lists built from it and
+            # published: the lists and the lineage are one version of it.
+            run = apply_reasons(store, source, reasons)
+            report, per_leaf, tree = run.report, run.per_leaf, run.tree
+            mapping_version = run.mapping.version
+            context.log.info(f"{source}: {report.written} sidecar(s) written, {report.removed} "
+                             f"removed, {report.unchanged} unchanged under {tree}")
+            lineage[f"input_version/{MDS_SAMPLES}"] = mapping_version
+            total = sum(per_leaf.values()) + report.skipped_per_reason.get(REASON_STALE, 0)
+            return dg.MaterializeResult(metadata={
+                **lineage, "tree": dg.MetadataValue.path(str(tree)),
+                "samples": total, "skipped": report.skipped_total,
+                "skipped_share": round(report.skipped_total / total, 4) if total else 0.0,
+                "skipped_per_reason": _reason_table(report.skipped_per_reason, total),
+                "sidecars_written": report.written, "sidecars_removed": report.removed,
+                "sidecars_unchanged": report.unchanged, **browser_link(context),
+                # The last per-source asset: where this source's images went, end to end.
+                **funnel_metadata(source_funnel(store, source, *versions)),
+                # A skip list removes nothing stored: its work is the samples whose skip state
+                # changed; every other sample is carried as it was.
+                **incremental_metadata(report.samples_changed, total - report.samples_changed, 0),
+            })
 
     return skip_lists
 

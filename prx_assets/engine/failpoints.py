@@ -55,6 +55,12 @@ POINTS = {
                                 "committed (before compaction)",
     "mds.write_part": "a Ray task writing an MDS part inside the `.partial` tree, after its "
                       "first samples",
+    "leases.waiting": "a writer that found its lease held by a live owner, before it waits "
+                      "(logged once per holder)",
+    "mds.before_publish": "the mds_shards driver, its version complete and its mapping "
+                          "committed, before the compare-and-swap of the pointer",
+    "skip_lists.before_publish": "the skip-lists driver, its sidecars (or new version on S3) "
+                                 "staged, before it publishes",
     "skip_lists.sidecar_written": "the skip-lists driver, right after one sidecar was "
                                   "replaced (others still old)",
     "skip_lists.sidecar_staged": "the skip-lists driver on an object store, right after one "

@@ -26,7 +26,13 @@ from prx_assets.loader.dataset import (
     SkipListMismatch,
     SkipListStreamingDataset,
 )
-from prx_assets.loader.streams import Leaf, default_weights, leaf_streams, plan_leaves
+from prx_assets.loader.streams import (
+    Leaf,
+    default_weights,
+    hold_trees,
+    leaf_streams,
+    plan_leaves,
+)
 from prx_assets.stages.opt_outs.guard import places, recorded_opt_outs
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import Location, as_location
@@ -61,20 +67,31 @@ def build_dataset(mds_root: Location | str | Path | None, tier: int, batch_size:
     `cache_dir` (downloaded with the credentials of this process's environment). Extra
     kwargs go to `StreamingDataset`.
 
+    Each source's tree is held by a reader lease, renewed while the dataset lives
+    (`dataset.reader_leases`; `release()` it to let the trees go before the process ends):
+    rebuilds meanwhile publish new trees, and this one stays until the epoch is done.
+
     Fail closed: every opt-out recorded (in `opt_outs/` under the storage root of
     `mds_root`) by the time the trees are opened is skipped even where a sidecar is
     missing or stale; `guard_opt_outs=False` trusts the sidecars alone (benchmarks)."""
     weights = dict(weights) if weights is not None else default_weights(sources_file)
     storage = Storage(as_location(mds_root).parent.uri) if mds_root else Storage.from_env()
     root = as_location(mds_root) if mds_root else storage.mds_root
-    leaves = plan_leaves(root, tier, weights)
-    if any(leaf.remote for leaf in leaves):
-        kwargs.setdefault("predownload", None)  # streaming's default throttle for downloads
-    guard = opt_out_guard(storage, leaves) if guard_opt_outs else None
-    return SkipListStreamingDataset(streams=leaf_streams(leaves, cache_dir),
-                                    batch_size=batch_size,
-                                    skip_reasons=skip_reasons, shuffle=shuffle,
-                                    shuffle_seed=seed, opt_outs=guard, **kwargs)
+    trees, keeper = hold_trees(root, weights)
+    try:
+        leaves = plan_leaves(root, tier, weights, trees)
+        if any(leaf.remote for leaf in leaves):
+            kwargs.setdefault("predownload", None)  # streaming's default download throttle
+        guard = opt_out_guard(storage, leaves) if guard_opt_outs else None
+        dataset = SkipListStreamingDataset(streams=leaf_streams(leaves, cache_dir),
+                                           batch_size=batch_size,
+                                           skip_reasons=skip_reasons, shuffle=shuffle,
+                                           shuffle_seed=seed, opt_outs=guard, **kwargs)
+    except BaseException:
+        keeper.release()
+        raise
+    dataset.reader_leases = keeper
+    return dataset
 
 
 def opt_out_guard(storage: Storage, leaves: list[Leaf]) -> OptOutGuard:

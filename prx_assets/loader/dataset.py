@@ -40,6 +40,7 @@ from prx_assets.stages.skip_lists.skip_lists import (
     sidecar_name,
     sidecar_path,
 )
+from prx_assets.storage.leases import ReaderLeaseKeeper
 from prx_assets.storage.refs import Location
 
 OPEN_SHARDS = 64  # memory maps kept open per worker (least recently used closed first)
@@ -104,6 +105,8 @@ class SkipListStreamingDataset(StreamingDataset):
         self.skip_counts: Counter = found
         self.skip_digest = hashlib.sha256(np.flatnonzero(self.skipped).tobytes()).hexdigest()[:16]
         self.length = self._samples_per_rank(epoch=0)  # what len() and len(DataLoader) report
+        # Set by `build_dataset`: the reader leases on the trees streamed, renewed meanwhile.
+        self.reader_leases: ReaderLeaseKeeper | None = None
 
     @property
     def joint_shards(self) -> list[JointReader]:

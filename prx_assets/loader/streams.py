@@ -10,6 +10,7 @@ trainer's environment as it is (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
 from __future__ import annotations
 
 import tempfile
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,13 @@ from pathlib import Path
 from streaming import Stream
 
 from prx_assets.stages.ingest.sources import load_sources
-from prx_assets.stages.shards.trees import leaf_names, leaf_samples, source_trees
+from prx_assets.stages.shards.trees import (
+    hold_current_tree,
+    leaf_names,
+    leaf_samples,
+    source_trees,
+)
+from prx_assets.storage.leases import READER_TTL_S, ReaderLeaseKeeper
 from prx_assets.storage.object_store import is_object_store, split_uri
 from prx_assets.storage.refs import Location, as_location
 
@@ -43,12 +50,13 @@ def default_weights(sources_file: Path | None = None) -> dict[str, float]:
     return {s.name: s.weight for s in load_sources(sources_file).sources if s.weight > 0}
 
 
-def plan_leaves(mds_root: Location | Path | str, tier: int, weights: Mapping[str, float]
-                ) -> list[Leaf]:
+def plan_leaves(mds_root: Location | Path | str, tier: int, weights: Mapping[str, float],
+                trees: Mapping[str, Location] | None = None) -> list[Leaf]:
     """Each source's weight split across its leaves of `tier` by their sample counts.
 
     `mds_root` is `$PRX_DATA_ROOT/mds`: a local folder or an s3:// prefix (its current
-    trees found through the pointer objects). Proportions sum to 1; a source with no tree or
+    trees found through the pointer objects; `trees`: sources' trees already resolved, e.g.
+    under a reader lease). Proportions sum to 1; a source with no tree or
     no samples at this tier is an error when it was asked for by weight, since silently
     training without it changes the mix."""
     if not weights or sum(weights.values()) <= 0:
@@ -59,7 +67,8 @@ def plan_leaves(mds_root: Location | Path | str, tier: int, weights: Mapping[str
     for source, weight in sorted(weights.items()):
         if weight <= 0:
             continue
-        tree = source_trees(root, source).current_tree()
+        tree = trees[source] if trees and source in trees \
+            else source_trees(root, source).current_tree()
         counted = [(tree / name, leaf_samples(tree / name)) for name in leaf_names(tree)
                    if name.split("/")[0] == str(tier)]
         counted = [(leaf, n) for leaf, n in counted if n > 0]
@@ -69,6 +78,31 @@ def plan_leaves(mds_root: Location | Path | str, tier: int, weights: Mapping[str
         leaves += [Leaf(source, leaf.path if leaf.is_local else leaf.uri, n,
                         weight / total_weight * n / source_samples) for leaf, n in counted]
     return leaves
+
+
+def hold_trees(mds_root: Location | Path | str, weights: Mapping[str, float],
+               seconds: float = READER_TTL_S) -> tuple[dict[str, Location], ReaderLeaseKeeper]:
+    """Each weighted source's current tree under a reader lease, renewed while the returned
+    keeper lives (its thread renews every third of `seconds`); a tree is not pruned while
+    held (docs/factory.md, "Reader leases and retention"). A reader that may not write
+    (read-only credentials) streams without a lease, warned: the tree is then kept for the
+    retention window only."""
+    root = as_location(mds_root)
+    trees: dict[str, Location] = {}
+    leases = []
+    for source, weight in sorted(weights.items()):
+        if weight <= 0:
+            continue
+        try:
+            trees[source], lease = hold_current_tree(root, source, seconds)
+            leases.append(lease)
+        except FileNotFoundError:
+            raise  # no tree at all: the error names the source
+        except OSError as exc:  # refused (read-only credentials, a read-only folder)
+            warnings.warn(f"{source}: no reader lease ({exc}); the tree is kept only for its "
+                          "retention window after a rebuild supersedes it", stacklevel=2)
+            trees[source] = source_trees(root, source).current_tree()
+    return trees, ReaderLeaseKeeper(leases, seconds)
 
 
 def leaf_streams(leaves: list[Leaf], cache_dir: Path | str | None = None) -> list[Stream]:

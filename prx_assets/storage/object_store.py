@@ -192,6 +192,13 @@ def _s3_client(options: Mapping[str, str]):
     )
 
 
+def lease_client(settings: StoreSettings):
+    """A boto3 client for lease objects (conditional puts, which pyarrow's S3FileSystem
+    cannot send): the preflight's short timeouts and a single attempt per request, since
+    a lease's caller retries on its own schedule."""
+    return _s3_client(settings.as_lance())
+
+
 def is_not_found(exc: BaseException) -> bool:
     """Whether a Lance error says the table was never written (as opposed to a bucket,
     credential or network problem, which must not read as "absent")."""

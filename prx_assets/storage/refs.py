@@ -273,6 +273,16 @@ class Location:
                        if info.type == pafs.FileType.File and info.base_name.endswith(suffix)),
                       key=lambda location: location.uri)
 
+    def file_sizes(self) -> dict[str, int]:
+        """Name -> size of the files directly in this folder (one listing); {} when the
+        folder does not exist."""
+        import pyarrow.fs as pafs
+
+        fs, path = self.filesystem()
+        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+        return {info.base_name: int(info.size or 0) for info in infos
+                if info.type == pafs.FileType.File}
+
     def folders(self) -> list[str]:
         """Names of the folders (prefixes) directly in this one, sorted."""
         import pyarrow.fs as pafs

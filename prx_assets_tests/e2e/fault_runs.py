@@ -99,6 +99,8 @@ class RunProcess:
             env.pop(name, None)
         if spec.failpoint:
             env.update(failpoints.env(spec.failpoint, spec.marker))
+            # A run that is killed: its leases expire two seconds after, not two minutes.
+            env["PRX_LEASE_TTL_S"] = "2"
         with open(self.log, "w") as out:
             self.process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
                                             start_new_session=True,

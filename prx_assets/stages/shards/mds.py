@@ -39,6 +39,7 @@ from prx_assets.stages.shards.mapping import ids_gone, mapping_for_append
 from prx_assets.stages.shards.plan import (
     Build,
     SampleInputs,
+    StageFiles,
     WriteOptions,
     plan_delta,
     plan_samples,
@@ -50,9 +51,10 @@ from prx_assets.stages.shards.publish import (
     full_build,
     unchanged_report,
 )
-from prx_assets.stages.shards.trees import tree_store
+from prx_assets.stages.shards.trees import TreeStore, tree_store
 from prx_assets.storage.lance_tables import prepare_output_dir
 from prx_assets.storage.layout import Storage, as_storage
+from prx_assets.storage.leases import Lease, tree_lease
 from prx_assets.storage.tables import MDS_SAMPLES
 
 logger = logging.getLogger(__name__)
@@ -60,22 +62,31 @@ logger = logging.getLogger(__name__)
 
 def write_mds_tree(inputs: SampleInputs, storage: Storage | str | Path, source: str,
                    options: WriteOptions | None = None,
-                   log: Callable[[str], None] = logger.info) -> TreeReport:
+                   log: Callable[[str], None] = logger.info,
+                   stage_files: StageFiles | None = None) -> TreeReport:
     """Make `source`'s tree match `inputs`: append what changed to a new version (or build
     one in full), commit the mapping table, then publish the version (in that order, see
     docs/mds.md for what a kill between the steps leaves and how the next run finishes it).
-    `options`: the defaults of `WriteOptions` when None."""
+    Holds the source's tree lease throughout (docs/factory.md): one tree writer at a time.
+    `options`: the defaults of `WriteOptions` when None; `stage_files`: see `StageFiles`."""
     storage = as_storage(storage)
     store = tree_store(storage, source, log)
-    mapping = storage.table(MDS_SAMPLES, source)
     store.prepare()
+    with tree_lease(store.data_root, source, log=log) as lease:
+        return _write(inputs, storage, store, options or WriteOptions(), lease, stage_files)
+
+
+def _write(inputs: SampleInputs, storage: Storage, store: TreeStore, options: WriteOptions,
+           lease: Lease, stage_files: StageFiles | None) -> TreeReport:
+    source, log = store.source, store.log
+    mapping = storage.table(MDS_SAMPLES, source)
     prepare_output_dir(mapping, "Lance table")
     finish_interrupted_publish(store, mapping, log)
-    build = Build(store, mapping, inputs.pinned(), options or WriteOptions(),
-                  mapping.latest_version())
+    current = store.current_version()
+    build = Build(store, mapping, inputs.pinned(), options, mapping.latest_version(),
+                  base_tree=current, lease=lease, stage_files=stage_files)
     plan, left_out = plan_samples(build.inputs)
     log(f"{source}: {plan.num_rows:,} samples planned; left out {dict(left_out) or 'none'}")
-    current = store.current_version()
     previous = _mapping_to_append_to(build, current)
     if previous is None or current is None:
         return full_build(build, plan, left_out, removed=ids_gone(mapping, plan))

@@ -11,7 +11,14 @@ import pyarrow as pa
 from prx_assets.stages.shards.mapping import MDS_SAMPLES_SCHEMA, mapping_rows
 from prx_assets.stages.shards.parts import PartSpec, part_specs, run_parts
 from prx_assets.stages.shards.plan import Build, split_leaves
-from prx_assets.stages.shards.trees import INDEX, TreeStore, leaf_name, leaf_names, read_index
+from prx_assets.stages.shards.trees import (
+    INDEX,
+    TreeStore,
+    check_shards,
+    leaf_name,
+    leaf_names,
+    read_index,
+)
 from prx_assets.stages.skip_lists.skip_lists import (
     REASON_STALE,
     SIDECAR_SUFFIX,
@@ -26,6 +33,8 @@ StaleCounts = dict[tuple[str, str], int]  # stale samples per (leaf, shard)
 
 
 def write_index(leaf_dir: Location, shards: list[dict]) -> None:
+    """The leaf's index, written only once every shard it lists is present and whole."""
+    check_shards(leaf_dir, shards)
     (leaf_dir / INDEX).write_text(json.dumps({"version": 2, "shards": shards}, sort_keys=True))
 
 
@@ -47,8 +56,7 @@ def merge_leaf(store: TreeStore, leaf_dir: Location, parts: list[tuple[PartSpec,
                     old = spec.out / info["basename"]
                     suffix = info["basename"].split(".mds", 1)[1]  # "" or a compression's
                     info["basename"] = f"shard.{number:05d}.mds{suffix}"
-                    if old.exists():
-                        store.move(old, leaf_dir / info["basename"])
+                    store.move(old, leaf_dir / info["basename"])  # absent: fails, by name
             shards.append(entry)
         spec.out.delete()
     write_index(leaf_dir, shards)
@@ -114,8 +122,9 @@ def carry_old_leaves(store: TreeStore, old_tree: Location, staging: Location, st
             elif sidecar in sidecars:
                 carried.append((old_leaf / sidecar, new_leaf / sidecar))
             stale_counts[(leaf, shard)] = len(lists.get(REASON_STALE, []))
-        write_index(new_leaf, entries)
     if newly:
         raise RuntimeError(f"mapping rows name shards the current tree lacks: {sorted(newly)[:3]}")
     store.carry_many(carried)
+    for leaf, entries in existing.items():  # indexed once its carried shards are in place
+        write_index(staging / leaf, entries)
     return existing, stale_counts

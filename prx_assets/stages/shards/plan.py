@@ -8,13 +8,20 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prx_assets.stages.shards.trees import TreeStore, new_tree_version
+from prx_assets.stages.shards.trees import DEFAULT_RETENTION, TreeStore, new_tree_version
+from prx_assets.storage.leases import Lease
 from prx_assets.storage.refs import Location, TableRef
+
+# Files a caller adds to a staged version before its manifest (so they publish with it):
+# called with the staging folder and the mapping rows of the samples this build wrote. The
+# rewrite's carried sidecars use it; a tree card belongs here too.
+StageFiles = Callable[[Location, pa.Table], None]
 
 # The design's MDS sample. `image` is declared `jpeg` so any StreamingDataset decodes it to a
 # PIL image, but we hand MDSWriter the bytes: `mds_encode` stores bytes as they are, so the
@@ -61,7 +68,8 @@ class WriteOptions:
     size_limit: int = DEFAULT_SIZE_LIMIT
     compression: str | None = None  # JPEG bytes do not compress further
     rows_per_part: int = DEFAULT_ROWS_PER_PART
-    keep_trees: int = 2  # the current tree and the one before (a trainer may still read it)
+    # A superseded tree stays this long (and while a reader lease holds it).
+    retention: timedelta = DEFAULT_RETENTION
     parallel: bool = True  # Ray tasks; False writes the parts in this process (tiny sources)
     incremental: bool = True  # False: always a full build (a rewrite, a byte-identity check)
 
@@ -82,6 +90,9 @@ class Build:
     inputs: SampleInputs  # pinned
     options: WriteOptions
     base_version: int | None  # the mapping's version before this run (None: never written)
+    base_tree: str | None = None  # the current tree when it planned: what publish expects
+    lease: Lease | None = None  # the source's tree lease, checked before each commit
+    stage_files: StageFiles | None = None
     version: str = field(default_factory=new_tree_version)  # the tree version it makes
 
     @property
@@ -99,6 +110,10 @@ class Build:
     @property
     def settings(self) -> dict:
         return build_settings(self.inputs, self.options)
+
+    def check_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
 
 
 def plan_samples(inputs: SampleInputs) -> tuple[pa.Table, Counter]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.shards.mapping import update_mapping, write_mapping
 from prx_assets.stages.shards.merge import (
     LeafEntries,
@@ -96,11 +97,14 @@ def full_build(build: Build, plan: pa.Table, left_out: Counter, removed: int) ->
         build.staging.make_dirs()  # an empty source still gets an (empty) tree
         written, mapping = write_new_leaves(build, plan, {})
         leaves = leaf_reports({}, {}, written)
+        if build.stage_files is not None:
+            build.stage_files(build.staging, mapping)
         write_manifest(build, carried=[], samples=plan.num_rows)
         final = build.store.finish(build.version)
     except BaseException:
         build.staging.delete()
         raise
+    check_base(build)
     mapping_version = write_mapping(build.mapping, mapping)
     return publish(build, final, mapping_version, left_out, leaves,
                    Counts(processed=plan.num_rows, reused=0, removed=removed, appended=False))
@@ -117,16 +121,28 @@ def append_build(build: Build, delta: Delta, left_out: Counter, current: str) ->
                                                      delta.stale)
         written, mapping = write_new_leaves(build, delta.write, existing)
         leaves = leaf_reports(existing, stale_per_shard, written)
+        if build.stage_files is not None:
+            build.stage_files(build.staging, mapping)
         write_manifest(build, carried=lineage(old_manifest, current),
                        samples=sum(leaf.samples for leaf in leaves), parent=current)
         final = store.finish(build.version)
     except BaseException:
         build.staging.delete()
         raise
+    check_base(build)
     mapping_version = update_mapping(build.mapping, mapping, delta.removed_ids)
     return publish(build, final, mapping_version, left_out, leaves,
                    Counts(processed=delta.write.num_rows, reused=delta.reused,
                           removed=delta.stale.num_rows, appended=True))
+
+
+def check_base(build: Build) -> None:
+    """Before the mapping commit: this run still holds the tree lease and the pointer still
+    names the tree it planned against (the publish compares again, atomically)."""
+    build.check_lease()
+    named = build.store.current_version()
+    if named != build.base_tree:
+        raise build.store.conflict(build.version, build.base_tree, named)
 
 
 def leaf_reports(existing: LeafEntries, stale: StaleCounts, written: LeafEntries
@@ -158,14 +174,19 @@ def write_manifest(build: Build, *, carried: list[str], samples: int,
         "captions_version": build.inputs.captions.version,
         "settings": build.settings, "carried_versions": carried, "parent": parent,
         "commits_mapping": True, "mapping_base_version": build.base_version,
-        "keep_trees": build.options.keep_trees,
+        "retention_s": build.options.retention.total_seconds(),
     }, indent=2, sort_keys=True))
 
 
 def publish(build: Build, final: Location, mapping_version: int, left_out: Counter,
             leaves: list[LeafReport], counts: Counts) -> TreeReport:
-    build.store.publish(build.version)
-    build.store.prune(build.options.keep_trees)
+    failpoint("mds.before_publish")
+    build.check_lease()
+    build.store.publish(build.version, expected=build.base_tree)
+    removed = build.store.prune(build.options.retention)
+    if removed:
+        build.log(f"{build.source}: removed {len(removed)} tree(s) past retention that no "
+                  f"reader holds: {', '.join(removed)}")
     build.log(f"{build.source}: tree {build.version} is current "
               f"({sum(leaf.samples for leaf in leaves):,} live samples, "
               f"{sum(leaf.shards for leaf in leaves)} shards; processed={counts.processed}, "
@@ -209,6 +230,6 @@ def finish_interrupted_publish(store: TreeStore, mapping: TableRef,
         if manifest.get("commits_mapping") and mapping.latest_version() == expected:
             log(f"{store.source}: tree {newer[-1]} was built and mapped but not published "
                 "(a killed run); publishing it now")
-            store.publish(newer[-1])
+            store.publish(newer[-1], expected=current)
             keep = frozenset({newer[-1]})
     store.remove_unpublished(keep)

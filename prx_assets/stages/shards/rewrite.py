@@ -16,23 +16,24 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+
 from prx_assets.stages.shards.mds import write_mds_tree
 from prx_assets.stages.shards.plan import SampleInputs, WriteOptions
 from prx_assets.stages.shards.publish import TreeReport
 from prx_assets.stages.shards.trees import tree_store
 from prx_assets.stages.skip_lists.skip_lists import (
+    MAPPING_COLUMNS,
     REASON_STALE,
     SCAN_ROWS,
     ApplyReport,
     build_skip_lists,
-    mapping_batches,
-    mapping_shards,
-    publish_skip_lists,
     reasons_in,
     skipped_ids,
+    stage_sidecars,
 )
 from prx_assets.storage.layout import Storage, as_storage
-from prx_assets.storage.refs import TableRef
+from prx_assets.storage.refs import Location, TableRef
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, MDS_SAMPLES
 
 logger = logging.getLogger(__name__)
@@ -90,12 +91,18 @@ def rewrite_without_skipped(inputs: SampleInputs, storage: Storage | str | Path,
     planned = _ids(inputs.bucketed, "status = 'ok'")
     inputs = dataclasses.replace(inputs, exclude_ids=frozenset(inputs.exclude_ids
                                                                | (planned - kept)))
+    carried = ApplyReport()
+
+    def stage_kept_lists(staging: Location, mapping: pa.Table) -> None:
+        # The reasons not rewritten, as sidecars of the new version before it publishes: a
+        # reader of the new tree never sees its shards without them.
+        nonlocal carried
+        carried = stage_sidecars(staging, build_skip_lists(
+            mapping.select(MAPPING_COLUMNS).to_batches(),
+            {r: ids for r, ids in kept_lists.items() if ids}))
+
     report = write_mds_tree(inputs, storage, source,
                             dataclasses.replace(options or WriteOptions(), incremental=False),
-                            log)
-    shards, _ = mapping_shards(report.mapping)
-    carried = publish_skip_lists(storage, source, build_skip_lists(
-        mapping_batches(report.mapping), {r: ids for r, ids in kept_lists.items() if ids}),
-        shards)
+                            log, stage_files=stage_kept_lists)
     return RewriteReport(tree=report, excluded=len(excluded), rewritten_reasons=rewritten,
                          carried_over=carried)

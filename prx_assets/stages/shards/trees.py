@@ -27,13 +27,16 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 from pathlib import Path, PurePath
 
 from prx_assets.storage.layout import MDS_DIR, Storage, as_storage
+from prx_assets.storage.leases import ReaderLease, held_versions, lease_file, take_reader_lease
 from prx_assets.storage.refs import Location, as_location
 
 logger = logging.getLogger(__name__)
@@ -44,11 +47,23 @@ TREE_MANIFEST = "tree.json"
 POINTER_SUFFIX = ".current.json"
 INDEX = "index.json"
 COPY_THREADS = 16  # concurrent server-side copies when carrying a version's files on S3
+VERSION_FORMAT = "%Y%m%dT%H%M%S%fZ"
+# How long a tree superseded by a newer one stays, when no reader lease holds it longer.
+DEFAULT_RETENTION = timedelta(days=7)
+
+
+class TreeConflictError(RuntimeError):
+    """The pointer no longer names the tree a build started from: another writer published
+    in between; publishing would discard its tree."""
 
 
 def new_tree_version() -> str:
     """Sortable and unique per build: UTC time to the microsecond."""
-    return datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+    return datetime.now(UTC).strftime(VERSION_FORMAT)
+
+
+def version_time(version: str) -> datetime:
+    return datetime.strptime(version, VERSION_FORMAT).replace(tzinfo=UTC)
 
 
 def leaf_name(tier: int, width: int, height: int) -> str:
@@ -80,6 +95,11 @@ class TreeStore:
     @property
     def is_local(self) -> bool:
         return self.mds_root.is_local
+
+    @property
+    def data_root(self) -> Location:
+        """`$PRX_DATA_ROOT`, above the MDS root: where leases live."""
+        return self.mds_root.parent
 
     @property
     def trees_dir(self) -> Location:
@@ -176,12 +196,53 @@ class TreeStore:
             os.rename(self.staging(version).path, final.path)
         return final
 
-    def publish(self, version: str) -> None:
-        """Make `version` current, atomically: replace the symlink, or PUT the pointer."""
+    def publish(self, version: str, expected: str | None) -> None:
+        """Make `version` current if the pointer still names `expected` (the tree the build
+        started from; None: no tree yet), atomically: compare-and-swap of the pointer (a
+        PUT with `If-Match` on its ETag, or `If-None-Match: *`), or of the symlink under an
+        flock of `.trees/<source>.lock`. TreeConflictError when another writer published
+        in between."""
         if not self.is_local:
-            self.link.write_text(json.dumps(
-                {"version": version, "tree": str(self.tree(version))}, sort_keys=True))
+            self._swap_pointer(version, expected)
             return
+        with self.pointer_lock():
+            named = self.current_version()
+            if named != expected:
+                raise self.conflict(version, expected, named)
+            self._replace_link(version)
+
+    def conflict(self, version: str, expected: str | None, named: str | None
+                  ) -> TreeConflictError:
+        return TreeConflictError(
+            f"{self.source}: not publishing tree {version}: it was built from tree "
+            f"{expected or '(none)'} but {named or '(none)'} is current now (another writer "
+            "published meanwhile); rerun to build on the current tree")
+
+    def _swap_pointer(self, version: str, expected: str | None) -> None:
+        pointer = lease_file(self.link)  # conditional PUTs on the pointer object
+        body = json.dumps({"version": version, "tree": str(self.tree(version))},
+                          sort_keys=True).encode()
+        current = pointer.read()
+        named = str(json.loads(current[0])["version"]) if current else None
+        if named != expected:
+            raise self.conflict(version, expected, named)
+        swapped = pointer.create(body) if current is None else pointer.replace(body, current[1])
+        if swapped is None:
+            raise self.conflict(version, expected, self.current_version())
+
+    @contextmanager
+    def pointer_lock(self) -> Iterator[None]:
+        import fcntl
+
+        self.trees_dir.make_dirs()
+        with open(self.trees_dir.path.parent / f"{self.source}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _replace_link(self, version: str) -> None:
         link = self.link.path
         if link.exists() and not link.is_symlink():
             raise RuntimeError(f"{link} is a real folder, not the tree symlink; move it away first")
@@ -193,7 +254,8 @@ class TreeStore:
 
     def remove_unpublished(self, keep: frozenset[str] = frozenset()) -> None:
         """Leftovers of killed builds: `.partial` folders, and complete versions newer than
-        the current one that never became current (except `keep`)."""
+        the current one that never became current (except `keep`). Only the holder of the
+        source's tree lease calls this: no other live writer is building then."""
         current = self.current_version()
         for name in self.trees_dir.folders():
             if name.endswith(PARTIAL_SUFFIX):
@@ -201,14 +263,25 @@ class TreeStore:
             elif name not in keep and (current is None or name > current):
                 self.tree(name).delete()
 
-    def prune(self, keep: int) -> None:
-        """Keep the current version and the `keep - 1` before it (a trainer may still read
-        one it resolved earlier)."""
+    def prune(self, retention: timedelta = DEFAULT_RETENTION,
+              now: datetime | None = None) -> list[str]:
+        """Remove versions superseded longer than `retention` ago that no reader lease
+        holds; the current version always stays. A version counts as superseded from its
+        successor's build time. Returns the versions removed."""
+        now = now or datetime.now(UTC)
         current = self.current_version()
+        if current is None:
+            return []
         published = [name for name in self.trees_dir.folders()
-                     if not name.endswith(PARTIAL_SUFFIX) and current and name <= current]
-        for old in published[:-max(1, keep)]:
+                     if not name.endswith(PARTIAL_SUFFIX) and name <= current]
+        held = held_versions(self.data_root, self.source) if published[:-1] else set()
+        removed = []
+        for old, successor in pairwise(published):
+            if old in held or version_time(successor) > now - retention:
+                continue
             self.tree(old).delete()
+            removed.append(old)
+        return removed
 
 
 def tree_store(storage: Storage, source: str, log: Callable[[str], None] = logger.info
@@ -231,6 +304,23 @@ def current_tree(root: Location | str | PurePath, source: str) -> Path:
     hold). `root` is the MDS root (`$PRX_DATA_ROOT/mds`); the data root above it is accepted
     too. For any root, local or s3://, see `current_tree_uri`."""
     return source_trees(root, source).current_tree().path
+
+
+def hold_current_tree(root: Location | str | PurePath, source: str, seconds: float
+                      ) -> tuple[Location, ReaderLease]:
+    """The source's current tree, resolved once, with a reader lease on it for `seconds`:
+    `prune` keeps a leased tree past its retention. The lease is taken before the tree is
+    checked to still exist (a prune that listed the leases before it would have removed it
+    already, and we resolve again)."""
+    store = source_trees(root, source)
+    for _ in range(3):
+        tree = store.current_tree()
+        lease = take_reader_lease(store.data_root, source, tree.name, seconds)
+        if (tree / TREE_MANIFEST).exists():
+            return tree, lease
+        lease.release()
+    raise RuntimeError(f"{source}: the current tree kept changing while a reader lease was "
+                       "taken on it; try again")
 
 
 def current_tree_uri(storage: Storage | str | Path, source: str) -> str:
@@ -260,3 +350,41 @@ def read_index(leaf: Location) -> list[dict]:
 def leaf_samples(leaf: Location | str | PurePath) -> int:
     """Samples the leaf's index lists (what a plain StreamingDataset of it counts)."""
     return sum(shard["samples"] for shard in read_index(as_location(leaf)))
+
+
+def shard_problems(leaf: Location, entries: list[dict]) -> list[str]:
+    """What is wrong with the shards a leaf's index lists: missing, or of another size than
+    the index says (or another hash, where the index records one). One listing per leaf."""
+    sizes = leaf.file_sizes()
+    problems = []
+    for entry in entries:
+        for kind in ("raw_data", "zip_data"):
+            info = entry.get(kind)
+            if not info:
+                continue
+            name, expected = info["basename"], int(info["bytes"])
+            if name not in sizes:
+                problems.append(f"{leaf.name}/{name} is missing")
+            elif sizes[name] != expected:
+                problems.append(f"{leaf.name}/{name} has {sizes[name]} bytes, the index says "
+                                f"{expected}")
+            elif info.get("hashes"):
+                problems += _hash_problems(leaf / name, info["hashes"])
+    return problems
+
+
+def _hash_problems(shard: Location, hashes: dict[str, str]) -> list[str]:
+    import hashlib
+
+    data = shard.read_bytes()
+    return [f"{shard.name}: {algorithm} differs from the index"
+            for algorithm, digest in sorted(hashes.items())
+            if algorithm in hashlib.algorithms_available
+            and hashlib.new(algorithm, data).hexdigest() != digest]
+
+
+def check_shards(leaf: Location, entries: list[dict]) -> None:
+    """Refuse to index a leaf whose shards are not all present and whole."""
+    problems = shard_problems(leaf, entries)
+    if problems:
+        raise RuntimeError(f"not indexing {leaf}: {'; '.join(problems[:5])}")

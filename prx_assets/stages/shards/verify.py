@@ -19,7 +19,14 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 
-from prx_assets.stages.shards.trees import INDEX, leaf_names, lineage, tree_store
+from prx_assets.stages.shards.trees import (
+    INDEX,
+    leaf_names,
+    lineage,
+    read_index,
+    shard_problems,
+    tree_store,
+)
 from prx_assets.stages.skip_lists.skip_lists import REASON_STALE, SIDECAR_SUFFIX, read_sidecar
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.refs import Location
@@ -43,7 +50,8 @@ class LeafCheck:
 def verify_tree(storage: Storage | str | Path, source: str) -> tuple[list[LeafCheck], list[str]]:
     """Count every leaf of the current tree as `streaming.StreamingDataset` does and compare
     with the mapping table plus the stale samples of its sidecars; also report mapping rows
-    of a version the tree does not hold."""
+    of a version the tree does not hold and shards the indexes list that are missing or of
+    another size."""
     storage = as_storage(storage)
     store = tree_store(storage, source)
     tree = store.current_tree()
@@ -54,6 +62,10 @@ def verify_tree(storage: Storage | str | Path, source: str) -> tuple[list[LeafCh
                        for v in pc.unique(mapping["tree_version"]).to_pylist() if v not in held})
     mapped = Counter(mapping["leaf"].to_pylist())
     leaves = leaf_names(tree)
+    # A StreamingDataset counts from the index alone: a missing or short shard fails only
+    # when a trainer reaches it, so the files are checked against the index here.
+    problems += [problem for leaf in leaves
+                 for problem in shard_problems(tree / leaf, read_index(tree / leaf))]
     streamed = leaf_stream_counts([tree / leaf for leaf in leaves])
     checks = [LeafCheck(leaf, count, mapped.pop(leaf, 0), stale_in_leaf(tree / leaf))
               for leaf, count in zip(leaves, streamed, strict=True)]

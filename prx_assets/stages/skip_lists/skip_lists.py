@@ -27,16 +27,26 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path, PurePath
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.engine.failpoints import failpoint
-from prx_assets.stages.shards.trees import TREE_MANIFEST, leaf_names, new_tree_version, tree_store
+from prx_assets.stages.shards.trees import (
+    DEFAULT_RETENTION,
+    TREE_MANIFEST,
+    TreeStore,
+    leaf_names,
+    new_tree_version,
+    tree_store,
+)
 from prx_assets.storage.filters import all_of, eq_filter, in_filter, sql_string
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.leases import Lease, tree_lease
 from prx_assets.storage.refs import Location, TableRef, as_location
+from prx_assets.storage.tables import MDS_SAMPLES
 
 SIDECAR_VERSION = 1
 SHARD_SUFFIX = ".mds"
@@ -219,15 +229,55 @@ def _count_skipped(report: ApplyReport, final: SkipLists) -> ApplyReport:
 
 def publish_skip_lists(storage: Storage, source: str, lists: SkipLists,
                        shards: Iterable[ShardKey]) -> ApplyReport:
-    """Apply `lists` to `source`'s current tree. Locally the sidecars are replaced in place
-    (each atomically). On an object store a new tree version is made: every shard and index
-    server-side copied into it, a new sidecar set written, the pointer moved last, so a
-    reader holding the old pointer still reads the old version whole."""
+    """Apply `lists` (built from the mapping table as it is now) to `source`'s current
+    tree, holding the source's tree lease; see `apply_reasons`, which also reads the
+    mapping under the lease."""
     store = tree_store(storage, source)
+    with tree_lease(store.data_root, source, log=store.log) as lease:
+        return _publish(store, lists, shards, lease)
+
+
+@dataclass
+class SkipListsRun:
+    report: ApplyReport
+    mapping: TableRef  # the mapping version the lists were built from (pinned)
+    per_leaf: dict[str, int]  # live samples per leaf
+    tree: Location  # the tree the lists were applied to (current when the run ended)
+
+
+def apply_reasons(storage: Storage, source: str, reasons: Mapping[str, set[str]]
+                  ) -> SkipListsRun:
+    """Skip lists of `reasons` (ids per reason) applied to `source`'s current tree. The
+    source's tree lease is held from reading the mapping to publishing, so no mds_shards
+    build moves samples in between (the lists are shard positions) nor carries the
+    sidecars while they change."""
+    store = tree_store(storage, source)
+    with tree_lease(store.data_root, source, log=store.log) as lease:
+        mapping = storage.table(MDS_SAMPLES, source).pinned()
+        shards, per_leaf = mapping_shards(mapping)
+        report = _publish(store, build_skip_lists(mapping_batches(mapping), reasons), shards,
+                          lease)
+        return SkipListsRun(report, mapping, per_leaf, store.current_tree())
+
+
+def _publish(store: TreeStore, lists: SkipLists, shards: Iterable[ShardKey], lease: Lease
+             ) -> ApplyReport:
+    """Locally the sidecars are replaced in place (each atomically). On an object store a
+    new tree version is made: every shard and index server-side copied into it, a new
+    sidecar set written, the pointer moved last by compare-and-swap, so a reader holding the
+    old pointer still reads the old version whole, and old versions go only past retention
+    and reader leases."""
     old_tree = store.current_tree()
     if store.is_local:
+        failpoint("skip_lists.before_publish")
+        lease.check()
         return apply_skip_lists(old_tree.path, lists, shards)
-    current = store.current_version()
+    return _publish_version(store, old_tree, lists, shards, lease)
+
+
+def _publish_version(store: TreeStore, old_tree: Location, lists: SkipLists,
+                     shards: Iterable[ShardKey], lease: Lease) -> ApplyReport:
+    current = old_tree.name
     version = new_tree_version()
     staging = store.staging(version)
     report = ApplyReport()
@@ -267,9 +317,26 @@ def publish_skip_lists(storage: Storage, source: str, lists: SkipLists,
     except BaseException:
         staging.delete()
         raise
-    store.publish(version)
-    store.prune(int(manifest.get("keep_trees", 2)))
+    failpoint("skip_lists.before_publish")
+    lease.check()
+    store.publish(version, expected=current)
+    retention = manifest.get("retention_s")
+    store.prune(timedelta(seconds=float(retention)) if retention is not None
+                else DEFAULT_RETENTION)
     return _count_skipped(report, final)
+
+
+def stage_sidecars(staging: Location, lists: SkipLists) -> ApplyReport:
+    """Write the sidecars of a version being built (a rewrite's carried reasons), so they
+    publish with its shards: a published shard never lacks its sidecar."""
+    report = ApplyReport()
+    for (leaf, shard), by_reason in sorted(lists.items()):
+        report.shards += 1
+        report.count_change({}, by_reason)
+        if sidecar_body(by_reason) is not None:
+            write_sidecar(staging / leaf / sidecar_name(shard), by_reason)
+            report.written += 1
+    return _count_skipped(report, lists)
 
 
 def mapping_batches(mapping: TableRef, batch_rows: int = SCAN_ROWS

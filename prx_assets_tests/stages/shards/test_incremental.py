@@ -168,7 +168,9 @@ def test_a_kill_mid_append_leaves_the_previous_tree_and_the_rerun_has_no_duplica
     add_sample(data_root, NEW_ID)
 
     marker = tmp_path / "marker.json"
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), **failpoints.env("mds.write_part", marker)}
+    # A short lease: the killed writer's tree lease expires a second after the kill.
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "PRX_LEASE_TTL_S": "1",
+           **failpoints.env("mds.write_part", marker)}
     child = subprocess.Popen([sys.executable, "-c", _APPEND, str(data_root)], env=env)
     try:
         while failpoints.read_marker(marker) is None:  # held at the point, not raced
@@ -202,7 +204,7 @@ def test_a_kill_between_mapping_commit_and_publish_is_rolled_forward(data_root, 
     first = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
     add_sample(data_root, NEW_ID)
 
-    def killed(self, version):
+    def killed(self, version, expected):
         raise KeyboardInterrupt("killed before publishing")
 
     with monkeypatch.context() as patch:

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -101,8 +102,11 @@ def test_same_inputs_give_byte_identical_trees(ray_session, data_root):
     for rel in files:
         assert (first.path / rel).read_bytes() == (second.path / rel).read_bytes(), rel
     assert trees.current_tree(data_root, "web") == second.path
-    third = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", full)
-    assert not first.path.exists() and second.path.exists()  # keep_trees=2: current + previous
+    # No retention: a superseded tree no reader lease holds goes at the next publish.
+    third = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web",
+                               dataclasses.replace(full, retention=timedelta(0)))
+    # Superseded, past the zero retention, no reader lease: both older trees are removed.
+    assert not first.path.exists() and not second.path.exists()
     assert trees.current_tree(data_root, "web") == third.path
 
 
@@ -133,7 +137,7 @@ def test_a_killed_build_leaves_the_previous_tree_current(data_root, tmp_path):
 
     flag = tmp_path / "flag"
     child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(data_root), str(flag)],
-                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+                             env={**os.environ, "PYTHONPATH": os.getcwd(), "PRX_LEASE_TTL_S": "1"})
     try:
         deadline = time.time() + 240
         while not flag.exists():

@@ -129,6 +129,6 @@ def test_tree_on_s3_streams_appends_and_versions_its_skip_lists(ray_session, s3_
                                                  shuffle=False,
                                                  cache_dir=tmp_path / "loader-cache")]
     assert sorted(loader_ids) == sorted(expected - set(dedup))
-    # keep_trees=2: the first version was pruned from the bucket.
+    # Within the retention window (7 days) every version stays in the bucket.
     assert tree_store(storage, "web").versions() == sorted(
-        [second.tree_version, third.rsplit("/", 1)[1]])
+        [first.tree_version, second.tree_version, third.rsplit("/", 1)[1]])

@@ -1,0 +1,35 @@
+"""One writer per (asset, source), whatever started the run: every per-source writing asset
+runs its body inside `asset_lease` (a lease under `$PRX_DATA_ROOT/leases/writers/`, see
+`storage/leases.py` and docs/factory.md). A second run of the same partition waits for the
+first (queued before it starts, where Dagster's run queue limits it; here otherwise), takes
+over a killed run's lease once it expires, and fails naming the holder past its wait
+budget (`PRX_LEASE_WAIT_S`)."""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import dagster as dg
+
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.leases import Lease, LeaseHeldError, current_run_id, writer_lease
+
+GLOBAL_PARTITION = "_global"
+
+
+@contextmanager
+def asset_lease(context: dg.AssetExecutionContext | dg.OpExecutionContext, store: Storage,
+                asset: str | None = None) -> Iterator[Lease]:
+    """Hold the writer lease of (`asset`, default the context's asset; this partition)
+    while the body runs; the lease names this run, so a waiting run's log and error say
+    which run it waits for."""
+    name = asset or context.asset_key.to_user_string()
+    # A global asset (corpus) has one writer in all: its lease is named after no source.
+    partition = context.partition_key if context.has_partition_key else GLOBAL_PARTITION
+    token = current_run_id.set(context.run_id)
+    try:
+        with writer_lease(store.location(), name, partition, log=context.log.info) as lease:
+            yield lease
+    except LeaseHeldError as exc:
+        raise dg.Failure(str(exc)) from exc
+    finally:
+        current_run_id.reset(token)

@@ -1,0 +1,195 @@
+"""Races on one source's MDS tree, with real processes lined up by barriers
+(`engine.failpoints`), never by timers: two mds_shards builds, and mds_shards beside
+skip_lists, on local disk and on the S3 test server; a reader streaming one tree through
+three rebuilds; the tree check on a missing or short shard; a killed holder's lease taken
+over.
+
+Writer "a" is held at `mds.write_part` (its version half-built, the current tree's shards
+and sidecars already carried into it); writer "b" starts then. Where "b" has to wait for
+the tree lease it is held at `leases.waiting` until "a" is done; where it does not wait, it
+runs to its end first, which is the interleaving that lost data before the leases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from prx_assets.engine import failpoints
+from prx_assets.loader import build_dataset
+from prx_assets.stages.shards import mds, trees, verify
+from prx_assets.stages.skip_lists.skip_lists import skipped_ids
+from prx_assets.storage.lance_tables import overwrite_rows
+from prx_assets.storage.layout import Storage
+from prx_assets.testing.mds_corpus import build_corpus, inputs_for
+from prx_assets_tests.stages.shards.test_incremental import add_sample
+from prx_assets_tests.stages.shards.tree_writers import OPTIONS, Writer
+from prx_assets_tests.storage.s3_writers import wait_until
+
+HELD, WAITING = "mds.write_part", "leases.waiting"
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path, monkeypatch) -> str:
+    """A data root with a built tree of `web` (small shards, several leaves)."""
+    local = tmp_path / "data"
+    if request.param == "local":
+        monkeypatch.setenv("PRX_DATA_ROOT", str(local))
+        root = str(local)
+        build_corpus(local, "web", per_shape=4)
+    else:
+        root = request.getfixturevalue("s3_root")
+        build_corpus(local, "web", per_shape=4)
+        for name in ("bucketed_images", "captions"):
+            table = Storage(str(local)).table(name, "web").to_table()
+            overwrite_rows(Storage(root).table(name, "web"), table, table.schema)
+    mds.write_mds_tree(inputs_for(root, "web"), root, "web", OPTIONS)
+    return root
+
+
+def barrier(folder: Path, name: str) -> dict[str, str]:
+    # Set directly: `leases.waiting` is not a point of the code before the leases, and
+    # that code must run these tests to their failing assertion, not to a setup error.
+    return {failpoints.ENV_BARRIERS: name, failpoints.ENV_BARRIER_DIR: str(folder)}
+
+
+def mapped_ids(root: str) -> set[str]:
+    return set(Storage(root).table("mds_samples", "web").to_table(columns=["id"])["id"]
+               .to_pylist())
+
+
+def assert_tree_whole(root: str) -> None:
+    checks, problems = verify.verify_tree(root, "web")
+    assert all(c.ok for c in checks) and not problems, (checks, problems)
+
+
+@pytest.mark.timeout(900)
+def test_two_mds_builds_of_one_source_keep_both_changes_and_a_whole_tree(root, tmp_path):
+    before = mapped_ids(root)
+    add_sample(root, "web:1-64x64-9001")  # what "a" plans
+    # "b" sees a second new sample, added while "a" is held.
+    a, b = race_after(tmp_path, root, ["mds", root],
+                      lambda: add_sample(root, "web:1-64x64-9002"))
+    a.result(), b.result()
+    assert "waiting for" in b.output()  # b waited for a's tree lease
+    assert mapped_ids(root) == before | {"web:1-64x64-9001", "web:1-64x64-9002"}
+    assert_tree_whole(root)
+
+
+def race_after(tmp_path: Path, root: str, b_args: list[str], between) -> tuple[Writer, Writer]:
+    """"a" (an mds build) held mid-build; `between()`; "b" started, then either waiting
+    for the lease or finished; "a" released, then "b". Returns both, finished."""
+    folder = tmp_path / "barriers"
+    folder.mkdir()
+    a = Writer(["mds", root], barrier(folder, HELD), tmp_path / "a.log")
+    writers = [a]
+    try:
+        wait_until(lambda: failpoints.ready_at_barrier(folder, HELD), [a], "a held mid-build")
+        between()
+        b = Writer(b_args, barrier(folder, WAITING), tmp_path / "b.log")
+        writers.append(b)
+        wait_until(lambda: failpoints.ready_at_barrier(folder, WAITING) or not b.alive(), [a],
+                   "b waiting for the lease, or done")
+        failpoints.release_barrier(folder, HELD)
+        a.process.wait(600)
+        failpoints.release_barrier(folder, WAITING)
+        b.process.wait(600)
+        return a, b
+    finally:
+        for writer in writers:
+            writer.stop()
+
+
+@pytest.mark.timeout(900)
+def test_skip_lists_beside_an_mds_build_keep_their_sidecars_in_the_published_tree(root,
+                                                                                 tmp_path):
+    victim = sorted(mapped_ids(root))[0]
+    add_sample(root, "web:1-64x64-9001")
+    a, b = race_after(tmp_path, root, ["skip", root, victim], lambda: None)
+    a.result(), b.result()
+    assert "waiting for" in b.output()
+    current = trees.source_trees(Storage(root).mds_root, "web").current_tree()
+    mapping = Storage(root).table("mds_samples", "web")
+    assert skipped_ids(current, mapping, ["dedup"]) == {victim}
+    assert "web:1-64x64-9001" in mapped_ids(root)
+    assert_tree_whole(root)
+
+
+def test_a_reader_finishes_its_epoch_through_three_rebuilds(data_root):
+    build_corpus(data_root, "web", per_shape=6)
+    # Small shards (a few samples each), so the reader opens shards long after it started;
+    # no retention: only its reader lease keeps the tree it reads.
+    options = dataclasses.replace(OPTIONS, size_limit=6_000, incremental=False,
+                                  retention=timedelta(0))
+    first = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", options)
+    dataset = build_dataset(data_root / "mds", 1, 1, weights={"web": 1.0}, shuffle=False,
+                            skip_reasons=())
+    samples = iter(dataset)
+    seen = [next(samples)["id"]]
+    for _ in range(3):
+        rebuilt = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", options)
+        assert rebuilt.tree_version != first.tree_version
+    seen += [sample["id"] for sample in samples]
+    assert first.path.exists()
+    expected = {i for i in mapped_ids(str(data_root)) if i.startswith("web:1-")}
+    assert sorted(seen) == sorted(expected)
+    # Released, the tree goes at the next build (past the zero retention).
+    assert dataset.reader_leases is not None
+    dataset.reader_leases.release()
+    mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", options)
+    assert not first.path.exists()
+
+
+def test_the_tree_check_fails_on_a_missing_or_short_shard(data_root):
+    build_corpus(data_root, "web", per_shape=4)
+    report = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    assert_tree_whole(str(data_root))
+    shards = sorted(Path(report.path).rglob("shard.*.mds"))
+    with open(shards[0], "r+b") as shard:
+        shard.truncate(shards[0].stat().st_size - 10)
+    shards[1].unlink()
+    _, problems = verify.verify_tree(data_root, "web")
+    assert any("has" in p and "bytes, the index says" in p for p in problems), problems
+    assert any(p.endswith("is missing") for p in problems), problems
+
+
+_HOLDER = """
+import sys
+from pathlib import Path
+from prx_assets.stages.shards import mds
+from prx_assets.testing.mds_corpus import inputs_for
+from prx_assets_tests.stages.shards.tree_writers import OPTIONS
+root = Path(sys.argv[1])
+mds.write_mds_tree(inputs_for(root, "web"), root, "web", OPTIONS)
+"""
+
+
+def test_a_killed_holders_lease_expires_and_the_next_build_takes_over(data_root, tmp_path):
+    build_corpus(data_root, "web", per_shape=3)
+    mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    add_sample(data_root, "web:1-64x64-9001")
+    marker = tmp_path / "marker.json"
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "PRX_LEASE_TTL_S": "1",
+           **failpoints.env(HELD, marker)}
+    child = subprocess.Popen([sys.executable, "-c", _HOLDER, str(data_root)], env=env)
+    try:
+        while failpoints.read_marker(marker) is None:  # held at the point with its lease
+            assert child.poll() is None, "the holder exited before the failpoint"
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(0.1)
+    finally:
+        child.kill()
+        child.wait()
+    log: list[str] = []
+    report = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS,
+                                log=log.append)
+    assert any("took over from" in line and f"pid {child.pid}" in line for line in log), log
+    assert report.processed == 1 and "web:1-64x64-9001" in mapped_ids(str(data_root))
+    assert_tree_whole(str(data_root))

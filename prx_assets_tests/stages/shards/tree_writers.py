@@ -1,0 +1,84 @@
+"""Tree writers for the race tests, each `python -m prx_assets_tests.stages.shards.tree_writers
+<mode> ROOT ...` in a process of its own, lined up by barriers (`engine.failpoints`) armed
+through its environment:
+
+    mds ROOT            an mds_shards build of source `web` (incremental, small shards)
+    skip ROOT ID...     skip lists of `web` with the ids as `dedup`
+
+Each prints `RESULT{json}` when it finishes; an error prints `ERROR{json}` and exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from prx_assets.stages.shards import plan
+
+OPTIONS = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
+REPO = Path(__file__).resolve().parents[3]
+
+
+def mds_main(root: str) -> dict:
+    from prx_assets.stages.shards import mds
+    from prx_assets.testing.mds_corpus import inputs_for
+
+    report = mds.write_mds_tree(inputs_for(root, "web"), root, "web", OPTIONS)
+    return {"tree_version": report.tree_version, "processed": report.processed}
+
+
+def skip_main(root: str, ids: list[str]) -> dict:
+    from prx_assets.stages.skip_lists.skip_lists import apply_reasons
+    from prx_assets.storage.layout import Storage
+
+    run = apply_reasons(Storage(root), "web", {"dedup": set(ids)})
+    return {"skipped": run.report.skipped_total}
+
+
+class Writer:
+    """One writer process; its output in `log`."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path):
+        self.log = log
+        environment = {**os.environ, **env, "PYTHONPATH": str(REPO)}
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "prx_assets_tests.stages.shards.tree_writers", *args],
+                env=environment, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def result(self, timeout: float = 600) -> dict:
+        self.process.wait(timeout)
+        lines = [line for line in self.output().splitlines() if line.startswith("RESULT")]
+        assert self.process.returncode == 0 and lines, self.output()[-4000:]
+        return json.loads(lines[-1][len("RESULT"):])
+
+    def stop(self) -> None:
+        if self.alive():
+            self.process.kill()
+            self.process.wait(60)
+
+
+def main(argv: list[str]) -> None:
+    # The stages log through `logging`: a lease wait or takeover shows in the writer's log.
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+    mode, root, *rest = argv
+    try:
+        result = mds_main(root) if mode == "mds" else skip_main(root, rest)
+    except Exception as exc:
+        print("ERROR" + json.dumps({"type": type(exc).__name__, "error": str(exc)}), flush=True)
+        raise SystemExit(1) from exc
+    print("RESULT" + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,159 @@
+"""Leases in the storage: exclusive create, a holder named when the wait runs out, takeover
+of an expired lease, a lost lease refusing commits; the same on local disk and on the S3
+test server (whose conditional puts are checked first, directly). Reader leases and the
+retention of trees."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from prx_assets.stages.shards.trees import TreeStore, hold_current_tree, new_tree_version
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.leases import (
+    Lease,
+    LeaseBody,
+    LeaseHeldError,
+    LeaseLostError,
+    Owner,
+    current_run_id,
+    held_versions,
+    lease_file,
+    take_reader_lease,
+    writer_lease,
+)
+from prx_assets.storage.refs import Location
+
+
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path) -> Location:
+    if request.param == "local":
+        return Storage(str(tmp_path / "data")).location()
+    return Storage(request.getfixturevalue("s3_root")).location()
+
+
+def test_the_s3_test_server_implements_conditional_create_and_replace(s3_server):
+    """SeaweedFS (the test server): If-None-Match: * refuses an existing key, If-Match
+    refuses a stale ETag and accepts the current one. The S3 lease relies on exactly this."""
+    import botocore.exceptions as bx
+
+    client = s3_server.client()
+    s3_server.create_bucket("prx-tests")
+    key = f"lease-probe-{time.time_ns()}"
+    first = client.put_object(Bucket="prx-tests", Key=key, Body=b"1", IfNoneMatch="*")
+    with pytest.raises(bx.ClientError) as refused:
+        client.put_object(Bucket="prx-tests", Key=key, Body=b"2", IfNoneMatch="*")
+    assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    second = client.put_object(Bucket="prx-tests", Key=key, Body=b"3", IfMatch=first["ETag"])
+    with pytest.raises(bx.ClientError) as stale:
+        client.put_object(Bucket="prx-tests", Key=key, Body=b"4", IfMatch=first["ETag"])
+    assert stale.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    assert client.get_object(Bucket="prx-tests", Key=key)["Body"].read() == b"3"
+    assert second["ETag"] != first["ETag"]
+
+
+def test_a_second_writer_fails_naming_the_holder_then_gets_the_released_lease(root):
+    token = current_run_id.set("run-1234")
+    try:
+        holder = writer_lease(root, "mds_shards", "web", wait_s=60).acquire()
+    finally:
+        current_run_id.reset(token)
+    with pytest.raises(LeaseHeldError) as held:
+        writer_lease(root, "mds_shards", "web", wait_s=0).acquire()
+    assert "run run-1234" in str(held.value) and "pid" in str(held.value)
+    # Another asset or another source is another lease.
+    writer_lease(root, "skip_lists", "web", wait_s=0).acquire().release()
+    writer_lease(root, "mds_shards", "other", wait_s=0).acquire().release()
+    holder.release()
+    with writer_lease(root, "mds_shards", "web", wait_s=0) as second:
+        second.check()
+
+
+def test_an_expired_lease_is_taken_over_and_its_old_holder_may_not_commit(root):
+    location = root / "leases" / "writers" / "mds_shards" / "web.json"
+    dead = Owner("elsewhere", 1, "run-dead", "token-dead")
+    expired = LeaseBody(location.uri, dead, time.time() - 100, time.time() - 1)
+    assert lease_file(location).create(expired.encode()) is not None  # a killed holder's
+    taken: list[str] = []
+    with Lease(location, wait_s=0, log=taken.append) as lease:
+        assert any("took over from run run-dead" in line for line in taken)
+        lease.check()
+        # Its own lease stolen (as if it had expired and another writer took over): the
+        # renewal notices and a commit check refuses.
+        current = lease_file(location).read()
+        assert current is not None
+        thief = LeaseBody(location.uri, Owner("x", 2, None, "t"), time.time(), time.time() + 60)
+        assert lease_file(location).replace(thief.encode(), current[1]) is not None
+        lease.renew()
+        with pytest.raises(LeaseLostError, match="replaced by another owner"):
+            lease.check()
+    # The thief's lease is left as it was: the old holder does not release it.
+    data = lease_file(location).read()
+    assert data is not None and json.loads(data[0])["owner"]["token"] == "t"
+
+
+def test_the_heartbeat_keeps_a_short_lease_alive(tmp_path):
+    root = Storage(str(tmp_path / "data")).location()
+    with writer_lease(root, "captions", "web", ttl_s=0.6, wait_s=0) as lease:
+        first = lease._body
+        assert first is not None
+        # Wait on the lease file itself, not a clock: the heartbeat rewrites it.
+        file = lease_file(lease.location)
+        start = file.read()
+        while file.read() == start:
+            time.sleep(0.05)
+        lease.check()
+        with pytest.raises(LeaseHeldError):
+            writer_lease(root, "captions", "web", wait_s=0).acquire()
+
+
+def test_reader_leases_hold_versions_until_they_expire_or_are_released(root):
+    live = take_reader_lease(root, "web", "20260101T000000000000Z", 3600)
+    gone = take_reader_lease(root, "web", "20260102T000000000000Z", -1)  # already expired
+    assert held_versions(root, "web") == {"20260101T000000000000Z"}
+    assert not gone.location.exists()  # expired lease files are cleaned on the way
+    live.release()
+    assert held_versions(root, "web") == set()
+
+
+def _tree(store: TreeStore, version: str) -> None:
+    (store.tree(version) / "tree.json").write_text("{}")
+
+
+def test_prune_keeps_the_current_tree_recent_ones_and_leased_ones(tmp_path):
+    storage = Storage(str(tmp_path / "data"))
+    store = TreeStore(storage.mds_root, "web")
+    store.prepare()
+    day = timedelta(days=1)
+    now = datetime(2026, 6, 30, tzinfo=UTC)
+    versions = [(now - age).strftime("%Y%m%dT%H%M%S%fZ") for age in (20 * day, 15 * day,
+                                                                        10 * day, day)]
+    for version in versions:
+        _tree(store, version)
+    store.publish(versions[-1], expected=None)
+    take_reader_lease(storage.location(), "web", versions[0], 3600)
+    removed = store.prune(timedelta(days=7), now=now)
+    # [0] superseded 15 days ago but leased; [1] superseded 10 days ago: removed; [2]
+    # superseded a day ago: within retention; [3] current.
+    assert removed == [versions[1]]
+    assert store.versions() == [versions[0], versions[2], versions[3]]
+
+
+def test_mds_uri_with_a_lease_holds_the_tree_it_prints(data_root, capsys):
+    from prx_assets import cli
+
+    store = TreeStore(Storage(str(data_root)).mds_root, "web")
+    store.prepare()
+    version = new_tree_version()
+    _tree(store, version)
+    store.publish(version, expected=None)
+    assert cli.main(["mds-uri", "web", "--lease", "2"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == str(store.tree(version).path.resolve())
+    assert f"holds tree {version}" in out.err and "reader lease" in out.err
+    assert held_versions(Storage(str(data_root)).location(), "web") == {version}
+    tree, lease = hold_current_tree(Storage(str(data_root)).mds_root, "web", 60)
+    assert tree.name == version and lease.expires_at > time.time()
