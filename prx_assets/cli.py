@@ -98,7 +98,15 @@ def _mds_uri(args: argparse.Namespace) -> int:
     from prx_assets.stages.shards.trees import current_tree_uri
     from prx_assets.storage.layout import Storage
 
+    if (args.source is None) == (args.subset is None):
+        print("error: name a SOURCE or --subset NAME (one of them)", file=sys.stderr)
+        return 2
     try:
+        if args.subset is not None:
+            from prx_assets.stages.subsets.build import current_subset_uri
+
+            print(current_subset_uri(Storage.from_env(), args.subset))
+            return 0
         print(current_tree_uri(Storage.from_env(), args.source))
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -134,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     uri = sub.add_parser("mds-uri", help="print the URI of SOURCE's current MDS tree (a "
                                           "folder or s3:// prefix; <uri>/<tier>/<W>x<H> is a "
                                           "stream)")
-    uri.add_argument("source")
+    uri.add_argument("source", nargs="?")
+    uri.add_argument("--subset", metavar="NAME", help="a subset's tree instead (subsets.yaml)")
     uri.set_defaults(func=_mds_uri)
     browse = sub.add_parser("browse", help="serve the corpus browser (a web app over the tables)")
     browse.add_argument("--host", default="127.0.0.1",

@@ -9,6 +9,7 @@ trainer's environment as it is (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,10 +18,14 @@ from pathlib import Path
 from streaming import Stream
 
 from prx_assets.stages.ingest.sources import load_sources
-from prx_assets.stages.shards.trees import leaf_names, leaf_samples, source_trees
+from prx_assets.stages.shards.trees import TreeStore, leaf_names, leaf_samples, source_trees
+from prx_assets.stages.subsets.tree import SUBSETS_DIR
+from prx_assets.storage.layout import MDS_DIR
 from prx_assets.storage.object_store import is_object_store, split_uri
 from prx_assets.storage.refs import Location, as_location
 
+# A weight's key naming a subset's tree rather than a source's: `subset:<name>`.
+SUBSET_PREFIX = "subset:"
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "prx-mds-cache"
 
 
@@ -43,6 +48,17 @@ def default_weights(sources_file: Path | None = None) -> dict[str, float]:
     return {s.name: s.weight for s in load_sources(sources_file).sources if s.weight > 0}
 
 
+def stream_trees(root: Location, key: str) -> TreeStore:
+    """The trees a weight names: a source's, or with `subset:NAME` a subset's
+    (`mds/subsets/NAME`); `root` is the MDS root or, locally, the data root above it."""
+    if not key.startswith(SUBSET_PREFIX):
+        return source_trees(root, key)
+    if root.is_local and not os.path.lexists(root.path / SUBSETS_DIR) \
+            and os.path.lexists(root.path / MDS_DIR / SUBSETS_DIR):
+        root = root / MDS_DIR
+    return TreeStore(root / SUBSETS_DIR, key.removeprefix(SUBSET_PREFIX))
+
+
 def plan_leaves(mds_root: Location | Path | str, tier: int, weights: Mapping[str, float]
                 ) -> list[Leaf]:
     """Each source's weight split across its leaves of `tier` by their sample counts.
@@ -59,7 +75,7 @@ def plan_leaves(mds_root: Location | Path | str, tier: int, weights: Mapping[str
     for source, weight in sorted(weights.items()):
         if weight <= 0:
             continue
-        tree = source_trees(root, source).current_tree()
+        tree = stream_trees(root, source).current_tree()
         counted = [(tree / name, leaf_samples(tree / name)) for name in leaf_names(tree)
                    if name.split("/")[0] == str(tier)]
         counted = [(leaf, n) for leaf, n in counted if n > 0]
