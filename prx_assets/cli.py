@@ -63,7 +63,7 @@ def _search(args: argparse.Namespace) -> int:
 
     try:
         hits = search_text(_corpus(), args.text, k=args.k, source=args.source,
-                           label=args.label)
+                           label=args.label, where=args.where)
     except SearchError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -75,7 +75,8 @@ def _similar(args: argparse.Namespace) -> int:
     from prx_assets.stages.corpus.search import SearchError, format_hits, similar
 
     try:
-        hits = similar(_corpus(), args.id, k=args.k, source=args.source, label=args.label)
+        hits = similar(_corpus(), args.id, k=args.k, source=args.source, label=args.label,
+                       where=args.where)
     except SearchError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -118,6 +119,9 @@ def _add_query_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", help="only this source")
     parser.add_argument("--label", choices=["visual", "text", "nsfw"], help="only this label")
     parser.add_argument("--k", type=int, default=10, help="how many results (default 10)")
+    parser.add_argument("--where", action="append", default=[], metavar="CONDITION",
+                        help="an attribute condition, repeatable: medium=photo, "
+                             "subjects=animal,food, watermark=false, aesthetic_quality>=4")
 
 
 def main(argv: list[str] | None = None) -> int:

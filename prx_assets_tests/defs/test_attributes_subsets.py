@@ -5,9 +5,12 @@ import json
 
 import dagster as dg
 import lance
+import pyarrow as pa
 import pyarrow.compute as pc
+import pytest
 
 from prx_assets.defs.attributes import AttributerResource, attribute_checks, build_attributes
+from prx_assets.defs.corpus import build_corpus_asset
 from prx_assets.defs.resources import (
     CaptionerResource,
     ClassifierResource,
@@ -15,9 +18,23 @@ from prx_assets.defs.resources import (
     SourcesResource,
     StorageResource,
 )
+from prx_assets.models.embeddings import MiniLMEmbedder
+from prx_assets.stages.corpus.search import SearchError, search_text
+from prx_assets.storage.refs import TableRef
 from prx_assets_tests.conftest import write_sources
-from prx_assets_tests.fixtures.corpus_tables import CAPTION_VERSION, write_source
+from prx_assets_tests.fixtures.corpus_tables import (
+    CAPTION_VERSION,
+    CLASSIFIER_VERSION,
+    write_source,
+)
 from prx_assets_tests.fixtures.labelled_captions import labelled_test_captions
+
+
+class FixedClassifier(ClassifierResource):
+    """The classifier version the fixture's labels were written under."""
+
+    def classifier_version(self) -> str:
+        return CLASSIFIER_VERSION
 
 
 def resources_for(tmp_path, **extra):
@@ -33,9 +50,11 @@ def resources_for(tmp_path, **extra):
 def test_attributes_are_tagged_once_per_version_as_typed_columns(ray_session, data_root,
                                                                  tmp_path):
     rows = labelled_test_captions()
-    write_source(data_root / "lance", "web", [(i.split(":")[1], c, l) for i, c, l in rows], None)
+    write_source(data_root / "lance", "web", [(i.split(":")[1], c, l) for i, c, l in rows],
+                 MiniLMEmbedder())  # with caption labels: the corpus is built below
     partitions = dg.StaticPartitionsDefinition(["web"])
-    resources = resources_for(tmp_path)
+    resources = resources_for(tmp_path, classifier=ClassifierResource(
+        backend="embedded"))
     instance = dg.DagsterInstance.ephemeral()
     assets = [build_attributes(partitions), *attribute_checks(partitions)]
 
@@ -63,6 +82,26 @@ def test_attributes_are_tagged_once_per_version_as_typed_columns(ray_session, da
     assert lance.dataset(str(data_root / "lance/attributes/web.lance")).count_rows() == 6
     assert pc.all(pc.equal(table.to_table(columns=["status"]).column(0), "ok")).as_py()
     json.dumps(meta["reasons"].value)
+
+    # The corpus carries the active records' typed columns; search filters on them.
+    resources["classifier"] = FixedClassifier()
+    built = dg.materialize([build_corpus_asset(partitions)], resources=resources,
+                           instance=instance)
+    assert built.success
+    corpus = TableRef.of(data_root / "lance/corpus.lance")
+    assert corpus.open().schema.field("medium").type == pa.string()
+    corpus_meta = built.get_asset_materialization_events()[0].materialization.metadata
+    assert corpus_meta["input_version/attributes/web"].value == table.version
+    hits = search_text(corpus, "battery", k=5, where=["medium=document"])
+    assert [h.id for h in hits] == ["web:text1"]
+    assert search_text(corpus, "battery", k=5, where=["medium=photo"]) == []
+    subjects = set(table.to_table(filter="id = 'web:text1'").column("subjects")[0].as_py())
+    assert [h.id for h in search_text(corpus, "battery", k=5, where=[
+        "subjects=" + ",".join(sorted(subjects)), "watermark=false"])] == ["web:text1"]
+    with pytest.raises(SearchError, match="hologram"):
+        search_text(corpus, "battery", where=["medium=hologram"])
+    with pytest.raises(SearchError, match=r"1\.\.5"):
+        search_text(corpus, "battery", where=["aesthetic_quality>=9"])
 
 
 def test_subsets_asset_builds_one_partition_per_subset_with_lineage(data_root, tmp_path):
