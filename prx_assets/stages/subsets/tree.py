@@ -41,7 +41,7 @@ from prx_assets.stages.shards.trees import (
 from prx_assets.storage.refs import Location
 
 SUBSETS_DIR = "subsets"  # under the MDS root: mds/subsets/<name>
-SUBSET_COLUMNS = {**MDS_COLUMNS, "license": "str"}
+SUBSET_COLUMNS = dict(MDS_COLUMNS)  # the design's sample with `license`
 
 
 def subset_store(mds_root: Location, name: str,

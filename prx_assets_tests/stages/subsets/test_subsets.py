@@ -2,6 +2,7 @@
 labels, tiers, skip lists, caps, target), the subset's own tree (bytes as stored, the
 license per sample, streamable as it is), and the card beside every tree's manifest."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -46,7 +47,8 @@ def two_trees(data_root):
     storage = Storage(str(data_root))
     for seed, source in enumerate(("web", "lake")):
         build_corpus(data_root, source, per_shape=6, seed=seed)
-        mds.write_mds_tree(inputs_for(data_root, source), data_root, source,
+        inputs = dataclasses.replace(inputs_for(data_root, source), license=LICENSES[source])
+        mds.write_mds_tree(inputs, data_root, source,
                            plan.WriteOptions(size_limit=60_000, parallel=False))
         ids = sorted(storage.table(MDS_SAMPLES, source).to_table(columns=["id"])
                      .column("id").to_pylist())
@@ -117,6 +119,7 @@ def test_a_subset_is_its_own_streamable_tree_with_lineage_and_a_card(two_trees, 
             ds = StreamingDataset(local=str(current_tree(data_root, source) / leaf),
                                   shuffle=False, batch_size=1)
             stored.update({s["id"]: s["image"].fp.getvalue() for s in ds})
+            assert {s["license"] for s in ds} == {LICENSES[source]}  # carried per sample
     seen = {}
     for leaf in built.tree.leaves:
         for sample in StreamingDataset(local=str(tree / leaf), shuffle=False, batch_size=1):
