@@ -130,7 +130,10 @@ def card_markdown(card: dict) -> str:
     lines += [f"- {reason}: {n:,}" for reason, n in card["skips"].items()] or ["- none"]
     if card.get("selection"):
         lines += ["", "## Selection", ""]
-        lines += [f"- dropped by {k}: {v:,}" for k, v in card["selection"].items()] \
+        selection = dict(card["selection"])
+        if "candidates" in selection:
+            lines.append(f"- candidates: {selection.pop('candidates'):,}")
+        lines += [f"- dropped by {k}: {v:,}" for k, v in selection.items()] \
             or ["- nothing dropped"]
     lines += ["", "## Versions", ""]
     lines += [f"- {k}: `{v}`" for k, v in card["versions"].items()]
@@ -152,6 +155,9 @@ def _share_section(title: str, groups: Mapping[str, Mapping[str, Mapping[str, An
     if not any(groups.values()):
         return [*lines, "None recorded."]
     for name, shares in groups.items():
+        if not shares:  # e.g. the qualities of caption-derived records
+            lines.append(f"- {name}: not recorded")
+            continue
         parts = ", ".join(f"{value} {s['share']:.0%}" for value, s in shares.items())
         lines.append(f"- {name}: {parts}")
     return lines
