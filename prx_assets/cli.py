@@ -68,7 +68,7 @@ def _search(args: argparse.Namespace) -> int:
 
     try:
         hits = search_text(_corpus(), args.text, k=args.k, source=args.source,
-                           label=args.label)
+                           label=args.label, where=args.where)
     except SearchError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -80,7 +80,8 @@ def _similar(args: argparse.Namespace) -> int:
     from prx_assets.stages.corpus.search import SearchError, format_hits, similar
 
     try:
-        hits = similar(_corpus(), args.id, k=args.k, source=args.source, label=args.label)
+        hits = similar(_corpus(), args.id, k=args.k, source=args.source, label=args.label,
+                       where=args.where)
     except SearchError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -134,8 +135,20 @@ def _mds_uri(args: argparse.Namespace) -> int:
     from prx_assets.stages.shards.trees import current_tree_uri, hold_current_tree
     from prx_assets.storage.layout import Storage
 
+    if (args.source is None) == (args.subset is None):
+        print("error: name a SOURCE or --subset NAME (one of them)", file=sys.stderr)
+        return 2
+    if args.subset is not None and args.lease is not None:
+        print("error: --lease holds a source's tree; a subset's trees are not leased yet",
+              file=sys.stderr)
+        return 2
     storage = Storage.from_env()
     try:
+        if args.subset is not None:
+            from prx_assets.stages.subsets.build import current_subset_uri
+
+            print(current_subset_uri(storage, args.subset))
+            return 0
         if args.lease is None:
             print(current_tree_uri(storage, args.source))
             return 0
@@ -154,6 +167,9 @@ def _add_query_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", help="only this source")
     parser.add_argument("--label", choices=["visual", "text", "nsfw"], help="only this label")
     parser.add_argument("--k", type=int, default=10, help="how many results (default 10)")
+    parser.add_argument("--where", action="append", default=[], metavar="CONDITION",
+                        help="an attribute condition, repeatable: medium=photo, "
+                             "subjects=animal,food, watermark=false, aesthetic_quality>=4")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     uri = sub.add_parser("mds-uri", help="print the URI of SOURCE's current MDS tree (a "
                                           "folder or s3:// prefix; <uri>/<tier>/<W>x<H> is a "
                                           "stream)")
-    uri.add_argument("source")
+    uri.add_argument("source", nargs="?")
+    uri.add_argument("--subset", metavar="NAME", help="a subset's tree instead (subsets.yaml)")
     uri.add_argument("--lease", type=float, metavar="HOURS",
                      help="hold the tree for HOURS with a reader lease (not removed meanwhile, "
                           "whatever its retention); the lease id goes to stderr")

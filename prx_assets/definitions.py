@@ -7,10 +7,12 @@ run them per source or across sources.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import dagster as dg
 
+from prx_assets.defs.attributes import AttributerResource, attribute_defs
 from prx_assets.defs.captions import caption_defs
 from prx_assets.defs.corpus import corpus_defs
 from prx_assets.defs.dedup import dedup_defs
@@ -31,7 +33,9 @@ from prx_assets.defs.resources import (
 from prx_assets.defs.semantic import ImageEncoderResource, semantic_defs
 from prx_assets.defs.shards import shard_defs
 from prx_assets.defs.skip_lists import skip_list_defs
+from prx_assets.defs.subsets import SUBSETS_GROUP, subset_defs
 from prx_assets.stages.ingest.sources import load_sources, sources_path
+from prx_assets.stages.subsets.definitions import subsets_path
 from prx_assets.storage.tables import (
     CONCEPTS,
     CORPUS,
@@ -52,6 +56,8 @@ CORPUS_ASSETS = dg.AssetSelection.assets(CORPUS)
 # the global semantic duplicates and concepts (before skip_lists_job, which applies them).
 EMBEDDING_ASSETS = dg.AssetSelection.assets(IMAGE_EMBEDDINGS)
 SEMANTIC_ASSETS = dg.AssetSelection.assets(SEMANTIC_DUPLICATES, CONCEPTS)
+# Subsets are partitioned by subset, not by source: subsets_job runs them (after skip lists).
+SUBSET_ASSETS = dg.AssetSelection.groups(SUBSETS_GROUP)
 
 
 def pipeline_jobs(partitions: dg.PartitionsDefinition) -> list[dg.UnresolvedAssetJobDefinition]:
@@ -62,7 +68,7 @@ def pipeline_jobs(partitions: dg.PartitionsDefinition) -> list[dg.UnresolvedAsse
             # Ends with the source's skip lists: a fresh tree never goes out without the
             # sidecars that apply the opt-outs recorded so far (fail closed).
             selection=(dg.AssetSelection.all() - GLOBAL_ASSETS - CORPUS_ASSETS
-                       - EMBEDDING_ASSETS - SEMANTIC_ASSETS),
+                       - EMBEDDING_ASSETS - SEMANTIC_ASSETS - SUBSET_ASSETS),
             description="Every asset of the corpus for one source, ending with its skip "
                         "lists."),
         dg.define_asset_job("dedup_job", selection=GLOBAL_ASSETS,
@@ -78,9 +84,11 @@ def pipeline_jobs(partitions: dg.PartitionsDefinition) -> list[dg.UnresolvedAsse
     ]
 
 
-def build_defs(sources_file: Path | None = None, captioner_file: Path | None = None
-               ) -> dg.Definitions:
+def build_defs(sources_file: Path | None = None, captioner_file: Path | None = None,
+               subsets_file: Path | None = None) -> dg.Definitions:
+    """`subsets_file` defaults to `$PRX_SUBSETS`, or `subsets.yaml` beside the sources file."""
     sources_file = Path(sources_file) if sources_file else sources_path()
+    subsets_file = Path(subsets_file) if subsets_file else default_subsets_file(sources_file)
     captioner = captioner_from_file(captioner_file)
     partitions = source_partitions(load_sources(sources_file))
     storage = StorageResource()
@@ -89,6 +97,7 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
         image_defs(partitions),
         caption_defs(partitions, captioner),
         label_defs(partitions),
+        attribute_defs(partitions),
         dedup_defs(),
         opt_out_defs(str(sources_file)),
         shard_defs(partitions),
@@ -96,6 +105,7 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
         corpus_defs(partitions),
         semantic_defs(partitions),
         report_defs(),
+        subset_defs(subsets_file),
     ]
     shared = dg.Definitions(
         jobs=pipeline_jobs(partitions),
@@ -106,9 +116,16 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
             "lance_io_manager": RayLanceIOManager(storage=storage),
             "captioner": captioner,
             "classifier": ClassifierResource(),
+            "attributer": AttributerResource(),
             "image_encoder": ImageEncoderResource(),
         })
     return dg.Definitions.merge(*stages, shared)
+
+
+def default_subsets_file(sources_file: Path) -> Path:
+    if os.environ.get("PRX_SUBSETS"):
+        return subsets_path()
+    return sources_file.resolve().parent / "subsets.yaml"
 
 
 @dg.definitions

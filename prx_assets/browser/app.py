@@ -62,6 +62,7 @@ from prx_assets.browser.auth import (
     is_loopback,
     same_origin,
 )
+from prx_assets.browser.cards import published, tree_card
 from prx_assets.browser.catalog import BadQuery, Catalog, NotFound
 from prx_assets.browser.facets import Query
 from prx_assets.browser.links import dagster_home_instance, dagster_url, run_url
@@ -124,6 +125,16 @@ def grid_page(request: Request, state: BrowserState) -> Response:
                         shapes=queries.shape_grid(result.facets.get("tier_shape", [])),
                         page_size=queries.PAGE_SIZE, max_hits=queries.MAX_SEARCH_HITS,
                         max_facet_rows=queries.MAX_FACET_ROWS)
+
+
+def cards_page(request: Request, state: BrowserState) -> Response:
+    """Every published tree's card: the list, and one card when the path names it."""
+    storage = state.catalog.storage
+    kind, name = request.path_params.get("kind"), request.path_params.get("name")
+    found = tree_card(storage, kind, name) if kind and name else None
+    if kind and found is None:
+        return state.not_found(request, f"no published {kind} tree named {name!r}")
+    return state.render(request, "cards.html", trees=published(storage), card=found)
 
 
 def sample_page(request: Request, state: BrowserState) -> Response:
@@ -360,6 +371,8 @@ ROUTES: list[tuple[str, Handler, tuple[str, ...]]] = [
     ("/duplicates", duplicates_page, ("GET",)),
     ("/rejected", rejected_page, ("GET",)),
     ("/random", random_sample, ("GET",)),
+    ("/cards", cards_page, ("GET",)),
+    ("/cards/{kind}/{name}", cards_page, ("GET",)),
     ("/thumb/{sample_id}", thumbnail_jpeg, ("GET",)),
     ("/image/{sample_id}", image_jpeg, ("GET",)),
     ("/reject-thumb/{sample_id}", reject_jpeg, ("GET",)),

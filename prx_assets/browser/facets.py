@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.browser.catalog import NAME, BadQuery, Catalog, Sidecar, valid_id
+from prx_assets.stages.attributes.schema import field_named
 from prx_assets.stages.labels.labels import LABELS
 from prx_assets.storage.tables import DUPLICATES, MDS_SAMPLES
 
@@ -36,6 +37,10 @@ DUP_VALUES = ("duplicate", "kept", "unique")
 # Read with each row's address: the duplicate and skip facets are counted from it, so the
 # facet scan reads no strings but the two low-cardinality ones.
 FACET_COLUMNS = ["source", "label", "tier", "width", "height"]
+# Attribute facets (corpus columns when the corpus carries attributes): one value each, and
+# the qualities as "at least N" range filters (`<name>_min`), counted cumulatively.
+ATTRIBUTE_FACETS = ("medium", "visible_text", "people", "setting", "style", "watermark")
+QUALITY_FACETS = ("aesthetic_quality", "technical_quality")
 # Id sets that feed a facet filter (duplicates, skip reasons) are read with this limit.
 MAX_ID_SET = 100_000
 
@@ -53,6 +58,8 @@ class Query:
     dup: str = ""
     skip: str = ""
     page: int = 0
+    attributes: tuple[tuple[str, str], ...] = ()  # (attribute, value) of ATTRIBUTE_FACETS
+    minimums: tuple[tuple[str, int], ...] = ()  # (quality, at least) of QUALITY_FACETS
 
     @classmethod
     def parse(cls, params: dict[str, str]) -> Query:
@@ -82,20 +89,43 @@ class Query:
         if not page_text.isdigit() or int(page_text) > 100_000:
             raise BadQuery("page must be a small number")
         return cls(text, similar, source, label, int(tier_text) if tier_text else None, shape,
-                   dup, skip, int(page_text))
+                   dup, skip, int(page_text), *_attribute_params(params))
 
     def params(self, **changes: object) -> dict[str, str]:
         """URL parameters of this query with some changed ('' removes one); page resets."""
         values = {"q": self.text, "similar": self.similar, "source": self.source,
                   "label": self.label, "tier": "" if self.tier is None else str(self.tier),
-                  "shape": self.shape, "dup": self.dup, "skip": self.skip, "page": ""}
+                  "shape": self.shape, "dup": self.dup, "skip": self.skip, "page": "",
+                  **dict(self.attributes),
+                  **{f"{name}_min": str(n) for name, n in self.minimums}}
         values.update({k: "" if v is None else str(v) for k, v in changes.items()})
         return {k: v for k, v in values.items() if v}
 
     @property
     def filtered(self) -> bool:
         return any((self.source, self.label, self.tier is not None, self.shape, self.dup,
-                    self.skip))
+                    self.skip, self.attributes, self.minimums))
+
+
+def _attribute_params(params: dict[str, str]
+                      ) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, int], ...]]:
+    """The attribute facets a URL chooses, checked against the attribute schema."""
+    chosen = []
+    for name in ATTRIBUTE_FACETS:
+        value = params.get(name) or ""
+        if value:
+            allowed = [str(v).lower() for v in field_named(name).values]
+            if value not in allowed:
+                raise BadQuery(f"{name} must be one of {', '.join(allowed)}")
+            chosen.append((name, value))
+    minimums = []
+    for name in QUALITY_FACETS:
+        text = params.get(f"{name}_min") or ""
+        if text:
+            if not text.isdigit() or int(text) not in field_named(name).values:
+                raise BadQuery(f"{name}_min must be 1 to 5")
+            minimums.append((name, int(text)))
+    return tuple(chosen), tuple(minimums)
 
 
 # ------------------------------------------------------------------------------- id sets
@@ -195,6 +225,10 @@ def corpus_filter(query: Query, sets: IdSets | None) -> pc.Expression | None:
     if query.shape:
         width, height = query.shape.split("x")
         parts.append((pc.field("width") == int(width)) & (pc.field("height") == int(height)))
+    for name, value in query.attributes:
+        parts.append(pc.field(name) == (value == "true" if name == "watermark" else value))
+    for name, least in query.minimums:
+        parts.append(pc.field(name) >= least)
     if query.dup and sets is not None:
         dups = sets["dup"]
         if query.dup == "unique":
@@ -297,7 +331,7 @@ def facet_counts(rows: pa.Table, sets: IdSets | None, members: Membership | None
                  ) -> dict[str, list[tuple[str, int]]]:
     """Counts per value of each facet among `rows` (the current matches, with `_rowaddr`
     when `members` counts the duplicate and skip facets)."""
-    facets = _column_facets(rows)
+    facets = {**_column_facets(rows), **attribute_facets(rows)}
     if sets is not None and members is not None:
         addresses = RowAddresses(rows.column("_rowaddr").to_numpy())
         dup_counts = {v: members.count(("dup", v), addresses) for v in ("duplicate", "kept")}
@@ -331,3 +365,27 @@ def _column_facets(rows: pa.Table) -> dict[str, list[tuple[str, int]]]:
     return {"source": ordered("source"), "label": ordered("label"),
             "tier": sorted(sums["tier"].items(), key=lambda p: int(p[0])),
             "shape": ordered("shape"), "tier_shape": ordered("tier_shape")}
+
+
+def facet_columns(table: LanceDataset) -> list[str]:
+    """The columns the facets count: the corpus's own, and its attributes when it has them
+    (a corpus built before attributes has none)."""
+    names = set(table.schema.names)
+    return [*FACET_COLUMNS, *(c for c in (*ATTRIBUTE_FACETS, *QUALITY_FACETS) if c in names)]
+
+
+def attribute_facets(rows: pa.Table) -> dict[str, list[tuple[str, int]]]:
+    """Counts per attribute value among the matches, and per quality "at least N"."""
+    facets: dict[str, list[tuple[str, int]]] = {}
+    for name in ATTRIBUTE_FACETS:
+        if name in rows.column_names:
+            counts = pc.value_counts(pc.drop_null(rows.column(name)))
+            pairs = [(str(v["values"].as_py()).lower(), int(v["counts"].as_py()))
+                     for v in counts]
+            facets[name] = sorted(pairs, key=lambda p: (-p[1], p[0]))
+    for name in QUALITY_FACETS:
+        if name in rows.column_names:
+            values = pc.drop_null(rows.column(name)).to_numpy(zero_copy_only=False)
+            cumulative = [(str(n), int((values >= n).sum())) for n in range(5, 0, -1)]
+            facets[f"{name}_min"] = [(v, c) for v, c in cumulative if c]
+    return facets

@@ -20,11 +20,11 @@ import pyarrow.compute as pc
 
 from prx_assets.browser.catalog import Catalog, NotFound, valid_id
 from prx_assets.browser.facets import (
-    FACET_COLUMNS,
     IdSet,
     IdSets,
     Query,
     corpus_filter,
+    facet_columns,
     facet_counts,
     id_sets,
     membership,
@@ -133,19 +133,20 @@ def grid(catalog: Catalog, query: Query, with_facets: bool = True) -> Grid:
     start = query.page * PAGE_SIZE
     facet_rows: pa.Table | None = None
     if query.text or query.similar:
-        hits = _ranked(table, query, where, [*FACET_COLUMNS, "id", "caption"])
+        columns = facet_columns(table)
+        hits = _ranked(table, query, where, [*columns, "id", "caption"])
         total = hits.num_rows
         tiles = _tiles(hits.slice(start, PAGE_SIZE), "_score" if query.text else "_distance")
         capped = bool(query.text) and total >= MAX_SEARCH_HITS
         if with_facets:
-            facet_rows = hits.select([*FACET_COLUMNS, "_rowaddr"])
+            facet_rows = hits.select([*columns, "_rowaddr"])
     else:
         total = table.count_rows(filter=where)
         tiles = _tiles(table.to_table(columns=GRID_COLUMNS, filter=where, offset=start,
                                       limit=PAGE_SIZE))
         capped = False
         if with_facets:
-            facet_rows = table.to_table(columns=FACET_COLUMNS, filter=where,
+            facet_rows = table.to_table(columns=facet_columns(table), filter=where,
                                         limit=MAX_FACET_ROWS, with_row_address=True)
     facets = ({} if facet_rows is None else
               facet_counts(facet_rows, sets, membership(catalog, table, sets)))

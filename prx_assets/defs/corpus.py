@@ -22,6 +22,7 @@ from prx_assets.defs.metadata import (
     recorded,
 )
 from prx_assets.engine.progress import StageProgress
+from prx_assets.stages.attributes.runs import active_attributes_filter
 from prx_assets.stages.captions.captions import active_caption_filter
 from prx_assets.stages.corpus.corpus import (
     CORPUS_SCHEMA,
@@ -31,27 +32,47 @@ from prx_assets.stages.corpus.corpus import (
     update_corpus,
 )
 from prx_assets.stages.labels.labels import active_labels_filter
+from prx_assets.stages.shards.card import dominant_version
+from prx_assets.storage.filters import eq_filter
 from prx_assets.storage.layout import Storage
-from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS, CORPUS, PHASHES
+from prx_assets.storage.tables import (
+    ATTRIBUTES,
+    BUCKETED_IMAGES,
+    CAPTION_LABELS,
+    CAPTIONS,
+    CORPUS,
+    PHASHES,
+)
 
-INPUTS = (BUCKETED_IMAGES, PHASHES, CAPTIONS, CAPTION_LABELS)
+INPUTS = (BUCKETED_IMAGES, PHASHES, CAPTIONS, CAPTION_LABELS, ATTRIBUTES)
 INPUT_VERSION = "input_version/"
 
 
 def source_tables(store: Storage, source: str, caption_version: str,
                   classifier_version: str) -> SourceTables:
     """A source's inputs pinned at their latest versions: what is read is what is recorded."""
+    attribute_table = store.table(ATTRIBUTES, source)
+    attributes = attribute_table.pinned() if attribute_table.exists() else None
+    # The attribute version in use: the one most of this caption version's records carry.
+    attribute_version = dominant_version(attributes, "attribute_version",
+                                         eq_filter("caption_version", caption_version)) \
+        if attributes is not None else None
     return SourceTables(
         source, store.table(BUCKETED_IMAGES, source), store.table(CAPTIONS, source),
         store.table(CAPTION_LABELS, source), store.table(PHASHES, source),
         active_caption_filter(caption_version),
-        active_labels_filter(caption_version, classifier_version)).pinned()
+        active_labels_filter(caption_version, classifier_version),
+        attributes if attribute_version else None,
+        active_attributes_filter(caption_version, attribute_version)
+        if attribute_version else None).pinned()
 
 
 def pinned_versions(tables: SourceTables) -> dict:
     """Metadata entries `input_version/<table>/<source>` of exactly the versions read."""
     versions = {BUCKETED_IMAGES: tables.bucketed.version, CAPTIONS: tables.captions.version,
                 CAPTION_LABELS: tables.labels.version, PHASHES: tables.phashes.version}
+    if tables.attributes is not None:
+        versions[ATTRIBUTES] = tables.attributes.version
     return {f"{INPUT_VERSION}{table}/{tables.name}": -1 if v is None else v
             for table, v in versions.items()}
 

@@ -20,6 +20,7 @@ from prx_assets.defs.metadata import (
 from prx_assets.defs.report import duration_metadata
 from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
 from prx_assets.stages.captions.captions import active_caption_filter
+from prx_assets.stages.shards.card import source_licenses
 from prx_assets.stages.shards.mds import write_mds_tree
 from prx_assets.stages.shards.plan import DEFAULT_ROWS_PER_PART, SampleInputs, WriteOptions
 from prx_assets.stages.shards.publish import TreeReport
@@ -58,7 +59,8 @@ def sample_inputs(context: dg.AssetExecutionContext, store: Storage,
             materialized_lance_version(context.instance, BUCKETED_IMAGES, source)),
         captions=store.table(CAPTIONS, source).at(
             materialized_lance_version(context.instance, CAPTIONS, source)),
-        caption_filter=active_caption_filter(caption_version))
+        caption_filter=active_caption_filter(caption_version),
+        license=source_licenses([source])[source])
 
 
 def build_mds_shards(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefinition:

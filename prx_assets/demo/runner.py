@@ -8,14 +8,24 @@ from pathlib import Path
 
 import dagster as dg
 
-from prx_assets.definitions import build_defs
+from prx_assets.definitions import build_defs, default_subsets_file
 from prx_assets.defs.report import tag_run_with_warnings
 from prx_assets.demo.console import short_console_logger, wrap
 from prx_assets.engine import ray_runtime
 from prx_assets.stages.ingest.sources import load_sources
 from prx_assets.stages.report.funnel import format_funnel, source_funnel
+from prx_assets.stages.shards.card import CARD_MD
+from prx_assets.stages.subsets.definitions import load_subsets
+from prx_assets.stages.subsets.tree import subset_store
 from prx_assets.storage.layout import Storage
-from prx_assets.storage.tables import CONCEPTS, CORPUS, DUPLICATES, MDS_SAMPLES, SEMANTIC_DUPLICATES
+from prx_assets.storage.tables import (
+    CONCEPTS,
+    CORPUS,
+    DUPLICATES,
+    MDS_SAMPLES,
+    SEMANTIC_DUPLICATES,
+    SUBSETS,
+)
 
 # The console shows INFO and above (progress lines, warnings, failures): Dagster's DEBUG
 # events (step starts, handled outputs, ...) are two thirds of what a run prints. The run's
@@ -90,7 +100,7 @@ def materialize_all(sources_file: Path, instance: dg.DagsterInstance | None = No
     if runs and all(run.success for run in runs):  # the corpus table spans every source
         runs.append(_partition_run("(all sources: corpus_table_job)",
                                    _run(defs.resolve_job_def("corpus_table_job"), instance)))
-    return runs
+    return runs + _subset_runs(defs, instance, sources_file)
 
 
 def _semantic_runs(defs: dg.Definitions, instance: dg.DagsterInstance, sources: list[str]
@@ -116,6 +126,32 @@ def _after_all_sources(defs: dg.Definitions, instance: dg.DagsterInstance,
             runs.append(_partition_run(f"{source} (skip_lists_job)", _run(
                 defs.resolve_job_def("skip_lists_job"), instance, partition_key=source)))
     return runs
+
+
+def _subset_runs(defs: dg.Definitions, instance: dg.DagsterInstance, sources_file: Path
+                 ) -> list[PartitionRun]:
+    """The first subset of the subsets file beside the sources (after the skip lists: a
+    subset never carries a skipped sample)."""
+    names = load_subsets(default_subsets_file(sources_file)).names
+    if not names:
+        return []
+    return [_partition_run(f"(subset {names[0]}: subsets_job)", _run(
+        defs.resolve_job_def("subsets_job"), instance, partition_key=names[0]))]
+
+
+def subset_card_lines(storage: Storage, runs: list[PartitionRun]) -> list[str]:
+    """The card of each subset built, as its Markdown."""
+    lines = []
+    for run in runs:
+        tree = run.metadata.get(SUBSETS, {})
+        if not tree:
+            continue
+        name = run.source.split(" ")[1].rstrip(":")
+        card = subset_store(storage.mds_root, name).current_tree() / CARD_MD
+        lines += ["", f"== subset {name}: {tree.get('samples')} samples -> {tree.get('path')}",
+                  f"   (prx-assets mds-uri --subset {name}; its card, {card}:)", "",
+                  *card.read_text().splitlines()]
+    return lines
 
 
 def _materialization_metadata(result: dg.ExecuteInProcessResult) -> dict:
@@ -211,6 +247,8 @@ def print_summary(runs: list[PartitionRun], sources_file: Path) -> None:
         corpus = run.metadata.get(CORPUS, {})
         if corpus:
             print(f"   corpus: {corpus.get('dagster/row_count')} rows -> {corpus.get('path')}")
+    for line in subset_card_lines(storage, runs):
+        print(line)
     print()
     for line in check_lines(runs):
         print("\n".join(wrap(line)))

@@ -9,6 +9,7 @@ trainer's environment as it is (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
 
 from __future__ import annotations
 
+import os
 import tempfile
 import warnings
 from collections.abc import Mapping
@@ -19,15 +20,20 @@ from streaming import Stream
 
 from prx_assets.stages.ingest.sources import load_sources
 from prx_assets.stages.shards.trees import (
+    TreeStore,
     hold_current_tree,
     leaf_names,
     leaf_samples,
     source_trees,
 )
+from prx_assets.stages.subsets.tree import SUBSETS_DIR
+from prx_assets.storage.layout import MDS_DIR
 from prx_assets.storage.leases import READER_TTL_S, ReaderLeaseKeeper
 from prx_assets.storage.object_store import is_object_store, split_uri
 from prx_assets.storage.refs import Location, as_location
 
+# A weight's key naming a subset's tree rather than a source's: `subset:<name>`.
+SUBSET_PREFIX = "subset:"
 DEFAULT_CACHE = Path(tempfile.gettempdir()) / "prx-mds-cache"
 
 
@@ -50,6 +56,17 @@ def default_weights(sources_file: Path | None = None) -> dict[str, float]:
     return {s.name: s.weight for s in load_sources(sources_file).sources if s.weight > 0}
 
 
+def stream_trees(root: Location, key: str) -> TreeStore:
+    """The trees a weight names: a source's, or with `subset:NAME` a subset's
+    (`mds/subsets/NAME`); `root` is the MDS root or, locally, the data root above it."""
+    if not key.startswith(SUBSET_PREFIX):
+        return source_trees(root, key)
+    if root.is_local and not os.path.lexists(root.path / SUBSETS_DIR) \
+            and os.path.lexists(root.path / MDS_DIR / SUBSETS_DIR):
+        root = root / MDS_DIR
+    return TreeStore(root / SUBSETS_DIR, key.removeprefix(SUBSET_PREFIX))
+
+
 def plan_leaves(mds_root: Location | Path | str, tier: int, weights: Mapping[str, float],
                 trees: Mapping[str, Location] | None = None) -> list[Leaf]:
     """Each source's weight split across its leaves of `tier` by their sample counts.
@@ -68,7 +85,7 @@ def plan_leaves(mds_root: Location | Path | str, tier: int, weights: Mapping[str
         if weight <= 0:
             continue
         tree = trees[source] if trees and source in trees \
-            else source_trees(root, source).current_tree()
+            else stream_trees(root, source).current_tree()
         counted = [(tree / name, leaf_samples(tree / name)) for name in leaf_names(tree)
                    if name.split("/")[0] == str(tier)]
         counted = [(leaf, n) for leaf, n in counted if n > 0]
@@ -91,7 +108,7 @@ def hold_trees(mds_root: Location | Path | str, weights: Mapping[str, float],
     trees: dict[str, Location] = {}
     leases = []
     for source, weight in sorted(weights.items()):
-        if weight <= 0:
+        if weight <= 0 or source.startswith(SUBSET_PREFIX):  # subset trees: not leased yet
             continue
         try:
             trees[source], lease = hold_current_tree(root, source, seconds)

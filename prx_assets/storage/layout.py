@@ -59,6 +59,14 @@ class Storage:
     def from_env(cls) -> Storage:
         return cls(os.environ.get(DATA_ROOT_ENV) or DEFAULT_DATA_ROOT)
 
+    @classmethod
+    def above(cls, mds_root: Location) -> Storage:
+        """The storage whose MDS root is `mds_root`, with that handle's settings (a tree
+        store knows its MDS root only)."""
+        storage = cls(mds_root.parent.uri)
+        object.__setattr__(storage, "settings", mds_root.settings)
+        return storage
+
     @property
     def is_local(self) -> bool:
         return "://" not in self.root

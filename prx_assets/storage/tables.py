@@ -11,6 +11,7 @@ CAPTIONS = "captions"
 CAPTION_LABELS = "caption_labels"
 MDS_SAMPLES = "mds_samples"  # which shard and index holds each sample of the current tree
 IMAGE_EMBEDDINGS = "image_embeddings"  # one vector per kept image and encoder
+ATTRIBUTES = "attributes"  # one structured record per kept image, caption and attribute version
 
 DUPLICATES = "duplicates"
 OPT_OUTS = "opt_outs"
@@ -19,10 +20,11 @@ SEMANTIC_DUPLICATES = "semantic_duplicates"  # SemDeDup groups across sources
 CONCEPTS = "concepts"  # hierarchical k-means cluster per sample per level, balance flag
 
 PER_SOURCE = (RAW_IMAGES, BUCKETED_IMAGES, PHASHES, CAPTIONS, CAPTION_LABELS, MDS_SAMPLES,
-              IMAGE_EMBEDDINGS)
+              IMAGE_EMBEDDINGS, ATTRIBUTES)
 GLOBAL = (DUPLICATES, OPT_OUTS, CORPUS, SEMANTIC_DUPLICATES, CONCEPTS)
 
 # Artifacts that are not Lance tables: each source's MDS tree and the skip-list sidecars
 # beside its shards (assets of these names record them).
 MDS_SHARDS = "mds_shards"
 SKIP_LISTS = "skip_lists"
+SUBSETS = "subsets"  # one MDS tree per subset of subsets.yaml (`mds/subsets/<name>`)

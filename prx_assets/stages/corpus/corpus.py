@@ -34,6 +34,7 @@ from PIL import Image
 
 from prx_assets.engine.batches import arrow_batches, batch_fn
 from prx_assets.models.embeddings import EMBEDDING_DIM
+from prx_assets.stages.attributes.schema import fields as attribute_fields
 from prx_assets.storage.filters import eq_filter
 from prx_assets.storage.lance_tables import (
     FragmentPolicy,
@@ -73,8 +74,12 @@ CORPUS_SCHEMA = pa.schema([
     pa.field("phash", pa.int64()),
     pa.field("embedding", pa.list_(pa.float32(), EMBEDDING_DIM)),
     pa.field("thumbnail", pa.binary()),
+    # The active attribute record's typed columns (null without one) and where it came from.
+    pa.field("attribute_origin", pa.string()),
+    *(pa.field(f.name, f.arrow_type) for f in attribute_fields()),
 ])
-META_COLUMNS = ["caption", "label", "phash", "embedding"]
+ATTRIBUTE_COLUMNS = [f.name for f in attribute_fields()]
+META_COLUMNS = ["caption", "label", "phash", "embedding", "attribute_origin", *ATTRIBUTE_COLUMNS]
 IMAGE_COLUMNS = ["id", "source", "tier", "width", "height", "image"]
 
 
@@ -90,15 +95,25 @@ class SourceTables:
     phashes: TableRef
     caption_filter: str
     labels_filter: str
+    # The source's attribute records and the filter of the active ones (optional: a source
+    # without attributes gets null attribute columns).
+    attributes: TableRef | None = None
+    attributes_filter: str | None = None
 
     def pinned(self) -> SourceTables:
         """Every input at its latest version now (what is read is what lineage records)."""
+        attributes = self.attributes.pinned() if self.attributes is not None \
+            and self.attributes.exists() else None
         return replace(self, bucketed=self.bucketed.pinned(), captions=self.captions.pinned(),
-                       labels=self.labels.pinned(), phashes=self.phashes.pinned())
+                       labels=self.labels.pinned(), phashes=self.phashes.pinned(),
+                       attributes=attributes)
 
     def versions(self) -> dict[str, int | None]:
-        return {"bucketed": self.bucketed.version, "captions": self.captions.version,
-                "labels": self.labels.version, "phashes": self.phashes.version}
+        versions = {"bucketed": self.bucketed.version, "captions": self.captions.version,
+                    "labels": self.labels.version, "phashes": self.phashes.version}
+        if self.attributes is not None:
+            versions["attributes"] = self.attributes.version
+        return versions
 
 
 @dataclass
@@ -143,7 +158,7 @@ def _read(table: TableRef, columns: list[str], filter: str | None = None) -> pa.
 def _lookup(ids: pa.Array, table: pa.Table, columns: list[str]) -> list[pa.Array]:
     """`columns` of `table` for each id (null where it has no row)."""
     positions = pc.index_in(ids, value_set=table.column("id"))
-    return [table.column(c).take(positions) for c in columns]
+    return [table.column(c).combine_chunks().take(positions) for c in columns]
 
 
 def source_metadata(tables: SourceTables) -> pa.Table:
@@ -155,8 +170,19 @@ def source_metadata(tables: SourceTables) -> pa.Table:
     phash, = _lookup(labels.column("id"), phashes, ["phash"])
     meta = pa.table({"id": labels.column("id"), "caption": caption,
                      "label": labels.column("label"), "phash": phash,
-                     "embedding": labels.column("embedding")})
+                     "embedding": labels.column("embedding"),
+                     **source_attributes(tables, labels.column("id"))})
     return meta.filter(pc.is_valid(meta.column("caption")))
+
+
+def source_attributes(tables: SourceTables, ids: pa.ChunkedArray) -> dict[str, pa.Array]:
+    """The active attribute columns of `ids` (all null without an attributes table)."""
+    columns = ["attribute_origin", *ATTRIBUTE_COLUMNS]
+    if tables.attributes is None or not tables.attributes.exists():
+        return {c: pa.nulls(len(ids), CORPUS_SCHEMA.field(c).type) for c in columns}
+    records = _read(tables.attributes, ["id", "origin", *ATTRIBUTE_COLUMNS],
+                    tables.attributes_filter).rename_columns(["id", *columns])
+    return dict(zip(columns, _lookup(ids.combine_chunks(), records, columns), strict=True))
 
 
 def corpus_batch(batch: pa.Table, meta: pa.Table) -> pa.Table:

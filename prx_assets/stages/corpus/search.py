@@ -6,13 +6,16 @@ them. Errors say what to do: build the corpus, pick a known id.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import lance
 import numpy as np
 import pyarrow as pa
 
-from prx_assets.storage.filters import all_of, eq_filter
+from prx_assets.stages.attributes.schema import field_named
+from prx_assets.storage.filters import all_of, eq_filter, in_filter, sql_string
 from prx_assets.storage.object_store import ObjectStoreError
 from prx_assets.storage.refs import TableRef
 
@@ -74,9 +77,46 @@ def open_corpus(corpus: TableRef) -> lance.LanceDataset:
     return table
 
 
-def _filters(source: str | None, label: str | None) -> str | None:
+def _filters(source: str | None, label: str | None, where: Sequence[str] = ()
+             ) -> str | None:
     return all_of(eq_filter("source", source) if source else None,
-                  eq_filter("label", label) if label else None)
+                  eq_filter("label", label) if label else None,
+                  *(attribute_filter(condition) for condition in where))
+
+
+_CONDITION = re.compile(r"^\s*([a-z_]+)\s*(>=|<=|=)\s*(.+?)\s*$")
+
+
+def attribute_filter(condition: str) -> str:
+    """One attribute condition as Lance SQL: `medium=photo`, `medium=photo,painting` (any
+    of), `subjects=animal` (holds it), `watermark=false`, `aesthetic_quality>=4`. Names and
+    values are checked against the attribute schema, so nothing else reaches the SQL."""
+    match = _CONDITION.match(condition)
+    if not match:
+        raise SearchError(f"bad attribute condition {condition!r}: write field=value, "
+                          "field>=N or field<=N")
+    name, op, text = match.groups()
+    try:
+        f = field_named(name)
+    except KeyError as exc:
+        raise SearchError(str(exc.args[0])) from None
+    if f.kind == "integer":
+        if not text.isdigit() or int(text) not in f.values:
+            raise SearchError(f"{name}: {text!r} is not in {f.values[0]}..{f.values[-1]}")
+        return f"{name} {op} {int(text)}"
+    if op != "=":
+        raise SearchError(f"{name} takes =, not {op}")
+    values = [v.strip() for v in text.split(",")]
+    if f.kind == "boolean":
+        if values[0] not in ("true", "false") or len(values) > 1:
+            raise SearchError(f"{name}: true or false")
+        return f"{name} = {values[0]}"
+    unknown = [v for v in values if v not in f.values]
+    if unknown:
+        raise SearchError(f"{name}: {unknown} not among {list(f.values)}")
+    if f.kind == "enum_list":
+        return "(" + " OR ".join(f"array_has({name}, {sql_string(v)})" for v in values) + ")"
+    return in_filter(name, values)
 
 
 def _has_index(table: lance.LanceDataset, column: str) -> bool:
@@ -84,7 +124,7 @@ def _has_index(table: lance.LanceDataset, column: str) -> bool:
 
 
 def search_text(corpus: TableRef, text: str, k: int = 10, source: str | None = None,
-                label: str | None = None) -> list[Hit]:
+                label: str | None = None, where: Sequence[str] = ()) -> list[Hit]:
     """Captions matching `text` (BM25 over the inverted index), best first."""
     if not text.strip():
         raise SearchError("empty query: give some words to search for")
@@ -93,7 +133,7 @@ def search_text(corpus: TableRef, text: str, k: int = 10, source: str | None = N
         raise EmptyCorpus(f"the corpus at {corpus} has no full-text index on caption: "
                           "rematerialise `corpus`")
     result = table.to_table(columns=[*RESULT_COLUMNS, "_score"], full_text_query=text, limit=k,
-                            filter=_filters(source, label), prefilter=True)
+                            filter=_filters(source, label, where), prefilter=True)
     return _hits(result, "_score")
 
 
@@ -105,11 +145,11 @@ def embedding_of(table: lance.LanceDataset, sample_id: str) -> np.ndarray:
 
 
 def similar(corpus: TableRef, sample_id: str, k: int = 10, source: str | None = None,
-            label: str | None = None) -> list[Hit]:
+            label: str | None = None, where: Sequence[str] = ()) -> list[Hit]:
     """The k captions nearest to `sample_id`'s (cosine), the image itself left out."""
     table = open_corpus(corpus)
     query = embedding_of(table, sample_id)
-    result = nearest(table, query, k + 1, _filters(source, label))
+    result = nearest(table, query, k + 1, _filters(source, label, where))
     hits = [h for h in _hits(result, "_distance") if h.id != sample_id]
     return hits[:k]
 

@@ -104,7 +104,8 @@ def write_part(spec: PartSpec, inputs: SampleInputs, options: WriteOptions) -> l
             texts = _rows_by_id(captions._take_rows(spec.caption_rows[start:stop].tolist(),
                                                     columns=["id", "caption"]))
             for sample_id in spec.ids[start:stop]:
-                writer.write(_sample(images[sample_id], texts[sample_id]["caption"]))
+                writer.write(_sample(images[sample_id], texts[sample_id]["caption"],
+                                     inputs.license))
             failpoint("mds.write_part")
     return json.loads(json.dumps(writer.shards))
 
@@ -113,11 +114,11 @@ def _rows_by_id(table: pa.Table) -> dict[str, dict]:
     return {row["id"]: row for row in table.to_pylist()}
 
 
-def _sample(row: dict, caption: str) -> dict:
+def _sample(row: dict, caption: str, license: str) -> dict:
     return {"image": bytes(row["image"]), "caption": caption, "id": row["id"],
             "source": row["source"], "width": int(row["width"]), "height": int(row["height"]),
             "original_width": int(row["original_width"]),
-            "original_height": int(row["original_height"])}
+            "original_height": int(row["original_height"]), "license": license}
 
 
 def write_parts(specs: list[PartSpec], inputs: SampleInputs, options: WriteOptions

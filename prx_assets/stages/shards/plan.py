@@ -35,6 +35,7 @@ MDS_COLUMNS = {
     "height": "int",
     "original_width": "int",
     "original_height": "int",
+    "license": "str",  # the source's `license` in sources.yaml (an addition to the contract)
 }
 # What a sample's fingerprint is made of: columns read without touching image bytes or
 # caption text. The image stage rewrites a changed image's row (new phash, pixels, shape);
@@ -57,6 +58,7 @@ class SampleInputs:
     captions: TableRef
     caption_filter: str  # Lance SQL selecting the active, usable caption rows
     exclude_ids: frozenset[str] = frozenset()  # e.g. a rewrite without skipped samples
+    license: str = "unknown"  # the source's license, written into every sample
 
     def pinned(self) -> SampleInputs:
         return dataclasses.replace(self, bucketed=self.bucketed.pinned(),
@@ -78,7 +80,8 @@ def build_settings(inputs: SampleInputs, options: WriteOptions) -> dict:
     """What every shard of a tree depends on besides the samples: a change means a full
     build (the old shards would differ from new ones)."""
     return {"size_limit": options.size_limit, "compression": options.compression,
-            "caption_filter": inputs.caption_filter, "columns": MDS_COLUMNS}
+            "caption_filter": inputs.caption_filter, "columns": MDS_COLUMNS,
+            "license": inputs.license}
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from prx_assets.engine.failpoints import failpoint
+from prx_assets.stages.shards.card import write_source_card
 from prx_assets.stages.shards.mapping import update_mapping, write_mapping
 from prx_assets.stages.shards.merge import (
     LeafEntries,
@@ -167,7 +168,8 @@ def write_manifest(build: Build, *, carried: list[str], samples: int,
     names the older versions whose shards this one also holds (with this version: the
     mapping's tree_version values; see `lineage`);
     `mapping_base_version` lets a later run tell whether this build's mapping commit
-    happened before a kill (see finish_interrupted_publish)."""
+    happened before a kill (see finish_interrupted_publish). The tree's card goes in first."""
+    write_source_card(build)
     (build.staging / TREE_MANIFEST).write_text(json.dumps({
         "source": build.source, "tree_version": build.version, "samples": samples,
         "bucketed_version": build.inputs.bucketed.version,

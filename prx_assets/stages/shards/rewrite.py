@@ -59,7 +59,8 @@ def pinned_inputs(storage: Storage | str | Path, source: str, caption_filter: st
     return SampleInputs(
         bucketed=storage.table(BUCKETED_IMAGES, source).at(manifest.get("bucketed_version")),
         captions=storage.table(CAPTIONS, source).at(manifest.get("captions_version")),
-        caption_filter=caption_filter)
+        caption_filter=caption_filter,
+        license=(manifest.get("settings") or {}).get("license", "unknown"))
 
 
 def _ids(table: TableRef, condition: str | None = None) -> set[str]:

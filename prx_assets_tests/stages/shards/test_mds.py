@@ -16,6 +16,7 @@ from streaming import Stream, StreamingDataset
 from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.stages.shards import mds, parts, plan, trees, verify
+from prx_assets.stages.shards.card import CARD_JSON, CARD_MD
 from prx_assets.stages.shards.mapping import MDS_SAMPLES_SCHEMA
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import Location
@@ -95,10 +96,12 @@ def test_same_inputs_give_byte_identical_trees(ray_session, data_root):
     first = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", full)
     second = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", full)
     assert first.tree_version != second.tree_version
+    # The manifest and the card name their own version (and when it was written).
+    per_version = (trees.TREE_MANIFEST, CARD_JSON, CARD_MD)
     files = sorted(p.relative_to(first.path) for p in first.path.rglob("*")
-                   if p.is_file() and p.name != trees.TREE_MANIFEST)
+                   if p.is_file() and p.name not in per_version)
     assert files and files == sorted(p.relative_to(second.path) for p in second.path.rglob("*")
-                                     if p.is_file() and p.name != trees.TREE_MANIFEST)
+                                     if p.is_file() and p.name not in per_version)
     for rel in files:
         assert (first.path / rel).read_bytes() == (second.path / rel).read_bytes(), rel
     assert trees.current_tree(data_root, "web") == second.path

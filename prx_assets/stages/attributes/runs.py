@@ -1,0 +1,309 @@
+"""Incremental attribute tagging of one source.
+
+Work = the active caption version's usable captions minus the ids already tagged under the
+same (caption version, attribute version) pair, with a record at least as new as their
+caption. Rows are tagged by the spec's backend in Ray and merge-inserted in chunks keyed on
+(id, caption_version, attribute_version) by the chunked-commit runner: a killed run loses at
+most the chunk in flight, a rerun never doubles a row, an engine failure (`failed`) is
+retried on the next run, and an answer that never validated is kept as `invalid` with why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray.data
+
+from prx_assets.engine.batches import batch_fn
+from prx_assets.engine.chunked import (
+    ChunkedReport,
+    ChunkedRun,
+    CommitTarget,
+    drop_ids,
+    run_chunked,
+)
+from prx_assets.stages.attributes.backends import (
+    INSTRUCTIONS,
+    VLLMAttributeSettings,
+    chat_prompt,
+    load_decoder,
+    tagged_from_answers,
+    vllm_sampling_params,
+    vllm_tagged,
+)
+from prx_assets.stages.attributes.caption_derived import DESCRIPTIONS, CaptionAttributer
+from prx_assets.stages.attributes.schema import (
+    FINAL_STATUSES,
+    ORIGIN_CAPTION,
+    ORIGIN_MODEL,
+    SCHEMA_VERSION,
+    STATUS_OK,
+    Tagged,
+    attribute_rows,
+    attributes_schema,
+    parse_record,
+    schema_text,
+    validate,
+)
+from prx_assets.storage.filters import all_of, eq_filter, in_filter
+from prx_assets.storage.lance_tables import FragmentPolicy, create_empty
+from prx_assets.storage.refs import TableRef
+
+ATTRIBUTE_KEYS = ["id", "caption_version", "attribute_version"]
+ATTRIBUTES_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
+CAPTION_COLUMNS = ["id", "caption_version", "caption"]
+BACKENDS = ("caption", "transformers", "vllm")
+
+
+@dataclass(frozen=True)
+class AttributerSpec:
+    """Which backend tags images, with what; the fields that change a record are hashed
+    into the attribute version."""
+
+    backend: str = "caption"  # the CPU default: derived from captions (MiniLM zero-shot)
+    model: str = ""  # transformers: a local folder; vllm: see `vllm`
+    schema_version: str = SCHEMA_VERSION
+    batch_size: int = 32
+    actors: int = 1
+    threads_per_actor: int = 1
+    vllm: VLLMAttributeSettings = field(default_factory=VLLMAttributeSettings)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"attribute backend {self.backend!r}: one of {BACKENDS}")
+        if self.backend == "transformers" and not self.model:
+            raise ValueError("the transformers attribute backend needs a model folder")
+
+    @property
+    def origin(self) -> str:
+        return ORIGIN_CAPTION if self.backend == "caption" else ORIGIN_MODEL
+
+    @property
+    def model_name(self) -> str:
+        if self.backend == "caption":
+            from prx_assets.models.embeddings import MODEL_ID
+            return MODEL_ID
+        return self.vllm.model if self.backend == "vllm" else self.model
+
+    def version(self) -> str:
+        """`<backend>-<12 hex>` of the schema, model, prompt or descriptions, sampling."""
+        parts: dict = {"schema": schema_text(self.schema_version), "model": self.model_name}
+        if self.backend == "caption":
+            from prx_assets.models.embeddings import model_fingerprint
+            parts.update(descriptions=DESCRIPTIONS, weights=model_fingerprint())
+        else:
+            parts.update(prompt=INSTRUCTIONS, decoding="structured")
+        if self.backend == "vllm":
+            parts.update(sampling=vllm_sampling_params(), retries=self.vllm.retries,
+                         image_budget=self.vllm.image_budget)
+        blob = json.dumps(parts, sort_keys=True, default=str).encode()
+        return f"{self.backend}-{hashlib.sha256(blob).hexdigest()[:12]}"
+
+
+def active_attributes_filter(caption_version: str, attribute_version: str) -> str:
+    """Lance SQL for the rows downstream reads: the active pair's valid records."""
+    condition = all_of(eq_filter("caption_version", caption_version),
+                       eq_filter("attribute_version", attribute_version),
+                       eq_filter("status", STATUS_OK))
+    assert condition is not None  # three conditions, none empty
+    return condition
+
+
+def _done_filter(caption_version: str, attribute_version: str) -> str:
+    condition = all_of(eq_filter("caption_version", caption_version),
+                       eq_filter("attribute_version", attribute_version),
+                       in_filter("status", FINAL_STATUSES))
+    assert condition is not None
+    return condition
+
+
+# --- the stages (Ray Data callables) -------------------------------------------------------
+
+class CaptionAttributeStage:
+    """The CPU default: one MiniLM per actor; caption rows in, attribute rows out."""
+
+    def __init__(self, attribute_version: str, schema_version: str, threads: int = 1):
+        self.version = attribute_version
+        self.schema_version = schema_version
+        self.attributer = CaptionAttributer(version=schema_version, threads=threads)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        records = self.attributer.records(batch.column("caption").to_pylist())
+        tagged = [_checked(i, cv, record, ORIGIN_CAPTION, self.schema_version)
+                  for i, cv, record in zip(batch.column("id").to_pylist(),
+                                           batch.column("caption_version").to_pylist(),
+                                           records, strict=True)]
+        return attribute_rows(tagged, self.version, self.schema_version)
+
+
+def _checked(id_: str, caption_version: str, record: dict, origin: str, schema_version: str
+             ) -> Tagged:
+    """A record validated before it is written; a caption-derived one may leave fields out."""
+    errors = validate(record, schema_version, partial=origin == ORIGIN_CAPTION)
+    if errors:
+        return Tagged(id_, caption_version, None, "invalid", origin, "; ".join(errors)[:500])
+    return Tagged(id_, caption_version, record, STATUS_OK, origin)
+
+
+class TransformersAttributeStage:
+    """Local weights under `StructuredDecoder`: one model per actor."""
+
+    def __init__(self, model: str, attribute_version: str, schema_version: str,
+                 threads: int = 1):
+        self.decoder = load_decoder(model, threads)
+        self.version = attribute_version
+        self.schema_version = schema_version
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        tagged = [self.tag(i, cv, caption) for i, cv, caption in zip(
+            batch.column("id").to_pylist(), batch.column("caption_version").to_pylist(),
+            batch.column("caption").to_pylist(), strict=True)]
+        return attribute_rows(tagged, self.version, self.schema_version)
+
+    def tag(self, id_: str, caption_version: str, caption: str | None) -> Tagged:
+        try:
+            answer = self.decoder.decode(chat_prompt(self.decoder.tokenizer, caption))
+        except Exception as exc:  # one bad row is recorded, the partition goes on
+            return Tagged(id_, caption_version, None, "failed", ORIGIN_MODEL,
+                          f"{type(exc).__name__}: {exc}"[:500])
+        record, reason = parse_record(answer, self.schema_version)
+        status = STATUS_OK if record is not None else "invalid"
+        return Tagged(id_, caption_version, record, status, ORIGIN_MODEL, reason)
+
+
+def with_images(batch: pa.Table, bucketed: TableRef) -> pa.Table:
+    """The vLLM backend's requests: caption rows with their image bytes (one Lance read
+    per batch, by id)."""
+    ids = batch.column("id").to_pylist()
+    images = bucketed.to_table(columns=["id", "image"], filter=in_filter("id", ids))
+    return batch.join(images, "id", join_type="inner")
+
+
+def _vllm_rows(batch: pa.Table, attribute_version: str, schema_version: str) -> pa.Table:
+    return attribute_rows(tagged_from_answers(batch.to_pydict()), attribute_version,
+                          schema_version)
+
+
+def attribute_stage(pending: ray.data.Dataset, spec: AttributerSpec,
+                    bucketed: TableRef | None = None) -> ray.data.Dataset:
+    """Caption rows in, `attributes_schema` rows out, through the spec's backend."""
+    version = spec.version()
+    pool = {"batch_format": "pyarrow", "batch_size": spec.batch_size,
+            "compute": ray.data.ActorPoolStrategy(size=max(1, spec.actors)),
+            "num_cpus": spec.threads_per_actor}
+    if spec.backend == "caption":
+        return pending.map_batches(CaptionAttributeStage, fn_constructor_kwargs={
+            "attribute_version": version, "schema_version": spec.schema_version,
+            "threads": spec.threads_per_actor}, **pool)  # type: ignore[arg-type]
+    if spec.backend == "transformers":
+        return pending.map_batches(TransformersAttributeStage, fn_constructor_kwargs={
+            "model": spec.model, "attribute_version": version,
+            "schema_version": spec.schema_version,
+            "threads": spec.threads_per_actor}, **pool)  # type: ignore[arg-type]
+    if bucketed is None:
+        raise ValueError("the vllm attribute backend reads images: pass the bucketed table")
+    requests = pending.map_batches(batch_fn(with_images), fn_kwargs={"bucketed": bucketed},
+                                   batch_format="pyarrow", batch_size=spec.vllm.batch_size)
+    return vllm_tagged(requests, spec.vllm).map_batches(
+        batch_fn(_vllm_rows), fn_kwargs={"attribute_version": version,
+                               "schema_version": spec.schema_version},
+        batch_format="pyarrow", batch_size=None)
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+@dataclass
+class AttributeRunReport(ChunkedReport):
+    caption_version: str
+    attribute_version: str
+    statuses: Counter = field(default_factory=Counter)
+    reasons: list[str] = field(default_factory=list)  # a few invalid or failed examples
+    to_tag: int = 0
+
+
+def attributes_target(table: TableRef, schema_version: str = SCHEMA_VERSION) -> CommitTarget:
+    return CommitTarget(table, attributes_schema(schema_version), ATTRIBUTE_KEYS,
+                        ATTRIBUTES_FRAGMENTS)
+
+
+def ensure_attributes_table(table: TableRef, schema_version: str = SCHEMA_VERSION) -> int:
+    return create_empty(table, attributes_schema(schema_version))
+
+
+def tagged_ids(attributes: TableRef, captions: TableRef, caption_filter: str,
+               caption_version: str, attribute_version: str) -> pa.Array:
+    """Ids with a final record under the pair no older than their caption row (a caption
+    written again since, for a changed source item, is tagged again)."""
+    if not attributes.exists():
+        return pa.array([], pa.string())
+    done = attributes.latest().to_table(
+        columns=["id", "created_at"], filter=_done_filter(caption_version, attribute_version))
+    captioned = captions.to_table(columns=["id", "created_at"], filter=caption_filter)
+    joined = done.join(captioned.rename_columns(["id", "captioned_at"]), "id")
+    fresh = pc.greater_equal(joined.column("created_at"), joined.column("captioned_at"))
+    return joined.filter(fresh).column("id").combine_chunks()
+
+
+def tag_source(captions: TableRef, attributes: TableRef, caption_version: str,
+               caption_filter: str, spec: AttributerSpec, bucketed: TableRef | None = None,
+               chunk_rows: int = 1024,
+               on_chunk: Callable[[AttributeRunReport], None] | None = None
+               ) -> AttributeRunReport:
+    """Tag the pending captions of one source; `captions` pinned by the caller is the
+    version tagged (the lineage it records)."""
+    report = AttributeRunReport(caption_version, spec.version())
+    ensure_attributes_table(attributes, spec.schema_version)
+    captions = captions.pinned()
+    done = tagged_ids(attributes, captions, caption_filter, caption_version,
+                      report.attribute_version)
+    report.to_tag = max(0, captions.count_rows(filter=caption_filter) - len(done))
+    pending = drop_ids(captions.read(columns=CAPTION_COLUMNS, filter=caption_filter), done) \
+        if report.to_tag else None
+
+    def count(chunk: pa.Table, run: ChunkedRun) -> None:
+        report.commits = run
+        report.statuses.update(chunk.column("status").to_pylist())
+        bad = chunk.filter(pc.is_valid(chunk.column("error"))).column("error").to_pylist()
+        report.reasons.extend(bad[: max(0, 5 - len(report.reasons))])
+        if on_chunk:
+            on_chunk(report)
+
+    report.commits = run_chunked(pending, lambda rows: attribute_stage(rows, spec, bucketed),
+                                 attributes_target(attributes, spec.schema_version),
+                                 chunk_rows, on_chunk=count)
+    return report
+
+
+@dataclass(frozen=True)
+class AttributeCoverage:
+    captions: int  # usable captions of the active version
+    statuses: dict[str, int]  # status -> records under the active pair
+
+    @property
+    def valid(self) -> int:
+        return self.statuses.get(STATUS_OK, 0)
+
+    @property
+    def recorded(self) -> int:
+        return sum(self.statuses.values())
+
+    @property
+    def share(self) -> float:
+        return self.valid / self.captions if self.captions else 1.0
+
+
+def attribute_coverage(captions: TableRef, attributes: TableRef, caption_filter: str,
+                       caption_version: str, attribute_version: str) -> AttributeCoverage:
+    usable = captions.count_rows(filter=caption_filter) if captions.exists() else 0
+    if not attributes.exists():
+        return AttributeCoverage(usable, {})
+    condition = all_of(eq_filter("caption_version", caption_version),
+                       eq_filter("attribute_version", attribute_version))
+    rows = attributes.to_table(columns=["status"], filter=condition)
+    return AttributeCoverage(usable, dict(Counter(rows.column("status").to_pylist())))
