@@ -7,6 +7,7 @@ import dagster as dg
 import numpy as np
 import pyarrow as pa
 
+from prx_assets.defs.leases import asset_lease
 from prx_assets.defs.metadata import browser_link, incremental_metadata
 from prx_assets.defs.resources import SourcesResource
 from prx_assets.engine.batches import arrow_batches
@@ -98,21 +99,22 @@ def build_image_embeddings(partitions_def: dg.PartitionsDefinition) -> dg.Assets
             raise dg.Failure(f"{bucketed} does not exist: materialise bucketed_images first")
         bucketed = bucketed.pinned()
         table = store.table(IMAGE_EMBEDDINGS, source)
-        work = plan(kept_ids(bucketed), table, encoder)
-        lineage: dict = {f"input_version/{BUCKETED_IMAGES}": bucketed.version}
-        if image_encoder.checkpoint:
-            batches = arrow_batches(image_vectors(
-                bucketed, work.todo, image_encoder.checkpoint, image_encoder.actors,
-                image_encoder.batch_size, image_encoder.threads_per_actor)) if work.todo else []
-        else:
-            labels = store.table(CAPTION_LABELS, source)
-            if labels.latest_version() is None:
-                raise dg.Failure(f"{labels} does not exist: no caption embeddings to use")
-            labels = labels.pinned()
-            lineage[f"input_version/{CAPTION_LABELS}"] = labels.version
-            batches = caption_vectors(labels, caption_version, work.todo) if work.todo else []
-        counts = write_embeddings(table, batches, encoder, work.removed)
-        index = index_vectors(table) if table.exists() else "no table"
+        with asset_lease(context, store):  # one writer per (asset, source)
+            work = plan(kept_ids(bucketed), table, encoder)
+            lineage: dict = {f"input_version/{BUCKETED_IMAGES}": bucketed.version}
+            if image_encoder.checkpoint:
+                batches = arrow_batches(image_vectors(
+                    bucketed, work.todo, image_encoder.checkpoint, image_encoder.actors,
+                    image_encoder.batch_size, image_encoder.threads_per_actor)) if work.todo else []
+            else:
+                labels = store.table(CAPTION_LABELS, source)
+                if labels.latest_version() is None:
+                    raise dg.Failure(f"{labels} does not exist: no caption embeddings to use")
+                labels = labels.pinned()
+                lineage[f"input_version/{CAPTION_LABELS}"] = labels.version
+                batches = caption_vectors(labels, caption_version, work.todo) if work.todo else []
+            counts = write_embeddings(table, batches, encoder, work.removed)
+            index = index_vectors(table) if table.exists() else "no table"
         context.log.info(f"{source}: {counts.written} embedded, {work.reused} reused, "
                          f"{len(work.removed)} removed under {encoder}")
         return dg.MaterializeResult(metadata={
