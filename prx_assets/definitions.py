@@ -2,7 +2,8 @@
 
 `build_defs(sources_file)` builds the same graph for any sources file (tests use it): each
 stage's definitions, in pipeline order, merged with the shared resources and the jobs that
-run them per source or across sources.
+run them per source or across sources, and the factory's sensors and automation conditions
+(`defs/factory.py`, off unless `PRX_FACTORY=on`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dagster as dg
 from prx_assets.defs.captions import caption_defs
 from prx_assets.defs.corpus import corpus_defs
 from prx_assets.defs.dedup import dedup_defs
+from prx_assets.defs.factory import AUTOMATED, automate, factory_defs
 from prx_assets.defs.images import image_defs
 from prx_assets.defs.ingest import ingest_defs
 from prx_assets.defs.io_managers import RayLanceIOManager
@@ -78,7 +80,8 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
                ) -> dg.Definitions:
     sources_file = Path(sources_file) if sources_file else sources_path()
     captioner = captioner_from_file(captioner_file)
-    partitions = source_partitions(load_sources(sources_file))
+    sources = load_sources(sources_file)
+    partitions = source_partitions(sources)
     storage = StorageResource()
     stages = [
         ingest_defs(partitions),
@@ -92,6 +95,7 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
         corpus_defs(partitions),
         semantic_defs(partitions),
         report_defs(),
+        factory_defs(sources),
     ]
     shared = dg.Definitions(
         jobs=pipeline_jobs(partitions),
@@ -104,7 +108,8 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
             "classifier": ClassifierResource(),
             "image_encoder": ImageEncoderResource(),
         })
-    return dg.Definitions.merge(*stages, shared)
+    return dg.Definitions.merge(*stages, shared).map_resolved_asset_specs(
+        func=automate, selection=dg.AssetSelection.assets(*AUTOMATED))
 
 
 @dg.definitions
