@@ -61,6 +61,9 @@ POINTS = {
                                  "sidecar of the new version was written (pointer not moved)",
     "storage.upsert_uncommitted": "an upsert (a chunk of a chunked run) after its merge "
                                   "wrote its data files, before the commit",
+    "storage.replace_uncommitted": "a replacement of some rows (`replace_where`: a source's "
+                                   "corpus rows) with its new files and deletion files "
+                                   "written, before its one commit",
     "storage.overwrite_uncommitted": "the driver of a whole-table write "
                                      "(write_dataset_atomically), every fragment written, "
                                      "before the commit",
