@@ -9,7 +9,7 @@ import sys
 # minutes on two cores; PRX_SCALE_IMAGES=1000 for a quick look), so it runs last.
 STAGES = ["bench.ingest", "bench.image_stage", "bench.subsampling", "bench.captions", "bench.mds",
           "bench.labels", "bench.dedup", "bench.semantic", "bench.browser", "bench.s3",
-          "bench.incremental", "bench.growth", "bench.scale"]
+          "bench.incremental", "bench.growth", "bench.source_sensor", "bench.scale"]
 
 
 def main() -> int:

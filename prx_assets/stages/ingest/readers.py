@@ -106,8 +106,11 @@ def list_unit_entries(spec: SourceSpec, location: SourceLocation) -> Iterator[tu
 
 
 def _walk_sorted(root: Path, directory: Path, suffixes: tuple[str, ...],
-                 caption_suffix: str | None = None) -> Iterator[tuple[str, str]]:
-    """A streaming, deterministic recursive walk (no full listing held in memory).
+                 caption_suffix: str | None = None, rel_dir: str = ""
+                 ) -> Iterator[tuple[str, str]]:
+    """A streaming, deterministic recursive walk (no full listing held in memory); a unit's
+    path is built as a string (`rel_dir` + name: no Path per file, the sensor's tick is
+    this walk).
 
     A folder that cannot be listed fails the walk (`ListingError`, naming the folder): its
     files would otherwise look removed, and their rows would be deleted.
@@ -119,14 +122,15 @@ def _walk_sorted(root: Path, directory: Path, suffixes: tuple[str, ...],
     by_name = {e.name: e for e in entries}
     for entry in entries:
         if entry.is_dir(follow_symlinks=False):
-            yield from _walk_sorted(root, Path(entry.path), suffixes, caption_suffix)
+            yield from _walk_sorted(root, Path(entry.path), suffixes, caption_suffix,
+                                    f"{rel_dir}{entry.name}/")
         elif entry.name.lower().endswith(suffixes):
             sig = _local_signature(entry)
             caption_name = _caption_name(entry.name, caption_suffix)
             sibling = by_name.get(caption_name) if caption_name is not None else None
             if sibling is not None:
                 sig += f"+{_local_signature(sibling)}"
-            yield Path(entry.path).relative_to(root).as_posix(), sig
+            yield f"{rel_dir}{entry.name}", sig
 
 
 def _local_signature(entry: os.DirEntry) -> str:
@@ -138,7 +142,8 @@ def _local_signature(entry: os.DirEntry) -> str:
 
 
 def _caption_name(name: str, caption_suffix: str | None) -> str | None:
-    return str(PurePosixPath(name).with_suffix(caption_suffix)) if caption_suffix else None
+    """`a.jpg` -> `a.txt` (as `PurePosixPath.with_suffix`, without building a path)."""
+    return posixpath.splitext(name)[0] + caption_suffix if caption_suffix else None
 
 
 def _walk_store(location: SourceLocation, base: str, rel_dir: str, suffixes: tuple[str, ...],
