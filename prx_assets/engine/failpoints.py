@@ -53,6 +53,8 @@ POINTS = {
                               "(and its phashes) committed",
     "captions.chunk_committed": "the captions driver, right after a chunk's merge-insert "
                                 "committed (before compaction)",
+    "labels.chunk_committed": "the labels driver, right after a chunk of caption_labels "
+                              "committed (more captions pending)",
     "mds.write_part": "a Ray task writing an MDS part inside the `.partial` tree, after its "
                       "first samples",
     "skip_lists.sidecar_written": "the skip-lists driver, right after one sidecar was "
