@@ -466,6 +466,29 @@ def test_kill_during_corpus_replace(corpus, tmp_path):
     assert more and more <= corpus.kept("more")
 
 
+def test_kill_during_dedup_and_opt_outs(corpus, tmp_path):
+    """dedup_job (the global duplicates and the opt-out audit, each one whole-table write)
+    killed with a table's fragments written but not committed: both tables keep the version
+    and rows they had; the rerun commits both, the duplicates equal to before (same
+    inputs)."""
+    tables = {name: corpus.data_root / "lance" / f"{name}.lance"
+              for name in ("duplicates", "opt_outs")}
+    before = {"duplicates": table_state(tables["duplicates"])}  # the module ran dedup_job
+    spec = corpus.spec("dedup_job", None, ["duplicates", "opt_outs"])
+    run, _ = start_run(corpus, spec, tmp_path, "storage.overwrite_uncommitted")
+    run.kill()
+    assert run.process.returncode == -9
+    mark_killed_run_failed(corpus.instance, spec.run_id)
+    # The asset held had not committed; the other may have, with the same rows (same inputs).
+    assert table_state(tables["duplicates"])["rows"] == before["duplicates"]["rows"]
+    if tables["opt_outs"].exists():
+        table_state(tables["opt_outs"])  # readable
+
+    corpus.run("dedup_job", None)
+    assert table_state(tables["duplicates"])["rows"] == before["duplicates"]["rows"]
+    assert tables["opt_outs"].exists()
+
+
 def test_ray_worker_killed_mid_task(corpus, tmp_path):
     """SIGKILL the Ray worker held inside the image stage's task: Ray Data retries the task,
     the retry passes the failpoint (it fires once per run), and the run commits exactly the
