@@ -64,4 +64,4 @@ validate: install
 	$(BIN)/dagster definitions validate -w workspace.yaml
 
 clean:
-	rm -rf data demo_corpus .dagster_home bench/out
+	rm -rf data demo_corpus .dagster_home storage history logs schedules bench/out

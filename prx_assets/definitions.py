@@ -2,7 +2,8 @@
 
 `build_defs(sources_file)` builds the same graph for any sources file (tests use it): each
 stage's definitions, in pipeline order, merged with the shared resources and the jobs that
-run them per source or across sources.
+run them per source or across sources, and the factory's sensors and automation conditions
+(`defs/factory.py`, off unless `PRX_FACTORY=on`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from prx_assets.defs.attributes import AttributerResource, attribute_defs
 from prx_assets.defs.captions import caption_defs
 from prx_assets.defs.corpus import corpus_defs
 from prx_assets.defs.dedup import dedup_defs
+from prx_assets.defs.factory import AUTOMATED, automate, factory_defs
 from prx_assets.defs.images import image_defs
 from prx_assets.defs.ingest import ingest_defs
 from prx_assets.defs.io_managers import RayLanceIOManager
@@ -90,7 +92,8 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
     sources_file = Path(sources_file) if sources_file else sources_path()
     subsets_file = Path(subsets_file) if subsets_file else default_subsets_file(sources_file)
     captioner = captioner_from_file(captioner_file)
-    partitions = source_partitions(load_sources(sources_file))
+    sources = load_sources(sources_file)
+    partitions = source_partitions(sources)
     storage = StorageResource()
     stages = [
         ingest_defs(partitions),
@@ -106,6 +109,7 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
         semantic_defs(partitions),
         report_defs(),
         subset_defs(subsets_file),
+        factory_defs(sources),
     ]
     shared = dg.Definitions(
         jobs=pipeline_jobs(partitions),
@@ -119,7 +123,8 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
             "attributer": AttributerResource(),
             "image_encoder": ImageEncoderResource(),
         })
-    return dg.Definitions.merge(*stages, shared)
+    return dg.Definitions.merge(*stages, shared).map_resolved_asset_specs(
+        func=automate, selection=dg.AssetSelection.assets(*AUTOMATED))
 
 
 def default_subsets_file(sources_file: Path) -> Path:

@@ -98,6 +98,8 @@ def full_rebuild_reason(previous: dg.AssetMaterialization | None, store: Storage
     """Why every row must be rewritten, or None when an update per source will do."""
     if previous is None or not store.table(CORPUS).exists():
         return "no corpus yet"
+    if not store.table(CORPUS).open().get_fragments():
+        return "the corpus is empty"  # a replacement needs a fragment to commit against
     if store.table(CORPUS).open().schema != CORPUS_SCHEMA:
         return "the corpus schema changed"
     for entry, now in (("caption_version", caption_version),

@@ -16,10 +16,19 @@ from prx_assets.defs.resources import RayResource, SourcesResource, StorageResou
 from prx_assets.defs.table_checks import table_checks
 from prx_assets.engine.chunked import CommitTarget
 from prx_assets.engine.progress import StageProgress
-from prx_assets.stages.ingest.ingest import IngestOptions, IngestReport, ingest_source
+from prx_assets.stages.ingest.ingest import (
+    IngestOptions,
+    IngestReport,
+    RemovalLimitError,
+    ingest_source,
+)
 from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS
-from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
-from prx_assets.stages.ingest.readers import DEFAULT_MAX_FILE_BYTES, SourceNotFoundError
+from prx_assets.stages.ingest.raw_rows import DEFAULT_MAX_CAPTION_BYTES, RAW_IMAGES_SCHEMA
+from prx_assets.stages.ingest.readers import (
+    DEFAULT_MAX_FILE_BYTES,
+    ListingError,
+    SourceNotFoundError,
+)
 from prx_assets.storage.lance_tables import FragmentPolicy, describe_write
 from prx_assets.storage.object_store import ObjectStoreError
 from prx_assets.storage.retention import blob_grace
@@ -32,8 +41,13 @@ FRAGMENT_BYTES = 512 << 20
 class IngestConfig(dg.Config):
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    max_caption_bytes: int = DEFAULT_MAX_CAPTION_BYTES  # a longer caption is cut, with a note
     files_per_task: int = 64
     chunk_rows: int = 1024  # rows per commit: a kill loses at most one chunk of work
+    # The largest share of the source's rows one run may remove (1.0: any); past it the run
+    # fails and removes nothing (docs/factory.md, "Listings that fail").
+    max_removed_share: float = 0.10
+    removal_floor_rows: int = 100  # a run may always remove this many rows
 
 
 def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefinition:
@@ -62,8 +76,13 @@ def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
             target = CommitTarget(store.table(RAW_IMAGES, spec.name), RAW_IMAGES_SCHEMA, ["id"],
                                   FragmentPolicy(target_bytes=FRAGMENT_BYTES,
                                                  superseded_grace=blob_grace()))
-            options = IngestOptions(config.max_pixels, config.max_file_bytes, config.files_per_task,
-                                    config.chunk_rows)
+            options = IngestOptions(max_pixels=config.max_pixels,
+                                    max_file_bytes=config.max_file_bytes,
+                                    max_caption_bytes=config.max_caption_bytes,
+                                    units_per_task=config.files_per_task,
+                                    chunk_rows=config.chunk_rows,
+                                    max_removed_share=config.max_removed_share,
+                                    removal_floor_rows=config.removal_floor_rows)
             context.log.info(f"ingesting source {spec.name!r} ({spec.kind}) from {uri}")
             try:
                 store.check_reachable()
@@ -74,7 +93,8 @@ def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
                                        on_chunk=lambda _chunk, run: progress.update(run.rows),
                                        log=context.log.info)
                 progress.finish()
-            except (SourceNotFoundError, ObjectStoreError) as exc:
+            except (SourceNotFoundError, ObjectStoreError, ListingError,
+                    RemovalLimitError) as exc:
                 raise dg.Failure(f"source {spec.name!r}: {exc}") from exc
             context.log.info(
                 f"{spec.name}: {report.rows_processed:,} row(s) read from {report.units_read:,} "

@@ -53,6 +53,8 @@ POINTS = {
                               "(and its phashes) committed",
     "captions.chunk_committed": "the captions driver, right after a chunk's merge-insert "
                                 "committed (before compaction)",
+    "labels.chunk_committed": "the labels driver, right after a chunk of caption_labels "
+                              "committed (more captions pending)",
     "mds.write_part": "a Ray task writing an MDS part inside the `.partial` tree, after its "
                       "first samples",
     "leases.waiting": "a writer that found its lease held by a live owner, before it waits "
@@ -67,6 +69,9 @@ POINTS = {
                                  "sidecar of the new version was written (pointer not moved)",
     "storage.upsert_uncommitted": "an upsert (a chunk of a chunked run) after its merge "
                                   "wrote its data files, before the commit",
+    "storage.replace_uncommitted": "a replacement of some rows (`replace_where`: a source's "
+                                   "corpus rows) with its new files and deletion files "
+                                   "written, before its one commit",
     "storage.overwrite_uncommitted": "the driver of a whole-table write "
                                      "(write_dataset_atomically), every fragment written, "
                                      "before the commit",

@@ -407,6 +407,88 @@ def test_kill_during_skip_lists(corpus, tmp_path):
 
 # ------------------------------------------------------------------------ a Ray worker dies
 
+LABELS_IN_FOURS = {"ops": {"caption_labels": {"config": {"chunk_rows": 4}}}}
+
+
+def _labelled(corpus: Corpus, source: str) -> list[str]:
+    return _ids(corpus.uri("caption_labels", source))
+
+
+def test_kill_during_labels(corpus, tmp_path):
+    """Labels committed four at a time, killed right after the first chunk's commit: the
+    chunk is kept (each id once), the rerun labels only the rest."""
+    if corpus.uri("caption_labels", "web").exists():
+        shutil.rmtree(corpus.uri("caption_labels", "web"))  # every caption pending
+    spec = corpus.spec("corpus_job", "web", ["caption_labels"])
+    spec.run_config = LABELS_IN_FOURS
+    _kill_mid_stage(corpus, spec, "caption_labels", "labels.chunk_committed", tmp_path)
+    killed = _labelled(corpus, "web")
+    assert len(killed) == 4 and len(set(killed)) == 4
+
+    result = run_in_process(corpus.defs, "corpus_job", "web", corpus.instance,
+                            ["caption_labels"], run_config=LABELS_IN_FOURS)
+    assert result.success, _failure(result)
+    [event] = result.get_asset_materialization_events()
+    meta = {k: v.value for k, v in event.event_specific_data.materialization.metadata.items()}
+    _assert_exact(_labelled(corpus, "web"), corpus.kept("web"))
+    assert meta["rows_processed"] == len(corpus.kept("web")) - 4
+
+
+def _corpus_rows(corpus: Corpus) -> tuple[int, list[tuple[str, str]]]:
+    table = lance.dataset(str(corpus.data_root / "lance" / "corpus.lance"))
+    rows = table.to_table(columns=["id", "source"])
+    return table.version, sorted(zip(rows["id"].to_pylist(), rows["source"].to_pylist(),
+                                     strict=True))
+
+
+def test_kill_during_corpus_replace(corpus, tmp_path):
+    """A source joining the corpus, killed with its rows written but before its one commit:
+    the corpus is exactly as before (no source half in, none doubled); the rerun adds the
+    source's rows, each once, and keeps the others."""
+    if not corpus.uri("caption_labels", "web").exists():
+        corpus.run("corpus_job", "web", ["caption_labels"])
+    corpus.run("corpus_table_job", None)  # "more" has no labels yet: left out
+    before_version, before = _corpus_rows(corpus)
+    assert before and {source for _, source in before} == {"web"}
+    corpus.run("corpus_job", "more", ["raw_images", "bucketed_images", "phashes", "captions",
+                                      "caption_labels"])
+
+    spec = corpus.spec("corpus_table_job", None, ["corpus"])
+    _kill_mid_stage(corpus, spec, "corpus", "storage.replace_uncommitted", tmp_path)
+    assert _corpus_rows(corpus) == (before_version, before)
+
+    corpus.run("corpus_table_job", None)
+    _, after = _corpus_rows(corpus)
+    ids = [i for i, _ in after]
+    assert len(ids) == len(set(ids)), "duplicate ids"
+    assert [r for r in after if r[1] == "web"] == before
+    more = {i for i, source in after if source == "more"}
+    assert more and more <= corpus.kept("more")
+
+
+def test_kill_during_dedup_and_opt_outs(corpus, tmp_path):
+    """dedup_job (the global duplicates and the opt-out audit, each one whole-table write)
+    killed with a table's fragments written but not committed: both tables keep the version
+    and rows they had; the rerun commits both, the duplicates equal to before (same
+    inputs)."""
+    tables = {name: corpus.data_root / "lance" / f"{name}.lance"
+              for name in ("duplicates", "opt_outs")}
+    before = {"duplicates": table_state(tables["duplicates"])}  # the module ran dedup_job
+    spec = corpus.spec("dedup_job", None, ["duplicates", "opt_outs"])
+    run, _ = start_run(corpus, spec, tmp_path, "storage.overwrite_uncommitted")
+    run.kill()
+    assert run.process.returncode == -9
+    mark_killed_run_failed(corpus.instance, spec.run_id)
+    # The asset held had not committed; the other may have, with the same rows (same inputs).
+    assert table_state(tables["duplicates"])["rows"] == before["duplicates"]["rows"]
+    if tables["opt_outs"].exists():
+        table_state(tables["opt_outs"])  # readable
+
+    corpus.run("dedup_job", None)
+    assert table_state(tables["duplicates"])["rows"] == before["duplicates"]["rows"]
+    assert tables["opt_outs"].exists()
+
+
 def test_ray_worker_killed_mid_task(corpus, tmp_path):
     """SIGKILL the Ray worker held inside the image stage's task: Ray Data retries the task,
     the retry passes the failpoint (it fires once per run), and the run commits exactly the

@@ -7,6 +7,8 @@
                              of CHUNK, resuming: only ids not yet in the table are written
     overwrite URI NAME       the whole table replaced by NAME0..NAME4 through Ray
                              (`write_dataset_atomically`)
+    replace URI NAME         the "source" rows (v > 0: s0..s4) replaced in one commit by
+                             s0..s4 valued after NAME (`replace_where`, as `corpus` does)
 
 Each prints one line `RESULT{json}` when it finishes; warnings go to stderr.
 """
@@ -129,6 +131,22 @@ def overwrite_main(uri: TableRef, name: str) -> dict:
         return {"conflict": str(exc)}
 
 
+# The rows one `replace` writer owns: a source's corpus rows in miniature.
+REPLACED = "v > 0"
+
+
+def replaced_ids() -> list[str]:
+    return [f"s{i}" for i in range(5)]
+
+
+def replace_main(uri: TableRef, name: str) -> dict:
+    from prx_assets.storage.lance_tables import replace_where, write_uncommitted
+
+    fragments, _ = write_uncommitted(uri, [rows(replaced_ids(), sum(name.encode()))], SCHEMA)
+    version, deleted = replace_where(uri, REPLACED, fragments)
+    return {"version": version, "deleted": deleted}
+
+
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     mode, location, *rest = argv
@@ -137,6 +155,8 @@ def main(argv: list[str]) -> None:
         result = upsert_main(uri, rest[0])
     elif mode == "overwrite":
         result = overwrite_main(uri, rest[0])
+    elif mode == "replace":
+        result = replace_main(uri, rest[0])
     elif mode == "chunked":
         result = chunked_main(uri, int(rest[0]), int(rest[1]))
     else:

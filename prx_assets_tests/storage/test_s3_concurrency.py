@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from prx_assets.engine import failpoints
@@ -13,7 +14,14 @@ from prx_assets.storage.lance_tables import CommitConflictError, upsert
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import CAPTIONS
-from prx_assets_tests.storage.s3_writers import SCHEMA, WriterProcess, chunk_ids, rows, wait_until
+from prx_assets_tests.storage.s3_writers import (
+    SCHEMA,
+    WriterProcess,
+    chunk_ids,
+    replaced_ids,
+    rows,
+    wait_until,
+)
 
 POINT = "storage.upsert_uncommitted"
 
@@ -130,3 +138,34 @@ def test_a_chunked_run_killed_mid_commit_leaves_the_table_readable_and_the_rerun
     final = table_rows(uri)
     assert sorted(final) == chunk_ids(12)
     assert all(final[i] == 1 for i in at_kill)
+
+
+class _LocalDisk:
+    """Stands in for the S3 server where a race runs on local disk: no variables to add."""
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+
+@pytest.mark.parametrize("existing", [[], ["s0", "s1", "s9"]], ids=["first", "replacing"])
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_two_replacements_of_one_source_never_double_or_lose_its_rows(
+        request, tmp_path: Path, existing: list[str], store: str):
+    """Two `corpus` writers replacing one source's rows (`replace_where`), both planned on
+    the same version and held at the barrier before their one commit: one wins, the other
+    is preempted and redoes its deletes on top. The source ends with exactly one writer's
+    rows, once each; the other source's row is kept. (On the old delete + append, both
+    appends landed: every row twice.)"""
+    server = request.getfixturevalue("s3_server") if store == "s3" else _LocalDisk()
+    root = request.getfixturevalue("s3_root") if store == "s3" else str(tmp_path / "data")
+    uri = Storage(root).table("corpus")
+    upsert(uri, pa.concat_tables([rows(["keep"], 0), rows(existing, 1)]), SCHEMA, ["id"])
+    writers, results = race_two_writers(server, tmp_path, "replace", uri,
+                                        "storage.replace_uncommitted",
+                                        "both writers planned their replacement")
+    final = table_rows(uri)
+    assert sorted(final) == ["keep", *replaced_ids()]
+    assert final["keep"] == 0 and len({final[i] for i in replaced_ids()}) == 1
+    assert sorted(r["deleted"] for r in results) == sorted([len(existing), 5])
+    retried = [w for w in writers if "lost its commit" in w.output()]
+    assert len(retried) == 1, [w.output()[-2000:] for w in writers]

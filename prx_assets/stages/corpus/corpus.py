@@ -11,9 +11,10 @@ join and thumbnailed.
 
 Two ways to write it: `build_corpus` writes every source as one atomic Overwrite (the
 previous corpus stays readable until the commit), compacted, then indexed from scratch;
-`update_corpus` replaces only the rows of the sources whose inputs changed (a delete of
-the source's rows, then its new rows appended in bounded chunks, each an atomic commit)
-and brings the existing indexes up to date with `optimize_indices` instead of retraining.
+`update_corpus` replaces only the rows of the sources whose inputs changed (the source's
+new rows written as uncommitted files in bounded chunks, then ONE commit deleting its old
+rows and adding the new: `lance_tables.replace_where`) and brings the existing indexes up
+to date with `optimize_indices` instead of retraining.
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ from prx_assets.storage.filters import eq_filter
 from prx_assets.storage.lance_tables import (
     FragmentPolicy,
     WriteReport,
-    append_rows,
     cleanup,
     compact,
     describe_write,
+    replace_where,
     write_dataset_atomically,
+    write_uncommitted,
 )
 from prx_assets.storage.refs import TableRef
 
@@ -233,15 +235,18 @@ def update_corpus(corpus: TableRef, changed: list[SourceTables], gone: list[str]
     """Replace the rows of the `changed` sources, delete those of the `gone` ones, keep the
     rows of `keep` as they are; then update the indexes (`rebuild_indexes`: retrain them).
 
-    Each source is deleted, then appended in chunks of `chunk_rows`: every step one atomic
-    commit. A run killed in between leaves that source short of rows, never doubled (ids
-    hold their source's name, so appending a source whose rows were just deleted cannot
-    repeat an id), and since the corpus records the input versions it read only once
-    everything is written, the rerun finds the source changed again and redoes it.
-    `on_rows(n)` is told of each chunk of `n` rows appended (progress)."""
+    Each source's rows are replaced in one commit (`replace_source`): a reader, or a second
+    run replacing the same source, sees the old rows or the new ones, never both and never
+    neither. A run killed before a source's commit leaves that source as it was (its files
+    written so far are orphans for cleanup); since the corpus records the input versions
+    it read only once everything is written, the rerun finds the source changed again and
+    redoes it. `on_rows(n)` is told of each chunk of `n` rows written (progress)."""
     corpus = corpus.latest()
-    deleted = {name: delete_source(corpus, name) for name in [*gone, *(t.name for t in changed)]}
-    inserted = {t.name: append_source(corpus, t, chunk_rows, on_rows) for t in changed}
+    deleted = {name: delete_source(corpus, name) for name in gone}
+    inserted: dict[str, int] = {}
+    for tables in changed:
+        inserted[tables.name], deleted[tables.name] = replace_source(corpus, tables, chunk_rows,
+                                                                     on_rows)
     if len(corpus.open().get_fragments()) > 1 and (any(inserted.values()) or any(deleted.values())):
         compact(corpus, policy)
         cleanup(corpus.open(), policy)
@@ -252,27 +257,29 @@ def update_corpus(corpus: TableRef, changed: list[SourceTables], gone: list[str]
 
 
 def delete_source(corpus: TableRef, source: str) -> int:
-    """Delete a source's rows; returns how many (no commit when there are none)."""
-    table = corpus.latest().open()
+    """Delete a source's rows in one commit; returns how many (no commit when none)."""
     where = eq_filter("source", source)
-    rows = table.count_rows(filter=where)
-    if rows:
-        table.delete(where)
-    return rows
+    if not corpus.latest().count_rows(filter=where):
+        return 0
+    return replace_where(corpus, where, [])[1]
 
 
-def append_source(corpus: TableRef, tables: SourceTables, chunk_rows: int,
-                  on_rows: Callable[[int], None] | None = None) -> int:
-    """Append a source's corpus rows in chunks (one atomic Append each); returns the rows."""
+def replace_source(corpus: TableRef, tables: SourceTables, chunk_rows: int,
+                   on_rows: Callable[[int], None] | None = None) -> tuple[int, int]:
+    """Replace a source's corpus rows: the new rows written in chunks as uncommitted files,
+    then one commit deleting the old rows and adding them. Returns (written, deleted)."""
     dataset, _ = source_dataset(tables)
-    written = 0
-    for chunk in arrow_batches(dataset, batch_size=chunk_rows):
-        if chunk.num_rows:
-            append_rows(corpus, chunk, CORPUS_SCHEMA)
-            written += chunk.num_rows
-            if on_rows:
-                on_rows(chunk.num_rows)
-    return written
+
+    def chunks():
+        for chunk in arrow_batches(dataset, batch_size=chunk_rows):
+            if chunk.num_rows:
+                yield chunk
+                if on_rows:
+                    on_rows(chunk.num_rows)
+
+    fragments, written = write_uncommitted(corpus, chunks(), CORPUS_SCHEMA, CORPUS_FRAGMENTS)
+    _, deleted = replace_where(corpus, eq_filter("source", tables.name), fragments)
+    return written, deleted
 
 
 def count_by(corpus: TableRef, column: str) -> dict[str, int]:

@@ -14,6 +14,11 @@
 4. **Delete** rows whose (unit, signature) is no longer listed, in one commit after the
    upserts: files gone from the source, and members gone from a changed tar or parquet
    file (only identifiable once the unit's surviving rows carry its new signature).
+
+Deletes act only on a complete listing: a folder or prefix that cannot be listed fails the
+run before anything is written (`readers.ListingError`), and a run that would delete more
+than `IngestOptions.max_removed_share` of the table stops before its delete
+(`RemovalLimitError`).
 """
 
 from __future__ import annotations
@@ -65,13 +70,24 @@ DRIVER_COMPARE_ROWS = BROADCAST_IDS
 UNIT_FIELDS = pa.schema([pa.field("unit", pa.string()), pa.field("unit_signature", pa.string())])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # by name: the fields grow, positions would shift
 class IngestOptions:
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_file_bytes: int = readers.DEFAULT_MAX_FILE_BYTES
     max_caption_bytes: int = DEFAULT_MAX_CAPTION_BYTES
     units_per_task: int = 64  # files per task for image folders; tars/parquet go one by one
     chunk_rows: int = 1024  # rows per merge-insert commit
+    # A run that would delete more than this share of the table's rows stops instead: a
+    # source half gone is more often a mount or a bucket policy gone wrong than a curation.
+    max_removed_share: float = 0.10
+    # ...except that a run may always remove this many rows: a handful of files deleted from
+    # a small source is a curation, and a share of a tiny table says little.
+    removal_floor_rows: int = 100
+
+
+class RemovalLimitError(RuntimeError):
+    """The run would remove more of the source's rows than its configured share allows;
+    nothing was removed (the rows it read are committed)."""
 
 
 # ------------------------------------------------------------------ listing and comparing
@@ -268,9 +284,7 @@ def _unit_rows(spec: SourceSpec, location: SourceLocation, unit: str,
 
 def _items_of_unit(spec: SourceSpec, location: SourceLocation, unit: str,
                    signature: str | None, options: IngestOptions) -> Iterator[FoundItem]:
-    if readers.is_folder_unit(unit):
-        yield readers.unreadable_folder_item(unit)
-    elif spec.kind == "image_folder":
+    if spec.kind == "image_folder":
         yield readers.read_image_file(spec, location, unit, options.max_file_bytes)
     elif spec.kind == "webdataset":
         yield from readers.read_tar(spec, location, unit, options.max_file_bytes)
@@ -365,7 +379,8 @@ def ingest_source(spec: SourceSpec, uri: str | Path | SourceLocation, target: Co
     report.commits = run_chunked(
         pending, lambda units: read_units(units, spec, plan.location, options, node_column=True),
         target, options.chunk_rows, to_commit=rows_to_commit, on_chunk=committed)
-    report.rows_removed = delete_stale_rows(target, plan)
+    report.rows_removed = delete_stale_rows(target, plan, RemovalLimit(
+        options.max_removed_share, options.removal_floor_rows))
     table = target.open() if target.version() is not None else None
     if table is None:  # an empty source never written: an empty table all the same
         create_empty(target.table, RAW_IMAGES_SCHEMA)
@@ -406,9 +421,32 @@ def stale_ids_joined(target: CommitTarget, listed: ray.data.Dataset, n_listed: i
             for id_ in batch.column("id").to_pylist()]
 
 
-def delete_stale_rows(target: CommitTarget, plan: IngestPlan) -> int:
-    """Delete rows the source no longer holds, in one commit; returns how many."""
+@dataclass(frozen=True)
+class RemovalLimit:
+    """How many rows one run may delete: up to `floor_rows`, or up to `share` of the table."""
+
+    share: float = IngestOptions.max_removed_share
+    floor_rows: int = IngestOptions.removal_floor_rows
+
+    def allows(self, removed: int, rows: int) -> bool:
+        return removed <= max(self.floor_rows, self.share * rows)
+
+
+def delete_stale_rows(target: CommitTarget, plan: IngestPlan,
+                      limit: RemovalLimit = RemovalLimit()) -> int:
+    """Delete rows the source no longer holds, in one commit; returns how many. More than
+    the limit allows raises `RemovalLimitError` and deletes none."""
     ids = plan.stale_ids(target)
-    if ids:
-        target.open().delete(in_filter("id", ids))
+    if not ids:
+        return 0
+    table = target.open()
+    rows = table.count_rows()
+    if not limit.allows(len(ids), rows):
+        raise RemovalLimitError(
+            f"{target.table}: this run would remove {len(ids):,} of {rows:,} rows "
+            f"({len(ids) / rows:.0%}), more than the allowed {limit.share:.0%} "
+            f"({plan.units_listed:,} unit(s) listed at {plan.location.uri}); nothing was "
+            "removed. If the files are really gone, rerun with a higher `max_removed_share` "
+            "(1.0 allows any removal).")
+    table.delete(in_filter("id", ids))
     return len(ids)

@@ -29,7 +29,6 @@ from prx_assets.stages.ingest.sources import SourceSpec
 IMAGE_FOLDER_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 DEFAULT_MAX_FILE_BYTES = 512 << 20  # a single image above this is refused, not loaded
 STATUS_FILE_TOO_LARGE = "file_too_large"
-STATUS_UNREADABLE_FOLDER = "unreadable_folder"
 STATUS_BAD_SCHEMA = "bad_schema"  # a file or table whose columns cannot hold what they name
 STATUS_NULL_KEY = "null_key"
 STATUS_DUPLICATE_KEY = "duplicate_key"
@@ -37,6 +36,16 @@ STATUS_DUPLICATE_KEY = "duplicate_key"
 
 class SourceNotFoundError(FileNotFoundError):
     """The source's uri does not exist; names the source and the path."""
+
+
+class ListingError(OSError):
+    """A folder or prefix of the source could not be listed. The listing is incomplete, so
+    the run must not act on it: a file it did not see is not a file that was removed."""
+
+    def __init__(self, where: str, cause: OSError):
+        super().__init__(f"listing {where} failed, the listing is incomplete and nothing was "
+                         f"removed: {type(cause).__name__}: {cause}")
+        self.where = where
 
 
 UNIT_SUFFIXES = {"image_folder": IMAGE_FOLDER_EXTENSIONS, "webdataset": (".tar",),
@@ -71,8 +80,8 @@ def check_source_exists(spec: SourceSpec, uri: SourceLocation | Path | str) -> N
 
 
 def list_units(spec: SourceSpec, uri: SourceLocation | Path | str) -> Iterator[str]:
-    """Paths (relative to `uri`, POSIX, sorted per directory) of the units to read, and a
-    `folder_unit` for each folder that could not be listed."""
+    """Paths (relative to `uri`, POSIX, sorted per directory) of the units to read; a
+    folder that cannot be listed raises `ListingError`."""
     for unit, _ in list_unit_entries(spec, resolve_location(spec, uri)):
         yield unit
 
@@ -101,28 +110,31 @@ def list_unit_entries(spec: SourceSpec, location: SourceLocation) -> Iterator[tu
 
 
 def _walk_sorted(root: Path, directory: Path, suffixes: tuple[str, ...],
-                 caption_suffix: str | None = None) -> Iterator[tuple[str, str]]:
-    """A streaming, deterministic recursive walk (no full listing held in memory).
+                 caption_suffix: str | None = None, rel_dir: str = ""
+                 ) -> Iterator[tuple[str, str]]:
+    """A streaming, deterministic recursive walk (no full listing held in memory); a unit's
+    path is built as a string (`rel_dir` + name: no Path per file, the sensor's tick is
+    this walk).
 
-    A folder that cannot be listed becomes a unit of its own (see `folder_unit`), so its
-    images are not dropped silently: the partition gets a row saying which folder and why.
+    A folder that cannot be listed fails the walk (`ListingError`, naming the folder): its
+    files would otherwise look removed, and their rows would be deleted.
     """
     try:
         entries = sorted(os.scandir(directory), key=lambda e: e.name)
     except OSError as exc:
-        yield folder_unit(directory.relative_to(root).as_posix(), exc), UNLISTABLE
-        return
+        raise ListingError(f"folder {directory}", exc) from exc
     by_name = {e.name: e for e in entries}
     for entry in entries:
         if entry.is_dir(follow_symlinks=False):
-            yield from _walk_sorted(root, Path(entry.path), suffixes, caption_suffix)
+            yield from _walk_sorted(root, Path(entry.path), suffixes, caption_suffix,
+                                    f"{rel_dir}{entry.name}/")
         elif entry.name.lower().endswith(suffixes):
             sig = _local_signature(entry)
             caption_name = _caption_name(entry.name, caption_suffix)
             sibling = by_name.get(caption_name) if caption_name is not None else None
             if sibling is not None:
                 sig += f"+{_local_signature(sibling)}"
-            yield Path(entry.path).relative_to(root).as_posix(), sig
+            yield f"{rel_dir}{entry.name}", sig
 
 
 def _local_signature(entry: os.DirEntry) -> str:
@@ -134,20 +146,20 @@ def _local_signature(entry: os.DirEntry) -> str:
 
 
 def _caption_name(name: str, caption_suffix: str | None) -> str | None:
-    return str(PurePosixPath(name).with_suffix(caption_suffix)) if caption_suffix else None
+    """`a.jpg` -> `a.txt` (as `PurePosixPath.with_suffix`, without building a path)."""
+    return posixpath.splitext(name)[0] + caption_suffix if caption_suffix else None
 
 
 def _walk_store(location: SourceLocation, base: str, rel_dir: str, suffixes: tuple[str, ...],
                 caption_suffix: str | None) -> Iterator[tuple[str, str]]:
     """The object-store walk: one delimited listing per prefix level, sorted, like the
-    local walk (a listing failure past the preflight becomes that prefix's folder unit)."""
+    local walk (a listing failure fails the walk with `ListingError`, naming the prefix)."""
     directory = f"{base}/{rel_dir}".rstrip("/")
     try:
         infos = location.filesystem().get_file_info(
             pafs.FileSelector(directory, recursive=False))
     except OSError as exc:
-        yield folder_unit(rel_dir.rstrip("/") or ".", exc), UNLISTABLE
-        return
+        raise ListingError(f"prefix s3://{directory}/", exc) from exc
     infos.sort(key=lambda i: i.base_name)
     by_name = {i.base_name: i for i in infos if i.type == pafs.FileType.File}
     for info in infos:
@@ -160,31 +172,6 @@ def _walk_store(location: SourceLocation, base: str, rel_dir: str, suffixes: tup
             if sibling is not None:
                 sig += f"+{signature(sibling.size, sibling.mtime_ns)}"
             yield rel, sig
-
-
-# The signature of a folder that could not be listed (its unit names the error).
-UNLISTABLE = "unlistable"
-
-
-# An unlistable folder's unit: its path, a "/" (no listed file ends with one), a NUL (no
-# POSIX path holds one) and the error, so the unit alone carries everything its row needs.
-_FOLDER_UNIT_MARK = "/\0"
-
-
-def folder_unit(rel: str, exc: OSError) -> str:
-    return f"{rel}{_FOLDER_UNIT_MARK}{type(exc).__name__}: {exc}"
-
-
-def is_folder_unit(unit: str) -> bool:
-    return _FOLDER_UNIT_MARK in unit
-
-
-def unreadable_folder_item(unit: str) -> FoundItem:
-    """The row of a folder that could not be listed: key `<folder>/`, the cause in `error`."""
-    folder, _, error = unit.partition(_FOLDER_UNIT_MARK)
-    return FoundItem(key=f"{folder}/", status=STATUS_UNREADABLE_FOLDER,
-                     error=f"folder {folder}/ could not be listed, its files were not read: "
-                           f"{error}")
 
 
 def read_file_bytes(location: SourceLocation, path: str,

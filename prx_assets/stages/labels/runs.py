@@ -29,6 +29,7 @@ from prx_assets.engine.chunked import (
     keep_ids,
     run_chunked,
 )
+from prx_assets.engine.failpoints import failpoint
 from prx_assets.models.embeddings import MiniLMEmbedder
 from prx_assets.stages.labels.backends import (
     QUESTION,
@@ -308,6 +309,7 @@ def label_source(captions: TableRef, labels: TableRef, caption_version: str,
 
     def count(chunk: pa.Table, run: ChunkedRun) -> None:
         report.commits = run
+        failpoint("labels.chunk_committed")
         failed = pc.is_null(chunk.column("label"))
         errors = chunk.filter(failed).column("error").to_pylist()
         report.errors.extend(errors[: max(0, 5 - len(report.errors))])

@@ -15,7 +15,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from prx_assets.engine.chunked import CommitTarget
-from prx_assets.stages.ingest.ingest import IngestOptions, IngestReport, ingest_source
+from prx_assets.stages.ingest import readers
+from prx_assets.stages.ingest.ingest import (
+    IngestOptions,
+    IngestReport,
+    RemovalLimitError,
+    ingest_source,
+)
 from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.stages.ingest.sources import SourceSpec
 from prx_assets.storage.lance_tables import FragmentPolicy
@@ -122,6 +128,46 @@ def test_gaining_one_file_and_losing_one_redoes_exactly_those_rows(ray_session, 
     kept = set(before) & set(after)
     assert len(kept) == N - 1 and all(after[k] == before[k] for k in kept)
     assert_equals_full_rebuild(spec, table, tmp_path)
+
+
+def test_a_listing_that_fails_part_way_removes_no_row(ray_session, tmp_path, monkeypatch):
+    """A sub-folder that cannot be listed on the rerun (a mount gone, permissions): the run
+    fails naming it, and every row, those of its files included, stays."""
+    spec = folder_source(tmp_path / "source")
+    nested = Path(spec.uri) / "nested"
+    nested.mkdir()
+    for i in range(2):
+        (nested / f"n{i}.jpg").write_bytes(jpeg_bytes(400, 300, 50 + i))
+    table = tmp_path / "raw.lance"
+    assert ingest(spec, table).rows == N + 2
+    before = rows(table)
+    version = lance.dataset(str(table)).version
+
+    scandir = readers.os.scandir
+
+    def refusing(path):
+        if not isinstance(path, int) and Path(path) == nested:
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(readers.os, "scandir", refusing)
+    (Path(spec.uri) / "added.jpg").write_bytes(jpeg_bytes(420, 300, 77))
+    with pytest.raises(readers.ListingError, match=rf"{nested}.*Permission denied"):
+        ingest(spec, table, max_removed_share=1.0)
+    assert rows(table) == before and lance.dataset(str(table)).version == version
+
+
+def test_a_run_removing_more_than_its_share_stops_and_removes_nothing(ray_session, tmp_path):
+    spec = folder_source(tmp_path / "source")
+    table = tmp_path / "raw.lance"
+    ingest(spec, table)
+    for i in range(2):  # 2 of 5 rows: 40 %
+        (Path(spec.uri) / f"{i:02d}.jpg").unlink()
+    with pytest.raises(RemovalLimitError, match=r"remove 2 of 5 rows \(40%\).*allowed 10%"):
+        ingest(spec, table, removal_floor_rows=0)
+    assert len(rows(table)) == N
+    allowed = ingest(spec, table, removal_floor_rows=0, max_removed_share=0.5)
+    assert allowed.rows_removed == 2 and allowed.rows == N - 2
 
 
 def test_a_rewritten_file_gets_its_new_bytes_and_sha256(ray_session, tmp_path):

@@ -5,13 +5,15 @@ import tarfile
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
 from prx_assets.stages.ingest import readers
-from prx_assets.stages.ingest.ingest import IngestOptions, expand_units
+from prx_assets.stages.ingest.location import SourceLocation
 from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA, raw_row
 from prx_assets.stages.ingest.sources import SourceSpec
+from prx_assets.storage.object_store import StoreSettings
 from prx_assets_tests.conftest import jpeg_bytes
 
 
@@ -44,34 +46,34 @@ def _unlistable(monkeypatch, folder: Path) -> None:
     monkeypatch.setattr(readers.os, "scandir", refusing)
 
 
-def test_unlistable_folder_becomes_a_row_naming_it(small_folder: Path, tmp_path: Path,
-                                                   monkeypatch):
+def test_unlistable_folder_fails_the_listing_naming_it(small_folder: Path, monkeypatch):
     _unlistable(monkeypatch, small_folder / "a" / "b")
-    units = list(readers.list_units(spec("image_folder"), small_folder))
-    assert units[1:] == ["a/one.jpg", "anim.png", "cut.jpg", "dangling.jpg", "empty.jpg",
-                         "notes.jpg", "three.webp"]
-    assert readers.is_folder_unit(units[0]) and not any(map(readers.is_folder_unit, units[1:]))
-    # Through a task's expansion, as a run takes it.
-    entries = list(readers.list_unit_entries(spec("image_folder"),
-                                             readers.resolve_location(spec("image_folder"),
-                                                                      small_folder)))
-    assert [unit for unit, _ in entries] == units and entries[0][1] == readers.UNLISTABLE
-    block = pa.table({"unit": [u for u, _ in entries], "unit_signature": [s for _, s in entries]})
-    tables = list(expand_units(block, spec("image_folder"), str(small_folder),
-                               IngestOptions()))
-    rows = {r["source_key"]: r for t in tables for r in t.to_pylist()}
-    assert "a/b/two.png" not in rows and rows["a/one.jpg"]["status"] == "ok"
-    folder = rows["a/b/"]
-    assert folder["status"] == "unreadable_folder" and folder["image"] is None
-    assert "a/b/" in folder["error"] and "PermissionError" in folder["error"]
+    with pytest.raises(readers.ListingError, match=r"folder .*/a/b.*PermissionError"):
+        list(readers.list_units(spec("image_folder"), small_folder))
 
 
-def test_unlistable_source_root_is_one_row(small_folder: Path, monkeypatch):
+def test_unlistable_source_root_fails_the_listing(small_folder: Path, monkeypatch):
     _unlistable(monkeypatch, small_folder)
-    (unit,) = readers.list_units(spec("image_folder"), small_folder)
-    item = readers.unreadable_folder_item(unit)
-    assert item.key == "./" and item.status == "unreadable_folder"
-    assert "Permission denied" in item.error
+    with pytest.raises(readers.ListingError, match="Permission denied"):
+        list(readers.list_units(spec("image_folder"), small_folder))
+
+
+def test_an_object_store_list_error_fails_the_listing_naming_the_prefix(
+        small_folder: Path, monkeypatch):
+    """The object-store walk, over a local file system whose listing of one prefix fails as
+    an S3 ListObjects error would (an OSError from pyarrow)."""
+
+    class FailingListing:
+        def get_file_info(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
+            if selector.base_dir.endswith("/a/b"):
+                raise OSError("When listing objects under key 'a/b': AWS Error SLOW_DOWN")
+            return pafs.LocalFileSystem().get_file_info(selector)
+
+    monkeypatch.setattr(SourceLocation, "filesystem", lambda self: FailingListing())
+    # The object-store walk names paths `bucket/prefix`: here the folder's absolute path.
+    location = SourceLocation(f"s3://{small_folder}", settings=StoreSettings.resolve("s3://b/p"))
+    with pytest.raises(readers.ListingError, match=r"prefix s3://.*/a/b/.*SLOW_DOWN"):
+        list(readers.list_unit_entries(spec("image_folder"), location))
 
 
 def test_image_file_reader_keeps_bytes_and_sidecar_caption(small_folder: Path):

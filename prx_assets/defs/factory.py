@@ -1,0 +1,116 @@
+"""The factory running itself: a sensor per source that notices new, changed and removed
+files and requests that source's incremental `raw_images` run, and declarative automation
+(`AutomationCondition.eager()`) that carries each update downstream, per source partition,
+up to `mds_shards` and `skip_lists`.
+
+Off by default: the sensors start STOPPED and the automation sensor too, so the demo's
+instance runs only what someone launches. `PRX_FACTORY=on` (read when the code location
+loads) starts them all; each can also be switched on alone in the UI (docs/factory.md).
+Automatic runs go through the instance's run queue like any other, so the concurrency
+limits of dagster.yaml and the `gpu` pool hold for them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+
+from prx_assets.stages.ingest.readers import ListingError, SourceNotFoundError
+from prx_assets.stages.ingest.sources import SourcesConfig, SourceSpec
+from prx_assets.stages.ingest.watch import ListingDigest, change_reason, listing_digest
+from prx_assets.storage.object_store import ObjectStoreError
+from prx_assets.storage.tables import (
+    BUCKETED_IMAGES,
+    CAPTION_LABELS,
+    CAPTIONS,
+    CONCEPTS,
+    DUPLICATES,
+    MDS_SHARDS,
+    OPT_OUTS,
+    PHASHES,
+    RAW_IMAGES,
+    SEMANTIC_DUPLICATES,
+    SKIP_LISTS,
+)
+
+FACTORY_SETTING = "PRX_FACTORY"
+# The assets automation materialises once raw_images changed, in the order they follow it.
+AUTOMATED = (BUCKETED_IMAGES, PHASHES, CAPTIONS, CAPTION_LABELS, MDS_SHARDS, DUPLICATES,
+             SKIP_LISTS)
+# Seconds between two listings of a source: a listing of a big bucket is the tick's cost.
+SOURCE_SENSOR_INTERVAL = 300
+# Tags on every run a source sensor requests: the UI shows them on the run.
+TRIGGER_TAG = "prx/trigger"
+REASON_TAG = "prx/trigger_reason"
+
+
+def factory_on() -> bool:
+    """Whether the factory runs itself (`PRX_FACTORY=on`; off when unset)."""
+    return os.environ.get(FACTORY_SETTING, "off").strip().lower() in {"on", "1", "true", "yes"}
+
+
+def _status() -> dg.DefaultSensorStatus:
+    return dg.DefaultSensorStatus.RUNNING if factory_on() else dg.DefaultSensorStatus.STOPPED
+
+
+def sensor_name(source: str) -> str:
+    return f"{source}_source_sensor"
+
+
+def build_source_sensor(spec: SourceSpec, location: str) -> dg.SensorDefinition:
+    """Lists the source every `SOURCE_SENSOR_INTERVAL` seconds; when the digest of the
+    listing differs from the cursor's, requests the source's `raw_images` run (its run key
+    is the new digest, so one listing state launches one run)."""
+
+    @dg.sensor(
+        name=sensor_name(spec.name), target=dg.AssetSelection.assets(RAW_IMAGES),
+        minimum_interval_seconds=SOURCE_SENSOR_INTERVAL, default_status=_status(),
+        description=f"Lists source {spec.name!r} ({location}) and requests its incremental "
+                    "raw_images run when a file was added, removed or rewritten. The cursor "
+                    "is a digest of the listing.")
+    def source_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult | dg.SkipReason:
+        before = ListingDigest.from_cursor(context.cursor)
+        try:
+            now = listing_digest(spec, location)
+        except (ListingError, SourceNotFoundError, ObjectStoreError) as exc:
+            # The cursor stays: the next complete listing is compared with the last one.
+            return dg.SkipReason(f"source {spec.name!r} not listed, nothing requested: {exc}")
+        reason = change_reason(before, now)
+        if reason is None:
+            return dg.SkipReason(f"source {spec.name!r} unchanged ({now.units:,} unit(s))")
+        context.log.info(f"source {spec.name!r}: {reason}")
+        request = dg.RunRequest(
+            run_key=f"{spec.name}:{now.digest}", partition_key=spec.name,
+            asset_selection=[dg.AssetKey(RAW_IMAGES)],
+            tags={TRIGGER_TAG: sensor_name(spec.name), REASON_TAG: reason})
+        return dg.SensorResult(run_requests=[request], cursor=now.to_cursor())
+
+    return source_sensor
+
+
+# Upstreams automation does not wait for: the opt-out audit (its own sensor launches the
+# skip_lists runs it affects) and the semantic tables (run by hand, optional to skip_lists).
+NOT_AWAITED = dg.AssetSelection.assets(OPT_OUTS, SEMANTIC_DUPLICATES, CONCEPTS)
+
+
+def automate(spec: dg.AssetSpec) -> dg.AssetSpec:
+    """Materialise when an upstream partition was updated or the partition is missing,
+    once no upstream is missing or running (`eager`), the upstreams of NOT_AWAITED aside."""
+    return spec.replace_attributes(
+        automation_condition=dg.AutomationCondition.eager().ignore(NOT_AWAITED))
+
+
+def automation_sensor() -> dg.AutomationConditionSensorDefinition:
+    return dg.AutomationConditionSensorDefinition(
+        "factory_automation", target=dg.AssetSelection.assets(*AUTOMATED),
+        default_status=_status(), minimum_interval_seconds=30,
+        description="Evaluates the automation conditions of the assets downstream of "
+                    "raw_images and requests their runs (each evaluation is shown on the "
+                    "asset's Automation tab).")
+
+
+def factory_defs(sources: SourcesConfig) -> dg.Definitions:
+    return dg.Definitions(
+        sensors=[*(build_source_sensor(spec, sources.location_of(spec.name))
+                   for spec in sources.sources), automation_sensor()])

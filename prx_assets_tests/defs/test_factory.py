@@ -1,0 +1,139 @@
+"""The factory runs itself: the source sensor (built contexts) and the automation that
+carries a raw_images update downstream (`evaluate_automation_conditions`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from prx_assets.definitions import build_defs
+from prx_assets.defs.factory import AUTOMATED, REASON_TAG, TRIGGER_TAG, sensor_name
+from prx_assets.stages.ingest import readers
+from prx_assets_tests.conftest import write_sources
+
+
+@pytest.fixture()
+def source(tmp_path: Path) -> tuple[Path, dg.Definitions]:
+    folder = tmp_path / "web"
+    (folder / "sub").mkdir(parents=True)
+    for name in ("a.jpg", "b.jpg", "sub/c.jpg"):
+        (folder / name).write_bytes(name.encode())
+    sources = write_sources(tmp_path / "sources.yaml",
+                            [f"{{name: web, kind: image_folder, uri: {folder}}}"])
+    return folder, build_defs(sources)
+
+
+def tick(defs: dg.Definitions, cursor: str | None):
+    sensor = defs.get_sensor_def(sensor_name("web"))
+    with dg.instance_for_test() as instance:
+        return sensor(dg.build_sensor_context(cursor=cursor, instance=instance))
+
+
+def requested(result) -> dg.RunRequest:
+    assert isinstance(result, dg.SensorResult), result
+    (request,) = result.run_requests
+    assert isinstance(request, dg.RunRequest)
+    assert request.partition_key == "web"
+    assert request.asset_selection == [dg.AssetKey("raw_images")]
+    assert request.tags[TRIGGER_TAG] == "web_source_sensor"
+    return request
+
+
+def test_the_source_sensor_requests_a_run_when_a_file_is_added_removed_or_rewritten(source):
+    folder, defs = source
+    first = tick(defs, None)
+    assert "3 unit(s)" in requested(first).tags[REASON_TAG]
+    cursor = first.cursor
+    assert isinstance(tick(defs, cursor), dg.SkipReason)  # nothing changed
+
+    (folder / "d.jpg").write_bytes(b"d")
+    added = tick(defs, cursor)
+    assert "3 -> 4 unit(s)" in requested(added).tags[REASON_TAG]
+    assert requested(added).run_key != requested(first).run_key
+
+    # One removed, one added: the count stays, the listing does not.
+    (folder / "a.jpg").unlink()
+    (folder / "sub" / "e.jpg").write_bytes(b"e")
+    swapped = tick(defs, added.cursor)
+    assert "some added, removed or rewritten" in requested(swapped).tags[REASON_TAG]
+
+    # Rewritten with its old modification time kept: the size changed.
+    stat = (folder / "b.jpg").stat()
+    (folder / "b.jpg").write_bytes(b"a longer b")
+    os.utime(folder / "b.jpg", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    requested(tick(defs, swapped.cursor))
+
+    # Copied in with an old mtime preserved (`cp -p`): the newest mtime is the same.
+    shutil.copy2(folder / "sub" / "c.jpg", folder / "old.jpg")
+    requested(tick(defs, swapped.cursor))
+
+
+def test_a_failed_listing_requests_nothing_and_keeps_the_cursor(source, monkeypatch):
+    folder, defs = source
+    cursor = tick(defs, None).cursor
+    (folder / "sub" / "c.jpg").unlink()  # a real change, behind a folder that fails to list
+    scandir = readers.os.scandir
+
+    def refusing(path):
+        if not isinstance(path, int) and Path(path) == folder / "sub":
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(readers.os, "scandir", refusing)
+    skipped = tick(defs, cursor)
+    assert isinstance(skipped, dg.SkipReason) and "Permission denied" in skipped.skip_message
+    monkeypatch.undo()
+    assert "3 -> 2 unit(s)" in requested(tick(defs, cursor)).tags[REASON_TAG]
+
+
+def test_factory_is_off_by_default_and_on_with_one_setting(source, monkeypatch, tmp_path):
+    _, defs = source
+    names = [sensor_name("web"), "factory_automation"]
+    for name in names:
+        assert defs.get_sensor_def(name).default_status == dg.DefaultSensorStatus.STOPPED
+    monkeypatch.setenv("PRX_FACTORY", "on")
+    on = build_defs(tmp_path / "sources.yaml")
+    for name in names:
+        assert on.get_sensor_def(name).default_status == dg.DefaultSensorStatus.RUNNING
+
+
+def test_a_raw_images_update_is_carried_downstream_by_automation(source):
+    _, defs = source
+    with dg.instance_for_test() as instance:
+        first = dg.evaluate_automation_conditions(defs=defs, instance=instance)
+        # Nothing materialised yet: every automated asset waits on a missing upstream.
+        assert first.total_requested == 0
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization("raw_images", partition="web"))
+        after = dg.evaluate_automation_conditions(defs=defs, instance=instance,
+                                                  cursor=first.cursor)
+        # The per-source chain in one tick: an asset whose upstream is requested in the same
+        # tick counts that upstream as coming.
+        assert automated(after) == {name: {"web"} for name in PER_SOURCE_CHAIN}
+        for name in PER_SOURCE_CHAIN:
+            instance.report_runless_asset_event(dg.AssetMaterialization(name, partition="web"))
+        # Then the global duplicates (over every source's phashes), then the skip lists.
+        dedup = dg.evaluate_automation_conditions(defs=defs, instance=instance,
+                                                  cursor=after.cursor)
+        assert automated(dedup) == {"duplicates": {None}}
+        instance.report_runless_asset_event(dg.AssetMaterialization("duplicates"))
+        skip = dg.evaluate_automation_conditions(defs=defs, instance=instance,
+                                                 cursor=dedup.cursor)
+        assert automated(skip) == {"skip_lists": {"web"}}
+
+
+PER_SOURCE_CHAIN = ("bucketed_images", "phashes", "captions", "caption_labels", "mds_shards")
+
+
+def automated(result) -> dict[str, set]:
+    """asset -> partitions the evaluation requested (None: an unpartitioned asset)."""
+    found = {}
+    for key in map(dg.AssetKey, AUTOMATED):
+        partitions = result.get_requested_partitions(key)
+        if partitions:
+            found[key.to_user_string()] = partitions
+    return found
