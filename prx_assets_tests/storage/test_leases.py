@@ -97,7 +97,9 @@ def test_an_expired_lease_is_taken_over_and_its_old_holder_may_not_commit(root):
 
 def test_the_heartbeat_keeps_a_short_lease_alive(tmp_path):
     root = Storage(str(tmp_path / "data")).location()
-    with writer_lease(root, "captions", "web", ttl_s=0.6, wait_s=0) as lease:
+    # Short, so a renewal comes soon; long enough that a busy machine's late heartbeat
+    # does not let it lapse between the renewal seen and the check.
+    with writer_lease(root, "captions", "web", ttl_s=3.0, wait_s=0) as lease:
         first = lease._body
         assert first is not None
         # Wait on the lease file itself, not a clock: the heartbeat rewrites it.

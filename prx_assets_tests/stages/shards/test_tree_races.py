@@ -193,3 +193,38 @@ def test_a_killed_holders_lease_expires_and_the_next_build_takes_over(data_root,
     assert any("took over from" in line and f"pid {child.pid}" in line for line in log), log
     assert report.processed == 1 and "web:1-64x64-9001" in mapped_ids(str(data_root))
     assert_tree_whole(str(data_root))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("root", ["s3"], indirect=True)
+def test_skip_lists_killed_mid_version_on_s3_leave_the_tree_and_the_rerun_applies(root,
+                                                                                 tmp_path):
+    """On an object store skip lists make a new tree version: killed with half its sidecars
+    staged, the tree it started from stays current and whole; the rerun takes over the
+    expired lease and publishes the lists."""
+    victim = sorted(mapped_ids(root))[0]
+    store = trees.source_trees(Storage(root).mds_root, "web")
+    mapping = Storage(root).table("mds_samples", "web")
+    before = store.current_version()
+    marker = tmp_path / "marker.json"
+    killed = Writer(["skip", root, victim],  # a lease that expires a second after the kill
+                    {"PRX_LEASE_TTL_S": "1",
+                     **failpoints.env("skip_lists.sidecar_staged", marker)},
+                    tmp_path / "killed.log")
+    try:
+        wait_until(lambda: failpoints.read_marker(marker) is not None, [killed],
+                   "skip lists held with a sidecar staged")
+    finally:
+        killed.stop()
+    assert store.current_version() == before
+    assert_tree_whole(root)
+    assert skipped_ids(store.current_tree(), mapping, ["dedup"]) == set()
+
+    # The rerun renews its own lease at the default pace (a 1 s lease can lapse on a loaded
+    # machine while the version is copied; the run then stops, committing nothing).
+    rerun = Writer(["skip", root, victim], {}, tmp_path / "rerun.log")
+    assert rerun.result()["skipped"] == 1
+    assert "took over" in rerun.output()
+    assert store.current_version() != before
+    assert skipped_ids(store.current_tree(), mapping, ["dedup"]) == {victim}
+    assert_tree_whole(root)
