@@ -3,6 +3,7 @@ small real corpora built on disk (real photos from scikit-image plus generated i
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 from pathlib import Path
@@ -24,6 +25,18 @@ def ray_session():
     yield
     if started:
         ray_runtime.disconnect()
+
+
+@pytest.fixture()
+def fresh_shared_memory():
+    """mosaicml-streaming keeps shared memory between datasets of one process: a test that
+    opens datasets starts and ends without a stale segment of another's."""
+    from streaming.base.util import clean_stale_shared_memory
+
+    clean_stale_shared_memory()
+    yield
+    gc.collect()
+    clean_stale_shared_memory()
 
 
 @pytest.fixture()

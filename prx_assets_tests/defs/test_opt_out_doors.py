@@ -4,13 +4,11 @@ tick plus the runs it requests: from the sidecars alone, not only by the loader'
 
 from __future__ import annotations
 
-import gc
 import json
 
 import dagster as dg
 import pyarrow as pa
 import pytest
-from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.browser.app import create_app
 from prx_assets.browser.auth import BrowserAuth, Curators
@@ -29,12 +27,7 @@ from prx_assets_tests.loader.test_opt_out_guard import write_raw_ids
 TOKEN = "doors-curator-token-0123456789"
 
 
-@pytest.fixture(autouse=True)
-def fresh_shared_memory():
-    clean_stale_shared_memory()
-    yield
-    gc.collect()
-    clean_stale_shared_memory()
+pytestmark = pytest.mark.usefixtures("fresh_shared_memory")
 
 
 def _streamed(root, guard: bool) -> set[str]:

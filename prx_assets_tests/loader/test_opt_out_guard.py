@@ -2,12 +2,10 @@
 should skip it is missing (a build that published shards without sidecars) or stale (the
 mapping that placed it is older than the tree)."""
 
-import gc
 import json
 
 import pyarrow as pa
 import pytest
-from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.loader import build_dataset
 from prx_assets.stages.shards import mds, plan
@@ -18,12 +16,7 @@ from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 SHAPES = ((1, 48, 48), (1, 48, 64))
 
 
-@pytest.fixture(autouse=True)
-def fresh_shared_memory():
-    clean_stale_shared_memory()
-    yield
-    gc.collect()
-    clean_stale_shared_memory()
+pytestmark = pytest.mark.usefixtures("fresh_shared_memory")
 
 
 def write_raw_ids(root, source: str, ids: list[str]) -> None:

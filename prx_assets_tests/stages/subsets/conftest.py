@@ -1,15 +1,8 @@
-"""Shared by the MDS tests: mosaicml-streaming keeps shared memory between datasets of one
-process; each test starts and ends without a stale segment of another's."""
-
-import gc
+"""Shared by the MDS tests: each starts and ends without another's stale shared memory."""
 
 import pytest
-from streaming.base.util import clean_stale_shared_memory
 
 
 @pytest.fixture(autouse=True)
-def fresh_shared_memory():
-    clean_stale_shared_memory()
+def _fresh_shared_memory(fresh_shared_memory):
     yield
-    gc.collect()
-    clean_stale_shared_memory()
