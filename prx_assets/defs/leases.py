@@ -12,6 +12,7 @@ import dagster as dg
 
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.leases import Lease, LeaseHeldError, current_run_id, writer_lease
+from prx_assets.storage.object_store import ObjectStoreError
 
 GLOBAL_PARTITION = "_global"
 
@@ -25,6 +26,12 @@ def asset_lease(context: dg.AssetExecutionContext | dg.OpExecutionContext, store
     name = asset or context.asset_key.to_user_string()
     # A global asset (corpus) has one writer in all: its lease is named after no source.
     partition = context.partition_key if context.has_partition_key else GLOBAL_PARTITION
+    try:
+        # First: a lease's own PUT would hide the cause (some S3 servers even create a
+        # missing bucket on it), where the run should fail at once naming the root.
+        store.check_reachable()
+    except ObjectStoreError as exc:
+        raise dg.Failure(str(exc)) from exc
     token = current_run_id.set(context.run_id)
     try:
         with writer_lease(store.location(), name, partition, log=context.log.info) as lease:

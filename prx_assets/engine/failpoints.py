@@ -61,8 +61,10 @@ POINTS = {
                       "(logged once per holder)",
     "mds.before_publish": "the mds_shards driver, its version complete and its mapping "
                           "committed, before the compare-and-swap of the pointer",
-    "skip_lists.before_publish": "the skip-lists driver, its sidecars (or new version on S3) "
-                                 "staged, before it publishes",
+    "skip_lists.before_publish": "the skip-lists driver on local disk, its lists computed, "
+                                 "before it replaces the sidecars in place",
+    "skip_lists.before_version_publish": "the skip-lists driver on an object store, its new "
+                                         "version staged, before the pointer's swap",
     "skip_lists.sidecar_written": "the skip-lists driver, right after one sidecar was "
                                   "replaced (others still old)",
     "skip_lists.sidecar_staged": "the skip-lists driver on an object store, right after one "

@@ -61,7 +61,10 @@ def served(tiny) -> ServedApp:
         yield app
 
 
-@pytest.fixture(scope="session")
+# Per module, not per session: while a sync Playwright is live its event loop counts as
+# running, and a later test of the same process calling asyncio.run (Dagster's automation
+# evaluation does) fails.
+@pytest.fixture(scope="module")
 def chromium():
     from playwright.sync_api import sync_playwright
 

@@ -81,7 +81,8 @@ def test_partitions_materialise_independently_with_checks_and_metadata(
     assert again.success
     assert lance.dataset(str(data_root / "lance/raw_images/web.lance")).count_rows() == 8
     assert lance.dataset(str(tars_uri)).version == tars_version  # other source untouched
-    assert [p.name for p in data_root.iterdir()] == ["lance"]  # tables only: no scratch
+    # Tables and the writers' leases (released: expired copies, none live); no scratch.
+    assert sorted(p.name for p in data_root.iterdir()) == ["lance", "leases"]
 
 
 def test_missing_source_path_fails_that_partition_clearly(ray_session, data_root, two_sources):

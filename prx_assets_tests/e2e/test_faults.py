@@ -473,7 +473,10 @@ def test_kill_during_dedup_and_opt_outs(corpus, tmp_path):
     inputs)."""
     tables = {name: corpus.data_root / "lance" / f"{name}.lance"
               for name in ("duplicates", "opt_outs")}
-    before = {"duplicates": table_state(tables["duplicates"])}  # the module ran dedup_job
+    # Committed over the module's current inputs first: earlier tests may have added a
+    # source since the module's own dedup_job.
+    corpus.run("dedup_job", None)
+    before = {"duplicates": table_state(tables["duplicates"])}
     spec = corpus.spec("dedup_job", None, ["duplicates", "opt_outs"])
     run, _ = start_run(corpus, spec, tmp_path, "storage.overwrite_uncommitted")
     run.kill()

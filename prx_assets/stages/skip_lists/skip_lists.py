@@ -317,7 +317,7 @@ def _publish_version(store: TreeStore, old_tree: Location, lists: SkipLists,
     except BaseException:
         staging.delete()
         raise
-    failpoint("skip_lists.before_publish")
+    failpoint("skip_lists.before_version_publish")
     lease.check()
     store.publish(version, expected=current)
     retention = manifest.get("retention_s")
