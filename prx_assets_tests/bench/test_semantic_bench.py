@@ -1,6 +1,12 @@
 """bench.semantic at toy sizes: every figure is produced and the planted answers come back."""
 
-from bench.semantic import balance_figures, brute_force_seconds, memory_figures, semdedup_figures
+from bench.semantic import (
+    balance_figures,
+    brute_force_seconds,
+    embedding_figures,
+    memory_figures,
+    semdedup_figures,
+)
 from prx_assets.stages.semantic.synthetic import planted_duplicates
 
 
@@ -22,3 +28,13 @@ def test_balance_and_memory_figures():
 def test_brute_force_time_is_scaled_up_from_the_measured_rows():
     vectors = planted_duplicates(2048, dim=16).vectors
     assert brute_force_seconds(vectors, 512) > 0
+
+
+def test_image_embeddings_figures_on_a_few_images(ray_session):
+    figures = {f.metric: f for f in embedding_figures(12, side=32, batch=4)}
+    steady = figures["embed images/s steady (tiny CLIP)"]
+    end_to_end = figures["embed images/s end to end (tiny CLIP)"]
+    assert steady.value > 0 and steady.baseline_value > 0
+    assert end_to_end.baseline_value == steady.baseline_value
+    assert end_to_end.value < steady.value  # the fixed costs only count end to end
+
