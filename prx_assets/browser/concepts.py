@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 MAX_LEVELS = 8  # a level beyond this cannot be one (the stage allows 4)
 MAX_CENTROID_ROWS = 200_000
 NEAREST_CLUSTERS = 8
+MAX_COUNTED_ROWS = 1_000_000  # the facet counts a level's clusters among this many rows
 CLUSTER_CAPTIONS = 5
 
 
@@ -67,10 +68,14 @@ def cluster_counts(catalog: Catalog, level: int, ids: pa.Array | None
     table = concepts_table(catalog)
     if table is None:
         return []
-    where = _at(level)
-    if ids is not None:
-        where = where & pc.field("id").isin(ids)
-    rows = table.to_table(columns=["cluster"], filter=where, limit=MAX_ID_SET * 10)
+    if ids is None:  # the whole level: once per concepts version
+        return catalog.cached(("concept-counts", table.uri, table.version, level),
+                              lambda: _counts(table, _at(level)))
+    return _counts(table, _at(level) & pc.field("id").isin(ids))
+
+
+def _counts(table: LanceDataset, where: pc.Expression) -> list[tuple[str, int]]:
+    rows = table.to_table(columns=["cluster"], filter=where, limit=MAX_COUNTED_ROWS)
     counts = pc.value_counts(rows.column("cluster"))
     pairs = [(str(c["values"].as_py()), int(c["counts"].as_py())) for c in counts]
     return sorted(pairs, key=lambda p: (-p[1], int(p[0])))
