@@ -3,12 +3,15 @@
 Views (each a few bounded Lance queries, see `queries`):
 
     /                         grid of thumbnails; ?q= full text, ?similar=ID more like this,
-                              facets source/label/tier/shape/dup/skip, ?page=
+                              (&space=image: image embeddings), facets source/label/tier/
+                              shape/dup/skip/concept (&level=, &concept=), ?page=
     /sample/{id}              one sample: full image, every caption version, labels, its
                               duplicate group, near duplicates, skip reasons, lineage
     /sample/{id}/opt-out      GET: the confirmation page; POST (a curator's session, same
                               origin, the session's form token, within its rate limit):
                               the request, recorded under the curator's name
+    /concept/{level}/{c}      one concept cluster: its samples, size, captions and nearest
+                              clusters (the `concepts` table)
     /login, /logout           a curator's session (see `auth`)
     /duplicates               near-duplicate clusters (Hamming 1-4), exact groups and
                               semantic (SemDeDup) groups
@@ -54,7 +57,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from prx_assets.browser import queries, rejects
+from prx_assets.browser import concepts, queries, rejects
 from prx_assets.browser.auth import (
     SESSION_COOKIE,
     BrowserAuth,
@@ -125,6 +128,17 @@ def grid_page(request: Request, state: BrowserState) -> Response:
                         shapes=queries.shape_grid(result.facets.get("tier_shape", [])),
                         page_size=queries.PAGE_SIZE, max_hits=queries.MAX_SEARCH_HITS,
                         max_facet_rows=queries.MAX_FACET_ROWS)
+
+
+def concept_page(request: Request, state: BrowserState) -> Response:
+    """One concept cluster: its samples, size, a few captions, its nearest clusters."""
+    level, cluster = request.path_params["level"], request.path_params["cluster"]
+    try:
+        found = concepts.cluster(state.catalog, level, cluster, queries.PAGE_SIZE)
+        tiles = queries.tiles_of(state.catalog, found.ids)
+    except NotFound as err:
+        return state.not_found(request, str(err))
+    return state.render(request, "concept.html", c=found, tiles=tiles)
 
 
 def cards_page(request: Request, state: BrowserState) -> Response:
@@ -368,6 +382,7 @@ ROUTES: list[tuple[str, Handler, tuple[str, ...]]] = [
     ("/", grid_page, ("GET",)),
     ("/sample/{sample_id}", sample_page, ("GET",)),
     ("/sample/{sample_id}/opt-out", opt_out_page, ("GET", "POST")),
+    ("/concept/{level:int}/{cluster:int}", concept_page, ("GET",)),
     ("/duplicates", duplicates_page, ("GET",)),
     ("/rejected", rejected_page, ("GET",)),
     ("/random", random_sample, ("GET",)),

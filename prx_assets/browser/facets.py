@@ -43,6 +43,8 @@ ATTRIBUTE_FACETS = ("medium", "visible_text", "people", "setting", "style", "wat
 QUALITY_FACETS = ("aesthetic_quality", "technical_quality")
 # Id sets that feed a facet filter (duplicates, skip reasons) are read with this limit.
 MAX_ID_SET = 100_000
+MAX_CONCEPT_LEVEL, MAX_CLUSTER = 8, 10_000_000
+SPACES = ("image",)  # more like this besides the default caption space
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,9 @@ class Query:
     page: int = 0
     attributes: tuple[tuple[str, str], ...] = ()  # (attribute, value) of ATTRIBUTE_FACETS
     minimums: tuple[tuple[str, int], ...] = ()  # (quality, at least) of QUALITY_FACETS
+    level: int | None = None  # the concept facet's level (1 = leaves); None: the top one
+    concept: int | None = None  # a cluster of `level` (the concepts table)
+    space: str = ""  # more like this in "image" space (image_embeddings); "": captions
 
     @classmethod
     def parse(cls, params: dict[str, str]) -> Query:
@@ -88,8 +93,13 @@ class Query:
         page_text = params.get("page") or "0"
         if not page_text.isdigit() or int(page_text) > 100_000:
             raise BadQuery("page must be a small number")
+        level, concept = _concept_params(params)
+        space = params.get("space") or ""
+        if space and space not in SPACES:
+            raise BadQuery(f"space must be one of {', '.join(SPACES)}")
         return cls(text, similar, source, label, int(tier_text) if tier_text else None, shape,
-                   dup, skip, int(page_text), *_attribute_params(params))
+                   dup, skip, int(page_text), *_attribute_params(params), level=level,
+                   concept=concept, space=space)
 
     def params(self, **changes: object) -> dict[str, str]:
         """URL parameters of this query with some changed ('' removes one); page resets."""
@@ -97,14 +107,35 @@ class Query:
                   "label": self.label, "tier": "" if self.tier is None else str(self.tier),
                   "shape": self.shape, "dup": self.dup, "skip": self.skip, "page": "",
                   **dict(self.attributes),
-                  **{f"{name}_min": str(n) for name, n in self.minimums}}
+                  **{f"{name}_min": str(n) for name, n in self.minimums},
+                  "level": "" if self.level is None else str(self.level),
+                  "concept": "" if self.concept is None else str(self.concept),
+                  "space": self.space}
         values.update({k: "" if v is None else str(v) for k, v in changes.items()})
         return {k: v for k, v in values.items() if v}
 
     @property
     def filtered(self) -> bool:
         return any((self.source, self.label, self.tier is not None, self.shape, self.dup,
-                    self.skip, self.attributes, self.minimums))
+                    self.skip, self.attributes, self.minimums, self.concept is not None))
+
+
+def _small_number(params: dict[str, str], name: str, most: int) -> int | None:
+    text = params.get(name) or ""
+    if not text:
+        return None
+    if not text.isdigit() or int(text) > most:
+        raise BadQuery(f"{name} must be a number up to {most}")
+    return int(text)
+
+
+def _concept_params(params: dict[str, str]) -> tuple[int | None, int | None]:
+    """The concept facet's level and cluster (a cluster needs its level)."""
+    level = _small_number(params, "level", MAX_CONCEPT_LEVEL)
+    concept = _small_number(params, "concept", MAX_CLUSTER)
+    if concept is not None and level is None:
+        raise BadQuery("concept needs a level")
+    return level, concept
 
 
 def _attribute_params(params: dict[str, str]

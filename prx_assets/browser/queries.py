@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prx_assets.browser import concepts
 from prx_assets.browser.catalog import Catalog, NotFound, valid_id
 from prx_assets.browser.facets import (
     IdSet,
@@ -39,6 +40,7 @@ from prx_assets.storage.tables import (
     CAPTIONS,
     CORPUS,
     DUPLICATES,
+    IMAGE_EMBEDDINGS,
     MDS_SAMPLES,
     OPT_OUTS,
     RAW_IMAGES,
@@ -74,6 +76,8 @@ class Grid:
     facets_partial: bool = False  # facet counts over the first MAX_FACET_ROWS matches
     # tile id -> what happens to it in training: ("trains" | "skipped" | "removed", words)
     fates: dict[str, tuple[str, str]] = field(default_factory=dict)
+    concept_level: int | None = None  # the level the `concept` facet counts (None: no table)
+    concept_levels: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -129,12 +133,14 @@ def grid(catalog: Catalog, query: Query, with_facets: bool = True) -> Grid:
     """One page of the grid for `query`, the number of matches and the facet counts."""
     table = catalog.corpus()
     sets = id_sets(catalog) if (query.dup or query.skip or with_facets) else None
-    where = corpus_filter(query, sets)
+    where = _with_concept(catalog, query, corpus_filter(query, sets))
+    levels = concepts.levels(catalog)
     start = query.page * PAGE_SIZE
     facet_rows: pa.Table | None = None
+    columns = [*facet_columns(table), *(["id"] if levels else [])]
     if query.text or query.similar:
-        columns = facet_columns(table)
-        hits = _ranked(table, query, where, [*columns, "id", "caption"])
+        hits = _ranked(catalog, table, query, where,
+                       list(dict.fromkeys([*columns, "id", "caption"])))
         total = hits.num_rows
         tiles = _tiles(hits.slice(start, PAGE_SIZE), "_score" if query.text else "_distance")
         capped = bool(query.text) and total >= MAX_SEARCH_HITS
@@ -146,17 +152,38 @@ def grid(catalog: Catalog, query: Query, with_facets: bool = True) -> Grid:
                                       limit=PAGE_SIZE))
         capped = False
         if with_facets:
-            facet_rows = table.to_table(columns=facet_columns(table), filter=where,
-                                        limit=MAX_FACET_ROWS, with_row_address=True)
+            facet_rows = table.to_table(columns=columns, filter=where, limit=MAX_FACET_ROWS,
+                                        with_row_address=True)
     facets = ({} if facet_rows is None else
               facet_counts(facet_rows, sets, membership(catalog, table, sets)))
+    level = _concept_level(query, levels)
+    if facet_rows is not None and level is not None:
+        everything = not (query.filtered or query.text or query.similar)
+        facets["concept"] = concepts.cluster_counts(
+            catalog, level, None if everything else facet_rows.column("id").combine_chunks())
     partial = facet_rows is not None and facet_rows.num_rows < total
     return Grid(tiles, total, query.page, max(1, -(-total // PAGE_SIZE)), capped, facets,
-                partial, {tile.id: fate(tile.id, sets) for tile in tiles})
+                partial, {tile.id: fate(tile.id, sets) for tile in tiles}, level, levels)
 
 
-def _ranked(table: LanceDataset, query: Query, where: pc.Expression | None,
-            columns: list[str]) -> pa.Table:
+def _concept_level(query: Query, levels: list[int]) -> int | None:
+    """The level the concept facet counts: the chosen one, else the top (fewest clusters)."""
+    if not levels:
+        return None
+    return query.level if query.level in levels else levels[-1]
+
+
+def _with_concept(catalog: Catalog, query: Query, where: pc.Expression | None
+                  ) -> pc.Expression | None:
+    """The facets' filter and, when a concept is chosen, its members."""
+    if query.concept is None or query.level is None:
+        return where
+    chosen = pc.field("id").isin(concepts.members(catalog, query.level, query.concept).array)
+    return chosen if where is None else where & chosen
+
+
+def _ranked(catalog: Catalog, table: LanceDataset, query: Query,
+            where: pc.Expression | None, columns: list[str]) -> pa.Table:
     """The best hits of a text search (BM25) or a more-like-this (cosine), best first; the
     facets' filter is applied before ranking."""
     if query.text:
@@ -166,6 +193,8 @@ def _ranked(table: LanceDataset, query: Query, where: pc.Expression | None,
         return table.to_table(columns=[*columns, "_score"], full_text_query=query.text,
                               filter=where, prefilter=where is not None, limit=MAX_SEARCH_HITS,
                               with_row_address=True)
+    if query.space == "image":
+        return _image_neighbours(catalog, table, query.similar, where, columns)
     vector = table.to_table(columns=["embedding"], filter=eq_filter("id", query.similar),
                             limit=1)
     if vector.num_rows == 0:
@@ -178,6 +207,46 @@ def _ranked(table: LanceDataset, query: Query, where: pc.Expression | None,
                  "nprobes": NPROBES, "refine_factor": REFINE_FACTOR},
         with_row_address=True)
     return hits.filter(pc.not_equal(hits.column("id"), query.similar))
+
+
+def _image_neighbours(catalog: Catalog, table: LanceDataset, sample_id: str,
+                      where: pc.Expression | None, columns: list[str]) -> pa.Table:
+    """More like this in image space: the SIMILAR_K nearest image_embeddings vectors of the
+    sample's encoder across every source (each source's search uses its ANN index when it
+    has one, else an exact scan capped at k), then the corpus rows the facets keep."""
+    source = corpus_row(catalog, sample_id, ["source"])["source"]
+    own = _one(catalog.table(IMAGE_EMBEDDINGS, source), sample_id, ["encoder", "embedding"])
+    if own is None:
+        raise NotFound(f"no image embedding for {sample_id!r}: materialise "
+                       "`image_embeddings` for its source")
+    vector = np.asarray(own["embedding"], np.float32)
+    found: list[pa.Table] = []
+    for other in catalog.sources_of(IMAGE_EMBEDDINGS):
+        vectors = catalog.table(IMAGE_EMBEDDINGS, other)
+        if vectors is None:
+            continue
+        encoder = eq_filter("encoder", own["encoder"])
+        found.append(vectors.to_table(
+            columns=["id", "_distance"], filter=encoder, prefilter=True,
+            nearest={"column": "embedding", "k": SIMILAR_K + 1, "metric": "cosine",
+                     "q": vector, "nprobes": NPROBES, "refine_factor": REFINE_FACTOR}))
+    nearest = pa.concat_tables(found).sort_by("_distance").slice(0, SIMILAR_K + 1)
+    nearest = nearest.filter(pc.not_equal(nearest.column("id"), sample_id))
+    chosen = pc.field("id").isin(nearest.column("id").combine_chunks())
+    rows = table.to_table(columns=columns, filter=chosen if where is None else where & chosen,
+                          limit=SIMILAR_K, with_row_address=True)
+    at = pc.index_in(rows.column("id"), value_set=nearest.column("id"))
+    rows = rows.append_column("_distance", pc.take(nearest.column("_distance"), at))
+    return rows.sort_by("_distance")
+
+
+def tiles_of(catalog: Catalog, ids: list[str]) -> list[Tile]:
+    """Grid tiles of these corpus samples (at most PAGE_SIZE), in the order given."""
+    wanted = pa.array(ids[:PAGE_SIZE], pa.string())
+    rows = catalog.corpus().to_table(columns=GRID_COLUMNS, filter=pc.field("id").isin(wanted),
+                                     limit=PAGE_SIZE)
+    order = pc.sort_indices(pc.index_in(rows.column("id"), value_set=wanted))
+    return _tiles(rows.take(order))
 
 
 def _has_index(table: LanceDataset, column: str) -> bool:
@@ -213,6 +282,7 @@ class Sample:
     skips: list[dict]  # per shard: leaf, shard, index, reasons
     versions: dict[str, int | None]  # Lance version of each table read
     opt_outs: list[dict]  # audit rows naming this id
+    concepts: list[dict] = field(default_factory=list)  # level, cluster
 
 
 def _one(table: LanceDataset | None, sample_id: str, columns: list[str],
@@ -269,7 +339,8 @@ def sample(catalog: Catalog, sample_id: str) -> Sample:
     versions = {name: (t.version if t is not None else None)
                 for name, t in [(CORPUS, corpus), *tables.items()]}
     return Sample(sample_id, row, image, raw, captions, labels, group,
-                  near_duplicates_of(catalog, sample_id), skips, versions, opt_outs)
+                  near_duplicates_of(catalog, sample_id), skips, versions, opt_outs,
+                  concepts.of_sample(catalog, sample_id))
 
 
 def exact_group(duplicates: LanceDataset | None, sample_id: str) -> list[dict]:
