@@ -37,12 +37,10 @@ demo: install
 
 # Lint and types gate the tests: ruff over the repo, mypy over the package (pyproject.toml).
 # Tests run in TEST_WORKERS processes, each test file whole in one (its module fixtures
-# built once), the longest files first (prx_assets_tests/conftest.py); TEST_WORKERS=0 runs
-# them in this process.
+# built once); TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
-	  --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

@@ -17,24 +17,6 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.pop("RAY_ADDRESS", None)  # tests start their own clusters where they need one
 
 
-# The longest test files (minutes each: real clusters, killed runs, `dagster dev`, whole
-# graphs), run first: `make test` hands files to its two processes in this order
-# (`--no-loadscope-reorder`), so the long ones overlap instead of one ending the run alone.
-SLOWEST_FIRST = ("e2e/test_faults.py", "e2e/test_cluster.py", "browser/test_dagster_ui.py",
-                 "e2e/test_s3_graph.py", "browser/test_browser.py",
-                 "e2e/test_incremental_graph.py", "demo/test_demo_output.py",
-                 "stages/ingest/test_incremental.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        path = item.nodeid.split("::")[0]
-        return next((i for i, slow in enumerate(SLOWEST_FIRST) if path.endswith(slow)),
-                    len(SLOWEST_FIRST))
-
-    items.sort(key=rank)  # stable: the rest keeps its order
-
-
 @pytest.fixture(scope="session")
 def ray_session():
     from prx_assets.engine import ray_runtime
