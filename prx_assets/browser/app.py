@@ -57,7 +57,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from prx_assets.browser import concepts, queries, rejects
+from prx_assets.browser import concepts, duplicates, queries, rejects
 from prx_assets.browser.auth import (
     SESSION_COOKIE,
     BrowserAuth,
@@ -268,11 +268,11 @@ def duplicates_page(request: Request, state: BrowserState) -> Response:
     if not page_text.isdigit() or int(page_text) > 100_000:
         return state.error(request, 400, "Bad request", "page must be a small number")
     try:
-        near = queries.near_clusters(state.catalog)
+        near = duplicates.near_clusters(state.catalog)
     except NotFound as err:
         return state.not_found(request, str(err))
-    groups, total = queries.exact_groups(state.catalog, int(page_text))
-    semantic, semantic_total = queries.semantic_groups(state.catalog, int(page_text))
+    groups, total = duplicates.exact_groups(state.catalog, int(page_text))
+    semantic, semantic_total = duplicates.semantic_groups(state.catalog, int(page_text))
     return state.render(request, "duplicates.html", near=near[:100], near_total=len(near),
                         groups=groups, groups_total=total, page=int(page_text),
                         semantic=semantic, semantic_total=semantic_total)

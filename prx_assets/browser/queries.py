@@ -1,6 +1,6 @@
 """What the corpus browser's views show, as Lance queries over the pipeline's own tables:
-the grid (a page of the corpus, a caption search, more like this), a sample's page, the
-duplicates, a random sample, the header's counts and the image bytes.
+the grid (a page of the corpus, a caption search, more like this), a sample's page (its
+duplicates come from `duplicates`), a random sample, the header's counts and the image bytes.
 
 No Dagster and no web framework here, so every view's data can be tested and benchmarked
 on its own. Every query projects the columns it needs and carries a limit (or counts rows
@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 
 from prx_assets.browser import concepts
 from prx_assets.browser.catalog import Catalog, NotFound, valid_id
+from prx_assets.browser.duplicates import exact_group, near_duplicates_of
 from prx_assets.browser.facets import (
     IdSet,
     IdSets,
@@ -30,9 +31,9 @@ from prx_assets.browser.facets import (
     id_sets,
     membership,
 )
+from prx_assets.browser.rows import one_row, rows_where
 from prx_assets.stages.corpus.search import NPROBES, REFINE_FACTOR
 from prx_assets.stages.corpus.search import Hit as Tile
-from prx_assets.stages.dedup import near
 from prx_assets.storage.filters import eq_filter
 from prx_assets.storage.tables import (
     BUCKETED_IMAGES,
@@ -44,7 +45,6 @@ from prx_assets.storage.tables import (
     MDS_SAMPLES,
     OPT_OUTS,
     RAW_IMAGES,
-    SEMANTIC_DUPLICATES,
 )
 
 if TYPE_CHECKING:
@@ -57,8 +57,6 @@ SIMILAR_K = 96
 # Facet counts read the facet columns of at most this many matches (the page says when the
 # counts cover only part of a larger match set).
 MAX_FACET_ROWS = 1_000_000
-# Near-duplicate clusters are found among the first rows of the corpus' phash column.
-NEAR_MAX_ROWS = 1_000_000
 CAPTION_CHARS = 140
 GRID_COLUMNS = ["id", "source", "label", "tier", "width", "height", "caption"]
 
@@ -215,7 +213,7 @@ def _image_neighbours(catalog: Catalog, table: LanceDataset, sample_id: str,
     sample's encoder across every source (each source's search uses its ANN index when it
     has one, else an exact scan capped at k), then the corpus rows the facets keep."""
     source = corpus_row(catalog, sample_id, ["source"])["source"]
-    own = _one(catalog.table(IMAGE_EMBEDDINGS, source), sample_id, ["encoder", "embedding"])
+    own = one_row(catalog.table(IMAGE_EMBEDDINGS, source), sample_id, ["encoder", "embedding"])
     if own is None:
         raise NotFound(f"no image embedding for {sample_id!r}: materialise "
                        "`image_embeddings` for its source")
@@ -285,25 +283,8 @@ class Sample:
     concepts: list[dict] = field(default_factory=list)  # level, cluster
 
 
-def _one(table: LanceDataset | None, sample_id: str, columns: list[str],
-         column: str = "id") -> dict | None:
-    if table is None:
-        return None
-    present = [c for c in columns if c in table.schema.names]
-    rows = table.to_table(columns=present, filter=eq_filter(column, sample_id), limit=1)
-    return rows.to_pylist()[0] if rows.num_rows else None
-
-
-def _all(table: LanceDataset | None, where: str, columns: list[str], limit: int = 100
-         ) -> list[dict]:
-    if table is None:
-        return []
-    present = [c for c in columns if c in table.schema.names]
-    return table.to_table(columns=present, filter=where, limit=limit).to_pylist()
-
-
 def corpus_row(catalog: Catalog, sample_id: str, columns: list[str]) -> dict:
-    row = _one(catalog.corpus(), valid_id(sample_id), columns)
+    row = one_row(catalog.corpus(), valid_id(sample_id), columns)
     if row is None:
         raise NotFound(f"no sample with id {sample_id!r} in the corpus")
     return row
@@ -318,24 +299,24 @@ def sample(catalog: Catalog, sample_id: str) -> Sample:
     tables = {name: catalog.table(name, source) for name in
               (RAW_IMAGES, BUCKETED_IMAGES, CAPTIONS, CAPTION_LABELS, MDS_SAMPLES)}
     tables.update({DUPLICATES: catalog.table(DUPLICATES), OPT_OUTS: catalog.table(OPT_OUTS)})
-    image = _one(tables[BUCKETED_IMAGES], sample_id,
-                 ["status", "tier", "width", "height", "original_width", "original_height",
-                  "error", "pixels", "flat"])
-    raw = _one(tables[RAW_IMAGES], sample_id,
-               ["source_key", "sha256", "format", "n_bytes", "width", "height", "url",
-                "status"])
+    image = one_row(tables[BUCKETED_IMAGES], sample_id,
+                   ["status", "tier", "width", "height", "original_width", "original_height",
+                    "error", "pixels", "flat"])
+    raw = one_row(tables[RAW_IMAGES], sample_id,
+                 ["source_key", "sha256", "format", "n_bytes", "width", "height", "url",
+                  "status"])
     where = eq_filter("id", sample_id)
-    captions = sorted(_all(tables[CAPTIONS], where,
-                           ["caption_version", "caption", "n_words", "model", "backend",
-                            "status", "error", "created_at"]),
+    captions = sorted(rows_where(tables[CAPTIONS], where,
+                                 ["caption_version", "caption", "n_words", "model", "backend",
+                                  "status", "error", "created_at"]),
                       key=lambda c: str(c.get("created_at") or ""), reverse=True)
-    labels = _all(tables[CAPTION_LABELS], where,
-                  ["caption_version", "classifier_version", "label", "score_visual",
-                   "score_text", "score_nsfw", "created_at"])
+    labels = rows_where(tables[CAPTION_LABELS], where,
+                        ["caption_version", "classifier_version", "label", "score_visual",
+                         "score_text", "score_nsfw", "created_at"])
     group = exact_group(tables[DUPLICATES], sample_id)
     skips = skip_reasons(catalog, tables[MDS_SAMPLES], source, sample_id)
-    opt_outs = _all(tables[OPT_OUTS], where, ["request_id", "key_type", "value", "reference",
-                                                "requested_at", "via"])
+    opt_outs = rows_where(tables[OPT_OUTS], where, ["request_id", "key_type", "value", "reference",
+                                                      "requested_at", "via"])
     versions = {name: (t.version if t is not None else None)
                 for name, t in [(CORPUS, corpus), *tables.items()]}
     return Sample(sample_id, row, image, raw, captions, labels, group,
@@ -343,23 +324,11 @@ def sample(catalog: Catalog, sample_id: str) -> Sample:
                   concepts.of_sample(catalog, sample_id))
 
 
-def exact_group(duplicates: LanceDataset | None, sample_id: str) -> list[dict]:
-    """Every member of the sample's exact-duplicate group, the kept copy first."""
-    me = _one(duplicates, sample_id, ["kept_id", "phash", "group_size"])
-    if me is None:
-        return []
-    members = _all(duplicates, eq_filter("kept_id", me["kept_id"]),
-                   ["id", "kept_id", "phash", "group_size"], limit=max(2, me["group_size"]))
-    for member in members:
-        member["kept"] = member["id"] == member["kept_id"]
-    return sorted(members, key=lambda m: (not m["kept"], m["id"]))
-
-
 def skip_reasons(catalog: Catalog, mapping: LanceDataset | None, source: str,
                  sample_id: str) -> list[dict]:
     """Where the sample sits in its source's current shards and what each sidecar skips."""
-    places = _all(mapping, eq_filter("id", sample_id),
-                  ["leaf", "shard", "sample_index", "tree_version"], limit=16)
+    places = rows_where(mapping, eq_filter("id", sample_id),
+                        ["leaf", "shard", "sample_index", "tree_version"], limit=16)
     out = []
     for place in places:
         sidecar = catalog.sidecar(source, place["leaf"], place["shard"])
@@ -369,145 +338,12 @@ def skip_reasons(catalog: Catalog, mapping: LanceDataset | None, source: str,
     return out
 
 
-# -------------------------------------------------------------------------- duplicates
-
-@dataclass
-class SampleCluster:
-    members: list[dict]  # id, source, phash; grouped by identical hash
-    max_distance: int
-
-
-def near_clusters(catalog: Catalog, max_rows: int = NEAR_MAX_ROWS) -> list[SampleCluster]:
-    """Clusters of corpus images whose phashes differ by 1..4 bits (exact copies of one
-    hash stay together), largest first; computed once per corpus version."""
-    table = catalog.corpus()
-
-    def compute() -> list[SampleCluster]:
-        rows = table.to_table(columns=["id", "source", "phash"], filter="phash IS NOT NULL",
-                              limit=max_rows)
-        hashes = rows.column("phash").to_numpy(zero_copy_only=False)
-        ids, sources = rows.column("id").to_pylist(), rows.column("source").to_pylist()
-        return [SampleCluster([{"id": ids[i], "source": sources[i], "phash": int(hashes[i])}
-                               for i in cluster.rows], cluster.max_distance)
-                for cluster in near.near_clusters(hashes, ids)]
-
-    return catalog.cached(("near", table.uri, table.version, max_rows), compute)
-
-
-def near_duplicates_of(catalog: Catalog, sample_id: str) -> list[dict]:
-    """The other members of the sample's near-duplicate cluster, with their distance."""
-    clusters = near_clusters(catalog)
-    table = catalog.corpus()
-    index = catalog.cached(("near-index", table.uri, table.version), lambda: {
-        m["id"]: cluster for cluster in clusters for m in cluster.members})
-    cluster = index.get(sample_id)
-    if cluster is None:
-        return []
-    mine = next(m for m in cluster.members if m["id"] == sample_id)
-    return [{**m, "distance": near.hash_distance(mine["phash"], m["phash"])}
-            for m in cluster.members if m["id"] != sample_id]
-
-
-@dataclass
-class ExactGroup:
-    phash: int
-    members: list[dict]  # id, kept, source, source_key, width, height, n_bytes, sha256
-    byte_identical: bool = False  # every copy has the kept copy's bytes (sha256)
-    why_kept: str = ""
-
-
-def raw_facts(catalog: Catalog, ids: list[str]) -> dict[str, dict]:
-    """Source key, original size, bytes and sha256 of each id, from its source's raw_images
-    (one query per source; an id's source is the listed source its id starts with)."""
-    by_source: dict[str, list[str]] = {}
-    for source in catalog.sources_of(RAW_IMAGES):
-        mine = [i for i in ids if i.startswith(f"{source}:")]
-        if mine:
-            by_source[source] = mine
-    facts: dict[str, dict] = {}
-    for source, mine in by_source.items():
-        table = catalog.table(RAW_IMAGES, source)
-        if table is None:
-            continue
-        rows = table.to_table(columns=["id", "source_key", "width", "height", "n_bytes",
-                                       "sha256"],
-                              filter=pc.field("id").isin(pa.array(mine, pa.string())),
-                              limit=len(mine))
-        facts.update({row["id"]: {**row, "source": source} for row in rows.to_pylist()})
-    return facts
-
-
-def why_kept(members: list[dict]) -> str:
-    """Why dedup kept this copy (most pixels; ties: first source, then smallest id)."""
-    kept = next(m for m in members if m["kept"])
-    pixels = [(m.get("width") or 0) * (m.get("height") or 0) for m in members]
-    mine = (kept.get("width") or 0) * (kept.get("height") or 0)
-    if mine and pixels.count(mine) == 1 and mine == max(pixels):
-        return f"kept: the most pixels ({kept['width']}x{kept['height']})"
-    return "kept: as many pixels as another copy; the tie goes to the first source listed, " \
-           "then the smallest id"
-
-
-def exact_groups(catalog: Catalog, page: int = 0, per_page: int = 20
-                 ) -> tuple[list[ExactGroup], int]:
-    """A page of exact-duplicate groups (one query for the kept copies, one for members)."""
-    table = catalog.table(DUPLICATES)
-    if table is None:
-        return [], 0
-    kept_filter = "id = kept_id"
-    total = table.count_rows(filter=kept_filter)
-    kept = table.to_table(columns=["kept_id", "phash"], filter=kept_filter,
-                          offset=page * per_page, limit=per_page)
-    kept_ids = kept.column("kept_id").to_pylist()
-    of_page = pc.field("kept_id").isin(kept.column("kept_id").combine_chunks())
-    members = table.to_table(columns=["id", "kept_id", "phash"], filter=of_page,
-                             limit=max(1, per_page) * 1000).to_pylist()
-    facts = raw_facts(catalog, [m["id"] for m in members])
-    groups = []
-    for kept_id, phash in zip(kept_ids, kept.column("phash").to_pylist(), strict=True):
-        mine = [{**facts.get(m["id"], {}), "id": m["id"], "kept": m["id"] == kept_id}
-                for m in members if m["kept_id"] == kept_id]
-        mine.sort(key=lambda m: (not m["kept"], m["id"]))
-        shas = {m.get("sha256") for m in mine}
-        groups.append(ExactGroup(phash, mine, len(shas) == 1 and None not in shas,
-                                 why_kept(mine)))
-    return groups, total
-
-
-@dataclass
-class SemanticGroup:
-    members: list[dict]  # id, kept, similarity (cosine to the kept copy)
-
-
-def semantic_groups(catalog: Catalog, page: int = 0, per_page: int = 20
-                    ) -> tuple[list[SemanticGroup], int]:
-    """A page of SemDeDup groups, largest first (the `semantic_duplicates` table)."""
-    table = catalog.table(SEMANTIC_DUPLICATES)
-    if table is None:
-        return [], 0
-    kept_filter = "id = kept_id"
-    total = table.count_rows(filter=kept_filter)
-    heads = table.to_table(columns=["kept_id", "group_size"], filter=kept_filter)
-    order = pc.sort_indices(heads, [("group_size", "descending"), ("kept_id", "ascending")])
-    kept = heads.take(order).slice(page * per_page, per_page).column("kept_id")
-    of_page = pc.field("kept_id").isin(kept.combine_chunks())
-    members = table.to_table(columns=["id", "kept_id", "similarity"], filter=of_page,
-                             limit=max(1, per_page) * 1000).to_pylist()
-    groups = []
-    for kept_id in kept.to_pylist():
-        mine = [{"id": m["id"], "kept": m["id"] == kept_id,
-                 "similarity": round(float(m["similarity"]), 3)}
-                for m in members if m["kept_id"] == kept_id]
-        groups.append(SemanticGroup(sorted(mine, key=lambda m: (not m["kept"], m["id"]))))
-    return groups, total
-
-
 # ---------------------------------------------------------------------------------- blobs
 
 def thumbnail(catalog: Catalog, sample_id: str) -> tuple[bytes, int]:
     """The corpus row's thumbnail JPEG and the corpus version it came from."""
     table = catalog.corpus()
-    row = _one(table, valid_id(sample_id), ["thumbnail"])
+    row = one_row(table, valid_id(sample_id), ["thumbnail"])
     if row is None or not row["thumbnail"]:
         raise NotFound(f"no thumbnail for {sample_id!r}")
     return row["thumbnail"], table.version
@@ -517,7 +353,7 @@ def full_image(catalog: Catalog, sample_id: str) -> tuple[bytes, int]:
     """The bucketed JPEG of a corpus sample (its source is looked up, not parsed)."""
     source = corpus_row(catalog, sample_id, ["source"])["source"]
     table = catalog.table(BUCKETED_IMAGES, source)
-    row = _one(table, sample_id, ["image"])
+    row = one_row(table, sample_id, ["image"])
     if table is None or row is None or not row["image"]:
         raise NotFound(f"no bucketed image for {sample_id!r}")
     return row["image"], table.version

@@ -3,7 +3,7 @@
 import pyarrow as pa
 
 from prx_assets.browser.catalog import Catalog
-from prx_assets.browser.queries import semantic_groups
+from prx_assets.browser.duplicates import semantic_groups
 from prx_assets.stages.semantic.semdedup import SEMANTIC_DUPLICATES_SCHEMA
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
