@@ -6,14 +6,21 @@ are shared and noisy; absolute numbers are printed for context only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from prx_assets.testing.s3_server import S3Server
 
 OUT = Path(__file__).parent / "out"
 
@@ -70,3 +77,26 @@ def report(figures: list[Figure], name: str) -> None:
 
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0))
+
+
+@contextlib.contextmanager
+def s3_workspace(prefix: str) -> Iterator[tuple[Path, S3Server]]:
+    """A scratch folder under bench/out and a SeaweedFS server in it, for a bench that
+    compares local disk with a bucket. On the way out: Ray disconnected, the environment
+    restored (the bench puts the server's AWS variables in it when it wants them), the
+    server stopped and the folder removed."""
+    from prx_assets.engine import ray_runtime
+    from prx_assets.testing.s3_server import start_seaweedfs
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=OUT))
+    server = start_seaweedfs(work / "server")
+    saved = dict(os.environ)
+    try:
+        yield work, server
+    finally:
+        ray_runtime.disconnect()
+        os.environ.clear()
+        os.environ.update(saved)
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import statistics
-import tempfile
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from bench.common import OUT, Figure, report, timed
+from bench.common import Figure, report, s3_workspace, timed
 from bench.mds import replicate
 from prx_assets.demo.corpus import procedural_image
 from prx_assets.engine import ray_runtime
@@ -108,13 +106,7 @@ def measure(label: str, root: str, first_run: int, options: WriteOptions = OPTIO
 
 
 def main() -> list[Figure]:
-    from prx_assets.testing.s3_server import start_seaweedfs
-
-    OUT.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench-leases-", dir=OUT))
-    server = start_seaweedfs(work / "server")
-    saved = dict(os.environ)
-    try:
+    with s3_workspace("bench-leases-") as (work, server):
         local = str(work / "local")
         build_corpus(Path(local), SOURCE, per_shape=200)
         # The S3 copy of the tables is taken before the local runs add samples.
@@ -134,12 +126,6 @@ def main() -> list[Figure]:
         for name, table in tables.items():
             overwrite_rows(Storage(s3_root).table(name, SOURCE), table, table.schema)
         figures.append(measure("s3", s3_root, first_run=RUNS))
-    finally:
-        ray_runtime.disconnect()
-        os.environ.clear()
-        os.environ.update(saved)
-        server.stop()
-        shutil.rmtree(work, ignore_errors=True)
     report(figures, "leases")
     return figures
 

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
-import tempfile
 import uuid
 from pathlib import Path
 
 import numpy as np
 
-from bench.common import OUT, Figure, generated_jpegs, report, timed
+from bench.common import OUT, Figure, generated_jpegs, report, s3_workspace, timed
 from prx_assets.engine import ray_runtime
 from prx_assets.stages.ingest.ingest import IngestOptions, build_raw_dataset
 from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
@@ -156,13 +154,7 @@ def bench_loader(local_root: Path, s3_root: str, work: Path) -> list[Figure]:
 
 
 def main() -> list[Figure]:
-    from prx_assets.testing.s3_server import start_seaweedfs
-
-    OUT.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench-s3-", dir=OUT))
-    server = start_seaweedfs(work / "server")
-    saved = dict(os.environ)
-    try:
+    with s3_workspace("bench-s3-") as (work, server):
         # The standard variables a user's shell holds (the bench plays that user): the
         # pipeline resolves its settings from them once, on the driver, and hands them to
         # Ray tasks in its handles; the loader's downloads (boto3) read them as they are.
@@ -174,12 +166,6 @@ def main() -> list[Figure]:
         figures = bench_ingest(local_root, s3_root)
         figures += bench_mds_write(local_root, s3_root)
         figures += bench_loader(local_root, s3_root, work)
-    finally:
-        ray_runtime.disconnect()
-        os.environ.clear()
-        os.environ.update(saved)
-        server.stop()
-        shutil.rmtree(work, ignore_errors=True)
     report(figures, "s3")
     return figures
 

@@ -15,22 +15,17 @@ Each prints one line `RESULT{json}` when it finishes; warnings go to stderr.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pyarrow as pa
 
 from prx_assets.storage.refs import TableRef
+from prx_assets_tests import writer_process
 
 SCHEMA = pa.schema([("id", pa.string()), ("v", pa.int64())])
-REPO = Path(__file__).resolve().parents[2]
 
 
 def rows(ids: list[str], value: int) -> pa.Table:
@@ -64,39 +59,8 @@ def chunked_main(uri: TableRef, count: int, chunk: int) -> dict:
     return {"commits": run.commits, "committed": run.committed, "version": run.lance_version}
 
 
-class WriterProcess:
-    """One writer in its own session, so a SIGKILL of its group takes its Ray down too."""
-
-    def __init__(self, args: list[str], env: dict[str, str], log: Path):
-        self.log = log
-        environment = {**os.environ, **env, "RAY_USAGE_STATS_ENABLED": "0",
-                       "PYTHONPATH": str(REPO)}
-        environment.pop("RAY_ADDRESS", None)
-        with open(log, "w") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "prx_assets_tests.storage.s3_writers", *args],
-                env=environment, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def result(self, timeout: float = 600) -> dict:
-        self.process.wait(timeout)
-        lines = [line for line in self.output().splitlines() if line.startswith("RESULT")]
-        assert self.process.returncode == 0 and lines, self.output()[-4000:]
-        return json.loads(lines[-1][len("RESULT"):])
-
-    def kill(self) -> None:
-        from prx_assets.testing.processes import wait_for_group_gone
-
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(60)
-        wait_for_group_gone(self.process.pid)
+class WriterProcess(writer_process.WriterProcess):
+    module = "prx_assets_tests.storage.s3_writers"
 
 
 def wait_until(condition, writers: list[WriterProcess], what: str, guard_s: float = 900) -> None:

@@ -104,7 +104,7 @@ def race_after(tmp_path: Path, root: str, b_args: list[str], between) -> tuple[W
         return a, b
     finally:
         for writer in writers:
-            writer.stop()
+            writer.kill()
 
 
 @pytest.mark.timeout(900)
@@ -215,7 +215,7 @@ def test_skip_lists_killed_mid_version_on_s3_leave_the_tree_and_the_rerun_applie
         wait_until(lambda: failpoints.read_marker(marker) is not None, [killed],
                    "skip lists held with a sidecar staged")
     finally:
-        killed.stop()
+        killed.kill()
     assert store.current_version() == before
     assert_tree_whole(root)
     assert skipped_ids(store.current_tree(), mapping, ["dedup"]) == set()

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 from prx_assets.stages.shards import plan
+from prx_assets_tests.writer_process import WriterProcess
 
 OPTIONS = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
-REPO = Path(__file__).resolve().parents[3]
 
 
 def mds_main(root: str) -> dict:
@@ -39,33 +36,8 @@ def skip_main(root: str, ids: list[str]) -> dict:
     return {"skipped": run.report.skipped_total}
 
 
-class Writer:
-    """One writer process; its output in `log`."""
-
-    def __init__(self, args: list[str], env: dict[str, str], log: Path):
-        self.log = log
-        environment = {**os.environ, **env, "PYTHONPATH": str(REPO)}
-        with open(log, "w") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "prx_assets_tests.stages.shards.tree_writers", *args],
-                env=environment, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def result(self, timeout: float = 600) -> dict:
-        self.process.wait(timeout)
-        lines = [line for line in self.output().splitlines() if line.startswith("RESULT")]
-        assert self.process.returncode == 0 and lines, self.output()[-4000:]
-        return json.loads(lines[-1][len("RESULT"):])
-
-    def stop(self) -> None:
-        if self.alive():
-            self.process.kill()
-            self.process.wait(60)
+class Writer(WriterProcess):
+    module = "prx_assets_tests.stages.shards.tree_writers"
 
 
 def main(argv: list[str]) -> None:
