@@ -35,12 +35,19 @@ $(STAMP): pyproject.toml scripts/image_backend.sh
 demo: install
 	$(BIN)/prx-assets demo
 
-# Lint and types gate the tests: ruff over the repo, mypy over the package (pyproject.toml).
+# Lint and types gate the tests: ruff over the repo first; mypy over the package
+# (pyproject.toml) beside the tests (a cold mypy takes ~2 min of one core, the tests' long
+# last files leave a core idle), its findings printed and failing the target at the end.
 # Tests run in TEST_WORKERS processes, each test file whole in one (its module fixtures
 # built once); TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
-test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+test: install
+	$(BIN)/ruff check .
+	@types_log=$$(mktemp); $(BIN)/mypy >"$$types_log" 2>&1 & types=$$!; \
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
+	  $(PYTEST_ARGS); tests_rc=$$?; wait $$types; types_rc=$$?; \
+	echo "mypy:"; cat "$$types_log"; rm -f "$$types_log"; \
+	exit $$(( tests_rc || types_rc ))
 
 lint: install
 	$(BIN)/ruff check .
