@@ -30,7 +30,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import overload
 
 import lance
@@ -39,12 +38,7 @@ import pyarrow.compute as pc
 import ray.data
 
 from prx_assets.engine.batches import arrow_batches, batch_fn
-from prx_assets.storage.key_index import (
-    indexable_key,
-    maintain_key_index,
-    refresh_key_index,
-    serves_lookups,
-)
+from prx_assets.storage.key_index import indexable_key, maintain_key_index, refresh_key_index
 from prx_assets.storage.lance_tables import (
     FragmentPolicy,
     append_new,
@@ -61,11 +55,6 @@ ID = "id"
 # A chunked writer's Lance caches: the key index's pages its lookups touch, and manifests.
 WRITER_INDEX_CACHE_BYTES = 256 << 20
 WRITER_METADATA_CACHE_BYTES = 64 << 20
-# Offered ids looked up per Lance query (an `IN` list answered by the key index), and the
-# caches of a task's opened target (the index pages its lookups touch).
-LOOKUP_IDS = 8192
-LOOKUP_INDEX_CACHE_BYTES = 128 << 20
-LOOKUP_METADATA_CACHE_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -272,58 +261,9 @@ def new_if_empty(target: TableRef) -> NewRows | None:
 def pending_rows(rows: ray.data.Dataset, target: TableRef, done_filter: str | None = None,
                  broadcast_limit: int = BROADCAST_IDS) -> ray.data.Dataset:
     """`rows` whose id is not committed in the target yet (among the target's rows matching
-    `done_filter`, e.g. one version's finished rows).
-
-    A target with a key index on `id` is asked, inside the tasks, about the offered ids
-    only (`drop_committed`): the cost grows with the rows offered, not with the table, and
-    no id array reaches the driver. Otherwise (small tables, keys of several columns, a
-    `done_filter`) the committed ids are read and broadcast or joined (`without_ids`)."""
-    if not target.exists():
-        return rows
-    target = target.pinned()  # one version for the choice, the lookups and the ids read
-    if done_filter is None and serves_lookups(target.open(), ID):
-        return drop_committed(rows, target)
+    `done_filter`, e.g. one version's finished rows)."""
     done, n_done = committed_ids(target, done_filter)
     return rows if done is None else without_ids(rows, done, n_done, broadcast_limit)
-
-
-def drop_committed(rows: ray.data.Dataset, target: TableRef) -> ray.data.Dataset:
-    """`rows` whose id is not in `target` (pinned to a version), each task looking its
-    block's ids up in the target (`committed_among`). Like `drop_ids`, whole blocks and no
-    CPU asked (see there)."""
-    return rows.map_batches(batch_fn(drop_committed_block), fn_kwargs={"target": target},
-                            batch_format="pyarrow", batch_size=None, zero_copy_batch=True,
-                            num_cpus=0)
-
-
-def drop_committed_block(batch: pa.Table, target: TableRef) -> pa.Table:
-    committed = committed_among(_lookup_dataset(target), batch.column(ID))
-    return keep_ids(batch, committed, member=False)
-
-
-def committed_among(dataset: lance.LanceDataset, ids: pa.Array | pa.ChunkedArray,
-                    per_query: int = LOOKUP_IDS) -> pa.Array:
-    """Those of `ids` that `dataset` holds, asked `per_query` distinct ids at a time (the
-    key index answers an `IN` filter with a lookup per id)."""
-    distinct = pc.unique(ids.cast(pa.string()))
-    found = [dataset.to_table(columns=[ID], filter=pc.field(ID).isin(part)).column(ID)
-             for part in (distinct[start:start + per_query]
-                          for start in range(0, len(distinct), per_query))]
-    return pa.chunked_array(found, pa.string()).combine_chunks() if found \
-        else pa.array([], pa.string())
-
-
-@lru_cache(maxsize=4)
-def _lookup_dataset(target: TableRef) -> lance.LanceDataset:
-    """The pinned target, opened once per worker process: a task of the same selection
-    finds the key index's pages already loaded."""
-    return target.open(_lookup_session())
-
-
-@lru_cache(maxsize=1)
-def _lookup_session() -> lance.Session:
-    return lance.Session(index_cache_size_bytes=LOOKUP_INDEX_CACHE_BYTES,
-                         metadata_cache_size_bytes=LOOKUP_METADATA_CACHE_BYTES)
 
 
 @overload

@@ -51,15 +51,6 @@ def key_index_stats(dataset: lance.LanceDataset, column: str) -> dict | None:
     return dataset.stats.index_stats(name)
 
 
-def serves_lookups(dataset: lance.LanceDataset, column: str,
-                   max_unindexed_rows: int = KeyIndexPolicy.max_unindexed_rows) -> bool:
-    """Whether looking keys up in `dataset` costs about the keys looked up: a key index on
-    `column` exists and leaves at most `max_unindexed_rows` rows to scan (a writer that
-    keeps the index, as `run_chunked` does, never leaves more)."""
-    stats = key_index_stats(dataset, column)
-    return stats is not None and stats["num_unindexed_rows"] <= max_unindexed_rows
-
-
 def indexable_key(keys: list[str]) -> str | None:
     """The column a key index serves: the key when there is one; None for several keys
     (Lance's merge-insert looks up a single key column only)."""
