@@ -377,92 +377,6 @@ def upsert(table: TableRef, rows: pa.Table, schema: pa.Schema, keys: list[str],
         "commit them")
 
 
-def write_uncommitted(table: TableRef, batches: Iterable[pa.RecordBatch | pa.Table],
-                      schema: pa.Schema, policy: FragmentPolicy | None = None
-                      ) -> tuple[list[lance.FragmentMetadata], int]:
-    """Write `batches` as data files of `table`, committing nothing; (fragments, rows).
-    Streams: one batch is held at a time. A run killed before its commit leaves orphan
-    files, which `cleanup` removes; the table is unchanged."""
-    rows = 0
-
-    def counted():
-        nonlocal rows
-        for batch in batches:
-            for record_batch in (batch.cast(schema).to_batches()
-                                 if isinstance(batch, pa.Table) else [batch.cast(schema)]):
-                rows += record_batch.num_rows
-                yield record_batch
-
-    prepare_output_dir(table, "Lance table")
-    fragments = write_fragments(pa.RecordBatchReader.from_batches(schema, counted()), table.uri,
-                                schema=schema, storage_options=table.lance_options(),
-                                **_fragment_sizes(policy))
-    return fragments, rows
-
-
-def replace_where(table: TableRef, where: str, new_fragments: list[lance.FragmentMetadata]
-                  ) -> tuple[int, int]:
-    """In ONE commit, delete the rows matching `where` and add `new_fragments` (written by
-    `write_uncommitted`); returns (version, rows deleted). A reader sees the old rows or the
-    new ones, never both, never neither.
-
-    Two replacements racing from one version must not both land: each would delete only
-    the rows it saw, and the rows both add would be doubled. Lance rebases an Update over
-    a concurrent one unless they touch a common fragment, so each replacement also names
-    the table's first fragment, unchanged, among its updated fragments: one commit wins,
-    the other is preempted and redoes its deletes against the winner's version (its new
-    files are kept), up to `UPSERT_ATTEMPTS` times, then `CommitConflictError`."""
-    table = table.latest()
-    for attempt in range(1, UPSERT_ATTEMPTS + 1):
-        dataset = table.open()
-        operation, deleted = _replacement(dataset, where, new_fragments)
-        failpoint("storage.replace_uncommitted")
-        try:
-            version = lance.LanceDataset.commit(
-                table.uri, operation, read_version=dataset.version,
-                storage_options=table.lance_options()).version
-        except lance.commit.CommitConflictError as exc:
-            log.warning("replacing rows of %s where %s lost its commit on version %d to a "
-                        "concurrent writer (attempt %d of %d): deleting again on top (%s)",
-                        table, where, dataset.version, attempt, UPSERT_ATTEMPTS,
-                        str(exc).split(",")[0])
-            continue
-        return version, deleted
-    raise CommitConflictError(
-        f"replacing rows of {table} where {where}: lost the commit to concurrent writers "
-        f"{UPSERT_ATTEMPTS} times; nothing was committed: rerun")
-
-
-def _replacement(dataset: lance.LanceDataset, where: str,
-                 new_fragments: list[lance.FragmentMetadata]
-                 ) -> tuple[lance.LanceOperation.Update, int]:
-    """The Update deleting `where` (deletion files written, uncommitted) and adding
-    `new_fragments`, with the first fragment as the anchor two replacements conflict on."""
-    fragments = dataset.get_fragments()
-    if not fragments:
-        raise ValueError(f"{dataset.uri}: a replacement needs a table with a fragment (write "
-                         "an empty table whole instead)")
-    updated: dict[int, lance.FragmentMetadata] = {}
-    removed: list[int] = []
-    deleted = 0
-    for fragment in fragments:
-        matching = fragment.count_rows(where)
-        if not matching:
-            continue
-        deleted += matching
-        remaining = fragment.delete(where)
-        if remaining is None:
-            removed.append(fragment.fragment_id)
-        else:
-            updated[fragment.fragment_id] = remaining
-    anchor = fragments[0]
-    if anchor.fragment_id not in updated and anchor.fragment_id not in removed:
-        updated[anchor.fragment_id] = anchor.metadata  # as read: unchanged
-    return lance.LanceOperation.Update(removed_fragment_ids=removed,
-                                       updated_fragments=list(updated.values()),
-                                       new_fragments=new_fragments), deleted
-
-
 def append_new(table: TableRef, rows: pa.Table, schema: pa.Schema, key: str,
                known_at: int | None) -> tuple[int, bool]:
     """Append `rows` without looking their keys up: the caller knows they are distinct and
@@ -548,7 +462,7 @@ def overwrite_rows(table: TableRef, rows: pa.Table, schema: pa.Schema,
     mode = "overwrite" if table.exists() else "create"
     return lance.write_dataset(rows.cast(schema), table.uri, schema=schema, mode=mode,
                                storage_options=table.lance_options(),
-                               **_fragment_sizes(policy)).version
+                               **fragment_sizes(policy)).version
 
 
 def append_rows(table: TableRef, rows: pa.Table, schema: pa.Schema,
@@ -558,10 +472,10 @@ def append_rows(table: TableRef, rows: pa.Table, schema: pa.Schema,
     return lance.write_dataset(rows.cast(schema), table.uri, schema=schema,
                                mode="append" if table.exists() else "create",
                                storage_options=table.lance_options(),
-                               **_fragment_sizes(policy)).version
+                               **fragment_sizes(policy)).version
 
 
-def _fragment_sizes(policy: FragmentPolicy | None) -> _FileLimits:
+def fragment_sizes(policy: FragmentPolicy | None) -> _FileLimits:
     """`write_dataset`'s file-size arguments for `policy` (Lance's defaults without one)."""
     if policy is None:
         return {}

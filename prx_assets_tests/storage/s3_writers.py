@@ -104,7 +104,7 @@ def replaced_ids() -> list[str]:
 
 
 def replace_main(uri: TableRef, name: str) -> dict:
-    from prx_assets.storage.lance_tables import replace_where, write_uncommitted
+    from prx_assets.storage.replace import replace_where, write_uncommitted
 
     fragments, _ = write_uncommitted(uri, [rows(replaced_ids(), sum(name.encode()))], SCHEMA)
     version, deleted = replace_where(uri, REPLACED, fragments)

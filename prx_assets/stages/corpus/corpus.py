@@ -13,7 +13,7 @@ Two ways to write it: `build_corpus` writes every source as one atomic Overwrite
 previous corpus stays readable until the commit), compacted, then indexed from scratch;
 `update_corpus` replaces only the rows of the sources whose inputs changed (the source's
 new rows written as uncommitted files in bounded chunks, then ONE commit deleting its old
-rows and adding the new: `lance_tables.replace_where`) and brings the existing indexes up
+rows and adding the new: `storage.replace.replace_where`) and brings the existing indexes up
 to date with `optimize_indices` instead of retraining.
 """
 
@@ -43,11 +43,10 @@ from prx_assets.storage.lance_tables import (
     cleanup,
     compact,
     describe_write,
-    replace_where,
     write_dataset_atomically,
-    write_uncommitted,
 )
 from prx_assets.storage.refs import TableRef
+from prx_assets.storage.replace import replace_where, write_uncommitted
 
 THUMB_SIDE = 256
 THUMB_QUALITY = 85
