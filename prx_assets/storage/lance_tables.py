@@ -480,3 +480,15 @@ def fragment_sizes(policy: FragmentPolicy | None) -> _FileLimits:
     if policy is None:
         return {}
     return {"max_rows_per_file": policy.max_rows, "max_bytes_per_file": policy.target_bytes}
+
+
+def only_appended_since(table: TableRef, old_version: int, new_version: int) -> bool:
+    """True when every row of `old_version` is in `new_version` as it was: each fragment of
+    the old version is in the new one with the same files, deletions and overlays (what a
+    commit that only appends, or a merge-insert that matched nothing, leaves). False after
+    an update, a delete or a compaction, where the rows must be compared."""
+    old = {f.fragment_id: f.metadata.to_json() for f in table.at(old_version).open()
+           .get_fragments()}
+    new = {f.fragment_id: f.metadata.to_json() for f in table.at(new_version).open()
+           .get_fragments()}
+    return all(new.get(fragment_id) == metadata for fragment_id, metadata in old.items())

@@ -34,7 +34,7 @@ from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.captions.captioners import CaptionerSpec, caption_stage
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA, STATUS_OK, done_filter
 from prx_assets.storage.filters import eq_filter, in_filter
-from prx_assets.storage.lance_tables import FragmentPolicy, create_empty
+from prx_assets.storage.lance_tables import FragmentPolicy, create_empty, only_appended_since
 from prx_assets.storage.refs import TableRef
 
 CAPTION_KEYS = ["id", "caption_version"]
@@ -131,7 +131,11 @@ def _item_keys(raw: TableRef, with_caption: bool) -> ray.data.Dataset:
 def changed_ids(raw: TableRef, old_version: int, new_version: int,
                 with_caption: bool) -> set[str]:
     """Ids of raw_images `old_version` whose item is gone or different in `new_version`
-    (the same key path, new bytes or a new source caption): their captions are stale."""
+    (the same key path, new bytes or a new source caption): their captions are stale.
+    None when the new version only appended rows (the common +N files run): no pass over
+    either version."""
+    if only_appended_since(raw, old_version, new_version):
+        return set()
     new_keys = _item_keys(raw.at(new_version), with_caption)
     n_new = raw.at(new_version).count_rows()
     gone = without_ids(_item_keys(raw.at(old_version), with_caption),

@@ -6,12 +6,25 @@ A StreamingDataset counts a leaf from its `index.json` alone (shards are read la
 remote leaf's index is fetched through its `Location` (the storage's own S3 client) into a
 local folder the dataset opens: the check needs no credentials in any environment, and
 streaming parses the same bytes it would have downloaded itself.
+
+What a StreamingDataset counts depends on a leaf's index alone, so a count is kept per
+index digest (`verified_leaves.json` beside the tree versions, per streaming release): a
+check after an incremental build opens only the leaves whose index changed, and none (no
+child process) when no index did. The mapping counts, shard files and sizes are checked
+for every leaf on every run.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import json
 import multiprocessing
+import sys
 import tempfile
+import types
 from collections import Counter
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -21,9 +34,9 @@ import pyarrow.compute as pc
 
 from prx_assets.stages.shards.trees import (
     INDEX,
+    TreeStore,
     leaf_names,
     lineage,
-    read_index,
     shard_problems,
     tree_store,
 )
@@ -62,15 +75,55 @@ def verify_tree(storage: Storage | str | Path, source: str) -> tuple[list[LeafCh
                        for v in pc.unique(mapping["tree_version"]).to_pylist() if v not in held})
     mapped = Counter(mapping["leaf"].to_pylist())
     leaves = leaf_names(tree)
+    indexes = [(tree / leaf / INDEX).read_bytes() for leaf in leaves]
     # A StreamingDataset counts from the index alone: a missing or short shard fails only
     # when a trainer reaches it, so the files are checked against the index here.
-    problems += [problem for leaf in leaves
-                 for problem in shard_problems(tree / leaf, read_index(tree / leaf))]
-    streamed = leaf_stream_counts([tree / leaf for leaf in leaves])
+    problems += [problem for leaf, index in zip(leaves, indexes, strict=True)
+                 for problem in shard_problems(tree / leaf, json.loads(index)["shards"])]
+    streamed = counts_by_index(store, [tree / leaf for leaf in leaves], indexes)
     checks = [LeafCheck(leaf, count, mapped.pop(leaf, 0), stale_in_leaf(tree / leaf))
               for leaf, count in zip(leaves, streamed, strict=True)]
     checks += [LeafCheck(name, 0, n) for name, n in sorted(mapped.items())]  # no such leaf
     return checks, problems
+
+
+VERIFIED_LEAVES = "verified_leaves.json"  # in the source's trees folder
+
+
+def counts_by_index(store: TreeStore, leaves: list[Location], indexes: list[bytes]
+                    ) -> list[int]:
+    """`leaf_stream_counts` of the leaves, opening only those whose index (by digest) no
+    earlier check counted under this streaming release; the counts of the current leaves
+    are kept for the next check."""
+    digests = [hashlib.sha256(index).hexdigest() for index in indexes]
+    known = read_verified(store)
+    todo = [n for n, digest in enumerate(digests) if digest not in known]
+    fresh = leaf_stream_counts([leaves[n] for n in todo])
+    counts = known | {digests[n]: count for n, count in zip(todo, fresh, strict=True)}
+    if todo or set(known) != set(digests):
+        write_verified(store, {digest: counts[digest] for digest in digests})
+    return [counts[digest] for digest in digests]
+
+
+def streaming_release() -> str:
+    return importlib.metadata.version("mosaicml-streaming")
+
+
+def read_verified(store: TreeStore) -> dict[str, int]:
+    """Index digest -> streamed count from earlier checks; nothing when absent, unreadable
+    or written under another streaming release (every leaf is opened again then)."""
+    try:
+        saved = json.loads((store.trees_dir / VERIFIED_LEAVES).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(saved, dict) or saved.get("streaming") != streaming_release():
+        return {}
+    return {str(k): int(v) for k, v in saved.get("counts", {}).items()}
+
+
+def write_verified(store: TreeStore, counts: dict[str, int]) -> None:
+    (store.trees_dir / VERIFIED_LEAVES).write_text(json.dumps(
+        {"streaming": streaming_release(), "counts": counts}, indent=1, sort_keys=True))
 
 
 def stale_in_leaf(leaf: Location) -> int:
@@ -137,8 +190,27 @@ def _send_streamed_counts(leaves: list[str], send: Connection) -> None:
 
 
 def _streamed_counts(leaves: list[str]) -> list[int]:
-    from streaming import Stream, StreamingDataset
-
+    Stream, StreamingDataset = streaming_dataset_classes()
     dataset = StreamingDataset(streams=[Stream(local=leaf) for leaf in leaves], batch_size=1,
                                shuffle=False)
     return [int(n) for n in dataset.samples_per_stream]
+
+
+def streaming_dataset_classes() -> tuple[type, type]:
+    """streaming's `Stream` and `StreamingDataset`, from their own modules (the same classes
+    `from streaming import ...` gives) without running the package's `__init__`s: those
+    import its text and vision datasets, hence transformers and sklearn (~6 s of CPU of a
+    check's ~8.5 s). Only for the check's own short-lived child process: the package
+    modules it registers are bare. Imported whole where streaming already is."""
+    if "streaming" not in sys.modules:
+        spec = importlib.util.find_spec("streaming")
+        if spec is not None and spec.submodule_search_locations:
+            for name, folders in (("streaming", list(spec.submodule_search_locations)),
+                                  ("streaming.base", [f"{folder}/base" for folder
+                                                      in spec.submodule_search_locations])):
+                package = types.ModuleType(name)
+                package.__path__ = folders
+                sys.modules[name] = package
+    stream = importlib.import_module("streaming.base.stream")
+    dataset = importlib.import_module("streaming.base.dataset")
+    return stream.Stream, dataset.StreamingDataset

@@ -1,0 +1,86 @@
+"""The tree check after an incremental build opens only the leaves whose index changed (none:
+no child process), and still fails on a leaf whose index or mapping is wrong."""
+
+import json
+import subprocess
+import sys
+from pathlib import PurePath
+
+import pytest
+
+from prx_assets.stages.shards import mds, trees, verify
+from prx_assets.storage.layout import Storage
+from prx_assets.testing.mds_corpus import build_corpus, inputs_for
+from prx_assets_tests.stages.shards.test_incremental import NEW_ID, OPTIONS, add_sample
+
+
+@pytest.fixture
+def opened(monkeypatch) -> list[list[str]]:
+    """The leaves each StreamingDataset pass opens (the real pass still runs)."""
+    calls: list[list[str]] = []
+    real = verify.streamed_counts
+
+    def recording(leaves: list[str]) -> list[int]:
+        calls.append(["/".join(PurePath(leaf).parts[-2:]) for leaf in leaves])
+        return real(leaves)
+
+    monkeypatch.setattr(verify, "streamed_counts", recording)
+    return calls
+
+
+def assert_whole(data_root) -> list[verify.LeafCheck]:
+    checks, problems = verify.verify_tree(data_root, "web")
+    assert checks and all(c.ok for c in checks) and not problems, (checks, problems)
+    return checks
+
+
+def test_a_check_after_one_new_sample_opens_only_its_leaf(data_root, opened):
+    build_corpus(data_root, "web", per_shape=3)
+    mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    first = assert_whole(data_root)
+    assert len(opened) == 1 and len(opened[0]) == len(first)  # a first check opens every leaf
+
+    assert assert_whole(data_root) == first and len(opened) == 1  # nothing changed: no pass
+
+    add_sample(data_root, NEW_ID)  # one sample into leaf 1/64x64
+    mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    after = assert_whole(data_root)
+    assert opened[1:] == [["1/64x64"]]
+    grown = {c.leaf: c.streamed for c in after}
+    assert grown == {c.leaf: c.streamed + (c.leaf == "1/64x64") for c in first}
+
+
+def test_a_changed_index_is_opened_again_and_a_wrong_count_fails(data_root, opened):
+    build_corpus(data_root, "web", per_shape=3)
+    report = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    assert_whole(data_root)
+    leaf = trees.tree_leaves(report.path)[0]
+    index = json.loads((leaf / trees.INDEX).read_text())
+    index["shards"][0]["samples"] += 1  # the index now lists a sample the mapping lacks
+    (leaf / trees.INDEX).write_text(json.dumps(index))
+
+    checks, _ = verify.verify_tree(data_root, "web")
+    name = str(leaf.relative_to(report.path))
+    assert opened[1:] == [[name]]
+    assert [c.leaf for c in checks if not c.ok] == [name]
+
+
+def test_counts_kept_under_another_streaming_release_are_not_trusted(data_root, opened):
+    build_corpus(data_root, "web", per_shape=3)
+    mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    assert_whole(data_root)
+    store = trees.tree_store(Storage(data_root), "web")
+    saved = json.loads((store.trees_dir / verify.VERIFIED_LEAVES).read_text())
+    saved["streaming"] = "0.0.1"
+    (store.trees_dir / verify.VERIFIED_LEAVES).write_text(json.dumps(saved))
+    assert_whole(data_root)
+    assert len(opened) == 2 and opened[1] == opened[0]
+
+
+def test_the_check_child_gets_streamings_classes_without_transformers():
+    code = ("import sys; from prx_assets.stages.shards import verify; "
+            "stream, dataset = verify.streaming_dataset_classes(); "
+            "print(dataset.__module__, stream.__module__, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["streaming.base.dataset", "streaming.base.stream", "False"]
