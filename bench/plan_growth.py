@@ -287,8 +287,12 @@ def run(sizes: list[int], codes: list[Path | None], phases: tuple[str, ...] = PH
             for code in codes:
                 name = "this" if code is None else code.name
                 for phase in phases:
-                    results.setdefault(name, {}).setdefault(phase, {})[n] = run_phase(
-                        phase, folder, warm, code)
+                    result = run_phase(phase, folder, warm, code)
+                    results.setdefault(name, {}).setdefault(phase, {})[n] = result
+                    # As it goes: a run cut short still shows the sizes it finished.
+                    print(json.dumps({"code": name, "phase": phase, "rows": n, **result}),
+                          file=sys.stderr, flush=True)
+            shutil.rmtree(folder, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return results
