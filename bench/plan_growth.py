@@ -30,7 +30,6 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -191,11 +190,17 @@ def phase_skipped(folder: Path) -> Callable[[], object]:
     return lambda: skipped_ids(folder / "tree", TableRef.of(folder / "mapping.lance"))
 
 
-def rss_kb() -> int:
+def status_kb(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
     return 0
+
+
+def reset_peak_rss() -> None:
+    """Start VmHWM afresh. (Not `ru_maxrss`: Linux carries it across exec, so a child of a
+    big parent reports the parent's size.)"""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def measure_phase(phase: str, folder: Path, warm: Path) -> dict:
@@ -207,11 +212,12 @@ def measure_phase(phase: str, folder: Path, warm: Path) -> dict:
     phases = {"plan": phase_plan, "diff": phase_diff, "skipped": phase_skipped}
     phases[phase](warm)()
     run = phases[phase](folder)
-    before = rss_kb()
+    reset_peak_rss()
+    before = status_kb("VmRSS")
     started = time.perf_counter()
     result = run()
     seconds = time.perf_counter() - started
-    rss_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    rss_growth = status_kb("VmHWM") - before
     del result
     tracemalloc.start()
     run()
