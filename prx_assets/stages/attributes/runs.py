@@ -306,4 +306,6 @@ def attribute_coverage(captions: TableRef, attributes: TableRef, caption_filter:
     condition = all_of(eq_filter("caption_version", caption_version),
                        eq_filter("attribute_version", attribute_version))
     rows = attributes.to_table(columns=["status"], filter=condition)
-    return AttributeCoverage(usable, dict(Counter(rows.column("status").to_pylist())))
+    # Counted in Arrow: one Python entry per status, not one per row of the source.
+    counts = pc.value_counts(rows.column("status")).to_pylist()
+    return AttributeCoverage(usable, {pair["values"]: pair["counts"] for pair in counts})

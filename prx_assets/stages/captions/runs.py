@@ -206,7 +206,9 @@ def coverage(bucketed: TableRef, captions: TableRef, version: str,
         return Coverage(kept, 0, 0, 0, 0)
     rows = captions.to_table(columns=["status", "n_words"],
                           filter=eq_filter("caption_version", version))
-    statuses = Counter(rows.column("status").to_pylist())
+    # Counted in Arrow: one Python entry per status, not one per row of the source.
+    statuses = {pair["values"]: pair["counts"]
+                for pair in pc.value_counts(rows.column("status")).to_pylist()}
     words = rows.filter(pc.equal(rows.column("status"), STATUS_OK)).column("n_words")
     in_target = pc.sum(pc.and_(pc.greater_equal(words, target[0]),
                                pc.less_equal(words, target[1]))).as_py() or 0

@@ -350,4 +350,6 @@ def label_coverage(captions: TableRef, labels: TableRef, caption_filter: str,
         return LabelCoverage(usable, {})
     rows = labels.to_table(columns=["label"],
                            filter=active_labels_filter(caption_version, classifier_version))
-    return LabelCoverage(usable, dict(Counter(rows.column("label").to_pylist())))
+    # Counted in Arrow: one Python entry per label, not one per row of the source.
+    counts = pc.value_counts(rows.column("label")).to_pylist()
+    return LabelCoverage(usable, {pair["values"]: pair["counts"] for pair in counts})

@@ -4,6 +4,8 @@ the shard and the sample's fingerprint. One row per live id; stale samples are n
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -25,6 +27,7 @@ MDS_SAMPLES_SCHEMA = pa.schema([
     pa.field("tree_version", pa.string(), nullable=False),  # the version that wrote the shard
     pa.field("fingerprint", pa.int64(), nullable=False),  # see plan.sample_fingerprints
 ])
+SCAN_ROWS = 1 << 18  # rows per batch of a streamed pass over the mapping
 # What an incremental run compares the plan with, and where a stale sample is stored.
 APPEND_COLUMNS = ["id", "fingerprint", "leaf", "shard", "sample_index"]
 
@@ -37,22 +40,29 @@ def mapping_rows(source: str, key: tuple[int, int, int], leaf_rows: pa.Table,
         raise RuntimeError(f"{leaf_name(*key)}: shards hold {sum(counts)} samples, "
                            f"planned {leaf_rows.num_rows}")
     n = leaf_rows.num_rows
-    names = np.repeat([entry["raw_data"]["basename"] for entry in shards], counts)
+    # Arrow all through (a full build maps every sample of the source): a shard's name is
+    # taken per row from the shard list, constants are repeated scalars.
+    basenames = pa.array([entry["raw_data"]["basename"] for entry in shards], pa.string())
+    names = basenames.take(np.repeat(np.arange(len(counts), dtype=np.int64), counts))
     local = (np.concatenate([np.arange(c, dtype=np.int64) for c in counts]) if counts
              else np.zeros(0, np.int64))
     tier, width, height = key
     return pa.table({
         "id": leaf_rows["id"],
-        "source": pa.array([source] * n, pa.string()),
+        "source": _repeated(source, n),
         "tier": pa.array(np.full(n, tier), pa.int32()),
         "width": pa.array(np.full(n, width), pa.int32()),
         "height": pa.array(np.full(n, height), pa.int32()),
-        "leaf": pa.array([leaf_name(*key)] * n, pa.string()),
-        "shard": pa.array(names.tolist(), pa.string()),
+        "leaf": _repeated(leaf_name(*key), n),
+        "shard": names,
         "sample_index": pa.array(local, pa.int64()),
-        "tree_version": pa.array([tree_version] * n, pa.string()),
+        "tree_version": _repeated(tree_version, n),
         "fingerprint": leaf_rows["fingerprint"],
     }, schema=MDS_SAMPLES_SCHEMA)
+
+
+def _repeated(value: str, n: int) -> pa.Array:
+    return pa.repeat(pa.scalar(value, pa.string()), n)
 
 
 def mapping_for_append(mapping: TableRef) -> pa.Table | None:
@@ -64,6 +74,19 @@ def mapping_for_append(mapping: TableRef) -> pa.Table | None:
     if "fingerprint" not in table.schema.names:
         return None
     return table.to_table(columns=APPEND_COLUMNS)
+
+
+def mapped_leaves(mapping: TableRef, batch_rows: int = SCAN_ROWS) -> tuple[Counter, set[str]]:
+    """Live samples per leaf and the tree versions the mapping names, in one streamed pass
+    counted in Arrow (one entry per leaf and per version, never one per row)."""
+    per_leaf: Counter = Counter()
+    versions: set[str] = set()
+    for batch in mapping.open().scanner(columns=["leaf", "tree_version"],
+                                        batch_size=batch_rows).to_batches():
+        for pair in pc.value_counts(batch.column("leaf")).to_pylist():
+            per_leaf[pair["values"]] += pair["counts"]
+        versions.update(pc.unique(batch.column("tree_version")).to_pylist())
+    return per_leaf, versions
 
 
 def ids_gone(mapping: TableRef, plan: pa.Table) -> int:

@@ -41,7 +41,10 @@ class PartSpec:
     """One part's work: consecutive id-sorted rows of one leaf."""
 
     out: Location  # the part's folder: local, or an s3:// prefix (uploaded shard by shard)
-    ids: list[str]
+    # Kept in Arrow on the driver (a source's specs are built at once): a Python string per
+    # sample only inside the task, TAKE_ROWS at a time. One Array, not a ChunkedArray: a
+    # pickled Array slice carries its own rows, a ChunkedArray slice the whole buffer.
+    ids: pa.Array | list[str]
     image_rows: np.ndarray  # Lance row ids in bucketed_images
     caption_rows: np.ndarray  # Lance row ids in captions
 
@@ -52,7 +55,7 @@ def part_specs(leaf_rows: pa.Table, leaf_dir: Location, rows_per_part: int) -> l
     for n, start in enumerate(range(0, leaf_rows.num_rows, rows_per_part)):
         rows = leaf_rows.slice(start, rows_per_part)
         specs.append(PartSpec(
-            out=leaf_dir / f"part.{n:05d}", ids=rows["id"].to_pylist(),
+            out=leaf_dir / f"part.{n:05d}", ids=rows["id"].combine_chunks(),
             image_rows=rows["image_row"].to_numpy(), caption_rows=rows["caption_row"].to_numpy()))
     return specs
 
@@ -103,11 +106,15 @@ def write_part(spec: PartSpec, inputs: SampleInputs, options: WriteOptions) -> l
                                                      columns=IMAGE_COLUMNS))
             texts = _rows_by_id(captions._take_rows(spec.caption_rows[start:stop].tolist(),
                                                     columns=["id", "caption"]))
-            for sample_id in spec.ids[start:stop]:
+            for sample_id in _as_strings(spec.ids[start:stop]):
                 writer.write(_sample(images[sample_id], texts[sample_id]["caption"],
                                      inputs.license))
             failpoint("mds.write_part")
     return json.loads(json.dumps(writer.shards))
+
+
+def _as_strings(ids: pa.Array | list[str]) -> list[str]:
+    return ids if isinstance(ids, list) else ids.to_pylist()
 
 
 def _rows_by_id(table: pa.Table) -> dict[str, dict]:

@@ -206,13 +206,15 @@ def plan_delta(plan: pa.Table, mapping: pa.Table) -> Delta:
 
 
 def split_leaves(plan: pa.Table) -> list[tuple[tuple[int, int, int], pa.Table]]:
-    """The sorted plan cut into one slice per (tier, width, height), in order."""
+    """The sorted plan cut into one slice per (tier, width, height), in order. The cuts are
+    found on the key columns' buffers (a few bytes per row), not on Python tuples."""
     if plan.num_rows == 0:
         return []
-    keys = list(zip(*(plan[c].to_pylist() for c in ("tier", "width", "height")), strict=True))
-    leaves, start = [], 0
-    for i in range(1, len(keys) + 1):
-        if i == len(keys) or keys[i] != keys[start]:
-            leaves.append((keys[start], plan.slice(start, i - start)))
-            start = i
-    return leaves
+    tier, width, height = (plan[c].to_numpy() for c in ("tier", "width", "height"))
+    changes = np.zeros(plan.num_rows - 1, bool)
+    for values in (tier, width, height):
+        changes |= values[1:] != values[:-1]
+    starts = [0, *(np.flatnonzero(changes) + 1).tolist()]
+    stops = [*starts[1:], plan.num_rows]
+    return [((int(tier[start]), int(width[start]), int(height[start])),
+             plan.slice(start, stop - start)) for start, stop in zip(starts, stops, strict=True)]

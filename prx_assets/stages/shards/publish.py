@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.shards.card import write_source_card
-from prx_assets.stages.shards.mapping import update_mapping, write_mapping
+from prx_assets.stages.shards.mapping import mapped_leaves, update_mapping, write_mapping
 from prx_assets.stages.shards.merge import (
     LeafEntries,
     StaleCounts,
@@ -207,7 +207,7 @@ def report_path(tree: Location) -> Path | str:
 def unchanged_report(build: Build, current: str, left_out: Counter) -> TreeReport:
     tree = build.store.tree(current)
     mapping = build.mapping.pinned()
-    live = Counter(mapping.to_table(columns=["leaf"])["leaf"].to_pylist())
+    live, _ = mapped_leaves(mapping)
     leaves = []
     for name in leaf_names(tree):
         entries = read_index(tree / name)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from prx_assets.stages.shards.mds import write_mds_tree
 from prx_assets.stages.shards.plan import SampleInputs, WriteOptions
@@ -63,9 +64,23 @@ def pinned_inputs(storage: Storage | str | Path, source: str, caption_filter: st
         license=(manifest.get("settings") or {}).get("license", "unknown"))
 
 
-def _ids(table: TableRef, condition: str | None = None) -> set[str]:
-    scanner = table.open().scanner(columns=["id"], filter=condition, batch_size=SCAN_ROWS)
-    return {i for batch in scanner.to_batches() for i in batch.column("id").to_pylist()}
+def _ids(table: TableRef, condition: str | None = None) -> pa.Array:
+    """The ids as one Arrow array (a few dozen bytes a row, no Python string per row)."""
+    ids = table.to_table(columns=["id"], filter=condition).column("id")
+    return ids.combine_chunks() if ids.num_chunks else pa.array([], pa.string())
+
+
+def _planned_not_kept(inputs: SampleInputs, kept: pa.Array, batch_rows: int = SCAN_ROWS
+                      ) -> set[str]:
+    """Ids the inputs plan (kept bucketed rows) that `kept` lacks, streamed: only those
+    become Python strings (what earlier rewrites or the build's own rules left out)."""
+    scanner = inputs.bucketed.open().scanner(columns=["id"], filter="status = 'ok'",
+                                             batch_size=batch_rows)
+    out: set[str] = set()
+    for batch in scanner.to_batches():
+        ids = batch.column("id")
+        out.update(ids.filter(pc.invert(pc.is_in(ids, value_set=kept))).to_pylist())
+    return out
 
 
 def rewrite_without_skipped(inputs: SampleInputs, storage: Storage | str | Path, source: str,
@@ -88,10 +103,12 @@ def rewrite_without_skipped(inputs: SampleInputs, storage: Storage | str | Path,
         f"({', '.join(rewritten) or 'no reason'}); carrying over {', '.join(kept_lists) or 'none'}")
     # The new tree is a subset of the current one: what earlier rewrites (or the current
     # build's own rules) left out stays out.
-    kept = _ids(mapping) - excluded
-    planned = _ids(inputs.bucketed, "status = 'ok'")
-    inputs = dataclasses.replace(inputs, exclude_ids=frozenset(inputs.exclude_ids
-                                                               | (planned - kept)))
+    mapped = _ids(mapping)
+    kept = mapped.filter(pc.invert(pc.is_in(mapped, value_set=pa.array(sorted(excluded),
+                                                                        pa.string()))))
+    del mapped
+    inputs = dataclasses.replace(inputs, exclude_ids=frozenset(
+        inputs.exclude_ids | _planned_not_kept(inputs, kept)))
     carried = ApplyReport()
 
     def stage_kept_lists(staging: Location, mapping: pa.Table) -> None:

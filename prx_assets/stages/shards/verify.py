@@ -25,13 +25,11 @@ import multiprocessing
 import sys
 import tempfile
 import types
-from collections import Counter
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-import pyarrow.compute as pc
-
+from prx_assets.stages.shards.mapping import mapped_leaves
 from prx_assets.stages.shards.trees import (
     INDEX,
     TreeStore,
@@ -70,10 +68,9 @@ def verify_tree(storage: Storage | str | Path, source: str) -> tuple[list[LeafCh
     tree = store.current_tree()
     version = tree.name
     held = set(lineage(store.manifest(version) or {}, version))
-    mapping = storage.table(MDS_SAMPLES, source).to_table(columns=["leaf", "tree_version"])
-    problems = sorted({f"mapping rows of tree {v}, current is {version}"
-                       for v in pc.unique(mapping["tree_version"]).to_pylist() if v not in held})
-    mapped = Counter(mapping["leaf"].to_pylist())
+    mapped, versions = mapped_leaves(storage.table(MDS_SAMPLES, source))
+    problems = sorted(f"mapping rows of tree {v}, current is {version}"
+                      for v in versions if v not in held)
     leaves = leaf_names(tree)
     indexes = [(tree / leaf / INDEX).read_bytes() for leaf in leaves]
     # A StreamingDataset counts from the index alone: a missing or short shard fails only

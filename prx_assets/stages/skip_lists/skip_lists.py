@@ -440,22 +440,36 @@ def skip_shares(tree: Location, per_leaf: Mapping[str, int]) -> dict[str, tuple[
 
 def skipped_ids(tree: Location | str | PurePath, mapping: TableRef,
                 reasons: Iterable[str] | None = None, batch_rows: int = SCAN_ROWS) -> set[str]:
-    """The live ids a tree's sidecars skip (for the selected reasons; all by default)."""
+    """The live ids a tree's sidecars skip (for the selected reasons; all by default). The
+    mapping is streamed and each batch joined in Arrow with its shards' skipped positions:
+    Python objects per shard and per skipped sample, none per mapping row."""
     tree = as_location(tree)
     wanted = None if reasons is None else list(reasons)
-    per_shard: dict[ShardKey, set[int]] = {}
+    per_shard: dict[ShardKey, pa.Table] = {}
     found: set[str] = set()
     for batch in mapping_batches(mapping, batch_rows):
-        for sample_id, leaf, shard, index in zip(
-                batch.column("id").to_pylist(), batch.column("leaf").to_pylist(),
-                batch.column("shard").to_pylist(), batch.column("sample_index").to_pylist(),
-                strict=True):
+        rows = pa.Table.from_batches([batch])
+        pairs = rows.group_by(["leaf", "shard"]).aggregate([])
+        for leaf, shard in zip(pairs.column("leaf").to_pylist(),
+                               pairs.column("shard").to_pylist(), strict=True):
             if (leaf, shard) not in per_shard:
                 lists = read_sidecar(tree / leaf / sidecar_name(shard))
-                per_shard[(leaf, shard)] = skipped_indices(lists, wanted)
-            if index in per_shard[(leaf, shard)]:
-                found.add(sample_id)
+                per_shard[(leaf, shard)] = _positions(leaf, shard,
+                                                      skipped_indices(lists, wanted))
+        skipped = pa.concat_tables(per_shard[key] for key in zip(
+            pairs.column("leaf").to_pylist(), pairs.column("shard").to_pylist(), strict=True))
+        if skipped.num_rows:
+            hits = rows.join(skipped, ["leaf", "shard", "sample_index"], join_type="inner")
+            found.update(hits.column("id").to_pylist())
     return found
+
+
+def _positions(leaf: str, shard: str, indices: set[int]) -> pa.Table:
+    """One shard's skipped sample positions as (leaf, shard, sample_index) rows."""
+    n = len(indices)
+    return pa.table({"leaf": pa.repeat(pa.scalar(leaf, pa.string()), n),
+                     "shard": pa.repeat(pa.scalar(shard, pa.string()), n),
+                     "sample_index": pa.array(sorted(indices), pa.int64())})
 
 
 def reasons_in(tree: Location) -> set[str]:

@@ -1,0 +1,328 @@
+"""The driver's own cost of an `mds_shards` run as a source grows: planning, diffing and
+the skipped-id pass, on metadata-only rows (no image bytes, no caption text).
+
+Per size N, one source's tables are made once (metadata columns only): `bucketed_images`
+(N kept rows in 3 tiers x 10 shapes: 30 leaves), `captions` (one usable row per id) and the
+mapping table `mds_samples` written by the stage's own `mapping_rows` / `write_mapping`
+(2,000 samples a shard) with 0.1 % of its fingerprints changed and 0.1 % more ids than the
+plan (rows to write and a stale set of 0.2 %), plus dedup sidecars on 1 % of the shards.
+Then each phase runs in a fresh interpreter (one process per phase and size, so the peaks
+are its own):
+
+- **plan**: `plan_samples`, `split_leaves`, `part_specs` of every leaf and the full
+  build's `mapping_rows`: what the driver does before the Ray tasks of a full build;
+- **diff**: `mapping_for_append` and `plan_delta` (new, changed, stale and removed ids)
+  against the plan (made before the clock);
+- **skipped**: `skipped_ids` (what a rewrite reads from the sidecars and the mapping).
+
+Printed per phase and size: seconds per row, the peak of Python allocations (tracemalloc:
+the Python objects the phase holds at once) and the growth of the process's peak RSS
+(Python objects and Arrow buffers), each as a ratio to the smallest size. `--code DIR`
+(repeatable) runs the phases against another copy of `prx_assets` (e.g. an export of the
+commit before) and prints its figures too, then each figure against the first code's.
+
+    python -m bench.plan_growth --sizes 1e4,1e5,1e6 --code /tmp/before
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from bench.common import Figure, report
+
+DEFAULT_SIZES = (10_000, 100_000)  # a smoke run; the note uses 1e4,1e5,1e6
+PHASES = ("plan", "diff", "skipped")
+SOURCE = "bench"
+CAPTION_FILTER = "caption_version = 'v1' AND status = 'ok'"
+TIERS = (256, 512, 1024)
+SHAPES = ((1, 1), (4, 3), (3, 4), (16, 9), (9, 16), (3, 2), (2, 3), (2, 1), (1, 2), (5, 4))
+SHARD_SAMPLES = 2_000
+WARM_ROWS = 1_000  # the source each phase runs on first, untimed
+CHANGED_SHARE = 0.001  # of the mapping: fingerprints changed, and ids the plan lost
+SIDECAR_SHARE = 0.01  # of the shards: a dedup sidecar skipping 5 % of their samples
+HERE = Path(__file__).resolve().parent.parent
+
+
+def sample_ids(n: int, offset: int = 0) -> pa.Array:
+    return pa.array([f"{SOURCE}:{hashlib.blake2b(str(i).encode(), digest_size=12).hexdigest()}"
+                     for i in range(offset, offset + n)], pa.string())
+
+
+def bucketed_rows(n: int) -> pa.Table:
+    rng = np.random.default_rng(n)
+    tier = np.array(TIERS, np.int32)[rng.integers(0, len(TIERS), n)]
+    ratio = rng.integers(0, len(SHAPES), n)
+    w = np.array([s[0] for s in SHAPES])[ratio]
+    h = np.array([s[1] for s in SHAPES])[ratio]
+    scale = tier / np.maximum(w, h)
+    width, height = (w * scale).astype(np.int32), (h * scale).astype(np.int32)
+    return pa.table({
+        "id": sample_ids(n), "status": pa.repeat(pa.scalar("ok"), n),
+        "tier": pa.array(tier), "width": pa.array(width), "height": pa.array(height),
+        "original_width": pa.array(width * 3), "original_height": pa.array(height * 3),
+        "phash": pa.array(rng.integers(0, 1 << 62, n)),
+        "pixels": pa.array((width * height).astype(np.int64)),
+    })
+
+
+def caption_rows(ids: pa.Array) -> pa.Table:
+    n = len(ids)
+    return pa.table({
+        "id": ids, "caption_version": pa.repeat(pa.scalar("v1"), n),
+        "status": pa.repeat(pa.scalar("ok"), n),
+        "n_words": pa.array(np.full(n, 30, np.int32)),
+        "created_at": pa.array(np.full(n, 1_700_000_000_000_000, np.int64),
+                               pa.timestamp("us", tz="UTC")),
+    })
+
+
+def fake_shards(samples: int) -> list[dict]:
+    """Index entries as `MDSWriter` returns them, as far as the mapping reads them."""
+    counts = [SHARD_SAMPLES] * (samples // SHARD_SAMPLES)
+    if samples % SHARD_SAMPLES:
+        counts.append(samples % SHARD_SAMPLES)
+    return [{"samples": c, "raw_data": {"basename": f"shard.{i:05d}.mds"}}
+            for i, c in enumerate(counts)]
+
+
+def inputs_of(folder: Path):
+    from prx_assets.stages.shards.plan import SampleInputs
+    from prx_assets.storage.refs import TableRef
+
+    return SampleInputs(TableRef.of(folder / "bucketed.lance"),
+                        TableRef.of(folder / "captions.lance"), CAPTION_FILTER)
+
+
+def make_source(folder: Path, n: int) -> None:
+    """One source's tables and sidecars at size `n` (the stage's own mapping writer)."""
+    import lance
+
+    from prx_assets.stages.shards.mapping import mapping_rows, write_mapping
+    from prx_assets.stages.shards.plan import plan_samples, split_leaves
+    from prx_assets.stages.shards.trees import leaf_name
+    from prx_assets.stages.skip_lists.skip_lists import REASON_DEDUP, sidecar_name, write_sidecar
+    from prx_assets.storage.refs import TableRef
+
+    bucketed = bucketed_rows(n)
+    lance.write_dataset(bucketed, folder / "bucketed.lance")
+    lance.write_dataset(caption_rows(bucketed["id"].combine_chunks()), folder / "captions.lance")
+    plan, _ = plan_samples(inputs_of(folder))
+    mapping = pa.concat_tables(mapping_rows(SOURCE, key, rows, fake_shards(rows.num_rows), "v1")
+                               for key, rows in split_leaves(plan))
+    write_mapping(TableRef.of(folder / "mapping.lance"), with_changes(mapping, n))
+    rng = np.random.default_rng(0)
+    for key, rows in split_leaves(plan):
+        for entry in fake_shards(rows.num_rows):
+            if rng.random() < SIDECAR_SHARE:
+                skipped = rng.choice(entry["samples"], max(1, entry["samples"] // 20), False)
+                write_sidecar(folder / "tree" / leaf_name(*key)
+                              / sidecar_name(entry["raw_data"]["basename"]),
+                              {REASON_DEDUP: skipped.tolist()})
+        (folder / "tree" / leaf_name(*key)).mkdir(parents=True, exist_ok=True)
+
+
+def with_changes(mapping: pa.Table, n: int) -> pa.Table:
+    """The mapping as an earlier tree left it: 0.1 % of fingerprints differ (changed
+    samples) and 0.1 % more ids (samples gone from the inputs since)."""
+    changed = max(1, int(n * CHANGED_SHARE))
+    fingerprints = mapping["fingerprint"].to_numpy().copy()
+    fingerprints[::max(1, n // changed)] += 1
+    mapping = mapping.set_column(mapping.schema.get_field_index("fingerprint"), "fingerprint",
+                                 pa.array(fingerprints, pa.int64()))
+    gone = mapping.slice(0, changed).set_column(0, "id", sample_ids(changed, offset=n))
+    return pa.concat_tables([mapping, gone], promote_options="permissive")
+
+
+# -- one phase, in its own interpreter ---------------------------------------------------------
+
+def phase_plan(folder: Path) -> Callable[[], object]:
+    from prx_assets.stages.shards.mapping import mapping_rows
+    from prx_assets.stages.shards.parts import part_specs
+    from prx_assets.stages.shards.plan import plan_samples, split_leaves
+    from prx_assets.stages.shards.trees import leaf_name
+    from prx_assets.storage.refs import Location
+
+    def run() -> object:
+        plan, _ = plan_samples(inputs_of(folder))
+        leaves = split_leaves(plan)
+        specs = [part_specs(rows, Location.of(folder / "staging") / leaf_name(*key), 50_000)
+                 for key, rows in leaves]
+        mapping = [mapping_rows(SOURCE, key, rows, fake_shards(rows.num_rows), "v2")
+                   for key, rows in leaves]
+        return plan, leaves, specs, mapping
+
+    return run
+
+
+def phase_diff(folder: Path) -> Callable[[], object]:
+    from prx_assets.stages.shards.mapping import mapping_for_append
+    from prx_assets.stages.shards.plan import plan_delta, plan_samples
+    from prx_assets.storage.refs import TableRef
+
+    plan, _ = plan_samples(inputs_of(folder))  # upstream of the diff: before the clock
+
+    def run() -> object:
+        previous = mapping_for_append(TableRef.of(folder / "mapping.lance"))
+        assert previous is not None
+        return plan_delta(plan, previous)
+
+    return run
+
+
+def phase_skipped(folder: Path) -> Callable[[], object]:
+    from prx_assets.stages.skip_lists.skip_lists import skipped_ids
+    from prx_assets.storage.refs import TableRef
+
+    return lambda: skipped_ids(folder / "tree", TableRef.of(folder / "mapping.lance"))
+
+
+def status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    return 0
+
+
+def reset_peak_rss() -> None:
+    """Start VmHWM afresh. (Not `ru_maxrss`: Linux carries it across exec, so a child of a
+    big parent reports the parent's size.)"""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def measure_phase(phase: str, folder: Path, warm: Path) -> dict:
+    """Seconds and peak RSS growth of one run, after a run on a tiny source (`warm`: the
+    imports and lazy set-ups are not the phase's cost); then the Python allocation peak of
+    a second run (tracemalloc slows allocation-heavy code, so it is not on while timing)."""
+    import prx_assets
+
+    phases = {"plan": phase_plan, "diff": phase_diff, "skipped": phase_skipped}
+    phases[phase](warm)()
+    run = phases[phase](folder)
+    reset_peak_rss()
+    before = status_kb("VmRSS")
+    started = time.perf_counter()
+    result = run()
+    seconds = time.perf_counter() - started
+    rss_growth = status_kb("VmHWM") - before
+    del result
+    tracemalloc.start()
+    run()
+    _, python_peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {"seconds": seconds, "rss_kb": max(0, rss_growth), "python_bytes": python_peak,
+            "code": str(Path(prx_assets.__file__).parent.parent)}
+
+
+# -- the driver --------------------------------------------------------------------------------
+
+def run_phase(phase: str, folder: Path, warm: Path, code: Path | None) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [*([str(code)] if code else []), str(HERE), os.environ.get("PYTHONPATH", "")]))
+    # Not run from the repository: `-m` puts the working folder first on the path, and the
+    # code under test must come from `code`.
+    out = subprocess.run([sys.executable, "-m", "bench.plan_growth", "--measure", phase,
+                          "--folder", str(folder), "--warm", str(warm)], env=env,
+                         cwd=folder, check=True, capture_output=True, text=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if Path(result["code"]) != (code or HERE):  # the figures would be of the wrong code
+        raise RuntimeError(f"measured {result['code']}, meant {code or HERE}")
+    return result
+
+
+def figures(results: dict[str, dict[str, dict[int, dict]]]) -> list[Figure]:
+    """Per code, phase and size: us/row, Python peak and RSS growth against the smallest
+    size; then each later code's figures against the first code's at the same size."""
+    out: list[Figure] = []
+    codes = list(results)
+    for code in codes:
+        for phase, by_size in results[code].items():
+            first_n = min(by_size)
+            first = by_size[first_n]
+            base = f"{first_n:.0e} rows"
+            for n, r in sorted(by_size.items()):
+                at = f"{code} {phase} @{n:.0e}"
+                out += [
+                    Figure("plan", f"{at} us/row", 1e6 * r["seconds"] / n, base,
+                           1e6 * first["seconds"] / first_n, "us/row"),
+                    Figure("plan", f"{at} py peak", r["python_bytes"] / 2**20, base,
+                           first["python_bytes"] / 2**20, "MiB"),
+                    Figure("plan", f"{at} rss peak", r["rss_kb"] / 1024, base,
+                           first["rss_kb"] / 1024, "MiB"),
+                ]
+    for code in codes[1:]:
+        for phase, by_size in results[code].items():
+            for n, r in sorted(by_size.items()):
+                ref = results[codes[0]][phase][n]
+                at = f"{phase} @{n:.0e} {code}"
+                out += [Figure("plan", f"{at} s", r["seconds"], codes[0], ref["seconds"], "s"),
+                        Figure("plan", f"{at} py peak", r["python_bytes"] / 2**20, codes[0],
+                               ref["python_bytes"] / 2**20, "MiB"),
+                        Figure("plan", f"{at} rss peak", r["rss_kb"] / 1024, codes[0],
+                               ref["rss_kb"] / 1024, "MiB")]
+    return out
+
+
+def run(sizes: list[int], codes: list[Path | None], phases: tuple[str, ...] = PHASES
+        ) -> dict[str, dict[str, dict[int, dict]]]:
+    """Every phase at every size for every code, on tables made once per size (in a
+    temporary folder, removed after)."""
+    work = Path(tempfile.mkdtemp(prefix="prx-plan-growth-"))
+    results: dict[str, dict[str, dict[int, dict]]] = {}
+    try:
+        warm = work / "warm"
+        warm.mkdir()
+        make_source(warm, WARM_ROWS)
+        for n in sizes:
+            folder = work / str(n)
+            folder.mkdir()
+            make_source(folder, n)
+            for code in codes:
+                name = "this" if code is None else code.name
+                for phase in phases:
+                    result = run_phase(phase, folder, warm, code)
+                    results.setdefault(name, {}).setdefault(phase, {})[n] = result
+                    # As it goes: a run cut short still shows the sizes it finished.
+                    print(json.dumps({"code": name, "phase": phase, "rows": n, **result}),
+                          file=sys.stderr, flush=True)
+            shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def parse_sizes(text: str) -> list[int]:
+    return sorted({int(float(part)) for part in text.split(",") if part.strip()})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)))
+    parser.add_argument("--code", action="append", default=[], type=Path,
+                        help="another prx_assets copy's parent folder to measure as well")
+    parser.add_argument("--measure", choices=PHASES, help=argparse.SUPPRESS)
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--warm", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv if argv is not None else [])
+    if args.measure:
+        print(json.dumps(measure_phase(args.measure, args.folder, args.warm)))
+        return
+    results = run(parse_sizes(args.sizes), [None, *args.code])
+    report(figures(results), "plan_growth")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,84 @@
+"""The driver's planning structures stay in Arrow: the same leaves, parts and mapping rows
+as the per-row Python it replaced, without a Python object per sample."""
+
+import pickle
+
+import numpy as np
+import pyarrow as pa
+
+from prx_assets.stages.shards import mapping, parts, plan
+from prx_assets.storage.refs import Location, TableRef
+
+KEYS = [(256, 256, 256)] * 3 + [(512, 384, 512)] * 2 + [(512, 512, 384)] + [(1024, 1024, 1024)] * 4
+
+
+def _plan(keys=KEYS) -> pa.Table:
+    n = len(keys)
+    tier, width, height = (pa.array([k[i] for k in keys], pa.int32()) for i in range(3))
+    return pa.table({"id": [f"s:{i:03d}" for i in range(n)], "tier": tier, "width": width,
+                     "height": height, "image_row": pa.array(range(n), pa.uint64()),
+                     "caption_row": pa.array(range(n), pa.uint64()),
+                     "fingerprint": pa.array(range(n), pa.int64())})
+
+
+def _leaves_by_python(table: pa.Table) -> list[tuple[tuple[int, int, int], list[str]]]:
+    """The per-row grouping `split_leaves` did before, as a reference."""
+    out: list[tuple[tuple[int, int, int], list[str]]] = []
+    for row in table.to_pylist():
+        key = (row["tier"], row["width"], row["height"])
+        if not out or out[-1][0] != key:
+            out.append((key, []))
+        out[-1][1].append(row["id"])
+    return out
+
+
+def test_leaves_are_cut_where_the_key_changes():
+    table = _plan()
+    leaves = plan.split_leaves(table)
+    assert [(key, rows["id"].to_pylist()) for key, rows in leaves] == _leaves_by_python(table)
+    assert all(type(v) is int for key, _ in leaves for v in key)  # json-safe: no numpy ints
+    one = plan.split_leaves(_plan(KEYS[:1]))
+    assert [(key, rows.num_rows) for key, rows in one] == [((256, 256, 256), 1)]
+    assert plan.split_leaves(_plan([])) == []
+
+
+def test_a_key_change_in_any_one_column_starts_a_leaf():
+    keys = [(512, 384, 512), (512, 512, 512), (512, 512, 384), (1024, 512, 384)]
+    assert len(plan.split_leaves(_plan(keys))) == 4
+
+
+def test_part_ids_are_arrow_and_pickle_only_their_own_rows():
+    table = _plan(KEYS * 200)
+    specs = parts.part_specs(table, Location.of("/tmp/leaf"), rows_per_part=100)
+    assert [len(spec.ids) for spec in specs] == [100] * 20
+    assert isinstance(specs[3].ids, pa.Array)
+    assert specs[3].ids.to_pylist() == table["id"].to_pylist()[300:400]
+    # A task receives its part's ids, not the whole plan's buffer.
+    assert len(pickle.dumps(specs[3].ids)) < 4 * 100 * len("s:000")
+
+
+def test_mapping_rows_name_each_samples_shard_and_position():
+    leaf_rows = _plan(KEYS[:5]).slice(0, 5)
+    shards = [{"samples": 3, "raw_data": {"basename": "shard.00007.mds"}},
+              {"samples": 2, "raw_data": {"basename": "shard.00008.mds"}}]
+    rows = mapping.mapping_rows("web", (256, 256, 256), leaf_rows, shards, "t1")
+    assert rows.schema == mapping.MDS_SAMPLES_SCHEMA
+    assert rows["shard"].to_pylist() == ["shard.00007.mds"] * 3 + ["shard.00008.mds"] * 2
+    assert rows["sample_index"].to_pylist() == [0, 1, 2, 0, 1]
+    assert set(rows["source"].to_pylist()) == {"web"}
+    assert set(rows["leaf"].to_pylist()) == {"256/256x256"}
+    assert set(rows["tree_version"].to_pylist()) == {"t1"}
+    empty = mapping.mapping_rows("web", (256, 256, 256), leaf_rows.slice(0, 0), [], "t1")
+    assert empty.num_rows == 0 and empty.schema == mapping.MDS_SAMPLES_SCHEMA
+
+
+def test_leaf_counts_and_versions_stream_over_batches(tmp_path):
+    import lance
+
+    rows = pa.table({"leaf": ["a", "b", "a", "c", "a"], "tree_version": ["t1", "t1", "t2",
+                                                                      "t1", "t1"]})
+    lance.write_dataset(rows, tmp_path / "m.lance")
+    per_leaf, versions = mapping.mapped_leaves(TableRef.of(tmp_path / "m.lance"), batch_rows=2)
+    assert per_leaf == {"a": 3, "b": 1, "c": 1}
+    assert versions == {"t1", "t2"}
+    assert np.sum(list(per_leaf.values())) == rows.num_rows
