@@ -28,7 +28,9 @@ chromium:
 $(STAMP): pyproject.toml scripts/image_backend.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	@# pillow-simd's wheel builds (about 2 min of compiler) while pip installs the rest.
+	scripts/image_backend.sh $(VENV) prebuild & prebuild=$$!; \
+	$(BIN)/pip install -q -e '.[test]'; rc=$$?; wait $$prebuild; exit $$rc
 	scripts/image_backend.sh $(VENV) build
 	touch $(STAMP)
 

@@ -4,6 +4,9 @@
 #   scripts/image_backend.sh VENV [build]  build (once) and install pillow-simd when possible
 #   scripts/image_backend.sh VENV ensure   put the cached pillow-simd wheel back if a later
 #                                          pip install replaced it with stock Pillow (no build)
+#   scripts/image_backend.sh VENV prebuild only build the wheel into the cache (no install):
+#                                          `make install` runs it beside the dependencies'
+#                                          pip install, so the ~2 min build overlaps it
 #
 # pillow-simd ships as an sdist only and installs under the same `PIL` name as Pillow, which
 # imagehash, scikit-image and others depend on: any pip run that resolves `pillow` puts stock
@@ -17,7 +20,8 @@ set -euo pipefail
 
 VENV=${1:?usage: image_backend.sh VENV [ensure]}
 MODE=${2:-build}
-[[ "$MODE" == build || "$MODE" == ensure ]] || { echo "image_backend.sh: unknown mode $MODE" >&2; exit 2; }
+[[ "$MODE" == build || "$MODE" == ensure || "$MODE" == prebuild ]] ||
+  { echo "image_backend.sh: unknown mode $MODE" >&2; exit 2; }
 PY="$VENV/bin/python"
 PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
 DIR="$VENV/image-backend"
@@ -92,6 +96,14 @@ check_simd() {
 }
 
 mkdir -p "$DIR"
+if [[ "$MODE" == prebuild ]]; then
+  # Nothing of the project is installed yet: no backend to ask. A failure here is left to
+  # the `build` run after the install, which tries again and says why.
+  if [[ "${PRX_IMAGE_BACKEND:-}" != stock && -z "$(cached_wheel)" ]]; then
+    { apt_headers && build_wheel; } || say "prebuild did not finish; the build step retries"
+  fi
+  exit 0
+fi
 if [[ "${PRX_IMAGE_BACKEND:-}" == stock ]]; then
   [[ "$(loaded_dist)" == pillow ]] || to_stock
   say "stock Pillow requested (PRX_IMAGE_BACKEND=stock)"

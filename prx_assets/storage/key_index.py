@@ -6,7 +6,10 @@ merge-insert takes its indexed path (a lookup per key) for the indexed fragments
 only the fragments added since the index was last brought up to date. So the writer keeps
 those few: after a commit that left more than `max_unindexed_rows` rows unindexed, the new
 fragments get a delta segment (cost: the new rows), and once there are `max_segments`
-segments the newest are merged into one (the oldest, biggest one is left alone). Lance
+segments the newest are merged, size-tiered: an older segment joins the merge only while it
+holds at most twice the rows taken so far, so a row is merged again only once its segment
+has about doubled (O(log N) times, where merging the newest seven every few deltas rewrote
+one segment growing with the table each time). Lance
 compacts only fragments one segment covers together, so the writer compacts after each
 index update: the fragments stay about as many as the segments, and each commit's
 manifest small. Compaction remaps the index (Lance rewrites it with the fragments).
@@ -80,7 +83,7 @@ def maintain_key_index(table: TableRef, column: str, policy: KeyIndexPolicy,
             return ""
         return "created"
     if stats["num_segments"] >= policy.max_segments:
-        merge_newest_segments(dataset, column, policy)
+        merge_newest_segments(dataset, column, stats)
         return "merged"
     if stats["num_unindexed_rows"] > policy.max_unindexed_rows:
         dataset.optimize.optimize_indices(index_names=[index_name(column)],
@@ -89,29 +92,43 @@ def maintain_key_index(table: TableRef, column: str, policy: KeyIndexPolicy,
     return ""
 
 
-def merge_newest_segments(dataset: lance.LanceDataset, column: str,
-                          policy: KeyIndexPolicy) -> None:
-    """Merge the newest segments (and the unindexed rows) into one, leaving the oldest,
-    biggest one: the cost grows with the rows added since, not with the table."""
+def segments_to_merge(rows_per_segment: list[int]) -> int:
+    """How many of the newest segments (sizes oldest first) to merge: the newest two, and
+    each older one while it holds at most twice the rows taken so far."""
+    taken, count = sum(rows_per_segment[-2:]), 2
+    while count < len(rows_per_segment) and rows_per_segment[-count - 1] <= 2 * taken:
+        count += 1
+        taken += rows_per_segment[-count]
+    return count
+
+
+def merge_newest_segments(dataset: lance.LanceDataset, column: str, stats: dict) -> None:
+    """Merge the newest segments (and the unindexed rows) into one, size-tiered
+    (`segments_to_merge`): the cost grows with the rows added since, not with the table."""
+    count = segments_to_merge(list(stats["num_indexed_rows_per_delta"]))
     dataset.optimize.optimize_indices(index_names=[index_name(column)],
-                                      num_indices_to_merge=policy.max_segments - 1)
+                                      num_indices_to_merge=count)
 
 
 def refresh_key_index(table: TableRef, column: str, policy: KeyIndexPolicy,
                       session: lance.Session | None = None) -> str:
     """After a run, before its compaction: every row indexed (a delta segment for the
-    rows still unindexed: their cost only), the newest segments merged once there are too
-    many. Creates the index if the table is big enough."""
+    rows still unindexed: their cost only), then the newest segments merged if that made
+    too many (here, not in the next run's first commit: a small rerun pays only its own
+    delta). Creates the index if the table is big enough."""
     if not policy.enabled:
         return ""
     dataset = table.latest().open(session)
     stats = key_index_stats(dataset, column)
     if stats is None:
         return maintain_key_index(table, column, policy, session)
-    if stats["num_segments"] >= policy.max_segments:
-        merge_newest_segments(dataset, column, policy)
+    done = ""
+    if stats["num_unindexed_rows"]:
+        dataset.optimize.optimize_indices(index_names=[index_name(column)],
+                                          num_indices_to_merge=0)
+        dataset = table.latest().open(session)
+        stats, done = key_index_stats(dataset, column), "delta"
+    if stats is not None and stats["num_segments"] >= policy.max_segments:
+        merge_newest_segments(dataset, column, stats)
         return "merged"
-    if stats["num_unindexed_rows"] == 0:
-        return ""
-    dataset.optimize.optimize_indices(index_names=[index_name(column)], num_indices_to_merge=0)
-    return "delta"
+    return done

@@ -285,9 +285,10 @@ def write_dataset_atomically(dataset: ray.data.Dataset, table: TableRef, policy:
     return report
 
 
-def compact(table: TableRef, policy: FragmentPolicy) -> int:
+def compact(table: TableRef, policy: FragmentPolicy, session: lance.Session | None = None
+            ) -> int:
     """Merge small fragments toward the byte target; returns the fragment count before."""
-    dataset = table.latest().open()
+    dataset = table.latest().open(session)
     fragments = dataset.get_fragments()
     if len(fragments) <= 1:
         return len(fragments)
@@ -378,13 +379,16 @@ def upsert(table: TableRef, rows: pa.Table, schema: pa.Schema, keys: list[str],
 
 
 def append_new(table: TableRef, rows: pa.Table, schema: pa.Schema, key: str,
-               known_at: int | None) -> tuple[int, bool]:
+               known_at: int | None, session: lance.Session | None = None
+               ) -> tuple[int, bool]:
     """Append `rows` without looking their keys up: the caller knows they are distinct and
     were absent from `table` at version `known_at` (None: the table did not exist). Returns
     (version, clean): clean when the commit came straight after `known_at`, so no other
     writer's commit can hold these keys. Otherwise another writer committed in between:
     the keys of this chunk are checked and copies after the first are deleted
-    (`drop_later_copies`), and the caller should merge-insert from then on."""
+    (`drop_later_copies`), and the caller should merge-insert from then on. A writer's
+    `session` keeps its caches across commits (without one, each commit built its own:
+    the driver grew with the commits)."""
     table = table.latest()
     rows = rows.cast(schema)
     prepare_output_dir(table, "Lance table")
@@ -393,9 +397,10 @@ def append_new(table: TableRef, rows: pa.Table, schema: pa.Schema, key: str,
         if created is not None:
             return created, True
         return upsert(table, rows, schema, [key]), False
-    fragments = write_fragments(rows, table.uri, schema=schema,
+    base: str | lance.LanceDataset = table.uri if session is None else table.open(session)
+    fragments = write_fragments(rows, base, schema=schema,
                                 storage_options=table.lance_options())
-    version = lance.LanceDataset.commit(table.uri, lance.LanceOperation.Append(fragments),
+    version = lance.LanceDataset.commit(base, lance.LanceOperation.Append(fragments),
                                         read_version=known_at,
                                         storage_options=table.lance_options()).version
     if version == known_at + 1:

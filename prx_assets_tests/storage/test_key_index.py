@@ -4,6 +4,7 @@ brought the same keys (no Ray: plain Lance commits)."""
 from __future__ import annotations
 
 import pyarrow as pa
+import pytest
 
 from prx_assets.storage import lance_tables
 from prx_assets.storage.key_index import (
@@ -11,6 +12,7 @@ from prx_assets.storage.key_index import (
     key_index_stats,
     maintain_key_index,
     refresh_key_index,
+    segments_to_merge,
 )
 from prx_assets.storage.lance_tables import append_new, drop_later_copies, upsert
 from prx_assets.storage.refs import TableRef
@@ -40,21 +42,31 @@ def test_the_index_is_made_once_the_table_is_big_then_given_deltas_then_merged(t
     version, clean = append_new(table, rows(0, 8), SCHEMA, "id", None)
     assert (version, clean) == (1, True)
     assert maintain_key_index(table, "id", POLICY) == "" and stats(table) is None  # 8 < 10
-    append_new(table, rows(8, 12), SCHEMA, "id", 1)
+    append_new(table, rows(8, 40), SCHEMA, "id", 1)
     assert maintain_key_index(table, "id", POLICY) == "created" and stats(table) == (1, 0)
-    append_new(table, rows(12, 15), SCHEMA, "id", table.latest_version())
+    append_new(table, rows(40, 43), SCHEMA, "id", table.latest_version())
     assert maintain_key_index(table, "id", POLICY) == ""  # 3 unindexed rows: within the lag
-    append_new(table, rows(15, 18), SCHEMA, "id", table.latest_version())
+    append_new(table, rows(43, 46), SCHEMA, "id", table.latest_version())
     assert maintain_key_index(table, "id", POLICY) == "delta" and stats(table) == (2, 0)
-    append_new(table, rows(18, 24), SCHEMA, "id", table.latest_version())
+    append_new(table, rows(46, 52), SCHEMA, "id", table.latest_version())
     assert maintain_key_index(table, "id", POLICY) == "delta" and stats(table) == (3, 0)
-    # The newest two merged into one; the oldest, biggest left alone.
+    # Segments of 40, 6 and 6 rows: the newest two merged; the oldest, more than twice
+    # their rows, left alone.
     assert maintain_key_index(table, "id", POLICY) == "merged" and stats(table) == (2, 0)
     upsert(table, rows(20, 30, 1), SCHEMA, ["id"])  # merged through the index
-    assert refresh_key_index(table, "id", POLICY) == "delta" and stats(table) == (3, 0)
-    assert refresh_key_index(table, "id", POLICY) == "merged" and stats(table) == (2, 0)
+    # The run's last delta makes a third segment (40, 12, 10): merged at once, not left to
+    # the next run's first commit; 40 is no more than twice 22, so all three.
+    assert refresh_key_index(table, "id", POLICY) == "merged" and stats(table) == (1, 0)
     assert refresh_key_index(table, "id", POLICY) == ""
-    assert len(unique_ids(table)) == 30
+    assert len(unique_ids(table)) == 52
+
+
+@pytest.mark.parametrize(("sizes", "merged"), [
+    ([5, 5], 2), ([10_000, 100, 200, 300], 3), ([1000, 100, 200, 300], 4),
+    ([800, 400, 200, 100, 50, 25, 12, 6], 8), ([10**6, 70_000, 65_536, 30_000, 5_000], 4),
+    ([10**6, 10**5, 500, 500], 2)])
+def test_segments_are_merged_size_tiered(sizes, merged):
+    assert segments_to_merge(sizes) == merged
 
 
 def test_an_append_overtaken_by_a_merge_of_the_same_keys_keeps_the_first_copy(tmp_path):

@@ -31,6 +31,7 @@ from prx_assets.engine.chunked import (
     without_ids,
 )
 from prx_assets.engine.failpoints import failpoint
+from prx_assets.engine.id_sets import IdSet
 from prx_assets.stages.captions.captioners import CaptionerSpec, caption_stage
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA, STATUS_OK, done_filter
 from prx_assets.storage.filters import eq_filter, in_filter
@@ -101,8 +102,9 @@ def with_source_captions(requests: ray.data.Dataset, raw_captions: ray.data.Data
     if ids is None:
         return requests.join(captions, join_type="inner", on=("id",),
                              num_partitions=hash_partitions(BROADCAST_IDS))
-    return captions.map_batches(batch_fn(keep_ids), fn_kwargs={"ids": ids, "member": True},
-                                batch_format="pyarrow", zero_copy_batch=True)
+    return captions.map_batches(batch_fn(keep_ids),
+                                fn_kwargs={"ids": IdSet.of(ids), "member": True},
+                                batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
 
 
 def count_pending(bucketed: TableRef, captions: TableRef, version: str) -> int:

@@ -30,6 +30,7 @@ from prx_assets.engine.chunked import (
     run_chunked,
 )
 from prx_assets.engine.failpoints import failpoint
+from prx_assets.engine.id_sets import IdSet
 from prx_assets.models.embeddings import MiniLMEmbedder
 from prx_assets.stages.labels.backends import (
     QUESTION,
@@ -138,7 +139,7 @@ def drop_orphan_labels(labels: TableRef, captions: TableRef, chunk: int = 10_000
     their item left the source, so its caption was dropped upstream. Returns rows deleted."""
     if not labels.exists():
         return 0
-    captioned = captions.to_table(columns=["id"]).column("id").combine_chunks()
+    captioned = IdSet.of(captions.to_table(columns=["id"]).column("id"))
     table = labels.latest().open()
     orphans: set[str] = set()
     for batch in table.to_batches(columns=["id"]):
@@ -155,7 +156,8 @@ def drop_orphan_labels(labels: TableRef, captions: TableRef, chunk: int = 10_000
 
 def count_pending(captions: TableRef, caption_filter: str, done: pa.Array) -> int:
     scanner = captions.open().scanner(columns=["id"], filter=caption_filter)
-    return sum(keep_ids(pa.Table.from_batches([b]), done, member=False).num_rows
+    done_set = IdSet.of(done)  # sorted once, not hashed per batch
+    return sum(keep_ids(pa.Table.from_batches([b]), done_set, member=False).num_rows
                for b in scanner.to_batches())
 
 
