@@ -24,8 +24,7 @@ import pyarrow.compute as pc
 def _as_bytes(ids: pa.Array | pa.ChunkedArray, width: int) -> np.ndarray:
     """`ids` as numpy fixed-width bytes of `width` (ids longer than it are cut: callers
     mask them)."""
-    as_binary = ids.cast(pa.large_binary()) if pa.types.is_large_string(ids.type) \
-        else ids.cast(pa.binary())
+    as_binary = ids.cast(pa.large_binary())  # from string or large_string alike
     return as_binary.to_numpy(zero_copy_only=False).astype(f"S{max(1, width)}")
 
 
@@ -68,7 +67,3 @@ class IdSet:
         hit[order] = self.values[at] == wanted
         found[fits_np] = hit
         return found
-
-    def mask(self, ids: pa.Array | pa.ChunkedArray) -> pa.Array:
-        """`contains` as an Arrow boolean array (for `Table.filter`)."""
-        return pa.array(self.contains(ids), pa.bool_())

@@ -86,10 +86,14 @@ def maintain_key_index(table: TableRef, column: str, policy: KeyIndexPolicy,
         merge_newest_segments(dataset, column, stats)
         return "merged"
     if stats["num_unindexed_rows"] > policy.max_unindexed_rows:
-        dataset.optimize.optimize_indices(index_names=[index_name(column)],
-                                          num_indices_to_merge=0)
+        add_delta(dataset, column)
         return "delta"
     return ""
+
+
+def add_delta(dataset: lance.LanceDataset, column: str) -> None:
+    """A new segment for the unindexed rows (their cost only; no segment is merged)."""
+    dataset.optimize.optimize_indices(index_names=[index_name(column)], num_indices_to_merge=0)
 
 
 def segments_to_merge(rows_per_segment: list[int]) -> int:
@@ -124,8 +128,7 @@ def refresh_key_index(table: TableRef, column: str, policy: KeyIndexPolicy,
         return maintain_key_index(table, column, policy, session)
     done = ""
     if stats["num_unindexed_rows"]:
-        dataset.optimize.optimize_indices(index_names=[index_name(column)],
-                                          num_indices_to_merge=0)
+        add_delta(dataset, column)
         dataset = table.latest().open(session)
         stats, done = key_index_stats(dataset, column), "delta"
     if stats is not None and stats["num_segments"] >= policy.max_segments:

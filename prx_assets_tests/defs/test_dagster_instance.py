@@ -41,3 +41,19 @@ def test_a_dagster_command_from_another_folder_records_its_run_in_dagster_home(t
         assert len(runs) == 1 and runs[0].is_success
         assert instance.get_latest_materialization_event(dg.AssetKey("one")) is not None
     assert sorted(p.name for p in elsewhere.iterdir() if p.name != "__pycache__") == ["one.py"]
+
+
+def test_every_job_runs_its_steps_in_the_run_process(tmp_path):
+    """Runs launched by the daemon (UI, sensors, automation) use the job's executor: one
+    process per run, not a process per asset and check (each re-importing the package and
+    starting Ray)."""
+    from prx_assets.definitions import build_defs
+    from prx_assets_tests.conftest import write_sources
+
+    sources = write_sources(tmp_path / "sources.yaml",
+                            [f"{{name: web, kind: image_folder, uri: {tmp_path}}}"])
+    defs = build_defs(sources)
+    jobs = [*defs.resolve_all_job_defs(), defs.resolve_implicit_global_asset_job_def()]
+    assert {"corpus_job", "__ASSET_JOB"} <= {job.name for job in jobs}
+    assert {job.name: job.executor_def.name for job in jobs} == \
+        {job.name: "in_process" for job in jobs}

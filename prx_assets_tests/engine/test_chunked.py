@@ -14,6 +14,7 @@ from prx_assets.engine.chunked import (
     ChunkedRun,
     CommitTarget,
     drop_ids,
+    hash_partitions,
     pending_rows,
     run_chunked,
     without_ids,
@@ -139,3 +140,8 @@ def test_a_stage_report_reads_the_runner_counts_through():
                                 lance_version=4)
     assert (report.written, report.chunks, report.seconds, report.lance_version) == \
         (7, 2, 1.5, 4)
+
+
+def test_a_small_hash_join_starts_one_partition_and_a_big_one_500k_rows_each():
+    assert [hash_partitions(n) for n in (0, 10, 999_999, 10**6, 10**8, 10**12)] == \
+        [1, 1, 1, 2, 200, 512]
