@@ -10,6 +10,9 @@ on a fresh table:
 - **+0.1 %**: N/1000 more ids offered with the N already there (made before the clock
   starts: upstream's work), selected by `pending_new_rows` (an anti-join on the committed
   ids) and appended; its seconds as a share of the full run's;
+- **−0.1 %**: then upstream holds N/1000 fewer ids (its table written before the clock):
+  the ids gone found by `engine.removals.removed_ids` and deleted (`delete_ids`), as the
+  image stage removes ids gone from raw_images; its seconds as a share of the full run's;
 - **merge**: the same N rows as rows that may exist: merge-inserted, looked up through
   the key index the run keeps current;
 - **merge, no index** (the baseline, up to `--baseline-max`): the merge as it was before
@@ -20,7 +23,7 @@ on a fresh table:
 
 Seconds per row and memory are printed as ratios against the smallest size; the merge
 against its no-index baseline at the same size. Targets (issue 31): per-row ratio ≤ 1.2
-from 10⁴ to 10⁶, memory ratio ≤ 1.2, +0.1 % rerun ≤ 2 % of a full run, disk ≤ 1.2× live.
+from 10⁴ to 10⁶, memory ratio ≤ 1.2, ±0.1 % rerun ≤ 2 % of a full run, disk ≤ 1.2× live.
 
     python -m bench.growth --sizes 1e4,1e5,1e6
 """
@@ -109,6 +112,7 @@ class SizeRun:
     rows: int
     append_s: float = 0.0
     rerun_s: float = 0.0
+    shrink_s: float = 0.0  # the −0.1 % run
     merge_s: float = 0.0
     unindexed_merge_s: float | None = None
     driver_kb: int = 0
@@ -126,6 +130,23 @@ def timed_run(table_dir: Path, rows, policy, new_rows=None, chunk_rows: int = CH
     started = time.perf_counter()
     run = run_chunked(rows, stage, target, chunk_rows, new_rows=new_rows)
     return time.perf_counter() - started, run
+
+
+def shrink(table_dir: Path, rows: int, work: Path) -> tuple[float, dict]:
+    """The −0.1 % run: upstream (ids [k, N + k) of the N + k held, k = N/1000, written to
+    its own table before the clock) no longer holds the first k; they are deleted."""
+    import lance
+
+    from prx_assets.engine.removals import delete_ids, removed_ids
+    from prx_assets.storage.refs import TableRef
+
+    gone = max(1, rows // 1000)
+    upstream = work / f"upstream-{rows}.lance"
+    lance.write_dataset(pa.table({"id": sample_ids(gone, rows + gone)}), str(upstream))
+    target = TableRef.of(table_dir)
+    started = time.perf_counter()
+    deleted = delete_ids(target, removed_ids(target, TableRef.of(upstream).pinned()))
+    return time.perf_counter() - started, {"deleted": deleted, "live": target.count_rows()}
 
 
 def disk_per_live(table_dir: Path) -> float:
@@ -159,6 +180,7 @@ def measure(rows: int, work: Path, baseline_max: int, chunk_rows: int) -> SizeRu
     rerun_s, rerun = timed_run(appended, pending, policy, new, chunk_rows)
     result.rerun_s = time.perf_counter() - started
     result.details["rerun"] = {"committed": rerun.committed, "run_s": rerun_s}
+    result.shrink_s, result.details["shrink"] = shrink(appended, rows, work)
     result.disk_per_live = disk_per_live(appended)
     drop_superseded(TableRef.of(appended).open(), timedelta(0))
     result.disk_per_live_freed = disk_per_live(appended)
@@ -188,6 +210,8 @@ def figures(runs: list[SizeRun]) -> list[Figure]:
             Figure("growth", f"tree peak PSS {at}", run.tree_kb / 1024, base,
                    first.tree_kb / 1024, "MiB"),
             Figure("growth", f"+0.1% rerun s {at}", run.rerun_s, "full append run",
+                   run.append_s, "s"),
+            Figure("growth", f"-0.1% rerun s {at}", run.shrink_s, "full append run",
                    run.append_s, "s"),
             Figure("growth", f"disk/live 7-day {at}", run.disk_per_live, "live bytes", 1.0,
                    "x"),

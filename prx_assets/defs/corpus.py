@@ -1,10 +1,11 @@
 """corpus: one table across every source for exploration and search, built in its own job.
 
 Incremental per source: a source whose input versions (bucketed_images, phashes, captions,
-caption_labels) are those the last corpus materialisation recorded keeps its rows; the
-others are replaced, and the indexes updated. A full rebuild happens when there is no corpus
-yet, when the caption or classifier version changed (every row changes), or when every
-source changed anyway.
+caption_labels, attributes) are those the last corpus materialisation recorded keeps its
+rows; of the others, the rows that differ are rewritten (their thumbnails kept while the
+image is unchanged), and the indexes updated. A new caption or classifier version updates
+every source and retrains the indexes. The corpus is written whole only when there is none
+yet, it is empty, or its schema changed.
 """
 
 from collections import Counter
@@ -93,15 +94,21 @@ def changed_since(previous: dg.AssetMaterialization | None, tables: SourceTables
                for key, version in pinned_versions(tables).items())
 
 
-def full_rebuild_reason(previous: dg.AssetMaterialization | None, store: Storage,
-                        caption_version: str, classifier_version: str) -> str | None:
-    """Why every row must be rewritten, or None when an update per source will do."""
+def full_rebuild_reason(previous: dg.AssetMaterialization | None, store: Storage) -> str | None:
+    """Why the corpus is written whole, or None when an update per source will do."""
     if previous is None or not store.table(CORPUS).exists():
         return "no corpus yet"
     if not store.table(CORPUS).open().get_fragments():
         return "the corpus is empty"  # a replacement needs a fragment to commit against
     if store.table(CORPUS).open().schema != CORPUS_SCHEMA:
         return "the corpus schema changed"
+    return None
+
+
+def every_row_reason(previous: dg.AssetMaterialization | None, caption_version: str,
+                     classifier_version: str) -> str | None:
+    """Why every source's rows may all change (a new caption or classifier version): each
+    source is updated, its thumbnails kept, and the indexes are retrained."""
     for entry, now in (("caption_version", caption_version),
                        ("classifier_version", classifier_version)):
         if recorded(previous, entry) != now:
@@ -135,10 +142,10 @@ def build_corpus_asset(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefi
             tables = [source_tables(store, n, caption_version, classifier_version) for n in ready]
             corpus_table = store.table(CORPUS)
             previous = latest_materialization(context.instance, CORPUS, None)
-            reason = full_rebuild_reason(previous, store, caption_version, classifier_version)
-            changed = tables if reason else [t for t in tables if changed_since(previous, t)]
-            if not reason and len(changed) == len(tables) > 1:
-                reason = "every source changed"
+            reason = full_rebuild_reason(previous, store)
+            every_row = every_row_reason(previous, caption_version, classifier_version)
+            changed = tables if reason or every_row else \
+                [t for t in tables if changed_since(previous, t)]
             # Rows per source are known only once joined with the labels: no total. A full
             # build is one Ray write (no chunks to count): its closing line only.
             progress = StageProgress(CORPUS, None, context.log.info)
@@ -149,11 +156,13 @@ def build_corpus_asset(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefi
             else:
                 gone = sorted(recorded_sources(previous) - set(ready))
                 keep = [t.name for t in tables if t not in changed]
-                context.log.info(f"corpus: replacing {[t.name for t in changed]}, removing "
-                                 f"{gone}, keeping {keep}")
+                context.log.info(f"corpus: updating {[t.name for t in changed]}"
+                                 f"{f' ({every_row})' if every_row else ''}, removing {gone}, "
+                                 f"keeping {keep}")
                 report = update_corpus(
                     corpus_table, changed, gone, keep,
-                    rebuild_indexes=recorded(previous, "index_config") != index_config(),
+                    rebuild_indexes=bool(every_row)
+                    or recorded(previous, "index_config") != index_config(),
                     on_rows=progress.advance)
             progress.finish()
             indexes = ", ".join(f"{column} {kind}" for column, kind in report.indexes.items())

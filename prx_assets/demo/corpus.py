@@ -71,7 +71,11 @@ def procedural_image(rng: np.random.Generator, width: int, height: int) -> Image
         (draw.ellipse if rng.random() < 0.5 else draw.rectangle)((x0, y0, x1, y1), fill=colour)
     img = img.filter(ImageFilter.GaussianBlur(radius=float(rng.uniform(0.3, 1.0))))
     img = img.resize((width, height), Image.Resampling.BICUBIC)
-    grain = Image.effect_noise((width, height), float(rng.uniform(20, 40))).convert("RGB")
+    # Grain from `rng` (Pillow's `effect_noise` draws from C's rand: the same seed gave
+    # other bytes on every call).
+    sigma = float(rng.uniform(20, 40))
+    noise = 128 + sigma * rng.standard_normal((height, width), dtype=np.float32)
+    grain = Image.fromarray(noise.clip(0, 255).astype(np.uint8), "L").convert("RGB")
     return Image.blend(img, grain, 0.06)
 
 

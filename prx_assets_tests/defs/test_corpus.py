@@ -82,11 +82,12 @@ def test_corpus_replaces_only_changed_sources(ray_session, data_root, tmp_path):
     assert again.metadata["lance_version"].value == first.metadata["lance_version"].value
     assert again.tags["dagster/data_version"] == first.tags["dagster/data_version"]
 
-    # docs gains a row (new table versions): only docs is replaced, the indexes updated.
+    # docs gains a row (new table versions): only docs is looked at, only its new row
+    # written (budget's row is unchanged), the indexes updated.
     _source(root, "docs", DOCS_AGAIN, embedder)
     web_before = {i: r for i, r in _rows(root / "corpus.lance").items() if r["source"] == "web"}
     updated = run()
-    assert counts(updated) == (2, 3, 1)
+    assert counts(updated) == (1, 4, 0)
     assert updated.metadata["sources_replaced"].value == "docs"
     assert updated.metadata["full_rebuild"].value == "no"
     assert updated.tags["dagster/data_version"] != first.tags["dagster/data_version"]

@@ -11,10 +11,11 @@ join and thumbnailed.
 
 Two ways to write it: `build_corpus` writes every source as one atomic Overwrite (the
 previous corpus stays readable until the commit), compacted, then indexed from scratch;
-`update_corpus` replaces only the rows of the sources whose inputs changed (the source's
-new rows written as uncommitted files in bounded chunks, then ONE commit deleting its old
-rows and adding the new: `storage.replace.replace_where`) and brings the existing indexes up
-to date with `optimize_indices` instead of retraining.
+`update_corpus` touches only the sources whose inputs changed, and of those only the rows
+that differ (`delta.plan_delta`: new or changed rows written as uncommitted files in bounded
+chunks, then ONE commit deleting the changed and departed rows and adding them:
+`storage.replace.replace_where`); a row whose image is unchanged keeps its thumbnail. The
+existing indexes are brought up to date with `optimize_indices` instead of retraining.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -36,7 +37,8 @@ from PIL import Image
 from prx_assets.engine.batches import arrow_batches, batch_fn
 from prx_assets.models.embeddings import EMBEDDING_DIM
 from prx_assets.stages.attributes.schema import fields as attribute_fields
-from prx_assets.storage.filters import eq_filter
+from prx_assets.stages.corpus.delta import ROW_ADDRESS, SourceDelta, plan_delta
+from prx_assets.storage.filters import all_of, eq_filter, in_filter
 from prx_assets.storage.lance_tables import (
     FragmentPolicy,
     WriteReport,
@@ -75,13 +77,26 @@ CORPUS_SCHEMA = pa.schema([
     pa.field("phash", pa.int64()),
     pa.field("embedding", pa.list_(pa.float32(), EMBEDDING_DIM)),
     pa.field("thumbnail", pa.binary()),
+    # What the thumbnail was made from (`made_from`): an update keeps a row's thumbnail
+    # while this is unchanged. Null where the bucketed row records no raw sha256.
+    pa.field("made_from", pa.string()),
     # The active attribute record's typed columns (null without one) and where it came from.
     pa.field("attribute_origin", pa.string()),
     *(pa.field(f.name, f.arrow_type) for f in attribute_fields()),
 ])
 ATTRIBUTE_COLUMNS = [f.name for f in attribute_fields()]
 META_COLUMNS = ["caption", "label", "phash", "embedding", "attribute_origin", *ATTRIBUTE_COLUMNS]
-IMAGE_COLUMNS = ["id", "source", "tier", "width", "height", "image"]
+SHAPE_COLUMNS = ["id", "source", "tier", "width", "height"]
+# A corpus row without its thumbnail: what `expected_rows` computes on the driver.
+ROW_SCHEMA = pa.schema([f for f in CORPUS_SCHEMA if f.name != "thumbnail"])
+# Fragments an update leaves before compacting: each source replaced adds one, often of a
+# few rows; compacting every time would rewrite the big fragments beside it for them.
+MAX_FRAGMENTS = 16
+# Thumbnails read back per Lance take when an update keeps them (~10 KB each).
+THUMBNAIL_TAKE_ROWS = 1024
+# Past this many ids to delete, a source's rows are replaced whole (one `source = ...`
+# delete) rather than by an `id IN (...)` filter; thumbnails are still carried.
+MAX_DELETE_IDS = 10_000
 
 
 @dataclass(frozen=True)
@@ -162,6 +177,26 @@ def _lookup(ids: pa.Array, table: pa.Table, columns: list[str]) -> list[pa.Array
     return [table.column(c).combine_chunks().take(positions) for c in columns]
 
 
+def made_from(bucketed: pa.Table) -> pa.ChunkedArray:
+    """What a thumbnail is made from: the bucketed row's raw sha256 and the image stage's
+    settings (which decide its bytes), and the thumbnail's side and quality."""
+    return pc.binary_join_element_wise(bucketed.column("raw_sha256"), bucketed.column("settings"),
+                                       f"thumb{THUMB_SIDE}q{THUMB_QUALITY}", "/")
+
+
+def expected_rows(tables: SourceTables) -> pa.Table:
+    """The source's corpus rows as they should be now, without thumbnails: each kept image
+    with a usable caption and a label, its metadata joined by id (Arrow, on the driver)."""
+    meta = source_metadata(tables)
+    kept = _read(tables.bucketed, [*SHAPE_COLUMNS, "raw_sha256", "settings"], "status = 'ok'")
+    rows = {c: kept.column(c) for c in SHAPE_COLUMNS}
+    rows.update(zip(META_COLUMNS, _lookup(kept.column("id"), meta, META_COLUMNS), strict=True))
+    rows["made_from"] = made_from(kept)
+    table = pa.table(rows)
+    return table.filter(pc.is_valid(table.column("label"))).select(ROW_SCHEMA.names) \
+        .cast(ROW_SCHEMA)
+
+
 def source_metadata(tables: SourceTables) -> pa.Table:
     """id, caption, label, phash, embedding of a source's labelled, captioned images."""
     labels = _read(tables.labels, ["id", "label", "embedding"], tables.labels_filter)
@@ -186,24 +221,32 @@ def source_attributes(tables: SourceTables, ids: pa.ChunkedArray) -> dict[str, p
     return dict(zip(columns, _lookup(ids.combine_chunks(), records, columns), strict=True))
 
 
-def corpus_batch(batch: pa.Table, meta: pa.Table) -> pa.Table:
-    """Kept-image rows joined with the source's metadata, thumbnailed; unmatched dropped."""
-    looked_up = dict(zip(META_COLUMNS, _lookup(batch.column("id"), meta, META_COLUMNS),
-                         strict=True))
-    matched = pc.is_valid(looked_up["label"])
-    rows = {c: batch.column(c).filter(matched) for c in IMAGE_COLUMNS if c != "image"}
-    rows.update({c: looked_up[c].filter(matched) for c in META_COLUMNS})
+def thumbnailed(batch: pa.Table, expected: pa.Table) -> pa.Table:
+    """Kept images (id, image) as corpus rows: their `expected` row and a new thumbnail;
+    images without an expected row dropped (not decoded)."""
+    at = pc.index_in(batch.column("id"), value_set=expected.column("id"))
+    matched = pc.is_valid(at)
+    rows = expected.take(at.filter(matched))
     images = batch.column("image").filter(matched).to_pylist()
-    rows["thumbnail"] = pa.array([thumbnail(b) if b else None for b in images], pa.binary())
-    return pa.table(rows).select(CORPUS_SCHEMA.names).cast(CORPUS_SCHEMA)
+    thumbnails = pa.array([thumbnail(b) if b else None for b in images], pa.binary())
+    return rows.append_column("thumbnail", thumbnails).select(CORPUS_SCHEMA.names) \
+        .cast(CORPUS_SCHEMA)
+
+
+def thumbnail_dataset(tables: SourceTables, expected: pa.Table, by_id: bool) -> ray.data.Dataset:
+    """The `expected` rows with new thumbnails, in Ray. `by_id`: read only their images
+    (an `IN` filter: a few rows of a large source), else every kept image."""
+    where = "status = 'ok'"
+    if by_id:
+        where = f"{where} AND {in_filter('id', expected.column('id').to_pylist())}"
+    kept = tables.bucketed.read(columns=["id", "image"], filter=where)
+    return kept.map_batches(batch_fn(thumbnailed), fn_kwargs={"expected": expected},
+                            batch_format="pyarrow", batch_size=THUMBNAIL_BATCH_ROWS)
 
 
 def source_dataset(tables: SourceTables) -> tuple[ray.data.Dataset, int]:
-    meta = source_metadata(tables)
-    kept = tables.bucketed.read(columns=IMAGE_COLUMNS, filter="status = 'ok'")
-    dataset = kept.map_batches(batch_fn(corpus_batch), fn_kwargs={"meta": meta},
-                               batch_format="pyarrow", batch_size=THUMBNAIL_BATCH_ROWS)
-    return dataset, meta.num_rows
+    expected = expected_rows(tables)
+    return thumbnail_dataset(tables, expected, by_id=False), expected.num_rows
 
 
 def build_corpus(corpus: TableRef, sources: list[SourceTables],
@@ -246,8 +289,9 @@ def update_corpus(corpus: TableRef, changed: list[SourceTables], gone: list[str]
     for tables in changed:
         inserted[tables.name], deleted[tables.name] = replace_source(corpus, tables, chunk_rows,
                                                                      on_rows)
-    if len(corpus.open().get_fragments()) > 1 and (any(inserted.values()) or any(deleted.values())):
-        compact(corpus, policy)
+    if any(inserted.values()) or any(deleted.values()):
+        if len(corpus.open().get_fragments()) > MAX_FRAGMENTS:
+            compact(corpus, policy)
         cleanup(corpus.open(), policy)
     rows_per_source = {name: corpus.count_rows(filter=eq_filter("source", name))
                        for name in [*keep, *(t.name for t in changed)]}
@@ -265,20 +309,54 @@ def delete_source(corpus: TableRef, source: str) -> int:
 
 def replace_source(corpus: TableRef, tables: SourceTables, chunk_rows: int,
                    on_rows: Callable[[int], None] | None = None) -> tuple[int, int]:
-    """Replace a source's corpus rows: the new rows written in chunks as uncommitted files,
-    then one commit deleting the old rows and adding them. Returns (written, deleted)."""
-    dataset, _ = source_dataset(tables)
+    """Bring a source's corpus rows up to date (`delta.plan_delta`): the rows that changed
+    or are new written in chunks as uncommitted files, then one commit deleting the held
+    rows that changed or left and adding them. Past MAX_DELETE_IDS deletions the source's
+    rows are replaced whole. Returns (written, deleted); no commit when nothing changed."""
+    corpus = corpus.pinned()  # the row addresses of the thumbnails kept are this version's
+    expected = expected_rows(tables)
+    source = eq_filter("source", tables.name)
+    held = corpus.to_table(columns=ROW_SCHEMA.names, filter=source, with_row_address=True)
+    delta = plan_delta(expected, held)
+    if delta.empty:
+        return 0, 0
+    # The ids written are deleted too: a concurrent run that added them first loses them
+    # to this commit rather than doubling them.
+    replaced = pa.chunked_array([delta.delete, delta.write.column("id")]).to_pylist()
+    where = all_of(source, in_filter("id", replaced)) or source
+    if len(replaced) > MAX_DELETE_IDS:
+        delta, where = plan_delta(expected, held, rewrite_all=True), source
 
     def chunks():
-        for chunk in arrow_batches(dataset, batch_size=chunk_rows):
-            if chunk.num_rows:
-                yield chunk
-                if on_rows:
-                    on_rows(chunk.num_rows)
+        for chunk in updated_rows(corpus, tables, delta, chunk_rows):
+            yield chunk
+            if on_rows:
+                on_rows(chunk.num_rows)
 
     fragments, written = write_uncommitted(corpus, chunks(), CORPUS_SCHEMA, CORPUS_FRAGMENTS)
-    _, deleted = replace_where(corpus, eq_filter("source", tables.name), fragments)
+    _, deleted = replace_where(corpus, where, fragments)
     return written, deleted
+
+
+def updated_rows(corpus: TableRef, tables: SourceTables, delta: SourceDelta,
+                 chunk_rows: int) -> Iterator[pa.Table]:
+    """The rows `delta` writes: first those keeping a held thumbnail (read back from the
+    corpus version `corpus` pins, by row address), then those needing a new one (Ray)."""
+    kept = delta.with_thumbnail_kept()
+    dataset = corpus.open()
+    for start in range(0, kept.num_rows, THUMBNAIL_TAKE_ROWS):
+        part = kept.slice(start, THUMBNAIL_TAKE_ROWS)
+        # By row address: the public `take` wants offsets, which deletions shift.
+        thumbnails = dataset._take_rows(part.column(ROW_ADDRESS).combine_chunks(),
+                                        columns=["thumbnail"]).column("thumbnail")
+        yield part.drop_columns([ROW_ADDRESS]).append_column("thumbnail", thumbnails) \
+            .select(CORPUS_SCHEMA.names).cast(CORPUS_SCHEMA)
+    fresh = delta.needing_thumbnail()
+    if fresh.num_rows:
+        by_id = fresh.num_rows <= MAX_DELETE_IDS
+        for chunk in arrow_batches(thumbnail_dataset(tables, fresh, by_id), batch_size=chunk_rows):
+            if chunk.num_rows:
+                yield chunk
 
 
 def count_by(corpus: TableRef, column: str) -> dict[str, int]:

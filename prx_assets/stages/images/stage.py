@@ -29,15 +29,14 @@ from prx_assets.engine.chunked import (
     ChunkedReport,
     ChunkedRun,
     CommitTarget,
-    collect_ids,
     hash_partitions,
     new_if_empty,
     run_chunked,
-    without_ids,
 )
 from prx_assets.engine.failpoints import failpoint
+from prx_assets.engine.removals import delete_ids, removed_ids
 from prx_assets.stages.images.imaging import ImageOptions, process_image
-from prx_assets.storage.filters import in_filter, sql_string
+from prx_assets.storage.filters import sql_string
 from prx_assets.storage.key_index import maintain_key_index, refresh_key_index
 from prx_assets.storage.lance_tables import (
     FragmentPolicy,
@@ -78,7 +77,6 @@ PHASH_SCHEMA = pa.schema([BUCKETED_SCHEMA.field(name) for name in PHASH_COLUMNS]
 RAW_COLUMNS = ["id", "source", "status", "image", "error", "width", "height", "sha256"]
 BATCH_ROWS = 8  # decoded images are large: keep each task's working set small
 KEY = "_made_from"  # transient join key: id and raw sha256
-DELETE_IDS_PER_COMMIT = 10_000  # ids per delete filter (keeps the SQL bounded)
 
 
 def settings_fingerprint(options: ImageOptions) -> str:
@@ -191,41 +189,6 @@ def pending_raw(raw: ray.data.Dataset, tables: ImageTables, fingerprint: str,
                            zero_copy_batch=True)
 
 
-def removed_ids(tables: ImageTables, raw: TableRef,
-                broadcast_limit: int = BROADCAST_IDS) -> pa.Array:
-    """Ids with a bucketed row but no row in `raw` (the pinned raw_images version) any
-    more: removed from the source. Compared on the driver (ids only) up to
-    `broadcast_limit` rows, with a Ray anti-join past that."""
-    if not tables.bucketed.exists():
-        return pa.array([], pa.string())
-    table = tables.bucketed.latest().open()
-    n_raw, n_bucketed = raw.count_rows(), table.count_rows()
-    if n_bucketed == 0:
-        return pa.array([], pa.string())
-    if max(n_raw, n_bucketed) <= broadcast_limit:
-        bucketed = table.to_table(columns=["id"]).column("id")
-        present = raw.to_table(columns=["id"]).column("id")
-        return bucketed.filter(pc.invert(pc.is_in(bucketed, value_set=present))) \
-            .combine_chunks()
-    bucketed_ids = tables.bucketed.at(table.version).read(columns=["id"])
-    return collect_ids(without_ids(bucketed_ids, raw.read(columns=["id"]), n_raw,
-                                   broadcast_limit))
-
-
-def delete_ids(target: TableRef, ids: pa.Array) -> int:
-    """Delete the rows of these ids from `target`; returns the rows deleted."""
-    if len(ids) == 0 or not target.exists():
-        return 0
-    table = target.latest().open()
-    before = table.count_rows()
-    values = ids.to_pylist()
-    for start in range(0, len(values), DELETE_IDS_PER_COMMIT):
-        where = in_filter("id", values[start:start + DELETE_IDS_PER_COMMIT])
-        if table.count_rows(filter=where):  # a delete matching nothing still commits
-            table.delete(where)
-    return before - target.latest().count_rows()
-
-
 def ensure_table(target: TableRef, schema: pa.Schema, replace: bool = False) -> bool:
     """An empty table where none is yet, so downstream can read a source with no rows;
     a table lacking columns of `schema` (a bucketed table from before rows recorded what
@@ -281,7 +244,7 @@ def run_image_stage(raw: ray.data.Dataset, raw_table: TableRef, tables: ImageTab
     replaced = ensure_table(tables.bucketed, BUCKETED_SCHEMA)
     ensure_table(tables.phashes, PHASH_SCHEMA, replace=replaced)
     report = ImageRunReport()
-    gone = removed_ids(tables, raw_table)
+    gone = removed_ids(tables.bucketed, raw_table)
     report.hashes_removed += delete_ids(tables.phashes, gone)
     report.removed = delete_ids(tables.bucketed, gone)
 

@@ -11,22 +11,16 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import ray
-from streaming import MDSWriter
 
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.engine.progress import StageProgress
-from prx_assets.stages.shards.plan import MDS_COLUMNS, SampleInputs, WriteOptions
+from prx_assets.stages.shards.plan import SampleInputs, WriteOptions
 from prx_assets.storage.refs import Location
 
 IMAGE_COLUMNS = ["id", "source", "image", "width", "height", "original_width", "original_height"]
@@ -60,44 +54,12 @@ def part_specs(leaf_rows: pa.Table, leaf_dir: Location, rows_per_part: int) -> l
     return specs
 
 
-class PartWriter(MDSWriter):
-    """An MDSWriter into a local folder; with a `destination`, each shard is uploaded there
-    as soon as it is flushed, then deleted locally. The part's index is not uploaded: the
-    driver writes the leaf's index from the entries the task returns."""
-
-    def __init__(self, *, destination: Location | None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.destination = destination
-
-    def flush_shard(self) -> None:
-        super().flush_shard()
-        if self.destination is None:
-            return
-        entry = self.shards[-1]
-        basename = (entry.get("zip_data") or entry["raw_data"])["basename"]
-        written = Path(self.local) / basename
-        (self.destination / basename).write_bytes(written.read_bytes())
-        written.unlink()
-
-
-@contextmanager
-def part_writer(out: Location, options: WriteOptions) -> Iterator[MDSWriter]:
-    """A writer for the part folder `out`: in place locally, through a local temporary
-    folder (about one shard at a time) on an object store."""
-    scratch = None if out.is_local else tempfile.mkdtemp(prefix="prx-mds-part-")
-    try:
-        with PartWriter(destination=None if scratch is None else out,
-                        out=str(out.path) if scratch is None else f"{scratch}/part",
-                        columns=MDS_COLUMNS, size_limit=options.size_limit,
-                        compression=options.compression, exist_ok=True) as writer:
-            yield writer
-    finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
-
-
 def write_part(spec: PartSpec, inputs: SampleInputs, options: WriteOptions) -> list[dict]:
     """Write one part (in a Ray task, or in this process); returns its shard entries."""
+    # Imported here: streaming pulls in torch and transformers (~5 s), which the driver of
+    # a run that writes its parts in Ray tasks never needs.
+    from prx_assets.stages.shards.part_writer import part_writer
+
     bucketed, captions = inputs.bucketed.open(), inputs.captions.open()
     with part_writer(spec.out, options) as writer:
         for start in range(0, len(spec.ids), TAKE_ROWS):

@@ -28,8 +28,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from streaming import MDSWriter
-from streaming.base.format.mds.encodings import mds_decode
 
 from prx_assets.stages.shards.plan import DEFAULT_SIZE_LIMIT, MDS_COLUMNS
 from prx_assets.stages.shards.trees import (
@@ -88,6 +86,8 @@ class ShardSamples:
 
     def sample(self, index: int) -> dict[str, Any]:
         """A writer-ready sample: the image's stored bytes as they are, the rest decoded."""
+        from streaming.base.format.mds.encodings import mds_decode  # see write_leaf
+
         raw = split_sample(bytes(self.data[self.offsets[index]:self.offsets[index + 1]]),
                            self.names, self.sizes)
         return {name: value if self.encodings[name] == "jpeg"
@@ -108,6 +108,10 @@ class SubsetTreeReport:
 def write_leaf(rows: pa.Table, out: Path, source_trees: Mapping[str, Location],
                licenses: Mapping[str, str], size_limit: int) -> None:
     """The rows' samples, in order, into an MDS leaf at the local folder `out`."""
+    # Imported here: streaming pulls in torch and transformers (~5 s) for every process
+    # that loads the definitions, most of which write no subset.
+    from streaming import MDSWriter
+
     shards: dict[tuple[str, str, str], ShardSamples] = {}
     indexes: dict[tuple[str, str], dict[str, dict]] = {}
     with MDSWriter(out=str(out), columns=SUBSET_COLUMNS, size_limit=size_limit,

@@ -6,12 +6,12 @@ import pyarrow as pa
 import pytest
 import ray.data
 
+from prx_assets.engine.removals import removed_ids
 from prx_assets.stages.images.imaging import ImageOptions
 from prx_assets.stages.images.stage import (
     BUCKETED_SCHEMA,
     ImageTables,
     pending_raw,
-    removed_ids,
     settings_fingerprint,
 )
 from prx_assets.storage.refs import TableRef
@@ -51,7 +51,7 @@ def test_pending_and_removed_rows(ray_session, tmp_path, broadcast_limit):
     pending = pending_raw(ray.data.read_lance(raw_uri), tables, CURRENT, broadcast_limit)
     assert sorted(pending.to_pandas()["id"]) == ["changed", "new", "other_settings"]
     assert set(pending.columns()) == {"id", "sha256"}  # the join key does not leak
-    gone = removed_ids(tables, raw, broadcast_limit)
+    gone = removed_ids(tables.bucketed, raw, broadcast_limit)
     assert gone.to_pylist() == ["gone"]
 
 
@@ -61,7 +61,7 @@ def test_nothing_is_fresh_without_a_table(ray_session, tmp_path):
     tables = ImageTables(TableRef.of(tmp_path / "bucketed.lance"),
                          TableRef.of(tmp_path / "phashes.lance"))
     assert pending_raw(ray.data.read_lance(raw_uri), tables, CURRENT).count() == 1
-    assert len(removed_ids(tables, TableRef.of(raw_uri))) == 0
+    assert len(removed_ids(tables.bucketed, TableRef.of(raw_uri))) == 0
 
 
 def test_tables_from_before_the_made_from_columns_start_over(tmp_path):
