@@ -6,6 +6,7 @@ Loaded with transformers from the package's folder, so nothing is downloaded.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,13 @@ def model_fingerprint() -> str:
     """A short hash of the weights file's size and name (cheap; part of classifier_version)."""
     weights = model_path() / "model.safetensors"
     return hashlib.sha256(f"{MODEL_ID}:{weights.stat().st_size}".encode()).hexdigest()[:12]
+
+
+@functools.cache
+def shared_embedder(threads: int | None = None) -> MiniLMEmbedder:
+    """One MiniLM per process (and thread count): the stages that embed captions in the
+    run's own process (attributes, caption_labels on a few rows) load it once per run."""
+    return MiniLMEmbedder(threads=threads)
 
 
 class MiniLMEmbedder:

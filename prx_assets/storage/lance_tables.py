@@ -203,8 +203,9 @@ class LanceOverwriteSink(Datasink[dict]):
             return {"fragments": [], "schema": None, "nodes": nodes}
         schema = self.schema or first.schema
         reader = pa.RecordBatchReader.from_batches(schema, _chain_first(first, batches, schema))
+        # "overwrite": files of `schema`, even one the replaced table lacks (append refuses).
         fragments = write_fragments(
-            reader, self.table.uri, schema=schema,
+            reader, self.table.uri, schema=schema, mode="overwrite",
             max_rows_per_file=self.policy.max_rows,
             max_bytes_per_file=self.policy.target_bytes,
             storage_options=self.table.lance_options(),

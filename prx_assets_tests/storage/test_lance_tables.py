@@ -73,6 +73,21 @@ def test_rewrite_replaces_the_whole_table_and_keeps_the_old_version(ray_session,
     assert lance.dataset(str(uri), version=first.version).count_rows() == 50
 
 
+def test_a_rewrite_may_change_the_schema_and_the_old_version_keeps_its_own(ray_session,
+                                                                           tmp_path: Path):
+    uri = TableRef.of(tmp_path / "t.lance")
+    first = write_dataset_atomically(blob_rows(20), uri, FragmentPolicy(), SCHEMA)
+    wider = SCHEMA.append(pa.field("made_from", pa.string()))
+    rows = blob_rows(10, start=100).map_batches(
+        lambda b: {**b, "made_from": np.array(["x"] * len(b["id"]))}, batch_format="numpy")
+    second = write_dataset_atomically(rows, uri, FragmentPolicy(), wider)
+    table = lance.dataset(str(uri))
+    assert table.schema == wider and second.rows == 10
+    assert table.to_table(columns=["made_from"]).column(0).to_pylist() == ["x"] * 10
+    old = lance.dataset(str(uri), version=first.version)
+    assert old.schema == SCHEMA and old.count_rows() == 20
+
+
 def test_failed_write_leaves_the_previous_version_readable(ray_session, tmp_path: Path):
     uri = TableRef.of(tmp_path / "t.lance")
     good = write_dataset_atomically(blob_rows(40), uri, FragmentPolicy(), SCHEMA)

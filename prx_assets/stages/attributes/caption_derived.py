@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from prx_assets.models.embeddings import MiniLMEmbedder
+from prx_assets.models.embeddings import MiniLMEmbedder, shared_embedder
 from prx_assets.stages.attributes.schema import SCHEMA_VERSION, fields
 
 # value -> description, per field; every enum value of the schema has one (checked below).
@@ -107,7 +107,7 @@ class CaptionAttributer:
     def __init__(self, embedder: MiniLMEmbedder | None = None,
                  version: str = SCHEMA_VERSION, threads: int = 1):
         check_descriptions(version)
-        self.embedder = embedder or MiniLMEmbedder(threads=threads)
+        self.embedder = embedder or shared_embedder(threads)
         self.version = version
         self.choices = {name: (list(values), self.embedder.embed(list(values.values())))
                         for name, values in DESCRIPTIONS.items()}

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
-from prx_assets.engine.batches import batch_fn
+from prx_assets.engine.batches import IN_PROCESS_ROWS, batch_fn, in_this_process
 from prx_assets.engine.chunked import (
     ChunkedReport,
     ChunkedRun,
@@ -72,6 +72,8 @@ class AttributerSpec:
     batch_size: int = 32
     actors: int = 1
     threads_per_actor: int = 1
+    # At most this many captions are tagged in the run's process by the caption backend.
+    in_process_rows: int = IN_PROCESS_ROWS
     vllm: VLLMAttributeSettings = field(default_factory=VLLMAttributeSettings)
 
     def __post_init__(self) -> None:
@@ -191,9 +193,15 @@ def _vllm_rows(batch: pa.Table, attribute_version: str, schema_version: str) -> 
 
 
 def attribute_stage(pending: ray.data.Dataset, spec: AttributerSpec,
-                    bucketed: TableRef | None = None) -> ray.data.Dataset:
-    """Caption rows in, `attributes_schema` rows out, through the spec's backend."""
+                    bucketed: TableRef | None = None, rows: int | None = None
+                    ) -> ray.data.Dataset:
+    """Caption rows in (`rows` of them, when known), `attributes_schema` rows out, through
+    the spec's backend."""
     version = spec.version()
+    if spec.backend == "caption" and rows is not None and rows <= spec.in_process_rows:
+        stage = CaptionAttributeStage(version, spec.schema_version, spec.threads_per_actor)
+        return in_this_process(pending, stage, spec.batch_size,
+                               attributes_schema(spec.schema_version))
     pool = {"batch_format": "pyarrow", "batch_size": spec.batch_size,
             "compute": ray.data.ActorPoolStrategy(size=max(1, spec.actors)),
             "num_cpus": spec.threads_per_actor}
@@ -274,7 +282,8 @@ def tag_source(captions: TableRef, attributes: TableRef, caption_version: str,
         if on_chunk:
             on_chunk(report)
 
-    report.commits = run_chunked(pending, lambda rows: attribute_stage(rows, spec, bucketed),
+    report.commits = run_chunked(pending, lambda rows: attribute_stage(rows, spec, bucketed,
+                                                                       report.to_tag),
                                  attributes_target(attributes, spec.schema_version),
                                  chunk_rows, on_chunk=count)
     return report

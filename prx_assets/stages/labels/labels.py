@@ -22,7 +22,13 @@ import numpy as np
 import pyarrow as pa
 import scipy.optimize
 
-from prx_assets.models.embeddings import EMBEDDING_DIM, MODEL_ID, MiniLMEmbedder, model_fingerprint
+from prx_assets.models.embeddings import (
+    EMBEDDING_DIM,
+    MODEL_ID,
+    MiniLMEmbedder,
+    model_fingerprint,
+    shared_embedder,
+)
 from prx_assets.storage.filters import all_of, eq_filter
 
 LABELS = ("visual", "text", "nsfw")
@@ -271,7 +277,7 @@ class EmbeddedLabeler:
 
     def __init__(self, classifier_version: str, threads: int = 1):
         self.classifier_version = classifier_version
-        self.embedder = MiniLMEmbedder(threads=threads)
+        self.embedder = shared_embedder(threads)
         self.classifier = load_embedded_classifier()
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
+from prx_assets.engine.batches import IN_PROCESS_ROWS, in_this_process
 from prx_assets.engine.chunked import (
     ChunkedReport,
     ChunkedRun,
@@ -31,7 +32,7 @@ from prx_assets.engine.chunked import (
 )
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.engine.id_sets import IdSet
-from prx_assets.models.embeddings import MiniLMEmbedder
+from prx_assets.models.embeddings import shared_embedder
 from prx_assets.stages.labels.backends import (
     QUESTION,
     OpenAILabelClient,
@@ -71,6 +72,8 @@ class LabelerSpec:
     actors: int = 0  # the most actors; 0: as many as the cluster's CPUs allow (`pool_size`)
     threads_per_actor: int = 1
     batch_size: int = 64
+    # At most this many captions are labelled in the run's process (`in_this_process`).
+    in_process_rows: int = IN_PROCESS_ROWS
     l2: float = DEFAULT_L2
     openai: OpenAISettings | None = None
     vllm: VLLMSettings = VLLMSettings()
@@ -171,7 +174,7 @@ class EmbeddingStage:
     """Adds the MiniLM embedding (for backends whose labels come from elsewhere)."""
 
     def __init__(self, threads: int = 1):
-        self.embedder = MiniLMEmbedder(threads=threads)
+        self.embedder = shared_embedder(threads)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         vectors = self.embedder.embed([c or "" for c in batch.column("caption").to_pylist()])
@@ -249,9 +252,12 @@ def label_stage(pending: ray.data.Dataset, spec: LabelerSpec, rows: int | None =
                 ) -> ray.data.Dataset:
     """Caption rows in (`rows` of them, when known), STAGE_SCHEMA rows out, in an actor pool
     (`actor_pool`)."""
+    version = spec.version()
+    if spec.backend == "embedded" and rows is not None and rows <= spec.in_process_rows:
+        return in_this_process(pending, EmbeddedLabelStage(version, spec.threads_per_actor),
+                               spec.batch_size, STAGE_SCHEMA)
     pool: _PoolArgs = {"batch_format": "pyarrow", "batch_size": spec.batch_size,
                        "compute": actor_pool(spec, rows), "num_cpus": spec.threads_per_actor}
-    version = spec.version()
     if spec.backend == "embedded":
         return pending.map_batches(EmbeddedLabelStage, fn_constructor_kwargs={
             "classifier_version": version, "threads": spec.threads_per_actor}, **pool)

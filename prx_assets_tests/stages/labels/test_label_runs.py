@@ -129,3 +129,17 @@ def test_the_pool_starts_at_full_size_only_with_work_for_every_actor(ray_session
     assert actor_pool(spec, pending=2 * CAPTIONS_PER_ACTOR).initial_size == 2
     small = actor_pool(spec, pending=2 * CAPTIONS_PER_ACTOR - 1)
     assert (small.initial_size, small.min_size, small.max_size) == (1, 1, 2)
+
+
+def test_a_few_captions_are_labelled_in_this_process_as_the_actor_pool_labels_them(
+        ray_session, tmp_path):
+    captions = TableRef.of(tmp_path / "captions.lance")
+    rows = labelled_test_captions()
+    write_captions(captions, [(i, c) for i, c, _ in rows], "v1")
+    tables = {}
+    for name, in_process_rows in (("here", 64), ("pool", 0)):
+        labels = TableRef.of(tmp_path / f"labels-{name}.lance")
+        spec = LabelerSpec(batch_size=4, in_process_rows=in_process_rows)
+        assert label_source(captions, labels, "v1", _filter("v1"), spec).written == len(rows)
+        tables[name] = labels.latest().to_table().drop_columns(["created_at"]).sort_by("id")
+    assert tables["here"].equals(tables["pool"])
