@@ -37,15 +37,17 @@ def removed_ids(target: TableRef, upstream: TableRef,
                                    broadcast_limit))
 
 
-def delete_ids(target: TableRef, ids: pa.Array) -> int:
-    """Delete the rows of these ids from `target`; returns the rows deleted."""
+def delete_ids(target: TableRef, ids: pa.Array,
+               per_commit: int = DELETE_IDS_PER_COMMIT) -> int:
+    """Delete the rows of these ids from `target`, `per_commit` ids a commit; returns the
+    rows deleted."""
     if len(ids) == 0 or not target.exists():
         return 0
     table = target.latest().open()
     before = table.count_rows()
     values = ids.to_pylist()
-    for start in range(0, len(values), DELETE_IDS_PER_COMMIT):
-        where = in_filter("id", values[start:start + DELETE_IDS_PER_COMMIT])
+    for start in range(0, len(values), per_commit):
+        where = in_filter("id", values[start:start + per_commit])
         if table.count_rows(filter=where):  # a delete matching nothing still commits
             table.delete(where)
     return before - target.latest().count_rows()

@@ -4,21 +4,19 @@ no commit when nothing matches."""
 import lance
 import pyarrow as pa
 
-from prx_assets.engine import removals
 from prx_assets.engine.removals import delete_ids, removed_ids
 from prx_assets.storage.refs import TableRef
 
 
-def test_ids_gone_upstream_are_deleted_in_bounded_commits(tmp_path, monkeypatch):
+def test_ids_gone_upstream_are_deleted_in_bounded_commits(tmp_path):
     target = TableRef.of(tmp_path / "target.lance")
     upstream = TableRef.of(tmp_path / "upstream.lance")
     lance.write_dataset(pa.table({"id": [f"s:{i}" for i in range(10)]}), target.uri)
     lance.write_dataset(pa.table({"id": [f"s:{i}" for i in range(5, 12)]}), upstream.uri)
     gone = removed_ids(target, upstream.pinned())
     assert sorted(gone.to_pylist()) == [f"s:{i}" for i in range(5)]
-    monkeypatch.setattr(removals, "DELETE_IDS_PER_COMMIT", 2)
     version = target.latest_version()
-    assert delete_ids(target, gone) == 5
+    assert delete_ids(target, gone, per_commit=2) == 5
     assert target.latest_version() == version + 3  # ceil(5 / 2) deletes
     assert sorted(target.to_table(columns=["id"]).column("id").to_pylist()) == \
         [f"s:{i}" for i in range(5, 10)]

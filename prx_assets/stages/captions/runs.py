@@ -32,9 +32,10 @@ from prx_assets.engine.chunked import (
 )
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.engine.id_sets import IdSet
+from prx_assets.engine.removals import DELETE_IDS_PER_COMMIT, delete_ids
 from prx_assets.stages.captions.captioners import CaptionerSpec, caption_stage
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA, STATUS_OK, done_filter
-from prx_assets.storage.filters import eq_filter, in_filter
+from prx_assets.storage.filters import eq_filter
 from prx_assets.storage.lance_tables import FragmentPolicy, create_empty, only_appended_since
 from prx_assets.storage.refs import TableRef
 
@@ -145,17 +146,9 @@ def changed_ids(raw: TableRef, old_version: int, new_version: int,
     return {key.split("\x00", 1)[0] for key in collect_ids(gone).to_pylist()}
 
 
-def drop_captions(captions: TableRef, ids: set[str], chunk: int = 10_000) -> int:
+def drop_captions(captions: TableRef, ids: set[str], chunk: int = DELETE_IDS_PER_COMMIT) -> int:
     """Delete every caption row (all versions) of these ids; returns the rows deleted."""
-    captions = captions.latest()
-    if not ids or not captions.exists():
-        return 0
-    table = captions.open()
-    before = table.count_rows()
-    ordered = sorted(ids)
-    for start in range(0, len(ordered), chunk):
-        table.delete(in_filter("id", ordered[start:start + chunk]))
-    return before - captions.count_rows()
+    return delete_ids(captions.latest(), pa.array(sorted(ids), pa.string()), chunk)
 
 
 def caption_source(requests: ray.data.Dataset, captions: TableRef, spec: CaptionerSpec,

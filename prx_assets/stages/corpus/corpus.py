@@ -94,9 +94,10 @@ ROW_SCHEMA = pa.schema([f for f in CORPUS_SCHEMA if f.name != "thumbnail"])
 MAX_FRAGMENTS = 16
 # Thumbnails read back per Lance take when an update keeps them (~10 KB each).
 THUMBNAIL_TAKE_ROWS = 1024
-# Past this many ids to delete, a source's rows are replaced whole (one `source = ...`
-# delete) rather than by an `id IN (...)` filter; thumbnails are still carried.
-MAX_DELETE_IDS = 10_000
+# The most ids one `id IN (...)` filter names (keeps the SQL bounded). An update deleting
+# more replaces the source's rows whole (`source = ...`, thumbnails still carried); one
+# making more thumbnails reads every kept image rather than those by id.
+MAX_IN_IDS = 10_000
 
 
 @dataclass(frozen=True)
@@ -311,7 +312,7 @@ def replace_source(corpus: TableRef, tables: SourceTables, chunk_rows: int,
                    on_rows: Callable[[int], None] | None = None) -> tuple[int, int]:
     """Bring a source's corpus rows up to date (`delta.plan_delta`): the rows that changed
     or are new written in chunks as uncommitted files, then one commit deleting the held
-    rows that changed or left and adding them. Past MAX_DELETE_IDS deletions the source's
+    rows that changed or left and adding them. Past MAX_IN_IDS ids to delete the source's
     rows are replaced whole. Returns (written, deleted); no commit when nothing changed."""
     corpus = corpus.pinned()  # the row addresses of the thumbnails kept are this version's
     expected = expected_rows(tables)
@@ -324,7 +325,7 @@ def replace_source(corpus: TableRef, tables: SourceTables, chunk_rows: int,
     # to this commit rather than doubling them.
     replaced = pa.chunked_array([delta.delete, delta.write.column("id")]).to_pylist()
     where = all_of(source, in_filter("id", replaced)) or source
-    if len(replaced) > MAX_DELETE_IDS:
+    if len(replaced) > MAX_IN_IDS:
         delta, where = plan_delta(expected, held, rewrite_all=True), source
 
     def chunks():
@@ -353,7 +354,7 @@ def updated_rows(corpus: TableRef, tables: SourceTables, delta: SourceDelta,
             .select(CORPUS_SCHEMA.names).cast(CORPUS_SCHEMA)
     fresh = delta.needing_thumbnail()
     if fresh.num_rows:
-        by_id = fresh.num_rows <= MAX_DELETE_IDS
+        by_id = fresh.num_rows <= MAX_IN_IDS
         for chunk in arrow_batches(thumbnail_dataset(tables, fresh, by_id), batch_size=chunk_rows):
             if chunk.num_rows:
                 yield chunk

@@ -32,6 +32,7 @@ from prx_assets.engine.chunked import (
 )
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.engine.id_sets import IdSet
+from prx_assets.engine.removals import DELETE_IDS_PER_COMMIT, delete_ids
 from prx_assets.models.embeddings import shared_embedder
 from prx_assets.stages.labels.backends import (
     QUESTION,
@@ -51,7 +52,6 @@ from prx_assets.stages.labels.labels import (
     label_rows,
     version_hash,
 )
-from prx_assets.storage.filters import in_filter
 from prx_assets.storage.lance_tables import FragmentPolicy, create_empty
 from prx_assets.storage.refs import TableRef
 
@@ -137,7 +137,8 @@ def labelled_ids(labels: TableRef, caption_version: str, classifier_version: str
     return joined.filter(fresh).column("id").combine_chunks()
 
 
-def drop_orphan_labels(labels: TableRef, captions: TableRef, chunk: int = 10_000) -> int:
+def drop_orphan_labels(labels: TableRef, captions: TableRef,
+                       chunk: int = DELETE_IDS_PER_COMMIT) -> int:
     """Delete the label rows (every version pair) of ids that have no caption row any more:
     their item left the source, so its caption was dropped upstream. Returns rows deleted."""
     if not labels.exists():
@@ -148,13 +149,7 @@ def drop_orphan_labels(labels: TableRef, captions: TableRef, chunk: int = 10_000
     for batch in table.to_batches(columns=["id"]):
         ids = pa.Table.from_batches([batch])
         orphans.update(keep_ids(ids, captioned, member=False).column("id").to_pylist())
-    if not orphans:
-        return 0
-    before = table.count_rows()
-    ordered = sorted(orphans)
-    for start in range(0, len(ordered), chunk):
-        table.delete(in_filter("id", ordered[start:start + chunk]))
-    return before - labels.latest().count_rows()
+    return delete_ids(labels.latest(), pa.array(sorted(orphans), pa.string()), chunk)
 
 
 def count_pending(captions: TableRef, caption_filter: str, done: pa.Array) -> int:

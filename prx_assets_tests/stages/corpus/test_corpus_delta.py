@@ -12,7 +12,7 @@ from PIL import Image
 
 from prx_assets.models.embeddings import MiniLMEmbedder
 from prx_assets.stages.corpus.corpus import (
-    MAX_DELETE_IDS,
+    MAX_IN_IDS,
     build_corpus,
     thumbnail,
     update_corpus,
@@ -166,8 +166,8 @@ def test_many_deletions_replace_the_source_whole_and_still_carry_thumbnails(
     image = lance.dataset(str(tables.bucketed)).to_table().column("image")[0].as_py()
     _set_images(tables, {f"web:{k}": b"broken" for k, _, _ in ROWS},
                 made_from={f"web:{k}": image for k, _, _ in ROWS})
-    monkeypatch.setattr(corpus_module, "MAX_DELETE_IDS", 2)
-    assert MAX_DELETE_IDS > 2
+    monkeypatch.setattr(corpus_module, "MAX_IN_IDS", 2)
+    assert MAX_IN_IDS > 2
     report = update_corpus(corpus, [tables.pinned()], [], [])
     assert report.inserted == {"web": 4} and report.deleted == {"web": 4}
     after = _corpus_rows(corpus)
