@@ -9,6 +9,8 @@
                              (`write_dataset_atomically`)
     replace URI NAME         the "source" rows (v > 0: s0..s4) replaced in one commit by
                              s0..s4 valued after NAME (`replace_where`, as `corpus` does)
+    replace-ids URI NAME     the same, deleting by id as a corpus update does: the ids it
+                             writes and s9, a held id it plans to remove
 
 Each prints one line `RESULT{json}` when it finishes; warnings go to stderr.
 """
@@ -103,11 +105,13 @@ def replaced_ids() -> list[str]:
     return [f"s{i}" for i in range(5)]
 
 
-def replace_main(uri: TableRef, name: str) -> dict:
+def replace_main(uri: TableRef, name: str, by_id: bool = False) -> dict:
+    from prx_assets.storage.filters import all_of, in_filter
     from prx_assets.storage.replace import replace_where, write_uncommitted
 
     fragments, _ = write_uncommitted(uri, [rows(replaced_ids(), sum(name.encode()))], SCHEMA)
-    version, deleted = replace_where(uri, REPLACED, fragments)
+    where = all_of(REPLACED, in_filter("id", [*replaced_ids(), "s9"])) if by_id else REPLACED
+    version, deleted = replace_where(uri, where or REPLACED, fragments)
     return {"version": version, "deleted": deleted}
 
 
@@ -119,8 +123,8 @@ def main(argv: list[str]) -> None:
         result = upsert_main(uri, rest[0])
     elif mode == "overwrite":
         result = overwrite_main(uri, rest[0])
-    elif mode == "replace":
-        result = replace_main(uri, rest[0])
+    elif mode in ("replace", "replace-ids"):
+        result = replace_main(uri, rest[0], by_id=mode == "replace-ids")
     elif mode == "chunked":
         result = chunked_main(uri, int(rest[0]), int(rest[1]))
     else:

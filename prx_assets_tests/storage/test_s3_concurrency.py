@@ -147,20 +147,23 @@ class _LocalDisk:
         return {}
 
 
-@pytest.mark.parametrize("existing", [[], ["s0", "s1", "s9"]], ids=["first", "replacing"])
+@pytest.mark.parametrize(("existing", "verb"), [
+    ([], "replace"), (["s0", "s1", "s9"], "replace"), (["s0", "s1", "s9"], "replace-ids")],
+    ids=["first", "replacing", "replacing-by-id"])
 @pytest.mark.parametrize("store", ["local", "s3"])
 def test_two_replacements_of_one_source_never_double_or_lose_its_rows(
-        request, tmp_path: Path, existing: list[str], store: str):
+        request, tmp_path: Path, existing: list[str], verb: str, store: str):
     """Two `corpus` writers replacing one source's rows (`replace_where`), both planned on
     the same version and held at the barrier before their one commit: one wins, the other
     is preempted and redoes its deletes on top. The source ends with exactly one writer's
     rows, once each; the other source's row is kept. (On the old delete + append, both
-    appends landed: every row twice.)"""
+    appends landed: every row twice.) By id, as a corpus update deletes (the ids it writes
+    and those it removes), the same holds: the loser's filter names the ids both added."""
     server = request.getfixturevalue("s3_server") if store == "s3" else _LocalDisk()
     root = request.getfixturevalue("s3_root") if store == "s3" else str(tmp_path / "data")
     uri = Storage(root).table("corpus")
     upsert(uri, pa.concat_tables([rows(["keep"], 0), rows(existing, 1)]), SCHEMA, ["id"])
-    writers, results = race_two_writers(server, tmp_path, "replace", uri,
+    writers, results = race_two_writers(server, tmp_path, verb, uri,
                                         "storage.replace_uncommitted",
                                         "both writers planned their replacement")
     final = table_rows(uri)
