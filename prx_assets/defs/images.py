@@ -38,6 +38,7 @@ from prx_assets.stages.images.fidelity import fidelity_report
 from prx_assets.stages.images.imaging import DEFAULT_QUALITY, DEFAULT_SUBSAMPLING, ImageOptions
 from prx_assets.stages.images.stage import (
     RAW_COLUMNS,
+    UPSTREAM,
     ImageRunReport,
     ImageTables,
     fresh_rows,
@@ -45,6 +46,7 @@ from prx_assets.stages.images.stage import (
     settings_fingerprint,
 )
 from prx_assets.stages.report.cost import DEFAULT_CPU_HOUR_USD, DEFAULT_GPU_HOUR_USD
+from prx_assets.storage.changes import added_rows, read_consumed
 from prx_assets.storage.lance_tables import FragmentPolicy, describe_write
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
@@ -156,9 +158,13 @@ def build_image_stage(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefin
 
 
 def images_to_process(raw: TableRef, tables: ImageTables, options: ImageOptions) -> int:
-    """The progress total, from two counts: raw rows less the bucketed rows already made
-    under these settings (an estimate when raw rows changed or left: the line's total grows
-    if the stage does more)."""
+    """The progress total: the raw rows written since bucketed's record of what it consumed
+    (fragment counts, no scan); without a record, raw rows less the bucketed rows already
+    made under these settings (an estimate when raw rows changed or left: the line's total
+    grows if the stage does more)."""
+    since = read_consumed(tables.bucketed, UPSTREAM, tag=settings_fingerprint(options))
+    if since is not None:
+        return added_rows(raw.open(), since)
     _, _, fresh = fresh_rows(tables, settings_fingerprint(options))
     return max(0, raw.count_rows() - fresh)
 

@@ -1,0 +1,210 @@
+"""What changed in an upstream Lance table since a downstream stage last consumed all of it,
+found from the table's fragments instead of by comparing two whole id columns (issue 31:
+a +1-file run on a 10⁸-row source must not read 10⁸ ids).
+
+Lance never reuses a fragment id and never rewrites a fragment's rows in place: rows that
+are appended, merge-inserted or moved by compaction land in fragments with new ids, and a
+deleted row is only marked in its fragment's deletion vector. So a stage that recorded,
+once it had consumed every row of version V, the next fragment id and each fragment's
+deletion count (`Consumed`) can later ask (`changes_since`):
+
+- which rows may be new or changed: those of fragments from `next_fragment` on, one
+  `_rowaddr` filter (a row address is the fragment id << 32 | offset);
+- which ids left: ids deleted from fragments it consumed, read from the fragments whose
+  deletion count grew (Lance still reads a deleted row's values), less those the table
+  still holds. A consumed fragment that is gone (compaction rewrote it) leaves the
+  removals unknown (`removed` is None): the caller compares in full, once.
+
+The record lives in the downstream table's Lance config (`prx.consumed.<upstream>`),
+written only after a run finished every change it was handed. A kill before that leaves
+the previous record: the next run is handed those changes again and its pending check
+finds them done. Anything that empties the downstream table must `forget_consumed` first.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+
+import lance
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from prx_assets.storage.filters import in_filter
+from prx_assets.storage.refs import TableRef
+
+CONFIG_PREFIX = "prx.consumed."
+LOOKUP_IDS = 10_000  # ids per `IN` lookup (keeps the SQL bounded)
+RECORD_TRIES = 5  # a concurrent run's record conflicts with ours: re-read and retry
+
+
+@dataclass(frozen=True)
+class Consumed:
+    """An upstream version a downstream stage consumed whole: its fragments then (as id
+    ranges) and the rows deleted in each (only those with any), the next fragment id, and
+    `tag`, what else decided the downstream rows (its settings: another tag, other rows)."""
+
+    version: int
+    next_fragment: int
+    fragments: tuple[tuple[int, int], ...]  # [first, last] id ranges
+    deletions: dict[int, int] = field(default_factory=dict)
+    tag: str = ""
+
+    def holds(self, fragment_id: int) -> bool:
+        return any(first <= fragment_id <= last for first, last in self.fragments)
+
+    def to_json(self) -> str:
+        return json.dumps({"version": self.version, "next_fragment": self.next_fragment,
+                           "fragments": self.fragments, "tag": self.tag,
+                           "deletions": {str(k): v for k, v in self.deletions.items()}})
+
+    @classmethod
+    def from_json(cls, text: str) -> Consumed:
+        data = json.loads(text)
+        return cls(int(data["version"]), int(data["next_fragment"]),
+                   tuple((int(a), int(b)) for a, b in data["fragments"]),
+                   {int(k): int(v) for k, v in data["deletions"].items()}, str(data["tag"]))
+
+
+def consumed_at(table: lance.LanceDataset, tag: str = "") -> Consumed:
+    """What consuming every row of `table` (at its version) covers."""
+    ids, deletions = [], {}
+    for fragment in table.get_fragments():
+        ids.append(fragment.fragment_id)
+        if fragment.metadata.deletion_file is not None:
+            deletions[fragment.fragment_id] = fragment.num_deletions
+    return Consumed(table.version, next_fragment_id(table), id_ranges(sorted(ids)),
+                    deletions, tag)
+
+
+def next_fragment_id(table: lance.LanceDataset) -> int:
+    """One above every fragment id the version holds. Lance gives new fragments ids above
+    every id it ever gave, so fragments from this id on were all written after it (an id
+    freed by compaction only makes the filter start lower than it could)."""
+    return max((f.fragment_id for f in table.get_fragments()), default=-1) + 1
+
+
+def id_ranges(ids: list[int]) -> tuple[tuple[int, int], ...]:
+    ranges: list[tuple[int, int]] = []
+    for i in ids:
+        if ranges and ranges[-1][1] == i - 1:
+            ranges[-1] = (ranges[-1][0], i)
+        else:
+            ranges.append((i, i))
+    return tuple(ranges)
+
+
+@dataclass(frozen=True)
+class Changes:
+    """Rows of the table that may be new or changed since `since` (`added_filter` selects
+    them; `added_rows` counts them), and the ids that left (None: unknown, compare in
+    full)."""
+
+    since: Consumed
+    added_filter: str
+    added_rows: int
+    removed: pa.Array | None
+
+
+def changes_since(table: lance.LanceDataset, since: Consumed) -> Changes:
+    """What changed from `since` to `table`'s version (a pinned version at or after it)."""
+    fragments = {f.fragment_id: f for f in table.get_fragments()}
+    held = [f for i, f in fragments.items() if since.holds(i)]
+    added = Changes(since, added_filter(since), added_rows(table, since), None)
+    if len(held) < sum(last - first + 1 for first, last in since.fragments):
+        return added  # a fragment it consumed is gone (rewritten or deleted whole)
+    touched = [f for f in held if f.num_deletions > since.deletions.get(f.fragment_id, 0)]
+    candidates = deleted_ids(table, touched)
+    held_still = present_ids(table, candidates)
+    return replace(added, removed=candidates.filter(
+        pc.invert(pc.is_in(candidates, value_set=held_still))))
+
+
+def added_filter(since: Consumed) -> str:
+    """The rows in fragments written after `since`: new, changed or moved."""
+    return f"_rowaddr >= {since.next_fragment << 32}"
+
+
+def added_rows(table: lance.LanceDataset, since: Consumed) -> int:
+    """How many rows `added_filter` selects (from the fragments' counts: no scan)."""
+    return sum(f.count_rows() for f in table.get_fragments()
+               if f.fragment_id >= since.next_fragment)
+
+
+def deleted_ids(table: lance.LanceDataset, fragments: list) -> pa.Array:
+    """The ids of every deleted row of `fragments` (their deletion vectors keep no values:
+    the rows are read with `include_deleted_rows` and kept where Lance gives no row id).
+    Cost: the fragments' rows, once; only fragments whose deletions grew are read."""
+    if not fragments:
+        return pa.array([], pa.string())
+    rows = table.scanner(columns=["id"], with_row_id=True, include_deleted_rows=True,
+                         fragments=fragments).to_table()
+    return rows.filter(pc.is_null(rows.column("_rowid"))).column("id").combine_chunks()
+
+
+def present_ids(table: lance.LanceDataset, ids: pa.Array) -> pa.Array:
+    """Those of `ids` the table holds."""
+    return rows_with_ids(table, ids, ["id"]).column("id").combine_chunks()
+
+
+def rows_with_ids(table: lance.LanceDataset, ids: pa.Array, columns: list[str],
+                  where: str | None = None) -> pa.Table:
+    """`columns` of the rows whose id is in `ids` (and that match `where`), looked up
+    `LOOKUP_IDS` at a time: through the key index where the table has one, ~5 µs an id."""
+    values = ids.to_pylist()
+    parts = [table.schema.empty_table().select(columns)]
+    for start in range(0, len(values), LOOKUP_IDS):
+        lookup = in_filter("id", values[start:start + LOOKUP_IDS])
+        parts.append(table.to_table(columns=columns, filter=f"({lookup}) AND ({where})"
+                                    if where else lookup))
+    return pa.concat_tables(parts)
+
+
+# --- the record, in the downstream table's config -----------------------------------------
+
+def config_key(upstream: str) -> str:
+    return CONFIG_PREFIX + upstream
+
+
+def read_consumed(target: TableRef, upstream: str, tag: str = "") -> Consumed | None:
+    """The record of what `target`'s stage consumed of `upstream` under `tag`; None when
+    there is none, it is unreadable or it was made under another tag (consume in full)."""
+    if not target.exists():
+        return None
+    text = target.latest().open().config().get(config_key(upstream))
+    if text is None:
+        return None
+    try:
+        consumed = Consumed.from_json(text)
+    except (ValueError, KeyError, TypeError):
+        return None
+    return consumed if consumed.tag == tag else None
+
+
+def record_consumed(target: TableRef, upstream: str, consumed: Consumed) -> None:
+    """Record that every row of `consumed` has its downstream row in `target`. Config
+    updates of two runs conflict in Lance: the loser re-reads the latest and retries (a
+    record a concurrent run left is as true as ours). The same record again commits
+    nothing: a run with nothing to do leaves the table's version where it was."""
+    key, text = config_key(upstream), consumed.to_json()
+    for attempt in range(RECORD_TRIES):
+        table = target.latest().open()
+        if table.config().get(key) == text:
+            return
+        try:
+            table.update_config({key: text})
+            return
+        except OSError as exc:
+            if "Incompatible transaction" not in str(exc) or attempt == RECORD_TRIES - 1:
+                raise
+
+
+def forget_consumed(target: TableRef) -> None:
+    """Drop every record of `target` (before anything empties it: the records would hand
+    the next run only changes, and the rows already consumed would never come back)."""
+    if not target.exists():
+        return
+    table = target.latest().open()
+    keys = [key for key in table.config() if key.startswith(CONFIG_PREFIX)]
+    if keys:
+        table.delete_config_keys(keys)

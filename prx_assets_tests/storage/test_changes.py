@@ -1,0 +1,132 @@
+"""What changed in a Lance table since a record of what was consumed: appends, deletes,
+merge-inserts, compaction, versions freed by cleanup, and the record in a table's config."""
+
+import threading
+from datetime import timedelta
+
+import lance
+import pyarrow as pa
+
+from prx_assets.storage.changes import (
+    Consumed,
+    changes_since,
+    consumed_at,
+    forget_consumed,
+    read_consumed,
+    record_consumed,
+)
+from prx_assets.storage.refs import TableRef
+
+
+def rows(ids: list[str], value: int = 0) -> pa.Table:
+    return pa.table({"id": ids, "v": [value] * len(ids)})
+
+
+def upsert(path: str, table: pa.Table) -> None:
+    lance.dataset(path).merge_insert("id").when_matched_update_all() \
+        .when_not_matched_insert_all().execute(table)
+
+
+def added(table: lance.LanceDataset, since: Consumed) -> list[str]:
+    changes = changes_since(table, since)
+    ids = table.to_table(columns=["id"], filter=changes.added_filter).column("id").to_pylist()
+    assert changes.added_rows == len(ids)
+    return sorted(ids)
+
+
+def test_appends_deletes_and_updates(tmp_path):
+    path = str(tmp_path / "t.lance")
+    since = consumed_at(lance.write_dataset(rows([f"i{n}" for n in range(10)]), path))
+    lance.write_dataset(rows(["n1", "n2"]), path, mode="append")
+    lance.dataset(path).delete("id IN ('i3', 'n2')")  # n2: added and gone since
+    upsert(path, rows(["i4"], value=1))
+    table = lance.dataset(path)
+    assert added(table, since) == ["i4", "n1"]
+    assert changes_since(table, since).removed.to_pylist() == ["i3"]
+
+
+def test_nothing_changed(tmp_path):
+    path = str(tmp_path / "t.lance")
+    table = lance.write_dataset(rows(["a", "b"]), path)
+    changes = changes_since(table, consumed_at(table))
+    assert (changes.added_rows, len(changes.removed)) == (0, 0)
+
+
+def test_an_id_deleted_before_the_record_and_added_again_is_not_removed(tmp_path):
+    path = str(tmp_path / "t.lance")
+    lance.write_dataset(rows(["a", "b", "c"]), path)
+    lance.dataset(path).delete("id = 'a'")
+    lance.write_dataset(rows(["a"]), path, mode="append")
+    since = consumed_at(lance.dataset(path))
+    lance.dataset(path).delete("id = 'b'")  # the first fragment's deletions grow
+    # its deleted rows are a (held elsewhere) and b: only b left
+    assert changes_since(lance.dataset(path), since).removed.to_pylist() == ["b"]
+
+
+def test_compaction_leaves_removals_unknown(tmp_path):
+    path = str(tmp_path / "t.lance")
+    lance.write_dataset(rows(["a", "b"]), path)
+    lance.write_dataset(rows(["c"]), path, mode="append")
+    since = consumed_at(lance.dataset(path))
+    lance.dataset(path).delete("id = 'a'")
+    lance.dataset(path).optimize.compact_files()
+    table = lance.dataset(path)
+    assert changes_since(table, since).removed is None
+    assert added(table, since) == ["b", "c"]  # moved: the caller's pending check drops them
+
+
+def test_the_record_needs_no_old_version(tmp_path):
+    path = str(tmp_path / "t.lance")
+    since = consumed_at(lance.write_dataset(rows(["a", "b", "c"]), path))
+    lance.dataset(path).delete("id = 'b'")
+    lance.write_dataset(rows(["d"]), path, mode="append")
+    table = lance.dataset(path)
+    table.cleanup_old_versions(older_than=timedelta(0))
+    assert [v["version"] for v in table.versions()] == [table.version]
+    assert changes_since(table, since).removed.to_pylist() == ["b"]
+    assert added(table, since) == ["d"]
+
+
+def test_the_record_round_trips_and_is_per_upstream_and_tag(tmp_path):
+    target = TableRef.of(tmp_path / "down.lance")
+    upstream = lance.write_dataset(rows(["a"]), str(tmp_path / "up.lance"))
+    lance.write_dataset(rows(["x"]), target.uri)
+    consumed = consumed_at(upstream, tag="s1")
+    record_consumed(target, "up", consumed)
+    assert read_consumed(target, "up", tag="s1") == consumed
+    assert read_consumed(target, "up", tag="s2") is None
+    assert read_consumed(target, "other") is None
+    version = target.latest_version()
+    record_consumed(target, "up", consumed)  # the same record: no commit
+    assert target.latest_version() == version
+    forget_consumed(target)
+    assert read_consumed(target, "up", tag="s1") is None
+
+
+def test_a_record_rebases_over_writes_and_two_records_race(tmp_path):
+    """A record is a config commit on the downstream table: rows committed alongside it
+    stay, and two runs recording at once both succeed, leaving one of their records."""
+    target = TableRef.of(tmp_path / "down.lance")
+    upstream = lance.write_dataset(rows(["a"]), str(tmp_path / "up.lance"))
+    lance.write_dataset(rows(["x"]), target.uri)
+    stale = target.latest().open()
+    lance.write_dataset(rows(["y"]), target.uri, mode="append")
+    stale.update_config({"prx.consumed.up": consumed_at(upstream).to_json()})
+    assert target.latest().count_rows() == 2
+
+    records = [consumed_at(upstream, tag=t) for t in ("r1", "r2")]
+    barrier, errors = threading.Barrier(2), []
+
+    def record(consumed: Consumed) -> None:
+        barrier.wait()
+        try:
+            record_consumed(target, "up2", consumed)
+        except Exception as exc:  # any failure is the finding: reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=record, args=(c,)) for c in records]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert any(read_consumed(target, "up2", tag=c.tag) == c for c in records)
