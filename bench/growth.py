@@ -7,12 +7,17 @@ version, 25–40 words of text, a word count, a status), keyed on `id`. Per size
 on a fresh table:
 
 - **append**: a first run, every row known new (`NewRows`): appended, no key lookup;
-- **+0.1 %**: N/1000 more ids offered with the N already there (made before the clock
-  starts: upstream's work), selected by `pending_new_rows` (an anti-join on the committed
-  ids) and appended; its seconds as a share of the full run's;
-- **−0.1 %**: then upstream holds N/1000 fewer ids (its table written before the clock):
-  the ids gone found by `engine.removals.removed_ids` and deleted (`delete_ids`), as the
-  image stage removes ids gone from raw_images; its seconds as a share of the full run's;
+- **+0.1 %**: upstream (a Lance table of the N ids, the target holding the full run's
+  record of it, `storage.changes`) appends N/1000 ids (before the clock: upstream's
+  work); the run is handed what changed since the record, looks the new ids up in the
+  target (`pending_changed_rows`), appends them and records; its seconds as a share of
+  the full run's;
+- **−0.1 %**: upstream then deletes N/1000 ids (before the clock); the run reads them
+  from upstream's deletion vectors, deletes them (`delete_ids`) and records;
+- the same two without a record, as a stage not told what changed: **+0.1 %, every id
+  offered** (N + N/1000 ids, selected by `pending_new_rows`, an anti-join on the
+  committed ids) and **−0.1 %, ids compared** (`engine.removals.removed_ids` over both
+  id columns, as the image stage does after a compaction of raw_images);
 - **merge**: the same N rows as rows that may exist: merge-inserted, looked up through
   the key index the run keeps current;
 - **merge, no index** (the baseline, up to `--baseline-max`): the merge as it was before
@@ -65,9 +70,9 @@ def sample_ids(start: int, stop: int) -> list[str]:
             for i in range(start, stop)]
 
 
-def id_batch(batch: dict) -> pa.Table:
+def id_batch(batch: dict, start: int = 0) -> pa.Table:
     ids = batch["id"]
-    return pa.table({"id": sample_ids(int(ids[0]), int(ids[-1]) + 1)})
+    return pa.table({"id": sample_ids(start + int(ids[0]), start + int(ids[-1]) + 1)})
 
 
 def caption_rows(batch: pa.Table) -> pa.Table:
@@ -80,12 +85,13 @@ def caption_rows(batch: pa.Table) -> pa.Table:
                      "status": ["ok"] * batch.num_rows}, schema=SCHEMA)
 
 
-def inputs(rows: int):
+def inputs(rows: int, start: int = 0):
+    """The ids [start, start + rows) as a Ray dataset."""
     import ray.data
 
     blocks = max(1, rows // 65_536)
     return ray.data.range(rows, override_num_blocks=blocks).map_batches(
-        id_batch, batch_size=None, batch_format="numpy")
+        id_batch, fn_kwargs={"start": start}, batch_size=None, batch_format="numpy")
 
 
 def stage(rows):
@@ -111,8 +117,10 @@ class DriverPeak(BackgroundSampler):
 class SizeRun:
     rows: int
     append_s: float = 0.0
-    rerun_s: float = 0.0
-    shrink_s: float = 0.0  # the −0.1 % run
+    rerun_s: float = 0.0  # the +0.1 % run, handed upstream's changes
+    shrink_s: float = 0.0  # the −0.1 % run, handed upstream's changes
+    full_rerun_s: float = 0.0  # the +0.1 % run offered every id
+    full_shrink_s: float = 0.0  # the −0.1 % run comparing both id columns
     merge_s: float = 0.0
     unindexed_merge_s: float | None = None
     driver_kb: int = 0
@@ -132,21 +140,92 @@ def timed_run(table_dir: Path, rows, policy, new_rows=None, chunk_rows: int = CH
     return time.perf_counter() - started, run
 
 
-def shrink(table_dir: Path, rows: int, work: Path) -> tuple[float, dict]:
-    """The −0.1 % run: upstream (ids [k, N + k) of the N + k held, k = N/1000, written to
-    its own table before the clock) no longer holds the first k; they are deleted."""
+UPSTREAM = "upstream"  # the name of the target's record of what it consumed upstream
+
+
+def write_upstream(path: Path, ids: list[str]):
+    """Upstream's table of the ids the full run consumed (its work: before any clock), and
+    the target's record of it, as the full run's last step writes it."""
+    import lance
+
+    return lance.write_dataset(pa.table({"id": ids}), str(path))
+
+
+def grow_by_record(table_dir: Path, upstream: Path, new_ids: list[str], policy
+                   ) -> tuple[float, dict]:
+    """The +0.1 % run handed upstream's changes: upstream appended `new_ids` (before the
+    clock); the run finds them from the record, looks them up, appends them, records."""
+    import lance
+
+    from prx_assets.engine.chunked import pending_changed_rows
+    from prx_assets.storage.changes import (
+        changes_since,
+        consumed_at,
+        read_consumed,
+        record_consumed,
+    )
+    from prx_assets.storage.refs import TableRef
+
+    lance.write_dataset(pa.table({"id": new_ids}), str(upstream), mode="append")
+    target, source = TableRef.of(table_dir), TableRef.of(upstream).pinned()
+    started = time.perf_counter()
+    since = read_consumed(target, UPSTREAM)
+    assert since is not None, "the full run recorded what it consumed"
+    changes = changes_since(source.open(), since)
+    pending, new = pending_changed_rows(source, changes, target)
+    _, run = timed_run(table_dir, pending, policy, new)
+    record_consumed(target, UPSTREAM, consumed_at(source.open()))
+    return time.perf_counter() - started, {"committed": run.committed,
+                                           "offered": changes.added_rows}
+
+
+def shrink_by_record(table_dir: Path, upstream: Path, gone: list[str]) -> tuple[float, dict]:
+    """The −0.1 % run handed upstream's changes: upstream deleted `gone` (before the
+    clock); the run reads them from the deletion vectors, deletes them, records."""
+    from prx_assets.engine.removals import delete_ids
+    from prx_assets.storage.changes import (
+        changes_since,
+        consumed_at,
+        read_consumed,
+        record_consumed,
+    )
+    from prx_assets.storage.refs import TableRef
+
+    delete_ids(TableRef.of(upstream), pa.array(gone, pa.string()))
+    target, source = TableRef.of(table_dir), TableRef.of(upstream).pinned()
+    started = time.perf_counter()
+    since = read_consumed(target, UPSTREAM)
+    assert since is not None, "the +0.1 % run recorded what it consumed"
+    removed = changes_since(source.open(), since).removed
+    assert removed is not None, "no compaction of upstream in between"
+    deleted = delete_ids(target, removed)
+    record_consumed(target, UPSTREAM, consumed_at(source.open()))
+    return time.perf_counter() - started, {"deleted": deleted, "live": target.count_rows()}
+
+
+def shrink(table_dir: Path, held: tuple[int, int], gone: int, work: Path
+           ) -> tuple[float, dict]:
+    """The −0.1 % run compared in full: upstream (its table written before the clock)
+    holds the ids [start + gone, stop) of the [start, stop) held; the first `gone` ids
+    are found by comparing both id columns and deleted."""
     import lance
 
     from prx_assets.engine.removals import delete_ids, removed_ids
     from prx_assets.storage.refs import TableRef
 
-    gone = max(1, rows // 1000)
-    upstream = work / f"upstream-{rows}.lance"
-    lance.write_dataset(pa.table({"id": sample_ids(gone, rows + gone)}), str(upstream))
+    upstream = work / f"upstream-shrunk-{held[1]}.lance"
+    lance.write_dataset(pa.table({"id": sample_ids(held[0] + gone, held[1])}), str(upstream))
     target = TableRef.of(table_dir)
     started = time.perf_counter()
     deleted = delete_ids(target, removed_ids(target, TableRef.of(upstream).pinned()))
     return time.perf_counter() - started, {"deleted": deleted, "live": target.count_rows()}
+
+
+def record_full_run(table_dir: Path, upstream) -> None:
+    from prx_assets.storage.changes import consumed_at, record_consumed
+    from prx_assets.storage.refs import TableRef
+
+    record_consumed(TableRef.of(table_dir), UPSTREAM, consumed_at(upstream))
 
 
 def disk_per_live(table_dir: Path) -> float:
@@ -173,14 +252,23 @@ def measure(rows: int, work: Path, baseline_max: int, chunk_rows: int) -> SizeRu
     result.driver_kb, result.tree_kb = peak.driver_kb, peak.tree_kb
     result.details["append"] = {"commits": run.commits, "appended": run.appended,
                                 "index_updates": run.index_updates}
-    # The offered ids come from upstream (a table read, a listing): made before the clock.
-    more = inputs(rows + max(1, rows // 1000)).materialize()
+    k = max(1, rows // 1000)
+    record_full_run(appended, write_upstream(work / f"upstream-{rows}.lance", sample_ids(0, rows)))
+    # Upstream's changes handed over: +k ids, then −k ids.
+    result.rerun_s, result.details["rerun"] = grow_by_record(
+        appended, work / f"upstream-{rows}.lance", sample_ids(rows, rows + k), policy)
+    result.shrink_s, result.details["shrink"] = shrink_by_record(
+        appended, work / f"upstream-{rows}.lance", sample_ids(0, k))
+    # The same without them: every id offered (made before the clock: upstream's work),
+    # then the ids gone found by comparing both id columns.
+    more = inputs(rows + k, start=k).materialize()  # held: [k, N + k)
     started = time.perf_counter()
     pending, new = pending_new_rows(more, TableRef.of(appended))
-    rerun_s, rerun = timed_run(appended, pending, policy, new, chunk_rows)
-    result.rerun_s = time.perf_counter() - started
-    result.details["rerun"] = {"committed": rerun.committed, "run_s": rerun_s}
-    result.shrink_s, result.details["shrink"] = shrink(appended, rows, work)
+    _, rerun = timed_run(appended, pending, policy, new, chunk_rows)
+    result.full_rerun_s = time.perf_counter() - started
+    result.details["full_rerun"] = {"committed": rerun.committed}
+    result.full_shrink_s, result.details["full_shrink"] = shrink(appended, (k, rows + 2 * k),
+                                                                 k, work)
     result.disk_per_live = disk_per_live(appended)
     drop_superseded(TableRef.of(appended).open(), timedelta(0))
     result.disk_per_live_freed = disk_per_live(appended)
@@ -213,6 +301,10 @@ def figures(runs: list[SizeRun]) -> list[Figure]:
                    run.append_s, "s"),
             Figure("growth", f"-0.1% rerun s {at}", run.shrink_s, "full append run",
                    run.append_s, "s"),
+            Figure("growth", f"+0.1% rerun, every id offered s {at}", run.full_rerun_s,
+                   "full append run", run.append_s, "s"),
+            Figure("growth", f"-0.1% rerun, ids compared s {at}", run.full_shrink_s,
+                   "full append run", run.append_s, "s"),
             Figure("growth", f"disk/live 7-day {at}", run.disk_per_live, "live bytes", 1.0,
                    "x"),
             Figure("growth", f"disk/live freed {at}", run.disk_per_live_freed, "live bytes",

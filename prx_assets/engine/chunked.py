@@ -39,6 +39,7 @@ import ray.data
 
 from prx_assets.engine.batches import arrow_batches, batch_fn
 from prx_assets.engine.id_sets import IdSet
+from prx_assets.storage.changes import Changes, present_ids
 from prx_assets.storage.key_index import indexable_key, maintain_key_index, refresh_key_index
 from prx_assets.storage.lance_tables import (
     FragmentPolicy,
@@ -239,6 +240,21 @@ def pending_new_rows(rows: ray.data.Dataset, target: TableRef
     version = target.latest_version()
     pinned = target.at(version) if version is not None else target
     return pending_rows(rows, pinned), NewRows(version)
+
+
+def pending_changed_rows(upstream: TableRef, changes: Changes, target: TableRef,
+                         columns: list[str] | None = None
+                         ) -> tuple[ray.data.Dataset, NewRows]:
+    """Like `pending_new_rows`, over only the rows `upstream` (pinned) wrote since the
+    target's record of it (`changes`): their ids are looked up in the target (~5 µs an
+    id through its key index) instead of every id of both being compared."""
+    version = target.latest_version()
+    rows = upstream.read(columns=columns, filter=changes.added_filter)
+    if version is None:
+        return rows, NewRows(None)
+    offered = upstream.to_table(columns=[ID], filter=changes.added_filter).column(ID)
+    return drop_ids(rows, present_ids(target.at(version).open(), offered.combine_chunks())), \
+        NewRows(version)
 
 
 def new_if_empty(target: TableRef) -> NewRows | None:
