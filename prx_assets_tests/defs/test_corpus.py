@@ -107,3 +107,54 @@ def test_corpus_replaces_only_changed_sources(ray_session, data_root, tmp_path):
     removed = run()
     assert counts(removed) == (0, 2, 3)
     assert {r["source"] for r in _rows(root / "corpus.lance").values()} == {"docs"}
+
+
+def test_a_new_classifier_version_updates_every_source_and_keeps_thumbnails(
+        ray_session, data_root, tmp_path):
+    """A new classifier version may change any row: every source is updated (not
+    rebuilt), only rows that differ are written, thumbnails are carried, indexes retrained."""
+    root, embedder = data_root / "lance", MiniLMEmbedder(threads=1)
+    sources_tables = [_source(root, "web", WEB, embedder), _source(root, "docs", DOCS, embedder)]
+    entries = [f"{{name: {name}, kind: image_folder, uri: {tmp_path / name}}}"
+               for name in ("web", "docs")]
+    sources = write_sources(tmp_path / "s.yaml", entries)
+    asset = build_corpus_asset(dg.StaticPartitionsDefinition(["web", "docs"]))
+    instance = dg.DagsterInstance.ephemeral()
+
+    def run(classifier: ClassifierResource) -> dg.AssetMaterialization:
+        resources = {"captioner": CaptionerResource(active_version=CAPTION_VERSION),
+                     "classifier": classifier, "ray_cluster": RayResource(),
+                     "sources": SourcesResource(path=str(sources)),
+                     "storage": StorageResource()}
+        result = dg.materialize([asset], resources=resources, instance=instance)
+        assert result.success
+        return _meta(result)
+
+    run(ClassifierResource())
+    thumbnails = {i: r["thumbnail"] for i, r in _rows(root / "corpus.lance").items()}
+    new = ClassifierResource(l2=0.5)
+    assert new.classifier_version() != ClassifierResource().classifier_version()
+    for tables in sources_tables:
+        labels = lance.dataset(str(tables.labels)).to_table().to_pylist()
+        for row in labels:
+            row["classifier_version"] = new.classifier_version()
+            row["label"] = "text" if row["id"] == "web:heron" else row["label"]
+        schema = lance.dataset(str(tables.labels)).schema
+        lance.write_dataset(pa.Table.from_pylist(labels, schema=schema), str(tables.labels),
+                            mode="overwrite")
+        # Stored bytes broken, raw sha256 kept: a thumbnail made again would fail.
+        bucketed = lance.dataset(str(tables.bucketed)).to_table()
+        broken = pa.array([b"broken" if b else b for b in bucketed.column("image").to_pylist()],
+                          bucketed.schema.field("image").type)
+        lance.write_dataset(bucketed.set_column(bucketed.schema.get_field_index("image"),
+                                                "image", broken),
+                            str(tables.bucketed), mode="overwrite")
+
+    updated = run(new)
+    assert updated.metadata["full_rebuild"].value == "no"
+    assert updated.metadata["sources_replaced"].value == "web, docs"
+    assert updated.metadata["rows_processed"].value == 1  # heron's label alone changed
+    assert "(updated)" not in updated.metadata["indexes"].value  # retrained
+    rows = _rows(root / "corpus.lance")
+    assert rows["web:heron"]["label"] == "text"
+    assert {i: r["thumbnail"] for i, r in rows.items()} == thumbnails
