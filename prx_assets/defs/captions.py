@@ -48,6 +48,7 @@ from prx_assets.stages.captions.runs import (
 )
 from prx_assets.stages.report.charts import human_duration
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.retention import hold_version
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, RAW_IMAGES
 
 GPU_POOL = "gpu"
@@ -99,6 +100,7 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
                                     on_chunk=lambda r: progress.update(r.commits.rows))
             progress.finish()
             lance_version = report.lance_version or ensure_table(table)
+            hold_raw_version(context, store)
             cover = coverage(store.table(BUCKETED_IMAGES, source), table, report.version)
             return dg.MaterializeResult(
                 metadata={
@@ -140,6 +142,16 @@ def drop_stale_captions(context: dg.AssetExecutionContext, store: Storage, with_
     context.log.info(f"{len(ids):,} item(s) removed or changed since raw_images v{previous}: "
                      f"dropped {dropped:,} caption row(s)")
     return dropped
+
+
+def hold_raw_version(context: dg.AssetExecutionContext, store: Storage) -> None:
+    """Keep the raw_images version this run read until the next run has compared it with
+    its own (`drop_stale_captions`): raw_images frees superseded versions after a short
+    grace (`PRX_BLOB_GRACE_S`), long before the next captions run may come."""
+    source = context.partition_key
+    version = materialized_lance_version(context.instance, RAW_IMAGES, source)
+    if version is not None:
+        hold_version(store.table(RAW_IMAGES, source), CAPTIONS, version)
 
 
 def captions_to_make(store: Storage, source: str, spec: CaptionerSpec) -> int:

@@ -39,10 +39,9 @@ from prx_assets.storage.retention import drop_superseded
 
 log = logging.getLogger(__name__)
 
-# Image-blob tables: ~512 MB fragments. A 1M-row fragment of images would be ~hundreds of GB.
-DEFAULT_BLOB_FRAGMENT_BYTES = 512 << 20
-# Metadata-only tables: ~1M rows per fragment (docs/architecture.md, fragment hygiene).
-DEFAULT_METADATA_FRAGMENT_ROWS = 1 << 20
+# Image-blob tables: ~512 MB fragments (a 1M-row fragment of images: hundreds of GB);
+# metadata-only tables: ~1M rows per fragment (docs/architecture.md, fragment hygiene).
+DEFAULT_BLOB_FRAGMENT_BYTES, DEFAULT_METADATA_FRAGMENT_ROWS = 512 << 20, 1 << 20
 NODE_TAG = b"prx.ray_node"
 # How often an upsert redoes its merge after losing the commit to a concurrent writer.
 UPSERT_ATTEMPTS = 5
@@ -305,9 +304,10 @@ def compact(table: TableRef, policy: FragmentPolicy, session: lance.Session | No
 
 
 def cleanup(table: lance.LanceDataset, policy: FragmentPolicy) -> None:
-    """Drop versions past the retention window and files of interrupted writes; with a
-    `superseded_grace`, also every version superseded at least that long ago."""
-    table.cleanup_old_versions(older_than=policy.keep_versions, delete_unverified=False)
+    """Drop versions past the retention window (not those `hold_version` holds) and files of
+    interrupted writes; with a `superseded_grace`, every version superseded that long ago."""
+    table.cleanup_old_versions(older_than=policy.keep_versions, delete_unverified=False,
+                               error_if_tagged_old_versions=False)
     if policy.superseded_grace is not None:
         drop_superseded(table, policy.superseded_grace)
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import lance
 
+from prx_assets.storage.refs import TableRef
+
 # Tables holding blobs (images): how long a version superseded by a compaction or a
 # rewrite stays readable, so a reader that pinned it just before keeps working; its files
 # are freed by the first cleanup after that (`PRX_BLOB_GRACE_S` overrides). The 7-day
@@ -49,3 +51,19 @@ def drop_superseded(table: lance.LanceDataset, grace: timedelta) -> int:
         return 0
     return table.cleanup_old_versions(versions=gone, error_if_tagged_old_versions=False
                                       ).bytes_removed
+
+
+HOLD_TAG_PREFIX = "prx-held-by-"
+
+
+def hold_version(table: TableRef, holder: str, version: int) -> None:
+    """Keep `version` of `table`, and its files, until `holder` holds another: cleanups
+    skip tagged versions. For a stage that compares the version it last read with a later
+    one (captions: which items changed), whatever the table's grace."""
+    dataset = table.latest().open()
+    tag = HOLD_TAG_PREFIX + holder
+    held = dataset.tags.list().get(tag)
+    if held is None:
+        dataset.tags.create(tag, version)
+    elif held["version"] != version:
+        dataset.tags.update(tag, version)

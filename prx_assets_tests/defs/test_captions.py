@@ -130,3 +130,43 @@ def run_captions_scenario(instance, data_root, tmp_path):
 def outcome_of(check_results: dict) -> dict:
     return {name.split(":")[1]: passed for name, passed in check_results.items()
             if name.startswith("captions:")}
+
+
+def test_a_replaced_file_is_captioned_again_after_raw_frees_old_versions(
+        ray_session, data_root, tmp_path):
+    """Captions find changed items by comparing the raw_images version they last read
+    with the current one; raw_images frees superseded versions after a short grace, so
+    the version captions read must outlive it (it is held for them)."""
+    from datetime import timedelta
+
+    from prx_assets.storage.layout import Storage
+    from prx_assets.storage.retention import drop_superseded
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i in range(2):
+        (folder / f"p{i}.jpg").write_bytes(jpeg_bytes(700, 560, i))
+        (folder / f"p{i}.txt").write_text(f"A red and grey pattern, number {i}.")
+    defs = build_defs(write_sources(tmp_path / "s.yaml", [
+        f"{{name: web, kind: image_folder, uri: {folder}}}"]), tmp_path / "captioner.yaml")
+    job = defs.resolve_job_def("corpus_job")
+    keys = [dg.AssetKey(k) for k in ("raw_images", "bucketed_images", "phashes", "captions")]
+
+    def run(selection):
+        result = job.execute_in_process(partition_key="web", instance=instance,
+                                        asset_selection=selection)
+        assert result.success
+        return materializations(result)
+
+    with dg.instance_for_test() as instance:
+        run(keys)
+        (folder / "p1.jpg").write_bytes(jpeg_bytes(720, 560, 5))  # replaced in place
+        (folder / "p1.txt").write_text("A new picture under the old name.")
+        run(keys[:1])  # a sensor ingests it; the grace passes before the rest runs
+        raw = Storage(str(data_root)).table("raw_images", "web")
+        drop_superseded(raw.latest().open(), timedelta(0))
+        meta = run(keys[1:])["captions"]
+    assert meta["stale_captions_dropped"].value == 1
+    captions = lance.dataset(str(data_root / "lance/captions/web.lance")).to_table()
+    assert sorted(captions.column("caption").to_pylist()) == [
+        "A new picture under the old name.", "A red and grey pattern, number 0."]

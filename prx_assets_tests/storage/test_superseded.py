@@ -79,3 +79,19 @@ def test_the_grace_is_configurable(monkeypatch):
     assert blob_grace() == timedelta(minutes=10)
     monkeypatch.setenv("PRX_BLOB_GRACE_S", "30")
     assert blob_grace() == timedelta(seconds=30)
+
+
+def test_a_held_version_outlives_the_grace_until_its_holder_moves_on(tmp_path):
+    from prx_assets.storage.retention import hold_version
+
+    table, pinned = compacted_table(tmp_path)
+    hold_version(table, "captions", pinned.version)
+    hold_version(table, "captions", pinned.version)  # the same again: no error
+    policy = FragmentPolicy(superseded_grace=timedelta(0), keep_versions=timedelta(0))
+    cleanup(table.open(), policy)  # tagged versions are skipped, not an error
+    assert pinned.to_table().num_rows == 50
+    hold_version(table, "captions", table.latest_version())  # the holder moves on
+    cleanup(table.open(), policy)
+    with pytest.raises(VersionRemovedError):
+        pinned.to_table()
+    assert on_disk(table) <= 1.2 * data_bytes(table.open())

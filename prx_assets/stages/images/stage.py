@@ -262,12 +262,20 @@ class ImageRunReport(ChunkedReport):
     nodes: set[str] = field(default_factory=set)  # Ray nodes whose tasks produced the rows
 
 
+def remove_ids(tables: ImageTables, report: ImageRunReport, gone: pa.Array) -> None:
+    """Delete the rows of ids that left raw_images, phashes first (see `run_image_stage`)."""
+    report.hashes_removed += delete_ids(tables.phashes, gone)
+    report.removed += delete_ids(tables.bucketed, gone)
+
+
 def run_image_stage(raw: ray.data.Dataset, raw_table: TableRef, tables: ImageTables,
                     options: ImageOptions, chunk_rows: int,
                     on_chunk: Callable[[ImageRunReport], None] | None = None) -> ImageRunReport:
     """Bring both tables up to date with `raw` (rows with RAW_COLUMNS read from `raw_table`,
     the pinned raw_images version): delete removed ids, then decode what is pending and
-    commit it in chunks of `chunk_rows`.
+    commit it in chunks of `chunk_rows`, then record what was consumed. With a record, the
+    removed ids and the pending rows come from raw's changes since (`raw_changes`); after a
+    raw compaction the ids are compared only if bucketed ends with more rows than raw.
 
     Ordering, so that a kill anywhere is repaired by the rerun and readers never see an
     id twice: every commit is keyed on id (a merge-insert or a delete), and phashes is
@@ -283,10 +291,9 @@ def run_image_stage(raw: ray.data.Dataset, raw_table: TableRef, tables: ImageTab
     report = ImageRunReport()
     fingerprint = settings_fingerprint(options)
     changes = raw_changes(raw_table, tables, fingerprint)
-    gone = changes.removed if changes is not None and changes.removed is not None \
-        else removed_ids(tables.bucketed, raw_table)
-    report.hashes_removed += delete_ids(tables.phashes, gone)
-    report.removed = delete_ids(tables.bucketed, gone)
+    if changes is None or changes.removed is not None:
+        remove_ids(tables, report, removed_ids(tables.bucketed, raw_table)
+                   if changes is None else changes.removed)
 
     def hashes_first(chunk: pa.Table) -> pa.Table:
         report.nodes.update(pc.unique(chunk.column(NODE_COLUMN)).to_pylist())
@@ -320,6 +327,11 @@ def run_image_stage(raw: ray.data.Dataset, raw_table: TableRef, tables: ImageTab
     if report.commits.commits > 1:
         report.hashes_compacted_from = compact(tables.phashes, tables.phash_policy)
         cleanup(tables.phashes.latest().open(), tables.phash_policy)
+    if changes is not None and changes.removed is None \
+            and tables.bucketed.latest().count_rows() > raw_table.count_rows():
+        # Raw was compacted since the record: which ids left is unknown. Every raw row now
+        # has its bucketed row, so only more bucketed rows than raw rows means any did.
+        remove_ids(tables, report, removed_ids(tables.bucketed, raw_table))
     # Every raw row of this version now has its bucketed row: the next run is handed only
     # what changes after it (a kill before this line hands it these changes again).
     record_consumed(tables.bucketed, UPSTREAM, consumed_at(raw_table.open(), fingerprint))

@@ -1,6 +1,7 @@
 """The image stage handed only what changed in raw_images since bucketed's record
-(`storage.changes`): new, changed and removed raw rows, a raw compaction (removals then
-compared in full), other settings, a run that fails before its record, a replaced table."""
+(`storage.changes`): new, changed and removed raw rows, a raw compaction (ids compared in
+full only when bucketed ends with more rows than raw), other settings, a run that fails
+before its record, a replaced table."""
 
 import hashlib
 
@@ -109,6 +110,20 @@ def test_after_a_raw_compaction_removals_are_compared_in_full(ray_session, tmp_p
     raw.optimize.compact_files()  # b and c move to a new fragment
     report = run(raw_uri, tables, raw=unreadable(TableRef.of(raw_uri).pinned()))
     assert (report.written, report.removed) == (0, 1)  # moved rows are found done
+    assert held(tables) == raw_held(raw_uri)
+
+
+def test_a_raw_compaction_that_removed_nothing_compares_nothing(ray_session, tmp_path, tables,
+                                                               monkeypatch):
+    raw_uri = str(tmp_path / "raw.lance")
+    lance.write_dataset(raw_rows(["a", "b"]), raw_uri)
+    lance.write_dataset(raw_rows(["c"], seed=5), raw_uri, mode="append")
+    run(raw_uri, tables)
+    lance.write_dataset(raw_rows(["d"], seed=7), raw_uri, mode="append")
+    lance.dataset(raw_uri).optimize.compact_files()  # every row moves, d is new
+    no_full_comparison(monkeypatch)
+    report = run(raw_uri, tables, raw=unreadable(TableRef.of(raw_uri).pinned()))
+    assert (report.written, report.removed) == (1, 0)
     assert held(tables) == raw_held(raw_uri)
 
 
