@@ -43,8 +43,10 @@ from prx_assets.stages.captions.runs import (
     coverage,
     drop_captions,
     ensure_table,
+    pending_ids,
     pending_requests,
     read_kept,
+    requests_for,
 )
 from prx_assets.stages.report.charts import human_duration
 from prx_assets.storage.layout import Storage
@@ -86,10 +88,13 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
             table = store.table(CAPTIONS, source)
             stale = drop_stale_captions(context, store, with_caption=not spec.uses_model)
             # Read here rather than through the IO manager's input: filtered and projected by
-            # Lance (no image bytes for the `original` backend), at the version it pinned.
-            kept = read_kept(store.table(BUCKETED_IMAGES, source).at(
-                materialized_lance_version(context.instance, BUCKETED_IMAGES, source)), spec)
-            requests = pending_requests(kept, raw_images, table, spec)
+            # Lance (no image bytes for the `original` backend; a model backend with few
+            # pending images reads only theirs), at the version it pinned.
+            bucketed = store.table(BUCKETED_IMAGES, source).at(
+                materialized_lance_version(context.instance, BUCKETED_IMAGES, source))
+            ids = pending_ids(bucketed, table, spec) if spec.uses_model else None
+            requests = requests_for(bucketed, ids) if ids is not None else \
+                pending_requests(read_kept(bucketed, spec), raw_images, table, spec)
             context.log.info(f"captioning {source!r} with {spec.backend} ({spec.model_name}), "
                              f"version {spec.version()}")
 

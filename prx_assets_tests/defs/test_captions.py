@@ -170,3 +170,38 @@ def test_a_replaced_file_is_captioned_again_after_raw_frees_old_versions(
     captions = lance.dataset(str(data_root / "lance/captions/web.lance")).to_table()
     assert sorted(captions.column("caption").to_pylist()) == [
         "A new picture under the old name.", "A red and grey pattern, number 0."]
+
+
+def test_a_model_backend_captions_only_new_images_by_id(ray_session, data_root, tmp_path):
+    """A model backend (a tiny random Qwen3-VL under transformers): the first run captions
+    every kept image; after one more file, the next captions just that one, its bytes read
+    by id (`pending_ids`, `requests_for`)."""
+    from prx_assets.testing.tiny_vlm import build_tiny_qwen3_vl
+
+    model = build_tiny_qwen3_vl(tmp_path / "tiny-qwen3-vl")
+    captioner = tmp_path / "captioner.yaml"
+    captioner.write_text(f"backend: transformers\nmodel: {model}\nmax_tokens: 12\n"
+                         "temperature: 0.0\nimage_budget: 9216\nbatch_size: 2\n"
+                         "concurrency: 1\n")
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i in range(2):
+        (folder / f"p{i}.jpg").write_bytes(jpeg_bytes(700, 560, i))
+    defs = build_defs(write_sources(tmp_path / "s.yaml", [
+        f"{{name: web, kind: image_folder, uri: {folder}}}"]), captioner)
+    keys = [dg.AssetKey(k) for k in ("raw_images", "bucketed_images", "phashes", "captions")]
+
+    def run() -> dict:
+        result = defs.resolve_job_def("corpus_job").execute_in_process(
+            partition_key="web", instance=instance, asset_selection=keys)
+        assert result.success
+        return materializations(result)["captions"]
+
+    with dg.instance_for_test() as instance:
+        assert run()["rows_processed"].value == 2
+        (folder / "p2.jpg").write_bytes(jpeg_bytes(720, 560, 2))
+        meta = run()
+    assert (meta["rows_processed"].value, meta["rows_reused"].value) == (1, 2)
+    rows = lance.dataset(str(data_root / "lance/captions/web.lance")).to_table().to_pylist()
+    assert len(rows) == len({r["id"] for r in rows}) == 3  # each image once
+    assert {r["caption_version"] for r in rows} == {meta["caption_version"].value}

@@ -35,7 +35,7 @@ from prx_assets.engine.id_sets import IdSet
 from prx_assets.engine.removals import DELETE_IDS_PER_COMMIT, delete_ids
 from prx_assets.stages.captions.captioners import CaptionerSpec, caption_stage
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA, STATUS_OK, done_filter
-from prx_assets.storage.filters import eq_filter
+from prx_assets.storage.filters import all_of, eq_filter, in_filter
 from prx_assets.storage.lance_tables import FragmentPolicy, create_empty, only_appended_since
 from prx_assets.storage.refs import TableRef
 
@@ -57,6 +57,9 @@ class CaptionRunReport(ChunkedReport):
 # Up to this many ids the id sets captioning compares are broadcast to the tasks, past it
 # they are joined (read at call time, so a test can force the join path).
 BROADCAST_IDS = DEFAULT_BROADCAST_IDS
+# A model backend's run with at most this many pending images reads only their bytes, by id
+# (one `IN` filter); with more it reads every kept image once.
+IMAGE_LOOKUP_IDS = 10_000
 
 
 def captions_target(captions: TableRef) -> CommitTarget:
@@ -75,6 +78,27 @@ def pending_requests(bucketed: ray.data.Dataset, raw_captions: ray.data.Dataset 
     if not spec.uses_model and raw_captions is not None:
         requests = with_source_captions(requests, raw_captions)
     return requests
+
+
+def pending_ids(bucketed: TableRef, captions: TableRef, spec: CaptionerSpec,
+                limit: int = IMAGE_LOOKUP_IDS) -> pa.Array | None:
+    """The kept ids (of the pinned bucketed version) not yet captioned under `spec`'s
+    version, selected from a read of ids alone; None past `limit` (read every kept image
+    once, `pending_requests`: a first run, a new caption version)."""
+    ids = bucketed.read(columns=["id"], filter=eq_filter("status", STATUS_OK))
+    return collect_ids(pending_rows(ids, captions, done_filter(spec.version()), BROADCAST_IDS),
+                       limit)
+
+
+def requests_for(bucketed: TableRef, ids: pa.Array) -> ray.data.Dataset | None:
+    """A model backend's requests {id, image} for these ids: Lance reads the image bytes of
+    the matching rows only (a +1 run used to read every kept image of the source to keep
+    the one pending). None when there are none: no model is loaded."""
+    if len(ids) == 0:
+        return None
+    return bucketed.read(columns=["id", "image"],
+                         filter=all_of(eq_filter("status", STATUS_OK),
+                                       in_filter("id", ids.to_pylist())))
 
 
 def request_columns(spec: CaptionerSpec) -> list[str]:
@@ -151,7 +175,7 @@ def drop_captions(captions: TableRef, ids: set[str], chunk: int = DELETE_IDS_PER
     return delete_ids(captions.latest(), pa.array(sorted(ids), pa.string()), chunk)
 
 
-def caption_source(requests: ray.data.Dataset, captions: TableRef, spec: CaptionerSpec,
+def caption_source(requests: ray.data.Dataset | None, captions: TableRef, spec: CaptionerSpec,
                    chunk_rows: int = 1024,
                    on_chunk: Callable[[CaptionRunReport], None] | None = None
                    ) -> CaptionRunReport:
