@@ -164,7 +164,7 @@ def images_to_process(raw: TableRef, tables: ImageTables, options: ImageOptions)
     grows if the stage does more)."""
     since = read_consumed(tables.bucketed, UPSTREAM, tag=settings_fingerprint(options))
     if since is not None:
-        return added_rows(raw.open(), since)
+        return added_rows(raw.open().get_fragments(), since)
     _, _, fresh = fresh_rows(tables, settings_fingerprint(options))
     return max(0, raw.count_rows() - fresh)
 

@@ -50,8 +50,9 @@ class Consumed:
     deletions: dict[int, int] = field(default_factory=dict)
     tag: str = ""
 
-    def holds(self, fragment_id: int) -> bool:
-        return any(first <= fragment_id <= last for first, last in self.fragments)
+    def fragment_ids(self) -> set[int]:
+        """The ids of the fragments it consumed (the ranges hold nothing else)."""
+        return {i for first, last in self.fragments for i in range(first, last + 1)}
 
     def to_json(self) -> str:
         return json.dumps({"version": self.version, "next_fragment": self.next_fragment,
@@ -108,10 +109,11 @@ class Changes:
 
 def changes_since(table: lance.LanceDataset, since: Consumed) -> Changes:
     """What changed from `since` to `table`'s version (a pinned version at or after it)."""
-    fragments = {f.fragment_id: f for f in table.get_fragments()}
-    held = [f for i, f in fragments.items() if since.holds(i)]
-    added = Changes(since, added_filter(since), added_rows(table, since), None)
-    if len(held) < sum(last - first + 1 for first, last in since.fragments):
+    fragments = table.get_fragments()
+    consumed = since.fragment_ids()
+    held = [f for f in fragments if f.fragment_id in consumed]
+    added = Changes(since, added_filter(since), added_rows(fragments, since), None)
+    if len(held) < len(consumed):
         return added  # a fragment it consumed is gone (rewritten or deleted whole)
     touched = [f for f in held if f.num_deletions > since.deletions.get(f.fragment_id, 0)]
     candidates = deleted_ids(table, touched)
@@ -125,10 +127,10 @@ def added_filter(since: Consumed) -> str:
     return f"_rowaddr >= {since.next_fragment << 32}"
 
 
-def added_rows(table: lance.LanceDataset, since: Consumed) -> int:
-    """How many rows `added_filter` selects (from the fragments' counts: no scan)."""
-    return sum(f.count_rows() for f in table.get_fragments()
-               if f.fragment_id >= since.next_fragment)
+def added_rows(fragments: list, since: Consumed) -> int:
+    """How many rows of `fragments` (a version's) `added_filter` selects: their counts, no
+    scan."""
+    return sum(f.count_rows() for f in fragments if f.fragment_id >= since.next_fragment)
 
 
 def deleted_ids(table: lance.LanceDataset, fragments: list) -> pa.Array:
