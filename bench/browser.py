@@ -103,13 +103,16 @@ def generate(root: Path, rows: int = ROWS, seed: int = 0) -> dict:
     vectors = rng.normal(size=(rows, EMBEDDING_DIM)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     thumb = [thumbs[i % len(thumbs)] for i in range(rows)]
-    corpus = pa.table({
+    columns = {
         "id": ids, "source": source, "tier": pa.array(np.full(rows, 512, np.int32)),
         "width": widths, "height": heights, "caption": captions, "label": labels,
         "phash": phash,
         "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), EMBEDDING_DIM),
         "thumbnail": pa.array(thumb, pa.binary()),
-    }).cast(CORPUS_SCHEMA)
+    }
+    # The corpus columns the browser does not time (attributes, made_from) are left null.
+    corpus = pa.table({field.name: columns.get(field.name, pa.nulls(rows, field.type))
+                       for field in CORPUS_SCHEMA}).cast(CORPUS_SCHEMA)
     _write(table_ref(root, "corpus"), corpus)
     # The corpus asset's scalar and full-text indexes; its IVF_PQ index (minutes to train on
     # 100k rows) serves only more-like-this, which is not timed here.
