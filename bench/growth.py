@@ -22,6 +22,11 @@ on a fresh table:
   the key index the run keeps current;
 - **merge, no index** (the baseline, up to `--baseline-max`): the merge as it was before
   the key index, each chunk scanning the whole `id` column;
+- **merge on 2 keys**: the same N rows merged on the captions table's key (`id`,
+  `caption_version`, as labels and attributes add their versions), which Lance's
+  merge-insert cannot look up through an index: the writer looks the chunk's rows up
+  through the index on `id` and appends those absent (`upsert_looked_up`); its baseline
+  (up to `--baseline-max`) each chunk merge-inserted on both keys, as before;
 - the driver's peak PSS and the process tree's (driver plus Ray) during the append run;
 - disk bytes per live byte of the table after the runs (every file under the table's
   folder, against the data and index files the latest version references).
@@ -123,6 +128,8 @@ class SizeRun:
     full_shrink_s: float = 0.0  # the −0.1 % run comparing both id columns
     merge_s: float = 0.0
     unindexed_merge_s: float | None = None
+    merge_keys_s: float = 0.0  # the merge on the captions table's key (id, caption version)
+    scanned_merge_keys_s: float | None = None  # the same, merge-inserted on both (before)
     driver_kb: int = 0
     tree_kb: int = 0
     disk_per_live: float = 0.0  # after the runs, with the captions table's 7-day retention
@@ -241,8 +248,27 @@ def disk_per_live(table_dir: Path) -> float:
     return disk / max(1, live)
 
 
+def merge_on_both_keys(table_dir: Path, rows: int, chunk_rows: int) -> float:
+    """The captions' run before its writer looked keys up itself: the same stage, each
+    chunk merge-inserted on (id, caption version), which Lance joins against every row,
+    no key index, then compaction and cleanup."""
+    from prx_assets.engine.batches import arrow_batches
+    from prx_assets.stages.captions.runs import CAPTION_KEYS, CAPTIONS_FRAGMENTS
+    from prx_assets.storage.lance_tables import cleanup, compact, upsert
+    from prx_assets.storage.refs import TableRef
+
+    table = TableRef.of(table_dir)
+    started = time.perf_counter()
+    for chunk in arrow_batches(stage(inputs(rows)), batch_size=chunk_rows):
+        upsert(table, chunk, SCHEMA, CAPTION_KEYS)
+    compact(table, CAPTIONS_FRAGMENTS)
+    cleanup(table.open(), CAPTIONS_FRAGMENTS)
+    return time.perf_counter() - started
+
+
 def measure(rows: int, work: Path, baseline_max: int, chunk_rows: int) -> SizeRun:
-    from prx_assets.engine.chunked import NewRows, pending_new_rows
+    from prx_assets.engine.chunked import CommitTarget, NewRows, pending_new_rows, run_chunked
+    from prx_assets.stages.captions.runs import CAPTION_KEYS
     from prx_assets.storage.key_index import KeyIndexPolicy
     from prx_assets.storage.lance_tables import FragmentPolicy
     from prx_assets.storage.refs import TableRef
@@ -279,7 +305,14 @@ def measure(rows: int, work: Path, baseline_max: int, chunk_rows: int) -> SizeRu
     result.disk_per_live_freed = disk_per_live(appended)
     result.merge_s, _ = timed_run(work / f"merge-{rows}.lance", inputs(rows), policy,
                                   chunk_rows=chunk_rows)
+    keyed = CommitTarget(TableRef.of(work / f"keys-{rows}.lance"), SCHEMA, CAPTION_KEYS,
+                         policy)
+    started = time.perf_counter()
+    run_chunked(inputs(rows), stage, keyed, chunk_rows)
+    result.merge_keys_s = time.perf_counter() - started
     if rows <= baseline_max:
+        result.scanned_merge_keys_s = merge_on_both_keys(work / f"scan-{rows}.lance", rows,
+                                                         chunk_rows)
         unindexed = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20,
                                    key_index=KeyIndexPolicy(enabled=False))
         result.unindexed_merge_s, _ = timed_run(work / f"noindex-{rows}.lance", inputs(rows),
@@ -298,6 +331,8 @@ def figures(runs: list[SizeRun]) -> list[Figure]:
                    1e6 * first.append_s / first.rows, "us/row"),
             Figure("growth", f"merge us/row {at}", 1e6 * run.merge_s / run.rows, base,
                    1e6 * first.merge_s / first.rows, "us/row"),
+            Figure("growth", f"merge on 2 keys us/row {at}", 1e6 * run.merge_keys_s / run.rows,
+                   base, 1e6 * first.merge_keys_s / first.rows, "us/row"),
             Figure("growth", f"driver peak PSS {at}", run.driver_kb / 1024, base,
                    first.driver_kb / 1024, "MiB"),
             Figure("growth", f"tree peak PSS {at}", run.tree_kb / 1024, base,
@@ -318,6 +353,9 @@ def figures(runs: list[SizeRun]) -> list[Figure]:
         if run.unindexed_merge_s is not None:
             out.append(Figure("growth", f"merge, key index {at}", run.merge_s,
                               "merge without index", run.unindexed_merge_s, "s"))
+        if run.scanned_merge_keys_s is not None:
+            out.append(Figure("growth", f"merge on 2 keys, looked up {at}", run.merge_keys_s,
+                              "merge-insert on both keys", run.scanned_merge_keys_s, "s"))
     return out
 
 

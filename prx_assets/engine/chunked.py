@@ -14,8 +14,10 @@ wrote. The pattern, shared by every such stage:
    Rows the stage knows are new (`NewRows`: selected absent at a version it names) are
    **appended** instead, with no lookup at all, for as long as no other writer commits
    in between (`lance_tables.append_new`); a merge-insert looks its keys up through the
-   target's key index (`storage.key_index`), which the run keeps up to date after each
-   commit, so a chunk's cost grows with the chunk, not with the table;
+   target's key index on its first key column (`storage.key_index`), which the run keeps
+   up to date after each commit, so a chunk's cost grows with the chunk, not with the
+   table (a target keyed on several columns looks its rows up itself, appends those
+   absent and merges the rest: `upsert_looked_up`);
 4. merge the key index, **compact** the small fragments the chunks left (the index is
    remapped onto them) and **clean up** old versions;
 5. **report** what was done (`ChunkedRun`), with a callback after each commit for progress
@@ -41,6 +43,7 @@ from prx_assets.engine.batches import arrow_batches, batch_fn
 from prx_assets.engine.id_sets import IdSet
 from prx_assets.storage.changes import Changes, present_ids
 from prx_assets.storage.key_index import indexable_key, maintain_key_index, refresh_key_index
+from prx_assets.storage.keyed_writes import split_present
 from prx_assets.storage.lance_tables import (
     FragmentPolicy,
     append_new,
@@ -192,7 +195,6 @@ class _ChunkWriter:
     def __init__(self, target: CommitTarget, new_rows: NewRows | None):
         self.target = target
         self.key = indexable_key(list(target.keys))
-        # Append only on one key: the repair after a concurrent commit looks that key up.
         self.appending = new_rows is not None and self.key is not None
         self.known_at = new_rows.version if new_rows else None
         # Lance's caches, kept across the run's opens of the target (see `upsert`), and
@@ -203,15 +205,15 @@ class _ChunkWriter:
     def commit(self, rows: pa.Table, run: ChunkedRun) -> int:
         target = self.target
         if self.appending and self.key is not None:
-            version, clean = append_new(target.table, rows, target.schema, self.key,
-                                        self.known_at, self.session)
+            version, clean = append_new(target.table, rows, target.schema,
+                                        list(target.keys), self.known_at, self.session)
             run.appended += rows.num_rows if clean else 0
             # Each clean append came straight after the last: the next chunk's rows are
             # still absent. After another writer's commit, merge.
             self.appending, self.known_at = clean, version
         else:
-            version = upsert(target.table, rows, target.schema, list(target.keys),
-                             self.session)
+            version = upsert_looked_up(target.table, rows, target.schema, list(target.keys),
+                                       self.session)
         action = self.key and maintain_key_index(target.table, self.key,
                                                  target.fragments.key_index, self.session)
         if not action:
@@ -229,6 +231,26 @@ class _ChunkWriter:
                               == target.table.at(version).count_rows())
             self.known_at = latest
         return latest
+
+
+def upsert_looked_up(table: TableRef, rows: pa.Table, schema: pa.Schema, keys: list[str],
+                     session: lance.Session | None = None) -> int:
+    """`upsert` for a target keyed on several columns, whose merge-insert Lance joins
+    against every row of the table (at 10⁷ captions, seconds a chunk): the chunk's keys
+    are looked up through the first key's index instead; rows absent are appended (checked
+    for copies if another writer committed in between, `append_new`), and only rows the
+    table holds (a failure retried, a replaced item) are merge-inserted. One key: Lance's
+    merge-insert looks it up through the index itself."""
+    if len(keys) == 1 or not table.exists():
+        return upsert(table, rows, schema, keys, session)
+    version = table.latest_version()
+    assert version is not None  # it exists
+    present, absent = split_present(table.at(version).open(session), rows, keys)
+    if absent.num_rows:
+        version, _ = append_new(table, absent, schema, keys, version, session)
+    if present.num_rows:
+        version = upsert(table, present, schema, keys, session)
+    return version
 
 
 # --- selecting pending rows ---------------------------------------------------------------

@@ -15,7 +15,8 @@ index update: the fragments stay about as many as the segments, and each commit'
 manifest small. Compaction remaps the index (Lance rewrites it with the fragments).
 
 Lance's indexed merge path takes one key column: a target keyed on several columns
-(captions: id and caption version) still scans. An index is made once a table holds
+(captions: id and caption version) gets the index on its first, through which its writer
+looks a chunk's rows up itself (`storage.keyed_writes`). An index is made once a table holds
 `min_rows` rows: below that a scan of the ids costs less than the index's own version.
 """
 
@@ -55,9 +56,10 @@ def key_index_stats(dataset: lance.LanceDataset, column: str) -> dict | None:
 
 
 def indexable_key(keys: list[str]) -> str | None:
-    """The column a key index serves: the key when there is one; None for several keys
-    (Lance's merge-insert looks up a single key column only)."""
-    return keys[0] if len(keys) == 1 else None
+    """The column a key index serves: the first key (`id`). Lance's merge-insert looks a
+    single key up through it; a writer keyed on several columns looks its rows up by the
+    first through it (`engine.chunked.upsert_looked_up`)."""
+    return keys[0] if keys else None
 
 
 def maintain_key_index(table: TableRef, column: str, policy: KeyIndexPolicy,

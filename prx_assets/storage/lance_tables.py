@@ -31,8 +31,8 @@ from ray.data.block import Block, BlockAccessor
 from ray.data.datasource.datasink import Datasink, WriteResult
 
 from prx_assets.engine.failpoints import failpoint
-from prx_assets.storage.filters import in_filter
 from prx_assets.storage.key_index import KeyIndexPolicy
+from prx_assets.storage.keyed_writes import drop_later_copies
 from prx_assets.storage.object_store import is_object_store
 from prx_assets.storage.refs import Location, TableRef
 from prx_assets.storage.retention import drop_superseded
@@ -368,10 +368,10 @@ def upsert(table: TableRef, rows: pa.Table, schema: pa.Schema, keys: list[str],
                         "(attempt %d of %d): merging again on top (%s)", table, dataset.version,
                         attempt, UPSERT_ATTEMPTS, str(exc).split(",")[0])
             continue
-        if version != dataset.version + 1 and len(keys) == 1:
+        if version != dataset.version + 1:
             # Rebased over another writer's commit: Lance finds keys two merges both
             # inserted, not keys a concurrent append (`append_new`) brought.
-            version = drop_later_copies(table, keys[0], rows.column(keys[0])) or version
+            version = drop_later_copies(table, keys, rows) or version
         return version
     raise CommitConflictError(
         f"upsert into {table}: lost the commit to concurrent writers {UPSERT_ATTEMPTS} times; "
@@ -379,7 +379,7 @@ def upsert(table: TableRef, rows: pa.Table, schema: pa.Schema, keys: list[str],
         "commit them")
 
 
-def append_new(table: TableRef, rows: pa.Table, schema: pa.Schema, key: str,
+def append_new(table: TableRef, rows: pa.Table, schema: pa.Schema, keys: list[str],
                known_at: int | None, session: lance.Session | None = None
                ) -> tuple[int, bool]:
     """Append `rows` without looking their keys up: the caller knows they are distinct and
@@ -397,7 +397,7 @@ def append_new(table: TableRef, rows: pa.Table, schema: pa.Schema, key: str,
         created = _create_if_absent(table, rows, schema)
         if created is not None:
             return created, True
-        return upsert(table, rows, schema, [key]), False
+        return upsert(table, rows, schema, keys), False
     base: str | lance.LanceDataset = table.uri if session is None else table.open(session)
     fragments = write_fragments(rows, base, schema=schema,
                                 storage_options=table.lance_options())
@@ -406,30 +406,7 @@ def append_new(table: TableRef, rows: pa.Table, schema: pa.Schema, key: str,
                                         storage_options=table.lance_options()).version
     if version == known_at + 1:
         return version, True
-    return drop_later_copies(table, key, rows.column(key)) or version, False
-
-
-def drop_later_copies(table: TableRef, key: str, keys: pa.Array | pa.ChunkedArray
-                      ) -> int | None:
-    """Delete every row of `keys` but the first (lowest row address: the earliest commit,
-    so two writers repairing the same keys keep the same row). Returns the new version,
-    None when no key had a copy. A lookup through the key index: cost grows with `keys`."""
-    dataset = table.latest().open()
-    found = dataset.to_table(columns=[key], filter=in_filter(key, keys.to_pylist()),
-                             with_row_address=True)
-    if found.num_rows == len(keys):
-        return None
-    first: dict[str, int] = {}
-    for value, address in zip(found.column(key).to_pylist(),
-                              found.column("_rowaddr").to_pylist(), strict=True):
-        first[value] = min(address, first.get(value, address))
-    later = sorted(set(found.column("_rowaddr").to_pylist()) - set(first.values()))
-    if not later:
-        return None
-    log.warning("%s: %d row(s) written twice by concurrent writers; keeping the first copy",
-                table, len(later))
-    dataset.delete(f"_rowaddr IN ({', '.join(map(str, later))})")
-    return table.latest_version()
+    return drop_later_copies(table, keys, rows) or version, False
 
 
 def _create_if_absent(table: TableRef, rows: pa.Table, schema: pa.Schema) -> int | None:

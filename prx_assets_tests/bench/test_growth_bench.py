@@ -25,8 +25,11 @@ def test_a_tiny_growth_run_measures_every_figure(ray_session):
     assert large.details["full_shrink"] == {"deleted": 1, "live": 800}
     assert all(r.append_s > 0 and r.merge_s > 0 and r.driver_kb > 0 for r in runs)
     assert small.unindexed_merge_s is not None and large.unindexed_merge_s is None
+    assert small.scanned_merge_keys_s is not None and large.scanned_merge_keys_s is None
+    assert all(r.merge_keys_s > 0 for r in runs)
     assert large.disk_per_live_freed < large.disk_per_live  # the grace cleanup frees files
     lines = [f.line() for f in figures(runs)]
-    assert len(lines) == 2 * 10 + 1  # one baseline line: only the small size ran it
+    assert len(lines) == 2 * 11 + 2  # two baseline lines: only the small size ran them
     assert any("merge, key index @4e+02" in line and "merge without index" in line
                for line in lines)
+    assert any("merge on 2 keys, looked up @4e+02" in line for line in lines)

@@ -14,7 +14,8 @@ from prx_assets.storage.key_index import (
     refresh_key_index,
     segments_to_merge,
 )
-from prx_assets.storage.lance_tables import append_new, drop_later_copies, upsert
+from prx_assets.storage.keyed_writes import drop_later_copies
+from prx_assets.storage.lance_tables import append_new, upsert
 from prx_assets.storage.refs import TableRef
 
 SCHEMA = pa.schema([("id", pa.string()), ("v", pa.int64())])
@@ -39,16 +40,16 @@ def unique_ids(table: TableRef) -> dict[str, int]:
 
 def test_the_index_is_made_once_the_table_is_big_then_given_deltas_then_merged(tmp_path):
     table = TableRef.of(tmp_path / "t.lance")
-    version, clean = append_new(table, rows(0, 8), SCHEMA, "id", None)
+    version, clean = append_new(table, rows(0, 8), SCHEMA, ["id"], None)
     assert (version, clean) == (1, True)
     assert maintain_key_index(table, "id", POLICY) == "" and stats(table) is None  # 8 < 10
-    append_new(table, rows(8, 40), SCHEMA, "id", 1)
+    append_new(table, rows(8, 40), SCHEMA, ["id"], 1)
     assert maintain_key_index(table, "id", POLICY) == "created" and stats(table) == (1, 0)
-    append_new(table, rows(40, 43), SCHEMA, "id", table.latest_version())
+    append_new(table, rows(40, 43), SCHEMA, ["id"], table.latest_version())
     assert maintain_key_index(table, "id", POLICY) == ""  # 3 unindexed rows: within the lag
-    append_new(table, rows(43, 46), SCHEMA, "id", table.latest_version())
+    append_new(table, rows(43, 46), SCHEMA, ["id"], table.latest_version())
     assert maintain_key_index(table, "id", POLICY) == "delta" and stats(table) == (2, 0)
-    append_new(table, rows(46, 52), SCHEMA, "id", table.latest_version())
+    append_new(table, rows(46, 52), SCHEMA, ["id"], table.latest_version())
     assert maintain_key_index(table, "id", POLICY) == "delta" and stats(table) == (3, 0)
     # Segments of 40, 6 and 6 rows: the newest two merged; the oldest, more than twice
     # their rows, left alone.
@@ -71,14 +72,14 @@ def test_segments_are_merged_size_tiered(sizes, merged):
 
 def test_an_append_overtaken_by_a_merge_of_the_same_keys_keeps_the_first_copy(tmp_path):
     table = TableRef.of(tmp_path / "t.lance")
-    append_new(table, rows(0, 5), SCHEMA, "id", None)
+    append_new(table, rows(0, 5), SCHEMA, ["id"], None)
     upsert(table, rows(5, 8, 1), SCHEMA, ["id"])  # another writer, version 2
-    version, clean = append_new(table, rows(6, 10, 2), SCHEMA, "id", 1)  # selected at 1
+    version, clean = append_new(table, rows(6, 10, 2), SCHEMA, ["id"], 1)  # selected at 1
     assert not clean and version == table.latest_version()
     got = unique_ids(table)
     assert {k: got[k] for k in ("k005", "k006", "k007", "k008", "k009")} == \
         {"k005": 1, "k006": 1, "k007": 1, "k008": 2, "k009": 2}
-    assert drop_later_copies(table, "id", pa.array(["k006", "k008"])) is None
+    assert drop_later_copies(table, ["id"], pa.table({"id": ["k006", "k008"]})) is None
 
 
 def test_a_merge_rebased_over_an_append_of_the_same_keys_keeps_the_first_copy(
@@ -87,12 +88,12 @@ def test_a_merge_rebased_over_an_append_of_the_same_keys_keeps_the_first_copy(
     Lance rebases the merge over it (no conflict between the two kinds), and the upsert
     finds and drops its later copies."""
     table = TableRef.of(tmp_path / "t.lance")
-    append_new(table, rows(0, 3), SCHEMA, "id", None)
+    append_new(table, rows(0, 3), SCHEMA, ["id"], None)
     appended = []
 
     def an_append_commits_first(name: str) -> None:
         if not appended:
-            appended.append(append_new(table, rows(3, 6, 7), SCHEMA, "id", 1))
+            appended.append(append_new(table, rows(3, 6, 7), SCHEMA, ["id"], 1))
 
     monkeypatch.setattr(lance_tables, "failpoint", an_append_commits_first)
     upsert(table, rows(4, 8, 9), SCHEMA, ["id"])
