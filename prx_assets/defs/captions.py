@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import dagster as dg
+import pyarrow as pa
 import ray.data
 
 from prx_assets.defs.io_managers import COLUMNS_KEY
@@ -37,19 +38,23 @@ from prx_assets.stages.captions.captioners import CaptionerSpec
 from prx_assets.stages.captions.captions import TARGET_WORDS, word_histogram
 from prx_assets.stages.captions.runs import (
     CaptionRunReport,
+    bucketed_changes,
     caption_source,
     changed_ids,
     count_pending,
     coverage,
     drop_captions,
     ensure_table,
+    pending_changed_ids,
     pending_ids,
     pending_requests,
     read_kept,
+    record_bucketed_consumed,
     requests_for,
 )
 from prx_assets.stages.report.charts import human_duration
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.refs import TableRef
 from prx_assets.storage.retention import hold_version
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, RAW_IMAGES
 
@@ -86,15 +91,16 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
         store = storage.get()
         with asset_lease(context, store):
             table = store.table(CAPTIONS, source)
-            stale = drop_stale_captions(context, store, with_caption=not spec.uses_model)
+            stale, changed = drop_stale_captions(context, store,
+                                                 with_caption=not spec.uses_model)
             # Read here rather than through the IO manager's input: filtered and projected by
-            # Lance (no image bytes for the `original` backend; a model backend with few
-            # pending images reads only theirs), at the version it pinned.
+            # Lance (no image bytes for the `original` backend; few pending images are read
+            # by id), at the versions it pinned.
             bucketed = store.table(BUCKETED_IMAGES, source).at(
                 materialized_lance_version(context.instance, BUCKETED_IMAGES, source))
-            ids = pending_ids(bucketed, table, spec) if spec.uses_model else None
-            requests = requests_for(bucketed, ids) if ids is not None else \
-                pending_requests(read_kept(bucketed, spec), raw_images, table, spec)
+            raw = store.table(RAW_IMAGES, source).at(
+                materialized_lance_version(context.instance, RAW_IMAGES, source))
+            requests = caption_requests(bucketed, raw, raw_images, table, spec, changed)
             context.log.info(f"captioning {source!r} with {spec.backend} ({spec.model_name}), "
                              f"version {spec.version()}")
 
@@ -104,7 +110,9 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
             report = caption_source(requests, table, spec, captioner.chunk_rows,
                                     on_chunk=lambda r: progress.update(r.commits.rows))
             progress.finish()
-            lance_version = report.lance_version or ensure_table(table)
+            ensure_table(table)
+            record_bucketed_consumed(bucketed, table, spec)  # a config commit when it moved
+            lance_version = ensure_table(table)  # the latest version
             hold_raw_version(context, store)
             cover = coverage(store.table(BUCKETED_IMAGES, source), table, report.version)
             return dg.MaterializeResult(
@@ -119,34 +127,53 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
                     "lance_version": lance_version, **browser_link(context),
                 },
                 # Content-driven already: the table's version moves only when a chunk was
-                # committed or stale rows were dropped.
+                # committed, stale rows were dropped or bucketed changed (the record).
                 data_version=dg.DataVersion(f"{report.version}@{lance_version}"),
             )
 
     return captions
 
 
+def caption_requests(bucketed: TableRef, raw: TableRef, raw_images: ray.data.Dataset,
+                     captions: TableRef, spec: CaptionerSpec, changed: set[str]
+                     ) -> ray.data.Dataset | None:
+    """The pending requests. With the captions' record of bucketed, from its changes since
+    (and, for the `original` backend, the items whose source caption changed: bucketed
+    does not change with it); without one, or past a few thousand, from every kept id: a
+    model backend selects ids first and reads only their images."""
+    changes = bucketed_changes(bucketed, captions, spec)
+    also = None if spec.uses_model else pa.array(sorted(changed), pa.string())
+    ids = pending_changed_ids(bucketed, changes, captions, spec, also) \
+        if changes is not None else None
+    if ids is None and spec.uses_model:
+        ids = pending_ids(bucketed, captions, spec)
+    if ids is not None:
+        return requests_for(bucketed, ids, None if spec.uses_model else raw)
+    return pending_requests(read_kept(bucketed, spec), raw_images, captions, spec)
+
+
 def drop_stale_captions(context: dg.AssetExecutionContext, store: Storage, with_caption: bool
-                        ) -> int:
+                        ) -> tuple[int, set[str]]:
     """Captions are done per id, and an id is its key in the source: a file replaced under
     the same name keeps its id. Drop the caption rows of items removed or changed since the
-    raw_images version the last captions run read, so they are captioned again."""
+    raw_images version the last captions run read, so they are captioned again; returns
+    the rows dropped and those items' ids."""
     source = context.partition_key
     previous = recorded_input_version(context.instance, context.asset_key, source, RAW_IMAGES)
     current = materialized_lance_version(context.instance, RAW_IMAGES, source)
     if previous is None or current is None or previous == current \
             or not store.table(CAPTIONS, source).exists():
-        return 0
+        return 0, set()
     try:
         ids = changed_ids(store.table(RAW_IMAGES, source), previous, current, with_caption)
     except (ValueError, OSError) as exc:  # that version was cleaned up (kept 7 days)
         context.log.warning(f"cannot compare raw_images v{previous} with v{current} "
                             f"({exc}); captions of changed items are not refreshed")
-        return 0
+        return 0, set()
     dropped = drop_captions(store.table(CAPTIONS, source), ids)
     context.log.info(f"{len(ids):,} item(s) removed or changed since raw_images v{previous}: "
                      f"dropped {dropped:,} caption row(s)")
-    return dropped
+    return dropped, ids
 
 
 def hold_raw_version(context: dg.AssetExecutionContext, store: Storage) -> None:

@@ -210,3 +210,43 @@ def forget_consumed(target: TableRef) -> None:
     keys = [key for key in table.config() if key.startswith(CONFIG_PREFIX)]
     if keys:
         table.delete_config_keys(keys)
+
+
+# --- a stage handed its upstream's changes ------------------------------------------------
+
+def handed_changes(upstream: TableRef, target: TableRef, name: str, tag: str,
+                   where: str | None, limit: int) -> tuple[pa.Array, pa.Array] | None:
+    """From `target`'s record of `upstream` (pinned) under `tag`: the ids of upstream rows
+    matching `where` written since (new, or written again), and the ids that left it. None
+    without a record, after a compaction of upstream (which ids left is unknown) or past
+    `limit` rows written since: the caller compares in full."""
+    since = read_consumed(target, name, tag)
+    if since is None:
+        return None
+    changes = changes_since(upstream.open(), since)
+    if changes.removed is None or changes.added_rows > limit:
+        return None
+    condition = f"({where}) AND ({changes.added_filter})" if where else changes.added_filter
+    added = upstream.to_table(columns=["id"], filter=condition).column("id")
+    return added.combine_chunks(), changes.removed
+
+
+def up_to_date_ids(done: pa.Table, upstream: pa.Table) -> pa.Array:
+    """Ids whose downstream row (`id`, `created_at`) is no older than their upstream row
+    (`id`, `created_at`): an upstream row written again since (a changed source item's new
+    caption) makes its downstream row stale."""
+    joined = done.join(upstream.select(["id", "created_at"]).rename_columns(
+        ["id", "upstream_at"]), "id")
+    fresh = pc.greater_equal(joined.column("created_at"), joined.column("upstream_at"))
+    return joined.filter(fresh).column("id").combine_chunks()
+
+
+def not_up_to_date(ids: pa.Array, target: TableRef, target_where: str, upstream: TableRef,
+                   upstream_where: str) -> pa.Array:
+    """Those of `ids` without a row in `target` (matching `target_where`) as new as their
+    row in `upstream` (matching `upstream_where`): looked up by id in both."""
+    if len(ids) == 0 or not target.exists():
+        return ids
+    done = rows_with_ids(target.latest().open(), ids, ["id", "created_at"], target_where)
+    current = rows_with_ids(upstream.open(), ids, ["id", "created_at"], upstream_where)
+    return ids.filter(pc.invert(pc.is_in(ids, up_to_date_ids(done, current))))

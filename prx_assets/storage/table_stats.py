@@ -10,6 +10,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+import pyarrow.compute as pc
+
 from prx_assets.storage.refs import TableRef
 
 # Megapixel bands and aspect-ratio bands used for the resolution summary.
@@ -102,3 +104,14 @@ def bucket_profile(ref: TableRef, batch_rows: int = 65_536) -> BucketProfile:
         profile.hashed += sum(p is not None for p in data["phash"])
         profile.flat += sum(bool(f) for f in data["flat"] if f is not None)
     return profile
+
+
+def value_counts(ref: TableRef, column: str, filter: str | None = None,
+                 batch_rows: int = 65_536) -> Counter:
+    """How many rows matching `filter` hold each value of `column`: counted in Arrow batch
+    by batch, so memory follows the distinct values (statuses, labels), not the rows."""
+    counts: Counter = Counter()
+    for batch in ref.open().to_batches(columns=[column], filter=filter, batch_size=batch_rows):
+        for pair in pc.value_counts(batch.column(0)).to_pylist():
+            counts[pair["values"]] += pair["counts"]
+    return counts

@@ -51,14 +51,24 @@ from prx_assets.stages.attributes.schema import (
     schema_text,
     validate,
 )
+from prx_assets.storage.changes import (
+    consumed_at,
+    handed_changes,
+    not_up_to_date,
+    record_consumed,
+    up_to_date_ids,
+)
 from prx_assets.storage.filters import all_of, eq_filter, in_filter
 from prx_assets.storage.lance_tables import FragmentPolicy, create_empty
 from prx_assets.storage.refs import TableRef
+from prx_assets.storage.table_stats import value_counts
 
 ATTRIBUTE_KEYS = ["id", "caption_version", "attribute_version"]
 ATTRIBUTES_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
 CAPTION_COLUMNS = ["id", "caption_version", "caption"]
 BACKENDS = ("caption", "transformers", "vllm")
+UPSTREAM = "captions"  # what the attributes table's record of the captions is called
+LOOKUP_CAPTIONS = 10_000  # changed captions tagged by id; past it, compared in full
 
 
 @dataclass(frozen=True)
@@ -253,9 +263,31 @@ def tagged_ids(attributes: TableRef, captions: TableRef, caption_filter: str,
     done = attributes.latest().to_table(
         columns=["id", "created_at"], filter=_done_filter(caption_version, attribute_version))
     captioned = captions.to_table(columns=["id", "created_at"], filter=caption_filter)
-    joined = done.join(captioned.rename_columns(["id", "captioned_at"]), "id")
-    fresh = pc.greater_equal(joined.column("created_at"), joined.column("captioned_at"))
-    return joined.filter(fresh).column("id").combine_chunks()
+    return up_to_date_ids(done, captioned)
+
+
+def record_tag(caption_version: str, attribute_version: str) -> str:
+    """What the attributes' record of the captions was made under: the active pair."""
+    return f"{caption_version}/{attribute_version}"
+
+
+def pending_tags(captions: TableRef, attributes: TableRef, caption_filter: str,
+                 pair: tuple[str, str]) -> tuple[int, ray.data.Dataset | None]:
+    """How many captions to tag, and their rows. With the attributes' record of the
+    captions: the usable captions written since, less those with a final record as new
+    (looked up by id); without one (or past `LOOKUP_CAPTIONS`), every usable caption
+    compared with every record."""
+    changed = handed_changes(captions, attributes, UPSTREAM, record_tag(*pair), caption_filter,
+                             LOOKUP_CAPTIONS)
+    if changed is None:
+        done = tagged_ids(attributes, captions, caption_filter, *pair)
+        n = max(0, captions.count_rows(filter=caption_filter) - len(done))
+        return n, drop_ids(captions.read(columns=CAPTION_COLUMNS, filter=caption_filter),
+                           done) if n else None
+    todo = not_up_to_date(changed[0], attributes, _done_filter(*pair), captions,
+                          caption_filter)
+    return len(todo), captions.read(columns=CAPTION_COLUMNS, filter=all_of(
+        caption_filter, in_filter("id", todo.to_pylist()))) if len(todo) else None
 
 
 def tag_source(captions: TableRef, attributes: TableRef, caption_version: str,
@@ -268,11 +300,8 @@ def tag_source(captions: TableRef, attributes: TableRef, caption_version: str,
     report = AttributeRunReport(caption_version, spec.version())
     ensure_attributes_table(attributes, spec.schema_version)
     captions = captions.pinned()
-    done = tagged_ids(attributes, captions, caption_filter, caption_version,
-                      report.attribute_version)
-    report.to_tag = max(0, captions.count_rows(filter=caption_filter) - len(done))
-    pending = drop_ids(captions.read(columns=CAPTION_COLUMNS, filter=caption_filter), done) \
-        if report.to_tag else None
+    pair = (caption_version, report.attribute_version)
+    report.to_tag, pending = pending_tags(captions, attributes, caption_filter, pair)
 
     def count(chunk: pa.Table, run: ChunkedRun) -> None:
         report.commits = run
@@ -286,6 +315,9 @@ def tag_source(captions: TableRef, attributes: TableRef, caption_version: str,
                                                                        report.to_tag),
                                  attributes_target(attributes, spec.schema_version),
                                  chunk_rows, on_chunk=count)
+    if all(status in FINAL_STATUSES for status in report.statuses):
+        # Failures are retried by handing the same changes on: no record past them.
+        record_consumed(attributes, UPSTREAM, consumed_at(captions.open(), record_tag(*pair)))
     return report
 
 
@@ -314,7 +346,4 @@ def attribute_coverage(captions: TableRef, attributes: TableRef, caption_filter:
         return AttributeCoverage(usable, {})
     condition = all_of(eq_filter("caption_version", caption_version),
                        eq_filter("attribute_version", attribute_version))
-    rows = attributes.to_table(columns=["status"], filter=condition)
-    # Counted in Arrow: one Python entry per status, not one per row of the source.
-    counts = pc.value_counts(rows.column("status")).to_pylist()
-    return AttributeCoverage(usable, {pair["values"]: pair["counts"] for pair in counts})
+    return AttributeCoverage(usable, dict(value_counts(attributes, "status", condition)))

@@ -34,12 +34,27 @@ from prx_assets.engine.failpoints import failpoint
 from prx_assets.engine.id_sets import IdSet
 from prx_assets.engine.removals import DELETE_IDS_PER_COMMIT, delete_ids
 from prx_assets.stages.captions.captioners import CaptionerSpec, caption_stage
-from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA, STATUS_OK, done_filter
+from prx_assets.stages.captions.captions import (
+    CAPTIONS_SCHEMA,
+    STATUS_FAILED,
+    STATUS_OK,
+    done_filter,
+)
+from prx_assets.storage.changes import (
+    Changes,
+    changes_since,
+    consumed_at,
+    read_consumed,
+    record_consumed,
+    rows_with_ids,
+)
 from prx_assets.storage.filters import all_of, eq_filter, in_filter
 from prx_assets.storage.lance_tables import FragmentPolicy, create_empty, only_appended_since
 from prx_assets.storage.refs import TableRef
+from prx_assets.storage.table_stats import value_counts
 
 CAPTION_KEYS = ["id", "caption_version"]
+UPSTREAM = "bucketed_images"  # what the captions table's record of the kept images is called
 CAPTIONS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
 
 
@@ -90,12 +105,65 @@ def pending_ids(bucketed: TableRef, captions: TableRef, spec: CaptionerSpec,
                        limit)
 
 
-def requests_for(bucketed: TableRef, ids: pa.Array) -> ray.data.Dataset | None:
-    """A model backend's requests {id, image} for these ids: Lance reads the image bytes of
-    the matching rows only (a +1 run used to read every kept image of the source to keep
-    the one pending). None when there are none: no model is loaded."""
+def bucketed_changes(bucketed: TableRef, captions: TableRef, spec: CaptionerSpec
+                     ) -> Changes | None:
+    """What changed in bucketed_images (the pinned version) since the captions of `spec`'s
+    version last consumed all of it; None without such a record (compare every kept id)."""
+    since = read_consumed(captions, UPSTREAM, tag=spec.version())
+    return changes_since(bucketed.open(), since) if since is not None else None
+
+
+def pending_changed_ids(bucketed: TableRef, changes: Changes, captions: TableRef,
+                        spec: CaptionerSpec, also: pa.Array | None = None,
+                        limit: int = IMAGE_LOOKUP_IDS) -> pa.Array | None:
+    """The ids to caption, from bucketed's changes since the record instead of every kept
+    id: kept images in fragments written since (new ones, replaced ones), kept images whose
+    caption failed (retried) and kept ones among `also` (items whose caption was dropped as
+    stale), less those done under this version. None past `limit`: after a compaction of
+    bucketed every row comes as written, so the run compares every id once."""
+    if changes.added_rows > limit:
+        return None
+    added = bucketed.to_table(columns=["id"], filter=all_of(
+        eq_filter("status", STATUS_OK), changes.added_filter)).column("id")
+    failed = captions.latest().to_table(columns=["id"], filter=all_of(
+        eq_filter("caption_version", spec.version()), eq_filter("status", STATUS_FAILED))
+    ).column("id")
+    others = pa.chunked_array([failed, also if also is not None else []], pa.string())
+    if len(others):
+        others = kept_ids(bucketed, others.combine_chunks())
+    offered = pc.unique(pa.chunked_array([added, others], pa.string()).combine_chunks())
+    if len(offered) > limit:
+        return None
+    done = rows_with_ids(captions.latest().open(), offered, ["id"],
+                         where=done_filter(spec.version())).column("id")
+    return offered.filter(pc.invert(pc.is_in(offered, done)))
+
+
+def kept_ids(bucketed: TableRef, ids: pa.Array) -> pa.ChunkedArray:
+    """Those of `ids` that are kept images (looked up through bucketed's key index)."""
+    return rows_with_ids(bucketed.open(), ids, ["id"],
+                         where=eq_filter("status", STATUS_OK)).column("id")
+
+
+def record_bucketed_consumed(bucketed: TableRef, captions: TableRef, spec: CaptionerSpec
+                             ) -> None:
+    """Record that the captions of `spec`'s version cover every kept image of the pinned
+    bucketed version (only after a run finished: a killed run hands its changes on)."""
+    if bucketed.exists() and captions.exists():
+        record_consumed(captions, UPSTREAM, consumed_at(bucketed.open(), spec.version()))
+
+
+def requests_for(bucketed: TableRef, ids: pa.Array, raw: TableRef | None = None
+                 ) -> ray.data.Dataset | None:
+    """The requests for these ids, read by id: a model backend's {id, image} from bucketed
+    (a +1 run used to read every kept image of the source to keep the one pending), the
+    `original` backend's {id, original_caption} from `raw`. None when there are none: no
+    model is loaded."""
     if len(ids) == 0:
         return None
+    if raw is not None:
+        return raw.read(columns=["id", "original_caption"],
+                        filter=in_filter("id", ids.to_pylist()))
     return bucketed.read(columns=["id", "image"],
                          filter=all_of(eq_filter("status", STATUS_OK),
                                        in_filter("id", ids.to_pylist())))
@@ -223,13 +291,9 @@ def coverage(bucketed: TableRef, captions: TableRef, version: str,
         if bucketed.exists() else 0
     if not captions.exists():
         return Coverage(kept, 0, 0, 0, 0)
-    rows = captions.to_table(columns=["status", "n_words"],
-                          filter=eq_filter("caption_version", version))
-    # Counted in Arrow: one Python entry per status, not one per row of the source.
-    statuses = {pair["values"]: pair["counts"]
-                for pair in pc.value_counts(rows.column("status")).to_pylist()}
-    words = rows.filter(pc.equal(rows.column("status"), STATUS_OK)).column("n_words")
-    in_target = pc.sum(pc.and_(pc.greater_equal(words, target[0]),
-                               pc.less_equal(words, target[1]))).as_py() or 0
+    statuses = value_counts(captions, "status", eq_filter("caption_version", version))
+    in_target = captions.count_rows(filter=all_of(
+        eq_filter("caption_version", version), eq_filter("status", STATUS_OK),
+        f"n_words >= {int(target[0])}", f"n_words <= {int(target[1])}"))
     done = sum(n for s, n in statuses.items() if s != "failed")
     return Coverage(kept, done, statuses.get(STATUS_OK, 0), statuses.get("failed", 0), in_target)

@@ -52,10 +52,21 @@ from prx_assets.stages.labels.labels import (
     label_rows,
     version_hash,
 )
+from prx_assets.storage.changes import (
+    consumed_at,
+    handed_changes,
+    not_up_to_date,
+    record_consumed,
+    up_to_date_ids,
+)
+from prx_assets.storage.filters import all_of, in_filter
 from prx_assets.storage.lance_tables import FragmentPolicy, create_empty
 from prx_assets.storage.refs import TableRef
+from prx_assets.storage.table_stats import value_counts
 
 LABEL_KEYS = ["id", "caption_version", "classifier_version"]
+UPSTREAM = "captions"  # what the labels table's record of the captions it consumed is called
+LOOKUP_CAPTIONS = 10_000  # changed captions labelled by id; past it, compared in full
 LABELS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
 CAPTION_COLUMNS = ["id", "caption_version", "caption"]
 # What a label stage yields: LABELS_SCHEMA rows plus an error (label null when it failed).
@@ -132,9 +143,12 @@ def labelled_ids(labels: TableRef, caption_version: str, classifier_version: str
         columns=["id", "created_at"],
         filter=active_labels_filter(caption_version, classifier_version))
     captioned = captions.to_table(columns=["id", "created_at"], filter=caption_filter)
-    joined = labelled.join(captioned.rename_columns(["id", "captioned_at"]), "id")
-    fresh = pc.greater_equal(joined.column("created_at"), joined.column("captioned_at"))
-    return joined.filter(fresh).column("id").combine_chunks()
+    return up_to_date_ids(labelled, captioned)
+
+
+def record_tag(caption_version: str, classifier_version: str) -> str:
+    """What the labels' record of the captions was made under: the active pair."""
+    return f"{caption_version}/{classifier_version}"
 
 
 def drop_orphan_labels(labels: TableRef, captions: TableRef,
@@ -303,12 +317,23 @@ def label_source(captions: TableRef, labels: TableRef, caption_version: str,
     if not captions.exists():
         raise FileNotFoundError(f"{captions} does not exist: materialise captions first")
     captions = captions.pinned()
-    report.removed = drop_orphan_labels(labels, captions)
-    done = labelled_ids(labels, caption_version, report.classifier_version, captions,
-                        caption_filter)
-    # Nothing to do: no actor pool, no model load.
-    report.to_label = count_pending(captions, caption_filter, done)
-    pending = pending_captions(captions, caption_filter, done) if report.to_label else None
+    tag = record_tag(caption_version, report.classifier_version)
+    changed = handed_changes(captions, labels, UPSTREAM, tag, caption_filter, LOOKUP_CAPTIONS)
+    if changed is None:  # every caption compared with every label
+        report.removed = drop_orphan_labels(labels, captions)
+        done = labelled_ids(labels, caption_version, report.classifier_version, captions,
+                            caption_filter)
+        report.to_label = count_pending(captions, caption_filter, done)
+        # Nothing to do: no actor pool, no model load.
+        pending = pending_captions(captions, caption_filter, done) if report.to_label else None
+    else:  # handed the captions' changes since the record
+        added, removed = changed
+        report.removed = delete_ids(labels.latest(), removed)
+        todo = not_up_to_date(added, labels, active_labels_filter(
+            caption_version, report.classifier_version), captions, caption_filter)
+        report.to_label = len(todo)
+        pending = captions.read(columns=CAPTION_COLUMNS, filter=all_of(
+            caption_filter, in_filter("id", todo.to_pylist()))) if len(todo) else None
 
     def count(chunk: pa.Table, run: ChunkedRun) -> None:
         report.commits = run
@@ -323,6 +348,8 @@ def label_source(captions: TableRef, labels: TableRef, caption_version: str,
     report.commits = run_chunked(pending, lambda rows: label_stage(rows, spec, report.to_label),
                                  labels_target(labels), chunk_rows,
                                  to_commit=labelled_rows, on_chunk=count)
+    if report.failed == 0:  # failures are retried by handing the same changes on
+        record_consumed(labels, UPSTREAM, consumed_at(captions.open(), tag))
     return report
 
 
@@ -351,8 +378,6 @@ def label_coverage(captions: TableRef, labels: TableRef, caption_filter: str,
     usable = captions.count_rows(filter=caption_filter) if captions.exists() else 0
     if not labels.exists():
         return LabelCoverage(usable, {})
-    rows = labels.to_table(columns=["label"],
-                           filter=active_labels_filter(caption_version, classifier_version))
-    # Counted in Arrow: one Python entry per label, not one per row of the source.
-    counts = pc.value_counts(rows.column("label")).to_pylist()
-    return LabelCoverage(usable, {pair["values"]: pair["counts"] for pair in counts})
+    counts = value_counts(labels, "label",
+                          active_labels_filter(caption_version, classifier_version))
+    return LabelCoverage(usable, dict(counts))

@@ -22,3 +22,37 @@ def test_a_few_captions_are_tagged_in_this_process_as_the_actor_pool_tags_them(
         tables[name] = attributes.latest().to_table().drop_columns(["created_at"]) \
             .sort_by("id")
     assert tables["here"].equals(tables["pool"])
+
+
+def test_a_run_with_the_record_of_the_captions_tags_only_what_changed(
+        ray_session, tmp_path, monkeypatch):
+    """After a run that left every caption with a final record, the next is handed the
+    captions written since (a new one, one written again) from the record in the
+    attributes table, and never compares every caption with every record."""
+    import lance
+
+    from prx_assets.stages.attributes import runs
+    from prx_assets.storage.changes import read_consumed
+
+    captions = TableRef.of(tmp_path / "captions.lance")
+    attributes = TableRef.of(tmp_path / "attributes.lance")
+    rows = labelled_test_captions()
+    write_captions(captions, [(i, c) for i, c, _ in rows], "v1")
+    spec = AttributerSpec(batch_size=4)
+    assert tag_source(captions, attributes, "v1", CAPTION_FILTER, spec).written == len(rows)
+    assert read_consumed(attributes, "captions",
+                         runs.record_tag("v1", spec.version())) is not None
+
+    def compared_in_full(*args, **kwargs):
+        raise AssertionError("compared every caption with every record")
+
+    monkeypatch.setattr(runs, "tagged_ids", compared_in_full)
+    again, _, _ = rows[0]
+    lance.dataset(str(captions)).delete(f"id = '{again}'")  # its source item changed
+    write_captions(captions, [(again, "A green bicycle against a brick wall."),
+                              ("web:new", "A wooden boat on a calm lake at dawn.")], "v1")
+    report = tag_source(captions, attributes, "v1", CAPTION_FILTER, spec)
+    assert (report.to_tag, report.written) == (2, 2)
+    records = attributes.latest().to_table().to_pylist()
+    assert len(records) == len(rows) + 1 == len({r["id"] for r in records})
+    assert tag_source(captions, attributes, "v1", CAPTION_FILTER, spec).to_tag == 0

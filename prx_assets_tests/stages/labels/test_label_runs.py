@@ -3,6 +3,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from prx_assets.stages.labels import runs
 from prx_assets.stages.labels.backends import OpenAISettings
 from prx_assets.stages.labels.labels import LABELS_SCHEMA, active_labels_filter
 from prx_assets.stages.labels.runs import (
@@ -11,7 +12,9 @@ from prx_assets.stages.labels.runs import (
     label_coverage,
     label_source,
     pool_size,
+    record_tag,
 )
+from prx_assets.storage.changes import read_consumed
 from prx_assets.storage.refs import TableRef
 from prx_assets_tests.fixtures.labelled_captions import labelled_test_captions, write_captions
 from prx_assets_tests.fixtures.local_chat_server import chat_server
@@ -86,6 +89,9 @@ def test_openai_backend_labels_through_the_pool_and_leaves_failures_for_later(
         before = len(state.requests)
         retry = label_source(captions, labels, "v1", _filter("v1"), spec)
         assert (retry.written, retry.failed, len(state.requests) - before) == (0, 1, 1)
+        # A run that left a failure records nothing: the next compares (or is handed) the
+        # same captions again.
+        assert read_consumed(labels, "captions", record_tag("v1", spec.version())) is None
 
 
 def test_missing_captions_table_is_a_clear_error(ray_session, tmp_path):
@@ -143,3 +149,32 @@ def test_a_few_captions_are_labelled_in_this_process_as_the_actor_pool_labels_th
         assert label_source(captions, labels, "v1", _filter("v1"), spec).written == len(rows)
         tables[name] = labels.latest().to_table().drop_columns(["created_at"]).sort_by("id")
     assert tables["here"].equals(tables["pool"])
+
+
+def test_a_run_with_the_record_of_the_captions_is_handed_their_changes(
+        ray_session, tmp_path, monkeypatch):
+    """After a run that labelled every caption, the next is handed the captions written
+    since and the ids whose caption left (from the record in the labels table), and never
+    compares every caption with every label; a run that left failures records nothing."""
+    captions = TableRef.of(tmp_path / "captions.lance")
+    labels = TableRef.of(tmp_path / "labels.lance")
+    rows = labelled_test_captions()
+    write_captions(captions, [(i, c) for i, c, _ in rows], "v1")
+    spec = LabelerSpec(batch_size=8)
+    label_source(captions, labels, "v1", _filter("v1"), spec)
+    tag = record_tag("v1", spec.version())
+    assert read_consumed(labels, "captions", tag) is not None
+
+    def compared_in_full(*args, **kwargs):
+        raise AssertionError("compared every caption with every label")
+
+    monkeypatch.setattr(runs, "labelled_ids", compared_in_full)
+    monkeypatch.setattr(runs, "drop_orphan_labels", compared_in_full)
+    gone, _, _ = rows[1]
+    lance.dataset(str(captions)).delete(f"id = '{gone}'")  # its item left the source
+    write_captions(captions, [("web:new", "A wooden boat on a calm lake at dawn.")], "v1")
+    report = label_source(captions, labels, "v1", _filter("v1"), spec)
+    assert (report.to_label, report.written, report.removed) == (1, 1, 1)
+    ids = sorted(lance.dataset(str(labels)).to_table().column("id").to_pylist())
+    assert ids == sorted([i for i, _, _ in rows if i != gone] + ["web:new"])
+    assert label_source(captions, labels, "v1", _filter("v1"), spec).to_label == 0
