@@ -55,10 +55,11 @@ from prx_assets.stages.captions.runs import (
 from prx_assets.stages.report.charts import human_duration
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
-from prx_assets.storage.retention import hold_version
+from prx_assets.storage.retention import held_while, hold_version
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, RAW_IMAGES
 
 GPU_POOL = "gpu"
+RUN_HOLDER = "captions-run"  # the tag holding the versions a captions run reads
 
 
 def build_captions(partitions_def: dg.PartitionsDefinition,
@@ -100,16 +101,19 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
                 materialized_lance_version(context.instance, BUCKETED_IMAGES, source))
             raw = store.table(RAW_IMAGES, source).at(
                 materialized_lance_version(context.instance, RAW_IMAGES, source))
-            requests = caption_requests(bucketed, raw, raw_images, table, spec, changed)
-            context.log.info(f"captioning {source!r} with {spec.backend} ({spec.model_name}), "
-                             f"version {spec.version()}")
-
-            progress = StageProgress(f"{CAPTIONS}[{source}]",
-                                     captions_to_make(store, source, spec),
-                                     context.log.info, unit="images")
-            report = caption_source(requests, table, spec, captioner.chunk_rows,
-                                    on_chunk=lambda r: progress.update(r.commits.rows))
-            progress.finish()
+            # Held while the run reads them (hours on GPUs): a blob table frees superseded
+            # versions after a 10-minute grace.
+            with held_while(bucketed, RUN_HOLDER, bucketed.version), \
+                    held_while(raw, RUN_HOLDER, raw.version):
+                requests = caption_requests(bucketed, raw, raw_images, table, spec, changed)
+                context.log.info(f"captioning {source!r} with {spec.backend} "
+                                 f"({spec.model_name}), version {spec.version()}")
+                progress = StageProgress(f"{CAPTIONS}[{source}]",
+                                         captions_to_make(store, source, spec),
+                                         context.log.info, unit="images")
+                report = caption_source(requests, table, spec, captioner.chunk_rows,
+                                        on_chunk=lambda r: progress.update(r.commits.rows))
+                progress.finish()
             ensure_table(table)
             record_bucketed_consumed(bucketed, table, spec)  # a config commit when it moved
             lance_version = ensure_table(table)  # the latest version

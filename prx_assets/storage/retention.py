@@ -10,7 +10,8 @@ superseded for a short grace instead (`FragmentPolicy.superseded_grace`).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from itertools import pairwise
 from typing import Any
@@ -67,3 +68,26 @@ def hold_version(table: TableRef, holder: str, version: int) -> None:
         dataset.tags.create(tag, version)
     elif held["version"] != version:
         dataset.tags.update(tag, version)
+
+
+def release_version(table: TableRef, holder: str) -> None:
+    """Let the version `holder` holds go (the next cleanup may free it)."""
+    dataset = table.latest().open()
+    tag = HOLD_TAG_PREFIX + holder
+    if tag in dataset.tags.list():
+        dataset.tags.delete(tag)
+
+
+@contextmanager
+def held_while(table: TableRef, holder: str, version: int | None) -> Iterator[None]:
+    """Keep `version` of `table` readable while the block runs, however it ends: a run
+    reading a pinned version of a blob table for longer than its grace (hours of GPU
+    captioning) would otherwise lose it to the next cleanup."""
+    if version is None:
+        yield
+        return
+    hold_version(table, holder, version)
+    try:
+        yield
+    finally:
+        release_version(table, holder)

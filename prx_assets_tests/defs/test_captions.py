@@ -167,6 +167,10 @@ def test_a_replaced_file_is_captioned_again_after_raw_frees_old_versions(
         drop_superseded(raw.latest().open(), timedelta(0))
         meta = run(keys[1:])["captions"]
     assert meta["stale_captions_dropped"].value == 1
+    # The versions the run read were held while it ran, and let go after.
+    for name in ("raw_images", "bucketed_images"):
+        tags = lance.dataset(str(data_root / f"lance/{name}/web.lance")).tags.list()
+        assert "prx-held-by-captions-run" not in tags
     captions = lance.dataset(str(data_root / "lance/captions/web.lance")).to_table()
     assert sorted(captions.column("caption").to_pylist()) == [
         "A new picture under the old name.", "A red and grey pattern, number 0."]

@@ -95,3 +95,18 @@ def test_a_held_version_outlives_the_grace_until_its_holder_moves_on(tmp_path):
     with pytest.raises(VersionRemovedError):
         pinned.to_table()
     assert on_disk(table) <= 1.2 * data_bytes(table.open())
+
+
+def test_a_version_held_while_a_run_reads_it_is_freed_after(tmp_path):
+    from prx_assets.storage.retention import held_while
+
+    table, pinned = compacted_table(tmp_path)
+    policy = FragmentPolicy(superseded_grace=timedelta(0), keep_versions=timedelta(0))
+    with pytest.raises(RuntimeError, match="the run failed"), \
+            held_while(table, "captions-run", pinned.version):
+        cleanup(table.open(), policy)  # another run's cleanup, while this one reads
+        assert pinned.to_table().num_rows == 50
+        raise RuntimeError("the run failed")
+    cleanup(table.open(), policy)  # released however the run ended
+    with pytest.raises(VersionRemovedError):
+        pinned.to_table()
