@@ -100,15 +100,21 @@ def test_missing_captions_table_is_a_clear_error(ray_session, tmp_path):
                      "v1", _filter("v1"), LabelerSpec())
 
 
-def test_a_caption_written_again_is_labelled_again(ray_session, tmp_path):
-    """A changed source file gets a new caption row under the same id and version (the
-    captions asset drops the stale one): its old label must not survive."""
+def labelled_once(tmp_path) -> tuple[TableRef, TableRef, list, LabelerSpec]:
+    """The test captions of version v1, labelled once (embedded backend)."""
     captions = TableRef.of(tmp_path / "captions.lance")
     labels = TableRef.of(tmp_path / "labels.lance")
     rows = labelled_test_captions()
     write_captions(captions, [(i, c) for i, c, _ in rows], "v1")
     spec = LabelerSpec(batch_size=8)
     label_source(captions, labels, "v1", _filter("v1"), spec)
+    return captions, labels, rows, spec
+
+
+def test_a_caption_written_again_is_labelled_again(ray_session, tmp_path):
+    """A changed source file gets a new caption row under the same id and version (the
+    captions asset drops the stale one): its old label must not survive."""
+    captions, labels, rows, spec = labelled_once(tmp_path)
     changed_id, _, old_label = rows[0]
     new_caption, new_label = next((c, label) for _, c, label in rows if label != old_label)
     lance.dataset(str(captions)).delete(f"id = '{changed_id}'")
@@ -156,12 +162,7 @@ def test_a_run_with_the_record_of_the_captions_is_handed_their_changes(
     """After a run that labelled every caption, the next is handed the captions written
     since and the ids whose caption left (from the record in the labels table), and never
     compares every caption with every label; a run that left failures records nothing."""
-    captions = TableRef.of(tmp_path / "captions.lance")
-    labels = TableRef.of(tmp_path / "labels.lance")
-    rows = labelled_test_captions()
-    write_captions(captions, [(i, c) for i, c, _ in rows], "v1")
-    spec = LabelerSpec(batch_size=8)
-    label_source(captions, labels, "v1", _filter("v1"), spec)
+    captions, labels, rows, spec = labelled_once(tmp_path)
     tag = record_tag("v1", spec.version())
     assert read_consumed(labels, "captions", tag) is not None
 
