@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import dagster as dg
 import pyarrow as pa
+import pyarrow.compute as pc
 import ray.data
 
 from prx_assets.defs.io_managers import COLUMNS_KEY
@@ -33,11 +34,13 @@ from prx_assets.defs.metadata import (
 )
 from prx_assets.defs.report import cost_metadata, duration_metadata
 from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
+from prx_assets.engine.chunked import drop_ids
 from prx_assets.engine.progress import StageProgress
 from prx_assets.stages.captions.captioners import CaptionerSpec
 from prx_assets.stages.captions.captions import TARGET_WORDS, word_histogram
 from prx_assets.stages.captions.runs import (
     CaptionRunReport,
+    awaiting_new_images,
     bucketed_changes,
     caption_source,
     changed_ids,
@@ -144,16 +147,24 @@ def caption_requests(bucketed: TableRef, raw: TableRef, raw_images: ray.data.Dat
     """The pending requests. With the captions' record of bucketed, from its changes since
     (and, for the `original` backend, the items whose source caption changed: bucketed
     does not change with it); without one, or past a few thousand, from every kept id: a
-    model backend selects ids first and reads only their images."""
+    model backend selects ids first and reads only their images. A model backend leaves
+    out changed items whose new image the image stage has not made yet."""
     changes = bucketed_changes(bucketed, captions, spec)
-    also = None if spec.uses_model else pa.array(sorted(changed), pa.string())
-    ids = pending_changed_ids(bucketed, changes, captions, spec, also) \
+    changed_ids = pa.array(sorted(changed), pa.string())
+    ids = pending_changed_ids(bucketed, changes, captions, spec,
+                              None if spec.uses_model else changed_ids) \
         if changes is not None else None
-    if ids is None and spec.uses_model:
+    if not spec.uses_model:
+        return requests_for(bucketed, ids, raw) if ids is not None else \
+            pending_requests(read_kept(bucketed, spec), raw_images, captions, spec)
+    # A replaced file waits for its new image (its bucketed row comes with a later change).
+    waiting = awaiting_new_images(bucketed, raw, changed_ids)
+    if ids is None:
         ids = pending_ids(bucketed, captions, spec)
     if ids is not None:
-        return requests_for(bucketed, ids, None if spec.uses_model else raw)
-    return pending_requests(read_kept(bucketed, spec), raw_images, captions, spec)
+        return requests_for(bucketed, ids.filter(pc.invert(pc.is_in(ids, waiting))))
+    return drop_ids(pending_requests(read_kept(bucketed, spec), raw_images, captions, spec),
+                    waiting)
 
 
 def drop_stale_captions(context: dg.AssetExecutionContext, store: Storage, with_caption: bool

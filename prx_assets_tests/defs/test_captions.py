@@ -209,3 +209,46 @@ def test_a_model_backend_captions_only_new_images_by_id(ray_session, data_root, 
     rows = lance.dataset(str(data_root / "lance/captions/web.lance")).to_table().to_pylist()
     assert len(rows) == len({r["id"] for r in rows}) == 3  # each image once
     assert {r["caption_version"] for r in rows} == {meta["caption_version"].value}
+
+
+def test_a_model_backend_waits_for_the_new_image_of_a_replaced_file(
+        ray_session, data_root, tmp_path):
+    """A file replaced in place, captions run before the image stage, without a record of
+    bucketed (as a first run, a new caption version or after a compaction of bucketed
+    compare every id): the stale caption is dropped, but the old image is not captioned
+    again; once the image stage made the new image, it is captioned, once."""
+    from prx_assets.storage.changes import forget_consumed
+    from prx_assets.storage.refs import TableRef
+    from prx_assets.testing.tiny_vlm import build_tiny_qwen3_vl
+
+    model = build_tiny_qwen3_vl(tmp_path / "tiny-qwen3-vl")
+    captioner = tmp_path / "captioner.yaml"
+    captioner.write_text(f"backend: transformers\nmodel: {model}\nmax_tokens: 12\n"
+                         "temperature: 0.0\nimage_budget: 9216\nbatch_size: 2\n"
+                         "concurrency: 1\n")
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i in range(2):
+        (folder / f"p{i}.jpg").write_bytes(jpeg_bytes(700, 560, i))
+    defs = build_defs(write_sources(tmp_path / "s.yaml", [
+        f"{{name: web, kind: image_folder, uri: {folder}}}"]), captioner)
+    keys = [dg.AssetKey(k) for k in ("raw_images", "bucketed_images", "phashes", "captions")]
+    captions = TableRef.of(data_root / "lance/captions/web.lance")
+
+    def run(selection) -> dict:
+        result = defs.resolve_job_def("corpus_job").execute_in_process(
+            partition_key="web", instance=instance, asset_selection=selection)
+        assert result.success
+        return materializations(result)
+
+    with dg.instance_for_test() as instance:
+        run(keys)
+        (folder / "p1.jpg").write_bytes(jpeg_bytes(720, 560, 7))  # replaced in place
+        run(keys[:1])
+        forget_consumed(captions)  # every id compared
+        meta = run(keys[3:])["captions"]
+        assert (meta["stale_captions_dropped"].value, meta["rows_processed"].value) == (1, 0)
+        assert captions.latest().count_rows() == 1  # p0's; p1 waits for its new image
+        after = run(keys[1:])["captions"]
+    assert after["rows_processed"].value == 1
+    assert captions.latest().count_rows() == 2

@@ -145,6 +145,20 @@ def kept_ids(bucketed: TableRef, ids: pa.Array) -> pa.ChunkedArray:
                          where=eq_filter("status", STATUS_OK)).column("id")
 
 
+def awaiting_new_images(bucketed: TableRef, raw: TableRef, ids: pa.Array) -> pa.Array:
+    """Those of `ids` whose bucketed row was made from other bytes than raw_images holds
+    now (both pinned): a replaced file the image stage has not processed yet. A model
+    captioning it now would describe the old image, and the caption would stay once the
+    new image came (it is done under this version)."""
+    if len(ids) == 0 or "raw_sha256" not in bucketed.open().schema.names:
+        return ids[:0]
+    made = rows_with_ids(bucketed.open(), ids, ["id", "raw_sha256"])
+    now = rows_with_ids(raw.open(), ids, ["id", "sha256"])
+    joined = made.join(now, "id", join_type="left outer")
+    differs = pc.fill_null(pc.not_equal(joined["raw_sha256"], joined["sha256"]), True)
+    return joined.filter(differs).column("id").combine_chunks()
+
+
 def record_bucketed_consumed(bucketed: TableRef, captions: TableRef, spec: CaptionerSpec
                              ) -> None:
     """Record that the captions of `spec`'s version cover every kept image of the pinned

@@ -88,3 +88,19 @@ def test_past_the_limit_or_after_a_compaction_the_run_compares_in_full(tmp_path)
     changes = bucketed_changes(compacted, captions, SPEC)
     assert changes is not None and changes.added_rows == 10  # every row comes as written
     assert pending(compacted, captions, limit=9) is None
+
+
+def test_a_replaced_file_waits_for_its_new_image(tmp_path):
+    """Raw holds new bytes for r1 (replaced) and r2 is gone; bucketed still holds the rows
+    made from the old bytes: r1 and r2 wait (a model would describe the old image)."""
+    from prx_assets.stages.captions.runs import awaiting_new_images
+
+    def table(name: str, rows: list[dict]) -> TableRef:
+        lance.write_dataset(pa.Table.from_pylist(rows), str(tmp_path / name))
+        return TableRef.of(tmp_path / name).pinned()
+
+    bucketed = table("b.lance", [{"id": f"r{i}", "raw_sha256": f"old{i}"} for i in range(3)])
+    raw = table("r.lance", [{"id": "r0", "sha256": "old0"}, {"id": "r1", "sha256": "new1"}])
+    ids = pa.array(["r0", "r1", "r2", "never"], pa.string())
+    assert sorted(awaiting_new_images(bucketed, raw, ids).to_pylist()) == ["r1", "r2"]
+    assert len(awaiting_new_images(bucketed, raw, ids[:0])) == 0
