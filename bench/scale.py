@@ -230,8 +230,7 @@ def kernel_chunk(job: tuple[str, list[str]]) -> dict:
             writer.write({"image": result.image, "caption": caption, "id": row["id"],
                           "source": row["source"], "width": result.width,
                           "height": result.height, "original_width": result.original_width,
-                          "original_height": result.original_height,
-                          "license": "unknown"})
+                          "original_height": result.original_height, "license": "unknown"})
     t2 = time.perf_counter()
     for _, result in kept:
         thumbnail(result.image)
