@@ -176,10 +176,9 @@ def test_a_replaced_file_is_captioned_again_after_raw_frees_old_versions(
         "A new picture under the old name.", "A red and grey pattern, number 0."]
 
 
-def test_a_model_backend_captions_only_new_images_by_id(ray_session, data_root, tmp_path):
-    """A model backend (a tiny random Qwen3-VL under transformers): the first run captions
-    every kept image; after one more file, the next captions just that one, its bytes read
-    by id (`pending_ids`, `requests_for`)."""
+def tiny_vlm_defs(tmp_path):
+    """The definitions with a tiny random Qwen3-VL under transformers as the captioner, and
+    one source of two images; returns them and the source's folder."""
     from prx_assets.testing.tiny_vlm import build_tiny_qwen3_vl
 
     model = build_tiny_qwen3_vl(tmp_path / "tiny-qwen3-vl")
@@ -191,8 +190,15 @@ def test_a_model_backend_captions_only_new_images_by_id(ray_session, data_root, 
     folder.mkdir()
     for i in range(2):
         (folder / f"p{i}.jpg").write_bytes(jpeg_bytes(700, 560, i))
-    defs = build_defs(write_sources(tmp_path / "s.yaml", [
-        f"{{name: web, kind: image_folder, uri: {folder}}}"]), captioner)
+    return build_defs(write_sources(tmp_path / "s.yaml", [
+        f"{{name: web, kind: image_folder, uri: {folder}}}"]), captioner), folder
+
+
+def test_a_model_backend_captions_only_new_images_by_id(ray_session, data_root, tmp_path):
+    """A model backend (a tiny random Qwen3-VL under transformers): the first run captions
+    every kept image; after one more file, the next captions just that one, its bytes read
+    by id (`pending_ids`, `requests_for`)."""
+    defs, folder = tiny_vlm_defs(tmp_path)
     keys = [dg.AssetKey(k) for k in ("raw_images", "bucketed_images", "phashes", "captions")]
 
     def run() -> dict:
@@ -219,19 +225,7 @@ def test_a_model_backend_waits_for_the_new_image_of_a_replaced_file(
     again; once the image stage made the new image, it is captioned, once."""
     from prx_assets.storage.changes import forget_consumed
     from prx_assets.storage.refs import TableRef
-    from prx_assets.testing.tiny_vlm import build_tiny_qwen3_vl
-
-    model = build_tiny_qwen3_vl(tmp_path / "tiny-qwen3-vl")
-    captioner = tmp_path / "captioner.yaml"
-    captioner.write_text(f"backend: transformers\nmodel: {model}\nmax_tokens: 12\n"
-                         "temperature: 0.0\nimage_budget: 9216\nbatch_size: 2\n"
-                         "concurrency: 1\n")
-    folder = tmp_path / "imgs"
-    folder.mkdir()
-    for i in range(2):
-        (folder / f"p{i}.jpg").write_bytes(jpeg_bytes(700, 560, i))
-    defs = build_defs(write_sources(tmp_path / "s.yaml", [
-        f"{{name: web, kind: image_folder, uri: {folder}}}"]), captioner)
+    defs, folder = tiny_vlm_defs(tmp_path)
     keys = [dg.AssetKey(k) for k in ("raw_images", "bucketed_images", "phashes", "captions")]
     captions = TableRef.of(data_root / "lance/captions/web.lance")
 
