@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 import lance
 import pyarrow as pa
 import pyarrow.compute as pc
+import ray.data
 
 from prx_assets.storage.filters import in_filter
 from prx_assets.storage.refs import TableRef
@@ -160,6 +161,17 @@ def rows_with_ids(table: lance.LanceDataset, ids: pa.Array, columns: list[str],
         parts.append(table.to_table(columns=columns, filter=f"({lookup}) AND ({where})"
                                     if where else lookup))
     return pa.concat_tables(parts)
+
+
+def read_ids(table: TableRef, ids: pa.Array, columns: list[str], where: str | None = None
+             ) -> ray.data.Dataset | None:
+    """The rows of these ids (and matching `where`) as a Ray dataset, filtered by Lance in
+    one `IN` (callers pass a bounded number of ids: a delta); None when there are none (no
+    stage is built, no model loaded)."""
+    if len(ids) == 0:
+        return None
+    lookup = in_filter("id", ids.to_pylist())
+    return table.read(columns=columns, filter=f"({lookup}) AND ({where})" if where else lookup)
 
 
 # --- the record, in the downstream table's config -----------------------------------------

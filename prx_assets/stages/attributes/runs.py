@@ -55,6 +55,7 @@ from prx_assets.storage.changes import (
     consumed_at,
     handed_changes,
     not_up_to_date,
+    read_ids,
     record_consumed,
     up_to_date_ids,
 )
@@ -286,8 +287,7 @@ def pending_tags(captions: TableRef, attributes: TableRef, caption_filter: str,
                            done) if n else None
     todo = not_up_to_date(changed[0], attributes, _done_filter(*pair), captions,
                           caption_filter)
-    return len(todo), captions.read(columns=CAPTION_COLUMNS, filter=all_of(
-        caption_filter, in_filter("id", todo.to_pylist()))) if len(todo) else None
+    return len(todo), read_ids(captions, todo, CAPTION_COLUMNS, caption_filter)
 
 
 def tag_source(captions: TableRef, attributes: TableRef, caption_version: str,

@@ -45,10 +45,11 @@ from prx_assets.storage.changes import (
     changes_since,
     consumed_at,
     read_consumed,
+    read_ids,
     record_consumed,
     rows_with_ids,
 )
-from prx_assets.storage.filters import all_of, eq_filter, in_filter
+from prx_assets.storage.filters import all_of, eq_filter
 from prx_assets.storage.lance_tables import FragmentPolicy, create_empty, only_appended_since
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.table_stats import value_counts
@@ -150,9 +151,10 @@ def awaiting_new_images(bucketed: TableRef, raw: TableRef, ids: pa.Array) -> pa.
     now (both pinned): a replaced file the image stage has not processed yet. A model
     captioning it now would describe the old image, and the caption would stay once the
     new image came (it is done under this version)."""
-    if len(ids) == 0 or "raw_sha256" not in bucketed.open().schema.names:
+    table = bucketed.open()
+    if len(ids) == 0 or "raw_sha256" not in table.schema.names:
         return ids[:0]
-    made = rows_with_ids(bucketed.open(), ids, ["id", "raw_sha256"])
+    made = rows_with_ids(table, ids, ["id", "raw_sha256"])
     now = rows_with_ids(raw.open(), ids, ["id", "sha256"])
     joined = made.join(now, "id", join_type="left outer")
     differs = pc.fill_null(pc.not_equal(joined["raw_sha256"], joined["sha256"]), True)
@@ -173,14 +175,9 @@ def requests_for(bucketed: TableRef, ids: pa.Array, raw: TableRef | None = None
     (a +1 run used to read every kept image of the source to keep the one pending), the
     `original` backend's {id, original_caption} from `raw`. None when there are none: no
     model is loaded."""
-    if len(ids) == 0:
-        return None
     if raw is not None:
-        return raw.read(columns=["id", "original_caption"],
-                        filter=in_filter("id", ids.to_pylist()))
-    return bucketed.read(columns=["id", "image"],
-                         filter=all_of(eq_filter("status", STATUS_OK),
-                                       in_filter("id", ids.to_pylist())))
+        return read_ids(raw, ids, ["id", "original_caption"])
+    return read_ids(bucketed, ids, ["id", "image"], eq_filter("status", STATUS_OK))
 
 
 def request_columns(spec: CaptionerSpec) -> list[str]:

@@ -56,10 +56,10 @@ from prx_assets.storage.changes import (
     consumed_at,
     handed_changes,
     not_up_to_date,
+    read_ids,
     record_consumed,
     up_to_date_ids,
 )
-from prx_assets.storage.filters import all_of, in_filter
 from prx_assets.storage.lance_tables import FragmentPolicy, create_empty
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.table_stats import value_counts
@@ -332,8 +332,7 @@ def label_source(captions: TableRef, labels: TableRef, caption_version: str,
         todo = not_up_to_date(added, labels, active_labels_filter(
             caption_version, report.classifier_version), captions, caption_filter)
         report.to_label = len(todo)
-        pending = captions.read(columns=CAPTION_COLUMNS, filter=all_of(
-            caption_filter, in_filter("id", todo.to_pylist()))) if len(todo) else None
+        pending = read_ids(captions, todo, CAPTION_COLUMNS, caption_filter)
 
     def count(chunk: pa.Table, run: ChunkedRun) -> None:
         report.commits = run
