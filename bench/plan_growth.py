@@ -13,6 +13,8 @@ are its own):
   build's `mapping_rows`: what the driver does before the Ray tasks of a full build;
 - **diff**: `mapping_for_append` and `plan_delta` (new, changed, stale and removed ids)
   against the plan (made before the clock);
+- **handed**: the same diff for a run handed its inputs' changes (`handed_delta` of the
+  ids `touched_ids` finds from the tree's record): 0.3 % of the ids touched;
 - **skipped**: `skipped_ids` (what a rewrite reads from the sidecars and the mapping).
 
 Printed per phase and size: seconds per row, the peak of Python allocations (tracemalloc:
@@ -45,7 +47,7 @@ import pyarrow as pa
 from bench.common import Figure, report
 
 DEFAULT_SIZES = (10_000, 100_000)  # a smoke run; the note uses 1e4,1e5,1e6
-PHASES = ("plan", "diff", "skipped")
+PHASES = ("plan", "diff", "handed", "skipped")
 SOURCE = "bench"
 CAPTION_FILTER = "caption_version = 'v1' AND status = 'ok'"
 TIERS = (256, 512, 1024)
@@ -183,6 +185,49 @@ def phase_diff(folder: Path) -> Callable[[], object]:
     return run
 
 
+def phase_handed(folder: Path) -> Callable[[], object]:
+    """The `diff` of an incremental run handed its inputs' changes (`stages.shards.handed`):
+    a copy of the inputs, the mapping of their exact plan and the manifest's record of
+    them; then (before the clock) 0.1 % of the ids appended, 0.1 % deleted and 0.1 %
+    changed (a new phash). Timed: finding the ids touched and their delta."""
+    import lance
+
+    from prx_assets.stages.shards.handed import consumed_inputs, handed_delta, touched_ids
+    from prx_assets.stages.shards.mapping import mapping_rows, write_mapping
+    from prx_assets.stages.shards.plan import SampleInputs, plan_samples, split_leaves
+    from prx_assets.storage.filters import in_filter
+    from prx_assets.storage.refs import TableRef
+
+    copy = Path(tempfile.mkdtemp(dir=folder, prefix="handed-"))  # the warm source's: reused
+    for name in ("bucketed", "captions"):
+        shutil.copytree(folder / f"{name}.lance", copy / f"{name}.lance")
+    inputs = SampleInputs(TableRef.of(copy / "bucketed.lance"),
+                          TableRef.of(copy / "captions.lance"), CAPTION_FILTER)
+    plan, _ = plan_samples(inputs)
+    mapping = TableRef.of(copy / "mapping.lance")
+    write_mapping(mapping, pa.concat_tables(
+        mapping_rows(SOURCE, key, rows, fake_shards(rows.num_rows), "v1")
+        for key, rows in split_leaves(plan)))
+    manifest = {"consumed": consumed_inputs(inputs)}
+    n = plan.num_rows
+    k = max(1, int(n * CHANGED_SHARE))
+    new = bucketed_rows(n + k).slice(n).set_column(0, "id", sample_ids(k, offset=2 * n))
+    lance.write_dataset(new, inputs.bucketed.uri, mode="append")
+    lance.write_dataset(caption_rows(new["id"]), inputs.captions.uri, mode="append")
+    ids = plan["id"].to_pylist()
+    bucketed = inputs.bucketed.open()
+    bucketed.delete(in_filter("id", ids[:k]))
+    bucketed.update({"phash": "phash + 1"}, where=in_filter("id", ids[k:2 * k]))
+    pinned = inputs.pinned()
+
+    def run() -> object:
+        touched = touched_ids(pinned, manifest)
+        assert touched is not None and len(touched) == 3 * k, "handed every change"
+        return handed_delta(pinned, mapping, touched)
+
+    return run
+
+
 def phase_skipped(folder: Path) -> Callable[[], object]:
     from prx_assets.stages.skip_lists.skip_lists import skipped_ids
     from prx_assets.storage.refs import TableRef
@@ -209,7 +254,8 @@ def measure_phase(phase: str, folder: Path, warm: Path) -> dict:
     a second run (tracemalloc slows allocation-heavy code, so it is not on while timing)."""
     import prx_assets
 
-    phases = {"plan": phase_plan, "diff": phase_diff, "skipped": phase_skipped}
+    phases = {"plan": phase_plan, "diff": phase_diff, "handed": phase_handed,
+              "skipped": phase_skipped}
     phases[phase](warm)()
     run = phases[phase](folder)
     reset_peak_rss()
@@ -263,6 +309,8 @@ def figures(results: dict[str, dict[str, dict[int, dict]]]) -> list[Figure]:
                     Figure("plan", f"{at} rss peak", r["rss_kb"] / 1024, base,
                            first["rss_kb"] / 1024, "MiB"),
                 ]
+    for code in codes:
+        out += handed_against_full(code, results[code])
     for code in codes[1:]:
         for phase, by_size in results[code].items():
             for n, r in sorted(by_size.items()):
@@ -273,6 +321,22 @@ def figures(results: dict[str, dict[str, dict[int, dict]]]) -> list[Figure]:
                                ref["python_bytes"] / 2**20, "MiB"),
                         Figure("plan", f"{at} rss peak", r["rss_kb"] / 1024, codes[0],
                                ref["rss_kb"] / 1024, "MiB")]
+    return out
+
+
+def handed_against_full(code: str, by_phase: dict[str, dict[int, dict]]) -> list[Figure]:
+    """An incremental run's planning handed its inputs' changes against the same run
+    comparing every id (the plan, then the diff against the mapping)."""
+    if not {"plan", "diff", "handed"} <= set(by_phase):
+        return []
+    out = []
+    for n, handed in sorted(by_phase["handed"].items()):
+        plan, diff = by_phase["plan"][n], by_phase["diff"][n]
+        at = f"{code} handed vs plan+diff @{n:.0e}"
+        out += [Figure("plan", f"{at} s", handed["seconds"], "plan + diff",
+                       plan["seconds"] + diff["seconds"], "s"),
+                Figure("plan", f"{at} rss peak", handed["rss_kb"] / 1024, "plan + diff",
+                       max(plan["rss_kb"], diff["rss_kb"]) / 1024, "MiB")]
     return out
 
 

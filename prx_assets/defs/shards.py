@@ -86,6 +86,7 @@ def build_mds_shards(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
                 metadata={**tree_metadata(report), "caption_version": caption_version,
                           **incremental_metadata(report.processed, report.reused, report.removed),
                           "appended": report.appended, "new_tree": report.changed,
+                          **compared_metadata(report.compared_ids),
                           **duration_metadata("stage_seconds", seconds),
                           **input_versions(context, BUCKETED_IMAGES, CAPTIONS),
                           **browser_link(context)},
@@ -94,6 +95,14 @@ def build_mds_shards(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
                                                   report.tree_version))
 
     return mds_shards
+
+
+def compared_metadata(compared_ids: int | None) -> dict:
+    """Which ids the run compared with the mapping: those its inputs' changes handed it
+    (stages.shards.handed), or every id of the source."""
+    if compared_ids is None:
+        return {"compared": "every id"}
+    return {"compared": "ids handed by the inputs' changes", "ids_compared": compared_ids}
 
 
 def tree_metadata(report: TreeReport) -> dict:

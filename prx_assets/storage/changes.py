@@ -25,14 +25,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import lance
 import pyarrow as pa
 import pyarrow.compute as pc
-import ray.data
 
 from prx_assets.storage.filters import in_filter
 from prx_assets.storage.refs import TableRef
+
+if TYPE_CHECKING:  # the loader plans through this module and must not import Ray
+    import ray.data
 
 CONFIG_PREFIX = "prx.consumed."
 LOOKUP_IDS = 10_000  # ids per `IN` lookup (keeps the SQL bounded)
@@ -151,15 +154,16 @@ def present_ids(table: lance.LanceDataset, ids: pa.Array) -> pa.Array:
 
 
 def rows_with_ids(table: lance.LanceDataset, ids: pa.Array, columns: list[str],
-                  where: str | None = None) -> pa.Table:
+                  where: str | None = None, with_row_id: bool = False) -> pa.Table:
     """`columns` of the rows whose id is in `ids` (and that match `where`), looked up
     `LOOKUP_IDS` at a time: through the key index where the table has one, ~5 µs an id."""
     values = ids.to_pylist()
-    parts = [table.schema.empty_table().select(columns)]
-    for start in range(0, len(values), LOOKUP_IDS):
-        lookup = in_filter("id", values[start:start + LOOKUP_IDS])
-        parts.append(table.to_table(columns=columns, filter=f"({lookup}) AND ({where})"
-                                    if where else lookup))
+    chunks = [values[start:start + LOOKUP_IDS] for start in range(0, len(values), LOOKUP_IDS)]
+    parts = []
+    for chunk in chunks or [[]]:
+        lookup = in_filter("id", chunk)
+        parts.append(table.to_table(columns=columns, with_row_id=with_row_id,
+                                    filter=f"({lookup}) AND ({where})" if where else lookup))
     return pa.concat_tables(parts)
 
 
@@ -233,7 +237,15 @@ def handed_changes(upstream: TableRef, target: TableRef, name: str, tag: str,
     without a record, after a compaction of upstream (which ids left is unknown) or past
     `limit` rows written since: the caller compares in full."""
     since = read_consumed(target, name, tag)
-    if since is None:
+    return None if since is None else ids_changed_since(upstream, since, where, limit)
+
+
+def ids_changed_since(upstream: TableRef, since: Consumed, where: str | None, limit: int
+                      ) -> tuple[pa.Array, pa.Array] | None:
+    """The ids of `upstream` (pinned) rows matching `where` written since `since`, and the
+    ids that left it; None when that cannot be told cheaply (see `handed_changes`), or when
+    `upstream` is pinned at a version older than the record."""
+    if upstream.version is not None and upstream.version < since.version:
         return None
     changes = changes_since(upstream.open(), since)
     if changes.removed is None or changes.added_rows > limit:

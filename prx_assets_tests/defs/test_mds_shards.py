@@ -89,12 +89,15 @@ def test_incremental_counts_and_an_unchanged_rerun_keeps_the_data_version(ray_se
     meta, first_version = run()
     assert (meta["rows_processed"].value, meta["rows_reused"].value,
             meta["rows_removed"].value) == (len(corpus["images"]), 0, 0)
+    assert meta["compared"].value == "every id"
     add_sample(data_root, NEW_ID)
     remove_sample(data_root, sorted(corpus["images"])[0])
     meta, second_version = run()
     assert (meta["rows_processed"].value, meta["rows_reused"].value,
             meta["rows_removed"].value) == (1, len(corpus["images"]) - 1, 1)
     assert meta["appended"].value and second_version != first_version
+    assert meta["ids_compared"].value == 2  # the inputs' changes: one id each
     meta, third_version = run()
     assert (meta["rows_processed"].value, meta["rows_removed"].value) == (0, 0)
+    assert meta["ids_compared"].value == 0
     assert not meta["new_tree"].value and third_version == second_version

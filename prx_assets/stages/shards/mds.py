@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-import pyarrow as pa
-
+from prx_assets.stages.shards.handed import handed_delta, touched_ids
 from prx_assets.stages.shards.mapping import ids_gone, mapping_for_append
 from prx_assets.stages.shards.plan import (
     Build,
+    Delta,
     SampleInputs,
     StageFiles,
     WriteOptions,
@@ -85,26 +86,41 @@ def _write(inputs: SampleInputs, storage: Storage, store: TreeStore, options: Wr
     current = store.current_version()
     build = Build(store, mapping, inputs.pinned(), options, mapping.latest_version(),
                   base_tree=current, lease=lease, stage_files=stage_files)
+    manifest = _manifest_to_append_to(build, current)
+    touched = None if manifest is None else touched_ids(build.inputs, manifest)
+    if current is not None and touched is not None and mapping.exists():
+        log(f"{source}: {len(touched):,} ids written to or deleted from the inputs since "
+            f"tree {current}: comparing those")
+        delta, left_out = handed_delta(build.inputs, mapping, touched)
+        return _append_or_unchanged(build, delta, left_out, current, compared=len(touched))
     plan, left_out = plan_samples(build.inputs)
     log(f"{source}: {plan.num_rows:,} samples planned; left out {dict(left_out) or 'none'}")
-    previous = _mapping_to_append_to(build, current)
+    previous = None if manifest is None else mapping_for_append(build.mapping)
     if previous is None or current is None:
         return full_build(build, plan, left_out, removed=ids_gone(mapping, plan))
     delta = plan_delta(plan, previous)
     del previous
+    return _append_or_unchanged(build, delta, left_out, current, compared=None)
+
+
+def _append_or_unchanged(build: Build, delta: Delta, left_out: Counter, current: str,
+                         compared: int | None) -> TreeReport:
     if delta.empty:
-        log(f"{source}: nothing changed since tree {current}; no new version")
-        return unchanged_report(build, current, left_out)
-    return append_build(build, delta, left_out, current)
+        build.log(f"{build.source}: nothing changed since tree {current}; no new version")
+        report = unchanged_report(build, current, left_out)
+    else:
+        report = append_build(build, delta, left_out, current)
+    report.compared_ids = compared
+    return report
 
 
-def _mapping_to_append_to(build: Build, current: str | None) -> pa.Table | None:
-    """The mapping table to append against, or None when this run must build in full:
-    first run, `incremental=False`, other settings, or a mapping of another layout."""
+def _manifest_to_append_to(build: Build, current: str | None) -> dict | None:
+    """The current tree's manifest when this run may append to it, or None when it must
+    build in full: first run, `incremental=False`, or other settings."""
     if not build.options.incremental or current is None:
         return None
     manifest = build.store.manifest(current) or {}
     if manifest.get("settings") != json.loads(json.dumps(build.settings)):
         build.log(f"{build.source}: settings differ from tree {current}'s: full build")
         return None
-    return mapping_for_append(build.mapping)
+    return manifest

@@ -10,11 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import lance
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.stages.shards.trees import DEFAULT_RETENTION, TreeStore, new_tree_version
+from prx_assets.storage.changes import rows_with_ids
 from prx_assets.storage.leases import Lease
 from prx_assets.storage.refs import Location, TableRef
 
@@ -44,6 +46,7 @@ FINGERPRINT_IMAGE_COLUMNS = ["tier", "width", "height", "original_width", "origi
                              "phash", "pixels"]
 FINGERPRINT_CAPTION_COLUMNS = ["created_at", "n_words"]
 
+KEPT = "status = 'ok'"  # the bucketed rows a tree holds (with a usable caption)
 DEFAULT_SIZE_LIMIT = 128 << 20  # ~128 MB shards, the design's size
 DEFAULT_ROWS_PER_PART = 50_000  # one Ray task per part: ~5-20 GB of JPEGs, a few dozen shards
 
@@ -119,21 +122,21 @@ class Build:
             self.lease.check()
 
 
-def plan_samples(inputs: SampleInputs) -> tuple[pa.Table, Counter]:
+def plan_samples(inputs: SampleInputs, ids: pa.Array | None = None
+                 ) -> tuple[pa.Table, Counter]:
     """Kept rows with a usable caption, sorted by (tier, width, height, id), each with its
     fingerprint, plus the rows left out by reason. Reads ids, shapes, row ids and the
-    fingerprint columns only: no image bytes, no caption text."""
+    fingerprint columns only: no image bytes, no caption text. `ids`: only these ids'
+    rows, looked up by id (an incremental run handed its inputs' changes)."""
     bucketed = inputs.bucketed.open()
     present = set(bucketed.schema.names)
     extra = [c for c in FINGERPRINT_IMAGE_COLUMNS if c in present and c not in
              ("tier", "width", "height")]
-    kept = bucketed.to_table(columns=["id", "tier", "width", "height", *extra],
-                             filter="status = 'ok'", with_row_id=True)
+    kept = _rows(bucketed, ["id", "tier", "width", "height", *extra], KEPT, ids)
     kept = kept.rename_columns([*kept.column_names[:-1], "image_row"])
     captions = inputs.captions.open()
     caption_extra = [c for c in FINGERPRINT_CAPTION_COLUMNS if c in captions.schema.names]
-    usable = captions.to_table(columns=["id", *caption_extra], filter=inputs.caption_filter,
-                               with_row_id=True)
+    usable = _rows(captions, ["id", *caption_extra], inputs.caption_filter, ids)
     # Several usable rows for one id should not happen; take the first written, deterministically.
     usable = usable.group_by("id").aggregate(
         [("_rowid", "min"), *((c, "max") for c in caption_extra)])
@@ -155,6 +158,14 @@ def plan_samples(inputs: SampleInputs) -> tuple[pa.Table, Counter]:
     plan = joined.select(["id", "tier", "width", "height", "image_row", "caption_row",
                           "fingerprint"])
     return plan.sort_by(order), +left_out
+
+
+def _rows(table: lance.LanceDataset, columns: list[str], where: str, ids: pa.Array | None
+          ) -> pa.Table:
+    """`columns` and the row id of the rows matching `where` (of `ids` only, when given)."""
+    if ids is None:
+        return table.to_table(columns=columns, filter=where, with_row_id=True)
+    return rows_with_ids(table, ids, columns, where, with_row_id=True)
 
 
 def sample_fingerprints(table: pa.Table, columns: list[str]) -> pa.Array:

@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.shards.card import write_source_card
+from prx_assets.stages.shards.handed import consumed_inputs
 from prx_assets.stages.shards.mapping import mapped_leaves, update_mapping, write_mapping
 from prx_assets.stages.shards.merge import (
     LeafEntries,
@@ -64,6 +65,7 @@ class TreeReport:
     removed: int = 0  # samples newly skipped as stale (or, in a full build, gone)
     changed: bool = True  # False: nothing changed, no new version was made
     appended: bool = False  # True: old shards carried, new shards appended
+    compared_ids: int | None = None  # ids handed by the inputs' changes; None: every id
 
     @property
     def mapping_version(self) -> int:
@@ -168,7 +170,8 @@ def write_manifest(build: Build, *, carried: list[str], samples: int,
     names the older versions whose shards this one also holds (with this version: the
     mapping's tree_version values; see `lineage`);
     `mapping_base_version` lets a later run tell whether this build's mapping commit
-    happened before a kill (see finish_interrupted_publish). The tree's card goes in first."""
+    happened before a kill (see finish_interrupted_publish); `consumed`, which rows of the
+    inputs the next run is handed as changes (`handed`). The tree's card goes in first."""
     write_source_card(build)
     (build.staging / TREE_MANIFEST).write_text(json.dumps({
         "source": build.source, "tree_version": build.version, "samples": samples,
@@ -177,6 +180,7 @@ def write_manifest(build: Build, *, carried: list[str], samples: int,
         "settings": build.settings, "carried_versions": carried, "parent": parent,
         "commits_mapping": True, "mapping_base_version": build.base_version,
         "retention_s": build.options.retention.total_seconds(),
+        "consumed": consumed_inputs(build.inputs),
     }, indent=2, sort_keys=True))
 
 

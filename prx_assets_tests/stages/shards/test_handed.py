@@ -1,0 +1,115 @@
+"""mds_shards handed its inputs' changes: after a tree, a run compares only the ids its
+inputs wrote or deleted since (the record in the tree's manifest), and leaves the same
+tree a run comparing every id would: the mapping holds exactly the planned samples with
+their fingerprints. A compaction of an input, or a rewrite's tree, means a full compare."""
+
+from datetime import UTC, datetime
+
+import pyarrow as pa
+
+from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
+from prx_assets.stages.shards import mds, plan, trees, verify
+from prx_assets.stages.shards.handed import consumed_inputs
+from prx_assets.storage.lance_tables import append_rows
+from prx_assets.storage.layout import Storage
+from prx_assets.testing.mds_corpus import ACTIVE, _caption, build_corpus, inputs_for
+from prx_assets_tests.stages.shards.test_incremental import (
+    NEW_ID,
+    OPTIONS,
+    add_sample,
+    remove_sample,
+)
+
+
+def mapped(data_root) -> dict[str, int]:
+    rows = Storage(data_root).table("mds_samples", "web").to_table(columns=["id", "fingerprint"])
+    return dict(zip(rows["id"].to_pylist(), rows["fingerprint"].to_pylist(), strict=True))
+
+
+def planned(data_root) -> tuple[dict[str, int], dict]:
+    """What a run comparing every id plans: the samples the tree must hold."""
+    rows, left_out = plan.plan_samples(inputs_for(data_root, "web").pinned())
+    return (dict(zip(rows["id"].to_pylist(), rows["fingerprint"].to_pylist(), strict=True)),
+            dict(left_out))
+
+
+def write(data_root) -> mds.TreeReport:
+    return mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+
+
+def assert_tree_matches_inputs(data_root, report) -> None:
+    samples, left_out = planned(data_root)
+    assert mapped(data_root) == samples
+    assert dict(report.left_out) == left_out
+    assert report.samples == len(samples)
+    checks, problems = verify.verify_tree(data_root, "web")
+    assert all(c.ok for c in checks) and not problems, (checks, problems)
+
+
+def test_a_run_compares_only_the_ids_its_inputs_wrote_since_the_tree(data_root):
+    corpus = build_corpus(data_root, "web", per_shape=4)
+    first = write(data_root)
+    assert first.compared_ids is None  # no tree before: every id
+    manifest = trees.tree_store(Storage(data_root), "web").manifest(first.tree_version)
+    assert set(manifest["consumed"]) == {"bucketed_images", "captions"}
+
+    add_sample(data_root, NEW_ID)
+    gone = sorted(corpus["images"])[0]
+    remove_sample(data_root, gone)
+    second = write(data_root)
+    assert second.compared_ids == 2 and second.appended
+    assert (second.processed, second.removed) == (1, 1)
+    assert second.reused == len(corpus["images"]) - 1
+    assert_tree_matches_inputs(data_root, second)
+
+    again = write(data_root)  # the new tree recorded the inputs it consumed: nothing handed
+    assert again.compared_ids == 0 and not again.changed
+    assert again.tree_version == second.tree_version
+
+
+def test_recaptioned_and_rejected_samples_handed_leave_the_tree_a_full_compare_would(
+        data_root):
+    corpus = build_corpus(data_root, "web", per_shape=4)
+    write(data_root)
+    recaptioned, rejected = sorted(corpus["images"])[1:3]
+    storage = Storage(data_root)
+    captions = storage.table("captions", "web")
+    captions.open().delete(f"id = '{recaptioned}' AND caption_version = '{ACTIVE}'")
+    append_rows(captions, pa.Table.from_pylist(
+        [_caption(recaptioned, ACTIVE, "a new caption", "ok", datetime(2026, 3, 1, tzinfo=UTC))],
+        schema=CAPTIONS_SCHEMA), CAPTIONS_SCHEMA)
+    storage.table("bucketed_images", "web").open().update({"status": "'rejected'"},
+                                                           where=f"id = '{rejected}'")
+    report = write(data_root)
+    assert report.compared_ids == 2
+    assert (report.processed, report.removed) == (1, 2)
+    assert rejected not in mapped(data_root)
+    assert_tree_matches_inputs(data_root, report)
+
+
+def test_after_a_compaction_of_an_input_every_id_is_compared(data_root):
+    corpus = build_corpus(data_root, "web", per_shape=4)
+    write(data_root)
+    remove_sample(data_root, sorted(corpus["images"])[0])
+    add_sample(data_root, NEW_ID)
+    bucketed = Storage(data_root).table("bucketed_images", "web").open()
+    bucketed.optimize.compact_files(target_rows_per_fragment=1 << 20)  # consumed fragments gone
+    report = write(data_root)
+    assert report.compared_ids is None
+    assert (report.processed, report.removed) == (1, 1)
+    assert_tree_matches_inputs(data_root, report)
+
+
+def test_after_a_tree_leaving_samples_out_every_id_is_compared(data_root):
+    corpus = build_corpus(data_root, "web", per_shape=2)
+    inputs = inputs_for(data_root, "web")
+    left_out = sorted(corpus["images"])[:1]
+    excluding = plan.SampleInputs(inputs.bucketed, inputs.captions, inputs.caption_filter,
+                                  exclude_ids=frozenset(left_out))
+    assert consumed_inputs(excluding) is None  # as a rewrite builds: no record
+    mds.write_mds_tree(excluding, data_root, "web", plan.WriteOptions(
+        size_limit=60_000, rows_per_part=7, parallel=False, incremental=False))
+    assert left_out[0] not in mapped(data_root)
+    report = write(data_root)
+    assert report.compared_ids is None
+    assert_tree_matches_inputs(data_root, report)
