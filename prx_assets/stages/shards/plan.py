@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 
 from prx_assets.stages.shards.trees import DEFAULT_RETENTION, TreeStore, new_tree_version
 from prx_assets.storage.changes import rows_with_ids
+from prx_assets.storage.key_index import KeyIndexPolicy
 from prx_assets.storage.leases import Lease
 from prx_assets.storage.refs import Location, TableRef
 
@@ -77,6 +78,9 @@ class WriteOptions:
     retention: timedelta = DEFAULT_RETENTION
     parallel: bool = True  # Ray tasks; False writes the parts in this process (tiny sources)
     incremental: bool = True  # False: always a full build (a rewrite, a byte-identity check)
+    # The mapping's BTREE on `id`, refreshed after each publish: a run handed its inputs'
+    # changes looks the touched ids up through it, and the merge of the new rows uses it.
+    mapping_index: KeyIndexPolicy = KeyIndexPolicy()
 
 
 def build_settings(inputs: SampleInputs, options: WriteOptions) -> dict:

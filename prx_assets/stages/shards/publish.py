@@ -33,6 +33,7 @@ from prx_assets.stages.shards.trees import (
     lineage,
     read_index,
 )
+from prx_assets.storage.key_index import refresh_key_index
 from prx_assets.storage.refs import Location, TableRef
 
 logger = logging.getLogger(__name__)
@@ -189,6 +190,7 @@ def publish(build: Build, final: Location, mapping_version: int, left_out: Count
     failpoint("mds.before_publish")
     build.check_lease()
     build.store.publish(build.version, expected=build.base_tree)
+    mapping_version = index_mapping(build, mapping_version)
     removed = build.store.prune(build.options.retention)
     if removed:
         build.log(f"{build.source}: removed {len(removed)} tree(s) past retention that no "
@@ -201,6 +203,15 @@ def publish(build: Build, final: Location, mapping_version: int, left_out: Count
                       mapping=build.mapping.at(mapping_version), left_out=left_out,
                       leaves=leaves, processed=counts.processed, reused=counts.reused,
                       removed=counts.removed, appended=counts.appended)
+
+
+def index_mapping(build: Build, mapping_version: int) -> int:
+    """The mapping's key index brought up to date once the tree is current (so the mapping
+    commit stays the last commit before the publish, as a roll forward checks); returns
+    the version that describes the tree: the index's, if it made one."""
+    if refresh_key_index(build.mapping, "id", build.options.mapping_index):
+        return build.mapping.latest_version() or mapping_version
+    return mapping_version
 
 
 def report_path(tree: Location) -> Path | str:

@@ -10,6 +10,7 @@ import pyarrow as pa
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
 from prx_assets.stages.shards import mds, plan, trees, verify
 from prx_assets.stages.shards.handed import consumed_inputs
+from prx_assets.storage.key_index import KeyIndexPolicy, key_index_stats
 from prx_assets.storage.lance_tables import append_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import ACTIVE, _caption, build_corpus, inputs_for
@@ -113,3 +114,27 @@ def test_after_a_tree_leaving_samples_out_every_id_is_compared(data_root):
     report = write(data_root)
     assert report.compared_ids is None
     assert_tree_matches_inputs(data_root, report)
+
+
+def test_the_mapping_keeps_a_key_index_the_handed_lookups_use(data_root):
+    corpus = build_corpus(data_root, "web", per_shape=3)
+    options = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False,
+                                mapping_index=KeyIndexPolicy(min_rows=1))
+    inputs = inputs_for(data_root, "web")
+    first = mds.write_mds_tree(inputs, data_root, "web", options)
+    mapping = Storage(data_root).table("mds_samples", "web")
+    stats = key_index_stats(mapping.open(), "id")
+    assert stats is not None and stats["num_unindexed_rows"] == 0
+    assert first.mapping_version == mapping.latest_version()  # the indexed version
+
+    add_sample(data_root, NEW_ID)
+    remove_sample(data_root, sorted(corpus["images"])[0])
+    second = mds.write_mds_tree(inputs, data_root, "web", options)
+    assert second.compared_ids == 2 and (second.processed, second.removed) == (1, 1)
+    stats = key_index_stats(mapping.latest().open(), "id")
+    assert stats is not None and stats["num_unindexed_rows"] == 0  # the merged row indexed
+    plan_ = mapping.latest().open().scanner(filter=f"id = '{NEW_ID}'").explain_plan()
+    assert "ScalarIndexQuery" in plan_ or "MaterializeIndex" in plan_, plan_
+    assert_tree_matches_inputs(data_root, second)
+    again = mds.write_mds_tree(inputs, data_root, "web", options)
+    assert not again.changed and again.mapping_version == second.mapping_version
