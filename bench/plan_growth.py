@@ -2,8 +2,8 @@
 the skipped-id pass, on metadata-only rows (no image bytes, no caption text).
 
 Per size N, one source's tables are made once (metadata columns only): `bucketed_images`
-(N kept rows in 3 tiers x 10 shapes: 30 leaves), `captions` (one usable row per id) and the
-mapping table `mds_samples` written by the stage's own `mapping_rows` / `write_mapping`
+(N kept rows in 3 tiers x 10 shapes: 30 leaves), `captions` (one usable row per id, with
+the BTREE on `id` its stage keeps) and the mapping table `mds_samples` written by the stage's own `mapping_rows` / `write_mapping`
 (2,000 samples a shard) with 0.1 % of its fingerprints changed and 0.1 % more ids than the
 plan (rows to write and a stale set of 0.2 %), plus dedup sidecars on 1 % of the shards.
 Then each phase runs in a fresh interpreter (one process per phase and size, so the peaks
@@ -11,6 +11,9 @@ are its own):
 
 - **plan**: `plan_samples`, `split_leaves`, `part_specs` of every leaf and the full
   build's `mapping_rows`: what the driver does before the Ray tasks of a full build;
+- **grouped**: the same full build planned in groups of at most 10⁵ kept rows (the stage's
+  `plan_rows`, 10⁶ by default): the counting pass, then per group its plan, part specs and
+  mapping rows written as uncommitted fragments;
 - **diff**: `mapping_for_append` and `plan_delta` (new, changed, stale and removed ids)
   against the plan (made before the clock);
 - **handed**: the same diff for a run handed its inputs' changes (`handed_delta` of the
@@ -47,7 +50,8 @@ import pyarrow as pa
 from bench.common import Figure, report
 
 DEFAULT_SIZES = (10_000, 100_000)  # a smoke run; the note uses 1e4,1e5,1e6
-PHASES = ("plan", "diff", "handed", "skipped")
+PHASES = ("plan", "grouped", "diff", "handed", "skipped")
+GROUP_ROWS = 100_000  # the grouped phase's `plan_rows` (the stage's default is 10⁶)
 SOURCE = "bench"
 CAPTION_FILTER = "caption_version = 'v1' AND status = 'ok'"
 TIERS = (256, 512, 1024)
@@ -121,7 +125,10 @@ def make_source(folder: Path, n: int) -> None:
 
     bucketed = bucketed_rows(n)
     lance.write_dataset(bucketed, folder / "bucketed.lance")
-    lance.write_dataset(caption_rows(bucketed["id"].combine_chunks()), folder / "captions.lance")
+    captions = lance.write_dataset(caption_rows(bucketed["id"].combine_chunks()),
+                                   folder / "captions.lance")
+    # As the captions stage keeps it (`storage.key_index`): what lookups by id go through.
+    captions.create_scalar_index("id", "BTREE", name="id_idx")
     plan, _ = plan_samples(inputs_of(folder))
     mapping = pa.concat_tables(mapping_rows(SOURCE, key, rows, fake_shards(rows.num_rows), "v1")
                                for key, rows in split_leaves(plan))
@@ -166,6 +173,35 @@ def phase_plan(folder: Path) -> Callable[[], object]:
         mapping = [mapping_rows(SOURCE, key, rows, fake_shards(rows.num_rows), "v2")
                    for key, rows in leaves]
         return plan, leaves, specs, mapping
+
+    return run
+
+
+def phase_grouped(folder: Path) -> Callable[[], object]:
+    """What the driver does before and between the Ray tasks of a full build planned in
+    groups of at most `GROUP_ROWS` kept rows (`stages.shards.groups`): the counting pass,
+    the groups (a cut leaf's sample pass), then per group the plan, its leaves and part
+    specs and its mapping rows written as uncommitted fragments, one group held at a time."""
+    from prx_assets.stages.shards.groups import kept_per_leaf, plan_groups, stage_fragments
+    from prx_assets.stages.shards.mapping import mapping_rows
+    from prx_assets.stages.shards.parts import part_specs
+    from prx_assets.stages.shards.plan import plan_samples, split_leaves
+    from prx_assets.stages.shards.trees import leaf_name
+    from prx_assets.storage.refs import Location, TableRef
+
+    inputs = inputs_of(folder).pinned()
+    scratch = TableRef.of(Path(tempfile.mkdtemp(dir=folder)) / "mapping.lance")
+
+    def run() -> object:
+        groups = plan_groups(inputs, kept_per_leaf(inputs), GROUP_ROWS)
+        fragments = []
+        for group in groups:
+            plan, _ = plan_samples(inputs, where=group.where(len(groups) == 1))
+            for key, rows in split_leaves(plan):
+                part_specs(rows, Location.of(folder / "staging") / leaf_name(*key), 50_000)
+                fragments += stage_fragments(scratch, mapping_rows(
+                    SOURCE, key, rows, fake_shards(rows.num_rows), "v2"))
+        return len(groups), len(fragments)
 
     return run
 
@@ -254,7 +290,8 @@ def measure_phase(phase: str, folder: Path, warm: Path) -> dict:
     a second run (tracemalloc slows allocation-heavy code, so it is not on while timing)."""
     import prx_assets
 
-    phases = {"plan": phase_plan, "diff": phase_diff, "handed": phase_handed,
+    phases = {"plan": phase_plan, "grouped": phase_grouped, "diff": phase_diff,
+              "handed": phase_handed,
               "skipped": phase_skipped}
     phases[phase](warm)()
     run = phases[phase](folder)

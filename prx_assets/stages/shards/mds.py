@@ -50,6 +50,7 @@ from prx_assets.stages.shards.publish import (
     append_build,
     finish_interrupted_publish,
     full_build,
+    grouped_full_build,
     unchanged_report,
 )
 from prx_assets.stages.shards.trees import TreeStore, tree_store
@@ -93,14 +94,22 @@ def _write(inputs: SampleInputs, storage: Storage, store: TreeStore, options: Wr
             f"tree {current}: comparing those")
         delta, left_out = handed_delta(build.inputs, mapping, touched)
         return _append_or_unchanged(build, delta, left_out, current, compared=len(touched))
+    previous = None if manifest is None else mapping_for_append(build.mapping)
+    if (previous is None or current is None) and _plain(build):
+        return grouped_full_build(build)
     plan, left_out = plan_samples(build.inputs)
     log(f"{source}: {plan.num_rows:,} samples planned; left out {dict(left_out) or 'none'}")
-    previous = None if manifest is None else mapping_for_append(build.mapping)
     if previous is None or current is None:
         return full_build(build, plan, left_out, removed=ids_gone(mapping, plan))
     delta = plan_delta(plan, previous)
     del previous
     return _append_or_unchanged(build, delta, left_out, current, compared=None)
+
+
+def _plain(build: Build) -> bool:
+    """A build of every sample of its inputs, with no files staged from the whole mapping:
+    one that can be planned in groups of leaves (a rewrite plans its whole source)."""
+    return not build.inputs.exclude_ids and build.stage_files is None
 
 
 def _append_or_unchanged(build: Build, delta: Delta, left_out: Counter, current: str,

@@ -49,6 +49,7 @@ FINGERPRINT_CAPTION_COLUMNS = ["created_at", "n_words"]
 
 KEPT = "status = 'ok'"  # the bucketed rows a tree holds (with a usable caption)
 DEFAULT_SIZE_LIMIT = 128 << 20  # ~128 MB shards, the design's size
+DEFAULT_PLAN_ROWS = 1_000_000
 DEFAULT_ROWS_PER_PART = 50_000  # one Ray task per part: ~5-20 GB of JPEGs, a few dozen shards
 
 
@@ -74,6 +75,9 @@ class WriteOptions:
     size_limit: int = DEFAULT_SIZE_LIMIT
     compression: str | None = None  # JPEG bytes do not compress further
     rows_per_part: int = DEFAULT_ROWS_PER_PART
+    # Kept rows a full build plans at once (`groups`): the driver's memory is bounded by
+    # this, not by the source (~600 B a row).
+    plan_rows: int = DEFAULT_PLAN_ROWS
     # A superseded tree stays this long (and while a reader lease holds it).
     retention: timedelta = DEFAULT_RETENTION
     parallel: bool = True  # Ray tasks; False writes the parts in this process (tiny sources)
@@ -126,21 +130,24 @@ class Build:
             self.lease.check()
 
 
-def plan_samples(inputs: SampleInputs, ids: pa.Array | None = None
+def plan_samples(inputs: SampleInputs, ids: pa.Array | None = None, where: str | None = None
                  ) -> tuple[pa.Table, Counter]:
     """Kept rows with a usable caption, sorted by (tier, width, height, id), each with its
     fingerprint, plus the rows left out by reason. Reads ids, shapes, row ids and the
     fingerprint columns only: no image bytes, no caption text. `ids`: only these ids'
-    rows, looked up by id (an incremental run handed its inputs' changes)."""
+    rows, looked up by id (an incremental run handed its inputs' changes); `where`: only
+    the bucketed rows it selects (a group of leaves), their captions looked up by id."""
     bucketed = inputs.bucketed.open()
     present = set(bucketed.schema.names)
     extra = [c for c in FINGERPRINT_IMAGE_COLUMNS if c in present and c not in
              ("tier", "width", "height")]
-    kept = _rows(bucketed, ["id", "tier", "width", "height", *extra], KEPT, ids)
+    kept = _rows(bucketed, ["id", "tier", "width", "height", *extra],
+                 f"{KEPT} AND ({where})" if where else KEPT, ids)
     kept = kept.rename_columns([*kept.column_names[:-1], "image_row"])
     captions = inputs.captions.open()
     caption_extra = [c for c in FINGERPRINT_CAPTION_COLUMNS if c in captions.schema.names]
-    usable = _rows(captions, ["id", *caption_extra], inputs.caption_filter, ids)
+    usable = _rows(captions, ["id", *caption_extra], inputs.caption_filter,
+                   kept["id"].combine_chunks() if where else ids)
     # Several usable rows for one id should not happen; take the first written, deterministically.
     usable = usable.group_by("id").aggregate(
         [("_rowid", "min"), *((c, "max") for c in caption_extra)])

@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.shards.card import write_source_card
+from prx_assets.stages.shards.groups import commit_fragments, write_groups
 from prx_assets.stages.shards.handed import consumed_inputs
 from prx_assets.stages.shards.mapping import mapped_leaves, update_mapping, write_mapping
 from prx_assets.stages.shards.merge import (
@@ -112,6 +113,27 @@ def full_build(build: Build, plan: pa.Table, left_out: Counter, removed: int) ->
     mapping_version = write_mapping(build.mapping, mapping)
     return publish(build, final, mapping_version, left_out, leaves,
                    Counts(processed=plan.num_rows, reused=0, removed=removed, appended=False))
+
+
+def grouped_full_build(build: Build) -> TreeReport:
+    """A full build planned in groups of leaves (`groups`): the driver holds one group's
+    plan at a time; the mapping is committed in one Overwrite of the staged fragments."""
+    try:
+        build.staging.make_dirs()  # an empty source still gets an (empty) tree
+        done = write_groups(build)
+        leaves = leaf_reports({}, {}, done.written)
+        write_manifest(build, carried=[], samples=done.samples)
+        final = build.store.finish(build.version)
+    except BaseException:
+        build.staging.delete()
+        raise
+    check_base(build)
+    failpoint("mds.before_mapping_commit")
+    mapping_version = commit_fragments(build.mapping, done.fragments)
+    before = build.mapping.at(build.base_version).count_rows() if build.base_version else 0
+    return publish(build, final, mapping_version, done.left_out, leaves,
+                   Counts(processed=done.samples, reused=0, removed=before - done.kept_before,
+                          appended=False))
 
 
 def append_build(build: Build, delta: Delta, left_out: Counter, current: str) -> TreeReport:

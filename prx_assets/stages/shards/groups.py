@@ -1,0 +1,162 @@
+"""A full build planned in groups of leaves (issue 31): the driver holds one group's plan
+at a time, at most `WriteOptions.plan_rows` kept rows, whatever the source's size.
+
+One streamed pass counts the kept rows per leaf (tier, width, height). Consecutive leaves
+are packed into groups of up to `plan_rows` rows; a leaf holding more is cut into ranges
+of ids, at boundaries read from an evenly spaced sample of its ids (one more streamed pass
+over that leaf), so the ranges in order are the leaf in id order. Each group is planned
+from a Lance scan filtered on its leaves (and range), its captions looked up by id; its
+parts are written, merged into its leaves (a cut leaf's numbering continues across its
+ranges) and its mapping rows written as uncommitted fragments that the build commits in
+one Overwrite. A source within `plan_rows` is one group: planned, cut and written as a
+whole-source plan would be (the same shards, byte for byte).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from itertools import pairwise
+
+import lance
+import pyarrow as pa
+from lance.fragment import FragmentMetadata, write_fragments
+
+from prx_assets.stages.shards.mapping import MDS_SAMPLES_SCHEMA
+from prx_assets.stages.shards.merge import LeafEntries, write_new_leaves
+from prx_assets.stages.shards.plan import KEPT, Build, SampleInputs, plan_samples
+from prx_assets.stages.shards.trees import leaf_name
+from prx_assets.storage.changes import rows_with_ids
+from prx_assets.storage.filters import sql_string
+from prx_assets.storage.refs import TableRef
+
+LeafKey = tuple[int, int, int]
+SCAN_ROWS = 1 << 18  # rows per batch of the counting and sampling passes
+SAMPLES_PER_RANGE = 64  # ids sampled per range of a cut leaf: boundaries within ~2 %
+
+
+@dataclass(frozen=True)
+class PlanGroup:
+    """Consecutive leaves (or one range of ids of one leaf) planned together."""
+
+    leaves: tuple[LeafKey, ...]
+    rows: int  # kept rows counted (captioned or not)
+    low: str | None = None  # a range of a cut leaf: low <= id < high
+    high: str | None = None
+
+    def where(self, whole_source: bool) -> str | None:
+        """The bucketed rows of the group (None: every kept row, the source is one group)."""
+        if whole_source:
+            return None
+        leaves = " OR ".join(f"(tier = {t} AND width = {w} AND height = {h})"
+                             for t, w, h in self.leaves)
+        bounds = [f"id >= {sql_string(self.low)}" if self.low is not None else "",
+                  f"id < {sql_string(self.high)}" if self.high is not None else ""]
+        return " AND ".join([f"({leaves})", *(b for b in bounds if b)])
+
+
+def kept_per_leaf(inputs: SampleInputs) -> dict[LeafKey, int]:
+    """Kept rows per leaf, in one streamed pass (a count per leaf, never one per row)."""
+    counts: Counter = Counter()
+    scanner = inputs.bucketed.open().scanner(columns=["tier", "width", "height"],
+                                                   filter=KEPT, batch_size=SCAN_ROWS)
+    for batch in scanner.to_batches():
+        grouped = pa.Table.from_batches([batch]).group_by(["tier", "width", "height"]) \
+            .aggregate([([], "count_all")])
+        for row in grouped.to_pylist():
+            counts[(row["tier"], row["width"], row["height"])] += row["count_all"]
+    return dict(sorted(counts.items()))
+
+
+def plan_groups(inputs: SampleInputs, counts: dict[LeafKey, int], plan_rows: int
+                ) -> list[PlanGroup]:
+    """Leaves packed in order into groups of up to `plan_rows` rows; a bigger leaf cut."""
+    limit = max(1, plan_rows)
+    groups: list[PlanGroup] = []
+    packed: list[LeafKey] = []
+    rows = 0
+    for key, count in counts.items():
+        if packed and rows + count > limit:
+            groups.append(PlanGroup(tuple(packed), rows))
+            packed, rows = [], 0
+        if count > limit:
+            groups += leaf_ranges(inputs, key, count, math.ceil(count / limit))
+            continue
+        packed.append(key)
+        rows += count
+    if packed:
+        groups.append(PlanGroup(tuple(packed), rows))
+    return groups
+
+
+def leaf_ranges(inputs: SampleInputs, key: LeafKey, count: int, ranges: int
+                ) -> list[PlanGroup]:
+    """`key`'s ids cut into about `ranges` ranges of about equal rows."""
+    step = max(1, count // (ranges * SAMPLES_PER_RANGE))
+    leaf = PlanGroup((key,), count).where(whole_source=False)
+    sample: list[str] = []
+    seen = 0
+    scanner = inputs.bucketed.open().scanner(columns=["id"], filter=f"{KEPT} AND {leaf}",
+                                             batch_size=SCAN_ROWS)
+    for batch in scanner.to_batches():  # every step-th id in scan order: deterministic
+        first = (-seen) % step
+        sample += batch.column("id").slice(first).to_pylist()[::step]
+        seen += batch.num_rows
+    sample.sort()
+    bounds = sorted({sample[len(sample) * i // ranges] for i in range(1, ranges)})
+    edges: list[str | None] = [None, *bounds, None]
+    return [PlanGroup((key,), count // ranges, low, high)
+            for low, high in pairwise(edges)]
+
+
+@dataclass
+class GroupedWrite:
+    """What a grouped full build wrote before its mapping commit."""
+
+    written: LeafEntries
+    fragments: list[FragmentMetadata]
+    left_out: Counter
+    samples: int
+    kept_before: int  # planned ids the previous mapping held (for `rows_removed`)
+
+
+def write_groups(build: Build) -> GroupedWrite:
+    """Every group planned and written in turn into the staged version; the mapping rows
+    written as fragments, not committed."""
+    groups = plan_groups(build.inputs, kept_per_leaf(build.inputs), build.options.plan_rows)
+    build.log(f"{build.source}: planning {sum(g.rows for g in groups):,} kept rows in "
+              f"{len(groups)} group(s) of at most {build.options.plan_rows:,}")
+    previous = build.mapping.at(build.base_version) if build.base_version else None
+    done = GroupedWrite({}, [], Counter(), 0, 0)
+    for group in groups:
+        plan, left_out = plan_samples(build.inputs, where=group.where(len(groups) == 1))
+        new, mapping = write_new_leaves(build, plan, done.written)
+        for name, shards in new.items():
+            done.written[name] = [*done.written.get(name, []), *shards]
+        done.fragments += stage_fragments(build.mapping, mapping)
+        done.left_out += left_out
+        done.samples += plan.num_rows
+        if previous is not None:
+            done.kept_before += rows_with_ids(previous.open(), plan["id"].combine_chunks(),
+                                              ["id"]).num_rows
+        build.log(f"{build.source}: group {', '.join(leaf_name(*k) for k in group.leaves[:3])}"
+                  f"{' ...' if len(group.leaves) > 3 else ''}: {plan.num_rows:,} samples")
+    return done
+
+
+def stage_fragments(mapping: TableRef, rows: pa.Table) -> list[FragmentMetadata]:
+    """`rows` written as mapping fragments that no version references yet."""
+    if rows.num_rows == 0:
+        return []
+    return write_fragments(rows.cast(MDS_SAMPLES_SCHEMA), mapping.uri,
+                           schema=MDS_SAMPLES_SCHEMA, mode="overwrite",
+                           storage_options=mapping.lance_options())
+
+
+def commit_fragments(mapping: TableRef, fragments: list[FragmentMetadata]) -> int:
+    """The staged fragments as the mapping's whole new version, in one commit: readers see
+    the previous mapping or this one, never a mix."""
+    return lance.LanceDataset.commit(
+        mapping.uri, lance.LanceOperation.Overwrite(MDS_SAMPLES_SCHEMA, fragments),
+        read_version=mapping.latest_version(), storage_options=mapping.lance_options()).version

@@ -1,0 +1,116 @@
+"""A full build planned in groups of leaves: leaves packed up to `plan_rows` kept rows, a
+bigger leaf cut into ranges of ids; the tree holds the same samples in the same order as a
+whole-source plan, every stored sample where the mapping says, the counts exact; the same
+options give the same bytes; a kill before the mapping commit leaves the previous tree
+and mapping, and the rerun no duplicates."""
+
+import dataclasses
+import gc
+from pathlib import Path
+
+import pytest
+from streaming import StreamingDataset
+from streaming.base.util import clean_stale_shared_memory
+
+from prx_assets.stages.shards import groups, mds, plan, publish, trees, verify
+from prx_assets.storage.layout import Storage
+from prx_assets.testing.mds_corpus import build_corpus, inputs_for
+
+WHOLE = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False,
+                          incremental=False, plan_rows=10**9)
+GROUPED = dataclasses.replace(WHOLE, plan_rows=5)  # leaves of 6-8 rows: packed and cut
+
+
+def write(data_root: Path, options: plan.WriteOptions) -> mds.TreeReport:
+    return mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", options)
+
+
+def stored_ids(tree: Path) -> dict[str, list[str]]:
+    """Each leaf's samples as a plain StreamingDataset reads them, in order."""
+    found = {}
+    for leaf in trees.tree_leaves(tree):
+        clean_stale_shared_memory()
+        dataset = StreamingDataset(local=str(leaf), shuffle=False, batch_size=1)
+        found[str(leaf.relative_to(tree))] = [dataset[i]["id"] for i in range(len(dataset))]
+        del dataset
+        gc.collect()
+    clean_stale_shared_memory()
+    return found
+
+
+def mapping_rows(data_root: Path) -> dict[str, tuple]:
+    rows = Storage(data_root).table("mds_samples", "web").to_table().to_pylist()
+    return {r["id"]: (r["leaf"], r["fingerprint"]) for r in rows}
+
+
+def test_groups_pack_leaves_and_cut_a_bigger_one_into_id_ranges(data_root):
+    build_corpus(data_root, "web", per_shape=6, uncaptioned=0, rejected=0)
+    inputs = inputs_for(data_root, "web").pinned()
+    counts = groups.kept_per_leaf(inputs)
+    assert list(counts) == sorted(counts) and set(counts.values()) == {6}
+    cut = groups.plan_groups(inputs, counts, plan_rows=4)
+    assert all(len(g.leaves) == 1 for g in cut)  # 6 > 4: every leaf cut in two ranges
+    assert [(g.low is None, g.high is None) for g in cut[:2]] == [(True, False), (False, True)]
+    assert cut[0].high == cut[1].low
+    packed = groups.plan_groups(inputs, counts, plan_rows=12)
+    assert [len(g.leaves) for g in packed] == [2, 2]
+    assert packed[0].where(whole_source=False).count("tier =") == 2
+    whole = groups.plan_groups(inputs, counts, plan_rows=10**9)
+    assert len(whole) == 1 and whole[0].where(whole_source=True) is None
+
+
+def test_a_grouped_build_holds_what_a_whole_plan_holds(data_root):
+    build_corpus(data_root, "web", per_shape=7)
+    whole = write(data_root, WHOLE)
+    whole_ids, whole_mapping = stored_ids(whole.path), mapping_rows(data_root)
+    grouped = write(data_root, GROUPED)
+    assert grouped.tree_version != whole.tree_version
+    assert stored_ids(grouped.path) == whole_ids  # the same samples, leaf by leaf, in order
+    assert mapping_rows(data_root) == whole_mapping
+    assert (grouped.samples, dict(grouped.left_out)) == (whole.samples, dict(whole.left_out))
+    assert (grouped.processed, grouped.removed) == (whole.samples, 0)
+    checks, problems = verify.verify_tree(data_root, "web")  # every sample where mapped
+    assert all(c.ok for c in checks) and not problems, (checks, problems)
+
+
+def test_a_grouped_build_counts_the_samples_gone(data_root):
+    corpus = build_corpus(data_root, "web", per_shape=7)
+    write(data_root, GROUPED)
+    gone = sorted(corpus["images"])[:3]
+    bucketed = Storage(data_root).table("bucketed_images", "web").open()
+    bucketed.delete(" OR ".join(f"id = '{i}'" for i in gone))
+    again = write(data_root, GROUPED)
+    assert again.removed == 3 and again.processed == again.samples
+    assert not set(gone) & set(mapping_rows(data_root))
+
+
+def test_the_same_options_give_the_same_bytes(data_root):
+    build_corpus(data_root, "web", per_shape=7)
+    first, second = write(data_root, GROUPED), write(data_root, GROUPED)
+    files = sorted(p.relative_to(first.path) for p in first.path.rglob("shard.*.mds"))
+    assert files and files == sorted(p.relative_to(second.path)
+                                     for p in second.path.rglob("shard.*.mds"))
+    for rel in files:
+        assert (first.path / rel).read_bytes() == (second.path / rel).read_bytes(), rel
+
+
+def test_a_kill_before_the_mapping_commit_keeps_the_previous_tree(data_root, monkeypatch):
+    build_corpus(data_root, "web", per_shape=7)
+    first = write(data_root, GROUPED)
+    mapping = Storage(data_root).table("mds_samples", "web")
+    version, before = mapping.latest_version(), mapping_rows(data_root)
+
+    def killed(*args):
+        raise KeyboardInterrupt("killed before the mapping commit")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(publish, "commit_fragments", killed)
+        with pytest.raises(KeyboardInterrupt):
+            write(data_root, GROUPED)
+    assert trees.current_tree(data_root, "web") == first.path
+    assert mapping.latest_version() == version and mapping_rows(data_root) == before
+    rerun = write(data_root, GROUPED)  # the staged fragments left are no version's
+    rows = Storage(data_root).table("mds_samples", "web").to_table(columns=["id"])["id"]
+    assert len(rows) == len(set(rows.to_pylist())) == rerun.samples
+    checks, problems = verify.verify_tree(data_root, "web")
+    assert all(c.ok for c in checks) and not problems, (checks, problems)
