@@ -3,9 +3,10 @@ the skipped-id pass, on metadata-only rows (no image bytes, no caption text).
 
 Per size N, one source's tables are made once (metadata columns only): `bucketed_images`
 (N kept rows in 3 tiers x 10 shapes: 30 leaves), `captions` (one usable row per id, with
-the BTREE on `id` its stage keeps) and the mapping table `mds_samples` written by the stage's own `mapping_rows` / `write_mapping`
-(2,000 samples a shard) with 0.1 % of its fingerprints changed and 0.1 % more ids than the
-plan (rows to write and a stale set of 0.2 %), plus dedup sidecars on 1 % of the shards.
+the BTREE on `id` its stage keeps) and the mapping table `mds_samples` written by the
+stage's own `mapping_rows` / `write_mapping` (2,000 samples a shard) with 0.1 % of its
+fingerprints changed and 0.1 % more ids than the plan (rows to write and a stale set of
+0.2 %), plus dedup sidecars on 1 % of the shards.
 Then each phase runs in a fresh interpreter (one process per phase and size, so the peaks
 are its own):
 
