@@ -55,10 +55,15 @@ POINTS = {
                                 "committed (before compaction)",
     "labels.chunk_committed": "the labels driver, right after a chunk of caption_labels "
                               "committed (more captions pending)",
+    "attributes.chunk_committed": "the attributes driver, right after a chunk of attributes "
+                                  "committed (more captions pending)",
     "mds.write_part": "a Ray task writing an MDS part inside the `.partial` tree, after its "
                       "first samples",
     "leases.waiting": "a writer that found its lease held by a live owner, before it waits "
                       "(logged once per holder)",
+    "mds.before_mapping_commit": "the mds_shards driver of a full build planned in groups, "
+                                 "its version complete and its mapping fragments staged, "
+                                 "before their one commit",
     "mds.before_publish": "the mds_shards driver, its version complete and its mapping "
                           "committed, before the compare-and-swap of the pointer",
     "skip_lists.before_publish": "the skip-lists driver on local disk, its lists computed, "

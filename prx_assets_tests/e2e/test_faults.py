@@ -434,6 +434,33 @@ def test_kill_during_labels(corpus, tmp_path):
     assert meta["rows_processed"] == len(corpus.kept("web")) - 4
 
 
+ATTRIBUTES_IN_FOURS = {"resources": {"attributer": {"config": {"chunk_rows": 4}}}}
+
+
+def test_kill_during_attributes(corpus, tmp_path):
+    """Attributes committed four at a time, killed right after the first chunk's commit:
+    the chunk is kept (each id once) and no record of the captions is written (the run did
+    not finish them); the rerun tags only the rest, then records."""
+    table = corpus.uri("attributes", "web")
+    if table.exists():
+        shutil.rmtree(table)  # every caption pending
+    spec = corpus.spec("corpus_job", "web", ["attributes"])
+    spec.run_config = ATTRIBUTES_IN_FOURS
+    _kill_mid_stage(corpus, spec, "attributes", "attributes.chunk_committed", tmp_path)
+    killed = _ids(table)
+    assert len(killed) == 4 and len(set(killed)) == 4
+    assert not [k for k in lance.dataset(str(table)).config() if k.startswith("prx.consumed")]
+
+    result = run_in_process(corpus.defs, "corpus_job", "web", corpus.instance,
+                            ["attributes"], run_config=ATTRIBUTES_IN_FOURS)
+    assert result.success, _failure(result)
+    [event] = result.get_asset_materialization_events()
+    meta = {k: v.value for k, v in event.event_specific_data.materialization.metadata.items()}
+    _assert_exact(_ids(table), corpus.kept("web"))
+    assert meta["rows_processed"] == len(corpus.kept("web")) - 4
+    assert [k for k in lance.dataset(str(table)).config() if k.startswith("prx.consumed")]
+
+
 def _corpus_rows(corpus: Corpus) -> tuple[int, list[tuple[str, str]]]:
     table = lance.dataset(str(corpus.data_root / "lance" / "corpus.lance"))
     rows = table.to_table(columns=["id", "source"])

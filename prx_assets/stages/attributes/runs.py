@@ -28,6 +28,7 @@ from prx_assets.engine.chunked import (
     drop_ids,
     run_chunked,
 )
+from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.attributes.backends import (
     INSTRUCTIONS,
     VLLMAttributeSettings,
@@ -305,6 +306,7 @@ def tag_source(captions: TableRef, attributes: TableRef, caption_version: str,
 
     def count(chunk: pa.Table, run: ChunkedRun) -> None:
         report.commits = run
+        failpoint("attributes.chunk_committed")
         report.statuses.update(chunk.column("status").to_pylist())
         bad = chunk.filter(pc.is_valid(chunk.column("error"))).column("error").to_pylist()
         report.reasons.extend(bad[: max(0, 5 - len(report.reasons))])

@@ -6,13 +6,17 @@ and mapping, and the rerun no duplicates."""
 
 import dataclasses
 import gc
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from streaming import StreamingDataset
 from streaming.base.util import clean_stale_shared_memory
 
-from prx_assets.stages.shards import groups, mds, plan, publish, trees, verify
+from prx_assets.engine import failpoints
+from prx_assets.stages.shards import groups, mds, plan, trees, verify
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
@@ -94,23 +98,49 @@ def test_the_same_options_give_the_same_bytes(data_root):
         assert (first.path / rel).read_bytes() == (second.path / rel).read_bytes(), rel
 
 
-def test_a_kill_before_the_mapping_commit_keeps_the_previous_tree(data_root, monkeypatch):
+_FULL_BUILD = """
+import sys
+from pathlib import Path
+from prx_assets.stages.shards import mds, plan
+from prx_assets.testing.mds_corpus import inputs_for
+root = Path(sys.argv[1])
+mds.write_mds_tree(inputs_for(root, "web"), root, "web", plan.WriteOptions(
+    size_limit=60_000, rows_per_part=7, parallel=False, incremental=False, plan_rows=5))
+"""
+
+
+def test_a_kill_before_the_mapping_commit_keeps_the_previous_tree(data_root, tmp_path):
     build_corpus(data_root, "web", per_shape=7)
     first = write(data_root, GROUPED)
     mapping = Storage(data_root).table("mds_samples", "web")
     version, before = mapping.latest_version(), mapping_rows(data_root)
 
-    def killed(*args):
-        raise KeyboardInterrupt("killed before the mapping commit")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(publish, "commit_fragments", killed)
-        with pytest.raises(KeyboardInterrupt):
-            write(data_root, GROUPED)
+    marker = tmp_path / "marker.json"
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "PRX_LEASE_TTL_S": "1",
+           **failpoints.env("mds.before_mapping_commit", marker)}
+    child = subprocess.Popen([sys.executable, "-c", _FULL_BUILD, str(data_root)], env=env)
+    try:
+        while failpoints.read_marker(marker) is None:  # held at the point, not raced
+            try:
+                child.wait(0.2)
+                pytest.fail("the build exited before reaching the failpoint")
+            except subprocess.TimeoutExpired:
+                pass
+        child.kill()
+        child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
     assert trees.current_tree(data_root, "web") == first.path
     assert mapping.latest_version() == version and mapping_rows(data_root) == before
-    rerun = write(data_root, GROUPED)  # the staged fragments left are no version's
+    referenced = {d.path for f in mapping.open().get_fragments() for d in f.data_files()}
+    staged = {p.name for p in (Path(mapping.uri) / "data").iterdir()}
+    assert staged - referenced  # the killed build's fragments: written, in no version
+    checks, problems = verify.verify_tree(data_root, "web")  # the previous tree reads whole
+    assert all(c.ok for c in checks) and not problems, (checks, problems)
+
+    rerun = write(data_root, GROUPED)  # the killed run's staged fragments are no version's
     rows = Storage(data_root).table("mds_samples", "web").to_table(columns=["id"])["id"]
-    assert len(rows) == len(set(rows.to_pylist())) == rerun.samples
+    assert len(rows) == len(set(rows.to_pylist())) == rerun.samples == first.samples
     checks, problems = verify.verify_tree(data_root, "web")
     assert all(c.ok for c in checks) and not problems, (checks, problems)
