@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # the loader plans through this module and must not import Ra
 
 CONFIG_PREFIX = "prx.consumed."
 LOOKUP_IDS = 10_000  # ids per `IN` lookup (keeps the SQL bounded)
+SCAN_ROWS = 1 << 18  # rows per batch of a streamed scan
 RECORD_TRIES = 5  # a concurrent run's record conflicts with ours: re-read and retry
 
 
@@ -165,6 +166,19 @@ def rows_with_ids(table: lance.LanceDataset, ids: pa.Array, columns: list[str],
         parts.append(table.to_table(columns=columns, with_row_id=with_row_id,
                                     filter=f"({lookup}) AND ({where})" if where else lookup))
     return pa.concat_tables(parts)
+
+
+def scan_rows_with_ids(table: lance.LanceDataset, ids: pa.Array, columns: list[str],
+                       where: str | None = None, with_row_id: bool = False,
+                       batch_rows: int = SCAN_ROWS) -> pa.Table:
+    """`columns` of the rows whose id is in `ids` (and that match `where`), by one streamed
+    scan: for ids too many to look up (a group of a full build), holding the ids and one
+    batch, not the key index's pages (lookups of 10⁵ ids took ~150 MiB of them)."""
+    scanner = table.scanner(columns=columns, filter=where, with_row_id=with_row_id,
+                            batch_size=batch_rows)
+    parts = [batch.filter(pc.is_in(batch.column("id"), value_set=ids))
+             for batch in scanner.to_batches()]
+    return pa.Table.from_batches(parts, schema=scanner.projected_schema)
 
 
 def read_ids(table: TableRef, ids: pa.Array, columns: list[str], where: str | None = None

@@ -5,7 +5,8 @@ One streamed pass counts the kept rows per leaf (tier, width, height). Consecuti
 are packed into groups of up to `plan_rows` rows; a leaf holding more is cut into ranges
 of ids, at boundaries read from an evenly spaced sample of its ids (one more streamed pass
 over that leaf), so the ranges in order are the leaf in id order. Each group is planned
-from a Lance scan filtered on its leaves (and range), its captions looked up by id; its
+from a Lance scan filtered on its leaves (and range), its captions by a streamed scan
+keeping the group's ids (as are the previous mapping's ids it still holds); its
 parts are written, merged into its leaves (a cut leaf's numbering continues across its
 ranges) and its mapping rows written as uncommitted fragments that the build commits in
 one Overwrite. A source within `plan_rows` is one group: planned, cut and written as a
@@ -27,7 +28,7 @@ from prx_assets.stages.shards.mapping import MDS_SAMPLES_SCHEMA
 from prx_assets.stages.shards.merge import LeafEntries, write_new_leaves
 from prx_assets.stages.shards.plan import KEPT, Build, SampleInputs, plan_samples
 from prx_assets.stages.shards.trees import leaf_name
-from prx_assets.storage.changes import rows_with_ids
+from prx_assets.storage.changes import scan_rows_with_ids
 from prx_assets.storage.filters import sql_string
 from prx_assets.storage.refs import TableRef
 
@@ -138,8 +139,8 @@ def write_groups(build: Build) -> GroupedWrite:
         done.left_out += left_out
         done.samples += plan.num_rows
         if previous is not None:
-            done.kept_before += rows_with_ids(previous.open(), plan["id"].combine_chunks(),
-                                              ["id"]).num_rows
+            done.kept_before += scan_rows_with_ids(previous.open(), plan["id"].combine_chunks(),
+                                                   ["id"]).num_rows
         build.log(f"{build.source}: group {', '.join(leaf_name(*k) for k in group.leaves[:3])}"
                   f"{' ...' if len(group.leaves) > 3 else ''}: {plan.num_rows:,} samples")
     return done

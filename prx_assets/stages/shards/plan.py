@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.stages.shards.trees import DEFAULT_RETENTION, TreeStore, new_tree_version
-from prx_assets.storage.changes import rows_with_ids
+from prx_assets.storage.changes import rows_with_ids, scan_rows_with_ids
 from prx_assets.storage.key_index import KeyIndexPolicy
 from prx_assets.storage.leases import Lease
 from prx_assets.storage.refs import Location, TableRef
@@ -146,8 +146,12 @@ def plan_samples(inputs: SampleInputs, ids: pa.Array | None = None, where: str |
     kept = kept.rename_columns([*kept.column_names[:-1], "image_row"])
     captions = inputs.captions.open()
     caption_extra = [c for c in FINGERPRINT_CAPTION_COLUMNS if c in captions.schema.names]
-    usable = _rows(captions, ["id", *caption_extra], inputs.caption_filter,
-                   kept["id"].combine_chunks() if where else ids)
+    if where:  # a group's captions: one streamed scan (its ids are too many to look up)
+        usable = scan_rows_with_ids(captions, kept["id"].combine_chunks(),
+                                    ["id", *caption_extra], inputs.caption_filter,
+                                    with_row_id=True)
+    else:
+        usable = _rows(captions, ["id", *caption_extra], inputs.caption_filter, ids)
     # Several usable rows for one id should not happen; take the first written, deterministically.
     usable = usable.group_by("id").aggregate(
         [("_rowid", "min"), *((c, "max") for c in caption_extra)])
