@@ -14,6 +14,8 @@ from prx_assets.storage.changes import (
     forget_consumed,
     read_consumed,
     record_consumed,
+    rows_with_ids,
+    scan_rows_with_ids,
 )
 from prx_assets.storage.refs import TableRef
 
@@ -130,3 +132,16 @@ def test_a_record_rebases_over_writes_and_two_records_race(tmp_path):
         thread.join()
     assert not errors
     assert any(read_consumed(target, "up2", tag=c.tag) == c for c in records)
+
+
+def test_rows_of_ids_scanned_in_batches_equal_those_looked_up(tmp_path):
+    path = str(tmp_path / "t.lance")
+    table = lance.write_dataset(pa.table({"id": [f"i{n:03d}" for n in range(300)],
+                                          "v": list(range(300))}), path, max_rows_per_file=70)
+    wanted = pa.array(["i007", "i150", "i299", "absent"])
+    scanned = scan_rows_with_ids(table, wanted, ["id", "v"], where="v > 10", with_row_id=True,
+                                 batch_rows=32)  # several fragments, several batches each
+    looked_up = rows_with_ids(table, wanted, ["id", "v"], where="v > 10", with_row_id=True)
+    assert scanned.sort_by("id").to_pylist() == looked_up.sort_by("id").to_pylist()
+    assert scanned.column("id").to_pylist() == ["i150", "i299"]
+    assert scan_rows_with_ids(table, pa.array([], pa.string()), ["id"]).num_rows == 0
