@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,18 +98,26 @@ class Counts:
     appended: bool
 
 
-def full_build(build: Build, plan: pa.Table, left_out: Counter, removed: int) -> TreeReport:
+@contextmanager
+def staged(build: Build) -> Iterator[None]:
+    """The build's version staged; deleted if anything fails or kills the run before the
+    version is finished (an empty source still gets an empty tree)."""
     try:
-        build.staging.make_dirs()  # an empty source still gets an (empty) tree
+        build.staging.make_dirs()
+        yield
+    except BaseException:
+        build.staging.delete()
+        raise
+
+
+def full_build(build: Build, plan: pa.Table, left_out: Counter, removed: int) -> TreeReport:
+    with staged(build):
         written, mapping = write_new_leaves(build, plan, {})
         leaves = leaf_reports({}, {}, written)
         if build.stage_files is not None:
             build.stage_files(build.staging, mapping)
         write_manifest(build, carried=[], samples=plan.num_rows)
         final = build.store.finish(build.version)
-    except BaseException:
-        build.staging.delete()
-        raise
     check_base(build)
     mapping_version = write_mapping(build.mapping, mapping)
     return publish(build, final, mapping_version, left_out, leaves,
@@ -118,15 +127,11 @@ def full_build(build: Build, plan: pa.Table, left_out: Counter, removed: int) ->
 def grouped_full_build(build: Build) -> TreeReport:
     """A full build planned in groups of leaves (`groups`): the driver holds one group's
     plan at a time; the mapping is committed in one Overwrite of the staged fragments."""
-    try:
-        build.staging.make_dirs()  # an empty source still gets an (empty) tree
+    with staged(build):
         done = write_groups(build)
         leaves = leaf_reports({}, {}, done.written)
         write_manifest(build, carried=[], samples=done.samples)
         final = build.store.finish(build.version)
-    except BaseException:
-        build.staging.delete()
-        raise
     check_base(build)
     failpoint("mds.before_mapping_commit")
     mapping_version = commit_fragments(build.mapping, done.fragments)
@@ -141,8 +146,7 @@ def append_build(build: Build, delta: Delta, left_out: Counter, current: str) ->
     build.log(f"{build.source}: appending {delta.write.num_rows:,} samples to tree {current}; "
               f"{delta.stale.num_rows:,} become stale, {delta.reused:,} carried")
     old_manifest = store.manifest(current) or {}
-    try:
-        build.staging.make_dirs()
+    with staged(build):
         existing, stale_per_shard = carry_old_leaves(store, store.tree(current), build.staging,
                                                      delta.stale)
         written, mapping = write_new_leaves(build, delta.write, existing)
@@ -152,9 +156,6 @@ def append_build(build: Build, delta: Delta, left_out: Counter, current: str) ->
         write_manifest(build, carried=lineage(old_manifest, current),
                        samples=sum(leaf.samples for leaf in leaves), parent=current)
         final = store.finish(build.version)
-    except BaseException:
-        build.staging.delete()
-        raise
     check_base(build)
     mapping_version = update_mapping(build.mapping, mapping, delta.removed_ids)
     return publish(build, final, mapping_version, left_out, leaves,

@@ -6,19 +6,15 @@ and mapping, and the rerun no duplicates."""
 
 import dataclasses
 import gc
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 from streaming import StreamingDataset
 from streaming.base.util import clean_stale_shared_memory
 
-from prx_assets.engine import failpoints
 from prx_assets.stages.shards import groups, mds, plan, trees, verify
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
+from prx_assets_tests.stages.shards.tree_writers import kill_held_at
 
 WHOLE = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False,
                           incremental=False, plan_rows=10**9)
@@ -115,22 +111,8 @@ def test_a_kill_before_the_mapping_commit_keeps_the_previous_tree(data_root, tmp
     mapping = Storage(data_root).table("mds_samples", "web")
     version, before = mapping.latest_version(), mapping_rows(data_root)
 
-    marker = tmp_path / "marker.json"
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "PRX_LEASE_TTL_S": "1",
-           **failpoints.env("mds.before_mapping_commit", marker)}
-    child = subprocess.Popen([sys.executable, "-c", _FULL_BUILD, str(data_root)], env=env)
-    try:
-        while failpoints.read_marker(marker) is None:  # held at the point, not raced
-            try:
-                child.wait(0.2)
-                pytest.fail("the build exited before reaching the failpoint")
-            except subprocess.TimeoutExpired:
-                pass
-        child.kill()
-        child.wait()
-    finally:
-        if child.poll() is None:
-            child.kill()
+    kill_held_at(_FULL_BUILD, [str(data_root)], "mds.before_mapping_commit",
+                 tmp_path / "marker.json")
     assert trees.current_tree(data_root, "web") == first.path
     assert mapping.latest_version() == version and mapping_rows(data_root) == before
     referenced = {d.path for f in mapping.open().get_fragments() for d in f.data_files()}

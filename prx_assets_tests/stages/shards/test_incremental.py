@@ -5,8 +5,6 @@ and a SIGKILL mid-append (failpoint `mds.write_part`) leaving the previous tree 
 import gc
 import json
 import os
-import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -17,7 +15,6 @@ from streaming import StreamingDataset
 from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.demo.corpus import procedural_image
-from prx_assets.engine import failpoints
 from prx_assets.loader import build_dataset
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
 from prx_assets.stages.images.imaging import encode_jpeg
@@ -27,6 +24,7 @@ from prx_assets.stages.skip_lists.skip_lists import REASON_STALE, read_sidecar, 
 from prx_assets.storage.lance_tables import append_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import ACTIVE, _bucketed, _caption, build_corpus, inputs_for
+from prx_assets_tests.stages.shards.tree_writers import kill_held_at
 
 OPTIONS = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
 NEW_ID = "web:1-64x64-9999"
@@ -167,23 +165,7 @@ def test_a_kill_mid_append_leaves_the_previous_tree_and_the_rerun_has_no_duplica
     mapping_version = mapping_table.latest_version()
     add_sample(data_root, NEW_ID)
 
-    marker = tmp_path / "marker.json"
-    # A short lease: the killed writer's tree lease expires a second after the kill.
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "PRX_LEASE_TTL_S": "1",
-           **failpoints.env("mds.write_part", marker)}
-    child = subprocess.Popen([sys.executable, "-c", _APPEND, str(data_root)], env=env)
-    try:
-        while failpoints.read_marker(marker) is None:  # held at the point, not raced
-            try:
-                child.wait(0.2)
-                pytest.fail("the writer exited before reaching the failpoint")
-            except subprocess.TimeoutExpired:
-                pass
-        child.kill()
-        child.wait()
-    finally:
-        if child.poll() is None:
-            child.kill()
+    kill_held_at(_APPEND, [str(data_root)], "mds.write_part", tmp_path / "marker.json")
     assert list((data_root / "mds/.trees/web").glob("*" + trees.PARTIAL_SUFFIX))
     assert trees.current_tree(data_root, "web") == first.path
     assert mapping_table.latest_version() == mapping_version

@@ -12,12 +12,38 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
 import sys
+from pathlib import Path
 
+import pytest
+
+from prx_assets.engine import failpoints
 from prx_assets.stages.shards import plan
 from prx_assets_tests.writer_process import WriterProcess
 
 OPTIONS = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
+
+
+def kill_held_at(script: str, args: list[str], point: str, marker: Path) -> None:
+    """Run `script` in a child with `point` armed (and a tree lease that expires a second
+    after the kill), wait until it holds there (not a race), and SIGKILL it."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "PRX_LEASE_TTL_S": "1",
+           **failpoints.env(point, marker)}
+    child = subprocess.Popen([sys.executable, "-c", script, *args], env=env)
+    try:
+        while failpoints.read_marker(marker) is None:
+            try:
+                child.wait(0.2)
+                pytest.fail(f"the child exited before reaching {point}")
+            except subprocess.TimeoutExpired:
+                pass
+        child.kill()
+        child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
 
 
 def mds_main(root: str) -> dict:
