@@ -183,8 +183,8 @@ def phase_grouped(folder: Path) -> Callable[[], object]:
     groups of at most `GROUP_ROWS` kept rows (`stages.shards.groups`): the counting pass,
     the groups (a cut leaf's sample pass), then per group the plan, its leaves and part
     specs and its mapping rows written as uncommitted fragments, one group held at a time."""
-    from prx_assets.stages.shards.groups import kept_per_leaf, plan_groups, stage_fragments
-    from prx_assets.stages.shards.mapping import mapping_rows
+    from prx_assets.stages.shards.groups import kept_per_leaf, plan_groups
+    from prx_assets.stages.shards.mapping import mapping_rows, stage_fragments
     from prx_assets.stages.shards.parts import part_specs
     from prx_assets.stages.shards.plan import plan_samples, split_leaves
     from prx_assets.stages.shards.trees import leaf_name

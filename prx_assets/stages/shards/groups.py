@@ -20,17 +20,16 @@ from collections import Counter
 from dataclasses import dataclass
 from itertools import pairwise
 
-import lance
+import numpy as np
 import pyarrow as pa
-from lance.fragment import FragmentMetadata, write_fragments
+from lance.fragment import FragmentMetadata
 
-from prx_assets.stages.shards.mapping import MDS_SAMPLES_SCHEMA
+from prx_assets.stages.shards.mapping import stage_fragments
 from prx_assets.stages.shards.merge import LeafEntries, write_new_leaves
 from prx_assets.stages.shards.plan import KEPT, Build, SampleInputs, plan_samples
 from prx_assets.stages.shards.trees import leaf_name
 from prx_assets.storage.changes import scan_rows_with_ids
 from prx_assets.storage.filters import sql_string
-from prx_assets.storage.refs import TableRef
 
 LeafKey = tuple[int, int, int]
 SCAN_ROWS = 1 << 18  # rows per batch of the counting and sampling passes
@@ -102,7 +101,8 @@ def leaf_ranges(inputs: SampleInputs, key: LeafKey, count: int, ranges: int
                                              batch_size=SCAN_ROWS)
     for batch in scanner.to_batches():  # every step-th id in scan order: deterministic
         first = (-seen) % step
-        sample += batch.column("id").slice(first).to_pylist()[::step]
+        picked = np.arange(first, batch.num_rows, step)
+        sample += batch.column("id").take(pa.array(picked)).to_pylist()
         seen += batch.num_rows
     sample.sort()
     bounds = sorted({sample[len(sample) * i // ranges] for i in range(1, ranges)})
@@ -119,7 +119,7 @@ class GroupedWrite:
     fragments: list[FragmentMetadata]
     left_out: Counter
     samples: int
-    kept_before: int  # planned ids the previous mapping held (for `rows_removed`)
+    removed: int  # ids of the previous mapping not planned any more (`rows_removed`)
 
 
 def write_groups(build: Build) -> GroupedWrite:
@@ -129,7 +129,7 @@ def write_groups(build: Build) -> GroupedWrite:
     build.log(f"{build.source}: planning {sum(g.rows for g in groups):,} kept rows in "
               f"{len(groups)} group(s) of at most {build.options.plan_rows:,}")
     previous = build.mapping.at(build.base_version) if build.base_version else None
-    done = GroupedWrite({}, [], Counter(), 0, 0)
+    done = GroupedWrite({}, [], Counter(), 0, previous.count_rows() if previous else 0)
     for group in groups:
         plan, left_out = plan_samples(build.inputs, where=group.where(len(groups) == 1))
         new, mapping = write_new_leaves(build, plan, done.written)
@@ -139,25 +139,8 @@ def write_groups(build: Build) -> GroupedWrite:
         done.left_out += left_out
         done.samples += plan.num_rows
         if previous is not None:
-            done.kept_before += scan_rows_with_ids(previous.open(), plan["id"].combine_chunks(),
-                                                   ["id"]).num_rows
+            done.removed -= scan_rows_with_ids(previous.open(), plan["id"].combine_chunks(),
+                                               ["id"]).num_rows  # still planned
         build.log(f"{build.source}: group {', '.join(leaf_name(*k) for k in group.leaves[:3])}"
                   f"{' ...' if len(group.leaves) > 3 else ''}: {plan.num_rows:,} samples")
     return done
-
-
-def stage_fragments(mapping: TableRef, rows: pa.Table) -> list[FragmentMetadata]:
-    """`rows` written as mapping fragments that no version references yet."""
-    if rows.num_rows == 0:
-        return []
-    return write_fragments(rows.cast(MDS_SAMPLES_SCHEMA), mapping.uri,
-                           schema=MDS_SAMPLES_SCHEMA, mode="overwrite",
-                           storage_options=mapping.lance_options())
-
-
-def commit_fragments(mapping: TableRef, fragments: list[FragmentMetadata]) -> int:
-    """The staged fragments as the mapping's whole new version, in one commit: readers see
-    the previous mapping or this one, never a mix."""
-    return lance.LanceDataset.commit(
-        mapping.uri, lance.LanceOperation.Overwrite(MDS_SAMPLES_SCHEMA, fragments),
-        read_version=mapping.latest_version(), storage_options=mapping.lance_options()).version

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+import lance
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from lance.fragment import FragmentMetadata, write_fragments
 
 from prx_assets.stages.shards.trees import leaf_name
 from prx_assets.storage.filters import in_filter
@@ -116,3 +118,20 @@ def update_mapping(mapping: TableRef, new_rows: pa.Table, removed_ids: list[str]
             merge = merge.when_not_matched_by_source_delete(gone)
         merge.execute(new_rows)
     return mapping.latest().open().version
+
+
+def stage_fragments(mapping: TableRef, rows: pa.Table) -> list[FragmentMetadata]:
+    """`rows` written as mapping fragments that no version references yet."""
+    if rows.num_rows == 0:
+        return []
+    return write_fragments(rows.cast(MDS_SAMPLES_SCHEMA), mapping.uri,
+                           schema=MDS_SAMPLES_SCHEMA, mode="overwrite",
+                           storage_options=mapping.lance_options())
+
+
+def commit_fragments(mapping: TableRef, fragments: list[FragmentMetadata]) -> int:
+    """The staged fragments as the mapping's whole new version, in one commit: readers see
+    the previous mapping or this one, never a mix."""
+    return lance.LanceDataset.commit(
+        mapping.uri, lance.LanceOperation.Overwrite(MDS_SAMPLES_SCHEMA, fragments),
+        read_version=mapping.latest_version(), storage_options=mapping.lance_options()).version

@@ -99,7 +99,7 @@ def _write(inputs: SampleInputs, storage: Storage, store: TreeStore, options: Wr
         return grouped_full_build(build)
     plan, left_out = plan_samples(build.inputs)
     log(f"{source}: {plan.num_rows:,} samples planned; left out {dict(left_out) or 'none'}")
-    if previous is None or current is None:
+    if previous is None or current is None:  # a rewrite's full build: planned whole
         return full_build(build, plan, left_out, removed=ids_gone(mapping, plan))
     delta = plan_delta(plan, previous)
     del previous

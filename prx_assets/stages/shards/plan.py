@@ -136,7 +136,7 @@ def plan_samples(inputs: SampleInputs, ids: pa.Array | None = None, where: str |
     fingerprint, plus the rows left out by reason. Reads ids, shapes, row ids and the
     fingerprint columns only: no image bytes, no caption text. `ids`: only these ids'
     rows, looked up by id (an incremental run handed its inputs' changes); `where`: only
-    the bucketed rows it selects (a group of leaves), their captions looked up by id."""
+    the bucketed rows it selects (a group of leaves), their captions by a streamed scan."""
     bucketed = inputs.bucketed.open()
     present = set(bucketed.schema.names)
     extra = [c for c in FINGERPRINT_IMAGE_COLUMNS if c in present and c not in

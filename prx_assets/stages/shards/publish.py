@@ -16,9 +16,14 @@ import pyarrow as pa
 
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.shards.card import write_source_card
-from prx_assets.stages.shards.groups import commit_fragments, write_groups
+from prx_assets.stages.shards.groups import write_groups
 from prx_assets.stages.shards.handed import consumed_inputs
-from prx_assets.stages.shards.mapping import mapped_leaves, update_mapping, write_mapping
+from prx_assets.stages.shards.mapping import (
+    commit_fragments,
+    mapped_leaves,
+    update_mapping,
+    write_mapping,
+)
 from prx_assets.stages.shards.merge import (
     LeafEntries,
     StaleCounts,
@@ -135,9 +140,8 @@ def grouped_full_build(build: Build) -> TreeReport:
     check_base(build)
     failpoint("mds.before_mapping_commit")
     mapping_version = commit_fragments(build.mapping, done.fragments)
-    before = build.mapping.at(build.base_version).count_rows() if build.base_version else 0
     return publish(build, final, mapping_version, done.left_out, leaves,
-                   Counts(processed=done.samples, reused=0, removed=before - done.kept_before,
+                   Counts(processed=done.samples, reused=0, removed=done.removed,
                           appended=False))
 
 
