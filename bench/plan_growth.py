@@ -19,6 +19,8 @@ are its own):
   against the plan (made before the clock);
 - **handed**: the same diff for a run handed its inputs' changes (`handed_delta` of the
   ids `touched_ids` finds from the tree's record): 0.3 % of the ids touched;
+- **compared**: plan and diff of a run that must compare every id (no record: an input was
+  compacted) in groups of at most `GROUP_ROWS` kept rows (`groups.compare_groups`);
 - **skipped**: `skipped_ids` (what a rewrite reads from the sidecars and the mapping).
 
 Printed per phase and size: seconds per row, the peak of Python allocations (tracemalloc:
@@ -51,8 +53,8 @@ import pyarrow as pa
 from bench.common import Figure, report
 
 DEFAULT_SIZES = (10_000, 100_000)  # a smoke run; the note uses 1e4,1e5,1e6
-PHASES = ("plan", "grouped", "diff", "handed", "skipped")
-GROUP_ROWS = 100_000  # the grouped phase's `plan_rows` (the stage's default is 10⁶)
+PHASES = ("plan", "grouped", "diff", "handed", "compared", "skipped")
+GROUP_ROWS = 100_000  # the grouped phases' `plan_rows` (the stage's default is 10⁶)
 SOURCE = "bench"
 CAPTION_FILTER = "caption_version = 'v1' AND status = 'ok'"
 TIERS = (256, 512, 1024)
@@ -265,6 +267,25 @@ def phase_handed(folder: Path) -> Callable[[], object]:
     return run
 
 
+def phase_compared(folder: Path) -> Callable[[], object]:
+    """`plan` and `diff` as an incremental run not handed its inputs' changes does them:
+    group by group, each group's plan against the mapping rows of its leaves."""
+    import dataclasses
+
+    from prx_assets.stages.shards.groups import compare_groups
+    from prx_assets.stages.shards.plan import Build, WriteOptions
+    from prx_assets.stages.shards.trees import tree_store
+    from prx_assets.storage.layout import Storage
+    from prx_assets.storage.refs import TableRef
+
+    mapping = TableRef.of(folder / "mapping.lance")
+    build = Build(tree_store(Storage(folder), SOURCE, lambda _: None), mapping,
+                  inputs_of(folder).pinned(),
+                  dataclasses.replace(WriteOptions(), plan_rows=GROUP_ROWS),
+                  mapping.latest_version())
+    return lambda: compare_groups(build)
+
+
 def phase_skipped(folder: Path) -> Callable[[], object]:
     from prx_assets.stages.skip_lists.skip_lists import skipped_ids
     from prx_assets.storage.refs import TableRef
@@ -292,7 +313,7 @@ def measure_phase(phase: str, folder: Path, warm: Path) -> dict:
     import prx_assets
 
     phases = {"plan": phase_plan, "grouped": phase_grouped, "diff": phase_diff,
-              "handed": phase_handed,
+              "handed": phase_handed, "compared": phase_compared,
               "skipped": phase_skipped}
     phases[phase](warm)()
     run = phases[phase](folder)
@@ -348,7 +369,8 @@ def figures(results: dict[str, dict[str, dict[int, dict]]]) -> list[Figure]:
                            first["rss_kb"] / 1024, "MiB"),
                 ]
     for code in codes:
-        out += handed_against_full(code, results[code])
+        out += against_plan_and_diff(code, results[code], "handed")
+        out += against_plan_and_diff(code, results[code], "compared")
     for code in codes[1:]:
         for phase, by_size in results[code].items():
             for n, r in sorted(by_size.items()):
@@ -362,18 +384,19 @@ def figures(results: dict[str, dict[str, dict[int, dict]]]) -> list[Figure]:
     return out
 
 
-def handed_against_full(code: str, by_phase: dict[str, dict[int, dict]]) -> list[Figure]:
-    """An incremental run's planning handed its inputs' changes against the same run
-    comparing every id (the plan, then the diff against the mapping)."""
-    if not {"plan", "diff", "handed"} <= set(by_phase):
+def against_plan_and_diff(code: str, by_phase: dict[str, dict[int, dict]], phase: str
+                          ) -> list[Figure]:
+    """An incremental run's planning (`handed` its inputs' changes, or `compared` in
+    groups) against the same run comparing every id at once: the plan, then the diff."""
+    if not {"plan", "diff", phase} <= set(by_phase):
         return []
     out = []
-    for n, handed in sorted(by_phase["handed"].items()):
+    for n, result in sorted(by_phase[phase].items()):
         plan, diff = by_phase["plan"][n], by_phase["diff"][n]
-        at = f"{code} handed vs plan+diff @{n:.0e}"
-        out += [Figure("plan", f"{at} s", handed["seconds"], "plan + diff",
+        at = f"{code} {phase} vs plan+diff @{n:.0e}"
+        out += [Figure("plan", f"{at} s", result["seconds"], "plan + diff",
                        plan["seconds"] + diff["seconds"], "s"),
-                Figure("plan", f"{at} rss peak", handed["rss_kb"] / 1024, "plan + diff",
+                Figure("plan", f"{at} rss peak", result["rss_kb"] / 1024, "plan + diff",
                        max(plan["rss_kb"], diff["rss_kb"]) / 1024, "MiB")]
     return out
 

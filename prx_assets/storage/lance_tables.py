@@ -290,17 +290,27 @@ def compact(table: TableRef, policy: FragmentPolicy, session: lance.Session | No
     """Merge small fragments toward the byte target; returns the fragment count before."""
     dataset = table.latest().open(session)
     fragments = dataset.get_fragments()
-    if len(fragments) <= 1:
+    if len(fragments) <= 1 or dataset.count_rows() == 0:
         return len(fragments)
-    rows = dataset.count_rows()
-    if rows == 0:
-        return len(fragments)
-    bytes_per_row = max(1, data_bytes(dataset) // rows)
-    target_rows = max(1, min(policy.max_rows, policy.target_bytes // bytes_per_row))
     dataset.optimize.compact_files(
-        target_rows_per_fragment=target_rows, max_bytes_per_file=policy.target_bytes,
+        target_rows_per_fragment=target_rows(dataset, policy),
+        max_bytes_per_file=policy.target_bytes,
     )
     return len(fragments)
+
+
+def target_rows(dataset: lance.LanceDataset, policy: FragmentPolicy) -> int:
+    """Rows of a full fragment of `dataset` under `policy` (its rows' size from the
+    manifest's file sizes)."""
+    bytes_per_row = max(1, data_bytes(dataset) // max(1, dataset.count_rows()))
+    return max(1, min(policy.max_rows, policy.target_bytes // bytes_per_row))
+
+
+def small_fragments(dataset: lance.LanceDataset, policy: FragmentPolicy) -> int:
+    """Fragments holding under half a full fragment's rows: what a compaction merges."""
+    half = target_rows(dataset, policy) // 2
+    return sum(1 for fragment in dataset.get_fragments()
+               if fragment.metadata.physical_rows < half)
 
 
 def cleanup(table: lance.LanceDataset, policy: FragmentPolicy) -> None:

@@ -18,7 +18,7 @@ def test_the_source_has_a_small_delta_and_every_phase_measures(tmp_path):
     delta = plan_delta(plan, previous)
     assert delta.write.num_rows == 2  # 0.1 % changed fingerprints
     assert delta.stale.num_rows == 4 and len(delta.removed_ids) == 2  # changed + gone
-    for phase in ("plan", "diff", "handed", "skipped"):
+    for phase in ("plan", "diff", "handed", "compared", "skipped"):
         result = measure_phase(phase, tmp_path, warm=tmp_path)
         assert result["seconds"] > 0 and result["python_bytes"] > 0
 
@@ -40,3 +40,12 @@ def test_the_handed_diff_is_compared_with_the_plan_and_the_diff_it_replaces():
     lines = {f.metric: f.ratio for f in figures(results)}
     assert lines["this handed vs plan+diff @1e+01 s"] == 0.25  # 0.5 s against 1 + 1
     assert lines["this handed vs plan+diff @1e+01 rss peak"] == 1.0
+
+
+def test_the_grouped_compare_is_compared_with_the_plan_and_the_diff_it_replaces():
+    one = {"seconds": 1.0, "rss_kb": 1024, "python_bytes": 2**20}
+    results = {"this": {"plan": {10: one}, "diff": {10: {**one, "rss_kb": 4096}},
+                        "compared": {10: {**one, "seconds": 3.0}}}}
+    lines = {f.metric: f.ratio for f in figures(results)}
+    assert lines["this compared vs plan+diff @1e+01 s"] == 1.5  # 3 s against 1 + 1
+    assert lines["this compared vs plan+diff @1e+01 rss peak"] == 0.25  # against the diff's

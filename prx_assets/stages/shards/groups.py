@@ -11,6 +11,11 @@ parts are written, merged into its leaves (a cut leaf's numbering continues acro
 ranges) and its mapping rows written as uncommitted fragments that the build commits in
 one Overwrite. A source within `plan_rows` is one group: planned, cut and written as a
 whole-source plan would be (the same shards, byte for byte).
+
+An incremental run that must compare every id (not handed its inputs' changes: no record,
+or an input compacted since) compares group by group the same way (`compare_groups`): each
+group's plan with the mapping rows of the same leaves (and range), then the mapping rows
+of leaves no group plans any more. Only the delta, the work, is held whole.
 """
 
 from __future__ import annotations
@@ -22,11 +27,19 @@ from itertools import pairwise
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from lance.fragment import FragmentMetadata
 
-from prx_assets.stages.shards.mapping import stage_fragments
+from prx_assets.stages.shards.mapping import APPEND_COLUMNS, stage_fragments
 from prx_assets.stages.shards.merge import LeafEntries, write_new_leaves
-from prx_assets.stages.shards.plan import KEPT, Build, SampleInputs, plan_samples
+from prx_assets.stages.shards.plan import (
+    KEPT,
+    Build,
+    Delta,
+    SampleInputs,
+    plan_delta,
+    plan_samples,
+)
 from prx_assets.stages.shards.trees import leaf_name
 from prx_assets.storage.changes import scan_rows_with_ids
 from prx_assets.storage.filters import sql_string
@@ -49,11 +62,14 @@ class PlanGroup:
         """The bucketed rows of the group (None: every kept row, the source is one group)."""
         if whole_source:
             return None
-        leaves = " OR ".join(f"(tier = {t} AND width = {w} AND height = {h})"
-                             for t, w, h in self.leaves)
+        leaves = leaf_condition(list(self.leaves))
         bounds = [f"id >= {sql_string(self.low)}" if self.low is not None else "",
                   f"id < {sql_string(self.high)}" if self.high is not None else ""]
         return " AND ".join([f"({leaves})", *(b for b in bounds if b)])
+
+
+def leaf_condition(keys: list[LeafKey]) -> str:
+    return " OR ".join(f"(tier = {t} AND width = {w} AND height = {h})" for t, w, h in keys)
 
 
 def kept_per_leaf(inputs: SampleInputs) -> dict[LeafKey, int]:
@@ -144,3 +160,41 @@ def write_groups(build: Build) -> GroupedWrite:
         build.log(f"{build.source}: group {', '.join(leaf_name(*k) for k in group.leaves[:3])}"
                   f"{' ...' if len(group.leaves) > 3 else ''}: {plan.num_rows:,} samples")
     return done
+
+
+def compare_groups(build: Build) -> tuple[Delta, Counter]:
+    """The delta of every id against the mapping at the run's base version, planned and
+    compared one group at a time, and the source's rows left out. Mapping rows of the
+    same leaves (and range) are read with each group (the mapping keeps each sample's
+    tier, width and height); those of leaves no group plans are all superseded."""
+    counts = kept_per_leaf(build.inputs)
+    # No kept rows: one group of the whole (empty) source, compared with the whole mapping.
+    groups = plan_groups(build.inputs, counts, build.options.plan_rows) or [PlanGroup((), 0)]
+    mapping = build.mapping.at(build.base_version)
+    deltas: list[Delta] = []
+    left_out: Counter = Counter()
+    for group in groups:
+        where = group.where(len(groups) == 1)
+        plan, out = plan_samples(build.inputs, where=where)
+        deltas.append(plan_delta(plan, mapping.to_table(columns=APPEND_COLUMNS, filter=where)))
+        left_out += out
+    if len(groups) != 1:  # one group read the whole mapping
+        old = mapping.to_table(columns=APPEND_COLUMNS,
+                               filter=f"NOT ({leaf_condition(list(counts))})")
+        deltas.append(plan_delta(deltas[0].write.slice(0, 0), old))
+    build.log(f"{build.source}: {sum(d.write.num_rows for d in deltas):,} of "
+              f"{sum(g.rows for g in groups):,} kept rows to write, compared in "
+              f"{len(groups)} group(s); left out {dict(left_out) or 'none'}")
+    return joined_deltas(deltas), left_out
+
+
+def joined_deltas(deltas: list[Delta]) -> Delta:
+    """The groups' deltas as one. A sample that moved to another leaf is written by its new
+    group and superseded in its old one, which also counts it removed: it is not."""
+    write = pa.concat_tables([d.write for d in deltas])
+    written = write["id"].combine_chunks()
+    removed = pa.array([i for d in deltas for i in d.removed_ids], pa.string())
+    removed = removed.filter(pc.invert(pc.is_in(removed, value_set=written)))
+    return Delta(write=write, stale=pa.concat_tables([d.stale for d in deltas]),
+                 removed_ids=sorted(removed.to_pylist()),
+                 reused=sum(d.reused for d in deltas))

@@ -67,15 +67,18 @@ def _repeated(value: str, n: int) -> pa.Array:
     return pa.repeat(pa.scalar(value, pa.string()), n)
 
 
+def mapping_comparable(mapping: TableRef) -> bool:
+    """Whether an incremental run can compare its plan with the mapping: False when there
+    is none (never written) or it is of a layout without fingerprints."""
+    return mapping.exists() and "fingerprint" in mapping.latest().open().schema.names
+
+
 def mapping_for_append(mapping: TableRef) -> pa.Table | None:
-    """The mapping's rows an incremental run compares with, or None when there is none to
-    compare with (never written, or a mapping of a layout without fingerprints)."""
-    if not mapping.exists():
+    """The mapping's rows a whole-source comparison reads (the baseline of
+    `bench.plan_growth`), or None when it is not `mapping_comparable`."""
+    if not mapping_comparable(mapping):
         return None
-    table = mapping.latest().open()
-    if "fingerprint" not in table.schema.names:
-        return None
-    return table.to_table(columns=APPEND_COLUMNS)
+    return mapping.latest().to_table(columns=APPEND_COLUMNS)
 
 
 def mapped_leaves(mapping: TableRef, batch_rows: int = SCAN_ROWS) -> tuple[Counter, set[str]]:

@@ -34,15 +34,15 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from prx_assets.stages.shards.groups import compare_groups
 from prx_assets.stages.shards.handed import handed_delta, touched_ids
-from prx_assets.stages.shards.mapping import ids_gone, mapping_for_append
+from prx_assets.stages.shards.mapping import ids_gone, mapping_comparable
 from prx_assets.stages.shards.plan import (
     Build,
     Delta,
     SampleInputs,
     StageFiles,
     WriteOptions,
-    plan_delta,
     plan_samples,
 )
 from prx_assets.stages.shards.publish import (
@@ -94,15 +94,13 @@ def _write(inputs: SampleInputs, storage: Storage, store: TreeStore, options: Wr
             f"tree {current}: comparing those")
         delta, left_out = handed_delta(build.inputs, mapping, touched)
         return _append_or_unchanged(build, delta, left_out, current, compared=len(touched))
-    previous = None if manifest is None else mapping_for_append(build.mapping)
-    if (previous is None or current is None) and _plain(build):
-        return grouped_full_build(build)
-    plan, left_out = plan_samples(build.inputs)
-    log(f"{source}: {plan.num_rows:,} samples planned; left out {dict(left_out) or 'none'}")
-    if previous is None or current is None:  # a rewrite's full build: planned whole
+    if current is None or manifest is None or not mapping_comparable(mapping):
+        if _plain(build):
+            return grouped_full_build(build)
+        plan, left_out = plan_samples(build.inputs)  # a rewrite's full build: planned whole
+        log(f"{source}: {plan.num_rows:,} samples planned; left out {dict(left_out) or 'none'}")
         return full_build(build, plan, left_out, removed=ids_gone(mapping, plan))
-    delta = plan_delta(plan, previous)
-    del previous
+    delta, left_out = compare_groups(build)
     return _append_or_unchanged(build, delta, left_out, current, compared=None)
 
 

@@ -40,10 +40,14 @@ from prx_assets.stages.shards.trees import (
     lineage,
     read_index,
 )
-from prx_assets.storage.key_index import refresh_key_index
+from prx_assets.storage.key_index import KeyIndexPolicy, refresh_key_index
+from prx_assets.storage.lance_tables import FragmentPolicy, cleanup, compact, small_fragments
 from prx_assets.storage.refs import Location, TableRef
 
 logger = logging.getLogger(__name__)
+# Fragments of a mapping under half a full one's rows before a publish compacts them: each
+# incremental run adds one; compacting every run would remap the whole index every run.
+MAPPING_SMALL_FRAGMENTS = 16
 
 
 @dataclass(frozen=True)
@@ -217,7 +221,8 @@ def publish(build: Build, final: Location, mapping_version: int, left_out: Count
     failpoint("mds.before_publish")
     build.check_lease()
     build.store.publish(build.version, expected=build.base_tree)
-    mapping_version = index_mapping(build, mapping_version)
+    if maintain_mapping(build.mapping, build.options.mapping_index):
+        mapping_version = build.mapping.latest_version() or mapping_version
     removed = build.store.prune(build.options.retention)
     if removed:
         build.log(f"{build.source}: removed {len(removed)} tree(s) past retention that no "
@@ -232,13 +237,20 @@ def publish(build: Build, final: Location, mapping_version: int, left_out: Count
                       removed=counts.removed, appended=counts.appended)
 
 
-def index_mapping(build: Build, mapping_version: int) -> int:
-    """The mapping's key index brought up to date once the tree is current (so the mapping
-    commit stays the last commit before the publish, as a roll forward checks); returns
-    the version that describes the tree: the index's, if it made one."""
-    if refresh_key_index(build.mapping, "id", build.options.mapping_index):
-        return build.mapping.latest_version() or mapping_version
-    return mapping_version
+def maintain_mapping(mapping: TableRef, index: KeyIndexPolicy) -> bool:
+    """The mapping kept fit for months of runs, once its tree is current (so the mapping
+    commit stays the last commit before the publish, as a roll forward checks): its key
+    index brought up to date; its small fragments (one per incremental run) compacted
+    once there are `MAPPING_SMALL_FRAGMENTS`, not every run (a compaction remaps the whole
+    index); versions past the metadata retention and the files of killed builds' staged
+    fragments (a week old) freed. True if this made a version."""
+    policy = FragmentPolicy(key_index=index)
+    made = bool(refresh_key_index(mapping, "id", index))
+    if small_fragments(mapping.latest().open(), policy) >= MAPPING_SMALL_FRAGMENTS:
+        compact(mapping, policy)
+        made = True
+    cleanup(mapping.latest().open(), policy)
+    return made
 
 
 def report_path(tree: Location) -> Path | str:

@@ -2,23 +2,31 @@
 bigger leaf cut into ranges of ids; the tree holds the same samples in the same order as a
 whole-source plan, every stored sample where the mapping says, the counts exact; the same
 options give the same bytes; a kill before the mapping commit leaves the previous tree
-and mapping, and the rerun no duplicates."""
+and mapping, and the rerun no duplicates. An incremental run comparing every id compares
+group by group and finds the delta a whole-source comparison finds."""
 
 import dataclasses
 import gc
+from datetime import UTC, datetime
 from pathlib import Path
 
+import pyarrow as pa
 from streaming import StreamingDataset
 from streaming.base.util import clean_stale_shared_memory
 
+from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
 from prx_assets.stages.shards import groups, mds, plan, trees, verify
+from prx_assets.stages.shards.mapping import mapping_for_append
+from prx_assets.storage.lance_tables import append_rows
 from prx_assets.storage.layout import Storage
-from prx_assets.testing.mds_corpus import build_corpus, inputs_for
+from prx_assets.testing.mds_corpus import ACTIVE, _caption, build_corpus, inputs_for
+from prx_assets_tests.stages.shards.test_incremental import NEW_ID, add_sample
 from prx_assets_tests.stages.shards.tree_writers import kill_held_at
 
 WHOLE = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False,
                           incremental=False, plan_rows=10**9)
 GROUPED = dataclasses.replace(WHOLE, plan_rows=5)  # leaves of 6-8 rows: packed and cut
+APPENDING = dataclasses.replace(GROUPED, incremental=True)
 
 
 def write(data_root: Path, options: plan.WriteOptions) -> mds.TreeReport:
@@ -124,5 +132,62 @@ def test_a_kill_before_the_mapping_commit_keeps_the_previous_tree(data_root, tmp
     rerun = write(data_root, GROUPED)  # the killed run's staged fragments are no version's
     rows = Storage(data_root).table("mds_samples", "web").to_table(columns=["id"])["id"]
     assert len(rows) == len(set(rows.to_pylist())) == rerun.samples == first.samples
+    checks, problems = verify.verify_tree(data_root, "web")
+    assert all(c.ok for c in checks) and not problems, (checks, problems)
+
+
+def change_inputs(data_root: Path, corpus: dict) -> dict[str, str]:
+    """A new sample, a removed one, a re-captioned one, one moved to another leaf, and a
+    leaf whose samples all left; returns which ids."""
+    ids = sorted(i for i in corpus["images"] if i.startswith("web:1-64x64"))
+    changed = {"removed": ids[0], "recaptioned": ids[1], "moved": ids[2]}
+    add_sample(data_root, NEW_ID)
+    storage = Storage(data_root)
+    bucketed, captions = (storage.table(t, "web") for t in ("bucketed_images", "captions"))
+    bucketed.open().delete(f"id = '{changed['removed']}' OR id LIKE 'web:2-96x96-%'")
+    bucketed.open().update({"width": "48", "height": "80"}, where=f"id = '{changed['moved']}'")
+    captions.open().delete(f"id = '{changed['recaptioned']}' AND caption_version = '{ACTIVE}'")
+    append_rows(captions, pa.Table.from_pylist(
+        [_caption(changed["recaptioned"], ACTIVE, "a new caption", "ok",
+                  datetime(2026, 3, 1, tzinfo=UTC))], schema=CAPTIONS_SCHEMA), CAPTIONS_SCHEMA)
+    return changed
+
+
+def test_a_compare_in_groups_finds_the_delta_a_whole_compare_finds(data_root):
+    corpus = build_corpus(data_root, "web", per_shape=7)
+    write(data_root, GROUPED)
+    changed = change_inputs(data_root, corpus)
+    storage = Storage(data_root)
+    inputs, mapping = inputs_for(data_root, "web").pinned(), storage.table("mds_samples", "web")
+    planned, left_out = plan.plan_samples(inputs)
+    whole = plan.plan_delta(planned, mapping_for_append(mapping))
+    build = plan.Build(trees.tree_store(storage, "web"), mapping, inputs, APPENDING,
+                       mapping.latest_version())
+    grouped, grouped_left_out = groups.compare_groups(build)
+    assert grouped.write.to_pylist() == whole.write.to_pylist()  # the same rows, in order
+    assert grouped.stale.sort_by("id").to_pylist() == whole.stale.sort_by("id").to_pylist()
+    assert grouped.removed_ids == whole.removed_ids
+    assert (grouped.reused, dict(grouped_left_out)) == (whole.reused, dict(left_out))
+    written = set(grouped.write["id"].to_pylist())
+    assert {NEW_ID, changed["recaptioned"], changed["moved"]} <= written
+    assert changed["moved"] not in grouped.removed_ids  # moved: superseded, not removed
+    assert changed["removed"] in grouped.removed_ids
+    assert sum(i.startswith("web:2-96x96") for i in grouped.removed_ids) == 7  # a leaf gone
+
+
+def test_an_incremental_run_not_handed_its_changes_compares_in_groups(data_root):
+    corpus = build_corpus(data_root, "web", per_shape=7)
+    first = write(data_root, APPENDING)
+    change_inputs(data_root, corpus)
+    bucketed = Storage(data_root).table("bucketed_images", "web").open()
+    bucketed.optimize.compact_files(target_rows_per_fragment=1 << 20)  # no record usable
+    report = write(data_root, APPENDING)
+    assert report.compared_ids is None and report.appended
+    assert report.tree_version != first.tree_version
+    planned, left_out = plan.plan_samples(inputs_for(data_root, "web").pinned())
+    rows = mapping_rows(data_root)
+    assert {i: fp for i, (_, fp) in rows.items()} == dict(
+        zip(planned["id"].to_pylist(), planned["fingerprint"].to_pylist(), strict=True))
+    assert dict(report.left_out) == dict(left_out)
     checks, problems = verify.verify_tree(data_root, "web")
     assert all(c.ok for c in checks) and not problems, (checks, problems)
