@@ -103,13 +103,15 @@ def id_ranges(ids: list[int]) -> tuple[tuple[int, int], ...]:
 @dataclass(frozen=True)
 class Changes:
     """Rows of the table that may be new or changed since `since` (`added_filter` selects
-    them; `added_rows` counts them), and the ids that left (None: unknown, compare in
-    full)."""
+    them; `added_rows` counts them), the ids that left (None: unknown, compare in full),
+    and every id with a row deleted since (`deleted`, a superset of `removed`: an id whose
+    row of one caption version was deleted while another version's row stays)."""
 
     since: Consumed
     added_filter: str
     added_rows: int
     removed: pa.Array | None
+    deleted: pa.Array | None = None
 
 
 def changes_since(table: lance.LanceDataset, since: Consumed) -> Changes:
@@ -123,7 +125,7 @@ def changes_since(table: lance.LanceDataset, since: Consumed) -> Changes:
     touched = [f for f in held if f.num_deletions > since.deletions.get(f.fragment_id, 0)]
     candidates = deleted_ids(table, touched)
     held_still = present_ids(table, candidates)
-    return replace(added, removed=candidates.filter(
+    return replace(added, deleted=candidates, removed=candidates.filter(
         pc.invert(pc.is_in(candidates, value_set=held_still))))
 
 
@@ -257,16 +259,27 @@ def handed_changes(upstream: TableRef, target: TableRef, name: str, tag: str,
 def ids_changed_since(upstream: TableRef, since: Consumed, where: str | None, limit: int
                       ) -> tuple[pa.Array, pa.Array] | None:
     """The ids of `upstream` (pinned) rows matching `where` written since `since`, and the
-    ids that left it; None when that cannot be told cheaply (see `handed_changes`), or when
-    `upstream` is pinned at a version older than the record."""
+    ids that left it; None when that cannot be told cheaply (see `pinned_changes`)."""
+    changes = pinned_changes(upstream, since, limit)
+    if changes is None or changes.removed is None:
+        return None
+    return added_ids(upstream, changes, where), changes.removed
+
+
+def pinned_changes(upstream: TableRef, since: Consumed, limit: int) -> Changes | None:
+    """The changes of `upstream` (pinned) since `since`; None when they cannot be told
+    cheaply: after a compaction (which ids left is unknown), past `limit` rows written
+    since, or when `upstream` is pinned at a version older than the record."""
     if upstream.version is not None and upstream.version < since.version:
         return None
     changes = changes_since(upstream.open(), since)
-    if changes.removed is None or changes.added_rows > limit:
-        return None
+    return None if changes.removed is None or changes.added_rows > limit else changes
+
+
+def added_ids(upstream: TableRef, changes: Changes, where: str | None) -> pa.Array:
+    """The ids of the rows `changes` selects as written since (and matching `where`)."""
     condition = f"({where}) AND ({changes.added_filter})" if where else changes.added_filter
-    added = upstream.to_table(columns=["id"], filter=condition).column("id")
-    return added.combine_chunks(), changes.removed
+    return upstream.to_table(columns=["id"], filter=condition).column("id").combine_chunks()
 
 
 def up_to_date_ids(done: pa.Table, upstream: pa.Table) -> pa.Array:

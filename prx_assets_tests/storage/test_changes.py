@@ -65,6 +65,15 @@ def test_an_id_deleted_before_the_record_and_added_again_is_not_removed(tmp_path
     assert changes_since(lance.dataset(path), since).removed.to_pylist() == ["b"]
 
 
+def test_a_deleted_row_of_an_id_with_another_row_is_deleted_not_removed(tmp_path):
+    path = str(tmp_path / "t.lance")
+    since = consumed_at(lance.write_dataset(pa.table({"id": ["a", "a", "b"],
+                                                      "v": [1, 2, 0]}), path))
+    lance.dataset(path).delete("id = 'a' AND v = 2")  # a's other row (version 1) stays
+    changes = changes_since(lance.dataset(path), since)
+    assert changes.removed.to_pylist() == [] and changes.deleted.to_pylist() == ["a"]
+
+
 def test_compaction_leaves_removals_unknown(tmp_path):
     path = str(tmp_path / "t.lance")
     lance.write_dataset(rows(["a", "b"]), path)

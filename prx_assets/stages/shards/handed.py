@@ -20,7 +20,13 @@ import pyarrow.compute as pc
 
 from prx_assets.stages.shards.mapping import APPEND_COLUMNS
 from prx_assets.stages.shards.plan import KEPT, Delta, SampleInputs, plan_delta, plan_samples
-from prx_assets.storage.changes import Consumed, consumed_at, ids_changed_since, rows_with_ids
+from prx_assets.storage.changes import (
+    Consumed,
+    added_ids,
+    consumed_at,
+    pinned_changes,
+    rows_with_ids,
+)
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS
 
@@ -54,10 +60,13 @@ def touched_ids(inputs: SampleInputs, manifest: dict) -> pa.Array | None:
             since = Consumed.from_json(records[name])
         except (KeyError, ValueError, TypeError):
             return None
-        changed = ids_changed_since(table, since, None, HANDED_LIMIT)
-        if changed is None:
+        changes = pinned_changes(table, since, HANDED_LIMIT)
+        if changes is None or changes.deleted is None:
             return None
-        found += [ids.cast(pa.string()) for ids in changed]
+        # Every deleted id, held still or not: deleting an id's active caption while an
+        # older version's row stays changes its sample all the same.
+        found += [ids.cast(pa.string()) for ids in (added_ids(table, changes, None),
+                                                    changes.deleted)]
     return pc.unique(pa.concat_arrays(found))
 
 

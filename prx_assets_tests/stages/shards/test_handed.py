@@ -138,3 +138,15 @@ def test_the_mapping_keeps_a_key_index_the_handed_lookups_use(data_root):
     assert_tree_matches_inputs(data_root, second)
     again = mds.write_mds_tree(inputs, data_root, "web", options)
     assert not again.changed and again.mapping_version == second.mapping_version
+
+
+def test_a_deleted_caption_of_an_id_with_other_versions_is_handed(data_root):
+    corpus = build_corpus(data_root, "web", per_shape=4)  # every id has an older version too
+    write(data_root)
+    uncaptioned = sorted(corpus["images"])[1]
+    captions = Storage(data_root).table("captions", "web")
+    captions.open().delete(f"id = '{uncaptioned}' AND caption_version = '{ACTIVE}'")
+    report = write(data_root)
+    assert report.compared_ids == 1 and report.removed == 1
+    assert uncaptioned not in mapped(data_root)
+    assert_tree_matches_inputs(data_root, report)
