@@ -4,6 +4,7 @@ the shard and the sample's fingerprint. One row per live id; stale samples are n
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import lance
@@ -15,7 +16,7 @@ from lance.fragment import FragmentMetadata, write_fragments
 from prx_assets.stages.shards.trees import leaf_name
 from prx_assets.storage.filters import in_filter
 from prx_assets.storage.lance_tables import overwrite_rows
-from prx_assets.storage.refs import TableRef
+from prx_assets.storage.refs import Location, TableRef
 
 MDS_SAMPLES_SCHEMA = pa.schema([
     pa.field("id", pa.string(), nullable=False),
@@ -32,6 +33,7 @@ MDS_SAMPLES_SCHEMA = pa.schema([
 SCAN_ROWS = 1 << 18  # rows per batch of a streamed pass over the mapping
 # What an incremental run compares the plan with, and where a stale sample is stored.
 APPEND_COLUMNS = ["id", "fingerprint", "leaf", "shard", "sample_index"]
+MAPPED_LEAVES = "mapped_leaves.json"  # per-fragment counts, in the source's trees folder
 
 
 def mapping_rows(source: str, key: tuple[int, int, int], leaf_rows: pa.Table,
@@ -81,17 +83,62 @@ def mapping_for_append(mapping: TableRef) -> pa.Table | None:
     return mapping.latest().to_table(columns=APPEND_COLUMNS)
 
 
-def mapped_leaves(mapping: TableRef, batch_rows: int = SCAN_ROWS) -> tuple[Counter, set[str]]:
-    """Live samples per leaf and the tree versions the mapping names, in one streamed pass
-    counted in Arrow (one entry per leaf and per version, never one per row)."""
+def mapped_leaves(mapping: TableRef, batch_rows: int = SCAN_ROWS,
+                  cache: Location | None = None) -> tuple[Counter, set[str]]:
+    """Live samples per leaf and the tree versions the mapping names, counted in Arrow per
+    fragment (one entry per leaf and per version, never one per row). With `cache` (a JSON
+    file), the counts of fragments an earlier call counted are reused: a run that changed
+    a few samples scans the fragments it wrote or deleted from, not the whole mapping."""
+    table = mapping.open()
+    known = read_fragment_counts(cache)
+    counted: dict[str, dict[str, dict[str, int]]] = {}
     per_leaf: Counter = Counter()
-    versions: set[str] = set()
-    for batch in mapping.open().scanner(columns=["leaf", "tree_version"],
-                                        batch_size=batch_rows).to_batches():
-        for pair in pc.value_counts(batch.column("leaf")).to_pylist():
-            per_leaf[pair["values"]] += pair["counts"]
-        versions.update(pc.unique(batch.column("tree_version")).to_pylist())
-    return per_leaf, versions
+    versions: Counter = Counter()
+    for fragment in table.get_fragments():
+        key = fragment_key(fragment)
+        counts = known.get(key) or count_fragment(table, fragment, batch_rows)
+        counted[key] = counts
+        per_leaf.update(counts["leaves"])
+        versions.update(counts["versions"])
+    if cache is not None and counted.keys() != known.keys():
+        cache.write_text(json.dumps({"fragments": counted}, sort_keys=True))
+    return per_leaf, set(versions)
+
+
+def fragment_key(fragment: lance.LanceFragment) -> str:
+    """What fixes a fragment's live rows: its data file (a unique name, never rewritten)
+    and its deletion file (a new one for every delete; None: no deletions)."""
+    deletions = fragment.metadata.deletion_file
+    suffix = "" if deletions is None else f"|{deletions.read_version}.{deletions.id}"
+    return fragment.metadata.files[0].path + suffix
+
+
+def count_fragment(table: lance.LanceDataset, fragment: lance.LanceFragment,
+                   batch_rows: int) -> dict[str, dict[str, int]]:
+    """The live rows of one fragment per leaf and per tree version, by one streamed scan."""
+    leaves: Counter = Counter()
+    versions: Counter = Counter()
+    for batch in table.scanner(columns=["leaf", "tree_version"], fragments=[fragment],
+                               batch_size=batch_rows).to_batches():
+        for column, counter in (("leaf", leaves), ("tree_version", versions)):
+            for pair in pc.value_counts(batch.column(column)).to_pylist():
+                counter[pair["values"]] += pair["counts"]
+    return {"leaves": dict(leaves), "versions": dict(versions)}
+
+
+def read_fragment_counts(cache: Location | None) -> dict[str, dict[str, dict[str, int]]]:
+    """Counts per fragment key from an earlier call; nothing when absent or unreadable
+    (every fragment is counted again). Two runs writing it at once is harmless: each
+    writes whole (`Location.write_text`) counts true of the fragments they name."""
+    if cache is None:
+        return {}
+    try:
+        fragments = json.loads(cache.read_text())["fragments"]
+        return {str(key): {part: {str(k): int(v) for k, v in counts[part].items()}
+                           for part in ("leaves", "versions")}
+                for key, counts in fragments.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
 
 
 def ids_gone(mapping: TableRef, plan: pa.Table) -> int:

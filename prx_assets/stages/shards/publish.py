@@ -19,6 +19,7 @@ from prx_assets.stages.shards.card import write_source_card
 from prx_assets.stages.shards.groups import write_groups
 from prx_assets.stages.shards.handed import consumed_inputs
 from prx_assets.stages.shards.mapping import (
+    MAPPED_LEAVES,
     commit_fragments,
     mapped_leaves,
     update_mapping,
@@ -261,7 +262,7 @@ def report_path(tree: Location) -> Path | str:
 def unchanged_report(build: Build, current: str, left_out: Counter) -> TreeReport:
     tree = build.store.tree(current)
     mapping = build.mapping.pinned()
-    live, _ = mapped_leaves(mapping)
+    live, _ = mapped_leaves(mapping, cache=build.store.trees_dir / MAPPED_LEAVES)
     leaves = []
     for name in leaf_names(tree):
         entries = read_index(tree / name)

@@ -10,8 +10,9 @@ streaming parses the same bytes it would have downloaded itself.
 What a StreamingDataset counts depends on a leaf's index alone, so a count is kept per
 index digest (`verified_leaves.json` beside the tree versions, per streaming release): a
 check after an incremental build opens only the leaves whose index changed, and none (no
-child process) when no index did. The mapping counts, shard files and sizes are checked
-for every leaf on every run.
+child process) when no index did. The mapping is counted per fragment, the counts kept
+beside (`mapping.MAPPED_LEAVES`): a check after a small run scans the fragments it wrote
+or deleted from. Shard files and sizes are checked for every leaf on every run.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from prx_assets.stages.shards.mapping import mapped_leaves
+from prx_assets.stages.shards.mapping import MAPPED_LEAVES, mapped_leaves
 from prx_assets.stages.shards.trees import (
     INDEX,
     TreeStore,
@@ -68,7 +69,8 @@ def verify_tree(storage: Storage | str | Path, source: str) -> tuple[list[LeafCh
     tree = store.current_tree()
     version = tree.name
     held = set(lineage(store.manifest(version) or {}, version))
-    mapped, versions = mapped_leaves(storage.table(MDS_SAMPLES, source))
+    mapped, versions = mapped_leaves(storage.table(MDS_SAMPLES, source),
+                                     cache=store.trees_dir / MAPPED_LEAVES)
     problems = sorted(f"mapping rows of tree {v}, current is {version}"
                       for v in versions if v not in held)
     leaves = leaf_names(tree)

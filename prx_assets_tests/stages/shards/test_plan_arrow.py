@@ -82,3 +82,37 @@ def test_leaf_counts_and_versions_stream_over_batches(tmp_path):
     assert per_leaf == {"a": 3, "b": 1, "c": 1}
     assert versions == {"t1", "t2"}
     assert np.sum(list(per_leaf.values())) == rows.num_rows
+
+
+def test_leaf_counts_rescan_only_the_fragments_written_or_deleted_from(tmp_path, monkeypatch):
+    import lance
+
+    def rows(leaf: str, version: str, n: int) -> pa.Table:
+        return pa.table({"id": [f"{leaf}{version}{i}" for i in range(n)], "leaf": [leaf] * n,
+                         "tree_version": [version] * n})
+
+    path, cache = tmp_path / "m.lance", Location.of(tmp_path / "counts.json")
+    lance.write_dataset(rows("a", "t1", 3), path)
+    lance.write_dataset(rows("b", "t1", 2), path, mode="append")
+    table = TableRef.of(path)
+    scanned: list[int] = []
+    count_fragment = mapping.count_fragment
+
+    def counting(dataset, fragment, batch_rows):
+        scanned.append(fragment.fragment_id)
+        return count_fragment(dataset, fragment, batch_rows)
+
+    monkeypatch.setattr(mapping, "count_fragment", counting)
+    assert mapping.mapped_leaves(table, cache=cache) == ({"a": 3, "b": 2}, {"t1"})
+    assert sorted(scanned) == [0, 1]
+    lance.dataset(path).delete("id = 'at10'")  # a run's stale sample, and its new rows
+    lance.write_dataset(rows("c", "t2", 2), path, mode="append")
+    scanned.clear()
+    assert mapping.mapped_leaves(table, cache=cache) == ({"a": 2, "b": 2, "c": 2},
+                                                         {"t1", "t2"})
+    assert sorted(scanned) == [0, 2]  # fragment 1 unchanged: its counts kept
+    assert mapping.mapped_leaves(table, cache=cache) == mapping.mapped_leaves(table)
+    cache.write_text("{not json")  # unreadable: every fragment counted again
+    scanned.clear()
+    assert mapping.mapped_leaves(table, cache=cache)[0] == {"a": 2, "b": 2, "c": 2}
+    assert sorted(scanned) == [0, 1, 2]
