@@ -116,3 +116,19 @@ def test_leaf_counts_rescan_only_the_fragments_written_or_deleted_from(tmp_path,
     scanned.clear()
     assert mapping.mapped_leaves(table, cache=cache)[0] == {"a": 2, "b": 2, "c": 2}
     assert sorted(scanned) == [0, 1, 2]
+
+
+def test_leaf_counts_stay_true_when_an_older_runs_counts_land_last(tmp_path):
+    import lance
+
+    path, cache = tmp_path / "m.lance", Location.of(tmp_path / "counts.json")
+    lance.write_dataset(pa.table({"id": ["a0", "a1"], "leaf": ["a", "a"],
+                                  "tree_version": ["t1", "t1"]}), path)
+    table = TableRef.of(path)
+    old = table.pinned()
+    lance.dataset(path).delete("id = 'a1'")  # the same fragment, fewer live rows
+    newer = table.pinned()
+    assert mapping.mapped_leaves(newer, cache=cache)[0] == {"a": 1}
+    # A check of the older version finishing last writes its counts over the newer ones.
+    assert mapping.mapped_leaves(old, cache=cache)[0] == {"a": 2}
+    assert mapping.mapped_leaves(newer, cache=cache)[0] == {"a": 1}
