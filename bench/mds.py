@@ -102,9 +102,9 @@ def iterate(dataset) -> int:
 
 def bench_loading(work: Path) -> list[Figure]:
     from streaming import Stream, StreamingDataset
-    from streaming.base.util import clean_stale_shared_memory
 
     from prx_assets.loader import build_dataset
+    from prx_assets.testing.shared_memory import release_shared_memory
 
     root = work / "load"
     build_corpus(root, "bench", per_shape=2000, shapes=LOAD_SHAPES, uncaptioned=0, rejected=0)
@@ -113,14 +113,14 @@ def bench_loading(work: Path) -> list[Figure]:
     skipped = add_skip_lists(root / "mds", "bench")
     leaves = tree_leaves(current_tree(root, "bench"), 1)
 
-    clean_stale_shared_memory()
+    release_shared_memory(root)
     plain = StreamingDataset(streams=[Stream(local=str(leaf)) for leaf in leaves],
                              batch_size=BATCH)
     plain_s, plain_n = timed(functools.partial(iterate, plain))
     del plain
     figures = []
     for decode, label in ((True, "PIL images"), (False, "JPEG bytes")):
-        clean_stale_shared_memory()
+        release_shared_memory(root)
         ours = build_dataset(root / "mds", 1, BATCH, weights={"bench": 1.0}, seed=1,
                              decode_images=decode)
         ours_s, ours_n = timed(functools.partial(iterate, ours))

@@ -62,11 +62,10 @@ def prepare(root: Path) -> int:
 
 
 def epoch(root: Path, guard: bool) -> int:
-    from streaming.base.util import clean_stale_shared_memory
-
     from prx_assets.loader import build_dataset
+    from prx_assets.testing.shared_memory import release_shared_memory
 
-    clean_stale_shared_memory()
+    release_shared_memory(root)
     dataset = build_dataset(root / "mds", 1, BATCH, weights={"bench": 1.0}, seed=1,
                             decode_images=False, guard_opt_outs=guard)
     count = sum(sum(1 for _ in dataset) for _ in range(EPOCHS))

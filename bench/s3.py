@@ -88,9 +88,10 @@ def iterate(dataset) -> int:
 
 def streamed(**stream) -> tuple[float, int]:
     from streaming import Stream, StreamingDataset
-    from streaming.base.util import clean_stale_shared_memory
 
-    clean_stale_shared_memory()
+    from prx_assets.testing.shared_memory import release_shared_memory
+
+    release_shared_memory(stream["local"])
     dataset = StreamingDataset(streams=[Stream(**stream)], batch_size=BATCH, shuffle=False)
     seconds, samples = timed(functools.partial(iterate, dataset))
     del dataset
@@ -100,11 +101,10 @@ def streamed(**stream) -> tuple[float, int]:
 def loaded(root: Location | str, cache: Path | None) -> tuple[float, int]:
     """Seconds and samples for one pass of the project loader (`prx_assets.loader`: skip
     lists applied, sidecars read beside the shards) over tier 1 of the tree under `root`."""
-    from streaming.base.util import clean_stale_shared_memory
-
     from prx_assets.loader import build_dataset
+    from prx_assets.testing.shared_memory import release_shared_memory
 
-    clean_stale_shared_memory()
+    release_shared_memory(cache or str(root))
     dataset = build_dataset(root, 1, BATCH, weights={"bench": 1.0}, shuffle=False,
                             cache_dir=cache)
     seconds, samples = timed(functools.partial(iterate, dataset))

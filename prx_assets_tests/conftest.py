@@ -28,15 +28,39 @@ def ray_session():
 
 
 @pytest.fixture()
-def fresh_shared_memory():
+def fresh_shared_memory(tmp_path_factory: pytest.TempPathFactory):
     """mosaicml-streaming keeps shared memory between datasets of one process: a test that
-    opens datasets starts and ends without a stale segment of another's."""
-    from streaming.base.util import clean_stale_shared_memory
+    opens datasets starts and ends without a stale segment of another's (this worker's
+    only: the other test workers' datasets are live)."""
+    from prx_assets.testing.shared_memory import release_shared_memory
 
-    clean_stale_shared_memory()
+    release_shared_memory(tmp_path_factory.getbasetemp())
     yield
     gc.collect()
-    clean_stale_shared_memory()
+    release_shared_memory(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture()
+def claimed_meanwhile(monkeypatch):
+    """Another process creates the prefix this one chose, just before this one creates it
+    (the interleaving two datasets starting at once can take); yields the names it took."""
+    from multiprocessing import shared_memory
+
+    from streaming.base.shared import prefix as streaming_prefix
+
+    taken: list[shared_memory.SharedMemory] = []
+    real = streaming_prefix.SharedMemory
+
+    def create_after_the_other(name, create=True, size=0, auto_cleanup=True):
+        if create and name.endswith("_locals") and not taken:
+            taken.append(shared_memory.SharedMemory(name, create=True, size=8))
+        return real(name, create, size, auto_cleanup)
+
+    monkeypatch.setattr(streaming_prefix, "SharedMemory", create_after_the_other)
+    yield taken
+    for segment in taken:
+        segment.close()
+        segment.unlink()
 
 
 @pytest.fixture()

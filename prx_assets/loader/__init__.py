@@ -19,6 +19,7 @@ from typing import Any
 
 from streaming import StreamingDataLoader
 
+from prx_assets.engine.shm_prefix import claiming_prefix
 from prx_assets.loader.collate import CaptionEncoder, ShapeBatchCollate
 from prx_assets.loader.dataset import (
     LOCAL_PREDOWNLOAD,
@@ -83,10 +84,10 @@ def build_dataset(mds_root: Location | str | Path | None, tier: int, batch_size:
         if any(leaf.remote for leaf in leaves):
             kwargs.setdefault("predownload", None)  # streaming's default download throttle
         guard = opt_out_guard(storage, leaves) if guard_opt_outs else None
-        dataset = SkipListStreamingDataset(streams=leaf_streams(leaves, cache_dir),
-                                           batch_size=batch_size,
-                                           skip_reasons=skip_reasons, shuffle=shuffle,
-                                           shuffle_seed=seed, opt_outs=guard, **kwargs)
+        dataset = claiming_prefix(lambda: SkipListStreamingDataset(
+            streams=leaf_streams(leaves, cache_dir), batch_size=batch_size,
+            skip_reasons=skip_reasons, shuffle=shuffle, shuffle_seed=seed, opt_outs=guard,
+            **kwargs))
     except BaseException:
         keeper.release()
         raise

@@ -1,7 +1,6 @@
 import gc
 
 import dagster as dg
-from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.definitions import build_defs
 from prx_assets.stages.shards import mds, plan, trees
@@ -14,6 +13,7 @@ from prx_assets.stages.skip_lists.skip_lists import (
 )
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import ACTIVE, build_corpus, inputs_for
+from prx_assets.testing.shared_memory import release_shared_memory
 from prx_assets_tests.conftest import write_sources
 
 
@@ -23,7 +23,7 @@ def _ids(root) -> set[str]:
 
 
 def test_rewrite_job_drops_skipped_samples_and_records_the_new_tree(data_root, tmp_path):
-    clean_stale_shared_memory()
+    release_shared_memory(data_root)
     build_corpus(data_root, "web", per_shape=10, shapes=((1, 48, 48), (1, 64, 48)))
     mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web",
                        plan.WriteOptions(size_limit=8_000, parallel=False))
@@ -54,4 +54,4 @@ def test_rewrite_job_drops_skipped_samples_and_records_the_new_tree(data_root, t
     assert events["mds_shards"]["samples"].value == len(before - skipped)
     assert events["skip_lists"]["skipped"].value == 0
     gc.collect()
-    clean_stale_shared_memory()
+    release_shared_memory(data_root)

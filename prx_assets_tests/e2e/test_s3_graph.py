@@ -151,10 +151,10 @@ def _read_back_from_the_bucket(store: Storage, opted_out: str, tmp_path: Path,
     import gc
 
     from streaming import StreamingDataset
-    from streaming.base.util import clean_stale_shared_memory
 
     from prx_assets.loader import build_dataset
     from prx_assets.stages.skip_lists.skip_lists import REASON_DEDUP, REASON_OPTOUT, duplicate_ids
+    from prx_assets.testing.shared_memory import release_shared_memory
 
     uri = _cli("mds-uri", SOURCE).strip()
     assert uri.startswith(f"{store.root}/mds/.trees/{SOURCE}/"), uri
@@ -164,13 +164,13 @@ def _read_back_from_the_bucket(store: Storage, opted_out: str, tmp_path: Path,
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)  # a trainer's own standard variables for boto3
     monkeypatch.setenv("AWS_DEFAULT_REGION", s3_server.region)
-    clean_stale_shared_memory()
+    release_shared_memory(tmp_path)
     dataset = StreamingDataset(remote=f"{uri}/{leaf}", local=str(tmp_path / "cache-plain"),
                                batch_size=1, shuffle=False)
     streamed = sorted(dataset[i]["id"] for i in range(dataset.num_samples))
     del dataset
     gc.collect()
-    clean_stale_shared_memory()
+    release_shared_memory(tmp_path)
     assert streamed == sorted(s["id"] for s in samples if s["leaf"] == leaf)
 
     # The loader streams every leaf of a tier and drops what the sidecars skip: here the
@@ -182,7 +182,7 @@ def _read_back_from_the_bucket(store: Storage, opted_out: str, tmp_path: Path,
         store.mds_root, tier, 1, weights={SOURCE: 1.0}, skip_reasons=(REASON_DEDUP, REASON_OPTOUT),
         shuffle=False, cache_dir=tmp_path / "cache-loader"))
     gc.collect()
-    clean_stale_shared_memory()
+    release_shared_memory(tmp_path)
     assert loaded == sorted(s["id"] for s in samples
                             if s["tier"] == tier and s["id"] not in dropped)
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
-from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.loader import SkipListMismatch, build_dataset, build_loader
 from prx_assets.stages.shards import mds, plan, trees
 from prx_assets.stages.skip_lists.skip_lists import sidecar_path
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
+from prx_assets.testing.shared_memory import release_shared_memory
 
 TIER, BATCH = 1, 4
 SHAPES = ((1, 48, 48), (1, 48, 64), (1, 64, 48), (2, 64, 64))
@@ -61,11 +61,11 @@ def _write_sidecars(mds_root: Path, reason: str, places) -> None:
 
 
 @pytest.fixture(autouse=True)
-def fresh_shared_memory():
-    clean_stale_shared_memory()
+def fresh_shared_memory(tmp_path_factory):
+    release_shared_memory(tmp_path_factory.getbasetemp())
     yield
     gc.collect()  # datasets release their shared memory on deletion
-    clean_stale_shared_memory()
+    release_shared_memory(tmp_path_factory.getbasetemp())
 
 
 def _loader(corpus, **kwargs):
@@ -104,6 +104,15 @@ def test_same_seed_same_order_and_no_skipped_id(corpus):
     kept = tier_ids - skipped
     assert set(ids) <= kept
     assert len(kept) - len(ids) < BATCH * 6  # trimmed to whole batches: < 1 batch per stream
+
+
+def test_a_loader_started_beside_another_claims_the_next_prefix(corpus, claimed_meanwhile):
+    dataset = build_dataset(corpus["root"], TIER, BATCH, weights=WEIGHTS, seed=7)
+    assert claimed_meanwhile and dataset._shm_prefix_int != int(
+        claimed_meanwhile[0].name.lstrip("/").split("_")[0])
+    assert len(dataset) > 0
+    dataset.reader_leases.release()
+    del dataset
 
 
 def test_one_shape_per_batch(corpus):

@@ -4,20 +4,20 @@ import gc
 import json
 
 import pytest
-from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.loader import build_dataset
 from prx_assets.stages.shards import mds, plan, trees
 from prx_assets.stages.skip_lists.skip_lists import sidecar_path
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
+from prx_assets.testing.shared_memory import release_shared_memory
 
 SHAPES = ((1, 48, 48),)
 
 
 @pytest.fixture()
 def tree(tmp_path):
-    clean_stale_shared_memory()
+    release_shared_memory(tmp_path)
     root = tmp_path / "data"
     build_corpus(root, "alpha", per_shape=12, shapes=SHAPES)
     mds.write_mds_tree(inputs_for(root, "alpha"), root, "alpha",
@@ -33,7 +33,7 @@ def tree(tmp_path):
     path.write_text(json.dumps({"version": 1, "lists": lists}))
     yield root / "mds"
     gc.collect()
-    clean_stale_shared_memory()
+    release_shared_memory(tmp_path)
 
 
 def test_balance_applies_only_when_named(tree):

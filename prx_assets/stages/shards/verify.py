@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from prx_assets.engine.shm_prefix import claiming_prefix
 from prx_assets.stages.shards.mapping import MAPPED_LEAVES, mapped_leaves
 from prx_assets.stages.shards.trees import (
     INDEX,
@@ -190,8 +191,8 @@ def _send_streamed_counts(leaves: list[str], send: Connection) -> None:
 
 def _streamed_counts(leaves: list[str]) -> list[int]:
     Stream, StreamingDataset = streaming_dataset_classes()
-    dataset = StreamingDataset(streams=[Stream(local=leaf) for leaf in leaves], batch_size=1,
-                               shuffle=False)
+    dataset = claiming_prefix(lambda: StreamingDataset(
+        streams=[Stream(local=leaf) for leaf in leaves], batch_size=1, shuffle=False))
     return [int(n) for n in dataset.samples_per_stream]
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pyarrow as pa
 from streaming import StreamingDataset
-from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
 from prx_assets.stages.shards import groups, mds, plan, trees, verify
@@ -20,6 +19,7 @@ from prx_assets.stages.shards.mapping import mapping_for_append
 from prx_assets.storage.lance_tables import append_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import ACTIVE, _caption, build_corpus, inputs_for
+from prx_assets.testing.shared_memory import release_shared_memory
 from prx_assets_tests.stages.shards.test_incremental import NEW_ID, add_sample
 from prx_assets_tests.stages.shards.tree_writers import kill_held_at
 
@@ -37,12 +37,12 @@ def stored_ids(tree: Path) -> dict[str, list[str]]:
     """Each leaf's samples as a plain StreamingDataset reads them, in order."""
     found = {}
     for leaf in trees.tree_leaves(tree):
-        clean_stale_shared_memory()
+        release_shared_memory(tree)
         dataset = StreamingDataset(local=str(leaf), shuffle=False, batch_size=1)
         found[str(leaf.relative_to(tree))] = [dataset[i]["id"] for i in range(len(dataset))]
         del dataset
         gc.collect()
-    clean_stale_shared_memory()
+    release_shared_memory(tree)
     return found
 
 

@@ -12,7 +12,6 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from streaming import StreamingDataset
-from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.demo.corpus import procedural_image
 from prx_assets.loader import build_dataset
@@ -24,6 +23,7 @@ from prx_assets.stages.skip_lists.skip_lists import REASON_STALE, read_sidecar, 
 from prx_assets.storage.lance_tables import append_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import ACTIVE, _bucketed, _caption, build_corpus, inputs_for
+from prx_assets.testing.shared_memory import release_shared_memory
 from prx_assets_tests.stages.shards.tree_writers import kill_held_at
 
 OPTIONS = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
@@ -94,7 +94,7 @@ def test_one_new_and_one_removed_sample_append_one_shard_and_skip_one(data_root)
         dataset = StreamingDataset(local=str(leaf), batch_size=1, shuffle=False)
         stored += dataset.num_samples
         del dataset
-        clean_stale_shared_memory()
+        release_shared_memory(data_root)
     assert stored == len(corpus["images"]) + 1
     seen = []
     for tier in (1, 2):
@@ -103,7 +103,7 @@ def test_one_new_and_one_removed_sample_append_one_shard_and_skip_one(data_root)
         seen += [sample["id"] for sample in dataset]
         del dataset
         gc.collect()
-        clean_stale_shared_memory()
+        release_shared_memory(data_root)
     assert sorted(seen) == sorted(rows) and gone not in seen
 
 

@@ -9,7 +9,6 @@ import io
 import json
 
 from streaming import StreamingDataset
-from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets import cli
 from prx_assets.loader import build_dataset
@@ -27,6 +26,7 @@ from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import Location
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
+from prx_assets.testing.shared_memory import release_shared_memory
 
 OPTIONS = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
 
@@ -56,7 +56,7 @@ def _stream_count(remote: str, cache) -> tuple[int, list[str]]:
     ids = [dataset[i]["id"] for i in range(dataset.num_samples)]
     del dataset
     gc.collect()
-    clean_stale_shared_memory()
+    release_shared_memory(cache)
     return len(ids), ids
 
 

@@ -1,0 +1,69 @@
+"""Freeing the shared memory of StreamingDatasets a test or bench opened, and no one else's.
+
+streaming's own `clean_stale_shared_memory()` is for a machine running one job: it unlinks
+every prefix's segments, live ones included, and probes each name by creating it for an
+instant. With two test workers (or a bench beside a trainer) that unlinks the other
+process's live datasets and makes its next claim of a prefix fail with FileExistsError.
+Here a prefix is freed only when every local folder its datasets recorded lies under the
+folder given (a test's temporary folder): the caller's own datasets, live or leaked by a
+killed child. Nothing is created; each name is only opened or unlinked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from pathlib import Path
+
+SHM_FOLDER = Path("/dev/shm")  # where Linux keeps POSIX shared memory, one file per name
+LOCALS_NAME = re.compile(r"^(\d{6})_locals$")
+
+
+def release_shared_memory(under: Path | str) -> list[int]:
+    """Unlink the segments of every streaming prefix whose recorded local folders all lie
+    under `under`; returns the prefixes freed."""
+    from streaming.base.constant import SHM_TO_CLEAN
+
+    root = Path(os.path.abspath(under))
+    freed = []
+    for prefix in _claimed_prefixes():
+        folders = _recorded_folders(prefix)
+        if folders and all(Path(folder).is_relative_to(root) for folder in folders):
+            for name in SHM_TO_CLEAN:
+                _unlink(f"{prefix:06}_{name}")
+            freed.append(prefix)
+    return freed
+
+
+def _claimed_prefixes() -> list[int]:
+    if not SHM_FOLDER.is_dir():
+        return []
+    return sorted(int(m.group(1)) for m in map(LOCALS_NAME.match, os.listdir(SHM_FOLDER)) if m)
+
+
+def _recorded_folders(prefix: int) -> list[str]:
+    """The local folders streaming recorded for `prefix` (empty if it went meanwhile)."""
+    from multiprocessing import resource_tracker, shared_memory
+
+    from streaming.base.shared.prefix import _unpack_locals
+
+    try:
+        segment = shared_memory.SharedMemory(f"{prefix:06}_locals", create=False)
+    except FileNotFoundError:
+        return []
+    try:
+        buffer = segment.buf
+        assert buffer is not None  # None only once closed
+        folders, _ = _unpack_locals(bytes(buffer))
+    finally:
+        segment.close()
+        # Opening registers the name with this process's tracker, which would unlink it at
+        # exit: the segment is not ours unless we free it.
+        resource_tracker.unregister("/" + segment.name, "shared_memory")
+    return folders
+
+
+def _unlink(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):  # gone meanwhile: freed by its owner
+        os.unlink(SHM_FOLDER / name)

@@ -1,0 +1,38 @@
+"""Freeing the shared memory under one folder leaves every other process's datasets alone."""
+
+import os
+from pathlib import Path
+
+import pytest
+from streaming import MDSWriter, StreamingDataset
+
+from prx_assets.testing.shared_memory import SHM_FOLDER, release_shared_memory
+
+pytestmark = pytest.mark.usefixtures("fresh_shared_memory")
+
+
+def leaf_dataset(folder: Path) -> StreamingDataset:
+    with MDSWriter(out=str(folder), columns={"id": "str"}) as writer:
+        writer.write({"id": "only"})
+    return StreamingDataset(local=str(folder), batch_size=1, shuffle=False)
+
+
+def segments(prefix: int) -> set[str]:
+    return {name for name in os.listdir(SHM_FOLDER) if name.startswith(f"{prefix:06}_")}
+
+
+def test_only_prefixes_whose_folders_lie_under_the_folder_are_freed(tmp_path):
+    mine = leaf_dataset(tmp_path / "mine" / "leaf")
+    theirs = leaf_dataset(tmp_path / "theirs" / "leaf")
+    before = set(os.listdir(SHM_FOLDER))
+    assert segments(mine._shm_prefix_int) and segments(theirs._shm_prefix_int)
+
+    assert release_shared_memory(tmp_path / "mine") == [mine._shm_prefix_int]
+
+    assert not segments(mine._shm_prefix_int)
+    # Nothing else unlinked, nothing created (streaming's own cleaner probes by creating).
+    assert set(os.listdir(SHM_FOLDER)) == {
+        name for name in before if not name.startswith(f"{mine._shm_prefix_int:06}_")}
+    assert theirs[0]["id"] == "only"  # still reads its own shared state
+    assert release_shared_memory(tmp_path / "nobody") == []
+    del mine, theirs
