@@ -247,7 +247,7 @@ def phase_handed(folder: Path) -> Callable[[], object]:
     write_mapping(mapping, pa.concat_tables(
         mapping_rows(SOURCE, key, rows, fake_shards(rows.num_rows), "v1")
         for key, rows in split_leaves(plan)))
-    manifest = {"consumed": consumed_inputs(inputs)}
+    records = consumed_inputs(inputs)
     n = plan.num_rows
     k = max(1, int(n * CHANGED_SHARE))
     new = bucketed_rows(n + k).slice(n).set_column(0, "id", sample_ids(k, offset=2 * n))
@@ -260,7 +260,7 @@ def phase_handed(folder: Path) -> Callable[[], object]:
     pinned = inputs.pinned()
 
     def run() -> object:
-        touched = touched_ids(pinned, manifest)
+        touched = touched_ids(pinned, records)
         assert touched is not None and len(touched) == 3 * k, "handed every change"
         return handed_delta(pinned, mapping, touched)
 

@@ -9,10 +9,18 @@ published, rolled forward or lost together with the mapping it describes. A buil
 samples than its inputs' (a rewrite's exclusions) records nothing: the next run compares
 in full, as it does without a record, after a compaction of an input, past
 `HANDED_LIMIT` rows written to one, or when an input is pinned older than the record.
+
+A run that finds nothing to change publishes no tree, so the manifest's record would stay
+where the tree was built and every later run would be handed the same changes again (a
+caption version that is not the active one, rows left out), growing toward the limit. Such
+a run records what it consumed beside the trees instead (`NO_CHANGE_RECORD`, naming the
+tree it found unchanged, written under the tree lease); a record naming another tree than
+the current one is ignored.
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pyarrow as pa
@@ -27,12 +35,13 @@ from prx_assets.storage.changes import (
     pinned_changes,
     rows_with_ids,
 )
-from prx_assets.storage.refs import TableRef
+from prx_assets.storage.refs import Location, TableRef
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS
 
 # Rows written to one input since the tree above which comparing every id costs less
 # than looking each one up (~5 µs an id looked up against ~1 µs an id compared in full).
 HANDED_LIMIT = 1_000_000
+NO_CHANGE_RECORD = "unchanged.json"  # in the source's trees folder: {"tree", "consumed"}
 
 
 def input_tables(inputs: SampleInputs) -> dict[str, TableRef]:
@@ -48,10 +57,29 @@ def consumed_inputs(inputs: SampleInputs) -> dict[str, str] | None:
             for name, table in input_tables(inputs).items()}
 
 
-def touched_ids(inputs: SampleInputs, manifest: dict) -> pa.Array | None:
-    """Ids written to or deleted from either input since the tree `manifest` describes
-    was built; None when that cannot be told cheaply (see the module's text)."""
-    records = manifest.get("consumed")
+def record_unchanged(trees_dir: Location, tree: str, inputs: SampleInputs) -> None:
+    """Record that `tree` holds what `inputs` plan (a run found nothing to change)."""
+    consumed = consumed_inputs(inputs)
+    if consumed is not None:
+        (trees_dir / NO_CHANGE_RECORD).write_text(
+            json.dumps({"tree": tree, "consumed": consumed}, sort_keys=True))
+
+
+def consumed_record(trees_dir: Location, tree: str, manifest: dict) -> object:
+    """What tree `tree` is known to hold of its inputs: a later run's record of finding it
+    unchanged, else its manifest's record of the build (None without either)."""
+    try:
+        unchanged = json.loads((trees_dir / NO_CHANGE_RECORD).read_text())
+    except (OSError, ValueError):
+        unchanged = None
+    if isinstance(unchanged, dict) and unchanged.get("tree") == tree:
+        return unchanged.get("consumed")
+    return manifest.get("consumed")
+
+
+def touched_ids(inputs: SampleInputs, records: object) -> pa.Array | None:
+    """Ids written to or deleted from either input since `records` (`consumed_record`);
+    None when that cannot be told cheaply (see the module's text)."""
     if not isinstance(records, dict) or inputs.exclude_ids:
         return None
     found: list[pa.Array] = []

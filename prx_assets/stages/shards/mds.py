@@ -35,7 +35,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from prx_assets.stages.shards.groups import compare_groups
-from prx_assets.stages.shards.handed import handed_delta, touched_ids
+from prx_assets.stages.shards.handed import (
+    consumed_record,
+    handed_delta,
+    record_unchanged,
+    touched_ids,
+)
 from prx_assets.stages.shards.mapping import ids_gone, mapping_comparable
 from prx_assets.stages.shards.plan import (
     Build,
@@ -88,7 +93,8 @@ def _write(inputs: SampleInputs, storage: Storage, store: TreeStore, options: Wr
     build = Build(store, mapping, inputs.pinned(), options, mapping.latest_version(),
                   base_tree=current, lease=lease, stage_files=stage_files)
     manifest = _manifest_to_append_to(build, current)
-    touched = None if manifest is None else touched_ids(build.inputs, manifest)
+    touched = None if manifest is None or current is None else touched_ids(
+        build.inputs, consumed_record(store.trees_dir, current, manifest))
     if current is not None and touched is not None and mapping.exists():
         log(f"{source}: {len(touched):,} ids written to or deleted from the inputs since "
             f"tree {current}: comparing those")
@@ -115,6 +121,7 @@ def _append_or_unchanged(build: Build, delta: Delta, left_out: Counter, current:
     if delta.empty:
         build.log(f"{build.source}: nothing changed since tree {current}; no new version")
         report = unchanged_report(build, current, left_out)
+        record_unchanged(build.store.trees_dir, current, build.inputs)
     else:
         report = append_build(build, delta, left_out, current)
     report.compared_ids = compared

@@ -150,3 +150,24 @@ def test_a_deleted_caption_of_an_id_with_other_versions_is_handed(data_root):
     assert report.compared_ids == 1 and report.removed == 1
     assert uncaptioned not in mapped(data_root)
     assert_tree_matches_inputs(data_root, report)
+
+
+def test_a_run_that_finds_nothing_to_change_is_not_handed_the_same_changes_again(data_root):
+    corpus = build_corpus(data_root, "web", per_shape=4)
+    first = write(data_root)
+    other_version = sorted(corpus["images"])[0]  # a caption no sample of the tree uses
+    append_rows(Storage(data_root).table("captions", "web"), pa.Table.from_pylist(
+        [_caption(other_version, "v-other", "another captioner's words", "ok",
+                  datetime(2026, 3, 1, tzinfo=UTC))], schema=CAPTIONS_SCHEMA), CAPTIONS_SCHEMA)
+    nothing = write(data_root)
+    assert nothing.compared_ids == 1 and not nothing.changed
+    assert nothing.tree_version == first.tree_version
+
+    again = write(data_root)  # the run that found nothing recorded what it consumed
+    assert again.compared_ids == 0 and not again.changed
+
+    add_sample(data_root, NEW_ID)  # a new tree: the record of the old one no longer applies
+    grown = write(data_root)
+    assert grown.compared_ids == 1 and grown.changed
+    assert_tree_matches_inputs(data_root, grown)
+    assert write(data_root).compared_ids == 0
