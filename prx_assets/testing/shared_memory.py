@@ -15,6 +15,7 @@ import contextlib
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 SHM_FOLDER = Path("/dev/shm")  # where Linux keeps POSIX shared memory, one file per name
 LOCALS_NAME = re.compile(r"^(\d{6})_locals$")
@@ -67,3 +68,14 @@ def _recorded_folders(prefix: int) -> list[str]:
 def _unlink(name: str) -> None:
     with contextlib.suppress(FileNotFoundError):  # gone meanwhile: freed by its owner
         os.unlink(SHM_FOLDER / name)
+
+
+def plain_dataset(**kwargs: Any) -> Any:
+    """`streaming.StreamingDataset(**kwargs)` as a trainer opens one, built again when
+    another test worker claimed its shared-memory prefix in the same instant
+    (`prx_assets.engine.shm_prefix.claiming_prefix`)."""
+    from streaming import StreamingDataset
+
+    from prx_assets.engine.shm_prefix import claiming_prefix
+
+    return claiming_prefix(lambda: StreamingDataset(**kwargs))

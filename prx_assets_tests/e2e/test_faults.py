@@ -620,13 +620,14 @@ def test_inputs_changing_between_runs(corpus):
     # removed file stay in older shards, skipped as `stale` (applied whatever the reasons).
     from streaming import Stream
 
+    from prx_assets.engine.shm_prefix import claiming_prefix
     from prx_assets.loader.dataset import SkipListStreamingDataset
 
     tree = current_tree(corpus.data_root, source)
     leaves = [p.parent for p in sorted(tree.glob("*/*/index.json"))]
-    dataset = SkipListStreamingDataset(streams=[Stream(local=str(p)) for p in leaves],
-                                       batch_size=1, skip_reasons=(), shuffle=False,
-                                       decode_images=False)
+    dataset = claiming_prefix(lambda: SkipListStreamingDataset(
+        streams=[Stream(local=str(p)) for p in leaves], batch_size=1, skip_reasons=(),
+        shuffle=False, decode_images=False))
     samples = {sample["id"]: sample for sample in dataset}
     assert sample_id(source, "asmall.jpg") in corpus.kept(source)
     assert set(samples) == corpus.kept(source)

@@ -150,11 +150,9 @@ def _read_back_from_the_bucket(store: Storage, opted_out: str, tmp_path: Path,
     similar; every shard read lands in the given cache folders only."""
     import gc
 
-    from streaming import StreamingDataset
-
     from prx_assets.loader import build_dataset
     from prx_assets.stages.skip_lists.skip_lists import REASON_DEDUP, REASON_OPTOUT, duplicate_ids
-    from prx_assets.testing.shared_memory import release_shared_memory
+    from prx_assets.testing.shared_memory import plain_dataset, release_shared_memory
 
     uri = _cli("mds-uri", SOURCE).strip()
     assert uri.startswith(f"{store.root}/mds/.trees/{SOURCE}/"), uri
@@ -165,7 +163,7 @@ def _read_back_from_the_bucket(store: Storage, opted_out: str, tmp_path: Path,
         monkeypatch.setenv(name, value)  # a trainer's own standard variables for boto3
     monkeypatch.setenv("AWS_DEFAULT_REGION", s3_server.region)
     release_shared_memory(tmp_path)
-    dataset = StreamingDataset(remote=f"{uri}/{leaf}", local=str(tmp_path / "cache-plain"),
+    dataset = plain_dataset(remote=f"{uri}/{leaf}", local=str(tmp_path / "cache-plain"),
                                batch_size=1, shuffle=False)
     streamed = sorted(dataset[i]["id"] for i in range(dataset.num_samples))
     del dataset

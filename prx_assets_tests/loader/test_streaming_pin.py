@@ -12,6 +12,7 @@ import pytest
 import streaming
 from streaming import MDSWriter, StreamingDataset
 
+from prx_assets.engine.shm_prefix import claiming_prefix
 from prx_assets.loader.dataset import SkipListStreamingDataset
 
 # Method -> the parameters (after self) the loader passes or receives, in order.
@@ -69,8 +70,8 @@ def test_dataset_world_and_shard_fields_the_loader_reads(tmp_path):
     with MDSWriter(columns={"id": "str"}, out=str(leaf)) as writer:
         for i in range(4):
             writer.write({"id": str(i)})
-    dataset = SkipListStreamingDataset(streams=[streaming.Stream(local=str(leaf))],
-                                       batch_size=2, shuffle=False)
+    dataset = claiming_prefix(lambda: SkipListStreamingDataset(
+        streams=[streaming.Stream(local=str(leaf))], batch_size=2, shuffle=False))
     missing = [a for a in DATASET_ATTRIBUTES if not hasattr(dataset, a)]
     assert not missing, _changed(f"a StreamingDataset has no {missing}")
     world = dataset._parallel_rank_world

@@ -11,7 +11,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
-from streaming import StreamingDataset
 
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
 from prx_assets.stages.shards import groups, mds, plan, trees, verify
@@ -19,7 +18,7 @@ from prx_assets.stages.shards.mapping import mapping_for_append
 from prx_assets.storage.lance_tables import append_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import ACTIVE, _caption, build_corpus, inputs_for
-from prx_assets.testing.shared_memory import release_shared_memory
+from prx_assets.testing.shared_memory import plain_dataset, release_shared_memory
 from prx_assets_tests.stages.shards.test_incremental import NEW_ID, add_sample
 from prx_assets_tests.stages.shards.tree_writers import kill_held_at
 
@@ -38,7 +37,7 @@ def stored_ids(tree: Path) -> dict[str, list[str]]:
     found = {}
     for leaf in trees.tree_leaves(tree):
         release_shared_memory(tree)
-        dataset = StreamingDataset(local=str(leaf), shuffle=False, batch_size=1)
+        dataset = plain_dataset(local=str(leaf), shuffle=False, batch_size=1)
         found[str(leaf.relative_to(tree))] = [dataset[i]["id"] for i in range(len(dataset))]
         del dataset
         gc.collect()

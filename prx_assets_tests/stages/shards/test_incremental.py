@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from streaming import StreamingDataset
 
 from prx_assets.demo.corpus import procedural_image
 from prx_assets.loader import build_dataset
@@ -23,7 +22,7 @@ from prx_assets.stages.skip_lists.skip_lists import REASON_STALE, read_sidecar, 
 from prx_assets.storage.lance_tables import append_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import ACTIVE, _bucketed, _caption, build_corpus, inputs_for
-from prx_assets.testing.shared_memory import release_shared_memory
+from prx_assets.testing.shared_memory import plain_dataset, release_shared_memory
 from prx_assets_tests.stages.shards.tree_writers import kill_held_at
 
 OPTIONS = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
@@ -91,7 +90,7 @@ def test_one_new_and_one_removed_sample_append_one_shard_and_skip_one(data_root)
     # A plain StreamingDataset sees every stored sample; the loader skips the stale one.
     stored = 0
     for leaf in trees.tree_leaves(tree):
-        dataset = StreamingDataset(local=str(leaf), batch_size=1, shuffle=False)
+        dataset = plain_dataset(local=str(leaf), batch_size=1, shuffle=False)
         stored += dataset.num_samples
         del dataset
         release_shared_memory(data_root)
@@ -213,6 +212,6 @@ def test_mds_uri_prints_the_resolved_current_tree(data_root, capsys):
     assert cli.main(["mds-uri", "web"]) == 0
     uri = capsys.readouterr().out.strip()
     assert uri == str(report.path) and not os.path.islink(uri)  # resolved: stable under swaps
-    dataset = StreamingDataset(local=f"{uri}/1/64x64", batch_size=1, shuffle=False)
+    dataset = plain_dataset(local=f"{uri}/1/64x64", batch_size=1, shuffle=False)
     assert dataset.num_samples == sum(r["leaf"] == "1/64x64" for r in mapping(data_root))
     del dataset

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from streaming import Stream, StreamingDataset
+from streaming import Stream
 
 from prx_assets.stages.shards import mds, parts, plan, trees, verify
 from prx_assets.stages.shards.card import CARD_JSON, CARD_MD
@@ -20,7 +20,7 @@ from prx_assets.stages.shards.mapping import MDS_SAMPLES_SCHEMA
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import Location
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
-from prx_assets.testing.shared_memory import release_shared_memory
+from prx_assets.testing.shared_memory import plain_dataset, release_shared_memory
 
 SMALL = plan.WriteOptions(size_limit=60_000, rows_per_part=7)  # several parts and shards per leaf
 
@@ -64,7 +64,7 @@ def test_tree_holds_the_kept_captioned_rows_byte_for_byte(ray_session, data_root
     q92 = _q92_tables()
     for leaf in trees.tree_leaves(tree):
         release_shared_memory(data_root)
-        dataset = StreamingDataset(local=str(leaf), shuffle=False, batch_size=1)
+        dataset = plain_dataset(local=str(leaf), shuffle=False, batch_size=1)
         rel = str(leaf.relative_to(tree))
         assert dataset.num_samples == sum(r["leaf"] == rel for r in where.values())
         ids = []
@@ -159,7 +159,7 @@ def test_a_killed_build_leaves_the_previous_tree_current(data_root, tmp_path):
     assert mapping_table.latest_version() == mapping_version
     release_shared_memory(data_root)
     streams = [Stream(local=str(leaf)) for leaf in trees.tree_leaves(before.path)]
-    dataset = StreamingDataset(streams=streams, shuffle=False, batch_size=1)
+    dataset = plain_dataset(streams=streams, shuffle=False, batch_size=1)
     assert sorted(dataset[i]["id"] for i in range(dataset.num_samples)) == sorted(corpus["images"])
     del dataset
 

@@ -8,8 +8,6 @@ import gc
 import io
 import json
 
-from streaming import StreamingDataset
-
 from prx_assets import cli
 from prx_assets.loader import build_dataset
 from prx_assets.stages.shards import mds, plan, verify
@@ -26,7 +24,7 @@ from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import Location
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
-from prx_assets.testing.shared_memory import release_shared_memory
+from prx_assets.testing.shared_memory import plain_dataset, release_shared_memory
 
 OPTIONS = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
 
@@ -52,7 +50,7 @@ def _mds_uri() -> str:
 
 
 def _stream_count(remote: str, cache) -> tuple[int, list[str]]:
-    dataset = StreamingDataset(remote=remote, local=str(cache), batch_size=1, shuffle=False)
+    dataset = plain_dataset(remote=remote, local=str(cache), batch_size=1, shuffle=False)
     ids = [dataset[i]["id"] for i in range(dataset.num_samples)]
     del dataset
     gc.collect()

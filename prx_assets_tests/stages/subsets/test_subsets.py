@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from streaming import StreamingDataset
 
 from prx_assets.stages.attributes.schema import STATUS_OK, Tagged, attribute_rows
 from prx_assets.stages.labels.labels import label_rows
@@ -22,6 +21,7 @@ from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import ATTRIBUTES, CAPTION_LABELS, MDS_SAMPLES
 from prx_assets.testing.mds_corpus import ACTIVE, build_corpus, inputs_for
+from prx_assets.testing.shared_memory import plain_dataset
 
 VERSIONS = ActiveVersions(ACTIVE, "clf-1", "attr-1")
 LICENSES = {"web": "cc-by-4.0", "lake": "internal"}
@@ -116,13 +116,13 @@ def test_a_subset_is_its_own_streamable_tree_with_lineage_and_a_card(two_trees, 
     stored = {}
     for source in ("web", "lake"):
         for leaf in leaf_names(storage.mds_root / source):
-            ds = StreamingDataset(local=str(current_tree(data_root, source) / leaf),
+            ds = plain_dataset(local=str(current_tree(data_root, source) / leaf),
                                   shuffle=False, batch_size=1)
             stored.update({s["id"]: s["image"].fp.getvalue() for s in ds})
             assert {s["license"] for s in ds} == {LICENSES[source]}  # carried per sample
     seen = {}
     for leaf in built.tree.leaves:
-        for sample in StreamingDataset(local=str(tree / leaf), shuffle=False, batch_size=1):
+        for sample in plain_dataset(local=str(tree / leaf), shuffle=False, batch_size=1):
             seen[sample["id"]] = sample
     assert set(seen) == {r["id"] for r in rows}
     for sample_id, sample in seen.items():
