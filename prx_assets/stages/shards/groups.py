@@ -10,7 +10,8 @@ keeping the group's ids (as are the previous mapping's ids it still holds); its
 parts are written, merged into its leaves (a cut leaf's numbering continues across its
 ranges) and its mapping rows written as uncommitted fragments that the build commits in
 one Overwrite. A source within `plan_rows` is one group: planned, cut and written as a
-whole-source plan would be (the same shards, byte for byte).
+whole-source plan would be (the same shards, byte for byte). Every full build is grouped,
+a rewrite's too (its exclusions applied per group, its sidecars staged per group).
 
 An incremental run that must compare every id (not handed its inputs' changes: no record,
 or an input compacted since) compares group by group the same way (`compare_groups`): each
@@ -149,6 +150,8 @@ def write_groups(build: Build) -> GroupedWrite:
     for group in groups:
         plan, left_out = plan_samples(build.inputs, where=group.where(len(groups) == 1))
         new, mapping = write_new_leaves(build, plan, done.written)
+        if build.stage_files is not None:  # a group's shards are its own: whole sidecars
+            build.stage_files(build.staging, mapping)
         for name, shards in new.items():
             done.written[name] = [*done.written.get(name, []), *shards]
         done.fragments += stage_fragments(build.mapping, mapping)

@@ -15,7 +15,6 @@ from lance.fragment import FragmentMetadata, write_fragments
 
 from prx_assets.stages.shards.trees import leaf_name
 from prx_assets.storage.filters import in_filter
-from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.refs import Location, TableRef
 
 MDS_SAMPLES_SCHEMA = pa.schema([
@@ -139,19 +138,6 @@ def read_fragment_counts(cache: Location | None) -> dict[str, dict[str, dict[str
                 for key, counts in fragments.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
-
-
-def ids_gone(mapping: TableRef, plan: pa.Table) -> int:
-    """Ids of the previous mapping not planned any more (a full build's rows_removed)."""
-    if not mapping.exists():
-        return 0
-    old = mapping.latest().to_table(columns=["id"])["id"]
-    return int(pc.sum(pc.invert(pc.is_in(old, value_set=plan["id"]))).as_py() or 0)
-
-
-def write_mapping(mapping: TableRef, rows: pa.Table) -> int:
-    """One overwrite commit: readers see the previous mapping or this one, never a mix."""
-    return overwrite_rows(mapping, rows, MDS_SAMPLES_SCHEMA)
 
 
 def update_mapping(mapping: TableRef, new_rows: pa.Table, removed_ids: list[str]) -> int:

@@ -41,20 +41,18 @@ from prx_assets.stages.shards.handed import (
     record_unchanged,
     touched_ids,
 )
-from prx_assets.stages.shards.mapping import ids_gone, mapping_comparable
+from prx_assets.stages.shards.mapping import mapping_comparable
 from prx_assets.stages.shards.plan import (
     Build,
     Delta,
     SampleInputs,
     StageFiles,
     WriteOptions,
-    plan_samples,
 )
 from prx_assets.stages.shards.publish import (
     TreeReport,
     append_build,
     finish_interrupted_publish,
-    full_build,
     grouped_full_build,
     unchanged_report,
 )
@@ -101,19 +99,9 @@ def _write(inputs: SampleInputs, storage: Storage, store: TreeStore, options: Wr
         delta, left_out = handed_delta(build.inputs, mapping, touched)
         return _append_or_unchanged(build, delta, left_out, current, compared=len(touched))
     if current is None or manifest is None or not mapping_comparable(mapping):
-        if _plain(build):
-            return grouped_full_build(build)
-        plan, left_out = plan_samples(build.inputs)  # a rewrite's full build: planned whole
-        log(f"{source}: {plan.num_rows:,} samples planned; left out {dict(left_out) or 'none'}")
-        return full_build(build, plan, left_out, removed=ids_gone(mapping, plan))
+        return grouped_full_build(build)
     delta, left_out = compare_groups(build)
     return _append_or_unchanged(build, delta, left_out, current, compared=None)
-
-
-def _plain(build: Build) -> bool:
-    """A build of every sample of its inputs, with no files staged from the whole mapping:
-    one that can be planned in groups of leaves (a rewrite plans its whole source)."""
-    return not build.inputs.exclude_ids and build.stage_files is None
 
 
 def _append_or_unchanged(build: Build, delta: Delta, left_out: Counter, current: str,

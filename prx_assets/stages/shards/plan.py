@@ -5,6 +5,7 @@ changes against the mapping table. No image bytes, no caption text."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,8 +23,9 @@ from prx_assets.storage.leases import Lease
 from prx_assets.storage.refs import Location, TableRef
 
 # Files a caller adds to a staged version before its manifest (so they publish with it):
-# called with the staging folder and the mapping rows of the samples this build wrote. The
-# rewrite's carried sidecars use it; a tree card belongs here too.
+# called with the staging folder and the mapping rows of the samples this build wrote, once
+# per group of a grouped build (each shard's rows come in one call). The rewrite's carried
+# sidecars use it; a tree card belongs here too.
 StageFiles = Callable[[Location, pa.Table], None]
 
 # The design's MDS sample. `image` is declared `jpeg` so any StreamingDataset decodes it to a
@@ -130,6 +132,13 @@ class Build:
             self.lease.check()
 
 
+@functools.lru_cache(maxsize=1)
+def excluded_value_set(ids: frozenset[str]) -> pa.Array:
+    """A rewrite's exclusions as one Arrow array, made once for all the groups it plans
+    (the set is the same object in every call, its hash kept by Python)."""
+    return pa.array(sorted(ids), pa.string())
+
+
 def plan_samples(inputs: SampleInputs, ids: pa.Array | None = None, where: str | None = None
                  ) -> tuple[pa.Table, Counter]:
     """Kept rows with a usable caption, sorted by (tier, width, height, id), each with its
@@ -159,7 +168,7 @@ def plan_samples(inputs: SampleInputs, ids: pa.Array | None = None, where: str |
     joined = kept.join(usable, "id", join_type="left outer")
     left_out: Counter = Counter()
     if inputs.exclude_ids:
-        excluded = pc.is_in(joined["id"], value_set=pa.array(sorted(inputs.exclude_ids)))
+        excluded = pc.is_in(joined["id"], value_set=excluded_value_set(inputs.exclude_ids))
         left_out["excluded"] = pc.sum(excluded).as_py() or 0
         joined = joined.filter(pc.invert(excluded))
     missing = pc.is_null(joined["caption_row"])

@@ -12,8 +12,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow as pa
-
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.shards.card import write_source_card
 from prx_assets.stages.shards.groups import write_groups
@@ -23,7 +21,6 @@ from prx_assets.stages.shards.mapping import (
     commit_fragments,
     mapped_leaves,
     update_mapping,
-    write_mapping,
 )
 from prx_assets.stages.shards.merge import (
     LeafEntries,
@@ -118,20 +115,6 @@ def staged(build: Build) -> Iterator[None]:
     except BaseException:
         build.staging.delete()
         raise
-
-
-def full_build(build: Build, plan: pa.Table, left_out: Counter, removed: int) -> TreeReport:
-    with staged(build):
-        written, mapping = write_new_leaves(build, plan, {})
-        leaves = leaf_reports({}, {}, written)
-        if build.stage_files is not None:
-            build.stage_files(build.staging, mapping)
-        write_manifest(build, carried=[], samples=plan.num_rows)
-        final = build.store.finish(build.version)
-    check_base(build)
-    mapping_version = write_mapping(build.mapping, mapping)
-    return publish(build, final, mapping_version, left_out, leaves,
-                   Counts(processed=plan.num_rows, reused=0, removed=removed, appended=False))
 
 
 def grouped_full_build(build: Build) -> TreeReport:

@@ -113,11 +113,10 @@ def rewrite_without_skipped(inputs: SampleInputs, storage: Storage | str | Path,
 
     def stage_kept_lists(staging: Location, mapping: pa.Table) -> None:
         # The reasons not rewritten, as sidecars of the new version before it publishes: a
-        # reader of the new tree never sees its shards without them.
-        nonlocal carried
-        carried = stage_sidecars(staging, build_skip_lists(
+        # reader of the new tree never sees its shards without them. Called per group.
+        carried.add(stage_sidecars(staging, build_skip_lists(
             mapping.select(MAPPING_COLUMNS).to_batches(),
-            {r: ids for r, ids in kept_lists.items() if ids}))
+            {r: ids for r, ids in kept_lists.items() if ids})))
 
     report = write_mds_tree(inputs, storage, source,
                             dataclasses.replace(options or WriteOptions(), incremental=False),

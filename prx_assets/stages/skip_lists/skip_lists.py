@@ -179,6 +179,15 @@ class ApplyReport:
     def count_change(self, old: Mapping[str, list[int]], new: Mapping[str, list[int]]) -> None:
         self.samples_changed += len(skipped_indices(old) ^ skipped_indices(new))
 
+    def add(self, other: ApplyReport) -> None:
+        """Count in the report of other shards (a build staging its sidecars per group)."""
+        for name in ("written", "removed", "unchanged", "shards", "skipped_total",
+                     "samples_changed"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.skipped_per_reason.update(other.skipped_per_reason)
+        for leaf, skipped in other.skipped_per_leaf.items():
+            self.skipped_per_leaf[leaf] = self.skipped_per_leaf.get(leaf, 0) + skipped
+
 
 def apply_skip_lists(tree: Path, lists: SkipLists, shards: Iterable[ShardKey]) -> ApplyReport:
     """Write every shard's sidecar under the local `tree` (the source's current MDS tree),

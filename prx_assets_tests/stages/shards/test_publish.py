@@ -14,9 +14,9 @@ from prx_assets.stages.shards.mapping import (
     MDS_SAMPLES_SCHEMA,
     stage_fragments,
     update_mapping,
-    write_mapping,
 )
 from prx_assets.storage.key_index import KeyIndexPolicy, key_index_stats
+from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
@@ -43,7 +43,7 @@ def data_files(table: TableRef) -> set[str]:
 
 def test_many_incremental_runs_leave_the_mapping_a_few_indexed_fragments(tmp_path):
     mapping = TableRef.of(tmp_path / "mds_samples.lance")
-    write_mapping(mapping, rows([f"web:{i:05d}" for i in range(200)]))
+    overwrite_rows(mapping, rows([f"web:{i:05d}" for i in range(200)]), MDS_SAMPLES_SCHEMA)
     live = {f"web:{i:05d}": 0 for i in range(200)}
     compacted = 0
     for run in range(1, 41):
@@ -66,7 +66,7 @@ def test_many_incremental_runs_leave_the_mapping_a_few_indexed_fragments(tmp_pat
 
 def test_a_killed_builds_staged_files_are_freed_once_a_week_old_not_before(tmp_path):
     mapping = TableRef.of(tmp_path / "mds_samples.lance")
-    write_mapping(mapping, rows(["web:a", "web:b"]))
+    overwrite_rows(mapping, rows(["web:a", "web:b"]), MDS_SAMPLES_SCHEMA)
     committed = data_files(mapping)
     stage_fragments(mapping, rows(["web:killed"]))
     killed = data_files(mapping) - committed

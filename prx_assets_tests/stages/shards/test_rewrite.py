@@ -1,4 +1,7 @@
+import dataclasses
 import gc
+
+import pytest
 
 from prx_assets.loader import build_dataset
 from prx_assets.stages.shards import mds, plan, trees
@@ -27,9 +30,14 @@ def _loader_ids(root) -> list[str]:
     return streamed
 
 
-def test_rewrite_yields_the_same_ids_and_empties_the_skip_lists(tmp_path):
+@pytest.mark.parametrize("plan_rows", [None, 7], ids=["one group", "in groups"])
+def test_rewrite_yields_the_same_ids_and_empties_the_skip_lists(tmp_path, plan_rows):
+    """In groups (of at most 7 rows: each leaf cut into ranges), the rewrite's exclusions
+    and carried sidecars are applied group by group; the loader sees the same ids."""
     root = tmp_path / "data"
     options = plan.WriteOptions(size_limit=8_000, parallel=False)
+    if plan_rows is not None:
+        options = dataclasses.replace(options, plan_rows=plan_rows)
     build_corpus(root, "web", per_shape=20, shapes=SHAPES, uncaptioned=0)
     mds.write_mds_tree(inputs_for(root, "web"), root, "web", options)
     mapping = Storage(root).table("mds_samples", "web")
@@ -45,9 +53,16 @@ def test_rewrite_yields_the_same_ids_and_empties_the_skip_lists(tmp_path):
     assert set(before) == set(ids) - skipped
 
     # Rewrite every reason but the ablation: it stays a (carried-over) skip list.
+    logged: list[str] = []
     report = rewrite_without_skipped(inputs_for(root, "web"), root, "web",
-                                     reasons=["dedup", "nsfw"], options=options)
+                                     reasons=["dedup", "nsfw"], options=options,
+                                     log=logged.append)
     assert report.excluded == len(reasons["dedup"] | reasons["nsfw"])
+    groups = [m for m in logged if " group(s) of at most " in m]
+    assert groups and ("in 1 group(s)" in groups[0]) == (plan_rows is None), groups
+    carried = reasons["no_blue"] - reasons["dedup"] - reasons["nsfw"]
+    assert report.carried_over.skipped_total == len(carried)
+    assert report.tree.left_out["excluded"] == report.excluded
     assert set(_loader_ids(root)) == set(before)
     tree = trees.current_tree(root, "web")
     assert [p.parent.name for p in sidecar_files(tree)]  # only no_blue survives
