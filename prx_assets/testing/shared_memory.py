@@ -6,12 +6,13 @@ instant. With two test workers (or a bench beside a trainer) that unlinks the ot
 process's live datasets and makes its next claim of a prefix fail with FileExistsError.
 Here a prefix is freed only when every local folder its datasets recorded lies under the
 folder given (a test's temporary folder): the caller's own datasets, live or leaked by a
-killed child. Nothing is created; each name is only opened or unlinked.
+killed child. Nothing is created; each name is only read or unlinked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import re
 from pathlib import Path
@@ -26,6 +27,7 @@ def release_shared_memory(under: Path | str) -> list[int]:
     under `under`; returns the prefixes freed."""
     from streaming.base.constant import SHM_TO_CLEAN
 
+    gc.collect()  # this process's dropped datasets free their own segments first
     root = Path(os.path.abspath(under))
     freed = []
     for prefix in _claimed_prefixes():
@@ -44,24 +46,16 @@ def _claimed_prefixes() -> list[int]:
 
 
 def _recorded_folders(prefix: int) -> list[str]:
-    """The local folders streaming recorded for `prefix` (empty if it went meanwhile)."""
-    from multiprocessing import resource_tracker, shared_memory
-
+    """The local folders streaming recorded for `prefix` (empty if it went meanwhile). Read
+    as the file it is under /dev/shm: opening it as SharedMemory would register it with this
+    process's resource tracker, which then quarrels with the owner's own unlink."""
     from streaming.base.shared.prefix import _unpack_locals
 
     try:
-        segment = shared_memory.SharedMemory(f"{prefix:06}_locals", create=False)
+        data = (SHM_FOLDER / f"{prefix:06}_locals").read_bytes()
     except FileNotFoundError:
         return []
-    try:
-        buffer = segment.buf
-        assert buffer is not None  # None only once closed
-        folders, _ = _unpack_locals(bytes(buffer))
-    finally:
-        segment.close()
-        # Opening registers the name with this process's tracker, which would unlink it at
-        # exit: the segment is not ours unless we free it.
-        resource_tracker.unregister("/" + segment.name, "shared_memory")
+    folders, _ = _unpack_locals(data)
     return folders
 
 
