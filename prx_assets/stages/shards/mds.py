@@ -22,8 +22,10 @@ filter) or no usable previous tree means a full build.
 
 The steps, one module each: `plan` (what to write, from metadata only), `parts` (Ray tasks
 writing parts with `MDSWriter`), `merge` (parts into one shard sequence per leaf, old shards
-carried), `mapping` (the mapping table), `publish` (the commits, in order), `verify` (the
-`leaves_stream` check). Same inputs, same options: byte-identical shards.
+carried), `mapping` (the mapping table), `groups` (full builds and full compares in groups
+of leaves), `handed` (an incremental run handed its inputs' changes), `publish` (the
+commits, in order), `verify` (the `leaves_stream` check). Same inputs, same options:
+byte-identical shards.
 """
 
 from __future__ import annotations
