@@ -4,7 +4,7 @@ the skipped-id pass, on metadata-only rows (no image bytes, no caption text).
 Per size N, one source's tables are made once (metadata columns only): `bucketed_images`
 (N kept rows in 3 tiers x 10 shapes: 30 leaves), `captions` (one usable row per id, with
 the BTREE on `id` its stage keeps) and the mapping table `mds_samples` written by the
-stage's own `mapping_rows` / `write_mapping` (2,000 samples a shard) with 0.1 % of its
+stage's own `mapping_rows` / `overwrite_rows` (2,000 samples a shard) with 0.1 % of its
 fingerprints changed and 0.1 % more ids than the plan (rows to write and a stale set of
 0.2 %), plus dedup sidecars on 1 % of the shards.
 Then each phase runs in a fresh interpreter (one process per phase and size, so the peaks
@@ -120,10 +120,11 @@ def make_source(folder: Path, n: int) -> None:
     """One source's tables and sidecars at size `n` (the stage's own mapping writer)."""
     import lance
 
-    from prx_assets.stages.shards.mapping import mapping_rows, write_mapping
+    from prx_assets.stages.shards.mapping import MDS_SAMPLES_SCHEMA, mapping_rows
     from prx_assets.stages.shards.plan import plan_samples, split_leaves
     from prx_assets.stages.shards.trees import leaf_name
     from prx_assets.stages.skip_lists.skip_lists import REASON_DEDUP, sidecar_name, write_sidecar
+    from prx_assets.storage.lance_tables import overwrite_rows
     from prx_assets.storage.refs import TableRef
 
     bucketed = bucketed_rows(n)
@@ -135,7 +136,8 @@ def make_source(folder: Path, n: int) -> None:
     plan, _ = plan_samples(inputs_of(folder))
     mapping = pa.concat_tables(mapping_rows(SOURCE, key, rows, fake_shards(rows.num_rows), "v1")
                                for key, rows in split_leaves(plan))
-    write_mapping(TableRef.of(folder / "mapping.lance"), with_changes(mapping, n))
+    overwrite_rows(TableRef.of(folder / "mapping.lance"), with_changes(mapping, n),
+                   MDS_SAMPLES_SCHEMA)
     rng = np.random.default_rng(0)
     for key, rows in split_leaves(plan):
         for entry in fake_shards(rows.num_rows):
@@ -232,9 +234,10 @@ def phase_handed(folder: Path) -> Callable[[], object]:
     import lance
 
     from prx_assets.stages.shards.handed import consumed_inputs, handed_delta, touched_ids
-    from prx_assets.stages.shards.mapping import mapping_rows, write_mapping
+    from prx_assets.stages.shards.mapping import MDS_SAMPLES_SCHEMA, mapping_rows
     from prx_assets.stages.shards.plan import SampleInputs, plan_samples, split_leaves
     from prx_assets.storage.filters import in_filter
+    from prx_assets.storage.lance_tables import overwrite_rows
     from prx_assets.storage.refs import TableRef
 
     copy = Path(tempfile.mkdtemp(dir=folder, prefix="handed-"))  # the warm source's: reused
@@ -244,9 +247,9 @@ def phase_handed(folder: Path) -> Callable[[], object]:
                           TableRef.of(copy / "captions.lance"), CAPTION_FILTER)
     plan, _ = plan_samples(inputs)
     mapping = TableRef.of(copy / "mapping.lance")
-    write_mapping(mapping, pa.concat_tables(
+    overwrite_rows(mapping, pa.concat_tables(
         mapping_rows(SOURCE, key, rows, fake_shards(rows.num_rows), "v1")
-        for key, rows in split_leaves(plan)))
+        for key, rows in split_leaves(plan)), MDS_SAMPLES_SCHEMA)
     records = consumed_inputs(inputs)
     n = plan.num_rows
     k = max(1, int(n * CHANGED_SHARE))
