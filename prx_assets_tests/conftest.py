@@ -43,21 +43,23 @@ def fresh_shared_memory(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture()
 def claimed_meanwhile(monkeypatch):
     """Another process creates the prefix this one chose, just before this one creates it
-    (the interleaving two datasets starting at once can take); yields the names it took."""
+    (the interleaving two datasets starting at once can take); yields the prefixes it took."""
     from multiprocessing import shared_memory
 
     from streaming.base.shared import prefix as streaming_prefix
 
     taken: list[shared_memory.SharedMemory] = []
+    prefixes: list[int] = []
     real = streaming_prefix.SharedMemory
 
     def create_after_the_other(name, create=True, size=0, auto_cleanup=True):
         if create and name.endswith("_locals") and not taken:
             taken.append(shared_memory.SharedMemory(name, create=True, size=8))
+            prefixes.append(int(name.lstrip("/").split("_")[0]))
         return real(name, create, size, auto_cleanup)
 
     monkeypatch.setattr(streaming_prefix, "SharedMemory", create_after_the_other)
-    yield taken
+    yield prefixes
     for segment in taken:
         segment.close()
         segment.unlink()

@@ -624,10 +624,9 @@ def test_inputs_changing_between_runs(corpus):
     from prx_assets.loader.dataset import SkipListStreamingDataset
 
     tree = current_tree(corpus.data_root, source)
-    leaves = [p.parent for p in sorted(tree.glob("*/*/index.json"))]
+    streams = [Stream(local=str(p.parent)) for p in sorted(tree.glob("*/*/index.json"))]
     dataset = claiming_prefix(lambda: SkipListStreamingDataset(
-        streams=[Stream(local=str(p)) for p in leaves], batch_size=1, skip_reasons=(),
-        shuffle=False, decode_images=False))
+        streams=streams, batch_size=1, skip_reasons=(), shuffle=False, decode_images=False))
     samples = {sample["id"]: sample for sample in dataset}
     assert sample_id(source, "asmall.jpg") in corpus.kept(source)
     assert set(samples) == corpus.kept(source)
