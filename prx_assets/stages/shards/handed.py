@@ -51,7 +51,7 @@ def input_tables(inputs: SampleInputs) -> dict[str, TableRef]:
 def consumed_inputs(inputs: SampleInputs) -> dict[str, str] | None:
     """The manifest's record of the pinned inputs a build consumed whole; None for a build
     that leaves samples of its inputs out (`exclude_ids`)."""
-    if inputs.exclude_ids:
+    if inputs.leaves_out:
         return None
     return {name: consumed_at(table.open()).to_json()
             for name, table in input_tables(inputs).items()}
@@ -80,7 +80,7 @@ def consumed_record(trees_dir: Location, tree: str, manifest: dict) -> object:
 def touched_ids(inputs: SampleInputs, records: object) -> pa.Array | None:
     """Ids written to or deleted from either input since `records` (`consumed_record`);
     None when that cannot be told cheaply (see the module's text)."""
-    if not isinstance(records, dict) or inputs.exclude_ids:
+    if not isinstance(records, dict) or inputs.leaves_out:
         return None
     found: list[pa.Array] = []
     for name, table in input_tables(inputs).items():

@@ -5,7 +5,6 @@ changes against the mapping table. No image bytes, no caption text."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,8 +63,14 @@ class SampleInputs:
     bucketed: TableRef
     captions: TableRef
     caption_filter: str  # Lance SQL selecting the active, usable caption rows
-    exclude_ids: frozenset[str] = frozenset()  # e.g. a rewrite without skipped samples
+    # Ids left out, unique (e.g. a rewrite without skipped samples): an Arrow array, as a
+    # rewrite may leave out tens of millions.
+    exclude_ids: pa.Array | None = None
     license: str = "unknown"  # the source's license, written into every sample
+
+    @property
+    def leaves_out(self) -> bool:
+        return self.exclude_ids is not None and len(self.exclude_ids) > 0
 
     def pinned(self) -> SampleInputs:
         return dataclasses.replace(self, bucketed=self.bucketed.pinned(),
@@ -132,13 +137,6 @@ class Build:
             self.lease.check()
 
 
-@functools.lru_cache(maxsize=1)
-def excluded_value_set(ids: frozenset[str]) -> pa.Array:
-    """A rewrite's exclusions as one Arrow array, made once for all the groups it plans
-    (the set is the same object in every call, its hash kept by Python)."""
-    return pa.array(sorted(ids), pa.string())
-
-
 def plan_samples(inputs: SampleInputs, ids: pa.Array | None = None, where: str | None = None
                  ) -> tuple[pa.Table, Counter]:
     """Kept rows with a usable caption, sorted by (tier, width, height, id), each with its
@@ -167,8 +165,8 @@ def plan_samples(inputs: SampleInputs, ids: pa.Array | None = None, where: str |
     usable = usable.rename_columns(["id", "caption_row", *(f"caption_{c}" for c in caption_extra)])
     joined = kept.join(usable, "id", join_type="left outer")
     left_out: Counter = Counter()
-    if inputs.exclude_ids:
-        excluded = pc.is_in(joined["id"], value_set=excluded_value_set(inputs.exclude_ids))
+    if inputs.exclude_ids is not None and inputs.leaves_out:
+        excluded = pc.is_in(joined["id"], value_set=inputs.exclude_ids)
         left_out["excluded"] = pc.sum(excluded).as_py() or 0
         joined = joined.filter(pc.invert(excluded))
     missing = pc.is_null(joined["caption_row"])

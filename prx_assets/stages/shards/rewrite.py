@@ -70,17 +70,23 @@ def _ids(table: TableRef, condition: str | None = None) -> pa.Array:
     return ids.combine_chunks() if ids.num_chunks else pa.array([], pa.string())
 
 
+def _without(ids: pa.Array, dropped: pa.Array) -> pa.Array:
+    return ids.filter(pc.invert(pc.is_in(ids, value_set=dropped)))
+
+
 def _planned_not_kept(inputs: SampleInputs, kept: pa.Array, batch_rows: int = SCAN_ROWS
-                      ) -> set[str]:
-    """Ids the inputs plan (kept bucketed rows) that `kept` lacks, streamed: only those
-    become Python strings (what earlier rewrites or the build's own rules left out)."""
+                      ) -> list[pa.Array]:
+    """Ids the inputs plan (kept bucketed rows) that `kept` lacks, streamed (what earlier
+    rewrites or the build's own rules left out)."""
     scanner = inputs.bucketed.open().scanner(columns=["id"], filter="status = 'ok'",
                                              batch_size=batch_rows)
-    out: set[str] = set()
-    for batch in scanner.to_batches():
-        ids = batch.column("id")
-        out.update(ids.filter(pc.invert(pc.is_in(ids, value_set=kept))).to_pylist())
-    return out
+    return [_without(batch.column("id"), kept) for batch in scanner.to_batches()]
+
+
+def _exclusions(parts: list[pa.Array]) -> pa.Array | None:
+    """One value set of the ids a build leaves out; None when it leaves none out."""
+    ids = pc.unique(pa.concat_arrays([pa.array([], pa.string()), *parts]))
+    return ids if len(ids) else None
 
 
 def rewrite_without_skipped(inputs: SampleInputs, storage: Storage | str | Path, source: str,
@@ -97,18 +103,17 @@ def rewrite_without_skipped(inputs: SampleInputs, storage: Storage | str | Path,
     present = reasons_in(old_tree) - {REASON_STALE}
     rewritten = sorted(present if reasons is None else set(reasons) & present)
     excluded = skipped_ids(old_tree, mapping, rewritten)
-    kept_lists = {r: skipped_ids(old_tree, mapping, [r]) - excluded
+    kept_lists = {r: _without(skipped_ids(old_tree, mapping, [r]), excluded)
                   for r in sorted(present - set(rewritten))}
     log(f"{source}: rewriting without {len(excluded):,} skipped samples "
         f"({', '.join(rewritten) or 'no reason'}); carrying over {', '.join(kept_lists) or 'none'}")
     # The new tree is a subset of the current one: what earlier rewrites (or the current
     # build's own rules) left out stays out.
-    mapped = _ids(mapping)
-    kept = mapped.filter(pc.invert(pc.is_in(mapped, value_set=pa.array(sorted(excluded),
-                                                                        pa.string()))))
-    del mapped
-    inputs = dataclasses.replace(inputs, exclude_ids=frozenset(
-        inputs.exclude_ids | _planned_not_kept(inputs, kept)))
+    kept = _without(_ids(mapping), excluded)
+    earlier = [] if inputs.exclude_ids is None else [inputs.exclude_ids]
+    inputs = dataclasses.replace(inputs, exclude_ids=_exclusions(
+        [*earlier, *_planned_not_kept(inputs, kept)]))
+    del kept
     carried = ApplyReport()
 
     def stage_kept_lists(staging: Location, mapping: pa.Table) -> None:
@@ -116,7 +121,7 @@ def rewrite_without_skipped(inputs: SampleInputs, storage: Storage | str | Path,
         # reader of the new tree never sees its shards without them. Called per group.
         carried.add(stage_sidecars(staging, build_skip_lists(
             mapping.select(MAPPING_COLUMNS).to_batches(),
-            {r: ids for r, ids in kept_lists.items() if ids})))
+            {r: ids for r, ids in kept_lists.items() if len(ids)})))
 
     report = write_mds_tree(inputs, storage, source,
                             dataclasses.replace(options or WriteOptions(), incremental=False),

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path, PurePath
@@ -145,12 +145,11 @@ def read_ablations(directory: Location | str | PurePath) -> dict[str, set[str]]:
     return lists
 
 
-def build_skip_lists(mapping: Iterable[pa.RecordBatch], reasons: Mapping[str, set[str]]
-                     ) -> SkipLists:
+def build_skip_lists(mapping: Iterable[pa.RecordBatch],
+                     reasons: Mapping[str, Collection[str] | pa.Array]) -> SkipLists:
     """Shard-local indices per shard and reason, from the MDS mapping table's batches
     (columns MAPPING_COLUMNS) and the ids each reason removes."""
-    value_sets = {reason: pa.array(sorted(ids), pa.string())
-                  for reason, ids in reasons.items() if ids}
+    value_sets = {reason: id_values(ids) for reason, ids in reasons.items() if len(ids)}
     lists: SkipLists = {}
     for batch in mapping:
         ids = batch.column("id")
@@ -448,14 +447,15 @@ def skip_shares(tree: Location, per_leaf: Mapping[str, int]) -> dict[str, tuple[
 
 
 def skipped_ids(tree: Location | str | PurePath, mapping: TableRef,
-                reasons: Iterable[str] | None = None, batch_rows: int = SCAN_ROWS) -> set[str]:
-    """The live ids a tree's sidecars skip (for the selected reasons; all by default). The
-    mapping is streamed and each batch joined in Arrow with its shards' skipped positions:
-    Python objects per shard and per skipped sample, none per mapping row."""
+                reasons: Iterable[str] | None = None, batch_rows: int = SCAN_ROWS) -> pa.Array:
+    """The live ids a tree's sidecars skip (for the selected reasons; all by default), as
+    one Arrow array of unique ids. The mapping is streamed and each batch joined in Arrow
+    with its shards' skipped positions: Python objects per shard, none per mapping row or
+    skipped sample (a rewrite may skip tens of millions)."""
     tree = as_location(tree)
     wanted = None if reasons is None else list(reasons)
     per_shard: dict[ShardKey, pa.Table] = {}
-    found: set[str] = set()
+    found: list[pa.Array] = []
     for batch in mapping_batches(mapping, batch_rows):
         rows = pa.Table.from_batches([batch])
         pairs = rows.group_by(["leaf", "shard"]).aggregate([])
@@ -469,8 +469,13 @@ def skipped_ids(tree: Location | str | PurePath, mapping: TableRef,
             pairs.column("leaf").to_pylist(), pairs.column("shard").to_pylist(), strict=True))
         if skipped.num_rows:
             hits = rows.join(skipped, ["leaf", "shard", "sample_index"], join_type="inner")
-            found.update(hits.column("id").to_pylist())
-    return found
+            found += hits.column("id").chunks
+    return pc.unique(pa.concat_arrays(found)) if found else pa.array([], pa.string())
+
+
+def id_values(ids: Collection[str] | pa.Array) -> pa.Array:
+    """Ids as an Arrow value set (`pc.is_in`): an Arrow array as it is, else sorted."""
+    return ids if isinstance(ids, pa.Array) else pa.array(sorted(ids), pa.string())
 
 
 def _positions(leaf: str, shard: str, indices: set[int]) -> pa.Table:

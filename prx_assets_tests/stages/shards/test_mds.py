@@ -10,6 +10,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from PIL import Image
 from streaming import Stream
@@ -173,7 +174,7 @@ def test_excluded_ids_are_left_out_and_counted(data_root):
     corpus = build_corpus(data_root, "web", per_shape=4)
     drop = sorted(corpus["images"])[:3]
     inputs = inputs_for(data_root, "web")
-    inputs = plan.SampleInputs(**{**inputs.__dict__, "exclude_ids": frozenset(drop)})
+    inputs = plan.SampleInputs(**{**inputs.__dict__, "exclude_ids": pa.array(drop)})
     report = mds.write_mds_tree(inputs, data_root, "web", plan.WriteOptions(parallel=False))
     assert report.left_out == {"excluded": 3, "no_caption": 2}
     assert report.samples == len(corpus["images"]) - 3

@@ -16,6 +16,7 @@ from prx_assets.stages.skip_lists.skip_lists import (
     read_ablations,
     read_sidecar,
     sidecar_path,
+    skipped_ids,
     skipped_indices,
     write_sidecar,
 )
@@ -68,6 +69,25 @@ def test_lists_per_shard_and_reason_are_sorted_shard_local_indices(tmp_path):
                                                                          "nsfw": [3]}}, shards)
     assert (again.written, again.removed, again.unchanged) == (0, 1, 3)
     assert not (tree / "1024/1024x1024/shard.00001.skip.json").exists()
+
+
+def test_skipped_ids_come_back_as_one_arrow_array_of_unique_ids(tmp_path):
+    # A rewrite may skip tens of millions of samples: the ids stay Arrow, never a Python
+    # string each; a shard met in several mapping batches counts its samples once.
+    uri = _mapping(tmp_path)
+    reasons = {"dedup": pa.array(["web:512-0-3", "web:512-0-1", "web:102-1-4"]),
+               "nsfw": {"web:512-0-3"}}
+    lists = build_skip_lists(mapping_batches(uri, batch_rows=3), reasons)
+    shards, _ = mapping_shards(uri)
+    tree = tmp_path / "tree"
+    for leaf, shard in shards:
+        (tree / leaf).mkdir(parents=True, exist_ok=True)
+    apply_skip_lists(tree, lists, shards)
+    found = skipped_ids(tree, uri, batch_rows=2)
+    assert isinstance(found, pa.Array) and found.type == pa.string()
+    assert sorted(found.to_pylist()) == ["web:102-1-4", "web:512-0-1", "web:512-0-3"]
+    assert skipped_ids(tree, uri, ["nsfw"]).to_pylist() == ["web:512-0-3"]
+    assert len(skipped_ids(tree, uri, ["optout"])) == 0
 
 
 def test_sidecar_roundtrip_and_union_of_selected_reasons(tmp_path):
