@@ -11,8 +11,10 @@ on S3 a PUT with `If-None-Match: *`) and replaced only by whoever read the versi
 replaces (locally under an `flock` of a lock file beside it, comparing the bytes; on S3 a
 PUT with `If-Match: <etag>`). A holder renews it from a heartbeat thread; a holder that dies
 stops renewing, its lease expires and the next writer takes it over (and resumes, since
-every stage is resumable). A writer that cannot get a lease within its wait budget fails
-with a message naming the holder.
+every stage is resumable). A writer on the holder's own machine (same boot and PID
+namespace) takes it over at once when the holder's process is gone (`process_keys`). A
+writer that cannot get a lease within its wait budget fails with a message naming the
+holder.
 
 Expiry compares wall clocks: machines sharing a bucket need clocks within a small fraction
 of the lease's time to live (NTP gives milliseconds; the default TTL is two minutes).
@@ -38,6 +40,7 @@ from typing import Protocol
 
 from prx_assets.engine.failpoints import failpoint
 from prx_assets.storage.object_store import StoreSettings, split_uri
+from prx_assets.storage.process_keys import gone, process_key
 from prx_assets.storage.refs import Location, sync_folder
 
 logger = logging.getLogger(__name__)
@@ -92,17 +95,20 @@ class LeaseBody:
     owner: Owner
     taken_at: float
     expires_at: float
+    # The holder's `process_keys.process_key`, beside `owner` so that a reader of an older
+    # release (which builds `Owner` from every key it finds) still decodes the lease.
+    process: str | None = None
 
     def encode(self) -> bytes:
         return json.dumps({"name": self.name, "owner": self.owner.__dict__,
-                           "taken_at": self.taken_at, "expires_at": self.expires_at},
-                          sort_keys=True).encode()
+                           "taken_at": self.taken_at, "expires_at": self.expires_at,
+                           "process": self.process}, sort_keys=True).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> LeaseBody:
         raw = json.loads(data)
         return cls(raw["name"], Owner(**raw["owner"]), float(raw["taken_at"]),
-                   float(raw["expires_at"]))
+                   float(raw["expires_at"]), raw.get("process"))
 
     def expired(self, now: float | None = None) -> bool:
         return (time.time() if now is None else now) >= self.expires_at
@@ -283,7 +289,8 @@ class Lease:
 
     def _new_body(self, taken_at: float | None = None) -> LeaseBody:
         now = time.time()
-        return LeaseBody(self.name, self.owner, taken_at or now, now + self.ttl_s)
+        return LeaseBody(self.name, self.owner, taken_at or now, now + self.ttl_s,
+                         process_key())
 
     def acquire(self) -> Lease:
         """Take the lease; LeaseHeldError naming the holder after `wait_s`."""
@@ -298,11 +305,14 @@ class Lease:
                 if current is None:
                     continue  # released between our create and read
                 holder = LeaseBody.decode(current[0])
-                if holder.expired():
+                expired = holder.expired()
+                if expired or gone(holder.process):
                     tag = self._file.replace(body.encode(), current[1])
                     if tag is not None and holder.expires_at > 0:
+                        why = ("expired: the holder stopped renewing" if expired else
+                               "its process is gone from this machine")
                         self.log(f"lease {self.name}: took over from {holder.describe()} "
-                                 "(expired: the holder stopped renewing)")
+                                 f"({why})")
             if tag is not None:
                 self._tag, self._body = tag, body
                 return self

@@ -1,11 +1,13 @@
 """Leases in the storage: exclusive create, a holder named when the wait runs out, takeover
-of an expired lease, a lost lease refusing commits; the same on local disk and on the S3
-test server (whose conditional puts are checked first, directly). Reader leases and the
-retention of trees."""
+of an expired lease or of one whose holder's process is gone from this machine, a lost lease
+refusing commits; the same on local disk and on the S3 test server (whose conditional puts
+are checked first, directly). Reader leases and the retention of trees."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -93,6 +95,46 @@ def test_an_expired_lease_is_taken_over_and_its_old_holder_may_not_commit(root):
     # The thief's lease is left as it was: the old holder does not release it.
     data = lease_file(location).read()
     assert data is not None and json.loads(data[0])["owner"]["token"] == "t"
+
+
+HOLDER = """
+import sys
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.leases import writer_lease
+writer_lease(Storage(sys.argv[1]).location(), "mds_shards", "web", ttl_s=3600).acquire()
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_lease_whose_holder_process_is_gone_from_this_machine_is_taken_at_once(tmp_path):
+    # A run killed here (SIGKILL, the OOM killer) leaves its lease unexpired for up to its
+    # time to live (an hour in this holder's case): the next writer sees the process gone.
+    data = str(tmp_path / "data")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, data], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(LeaseHeldError):  # alive: it keeps its lease
+            writer_lease(Storage(data).location(), "mds_shards", "web", wait_s=0).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    taken: list[str] = []
+    with writer_lease(Storage(data).location(), "mds_shards", "web", wait_s=0,
+                      log=taken.append) as lease:
+        lease.check()
+    assert any("its process is gone from this machine" in line for line in taken)
+
+
+def test_a_holder_on_another_machine_keeps_its_lease_until_it_expires(root):
+    location = root / "leases" / "writers" / "mds_shards" / "web.json"
+    other = LeaseBody(location.uri, Owner("elsewhere", 999_999, "run-far", "token-far"),
+                      time.time(), time.time() + 3600,
+                      process="another-boot:pid:[1]/999999/12345")  # no such pid here
+    assert lease_file(location).create(other.encode()) is not None
+    with pytest.raises(LeaseHeldError, match="run run-far"):
+        Lease(location, wait_s=0).acquire()
 
 
 def test_the_heartbeat_keeps_a_short_lease_alive(tmp_path):
