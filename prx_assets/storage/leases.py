@@ -276,6 +276,7 @@ class Lease:
     poll_s: float = 0.2
     log: Callable[[str], None] = logger.info
     owner: Owner = field(default_factory=Owner.here)
+    process: str | None = field(default_factory=process_key)  # the owner's, from /proc
     _file: LeaseFile | None = field(default=None, init=False, repr=False)
     _tag: str | None = field(default=None, init=False, repr=False)
     _body: LeaseBody | None = field(default=None, init=False, repr=False)
@@ -290,7 +291,7 @@ class Lease:
     def _new_body(self, taken_at: float | None = None) -> LeaseBody:
         now = time.time()
         return LeaseBody(self.name, self.owner, taken_at or now, now + self.ttl_s,
-                         process_key())
+                         self.process)
 
     def acquire(self) -> Lease:
         """Take the lease; LeaseHeldError naming the holder after `wait_s`."""

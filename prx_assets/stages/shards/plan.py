@@ -65,12 +65,12 @@ class SampleInputs:
     caption_filter: str  # Lance SQL selecting the active, usable caption rows
     # Ids left out, unique (e.g. a rewrite without skipped samples): an Arrow array, as a
     # rewrite may leave out tens of millions.
-    exclude_ids: pa.Array | None = None
+    exclude_ids: pa.Array = field(default_factory=lambda: pa.array([], pa.string()))
     license: str = "unknown"  # the source's license, written into every sample
 
     @property
     def leaves_out(self) -> bool:
-        return self.exclude_ids is not None and len(self.exclude_ids) > 0
+        return len(self.exclude_ids) > 0
 
     def pinned(self) -> SampleInputs:
         return dataclasses.replace(self, bucketed=self.bucketed.pinned(),
@@ -165,7 +165,7 @@ def plan_samples(inputs: SampleInputs, ids: pa.Array | None = None, where: str |
     usable = usable.rename_columns(["id", "caption_row", *(f"caption_{c}" for c in caption_extra)])
     joined = kept.join(usable, "id", join_type="left outer")
     left_out: Counter = Counter()
-    if inputs.exclude_ids is not None and inputs.leaves_out:
+    if inputs.leaves_out:
         excluded = pc.is_in(joined["id"], value_set=inputs.exclude_ids)
         left_out["excluded"] = pc.sum(excluded).as_py() or 0
         joined = joined.filter(pc.invert(excluded))

@@ -83,10 +83,9 @@ def _planned_not_kept(inputs: SampleInputs, kept: pa.Array, batch_rows: int = SC
     return [_without(batch.column("id"), kept) for batch in scanner.to_batches()]
 
 
-def _exclusions(parts: list[pa.Array]) -> pa.Array | None:
-    """One value set of the ids a build leaves out; None when it leaves none out."""
-    ids = pc.unique(pa.concat_arrays([pa.array([], pa.string()), *parts]))
-    return ids if len(ids) else None
+def _exclusions(parts: list[pa.Array]) -> pa.Array:
+    """One value set of the ids a build leaves out."""
+    return pc.unique(pa.concat_arrays([pa.array([], pa.string()), *parts]))
 
 
 def rewrite_without_skipped(inputs: SampleInputs, storage: Storage | str | Path, source: str,
@@ -110,9 +109,8 @@ def rewrite_without_skipped(inputs: SampleInputs, storage: Storage | str | Path,
     # The new tree is a subset of the current one: what earlier rewrites (or the current
     # build's own rules) left out stays out.
     kept = _without(_ids(mapping), excluded)
-    earlier = [] if inputs.exclude_ids is None else [inputs.exclude_ids]
     inputs = dataclasses.replace(inputs, exclude_ids=_exclusions(
-        [*earlier, *_planned_not_kept(inputs, kept)]))
+        [inputs.exclude_ids, *_planned_not_kept(inputs, kept)]))
     del kept
     carried = ApplyReport()
 
