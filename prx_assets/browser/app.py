@@ -66,7 +66,7 @@ from prx_assets.browser.auth import (
     same_origin,
 )
 from prx_assets.browser.cards import published, tree_card
-from prx_assets.browser.catalog import BadQuery, Catalog, NotFound
+from prx_assets.browser.catalog import TABLE_TTL_S, BadQuery, Catalog, NotFound
 from prx_assets.browser.facets import Query
 from prx_assets.browser.links import dagster_home_instance, dagster_url, run_url
 from prx_assets.browser.optout import pending_requests, write_request
@@ -95,11 +95,13 @@ class BrowserState:
 
     @classmethod
     def create(cls, storage: Storage | str | Path, auth: BrowserAuth | None = None,
-               private_reads: bool = False, dagster: Any = None) -> BrowserState:
+               private_reads: bool = False, dagster: Any = None,
+               table_ttl_s: float = TABLE_TTL_S) -> BrowserState:
         templates = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
                                        autoescape=True, undefined=jinja2.StrictUndefined)
         templates.globals["urlencode"] = urlencode
-        return cls(Catalog(storage), auth or BrowserAuth(), templates, private_reads, dagster)
+        return cls(Catalog(storage, table_ttl_s), auth or BrowserAuth(), templates,
+                   private_reads, dagster)
 
     def render(self, request: Request, template: str, status: int = 200, **context: Any
                ) -> HTMLResponse:
@@ -424,11 +426,13 @@ class ReadsNeedLogin(BaseHTTPMiddleware):
 
 
 def create_app(storage: Storage | str | Path, auth: BrowserAuth | None = None,
-               private_reads: bool = False, dagster: Any = None) -> Starlette:
+               private_reads: bool = False, dagster: Any = None,
+               table_ttl_s: float = TABLE_TTL_S) -> Starlette:
     """The app over `storage` (a Storage, or its root folder / URI); `auth` says who may
     write (default: nobody); `dagster`, the instance its sample pages find the exact
-    writing run in."""
-    state = BrowserState.create(storage, auth, private_reads, dagster)
+    writing run in; `table_ttl_s`, how long an opened table is served before its latest
+    version is checked again."""
+    state = BrowserState.create(storage, auth, private_reads, dagster, table_ttl_s)
     app = Starlette(routes=routes(state),
                     middleware=[Middleware(ReadsNeedLogin, state=state)],
                     exception_handlers={HTTPException: partial(http_error, state=state)})

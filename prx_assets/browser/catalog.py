@@ -77,10 +77,12 @@ class Sidecar:
 
 class Catalog:
     """The storage root's tables; datasets are opened once and re-checked for a newer
-    version every TABLE_TTL_S seconds."""
+    version every `ttl_s` seconds (TABLE_TTL_S unless told; 0 re-checks on every call, so
+    a page reloaded after a write shows it)."""
 
-    def __init__(self, storage: Storage | str | Path):
+    def __init__(self, storage: Storage | str | Path, ttl_s: float = TABLE_TTL_S):
         self.storage = as_storage(storage)
+        self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._open: dict[str, tuple[float, LanceDataset | None]] = {}
         self._cache: dict[tuple, Any] = {}
@@ -91,7 +93,7 @@ class Catalog:
     def sources_of(self, asset: str) -> list[str]:
         """Sources that have a table of the per-source `asset`: the `<source>.lance` folders
         in its table folder (on an object store one listing request, reused for
-        TABLE_TTL_S seconds)."""
+        `ttl_s` seconds)."""
         if asset not in PER_SOURCE:
             return []
         folder = self.storage.table_folder(asset)
@@ -118,7 +120,7 @@ class Catalog:
         now = time.monotonic()
         with self._lock:
             held = self._open.get(table.uri)
-        if held and now - held[0] < TABLE_TTL_S:
+        if held and now - held[0] < self.ttl_s:
             return held[1]
         dataset = held[1] if held else None
         try:
@@ -179,12 +181,12 @@ class Catalog:
         return value
 
     def fresh(self, name: str, compute: Callable[[], Any]) -> Any:
-        """`compute()`, reused for TABLE_TTL_S seconds (for things without a version, such
+        """`compute()`, reused for `ttl_s` seconds (for things without a version, such
         as the list of sidecar files)."""
         now = time.monotonic()
         with self._lock:
             held = self._fresh.get(name)
-        if held and now - held[0] < TABLE_TTL_S:
+        if held and now - held[0] < self.ttl_s:
             return held[1]
         value = compute()
         with self._lock:

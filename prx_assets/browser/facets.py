@@ -206,7 +206,7 @@ def duplicate_sets(catalog: Catalog) -> dict[str, IdSet]:
 
 def _sidecar_stamps(catalog: Catalog) -> tuple:
     """Path and mtime of every sidecar (a changed skip list changes the key); re-listed at
-    most every TABLE_TTL_S seconds, like the tables."""
+    most every `ttl_s` seconds of the catalog, like the tables."""
     return catalog.fresh("sidecar stamps", lambda: tuple(
         sidecar.stamp() for source in catalog.sources_of(MDS_SAMPLES)
         for sidecar in catalog.sidecars(source)))

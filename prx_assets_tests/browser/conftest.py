@@ -52,12 +52,14 @@ CURATOR_TOKEN = "curator-token-for-browser-tests"
 
 @pytest.fixture(scope="session")
 def served(tiny) -> ServedApp:
-    """The browser with one curator (`CURATOR_TOKEN`), so the opt-out flow can be driven."""
+    """The browser with one curator (`CURATOR_TOKEN`), so the opt-out flow can be driven;
+    its tables re-checked on every request, so a page reloaded after a job shows what the
+    job wrote (no race against the catalog's two-second reuse)."""
     from prx_assets.browser.app import create_app
     from prx_assets.browser.auth import BrowserAuth, Curators
 
     auth = BrowserAuth(Curators.parse(f"curator {CURATOR_TOKEN}"))
-    with ServedApp(tiny.data_root, create_app(tiny.data_root, auth)) as app:
+    with ServedApp(tiny.data_root, create_app(tiny.data_root, auth, table_ttl_s=0)) as app:
         yield app
 
 
