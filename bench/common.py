@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -48,6 +48,14 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
+
+
+def release_loader(dataset: Any) -> None:
+    """Let a project loader's trees go once a bench is done with it: its reader-lease
+    renewer thread would otherwise outlive the storage it writes to (the S3 server that
+    `bench.s3` stops) and log a failure every beat until the process ends."""
+    if dataset.reader_leases is not None:
+        dataset.reader_leases.release()
 
 
 def generated_jpegs(directory: Path, count: int, seed: int = 0,

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from bench.common import OUT, Figure, report, timed
+from bench.common import OUT, Figure, release_loader, report, timed
 from prx_assets.engine import ray_runtime
 from prx_assets.stages.shards.mds import write_mds_tree
 from prx_assets.stages.shards.plan import WriteOptions
@@ -124,6 +124,7 @@ def bench_loading(work: Path) -> list[Figure]:
         ours = build_dataset(root / "mds", 1, BATCH, weights={"bench": 1.0}, seed=1,
                              decode_images=decode)
         ours_s, ours_n = timed(functools.partial(iterate, ours))
+        release_loader(ours)
         del ours
         print(f"loader: plain StreamingDataset {plain_n} samples in {plain_s:.2f} s; ours "
               f"({label}) {ours_n} samples ({skipped} skipped, trimmed to whole batches) "

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from bench.common import OUT, Figure, report
+from bench.common import OUT, Figure, release_loader, report
 from prx_assets.stages.shards.mds import write_mds_tree
 from prx_assets.stages.shards.plan import WriteOptions
 from prx_assets.storage.lance_tables import overwrite_rows
@@ -69,6 +69,7 @@ def epoch(root: Path, guard: bool) -> int:
     dataset = build_dataset(root / "mds", 1, BATCH, weights={"bench": 1.0}, seed=1,
                             decode_images=False, guard_opt_outs=guard)
     count = sum(sum(1 for _ in dataset) for _ in range(EPOCHS))
+    release_loader(dataset)
     del dataset
     return count
 

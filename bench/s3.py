@@ -23,7 +23,15 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import OUT, Figure, generated_jpegs, report, s3_workspace, timed
+from bench.common import (
+    OUT,
+    Figure,
+    generated_jpegs,
+    release_loader,
+    report,
+    s3_workspace,
+    timed,
+)
 from prx_assets.engine import ray_runtime
 from prx_assets.stages.ingest.ingest import IngestOptions, build_raw_dataset
 from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
@@ -108,6 +116,7 @@ def loaded(root: Location | str, cache: Path | None) -> tuple[float, int]:
     dataset = build_dataset(root, 1, BATCH, weights={"bench": 1.0}, shuffle=False,
                             cache_dir=cache)
     seconds, samples = timed(functools.partial(iterate, dataset))
+    release_loader(dataset)
     del dataset
     return seconds, samples
 
