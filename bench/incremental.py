@@ -217,7 +217,7 @@ def child_run(setup: Setup, instance, settings: dict, chunk_rows: int | None = N
     run id and the image stage's seconds (to the kill, for a killed run)."""
     from dagster import DagsterEventType
 
-    from prx_assets.engine import failpoints
+    from prx_assets.storage import failpoints
 
     marker = setup.tmp / f"failpoint-{time.time_ns()}.json"
     env = setup.env()

@@ -1,6 +1,6 @@
 """A writer for the race and kill tests: `python -m <module> ARGS...` in a session of its
 own (so a SIGKILL of its group takes its Ray down too), armed through its environment with
-failpoints or barriers (`engine.failpoints`), printing `RESULT{json}` when it finishes."""
+failpoints or barriers (`storage.failpoints`), printing `RESULT{json}` when it finishes."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ import os
 import ray
 import ray.data
 
-from prx_assets.engine import failpoints
 from prx_assets.engine.progress import quiet_ray_data
+from prx_assets.storage import failpoints
 
 LOOPBACK = "127.0.0.1"
 # The embedded object store: this much per CPU, at least the floor, at most Ray's own

@@ -30,7 +30,7 @@ from lance.fragment import write_fragments
 from ray.data.block import Block, BlockAccessor
 from ray.data.datasource.datasink import Datasink, WriteResult
 
-from prx_assets.engine.failpoints import failpoint
+from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.key_index import KeyIndexPolicy
 from prx_assets.storage.keyed_writes import drop_later_copies
 from prx_assets.storage.object_store import is_object_store

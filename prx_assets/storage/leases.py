@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from prx_assets.engine.failpoints import failpoint
+from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.object_store import StoreSettings, split_uri
 from prx_assets.storage.process_keys import gone, process_key
 from prx_assets.storage.refs import Location, sync_folder

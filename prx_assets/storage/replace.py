@@ -12,7 +12,7 @@ import lance
 import pyarrow as pa
 from lance.fragment import write_fragments
 
-from prx_assets.engine.failpoints import failpoint
+from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.lance_tables import (
     UPSERT_ATTEMPTS,
     CommitConflictError,

@@ -4,7 +4,7 @@ instance, armed with a failpoint, and snapshots of every stored table and shard 
 A run is `python -m prx_assets_tests.e2e.fault_runs ...` started in its own session
 (process group), so `os.killpg(SIGKILL)` takes its embedded Ray (raylet, GCS, workers) down
 with it, as a crashed machine or an OOM kill of the run would. A run armed with a failpoint
-(`prx_assets.engine.failpoints`) holds at that point, in its own process or in the Ray
+(`prx_assets.storage.failpoints`) holds at that point, in its own process or in the Ray
 worker that reached it, until killed: the test waits for the marker file, so the kill lands
 at the same place however loaded the machine is.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import lance
 
-from prx_assets.engine import failpoints
+from prx_assets.storage import failpoints
 from prx_assets.testing.processes import wait_for_group_gone
 
 PER_SOURCE_TABLES = ("raw_images", "bucketed_images", "phashes", "captions", "caption_labels",

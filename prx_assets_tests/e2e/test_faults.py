@@ -3,7 +3,7 @@ that cannot happen, two partitions at once, and inputs changing between runs.
 
 Everything is real: Dagster runs on an on-disk SQLite instance, embedded Ray, Lance tables,
 MDS trees, and SIGKILL of a run's whole process group. A killed run is armed with one of the
-stages' failpoints (`prx_assets.engine.failpoints`): the stage holds there, mid-work with
+stages' failpoints (`prx_assets.storage.failpoints`): the stage holds there, mid-work with
 something half-written (ingest between two chunk commits, a batch of the image stage, a
 committed caption chunk, a part of a `.partial` MDS tree, one replaced skip sidecar), and
 the test kills it once the marker file says so. No kill waits for a sleep or races the run.

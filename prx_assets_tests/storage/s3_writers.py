@@ -1,6 +1,6 @@
 """Writer processes for the concurrency and kill tests on the S3 server: each is
 `python -m prx_assets_tests.storage.s3_writers <mode> ...` in a process of its own, armed
-(or not) with a failpoint or a barrier through its environment (`engine.failpoints`).
+(or not) with a failpoint or a barrier through its environment (`storage.failpoints`).
 
     upsert URI NAME          one upsert of NAME0..NAME2 plus the key `shared`
     chunked URI ROWS CHUNK   ids c000.. committed by `engine.chunked.run_chunked` in chunks

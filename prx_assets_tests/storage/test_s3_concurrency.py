@@ -1,5 +1,5 @@
 """Commit races and kills on the S3 server, with real processes lined up by barriers and
-failpoints (`engine.failpoints`), never by timers."""
+failpoints (`storage.failpoints`), never by timers."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from prx_assets.engine import failpoints
-from prx_assets.storage import lance_tables, object_store
+from prx_assets.storage import failpoints, lance_tables, object_store
 from prx_assets.storage.lance_tables import CommitConflictError, upsert
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef

@@ -28,7 +28,6 @@ from prx_assets.engine.chunked import (
     drop_ids,
     run_chunked,
 )
-from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.attributes.backends import (
     INSTRUCTIONS,
     VLLMAttributeSettings,
@@ -60,6 +59,7 @@ from prx_assets.storage.changes import (
     record_consumed,
     up_to_date_ids,
 )
+from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.filters import all_of, eq_filter, in_filter
 from prx_assets.storage.lance_tables import FragmentPolicy, create_empty
 from prx_assets.storage.refs import TableRef

@@ -30,7 +30,6 @@ from prx_assets.engine.chunked import (
     run_chunked,
     without_ids,
 )
-from prx_assets.engine.failpoints import failpoint
 from prx_assets.engine.id_sets import IdSet
 from prx_assets.engine.removals import DELETE_IDS_PER_COMMIT, delete_ids
 from prx_assets.stages.captions.captioners import CaptionerSpec, caption_stage
@@ -49,6 +48,7 @@ from prx_assets.storage.changes import (
     record_consumed,
     rows_with_ids,
 )
+from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.filters import all_of, eq_filter
 from prx_assets.storage.lance_tables import FragmentPolicy, create_empty, only_appended_since
 from prx_assets.storage.refs import TableRef

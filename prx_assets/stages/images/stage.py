@@ -33,7 +33,6 @@ from prx_assets.engine.chunked import (
     new_if_empty,
     run_chunked,
 )
-from prx_assets.engine.failpoints import failpoint
 from prx_assets.engine.removals import delete_ids, removed_ids
 from prx_assets.stages.images.imaging import ImageOptions, process_image
 from prx_assets.storage.changes import (
@@ -45,6 +44,7 @@ from prx_assets.storage.changes import (
     record_consumed,
     rows_with_ids,
 )
+from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.filters import sql_string
 from prx_assets.storage.key_index import maintain_key_index, refresh_key_index
 from prx_assets.storage.lance_tables import (

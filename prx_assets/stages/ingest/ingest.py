@@ -43,7 +43,6 @@ from prx_assets.engine.chunked import (
     hash_partitions,
     run_chunked,
 )
-from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.ingest import readers
 from prx_assets.stages.ingest.location import SourceLocation
 from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS
@@ -56,6 +55,7 @@ from prx_assets.stages.ingest.raw_rows import (
     rows_to_tables,
 )
 from prx_assets.stages.ingest.sources import SourceSpec
+from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.filters import in_filter
 from prx_assets.storage.lance_tables import create_empty, overwrite_rows, tag_with_node
 

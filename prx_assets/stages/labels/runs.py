@@ -30,7 +30,6 @@ from prx_assets.engine.chunked import (
     keep_ids,
     run_chunked,
 )
-from prx_assets.engine.failpoints import failpoint
 from prx_assets.engine.id_sets import IdSet
 from prx_assets.engine.removals import DELETE_IDS_PER_COMMIT, delete_ids
 from prx_assets.models.embeddings import shared_embedder
@@ -60,6 +59,7 @@ from prx_assets.storage.changes import (
     record_consumed,
     up_to_date_ids,
 )
+from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.lance_tables import FragmentPolicy, create_empty
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.table_stats import value_counts

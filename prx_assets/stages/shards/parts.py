@@ -18,9 +18,9 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from prx_assets.engine.failpoints import failpoint
 from prx_assets.engine.progress import StageProgress
 from prx_assets.stages.shards.plan import SampleInputs, WriteOptions
+from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.refs import Location
 
 IMAGE_COLUMNS = ["id", "source", "image", "width", "height", "original_width", "original_height"]

@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.shards.card import write_source_card
 from prx_assets.stages.shards.groups import write_groups
 from prx_assets.stages.shards.handed import consumed_inputs
@@ -38,6 +37,7 @@ from prx_assets.stages.shards.trees import (
     lineage,
     read_index,
 )
+from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.key_index import KeyIndexPolicy, refresh_key_index
 from prx_assets.storage.lance_tables import FragmentPolicy, cleanup, compact, small_fragments
 from prx_assets.storage.refs import Location, TableRef

@@ -33,7 +33,6 @@ from pathlib import Path, PurePath
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prx_assets.engine.failpoints import failpoint
 from prx_assets.stages.shards.trees import (
     DEFAULT_RETENTION,
     TREE_MANIFEST,
@@ -42,6 +41,7 @@ from prx_assets.stages.shards.trees import (
     new_tree_version,
     tree_store,
 )
+from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.filters import all_of, eq_filter, in_filter, sql_string
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.leases import Lease, tree_lease

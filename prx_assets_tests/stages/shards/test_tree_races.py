@@ -1,5 +1,5 @@
 """Races on one source's MDS tree, with real processes lined up by barriers
-(`engine.failpoints`), never by timers: two mds_shards builds, and mds_shards beside
+(`storage.failpoints`), never by timers: two mds_shards builds, and mds_shards beside
 skip_lists, on local disk and on the S3 test server; a reader streaming one tree through
 three rebuilds; the tree check on a missing or short shard; a killed holder's lease taken
 over.
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from prx_assets.engine import failpoints
 from prx_assets.loader import build_dataset
 from prx_assets.stages.shards import mds, trees, verify
 from prx_assets.stages.skip_lists.skip_lists import skipped_ids
+from prx_assets.storage import failpoints
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for

@@ -1,5 +1,5 @@
 """Tree writers for the race tests, each `python -m prx_assets_tests.stages.shards.tree_writers
-<mode> ROOT ...` in a process of its own, lined up by barriers (`engine.failpoints`) armed
+<mode> ROOT ...` in a process of its own, lined up by barriers (`storage.failpoints`) armed
 through its environment:
 
     mds ROOT            an mds_shards build of source `web` (incremental, small shards)
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from prx_assets.engine import failpoints
 from prx_assets.stages.shards import plan
+from prx_assets.storage import failpoints
 from prx_assets_tests.writer_process import WriterProcess
 
 OPTIONS = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)

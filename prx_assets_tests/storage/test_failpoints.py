@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from prx_assets.engine import failpoints
-from prx_assets.engine.failpoints import POINTS, failpoint, read_marker
+from prx_assets.storage import failpoints
+from prx_assets.storage.failpoints import POINTS, failpoint, read_marker
 
 REPO = Path(__file__).resolve().parents[2]
 POINT = "images.bucket_batch"
-SCRIPT = ("from prx_assets.engine.failpoints import failpoint\n"
+SCRIPT = ("from prx_assets.storage.failpoints import failpoint\n"
           f"failpoint({POINT!r})\nprint('passed', flush=True)\n")
 
 
@@ -58,7 +58,7 @@ def test_armed_point_writes_marker_and_holds_until_killed(tmp_path):
     process = hit(marker)
     found = wait_for_marker(marker, process)
     assert found["failpoint"] == POINT and found["pid"] == process.pid
-    assert Path(found["module"]) == REPO / "prx_assets" / "engine" / "failpoints.py"
+    assert Path(found["module"]) == REPO / "prx_assets" / "storage" / "failpoints.py"
     kill(process)
     assert process.returncode == -signal.SIGKILL, "it ended on its own instead of holding"
     assert "passed" not in process.stdout.read()
