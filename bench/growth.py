@@ -239,7 +239,7 @@ def disk_per_live(table_dir: Path) -> float:
     """Every file under the table's folder against its live bytes: the data files and the
     key index the latest version references (the index is part of the table, not a
     leftover: ~0.4× the data of these short caption rows, negligible beside images)."""
-    from prx_assets.storage.lance_tables import data_bytes
+    from prx_assets.storage.reads import data_bytes
     from prx_assets.storage.refs import TableRef
 
     table = TableRef.of(table_dir).open()

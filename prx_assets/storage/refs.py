@@ -158,8 +158,8 @@ class TableRef:
         return self.open().count_rows(filter=filter)
 
     def read(self, columns: list[str] | None = None, **kwargs: Any) -> ray.data.Dataset:
-        """A lazy Ray Data read at this handle's version (see `lance_tables.read_table`)."""
-        from prx_assets.storage.lance_tables import read_table
+        """A lazy Ray Data read at this handle's version (see `reads.read_table`)."""
+        from prx_assets.storage.reads import read_table
 
         return read_table(self, columns=columns, **kwargs)
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prx_assets.storage.lance_tables import FragmentPolicy, data_bytes
+from prx_assets.storage.lance_tables import FragmentPolicy
+from prx_assets.storage.reads import data_bytes
 from prx_assets.storage.refs import TableRef
 
 # Up to this many rows the check runs on the driver at 8 bytes per row (80 MB); above it, a

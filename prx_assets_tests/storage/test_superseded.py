@@ -14,8 +14,8 @@ from prx_assets.storage.lance_tables import (
     append_rows,
     cleanup,
     compact,
-    data_bytes,
 )
+from prx_assets.storage.reads import data_bytes
 from prx_assets.storage.refs import TableRef, VersionRemovedError
 from prx_assets.storage.retention import blob_grace, superseded_versions
 
