@@ -25,13 +25,13 @@ from prx_assets.stages.attributes.runs import AttributerSpec, tag_source
 from prx_assets.stages.attributes.schema import parse_record
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA, active_caption_filter
 from prx_assets.stages.shards import mds, plan
-from prx_assets.stages.shards.trees import current_tree
 from prx_assets.stages.subsets.build import ActiveVersions, build_subset
 from prx_assets.stages.subsets.definitions import parse_subset
 from prx_assets.stages.subsets.tree import SUBSET_COLUMNS
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import CAPTIONS
+from prx_assets.storage.trees import current_tree
 from prx_assets.testing.mds_corpus import ACTIVE, build_corpus, inputs_for
 from prx_assets.testing.tiny_vlm import build_tiny_qwen3_vl
 

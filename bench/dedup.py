@@ -37,19 +37,19 @@ from prx_assets.stages.opt_outs.opt_outs import (
     parse_directory,
     resolve,
 )
+from prx_assets.stages.rewrite.rewrite import rewrite_without_skipped
 from prx_assets.stages.shards.mds import write_mds_tree
 from prx_assets.stages.shards.plan import SampleInputs, WriteOptions
-from prx_assets.stages.shards.rewrite import rewrite_without_skipped
-from prx_assets.stages.shards.trees import current_tree
 from prx_assets.stages.skip_lists.skip_lists import (
     apply_skip_lists,
     build_skip_lists,
     mapping_batches,
     mapping_shards,
-    sidecar_files,
 )
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.sidecars import sidecar_files
+from prx_assets.storage.trees import current_tree
 
 HASHES = 10_000_000
 ROWS_PER_BUCKET = 1_000_000

@@ -29,10 +29,10 @@ from prx_assets.stages.images.imaging import encode_jpeg
 from prx_assets.stages.images.stage import BUCKETED_SCHEMA
 from prx_assets.stages.shards.mds import write_mds_tree
 from prx_assets.stages.shards.plan import WriteOptions
-from prx_assets.stages.shards.trees import tree_store
 from prx_assets.storage.lance_tables import append_rows, overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.leases import tree_lease, writer_lease
+from prx_assets.storage.trees import tree_store
 from prx_assets.testing.mds_corpus import ACTIVE, _bucketed, _caption, build_corpus, inputs_for
 
 SOURCE = "web"

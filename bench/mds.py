@@ -28,12 +28,12 @@ from bench.common import OUT, Figure, release_loader, report, timed
 from prx_assets.engine import ray_runtime
 from prx_assets.stages.shards.mds import write_mds_tree
 from prx_assets.stages.shards.plan import WriteOptions
-from prx_assets.stages.shards.trees import current_tree, tree_leaves
-from prx_assets.stages.skip_lists.skip_lists import sidecar_path
 from prx_assets.storage.lance_tables import FragmentPolicy, overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
+from prx_assets.storage.sidecars import sidecar_path
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS
+from prx_assets.storage.trees import current_tree, tree_leaves
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
 WRITE_SHAPES = ((512, 512, 512), (512, 448, 576), (512, 576, 448))

@@ -122,10 +122,10 @@ def make_source(folder: Path, n: int) -> None:
 
     from prx_assets.stages.shards.mapping import MDS_SAMPLES_SCHEMA, mapping_rows
     from prx_assets.stages.shards.plan import plan_samples, split_leaves
-    from prx_assets.stages.shards.trees import leaf_name
-    from prx_assets.stages.skip_lists.skip_lists import REASON_DEDUP, sidecar_name, write_sidecar
     from prx_assets.storage.lance_tables import overwrite_rows
     from prx_assets.storage.refs import TableRef
+    from prx_assets.storage.sidecars import REASON_DEDUP, sidecar_name, write_sidecar
+    from prx_assets.storage.trees import leaf_name
 
     bucketed = bucketed_rows(n)
     lance.write_dataset(bucketed, folder / "bucketed.lance")
@@ -167,8 +167,8 @@ def phase_plan(folder: Path) -> Callable[[], object]:
     from prx_assets.stages.shards.mapping import mapping_rows
     from prx_assets.stages.shards.parts import part_specs
     from prx_assets.stages.shards.plan import plan_samples, split_leaves
-    from prx_assets.stages.shards.trees import leaf_name
     from prx_assets.storage.refs import Location
+    from prx_assets.storage.trees import leaf_name
 
     def run() -> object:
         plan, _ = plan_samples(inputs_of(folder))
@@ -191,8 +191,8 @@ def phase_grouped(folder: Path) -> Callable[[], object]:
     from prx_assets.stages.shards.mapping import mapping_rows, stage_fragments
     from prx_assets.stages.shards.parts import part_specs
     from prx_assets.stages.shards.plan import plan_samples, split_leaves
-    from prx_assets.stages.shards.trees import leaf_name
     from prx_assets.storage.refs import Location, TableRef
+    from prx_assets.storage.trees import leaf_name
 
     inputs = inputs_of(folder).pinned()
     scratch = TableRef.of(Path(tempfile.mkdtemp(dir=folder)) / "mapping.lance")
@@ -277,9 +277,9 @@ def phase_compared(folder: Path) -> Callable[[], object]:
 
     from prx_assets.stages.shards.groups import compare_groups
     from prx_assets.stages.shards.plan import Build, WriteOptions
-    from prx_assets.stages.shards.trees import tree_store
     from prx_assets.storage.layout import Storage
     from prx_assets.storage.refs import TableRef
+    from prx_assets.storage.trees import tree_store
 
     mapping = TableRef.of(folder / "mapping.lance")
     build = Build(tree_store(Storage(folder), SOURCE, lambda _: None), mapping,

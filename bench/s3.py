@@ -127,7 +127,7 @@ def bench_loader(local_root: Path, s3_root: str, work: Path) -> list[Figure]:
     into an empty cache (every shard downloaded) and then again warm."""
     from prx_assets.stages.shards.mds import write_mds_tree
     from prx_assets.stages.shards.plan import WriteOptions
-    from prx_assets.stages.shards.trees import current_tree, current_tree_uri, tree_leaves
+    from prx_assets.storage.trees import current_tree, current_tree_uri, tree_leaves
     from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
     root = local_root / "load"

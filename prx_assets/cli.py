@@ -132,8 +132,8 @@ def _mds_uri(args: argparse.Namespace) -> int:
     With `--lease HOURS`, a reader lease keeps that tree for HOURS (its id on stderr)."""
     import time
 
-    from prx_assets.stages.shards.trees import current_tree_uri, hold_current_tree
     from prx_assets.storage.layout import Storage
+    from prx_assets.storage.trees import current_tree_uri, hold_current_tree
 
     if (args.source is None) == (args.subset is None):
         print("error: name a SOURCE or --subset NAME (one of them)", file=sys.stderr)

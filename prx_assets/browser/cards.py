@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prx_assets.stages.shards.card import CARD_MD, read_card
-from prx_assets.stages.shards.trees import TREES_DIR, TreeStore
 from prx_assets.stages.subsets.tree import SUBSETS_DIR
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.trees import TREES_DIR, TreeStore
 
 KINDS = ("source", "subset")
 

@@ -22,17 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prx_assets.stages.shards.trees import current_tree
-from prx_assets.stages.skip_lists.skip_lists import (
+from prx_assets.storage.layout import Storage, as_storage
+from prx_assets.storage.refs import Location, TableRef
+from prx_assets.storage.sidecars import (
     SHARD_SUFFIX,
     SIDECAR_SUFFIX,
     read_sidecar,
     sidecar_files,
     sidecar_path,
 )
-from prx_assets.storage.layout import Storage, as_storage
-from prx_assets.storage.refs import Location, TableRef
 from prx_assets.storage.tables import CORPUS, MDS_SAMPLES, PER_SOURCE
+from prx_assets.storage.trees import current_tree
 
 if TYPE_CHECKING:
     from lance import LanceDataset

@@ -20,15 +20,15 @@ from prx_assets.defs.metadata import (
 from prx_assets.defs.report import duration_metadata
 from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
 from prx_assets.stages.captions.captions import active_caption_filter
+from prx_assets.stages.rewrite.rewrite import pinned_inputs, rewrite_without_skipped
 from prx_assets.stages.shards.card import source_licenses
 from prx_assets.stages.shards.mds import write_mds_tree
 from prx_assets.stages.shards.plan import DEFAULT_ROWS_PER_PART, SampleInputs, WriteOptions
 from prx_assets.stages.shards.publish import TreeReport
-from prx_assets.stages.shards.rewrite import pinned_inputs, rewrite_without_skipped
-from prx_assets.stages.shards.trees import DEFAULT_RETENTION
 from prx_assets.stages.shards.verify import verify_tree
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, MDS_SHARDS, SKIP_LISTS
+from prx_assets.storage.trees import DEFAULT_RETENTION
 
 DEFAULT_RETENTION_DAYS = DEFAULT_RETENTION.total_seconds() / 86400
 

@@ -16,13 +16,7 @@ from prx_assets.defs.resources import (
 from prx_assets.stages.opt_outs.guard import pending_opt_outs, recorded_opt_outs
 from prx_assets.stages.opt_outs.opt_outs import ids_for_source, parse_directory, resolve
 from prx_assets.stages.report.funnel import source_funnel
-from prx_assets.stages.shards.trees import tree_store
 from prx_assets.stages.skip_lists.skip_lists import (
-    REASON_BALANCE,
-    REASON_DEDUP,
-    REASON_OPTOUT,
-    REASON_SEMDEDUP,
-    REASON_STALE,
     apply_reasons,
     duplicate_ids,
     label_ids,
@@ -34,6 +28,13 @@ from prx_assets.stages.skip_lists.skip_lists import (
 )
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
+from prx_assets.storage.sidecars import (
+    REASON_BALANCE,
+    REASON_DEDUP,
+    REASON_OPTOUT,
+    REASON_SEMDEDUP,
+    REASON_STALE,
+)
 from prx_assets.storage.tables import (
     CAPTION_LABELS,
     CONCEPTS,
@@ -44,6 +45,7 @@ from prx_assets.storage.tables import (
     SEMANTIC_DUPLICATES,
     SKIP_LISTS,
 )
+from prx_assets.storage.trees import tree_store
 
 
 class SkipListsConfig(dg.Config):

@@ -32,7 +32,9 @@ from numpy.typing import NDArray
 from streaming import StreamingDataset
 from streaming.base.format.base.reader import JointReader
 
-from prx_assets.stages.skip_lists.skip_lists import (
+from prx_assets.storage.leases import ReaderLeaseKeeper
+from prx_assets.storage.refs import Location
+from prx_assets.storage.sidecars import (
     OPT_IN_REASONS,
     REASON_STALE,
     SIDECAR_SUFFIX,
@@ -40,8 +42,6 @@ from prx_assets.stages.skip_lists.skip_lists import (
     sidecar_name,
     sidecar_path,
 )
-from prx_assets.storage.leases import ReaderLeaseKeeper
-from prx_assets.storage.refs import Location
 
 OPEN_SHARDS = 64  # memory maps kept open per worker (least recently used closed first)
 # mosaicml-streaming's default predownload (8 x batch) makes the ready thread sleep in 7 ms

@@ -19,18 +19,18 @@ from pathlib import Path
 from streaming import Stream
 
 from prx_assets.stages.ingest.sources import load_sources
-from prx_assets.stages.shards.trees import (
+from prx_assets.stages.subsets.tree import SUBSETS_DIR
+from prx_assets.storage.layout import MDS_DIR
+from prx_assets.storage.leases import READER_TTL_S, ReaderLeaseKeeper
+from prx_assets.storage.object_store import is_object_store, split_uri
+from prx_assets.storage.refs import Location, as_location
+from prx_assets.storage.trees import (
     TreeStore,
     hold_current_tree,
     leaf_names,
     leaf_samples,
     source_trees,
 )
-from prx_assets.stages.subsets.tree import SUBSETS_DIR
-from prx_assets.storage.layout import MDS_DIR
-from prx_assets.storage.leases import READER_TTL_S, ReaderLeaseKeeper
-from prx_assets.storage.object_store import is_object_store, split_uri
-from prx_assets.storage.refs import Location, as_location
 
 # A weight's key naming a subset's tree rather than a source's: `subset:<name>`.
 SUBSET_PREFIX = "subset:"

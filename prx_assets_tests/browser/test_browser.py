@@ -15,8 +15,8 @@ from urllib.parse import quote
 import pytest
 from PIL import Image
 
-from prx_assets.stages.shards.trees import current_tree
-from prx_assets.stages.skip_lists.skip_lists import read_sidecar
+from prx_assets.storage.sidecars import read_sidecar
+from prx_assets.storage.trees import current_tree
 from prx_assets.testing.chromium import screenshot
 from prx_assets_tests.browser import tiny_corpus
 from prx_assets_tests.browser.conftest import CURATOR_TOKEN

@@ -16,9 +16,9 @@ from prx_assets.stages.images.phash import phash
 from prx_assets.stages.images.stage import PHASH_SCHEMA
 from prx_assets.stages.ingest.ids import sample_id
 from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
-from prx_assets.stages.skip_lists.skip_lists import read_sidecar
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.sidecars import read_sidecar
 from prx_assets_tests.conftest import image_bytes, write_sources
 
 

@@ -2,7 +2,8 @@ import dagster as dg
 
 from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
 from prx_assets.defs.shards import build_mds_shards, mds_tree_check
-from prx_assets.stages.shards import trees, verify
+from prx_assets.stages.shards import verify
+from prx_assets.storage import trees
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import ACTIVE, build_corpus

@@ -3,15 +3,16 @@ import gc
 import dagster as dg
 
 from prx_assets.definitions import build_defs
-from prx_assets.stages.shards import mds, plan, trees
+from prx_assets.stages.shards import mds, plan
 from prx_assets.stages.skip_lists.skip_lists import (
     apply_skip_lists,
     build_skip_lists,
     mapping_batches,
     mapping_shards,
-    sidecar_files,
 )
+from prx_assets.storage import trees
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.sidecars import sidecar_files
 from prx_assets.testing.mds_corpus import ACTIVE, build_corpus, inputs_for
 from prx_assets.testing.shared_memory import release_shared_memory
 from prx_assets_tests.conftest import write_sources

@@ -13,9 +13,9 @@ from prx_assets.defs.resources import (
 from prx_assets.defs.skip_lists import build_skip_lists_asset
 from prx_assets.stages.semantic.semdedup import SEMANTIC_DUPLICATES_SCHEMA
 from prx_assets.stages.semantic.spaces import CONCEPTS_SCHEMA
-from prx_assets.stages.skip_lists.skip_lists import read_sidecar
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.sidecars import read_sidecar
 from prx_assets_tests.conftest import write_sources
 
 IDS = ["web:a", "web:b", "web:c", "web:d"]

@@ -1,8 +1,8 @@
 """The demo funnel's "skipped" counts what the loader skips by default: not `balance`."""
 
 from prx_assets.stages.report.funnel import skipped_in_tree
-from prx_assets.stages.skip_lists.skip_lists import write_sidecar
 from prx_assets.storage.refs import as_location
+from prx_assets.storage.sidecars import write_sidecar
 
 
 def test_opt_in_balance_is_not_counted_as_skipped(tmp_path):

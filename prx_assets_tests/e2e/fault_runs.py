@@ -215,9 +215,9 @@ def tree_state(data_root: Path, source: str, stream: bool = False) -> dict:
     """The current MDS tree of a source as a reader sees it: every leaf opened with
     mosaicml-streaming's index (index.json), each shard's bytes digested, each skip
     sidecar parsed, and the samples a StreamingDataset counts per leaf."""
-    from prx_assets.stages.shards.trees import current_tree, tree_leaves
     from prx_assets.stages.shards.verify import streamed_counts
-    from prx_assets.stages.skip_lists.skip_lists import read_sidecar, sidecar_path
+    from prx_assets.storage.sidecars import read_sidecar, sidecar_path
+    from prx_assets.storage.trees import current_tree, tree_leaves
 
     tree = current_tree(data_root, source)
     leaves = {}

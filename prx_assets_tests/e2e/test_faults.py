@@ -31,11 +31,12 @@ from prx_assets.definitions import build_defs
 from prx_assets.defs.images import ImageStageConfig
 from prx_assets.stages.images.stage import settings_fingerprint
 from prx_assets.stages.ingest.ids import sample_id
-from prx_assets.stages.shards.trees import PARTIAL_SUFFIX, TREES_DIR, current_tree
 from prx_assets.stages.shards.verify import verify_tree
-from prx_assets.stages.skip_lists.skip_lists import read_sidecar, sidecar_files, skipped_ids
+from prx_assets.stages.skip_lists.skip_lists import skipped_ids
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.sidecars import read_sidecar, sidecar_files
 from prx_assets.storage.tables import MDS_SAMPLES
+from prx_assets.storage.trees import PARTIAL_SUFFIX, TREES_DIR, current_tree
 from prx_assets_tests.conftest import jpeg_bytes, write_sources
 from prx_assets_tests.e2e.fault_runs import (
     CaptionServer,

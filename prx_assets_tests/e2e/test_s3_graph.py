@@ -151,7 +151,8 @@ def _read_back_from_the_bucket(store: Storage, opted_out: str, tmp_path: Path,
     import gc
 
     from prx_assets.loader import build_dataset
-    from prx_assets.stages.skip_lists.skip_lists import REASON_DEDUP, REASON_OPTOUT, duplicate_ids
+    from prx_assets.stages.skip_lists.skip_lists import duplicate_ids
+    from prx_assets.storage.sidecars import REASON_DEDUP, REASON_OPTOUT
     from prx_assets.testing.shared_memory import plain_dataset, release_shared_memory
 
     uri = _cli("mds-uri", SOURCE).strip()

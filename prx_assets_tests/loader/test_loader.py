@@ -14,9 +14,10 @@ import torch
 from PIL import Image
 
 from prx_assets.loader import SkipListMismatch, build_dataset, build_loader
-from prx_assets.stages.shards import mds, plan, trees
-from prx_assets.stages.skip_lists.skip_lists import sidecar_path
+from prx_assets.stages.shards import mds, plan
+from prx_assets.storage import trees
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.sidecars import sidecar_path
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 from prx_assets.testing.shared_memory import release_shared_memory
 

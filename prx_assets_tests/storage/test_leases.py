@@ -13,7 +13,6 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from prx_assets.stages.shards.trees import TreeStore, hold_current_tree, new_tree_version
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.leases import (
     Lease,
@@ -28,6 +27,7 @@ from prx_assets.storage.leases import (
     writer_lease,
 )
 from prx_assets.storage.refs import Location
+from prx_assets.storage.trees import TreeStore, hold_current_tree, new_tree_version
 
 
 @pytest.fixture(params=["local", "s3"])

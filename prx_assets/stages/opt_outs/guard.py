@@ -19,11 +19,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.stages.opt_outs.opt_outs import parse_directory, resolve
-from prx_assets.stages.shards.trees import tree_store
-from prx_assets.stages.skip_lists.skip_lists import REASON_OPTOUT, read_sidecar, sidecar_name
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import Location
+from prx_assets.storage.sidecars import REASON_OPTOUT, read_sidecar, sidecar_name
 from prx_assets.storage.tables import MDS_SAMPLES, RAW_IMAGES
+from prx_assets.storage.trees import tree_store
 
 SCAN_ROWS = 1 << 18
 

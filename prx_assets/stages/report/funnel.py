@@ -13,17 +13,11 @@ from pathlib import Path
 from prx_assets.stages.captions.captions import active_caption_filter
 from prx_assets.stages.images.buckets import STATUS_BAD_ASPECT, STATUS_TOO_SMALL
 from prx_assets.stages.labels.labels import active_labels_filter
-from prx_assets.stages.shards.trees import tree_store
-from prx_assets.stages.skip_lists.skip_lists import (
-    OPT_IN_REASONS,
-    duplicate_ids,
-    read_sidecar,
-    skipped_indices,
-    tree_sidecars,
-)
+from prx_assets.stages.skip_lists.skip_lists import duplicate_ids
 from prx_assets.storage.filters import in_filter
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.refs import Location
+from prx_assets.storage.sidecars import OPT_IN_REASONS, read_sidecar, skipped_indices, tree_sidecars
 from prx_assets.storage.tables import (
     BUCKETED_IMAGES,
     CAPTION_LABELS,
@@ -32,6 +26,7 @@ from prx_assets.storage.tables import (
     MDS_SAMPLES,
     RAW_IMAGES,
 )
+from prx_assets.storage.trees import tree_store
 
 # Image-stage statuses of rows that decoded (the filter's reasons); any other non-ok
 # status is a file that could not be read as an image.

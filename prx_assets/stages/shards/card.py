@@ -180,15 +180,15 @@ def read_card(tree: Location) -> dict | None:
 
 def leaf_counts(tree: Location) -> dict[str, int]:
     """Samples per leaf, from the tree's index files."""
-    from prx_assets.stages.shards.trees import leaf_names, leaf_samples
+    from prx_assets.storage.trees import leaf_names, leaf_samples
 
     return {name: leaf_samples(tree / name) for name in leaf_names(tree)}
 
 
 def skip_counts(tree: Location) -> dict[str, int]:
     """Samples skipped per reason across the tree's sidecars."""
-    from prx_assets.stages.shards.trees import leaf_names
-    from prx_assets.stages.skip_lists.skip_lists import SIDECAR_SUFFIX, read_sidecar
+    from prx_assets.storage.sidecars import SIDECAR_SUFFIX, read_sidecar
+    from prx_assets.storage.trees import leaf_names
 
     counts: Counter = Counter()
     for name in leaf_names(tree):

@@ -41,9 +41,9 @@ from prx_assets.stages.shards.plan import (
     plan_delta,
     plan_samples,
 )
-from prx_assets.stages.shards.trees import leaf_name
 from prx_assets.storage.changes import scan_rows_with_ids
 from prx_assets.storage.filters import sql_string
+from prx_assets.storage.trees import leaf_name
 
 LeafKey = tuple[int, int, int]
 SCAN_ROWS = 1 << 18  # rows per batch of the counting and sampling passes

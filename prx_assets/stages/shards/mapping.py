@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from lance.fragment import FragmentMetadata, write_fragments
 
-from prx_assets.stages.shards.trees import leaf_name
 from prx_assets.storage.filters import in_filter
 from prx_assets.storage.refs import Location, TableRef
+from prx_assets.storage.trees import leaf_name
 
 MDS_SAMPLES_SCHEMA = pa.schema([
     pa.field("id", pa.string(), nullable=False),

@@ -58,11 +58,11 @@ from prx_assets.stages.shards.publish import (
     grouped_full_build,
     unchanged_report,
 )
-from prx_assets.stages.shards.trees import TreeStore, tree_store
 from prx_assets.storage.lance_tables import prepare_output_dir
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.leases import Lease, tree_lease
 from prx_assets.storage.tables import MDS_SAMPLES
+from prx_assets.storage.trees import TreeStore, tree_store
 
 logger = logging.getLogger(__name__)
 

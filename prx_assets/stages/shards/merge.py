@@ -11,7 +11,15 @@ import pyarrow as pa
 from prx_assets.stages.shards.mapping import MDS_SAMPLES_SCHEMA, mapping_rows
 from prx_assets.stages.shards.parts import PartSpec, part_specs, run_parts
 from prx_assets.stages.shards.plan import Build, split_leaves
-from prx_assets.stages.shards.trees import (
+from prx_assets.storage.refs import Location
+from prx_assets.storage.sidecars import (
+    REASON_STALE,
+    SIDECAR_SUFFIX,
+    read_sidecar,
+    sidecar_name,
+    write_sidecar,
+)
+from prx_assets.storage.trees import (
     INDEX,
     TreeStore,
     check_shards,
@@ -19,14 +27,6 @@ from prx_assets.stages.shards.trees import (
     leaf_names,
     read_index,
 )
-from prx_assets.stages.skip_lists.skip_lists import (
-    REASON_STALE,
-    SIDECAR_SUFFIX,
-    read_sidecar,
-    sidecar_name,
-    write_sidecar,
-)
-from prx_assets.storage.refs import Location
 
 LeafEntries = dict[str, list[dict]]  # index entries per leaf name
 StaleCounts = dict[tuple[str, str], int]  # stale samples per (leaf, shard)

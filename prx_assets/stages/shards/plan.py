@@ -15,11 +15,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prx_assets.stages.shards.trees import DEFAULT_RETENTION, TreeStore, new_tree_version
 from prx_assets.storage.changes import rows_with_ids, scan_rows_with_ids
 from prx_assets.storage.key_index import KeyIndexPolicy
 from prx_assets.storage.leases import Lease
 from prx_assets.storage.refs import Location, TableRef
+from prx_assets.storage.trees import DEFAULT_RETENTION, TreeStore, new_tree_version
 
 # Files a caller adds to a staged version before its manifest (so they publish with it):
 # called with the staging folder and the mapping rows of the samples this build wrote, once

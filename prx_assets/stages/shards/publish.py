@@ -28,7 +28,11 @@ from prx_assets.stages.shards.merge import (
     write_new_leaves,
 )
 from prx_assets.stages.shards.plan import Build, Delta
-from prx_assets.stages.shards.trees import (
+from prx_assets.storage.failpoints import failpoint
+from prx_assets.storage.key_index import KeyIndexPolicy, refresh_key_index
+from prx_assets.storage.lance_tables import FragmentPolicy, cleanup, compact, small_fragments
+from prx_assets.storage.refs import Location, TableRef
+from prx_assets.storage.trees import (
     TREE_MANIFEST,
     TreeStore,
     leaf_key,
@@ -37,10 +41,6 @@ from prx_assets.stages.shards.trees import (
     lineage,
     read_index,
 )
-from prx_assets.storage.failpoints import failpoint
-from prx_assets.storage.key_index import KeyIndexPolicy, refresh_key_index
-from prx_assets.storage.lance_tables import FragmentPolicy, cleanup, compact, small_fragments
-from prx_assets.storage.refs import Location, TableRef
 
 logger = logging.getLogger(__name__)
 # Fragments of a mapping under half a full one's rows before a publish compacts them: each

@@ -32,7 +32,11 @@ from pathlib import Path
 
 from prx_assets.engine.shm_prefix import claiming_prefix
 from prx_assets.stages.shards.mapping import MAPPED_LEAVES, mapped_leaves
-from prx_assets.stages.shards.trees import (
+from prx_assets.storage.layout import Storage, as_storage
+from prx_assets.storage.refs import Location
+from prx_assets.storage.sidecars import REASON_STALE, SIDECAR_SUFFIX, read_sidecar
+from prx_assets.storage.tables import MDS_SAMPLES
+from prx_assets.storage.trees import (
     INDEX,
     TreeStore,
     leaf_names,
@@ -40,10 +44,6 @@ from prx_assets.stages.shards.trees import (
     shard_problems,
     tree_store,
 )
-from prx_assets.stages.skip_lists.skip_lists import REASON_STALE, SIDECAR_SUFFIX, read_sidecar
-from prx_assets.storage.layout import Storage, as_storage
-from prx_assets.storage.refs import Location
-from prx_assets.storage.tables import MDS_SAMPLES
 
 CHILD_EXIT_WAIT_S = 60  # how long a child that answered may take to exit before it is killed
 

@@ -1,23 +1,14 @@
-"""Skip lists: per-shard sidecars that tell the loader which samples to leave out.
+"""Skip lists: which samples of each shard the loader leaves out, by reason, written as the
+shard's sidecar (the format: `prx_assets/storage/sidecars.py`).
 
-Beside each shard `shard.NNNNN.mds` of an MDS leaf sits `shard.NNNNN.skip.json`:
+The lists are built from the MDS mapping table (`mds_samples`: id -> leaf, shard, sample
+index) and the ids each reason removes. Shards are never touched: changing what is skipped
+costs one small file per shard, not a rewrite.
 
-    {"version": 1, "lists": {"<reason>": [sorted shard-local sample indices], ...}}
-
-An absent sidecar means nothing is skipped. Reasons are `dedup`, `semdedup` (embedding-space
-duplicates), `balance` (the samples concept balancing leaves out: opt-in, the loader applies
-it only when named), `text`, `nsfw` (and any other caption label chosen), `optout`, and one
-per named ablation list. Shards are never
-touched: changing what is skipped costs one small file per shard, not a rewrite.
-
-Locally each sidecar is replaced atomically (temporary file in the same folder, then
-`os.replace`), so a reader sees the old list or the new one, never half a file. A crash
-part-way leaves some shards on the old lists and some on the new, each a valid state; a
-rerun converges. On an object store a change of lists is a new tree version with its own
-sidecar set (`publish_skip_lists`).
-
-This module imports neither Ray nor mosaicml-streaming: the training loader reads sidecars
-through it.
+Locally each sidecar is replaced atomically in the current tree. A crash part-way leaves
+some shards on the old lists and some on the new, each a valid state; a rerun converges.
+On an object store a change of lists is a new tree version with its own sidecar set
+(`publish_skip_lists`).
 """
 
 from __future__ import annotations
@@ -33,7 +24,28 @@ from pathlib import Path, PurePath
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prx_assets.stages.shards.trees import (
+from prx_assets.storage.failpoints import failpoint
+from prx_assets.storage.filters import all_of, eq_filter, in_filter, sql_string
+from prx_assets.storage.layout import Storage
+from prx_assets.storage.leases import Lease, tree_lease
+from prx_assets.storage.refs import Location, TableRef, as_location
+from prx_assets.storage.sidecars import (
+    REASON_BALANCE,
+    REASON_SEMDEDUP,
+    REASON_STALE,
+    SIDECAR_SUFFIX,
+    read_sidecar,
+    shard_name_of,
+    sidecar_body,
+    sidecar_files,
+    sidecar_name,
+    sidecar_path,
+    skipped_indices,
+    tree_sidecars,
+    write_sidecar,
+)
+from prx_assets.storage.tables import MDS_SAMPLES
+from prx_assets.storage.trees import (
     DEFAULT_RETENTION,
     TREE_MANIFEST,
     TreeStore,
@@ -41,25 +53,7 @@ from prx_assets.stages.shards.trees import (
     new_tree_version,
     tree_store,
 )
-from prx_assets.storage.failpoints import failpoint
-from prx_assets.storage.filters import all_of, eq_filter, in_filter, sql_string
-from prx_assets.storage.layout import Storage
-from prx_assets.storage.leases import Lease, tree_lease
-from prx_assets.storage.refs import Location, TableRef, as_location
-from prx_assets.storage.tables import MDS_SAMPLES
 
-SIDECAR_VERSION = 1
-SHARD_SUFFIX = ".mds"
-SIDECAR_SUFFIX = ".skip.json"
-REASON_DEDUP, REASON_OPTOUT = "dedup", "optout"
-REASON_SEMDEDUP, REASON_BALANCE = "semdedup", "balance"
-# Reasons the loader applies only when a training run names them (skip_reasons=None leaves
-# them out): balancing changes the data mix, which is an experiment, not hygiene.
-OPT_IN_REASONS = frozenset({REASON_BALANCE})
-# Samples an incremental mds_shards run superseded (the id changed or left the source): still
-# stored in an older shard, written by mds_shards itself, always applied by the loader and
-# kept by the skip_lists asset whatever it is configured with; a rewrite drops them.
-REASON_STALE = "stale"
 ABLATION_NAME = re.compile(r"^[a-z0-9_]+$")
 # An ablation list is its own reason, so it cannot take a built-in reason's name.
 RESERVED_REASONS = frozenset({"dedup", "optout", "text", "nsfw", "visual", REASON_STALE,
@@ -70,63 +64,6 @@ SCAN_ROWS = 1 << 18  # rows per batch when scanning a table for ids
 
 ShardKey = tuple[str, str]  # (leaf relative to the source's tree, shard file name)
 SkipLists = dict[ShardKey, dict[str, list[int]]]
-
-
-def sidecar_name(shard_name: str) -> str:
-    """`shard.00003.mds` -> `shard.00003.skip.json`."""
-    return shard_name.removesuffix(SHARD_SUFFIX) + SIDECAR_SUFFIX
-
-
-def shard_name_of(sidecar: str) -> str:
-    """`shard.00003.skip.json` -> `shard.00003.mds`."""
-    return sidecar.removesuffix(SIDECAR_SUFFIX) + SHARD_SUFFIX
-
-
-def sidecar_path(shard_path: str | PurePath) -> Path:
-    """The sidecar beside a local shard."""
-    shard_path = Path(shard_path)
-    return shard_path.with_name(sidecar_name(shard_path.name))
-
-
-def read_sidecar(sidecar: Location | str | PurePath) -> dict[str, list[int]]:
-    """The skip lists of one shard by reason; {} when the sidecar does not exist. A path or
-    URI is read with the standard settings, a Location with its own. (The training loader
-    reads sidecars through this function.)"""
-    try:
-        data = json.loads(as_location(sidecar).read_text())
-    except FileNotFoundError:
-        return {}
-    if data.get("version") != SIDECAR_VERSION:
-        raise ValueError(f"{sidecar}: unsupported skip sidecar version {data.get('version')!r}")
-    return {str(reason): [int(i) for i in indices] for reason, indices in data["lists"].items()}
-
-
-def sidecar_body(lists: Mapping[str, Iterable[int]]) -> str | None:
-    """A sidecar's JSON text, None when nothing is skipped (no sidecar at all)."""
-    clean = {reason: sorted({int(i) for i in ids}) for reason, ids in sorted(lists.items())}
-    clean = {reason: ids for reason, ids in clean.items() if ids}
-    if not clean:
-        return None
-    return json.dumps({"version": SIDECAR_VERSION, "lists": clean}, separators=(",", ":"))
-
-
-def write_sidecar(sidecar: Location | str | PurePath, lists: Mapping[str, Iterable[int]]
-                  ) -> None:
-    """Replace the sidecar whole (readers see the old lists or the new ones); empty lists
-    remove it (absent = nothing skipped)."""
-    location = as_location(sidecar)
-    body = sidecar_body(lists)
-    if body is None:
-        location.delete()
-    else:
-        location.write_text(body)
-
-
-def skipped_indices(lists: Mapping[str, list[int]], reasons: Iterable[str] | None = None
-                    ) -> set[int]:
-    """The union of the selected reasons (all of them by default): what the loader skips."""
-    chosen = lists if reasons is None else {r: lists.get(r, []) for r in reasons}
-    return {i for ids in chosen.values() for i in ids}
 
 
 def read_ablations(directory: Location | str | PurePath) -> dict[str, set[str]]:
@@ -367,18 +304,6 @@ def mapping_shards(mapping: TableRef, batch_rows: int = SCAN_ROWS
             shards.add((leaf, shard))
             per_leaf[leaf] += n
     return shards, dict(per_leaf)
-
-
-def sidecar_files(tree: Path) -> list[Path]:
-    """Every sidecar under a local tree."""
-    return sorted(Path(tree).rglob(f"*{SIDECAR_SUFFIX}"))
-
-
-def tree_sidecars(tree: Location) -> list[Location]:
-    """Every sidecar of a tree (`<tier>/<W>x<H>/*.skip.json`), local or on an object store:
-    one listing per tier and per leaf."""
-    return [sidecar for tier in tree.folders() for shape in (tree / tier).folders()
-            for sidecar in (tree / tier / shape).files(SIDECAR_SUFFIX)]
 
 
 def _ids(table: TableRef, condition: str, batch_rows: int) -> set[str]:

@@ -17,13 +17,13 @@ from prx_assets.stages.shards.card import (
     value_counts,
     write_card,
 )
-from prx_assets.stages.shards.trees import tree_store
 from prx_assets.stages.subsets.definitions import SubsetDefinition
 from prx_assets.stages.subsets.select import Selection, SourceTables, select
 from prx_assets.stages.subsets.tree import SubsetTreeReport, build_subset_tree, subset_store
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import Location
 from prx_assets.storage.tables import ATTRIBUTES, CAPTION_LABELS, CONCEPTS, MDS_SAMPLES
+from prx_assets.storage.trees import tree_store
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.stages.attributes.schema import ORIGIN_CAPTION, SCHEMA_VERSION, fields
-from prx_assets.stages.skip_lists.skip_lists import (
-    REASON_BALANCE,
-    read_sidecar,
-    sidecar_name,
-)
 from prx_assets.stages.subsets.definitions import AttributeCondition, SubsetDefinition
 from prx_assets.storage.refs import Location, TableRef
+from prx_assets.storage.sidecars import OPT_IN_REASONS, read_sidecar, sidecar_name
 
 MAPPING_COLUMNS = ["id", "source", "tier", "width", "height", "leaf", "shard", "sample_index"]
-# Reasons a subset honours as the loader does by default: all but the opt-in `balance`.
-OPT_IN_REASONS = frozenset({REASON_BALANCE})
 
 
 @dataclass(frozen=True)
@@ -57,6 +51,7 @@ def skipped_rows(mapping: pa.Table, tree: Location) -> pa.Array:
     index = mapping.column("sample_index").to_numpy()
     for leaf, shard in {(str(a), str(b)) for a, b in zip(leaves, shards, strict=True)}:
         lists = read_sidecar(tree / leaf / sidecar_name(shard))
+        # What the loader skips by default: every reason but the opt-in ones.
         skip = {i for reason, ids in lists.items() if reason not in OPT_IN_REASONS for i in ids}
         if skip:
             here = (leaves == leaf) & (shards == shard)

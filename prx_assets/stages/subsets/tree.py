@@ -30,7 +30,8 @@ import numpy as np
 import pyarrow as pa
 
 from prx_assets.stages.shards.plan import DEFAULT_SIZE_LIMIT, MDS_COLUMNS
-from prx_assets.stages.shards.trees import (
+from prx_assets.storage.refs import Location
+from prx_assets.storage.trees import (
     DEFAULT_RETENTION,
     TREE_MANIFEST,
     TreeStore,
@@ -38,7 +39,6 @@ from prx_assets.stages.shards.trees import (
     new_tree_version,
     read_index,
 )
-from prx_assets.storage.refs import Location
 
 SUBSETS_DIR = "subsets"  # under the MDS root: mds/subsets/<name>
 SUBSET_COLUMNS = dict(MDS_COLUMNS)  # the design's sample with `license`

@@ -13,8 +13,9 @@ from pathlib import Path
 import pyarrow as pa
 
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
-from prx_assets.stages.shards import groups, mds, plan, trees, verify
+from prx_assets.stages.shards import groups, mds, plan, verify
 from prx_assets.stages.shards.mapping import mapping_for_append
+from prx_assets.storage import trees
 from prx_assets.storage.lance_tables import append_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import ACTIVE, _caption, build_corpus, inputs_for

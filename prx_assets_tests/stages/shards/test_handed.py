@@ -8,8 +8,9 @@ from datetime import UTC, datetime
 import pyarrow as pa
 
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
-from prx_assets.stages.shards import mds, plan, trees, verify
+from prx_assets.stages.shards import mds, plan, verify
 from prx_assets.stages.shards.handed import consumed_inputs
+from prx_assets.storage import trees
 from prx_assets.storage.key_index import KeyIndexPolicy, key_index_stats
 from prx_assets.storage.lance_tables import append_rows
 from prx_assets.storage.layout import Storage

@@ -17,10 +17,11 @@ from prx_assets.loader import build_dataset
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
 from prx_assets.stages.images.imaging import encode_jpeg
 from prx_assets.stages.images.stage import BUCKETED_SCHEMA
-from prx_assets.stages.shards import mds, plan, trees, verify
-from prx_assets.stages.skip_lists.skip_lists import REASON_STALE, read_sidecar, sidecar_path
+from prx_assets.stages.shards import mds, plan, verify
+from prx_assets.storage import trees
 from prx_assets.storage.lance_tables import append_rows
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.sidecars import REASON_STALE, read_sidecar, sidecar_path
 from prx_assets.testing.mds_corpus import ACTIVE, _bucketed, _caption, build_corpus, inputs_for
 from prx_assets.testing.shared_memory import plain_dataset, release_shared_memory
 from prx_assets_tests.stages.shards.tree_writers import kill_held_at

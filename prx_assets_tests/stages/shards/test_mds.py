@@ -15,9 +15,10 @@ import pytest
 from PIL import Image
 from streaming import Stream
 
-from prx_assets.stages.shards import mds, parts, plan, trees, verify
+from prx_assets.stages.shards import mds, parts, plan, verify
 from prx_assets.stages.shards.card import CARD_JSON, CARD_MD
 from prx_assets.stages.shards.mapping import MDS_SAMPLES_SCHEMA
+from prx_assets.storage import trees
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import Location
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for

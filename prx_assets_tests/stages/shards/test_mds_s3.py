@@ -11,18 +11,17 @@ import json
 from prx_assets import cli
 from prx_assets.loader import build_dataset
 from prx_assets.stages.shards import mds, plan, verify
-from prx_assets.stages.shards.trees import tree_store
 from prx_assets.stages.skip_lists.skip_lists import (
-    REASON_STALE,
     build_skip_lists,
     mapping_batches,
     mapping_shards,
     publish_skip_lists,
-    read_sidecar,
 )
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import Location
+from prx_assets.storage.sidecars import REASON_STALE, read_sidecar
+from prx_assets.storage.trees import tree_store
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 from prx_assets.testing.shared_memory import plain_dataset, release_shared_memory
 

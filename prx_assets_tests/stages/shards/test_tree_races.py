@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from prx_assets.loader import build_dataset
-from prx_assets.stages.shards import mds, trees, verify
+from prx_assets.stages.shards import mds, verify
 from prx_assets.stages.skip_lists.skip_lists import skipped_ids
-from prx_assets.storage import failpoints
+from prx_assets.storage import failpoints, trees
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for

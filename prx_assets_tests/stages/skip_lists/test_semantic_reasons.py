@@ -7,7 +7,6 @@ import pytest
 from prx_assets.stages.semantic.semdedup import SEMANTIC_DUPLICATES_SCHEMA
 from prx_assets.stages.semantic.spaces import CONCEPTS_SCHEMA
 from prx_assets.stages.skip_lists.skip_lists import (
-    OPT_IN_REASONS,
     build_skip_lists,
     read_ablations,
     semantic_duplicate_ids,
@@ -15,6 +14,7 @@ from prx_assets.stages.skip_lists.skip_lists import (
 )
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.refs import TableRef
+from prx_assets.storage.sidecars import OPT_IN_REASONS
 
 
 def test_semdedup_and_balance_ids_per_source(tmp_path):

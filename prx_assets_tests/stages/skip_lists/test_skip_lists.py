@@ -14,14 +14,11 @@ from prx_assets.stages.skip_lists.skip_lists import (
     mapping_batches,
     mapping_shards,
     read_ablations,
-    read_sidecar,
-    sidecar_path,
     skipped_ids,
-    skipped_indices,
-    write_sidecar,
 )
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.refs import TableRef
+from prx_assets.storage.sidecars import read_sidecar, sidecar_path, skipped_indices, write_sidecar
 
 
 def _table(where: TableRef, rows: pa.Table) -> TableRef:
@@ -179,7 +176,7 @@ def test_labels_come_from_the_active_versions_only_and_dedup_skips_non_kept(tmp_
 
 
 def test_stale_lists_are_kept_whatever_the_reasons_say(tmp_path):
-    from prx_assets.stages.skip_lists.skip_lists import REASON_STALE
+    from prx_assets.storage.sidecars import REASON_STALE
 
     tree = tmp_path / "tree"
     (tree / "1/64x64").mkdir(parents=True)

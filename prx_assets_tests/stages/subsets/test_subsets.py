@@ -13,13 +13,13 @@ from prx_assets.stages.attributes.schema import STATUS_OK, Tagged, attribute_row
 from prx_assets.stages.labels.labels import label_rows
 from prx_assets.stages.shards import mds, plan
 from prx_assets.stages.shards.card import CARD_JSON, CARD_MD, read_card
-from prx_assets.stages.shards.trees import current_tree, leaf_names
-from prx_assets.stages.skip_lists.skip_lists import sidecar_body, sidecar_name
 from prx_assets.stages.subsets.build import ActiveVersions, build_subset, current_subset_uri
 from prx_assets.stages.subsets.definitions import SubsetsError, load_subsets, parse_subset
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.sidecars import sidecar_body, sidecar_name
 from prx_assets.storage.tables import ATTRIBUTES, CAPTION_LABELS, MDS_SAMPLES
+from prx_assets.storage.trees import current_tree, leaf_names
 from prx_assets.testing.mds_corpus import ACTIVE, build_corpus, inputs_for
 from prx_assets.testing.shared_memory import plain_dataset
 

@@ -4,16 +4,17 @@ import gc
 import pytest
 
 from prx_assets.loader import build_dataset
-from prx_assets.stages.shards import mds, plan, trees
-from prx_assets.stages.shards.rewrite import rewrite_without_skipped
+from prx_assets.stages.rewrite.rewrite import rewrite_without_skipped
+from prx_assets.stages.shards import mds, plan
 from prx_assets.stages.skip_lists.skip_lists import (
     apply_skip_lists,
     build_skip_lists,
     mapping_batches,
     mapping_shards,
-    sidecar_files,
 )
+from prx_assets.storage import trees
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.sidecars import sidecar_files
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 
 SHAPES = ((1, 48, 48), (1, 64, 48))

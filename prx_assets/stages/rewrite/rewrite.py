@@ -22,10 +22,8 @@ import pyarrow.compute as pc
 from prx_assets.stages.shards.mds import write_mds_tree
 from prx_assets.stages.shards.plan import SampleInputs, WriteOptions
 from prx_assets.stages.shards.publish import TreeReport
-from prx_assets.stages.shards.trees import tree_store
 from prx_assets.stages.skip_lists.skip_lists import (
     MAPPING_COLUMNS,
-    REASON_STALE,
     SCAN_ROWS,
     ApplyReport,
     build_skip_lists,
@@ -35,7 +33,9 @@ from prx_assets.stages.skip_lists.skip_lists import (
 )
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.refs import Location, TableRef
+from prx_assets.storage.sidecars import REASON_STALE
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, MDS_SAMPLES
+from prx_assets.storage.trees import tree_store
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ def _heavy_imports(module: str) -> list[str]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("module", ["prx_assets.stages.shards.trees",
+@pytest.mark.parametrize("module", ["prx_assets.storage.trees", "prx_assets.storage.sidecars",
                                     "prx_assets.stages.skip_lists.skip_lists"])
 def test_tree_resolution_and_sidecars_import_neither_ray_nor_streaming(module):
     assert _heavy_imports(module) == []
