@@ -1,7 +1,10 @@
-"""Replacing some rows of a table in one commit: the new rows written first as uncommitted
-data files (`write_uncommitted`), then one Lance `Update` that deletes the old rows and adds
-the new (`replace_where`), so a reader sees the old rows or the new ones, never both, never
-neither. `corpus` replaces a source's rows this way."""
+"""Writes in two steps: the new rows first as uncommitted data files (`write_uncommitted`),
+then one commit, so a reader sees the old rows or the new ones, never both, never neither.
+
+`replace_where` commits one Lance `Update` that deletes the rows matching a filter and adds
+the new ones (`corpus` replaces a source's rows this way); `overwrite_with` commits the
+files as the table's whole new version (the MDS mapping, written group by group while a
+tree builds and committed when the tree publishes)."""
 
 from __future__ import annotations
 
@@ -26,11 +29,12 @@ log = logging.getLogger(__name__)
 
 
 def write_uncommitted(table: TableRef, batches: Iterable[pa.RecordBatch | pa.Table],
-                      schema: pa.Schema, policy: FragmentPolicy | None = None
-                      ) -> tuple[list[lance.FragmentMetadata], int]:
+                      schema: pa.Schema, policy: FragmentPolicy | None = None,
+                      whole: bool = False) -> tuple[list[lance.FragmentMetadata], int]:
     """Write `batches` as data files of `table`, committing nothing; (fragments, rows).
     Streams: one batch is held at a time. A run killed before its commit leaves orphan
-    files, which `cleanup` removes; the table is unchanged."""
+    files, which `cleanup` removes; the table is unchanged. `whole`: files of a whole new
+    version (`overwrite_with`), whose schema may differ from the table's."""
     rows = 0
 
     def counted():
@@ -43,9 +47,19 @@ def write_uncommitted(table: TableRef, batches: Iterable[pa.RecordBatch | pa.Tab
 
     prepare_output_dir(table, "Lance table")
     fragments = write_fragments(pa.RecordBatchReader.from_batches(schema, counted()), table.uri,
-                                schema=schema, storage_options=table.lance_options(),
+                                schema=schema, mode="overwrite" if whole else "append",
+                                storage_options=table.lance_options(),
                                 **fragment_sizes(policy))
     return fragments, rows
+
+
+def overwrite_with(table: TableRef, schema: pa.Schema,
+                   fragments: list[lance.FragmentMetadata]) -> int:
+    """The files `write_uncommitted(..., whole=True)` wrote as the table's whole new version,
+    in one commit (created if absent); returns the version."""
+    return lance.LanceDataset.commit(
+        table.uri, lance.LanceOperation.Overwrite(schema, fragments),
+        read_version=table.latest_version(), storage_options=table.lance_options()).version
 
 
 def replace_where(table: TableRef, where: str, new_fragments: list[lance.FragmentMetadata]

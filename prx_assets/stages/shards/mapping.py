@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from typing import TYPE_CHECKING
 
-import lance
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from lance.fragment import FragmentMetadata, write_fragments
 
 from prx_assets.storage.filters import in_filter
 from prx_assets.storage.refs import Location, TableRef
 from prx_assets.storage.trees import leaf_name
+
+if TYPE_CHECKING:
+    import lance
+    from lance.fragment import FragmentMetadata
 
 MDS_SAMPLES_SCHEMA = pa.schema([
     pa.field("id", pa.string(), nullable=False),
@@ -158,16 +161,18 @@ def update_mapping(mapping: TableRef, new_rows: pa.Table, removed_ids: list[str]
 
 def stage_fragments(mapping: TableRef, rows: pa.Table) -> list[FragmentMetadata]:
     """`rows` written as mapping fragments that no version references yet."""
+    # Imported here: storage.replace brings in Ray, and the tree check's spawned child
+    # imports this module (through verify) for the mapping's counts alone.
+    from prx_assets.storage.replace import write_uncommitted
+
     if rows.num_rows == 0:
         return []
-    return write_fragments(rows.cast(MDS_SAMPLES_SCHEMA), mapping.uri,
-                           schema=MDS_SAMPLES_SCHEMA, mode="overwrite",
-                           storage_options=mapping.lance_options())
+    return write_uncommitted(mapping, [rows], MDS_SAMPLES_SCHEMA, whole=True)[0]
 
 
 def commit_fragments(mapping: TableRef, fragments: list[FragmentMetadata]) -> int:
     """The staged fragments as the mapping's whole new version, in one commit: readers see
     the previous mapping or this one, never a mix."""
-    return lance.LanceDataset.commit(
-        mapping.uri, lance.LanceOperation.Overwrite(MDS_SAMPLES_SCHEMA, fragments),
-        read_version=mapping.latest_version(), storage_options=mapping.lance_options()).version
+    from prx_assets.storage.replace import overwrite_with
+
+    return overwrite_with(mapping, MDS_SAMPLES_SCHEMA, fragments)
