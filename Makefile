@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV := 0
 
-.PHONY: install chromium demo test lint bench bench-incremental ui validate browse clean
+.PHONY: install chromium demo test test-fast lint bench bench-incremental ui validate browse clean
 
 # The image stage's Pillow build goes in last (scripts/image_backend.sh says why); every
 # install also puts the cached pillow-simd wheel back if a pip run replaced it since.
@@ -37,22 +37,33 @@ $(STAMP): pyproject.toml scripts/image_backend.sh
 demo: install
 	$(BIN)/prx-assets demo
 
-# Lint and types gate the tests: ruff over the repo first; mypy over the package
-# (pyproject.toml) beside the tests (a cold mypy takes ~2 min of one core, the tests' long
-# last files leave a core idle), its findings printed and failing the target at the end.
+# Lint, layering and types gate the tests: ruff over the repo and the import contracts
+# (lint-imports, [tool.importlinter] in pyproject.toml) first; mypy over the package beside
+# the tests (a cold mypy takes ~2 min of one core, the tests' long last files leave a core
+# idle), its findings printed and failing the target at the end.
 # Tests run in TEST_WORKERS processes, each test file whole in one (its module fixtures
 # built once); TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 test: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	@types_log=$$(mktemp); $(BIN)/mypy >"$$types_log" 2>&1 & types=$$!; \
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
-	  $(PYTEST_ARGS); tests_rc=$$?; wait $$types; types_rc=$$?; \
+	$(PYTEST) $(PYTEST_ARGS); tests_rc=$$?; wait $$types; types_rc=$$?; \
 	echo "mypy:"; cat "$$types_log"; rm -f "$$types_log"; \
 	exit $$(( tests_rc || types_rc ))
 
+# The tests that need no subprocess run, whole graph, S3 server, cluster or browser (the
+# marks in pyproject.toml), after ruff and the import contracts; no mypy (`make lint`).
+FAST := not e2e and not s3 and not cluster and not browser
+test-fast: install
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+	$(PYTEST) -m "$(FAST)" $(PYTEST_ARGS)
+
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/mypy
 
 # PRX_INCREMENTAL_IMAGES sizes bench.incremental inside `make bench` (default a smoke run).

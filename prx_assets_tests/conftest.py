@@ -4,17 +4,29 @@ small real corpora built on disk (real photos from scikit-image plus generated i
 from __future__ import annotations
 
 import gc
-import io
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 from PIL import Image
+
+from prx_assets.testing.images import image_bytes, jpeg_bytes
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.pop("RAY_ADDRESS", None)  # tests start their own clusters where they need one
+
+# A test that uses one of these fixtures (itself or through another) gets the mark, so
+# `make test-fast` leaves it out: the S3 server, a browser, or the browser tests' corpus
+# (`tiny`, built by running the whole graph).
+MARKS_BY_FIXTURE = {"s3_server": "s3", "chromium": "browser", "tiny": "e2e"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture, mark in MARKS_BY_FIXTURE.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(mark)
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +50,18 @@ def fresh_shared_memory(tmp_path_factory: pytest.TempPathFactory):
     yield
     gc.collect()
     release_shared_memory(tmp_path_factory.getbasetemp())
+
+
+# Folders whose tests build and open MDS trees: each of their tests gets `fresh_shared_memory`.
+MDS_TEST_FOLDERS = ("stages/shards", "stages/subsets", "stages/rewrite")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_shared_memory_for_mds_tests(request: pytest.FixtureRequest):
+    folder = request.node.path.parent.relative_to(Path(__file__).parent).as_posix()
+    if folder in MDS_TEST_FOLDERS:
+        request.getfixturevalue("fresh_shared_memory")
+    yield
 
 
 @pytest.fixture()
@@ -72,18 +96,6 @@ def data_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
-def jpeg_bytes(width: int, height: int, seed: int = 0, quality: int = 90) -> bytes:
-    from prx_assets.demo.corpus import encode, procedural_image
-
-    return encode(procedural_image(np.random.default_rng(seed), width, height), "JPEG", quality)
-
-
-def image_bytes(img: Image.Image, fmt: str, **kwargs) -> bytes:
-    buffer = io.BytesIO()
-    img.save(buffer, fmt, **kwargs)
-    return buffer.getvalue()
-
-
 @pytest.fixture()
 def small_folder(tmp_path: Path) -> Path:
     """An image folder: nested JPEG/PNG/WebP files with captions, plus bad files."""
@@ -104,21 +116,13 @@ def small_folder(tmp_path: Path) -> Path:
     return root
 
 
-def write_sources(path: Path, entries: list[str]) -> Path:
-    path.write_text("sources:\n" + "".join(f"  - {e}\n" for e in entries))
-    return path
-
-
-S3_TEST_BUCKET = "prx-tests"
-
-
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3-compatible server (SeaweedFS) on a free port of 127.0.0.1 for the session."""
-    from prx_assets.testing.s3_server import start_seaweedfs
+    from prx_assets.testing.s3_server import TEST_BUCKET, start_seaweedfs
 
     server = start_seaweedfs(tmp_path_factory.mktemp("s3-server"))
-    server.create_bucket(S3_TEST_BUCKET)
+    server.create_bucket(TEST_BUCKET)
     yield server
     server.stop()
 
@@ -130,9 +134,11 @@ def s3_root(s3_server, request, monkeypatch: pytest.MonkeyPatch) -> str:
     import re
     import uuid
 
+    from prx_assets.testing.s3_server import TEST_BUCKET
+
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
     name = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower())[:60]
-    root = f"s3://{S3_TEST_BUCKET}/{name}-{uuid.uuid4().hex[:8]}"
+    root = f"s3://{TEST_BUCKET}/{name}-{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv("PRX_DATA_ROOT", root)
     return root

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from prx_assets.testing import tiny_corpus
 from prx_assets.testing.chromium import CHROMIUM_ARGS, chromium_path, free_port
-from prx_assets_tests.browser import tiny_corpus
 
 
 @pytest.fixture(scope="session")

@@ -17,10 +17,10 @@ from PIL import Image
 
 from prx_assets.storage.sidecars import read_sidecar
 from prx_assets.storage.trees import current_tree
+from prx_assets.testing import tiny_corpus
 from prx_assets.testing.chromium import screenshot
-from prx_assets_tests.browser import tiny_corpus
+from prx_assets.testing.tiny_corpus import table_ref
 from prx_assets_tests.browser.conftest import CURATOR_TOKEN
-from prx_assets_tests.browser.tiny_corpus import table_ref
 
 pytestmark = pytest.mark.browser
 
@@ -344,7 +344,7 @@ def test_opt_out_post_needs_a_curator(served, tiny, page):
 def test_links_to_the_browser_in_asset_metadata(tiny):
     import dagster as dg
 
-    from prx_assets_tests.e2e.fault_runs import open_instance
+    from prx_assets.testing.fault_runs import open_instance
 
     instance = open_instance(tiny.home)
 

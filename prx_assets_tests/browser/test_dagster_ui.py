@@ -16,9 +16,10 @@ import urllib.request
 
 import pytest
 
+from prx_assets.testing import tiny_corpus
 from prx_assets.testing.chromium import free_port, screenshot
-from prx_assets_tests.browser import tiny_corpus
-from prx_assets_tests.browser.dagster_ui import DagsterDev
+from prx_assets.testing.dagster_ui import DagsterDev
+from prx_assets.testing.sources import folder_source, write_sources
 
 pytestmark = pytest.mark.browser
 
@@ -35,8 +36,7 @@ def dagster_dev(tmp_path_factory):
         (folder / key).write_bytes(tiny_corpus._image(photo, key))
         (folder / key).with_suffix(".txt").write_text(f"a photo: {photo}")
     (folder / "broken.jpg").write_bytes(b"not an image at all")
-    sources = root / "sources.yaml"
-    sources.write_text(f"sources:\n  - name: {SOURCE}\n    kind: image_folder\n    uri: {folder}\n")
+    sources = write_sources(root / "sources.yaml", [folder_source(SOURCE, folder)])
     env = {"PRX_SOURCES": str(sources), "PRX_DATA_ROOT": str(root / "data"),
            "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}

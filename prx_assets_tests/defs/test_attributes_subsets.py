@@ -21,13 +21,13 @@ from prx_assets.defs.resources import (
 from prx_assets.models.embeddings import MiniLMEmbedder
 from prx_assets.stages.corpus.search import SearchError, search_text
 from prx_assets.storage.refs import TableRef
-from prx_assets_tests.conftest import write_sources
-from prx_assets_tests.fixtures.corpus_tables import (
+from prx_assets.testing.corpus_tables import (
     CAPTION_VERSION,
     CLASSIFIER_VERSION,
     write_source,
 )
-from prx_assets_tests.fixtures.labelled_captions import labelled_test_captions
+from prx_assets.testing.labelled_captions import labelled_test_captions
+from prx_assets.testing.sources import write_sources
 
 
 class FixedClassifier(ClassifierResource):

@@ -5,7 +5,8 @@ import dagster as dg
 import lance
 
 from prx_assets.definitions import build_defs
-from prx_assets_tests.conftest import jpeg_bytes, write_sources
+from prx_assets.testing.images import jpeg_bytes
+from prx_assets.testing.sources import write_sources
 from prx_assets_tests.defs.test_raw_images import checks
 
 

@@ -19,9 +19,9 @@ from prx_assets.stages.corpus.corpus import build_corpus
 from prx_assets.stages.corpus.search import search_text
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
-from prx_assets_tests.conftest import write_sources
-from prx_assets_tests.fixtures.corpus_tables import CAPTION_VERSION, write_source
-from prx_assets_tests.fixtures.labelled_captions import TEST_CAPTIONS
+from prx_assets.testing.corpus_tables import CAPTION_VERSION, write_source
+from prx_assets.testing.labelled_captions import TEST_CAPTIONS
+from prx_assets.testing.sources import write_sources
 
 WEB = [("heron", TEST_CAPTIONS["visual"][0], "visual"),
        ("bakery", TEST_CAPTIONS["visual"][1], "visual"),

@@ -48,7 +48,7 @@ def test_every_job_runs_its_steps_in_the_run_process(tmp_path):
     process per run, not a process per asset and check (each re-importing the package and
     starting Ray)."""
     from prx_assets.definitions import build_defs
-    from prx_assets_tests.conftest import write_sources
+    from prx_assets.testing.sources import write_sources
 
     sources = write_sources(tmp_path / "sources.yaml",
                             [f"{{name: web, kind: image_folder, uri: {tmp_path}}}"])

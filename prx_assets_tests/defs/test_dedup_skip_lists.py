@@ -19,7 +19,8 @@ from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.sidecars import read_sidecar
-from prx_assets_tests.conftest import image_bytes, write_sources
+from prx_assets.testing.images import image_bytes
+from prx_assets.testing.sources import write_sources
 
 
 def _photo(index: int, scale: float) -> bytes:

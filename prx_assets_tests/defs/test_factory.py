@@ -13,7 +13,7 @@ import pytest
 from prx_assets.definitions import build_defs
 from prx_assets.defs.factory import AUTOMATED, REASON_TAG, TRIGGER_TAG, sensor_name
 from prx_assets.stages.ingest import readers
-from prx_assets_tests.conftest import write_sources
+from prx_assets.testing.sources import write_sources
 
 
 @pytest.fixture()

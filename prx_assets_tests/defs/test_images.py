@@ -13,9 +13,10 @@ from prx_assets.stages.images import pil_backend
 from prx_assets.stages.images.phash import hash_hex
 from prx_assets.stages.ingest.ids import sample_id
 from prx_assets.stages.report.contact_sheet import GAP_PX, THUMB_PX
-from prx_assets_tests.conftest import jpeg_bytes, write_sources
+from prx_assets.testing import stock_pillow
+from prx_assets.testing.images import jpeg_bytes
+from prx_assets.testing.sources import write_sources
 from prx_assets_tests.defs.test_raw_images import checks
-from prx_assets_tests.fixtures import stock_pillow
 
 
 def test_image_stage_decodes_once_into_two_tables_with_checks(ray_session, data_root, tmp_path):
@@ -116,7 +117,7 @@ IMAGE_ASSETS = ("bucketed_images", "phashes")
 
 def _stage_run(defs, instance, assets=("raw_images", *IMAGE_ASSETS), run_config=None) -> dict:
     """Materialise `assets` of partition "web" (checks left out); metadata per asset."""
-    from prx_assets_tests.e2e.fault_runs import run_in_process
+    from prx_assets.testing.fault_runs import run_in_process
 
     result = run_in_process(defs, "corpus_job", "web", instance, assets, run_config)
     assert result.success

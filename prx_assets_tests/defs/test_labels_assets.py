@@ -13,9 +13,9 @@ from prx_assets.defs.resources import (
 from prx_assets.demo.runner import check_results
 from prx_assets.stages.corpus.search import search_text
 from prx_assets.storage.refs import TableRef
-from prx_assets_tests.conftest import write_sources
-from prx_assets_tests.fixtures.corpus_tables import CAPTION_VERSION, write_source
-from prx_assets_tests.fixtures.labelled_captions import labelled_test_captions
+from prx_assets.testing.corpus_tables import CAPTION_VERSION, write_source
+from prx_assets.testing.labelled_captions import labelled_test_captions
+from prx_assets.testing.sources import write_sources
 
 
 def test_caption_labels_then_corpus(ray_session, data_root, tmp_path):

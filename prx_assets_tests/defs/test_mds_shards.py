@@ -65,7 +65,7 @@ def test_check_fails_when_a_leaf_and_the_mapping_disagree(ray_session, data_root
 
 def test_build_defs_wires_mds_shards_after_bucketed_images_and_captions(tmp_path):
     from prx_assets.definitions import build_defs
-    from prx_assets_tests.conftest import write_sources
+    from prx_assets.testing.sources import write_sources
 
     sources = write_sources(tmp_path / "s.yaml",
                             [f"{{name: web, kind: image_folder, uri: {tmp_path}}}"])

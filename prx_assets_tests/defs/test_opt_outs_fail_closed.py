@@ -13,7 +13,7 @@ from prx_assets.definitions import build_defs
 from prx_assets.defs.opt_outs import read_cursor
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
-from prx_assets_tests.conftest import write_sources
+from prx_assets.testing.sources import write_sources
 from prx_assets_tests.defs.test_dedup_skip_lists import CORPUS, _write_source
 
 RUN_KEY = "dagster/run_key"

@@ -12,7 +12,8 @@ import pytest
 
 from prx_assets.definitions import build_defs
 from prx_assets.stages.ingest.ids import sample_id
-from prx_assets_tests.conftest import jpeg_bytes, write_sources
+from prx_assets.testing.images import jpeg_bytes
+from prx_assets.testing.sources import write_sources
 
 
 @pytest.fixture()
@@ -162,7 +163,7 @@ def test_a_run_killed_after_a_chunk_commit_resumes_with_only_the_rest(
     """SIGKILL of the run's whole process group right after its first chunk committed (the
     `ingest.chunk_committed` failpoint holds the driver there); the rerun reads only the
     units not committed, and the table equals a fresh full run's."""
-    from prx_assets_tests.e2e.fault_runs import (
+    from prx_assets.testing.fault_runs import (
         RunProcess,
         RunSpec,
         mark_killed_run_failed,

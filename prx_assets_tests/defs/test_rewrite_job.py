@@ -15,7 +15,7 @@ from prx_assets.storage.layout import Storage
 from prx_assets.storage.sidecars import sidecar_files
 from prx_assets.testing.mds_corpus import ACTIVE, build_corpus, inputs_for
 from prx_assets.testing.shared_memory import release_shared_memory
-from prx_assets_tests.conftest import write_sources
+from prx_assets.testing.sources import write_sources
 
 
 def _ids(root) -> set[str]:

@@ -13,7 +13,8 @@ from prx_assets.definitions import build_defs
 from prx_assets.defs.resources import captioner_from_file
 from prx_assets.engine.redact import redact, url_credentials
 from prx_assets.models.openai_client import EndpointError, OpenAIClient
-from prx_assets_tests.conftest import jpeg_bytes, write_sources
+from prx_assets.testing.images import jpeg_bytes
+from prx_assets.testing.sources import write_sources
 
 API_KEY = "sk-test-APIKEY-5f1d2c3b4a"
 AWS_SECRET = "aws-test-SECRET-9e8d7c6b5a"

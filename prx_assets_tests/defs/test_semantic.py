@@ -18,9 +18,9 @@ from prx_assets.defs.semantic import (
 )
 from prx_assets.models.embeddings import MiniLMEmbedder
 from prx_assets.storage.layout import Storage
+from prx_assets.testing.corpus_tables import CAPTION_VERSION, write_source
+from prx_assets.testing.sources import write_sources
 from prx_assets.testing.tiny_vision import tiny_vision_tower
-from prx_assets_tests.conftest import write_sources
-from prx_assets_tests.fixtures.corpus_tables import CAPTION_VERSION, write_source
 
 # Two paraphrase pairs (one across sources), and unrelated captions (MiniLM cosine of a
 # pair ~0.9, of unrelated captions < 0.45).

@@ -16,7 +16,7 @@ from prx_assets.stages.semantic.spaces import CONCEPTS_SCHEMA
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.sidecars import read_sidecar
-from prx_assets_tests.conftest import write_sources
+from prx_assets.testing.sources import write_sources
 
 IDS = ["web:a", "web:b", "web:c", "web:d"]
 

@@ -13,8 +13,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from prx_assets_tests.conftest import jpeg_bytes, write_sources
-from prx_assets_tests.e2e.ray_cluster import TwoNodeCluster
+from prx_assets.testing.images import jpeg_bytes
+from prx_assets.testing.ray_cluster import TwoNodeCluster
+from prx_assets.testing.sources import write_sources
+
+pytestmark = pytest.mark.e2e  # whole-graph runs and runs in subprocesses
 
 # One file per ingest task, so a small corpus still gives both nodes work.
 RUN_CONFIG = {"ops": {"raw_images": {"config": {"files_per_task": 1}}}}
@@ -166,7 +169,7 @@ def test_the_graph_on_a_two_node_cluster_with_the_data_root_in_a_bucket(
     every table lands in the bucket, both nodes did work, no node keeps scratch behind.
     The nodes get the AWS variables when they start, as a deployment sets them on every node
     (the s3_root fixture has put them in this process's environment)."""
-    from prx_assets_tests.e2e.s3_runs import (
+    from prx_assets.testing.s3_runs import (
         GLOBAL_TABLES,
         PER_SOURCE_TABLES,
         SOURCE,

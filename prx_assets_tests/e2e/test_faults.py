@@ -37,8 +37,7 @@ from prx_assets.storage.layout import Storage
 from prx_assets.storage.sidecars import read_sidecar, sidecar_files
 from prx_assets.storage.tables import MDS_SAMPLES
 from prx_assets.storage.trees import PARTIAL_SUFFIX, TREES_DIR, current_tree
-from prx_assets_tests.conftest import jpeg_bytes, write_sources
-from prx_assets_tests.e2e.fault_runs import (
+from prx_assets.testing.fault_runs import (
     CaptionServer,
     RunProcess,
     RunSpec,
@@ -53,6 +52,10 @@ from prx_assets_tests.e2e.fault_runs import (
     wait_for_failpoint,
     write_instance_config,
 )
+from prx_assets.testing.images import jpeg_bytes
+from prx_assets.testing.sources import write_sources
+
+pytestmark = pytest.mark.e2e  # whole-graph runs and runs in subprocesses
 
 REPO = Path(__file__).resolve().parents[2]
 STAGE_ASSETS = ("raw_images", "bucketed_images", "phashes", "captions", "mds_shards")

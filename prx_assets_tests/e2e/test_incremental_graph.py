@@ -21,7 +21,10 @@ from prx_assets.storage.tables import (
     PHASHES,
     RAW_IMAGES,
 )
-from prx_assets_tests.conftest import jpeg_bytes, write_sources
+from prx_assets.testing.images import jpeg_bytes
+from prx_assets.testing.sources import write_sources
+
+pytestmark = pytest.mark.e2e  # whole-graph runs and runs in subprocesses
 
 SOURCE = "web"
 # Per-source stages and the columns whose values must equal a fresh build's.

@@ -26,9 +26,7 @@ from prx_assets.storage.tables import (
     RAW_IMAGES,
     SKIP_LISTS,
 )
-from prx_assets.testing.s3_server import S3Server
-from prx_assets_tests.conftest import write_sources
-from prx_assets_tests.e2e.s3_runs import (
+from prx_assets.testing.s3_runs import (
     GLOBAL_TABLES,
     PER_SOURCE_TABLES,
     SOURCE,
@@ -39,6 +37,10 @@ from prx_assets_tests.e2e.s3_runs import (
     upload_source,
     write_webdataset,
 )
+from prx_assets.testing.s3_server import S3Server
+from prx_assets.testing.sources import write_sources
+
+pytestmark = pytest.mark.e2e  # whole-graph runs and runs in subprocesses
 
 
 @pytest.mark.timeout(1800)

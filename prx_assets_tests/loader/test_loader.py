@@ -162,7 +162,7 @@ def test_ranks_and_workers_get_equal_disjoint_batches(corpus):
                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "PYTHONPATH": os.getcwd()}
         ranks.append(subprocess.Popen(
-            [sys.executable, "-m", "prx_assets_tests.loader.rank_main", str(corpus["root"]),
+            [sys.executable, "-m", "prx_assets.testing.rank_main", str(corpus["root"]),
              str(TIER), str(BATCH), "2"], env=env, stdout=subprocess.PIPE))
     outputs = [rank.communicate(timeout=300)[0] for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0]

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from prx_assets.models.openai_client import EndpointError, OpenAIClient
-from prx_assets_tests.fixtures.local_chat_server import chat_server
+from prx_assets.testing.local_chat_server import chat_server
 
 OK = {"choices": [{"message": {"content": "visual"}, "logprobs": {"content": []}}]}
 

@@ -6,7 +6,7 @@ from prx_assets.stages.images.fidelity import fidelity_report
 from prx_assets.stages.images.imaging import ImageOptions, process_image
 from prx_assets.storage.filters import all_of, eq_filter, in_filter, sql_string
 from prx_assets.storage.refs import TableRef
-from prx_assets_tests.conftest import jpeg_bytes
+from prx_assets.testing.images import jpeg_bytes
 
 QUOTED = "web:o'brien's cat.jpg"
 

@@ -24,7 +24,8 @@ from prx_assets.storage.refs import TableRef
 from prx_assets.storage.table_checks import duplicate_ids, fragment_health
 from prx_assets.storage.table_stats import profile_table
 from prx_assets.storage.tables import CAPTIONS, RAW_IMAGES
-from prx_assets_tests.conftest import S3_TEST_BUCKET, write_sources
+from prx_assets.testing.s3_server import TEST_BUCKET
+from prx_assets.testing.sources import write_sources
 
 SCHEMA = pa.schema([("id", pa.string()), ("v", pa.int64())])
 
@@ -45,26 +46,26 @@ def keys_under(server, root: str) -> list[str]:
 def test_server_refuses_a_second_create_of_the_same_key(s3_server):
     client = s3_server.client()
     key = "conditional/put"
-    client.put_object(Bucket=S3_TEST_BUCKET, Key=key, Body=b"first", IfNoneMatch="*")
+    client.put_object(Bucket=TEST_BUCKET, Key=key, Body=b"first", IfNoneMatch="*")
     with pytest.raises(client.exceptions.ClientError, match="PreconditionFailed"):
-        client.put_object(Bucket=S3_TEST_BUCKET, Key=key, Body=b"second", IfNoneMatch="*")
-    assert client.get_object(Bucket=S3_TEST_BUCKET, Key=key)["Body"].read() == b"first"
+        client.put_object(Bucket=TEST_BUCKET, Key=key, Body=b"second", IfNoneMatch="*")
+    assert client.get_object(Bucket=TEST_BUCKET, Key=key)["Body"].read() == b"first"
 
 
 def test_server_assembles_multipart_uploads_and_lists_by_delimiter(s3_server):
     client = s3_server.client()
     part1, part2 = b"a" * (5 << 20), b"b" * 100  # parts but the last must be >= 5 MiB
-    upload = client.create_multipart_upload(Bucket=S3_TEST_BUCKET, Key="mp/big")["UploadId"]
-    etags = [client.upload_part(Bucket=S3_TEST_BUCKET, Key="mp/big", UploadId=upload,
+    upload = client.create_multipart_upload(Bucket=TEST_BUCKET, Key="mp/big")["UploadId"]
+    etags = [client.upload_part(Bucket=TEST_BUCKET, Key="mp/big", UploadId=upload,
                                 PartNumber=n, Body=body)["ETag"]
              for n, body in ((1, part1), (2, part2))]
     client.complete_multipart_upload(
-        Bucket=S3_TEST_BUCKET, Key="mp/big", UploadId=upload,
+        Bucket=TEST_BUCKET, Key="mp/big", UploadId=upload,
         MultipartUpload={"Parts": [{"ETag": e, "PartNumber": n} for n, e in enumerate(etags, 1)]})
-    assert client.get_object(Bucket=S3_TEST_BUCKET, Key="mp/big")["Body"].read() == part1 + part2
+    assert client.get_object(Bucket=TEST_BUCKET, Key="mp/big")["Body"].read() == part1 + part2
     for key in ("ls/a/1", "ls/a/2", "ls/b/3", "ls/x"):
-        client.put_object(Bucket=S3_TEST_BUCKET, Key=key, Body=b"")
-    listed = client.list_objects_v2(Bucket=S3_TEST_BUCKET, Prefix="ls/", Delimiter="/")
+        client.put_object(Bucket=TEST_BUCKET, Key=key, Body=b"")
+    listed = client.list_objects_v2(Bucket=TEST_BUCKET, Prefix="ls/", Delimiter="/")
     assert [p["Prefix"] for p in listed["CommonPrefixes"]] == ["ls/a/", "ls/b/"]
     assert [c["Key"] for c in listed["Contents"]] == ["ls/x"]
 

@@ -13,7 +13,7 @@ from prx_assets.storage.lance_tables import CommitConflictError, upsert
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import CAPTIONS
-from prx_assets_tests.storage.s3_writers import (
+from prx_assets.testing.s3_writers import (
     SCHEMA,
     WriterProcess,
     chunk_ids,

@@ -3,7 +3,7 @@ same records either way."""
 
 from prx_assets.stages.attributes.runs import AttributerSpec, tag_source
 from prx_assets.storage.refs import TableRef
-from prx_assets_tests.fixtures.labelled_captions import labelled_test_captions, write_captions
+from prx_assets.testing.labelled_captions import labelled_test_captions, write_captions
 
 CAPTION_FILTER = "caption_version = 'v1' AND status = 'ok'"
 

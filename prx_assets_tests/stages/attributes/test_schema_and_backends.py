@@ -128,7 +128,7 @@ def test_vllm_asks_for_the_json_schema_and_retries_with_a_seed():
 
 
 def test_vllm_rows_are_checked_and_errors_kept(tmp_path):
-    from prx_assets_tests.conftest import jpeg_bytes
+    from prx_assets.testing.images import jpeg_bytes
 
     row = {"id": "s:1", "caption_version": "cv", "caption": "a heron",
            "image": jpeg_bytes(64, 48)}

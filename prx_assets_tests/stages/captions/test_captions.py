@@ -12,7 +12,7 @@ from prx_assets.stages.captions.captions import (
     word_histogram,
 )
 from prx_assets.storage.refs import TableRef
-from prx_assets_tests.conftest import jpeg_bytes
+from prx_assets.testing.images import jpeg_bytes
 
 
 def test_caption_version_names_everything_that_changes_a_caption():

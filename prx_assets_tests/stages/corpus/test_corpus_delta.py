@@ -21,9 +21,9 @@ from prx_assets.stages.corpus.delta import ROW_ADDRESS, columns_equal, plan_delt
 from prx_assets.stages.images.stage import BUCKETED_SCHEMA
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.refs import TableRef
-from prx_assets_tests.conftest import jpeg_bytes
-from prx_assets_tests.fixtures.corpus_tables import write_source
-from prx_assets_tests.fixtures.labelled_captions import TEST_CAPTIONS
+from prx_assets.testing.corpus_tables import write_source
+from prx_assets.testing.images import jpeg_bytes
+from prx_assets.testing.labelled_captions import TEST_CAPTIONS
 
 ROWS = [("heron", TEST_CAPTIONS["visual"][0], "visual"),
         ("bakery", TEST_CAPTIONS["visual"][1], "visual"),

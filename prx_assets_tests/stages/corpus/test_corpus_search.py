@@ -17,8 +17,8 @@ from prx_assets.stages.corpus.search import (
     similar,
 )
 from prx_assets.storage.refs import TableRef
-from prx_assets_tests.fixtures.corpus_tables import write_source
-from prx_assets_tests.fixtures.labelled_captions import TEST_CAPTIONS
+from prx_assets.testing.corpus_tables import write_source
+from prx_assets.testing.labelled_captions import TEST_CAPTIONS
 
 HERON_TWIN = ("A heron wading through a shallow pond between tall reeds, its neck bent and "
               "its beak pointed at the water, under a cloudy sky.")

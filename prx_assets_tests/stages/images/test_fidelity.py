@@ -6,7 +6,7 @@ from prx_assets.stages.images.fidelity import fidelity_report
 from prx_assets.stages.images.imaging import ImageOptions, process_image
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
-from prx_assets_tests.conftest import jpeg_bytes
+from prx_assets.testing.images import jpeg_bytes
 
 
 def test_fidelity_reads_its_tables_from_a_bucket_with_the_handles_settings(

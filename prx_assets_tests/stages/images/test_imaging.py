@@ -20,8 +20,8 @@ from prx_assets.stages.images.imaging import (
     process_image,
     to_rgb,
 )
-from prx_assets_tests.conftest import image_bytes, jpeg_bytes
-from prx_assets_tests.fixtures import stock_pillow
+from prx_assets.testing import stock_pillow
+from prx_assets.testing.images import image_bytes, jpeg_bytes
 
 GOLDEN = Path(__file__).parent / "data" / "stock_phashes.json"
 

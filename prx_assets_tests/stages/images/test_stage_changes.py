@@ -22,7 +22,7 @@ from prx_assets.stages.images.stage import (
 )
 from prx_assets.storage.changes import read_consumed
 from prx_assets.storage.refs import TableRef
-from prx_assets_tests.conftest import jpeg_bytes
+from prx_assets.testing.images import jpeg_bytes
 
 RAW_SCHEMA = pa.schema([("id", pa.string()), ("source", pa.string()), ("status", pa.string()),
                         ("image", pa.large_binary()), ("error", pa.string()),

@@ -26,7 +26,7 @@ from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.stages.ingest.sources import SourceSpec
 from prx_assets.storage.lance_tables import FragmentPolicy
 from prx_assets.storage.refs import TableRef
-from prx_assets_tests.conftest import jpeg_bytes
+from prx_assets.testing.images import jpeg_bytes
 
 N = 5
 

@@ -11,7 +11,7 @@ from prx_assets.stages.ingest.readers import SourceNotFoundError
 from prx_assets.stages.ingest.sources import SourceSpec
 from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
 from prx_assets.storage.refs import TableRef
-from prx_assets_tests.conftest import jpeg_bytes
+from prx_assets.testing.images import jpeg_bytes
 
 
 def ingest(spec: SourceSpec, uri: Path, tmp_path: Path, **options) -> pa.Table:

@@ -4,7 +4,7 @@ import zlib
 from PIL import Image
 
 from prx_assets.stages.ingest import probe
-from prx_assets_tests.conftest import image_bytes, jpeg_bytes
+from prx_assets.testing.images import image_bytes, jpeg_bytes
 
 
 def png_header_only(width: int, height: int) -> bytes:

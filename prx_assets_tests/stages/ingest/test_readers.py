@@ -14,7 +14,7 @@ from prx_assets.stages.ingest.location import SourceLocation
 from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA, raw_row
 from prx_assets.stages.ingest.sources import SourceSpec
 from prx_assets.storage.object_store import StoreSettings
-from prx_assets_tests.conftest import jpeg_bytes
+from prx_assets.testing.images import jpeg_bytes
 
 
 def spec(kind: str, **kwargs) -> SourceSpec:

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from prx_assets.stages.ingest.sources import SourcesError, load_sources
-from prx_assets_tests.conftest import write_sources
+from prx_assets.testing.sources import write_sources
 
 
 def test_loads_sources_in_order_with_defaults_and_relative_uris(tmp_path: Path):

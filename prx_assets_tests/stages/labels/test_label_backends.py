@@ -18,7 +18,7 @@ from prx_assets.stages.labels.backends import (
 )
 from prx_assets.stages.labels.labels import LABELS
 from prx_assets.stages.labels.runs import LabelerSpec
-from prx_assets_tests.fixtures.local_chat_server import chat_server
+from prx_assets.testing.local_chat_server import chat_server
 
 
 def test_vllm_config_builds_against_the_installed_ray_data_llm():

@@ -16,8 +16,8 @@ from prx_assets.stages.labels.runs import (
 )
 from prx_assets.storage.changes import read_consumed
 from prx_assets.storage.refs import TableRef
-from prx_assets_tests.fixtures.labelled_captions import labelled_test_captions, write_captions
-from prx_assets_tests.fixtures.local_chat_server import chat_server
+from prx_assets.testing.labelled_captions import labelled_test_captions, write_captions
+from prx_assets.testing.local_chat_server import chat_server
 
 
 def _filter(version: str) -> str:

@@ -18,7 +18,7 @@ from prx_assets.stages.labels.labels import (
     precision_recall,
     train_classifier,
 )
-from prx_assets_tests.fixtures.labelled_captions import TEST_CAPTIONS
+from prx_assets.testing.labelled_captions import TEST_CAPTIONS
 
 
 @pytest.fixture(scope="module")

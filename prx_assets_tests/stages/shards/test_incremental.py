@@ -24,7 +24,7 @@ from prx_assets.storage.layout import Storage
 from prx_assets.storage.sidecars import REASON_STALE, read_sidecar, sidecar_path
 from prx_assets.testing.mds_corpus import ACTIVE, _bucketed, _caption, build_corpus, inputs_for
 from prx_assets.testing.shared_memory import plain_dataset, release_shared_memory
-from prx_assets_tests.stages.shards.tree_writers import kill_held_at
+from prx_assets.testing.tree_writers import kill_held_at
 
 OPTIONS = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
 NEW_ID = "web:1-64x64-9999"

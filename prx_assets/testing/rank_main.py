@@ -1,6 +1,6 @@
 """One simulated training rank (run as a subprocess): iterate an epoch, print batch ids.
 
-Usage: python -m prx_assets_tests.loader.rank_main MDS_ROOT TIER BATCH NUM_WORKERS
+Usage: python -m prx_assets.testing.rank_main MDS_ROOT TIER BATCH NUM_WORKERS
 with RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT set.
 """
 

@@ -22,7 +22,7 @@ from prx_assets.storage.tables import (
     PHASHES,
     RAW_IMAGES,
 )
-from prx_assets_tests.conftest import jpeg_bytes
+from prx_assets.testing.images import jpeg_bytes
 
 SOURCE = "tars"
 SIZES = [(480, 360), (360, 480), (640, 400), (512, 512), (600, 600), (400, 700)]

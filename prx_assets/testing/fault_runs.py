@@ -1,7 +1,7 @@
 """Helpers for the fault tests: Dagster runs in killable subprocesses on a shared on-disk
 instance, armed with a failpoint, and snapshots of every stored table and shard tree.
 
-A run is `python -m prx_assets_tests.e2e.fault_runs ...` started in its own session
+A run is `python -m prx_assets.testing.fault_runs ...` started in its own session
 (process group), so `os.killpg(SIGKILL)` takes its embedded Ray (raylet, GCS, workers) down
 with it, as a crashed machine or an OOM kill of the run would. A run armed with a failpoint
 (`prx_assets.storage.failpoints`) holds at that point, in its own process or in the Ray
@@ -87,7 +87,7 @@ class RunProcess:
     def __init__(self, spec: RunSpec, log_dir: Path):
         self.spec = spec
         self.log = log_dir / f"run-{spec.job}-{spec.partition}-{spec.run_id[:8]}.log"
-        args = [sys.executable, "-m", "prx_assets_tests.e2e.fault_runs",
+        args = [sys.executable, "-m", "prx_assets.testing.fault_runs",
                 "--sources", str(spec.sources), "--job", spec.job, "--run-id", spec.run_id,
                 "--partition", spec.partition or "", "--assets", ",".join(spec.assets),
                 "--captioner", str(spec.captioner or ""),

@@ -1,4 +1,4 @@
-"""Tree writers for the race tests, each `python -m prx_assets_tests.stages.shards.tree_writers
+"""Tree writers for the race tests, each `python -m prx_assets.testing.tree_writers
 <mode> ROOT ...` in a process of its own, lined up by barriers (`storage.failpoints`) armed
 through its environment:
 
@@ -21,7 +21,7 @@ import pytest
 
 from prx_assets.stages.shards import plan
 from prx_assets.storage import failpoints
-from prx_assets_tests.writer_process import WriterProcess
+from prx_assets.testing.writer_process import WriterProcess
 
 OPTIONS = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
 
@@ -63,7 +63,7 @@ def skip_main(root: str, ids: list[str]) -> dict:
 
 
 class Writer(WriterProcess):
-    module = "prx_assets_tests.stages.shards.tree_writers"
+    module = "prx_assets.testing.tree_writers"
 
 
 def main(argv: list[str]) -> None:

@@ -1,5 +1,5 @@
 """Writer processes for the concurrency and kill tests on the S3 server: each is
-`python -m prx_assets_tests.storage.s3_writers <mode> ...` in a process of its own, armed
+`python -m prx_assets.testing.s3_writers <mode> ...` in a process of its own, armed
 (or not) with a failpoint or a barrier through its environment (`storage.failpoints`).
 
     upsert URI NAME          one upsert of NAME0..NAME2 plus the key `shared`
@@ -25,7 +25,7 @@ import time
 import pyarrow as pa
 
 from prx_assets.storage.refs import TableRef
-from prx_assets_tests import writer_process
+from prx_assets.testing import writer_process
 
 SCHEMA = pa.schema([("id", pa.string()), ("v", pa.int64())])
 
@@ -62,7 +62,7 @@ def chunked_main(uri: TableRef, count: int, chunk: int) -> dict:
 
 
 class WriterProcess(writer_process.WriterProcess):
-    module = "prx_assets_tests.storage.s3_writers"
+    module = "prx_assets.testing.s3_writers"
 
 
 def wait_until(condition, writers: list[WriterProcess], what: str, guard_s: float = 900) -> None:

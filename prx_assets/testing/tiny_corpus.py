@@ -25,6 +25,7 @@ from prx_assets.stages.ingest.ids import sample_id
 from prx_assets.storage.lance_tables import append_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
+from prx_assets.testing.sources import folder_source, write_sources
 
 SKIMAGE = Path(__import__("skimage").__file__).parent / "data"
 # source -> key -> (photo, caption); captions carry words the tests search for.
@@ -84,18 +85,16 @@ def _image(photo: str, key: str) -> bytes:
     return encode(img, "JPEG", 92)
 
 
-def write_sources(root: Path) -> Path:
+def write_photo_sources(root: Path) -> Path:
+    """The photos of every source under `root/sources/<source>`, and their sources file."""
     for source, items in PHOTOS.items():
         folder = root / "sources" / source
         folder.mkdir(parents=True, exist_ok=True)
         for key, (photo, caption) in items.items():
             (folder / key).write_bytes(_image(photo, key))
             (folder / key).with_suffix(".txt").write_text(caption)
-    sources = root / "sources.yaml"
-    sources.write_text("sources:\n" + "".join(
-        f"  - name: {s}\n    kind: image_folder\n    uri: {root / 'sources' / s}\n"
-        for s in PHOTOS))
-    return sources
+    return write_sources(root / "sources.yaml",
+                         [folder_source(s, root / "sources" / s) for s in PHOTOS])
 
 
 def add_old_caption_version(data_root: Path, source: str) -> None:
@@ -130,9 +129,9 @@ def environment(corpus: TinyCorpus) -> Iterator[None]:
 def build(root: Path) -> TinyCorpus:
     """The whole graph over the tiny sources, everything on disk under `root`."""
     from prx_assets.demo.runner import materialize_all
-    from prx_assets_tests.e2e.fault_runs import open_instance, write_instance_config
+    from prx_assets.testing.fault_runs import open_instance, write_instance_config
 
-    corpus = TinyCorpus(root, root / "data", write_sources(root),
+    corpus = TinyCorpus(root, root / "data", write_photo_sources(root),
                         write_instance_config(root / "dagster_home"))
     with environment(corpus):
         runs = materialize_all(corpus.sources_file, instance=open_instance(corpus.home))
@@ -146,7 +145,7 @@ def build(root: Path) -> TinyCorpus:
 def run_job(corpus: TinyCorpus, job: str, partition: str | None = None) -> None:
     """One job of the graph in process on the tiny corpus' instance (as the demo runs it)."""
     from prx_assets.definitions import build_defs
-    from prx_assets_tests.e2e.fault_runs import open_instance
+    from prx_assets.testing.fault_runs import open_instance
 
     with environment(corpus):
         result = build_defs(corpus.sources_file).resolve_job_def(job).execute_in_process(
