@@ -53,11 +53,22 @@ def write_corpus(images: Path) -> None:
             (images / f"copy{i:03d}.txt").write_text(f"A copy of picture {i}.")
 
 
-def run_on_cluster(sources: Path, data_root: Path) -> dict:
-    with TwoNodeCluster() as cluster:
-        env = {**cluster.driver_env(), "PRX_DATA_ROOT": str(data_root)}
-        out = subprocess.run([sys.executable, "-c", DRIVER, str(sources), json.dumps(RUN_CONFIG)],
-                             env=env, capture_output=True, text=True, timeout=900)
+@pytest.fixture(scope="module")
+def cluster(s3_server, tmp_path_factory):
+    """One two-node cluster for the module's tests (starting one is most of a minute): each
+    node with a work folder (TMPDIR) of its own and the AWS variables of the test server, as
+    a deployment sets them on every node."""
+    aws = s3_server.env()
+    folders = {name: tmp_path_factory.mktemp(f"node-{name}") for name in ("head", "worker")}
+    with TwoNodeCluster(node_envs=({**aws, "TMPDIR": str(folders["head"])},
+                                   {**aws, "TMPDIR": str(folders["worker"])})) as started:
+        yield started, folders
+
+
+def run_on_cluster(cluster: TwoNodeCluster, sources: Path, data_root: Path) -> dict:
+    env = {**cluster.driver_env(), "PRX_DATA_ROOT": str(data_root)}
+    out = subprocess.run([sys.executable, "-c", DRIVER, str(sources), json.dumps(RUN_CONFIG)],
+                         env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
     assert lines, out.stdout[-3000:] + out.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT"):])
@@ -122,13 +133,13 @@ def tree_files(data_root: Path, source: str) -> dict[str, bytes]:
 
 @pytest.mark.cluster
 def test_whole_graph_on_a_two_node_cluster_matches_embedded(
-        tmp_path: Path, ray_session, monkeypatch: pytest.MonkeyPatch, capsys):
+        cluster, tmp_path: Path, ray_session, monkeypatch: pytest.MonkeyPatch, capsys):
     write_corpus(tmp_path / "images")
     sources = write_sources(tmp_path / "sources.yaml",
                             [f"{{name: web, kind: image_folder, uri: {tmp_path / 'images'}}}"])
     cluster_root, embedded_root = tmp_path / "cluster", tmp_path / "embedded"
 
-    result = run_on_cluster(sources, cluster_root)
+    result = run_on_cluster(cluster[0], sources, cluster_root)
     assert result["success"] == [True] * 4  # corpus, dedup, skip lists, corpus table
     # Ingest and the image stage ran tasks on both nodes (the driver records the node of
     # every written block).
@@ -164,11 +175,11 @@ def test_whole_graph_on_a_two_node_cluster_matches_embedded(
 @pytest.mark.cluster
 @pytest.mark.timeout(2400)
 def test_the_graph_on_a_two_node_cluster_with_the_data_root_in_a_bucket(
-        tmp_path: Path, s3_server, s3_root):
+        cluster, tmp_path: Path, s3_server, s3_root):
     """PRX_DATA_ROOT in the bucket, each node (and the driver) with a work folder of its own:
     every table lands in the bucket, both nodes did work, no node keeps scratch behind.
-    The nodes get the AWS variables when they start, as a deployment sets them on every node
-    (the s3_root fixture has put them in this process's environment)."""
+    The nodes got the AWS variables when they started (the `cluster` fixture); the driver
+    gets them from this process's environment (the s3_root fixture put them there)."""
     from prx_assets.testing.s3_runs import (
         GLOBAL_TABLES,
         PER_SOURCE_TABLES,
@@ -186,15 +197,14 @@ def test_the_graph_on_a_two_node_cluster_with_the_data_root_in_a_bucket(
                                f"{s3_root}-sources")
     sources = write_sources(tmp_path / "sources.yaml",
                             [f"{{name: {SOURCE}, kind: webdataset, uri: {source_uri}}}"])
-    folders = {name: tmp_path / name for name in ("head", "worker", "driver", "cwd")}
-    for folder in folders.values():
-        folder.mkdir()
-    with TwoNodeCluster(node_envs=({"TMPDIR": str(folders["head"])},
-                                   {"TMPDIR": str(folders["worker"])})) as cluster:
-        env = {**cluster.driver_env(), "PRX_DATA_ROOT": s3_root,
-               "TMPDIR": str(folders["driver"]), "DAGSTER_HOME": str(tmp_path),
-               "HF_HUB_OFFLINE": "1"}
-        report = run_graph(sources, env, folders["cwd"])
+    started, node_folders = cluster
+    folders = {**node_folders, **{name: tmp_path / name for name in ("driver", "cwd")}}
+    for name in ("driver", "cwd"):
+        folders[name].mkdir()
+    env = {**started.driver_env(), **s3_server.env(), "PRX_DATA_ROOT": s3_root,
+           "TMPDIR": str(folders["driver"]), "DAGSTER_HOME": str(tmp_path),
+           "HF_HUB_OFFLINE": "1"}
+    report = run_graph(sources, env, folders["cwd"])
     for job, outcome in report.items():
         assert outcome["success"], (job, outcome["failures"])
         assert set(outcome["failed_checks"].values()) <= {"WARN"}, (job, outcome)
