@@ -155,7 +155,7 @@ def pip_index_args(python: str = sys.executable) -> list[str]:
     pairs: list[tuple[str, str]] = []
     for line in listed.splitlines():
         key, _, value = line.partition("=")
-        flag = flags.get(key.rsplit(".", 1)[-1])
+        flag = flags.get(key.rsplit(".", 1)[-1], "")
         for item in value.strip().strip("'\"").split() if flag else []:
             if (flag, item) not in pairs:  # global and environment settings repeat
                 pairs.append((flag, item))
