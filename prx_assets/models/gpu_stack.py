@@ -169,12 +169,12 @@ def install(target: str, extras: Sequence[str], only: Sequence[str], with_ray_ll
             dry_run: bool = False) -> None:
     """Install the project (editable, with `extras`) into `target`'s environment with the GPU
     stack's versions of `only` overridden (and `ray[llm]` itself when `with_ray_llm`)."""
-    pins = stack_pins()
+    text = overrides_text(stack_pins(), only)
+    print(f"gpu_stack: installing {ray_llm() if with_ray_llm else 'the project'} with these "
+          f"overrides:\n{text}", end="", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         overrides = Path(folder) / "overrides.txt"
-        overrides.write_text(overrides_text(pins, only))
-        print(f"gpu_stack: overrides ({overrides_text(pins, only).count(chr(10))}):\n"
-              + overrides_text(pins, only), end="", flush=True)
+        overrides.write_text(text)
         project = f"{REPO}[{','.join(extras)}]" if extras else str(REPO)
         # The CPU torch comes from wherever pip is set to find it (a build machine's disk);
         # the GPU torch only from the registry's CUDA builds (uv's own settings still apply).
@@ -182,7 +182,8 @@ def install(target: str, extras: Sequence[str], only: Sequence[str], with_ray_ll
         command = [uv_binary(), "pip", "install", "--python", target, "-e", project,
                    *([ray_llm()] if with_ray_llm else []), "--override", str(overrides),
                    *indexes, *(["--dry-run"] if dry_run else [])]
-        subprocess.run(command, check=True)
+        if subprocess.run(command, check=False).returncode != 0:
+            raise StackError(f"uv pip install failed (its output above): {' '.join(command)}")
 
 
 def main(argv: list[str] | None = None) -> int:
