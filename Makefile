@@ -85,3 +85,31 @@ validate: install
 
 clean:
 	rm -rf data demo_corpus .dagster_home storage history logs schedules bench/out
+
+# --- The GPU stack (docs/captions.md, "The GPU stack") ------------------------------------
+# What vLLM, torch, torchvision and transformers a GPU machine gets is read from the
+# registry at run time: the vLLM that the installed Ray's `ray[llm]` names, and the releases
+# it pins. uv installs them with explicit overrides; prx_assets/models/gpu_stack.py says why.
+GPU_STACK := $(BIN)/python -m prx_assets.models.gpu_stack
+TF5 := .venv-tf5
+TF5_TESTS := prx_assets_tests/stages/captions prx_assets_tests/stages/labels \
+  prx_assets_tests/stages/attributes prx_assets_tests/bench
+.PHONY: install-gpu check-gpu-deps test-transformers5
+
+# A CUDA Linux x86-64 machine: the CPU install, then the GPU stack over it.
+install-gpu: $(STAMP)
+	$(GPU_STACK) install
+	@scripts/image_backend.sh $(VENV) ensure
+
+# CI: the GPU stack still resolves for Linux x86-64 / CUDA, from metadata alone (~20 s).
+check-gpu-deps: $(STAMP)
+	$(GPU_STACK) check
+
+# The captioning, labels, attributes and bench tests on the GPU stack's transformers 5 (the
+# CPU torch kept), in a venv of their own.
+test-transformers5: $(STAMP)
+	test -x $(TF5)/bin/python || $(PYTHON) -m venv $(TF5)
+	$(GPU_STACK) install --python $(TF5)/bin/python --extra test --only transformers \
+	  --no-ray-llm
+	$(TF5)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile \
+	  $(TF5_TESTS) $(PYTEST_ARGS)

