@@ -49,12 +49,15 @@ class DagsterDev:
     def wait_until_serving(self, safety_net_s: float = 300) -> None:
         """Until the webserver answers /server_info and the code location has loaded (its
         GraphQL status), or the process dies."""
+        process = self.process
+        if process is None:
+            raise RuntimeError("dagster dev was not started")
         deadline = time.monotonic() + safety_net_s
         query = b'{"query": "{ workspaceOrError { ... on Workspace { locationEntries { ' \
                 b'loadStatus } } } }"}'
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"dagster dev exited ({self.process.returncode}); see "
+            if process.poll() is not None:
+                raise RuntimeError(f"dagster dev exited ({process.returncode}); see "
                                    f"{self.log}:\n{self.log.read_text()[-3000:]}")
             try:
                 request = urllib.request.Request(self.url + "/graphql", data=query,

@@ -98,6 +98,7 @@ class RunProcess:
         for name in (failpoints.ENV_POINTS, failpoints.ENV_MARKER):
             env.pop(name, None)
         if spec.failpoint:
+            assert spec.marker is not None, "a failpoint is armed with its marker (RunSpec.arm)"
             env.update(failpoints.env(spec.failpoint, spec.marker))
             # A run that is killed: its leases expire seconds after, not two minutes. Not
             # less: the run checks its lease at commits before its failpoint, and on a loaded
@@ -158,8 +159,9 @@ def wait_for_failpoint(run: RunProcess) -> dict:
     """The marker of the run's armed failpoint, once a process of the run holds there.
     The run cannot finish without passing the point, so this is no race; the timeout of
     `wait_until` is only a safety net for a run that never gets there."""
-    assert run.spec.failpoint and run.spec.marker, "the run is not armed"
-    return wait_until(lambda: failpoints.read_marker(run.spec.marker),
+    marker = run.spec.marker
+    assert run.spec.failpoint and marker, "the run is not armed"
+    return wait_until(lambda: failpoints.read_marker(marker),
                       f"failpoint {run.spec.failpoint}", run, timeout=600)
 
 

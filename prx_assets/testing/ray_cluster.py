@@ -42,7 +42,7 @@ class TwoNodeCluster:
         self.cpus = cpus_per_node
         self.processes: list[subprocess.Popen] = []
         self.starts: list[tuple[list[str], str]] = []
-        self.node_envs = {"head.log": {}, "worker.log": {}}
+        self.node_envs: dict[str, dict] = {"head.log": {}, "worker.log": {}}
         if node_envs:
             self.node_envs = {"head.log": dict(node_envs[0]), "worker.log": dict(node_envs[1])}
 

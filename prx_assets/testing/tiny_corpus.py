@@ -27,7 +27,7 @@ from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
 from prx_assets.testing.sources import folder_source, write_sources
 
-SKIMAGE = Path(__import__("skimage").__file__).parent / "data"
+SKIMAGE = Path(str(__import__("skimage").__file__)).parent / "data"
 # source -> key -> (photo, caption); captions carry words the tests search for.
 PHOTOS = {
     "web": {
@@ -75,9 +75,10 @@ class TinyCorpus:
 def _image(photo: str, key: str) -> bytes:
     img = Image.open(SKIMAGE / photo).convert("RGB")
     if key == "tiny.jpg":
-        return encode(img.resize((200, 200), Image.LANCZOS), "JPEG", 90)
+        return encode(img.resize((200, 200), Image.Resampling.LANCZOS), "JPEG", 90)
     scale = 640 / max(img.size)
-    img = img.resize((round(img.width * scale), round(img.height * scale)), Image.LANCZOS)
+    size = (round(img.width * scale), round(img.height * scale))
+    img = img.resize(size, Image.Resampling.LANCZOS)
     if key == "coffee-bright.jpg":
         img = ImageEnhance.Brightness(img).enhance(1.08)  # same phash: an exact duplicate
     if key == "motorbike-crop.jpg":

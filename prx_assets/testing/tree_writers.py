@@ -19,11 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from prx_assets.stages.shards import plan
 from prx_assets.storage import failpoints
 from prx_assets.testing.writer_process import WriterProcess
-
-OPTIONS = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
 
 
 def kill_held_at(script: str, args: list[str], point: str, marker: Path) -> None:
@@ -48,9 +45,9 @@ def kill_held_at(script: str, args: list[str], point: str, marker: Path) -> None
 
 def mds_main(root: str) -> dict:
     from prx_assets.stages.shards import mds
-    from prx_assets.testing.mds_corpus import inputs_for
+    from prx_assets.testing.mds_corpus import WRITE_OPTIONS, inputs_for
 
-    report = mds.write_mds_tree(inputs_for(root, "web"), root, "web", OPTIONS)
+    report = mds.write_mds_tree(inputs_for(root, "web"), root, "web", WRITE_OPTIONS)
     return {"tree_version": report.tree_version, "processed": report.processed}
 
 

@@ -17,7 +17,7 @@ from prx_assets.browser.app import UnsafeBind, check_bind, create_app
 from prx_assets.browser.auth import BrowserAuth, Curators, RateLimit, Sessions
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
-from prx_assets_tests.browser.conftest import ServedApp
+from prx_assets.testing.served_app import ServedApp
 
 TOKEN = "alice-token-0123456789abcdef"
 SAMPLE = "web:0123456789abcdef"

@@ -19,8 +19,8 @@ from prx_assets.storage.sidecars import read_sidecar
 from prx_assets.storage.trees import current_tree
 from prx_assets.testing import tiny_corpus
 from prx_assets.testing.chromium import screenshot
+from prx_assets.testing.served_app import CURATOR_TOKEN
 from prx_assets.testing.tiny_corpus import table_ref
-from prx_assets_tests.browser.conftest import CURATOR_TOKEN
 
 pytestmark = pytest.mark.browser
 

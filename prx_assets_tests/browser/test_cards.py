@@ -10,7 +10,7 @@ from prx_assets.stages.subsets.build import ActiveVersions, build_subset
 from prx_assets.stages.subsets.definitions import parse_subset
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import ACTIVE, build_corpus, inputs_for
-from prx_assets_tests.browser.conftest import ServedApp
+from prx_assets.testing.served_app import ServedApp
 
 
 class Client:

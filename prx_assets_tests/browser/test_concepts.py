@@ -25,7 +25,7 @@ from prx_assets.stages.semantic.spaces import CONCEPTS_SCHEMA, concept_rows
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import CONCEPTS, CORPUS, IMAGE_EMBEDDINGS
-from prx_assets_tests.browser.conftest import ServedApp
+from prx_assets.testing.served_app import ServedApp
 
 IDS = [f"web:{i}" for i in range(6)] + [f"stock:{i}" for i in range(6, 12)]
 GROUPS = np.repeat([0, 1, 2], 4)  # level-1 cluster of each sample

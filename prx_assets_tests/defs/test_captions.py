@@ -5,9 +5,9 @@ import dagster as dg
 import lance
 
 from prx_assets.definitions import build_defs
+from prx_assets.testing.dagster_results import checks
 from prx_assets.testing.images import jpeg_bytes
 from prx_assets.testing.sources import write_sources
-from prx_assets_tests.defs.test_raw_images import checks
 
 
 def materializations(result) -> dict:

@@ -14,9 +14,9 @@ from prx_assets.stages.images.phash import hash_hex
 from prx_assets.stages.ingest.ids import sample_id
 from prx_assets.stages.report.contact_sheet import GAP_PX, THUMB_PX
 from prx_assets.testing import stock_pillow
+from prx_assets.testing.dagster_results import checks
 from prx_assets.testing.images import jpeg_bytes
 from prx_assets.testing.sources import write_sources
-from prx_assets_tests.defs.test_raw_images import checks
 
 
 def test_image_stage_decodes_once_into_two_tables_with_checks(ray_session, data_root, tmp_path):

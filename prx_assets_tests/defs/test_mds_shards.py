@@ -6,8 +6,8 @@ from prx_assets.stages.shards import verify
 from prx_assets.storage import trees
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
+from prx_assets.testing.dagster_results import checks
 from prx_assets.testing.mds_corpus import ACTIVE, build_corpus
-from prx_assets_tests.defs.test_raw_images import checks
 
 
 def _materialize(instance, version=ACTIVE):
@@ -76,7 +76,7 @@ def test_build_defs_wires_mds_shards_after_bucketed_images_and_captions(tmp_path
 
 
 def test_incremental_counts_and_an_unchanged_rerun_keeps_the_data_version(ray_session, data_root):
-    from prx_assets_tests.stages.shards.test_incremental import NEW_ID, add_sample, remove_sample
+    from prx_assets.testing.mds_corpus import NEW_ID, add_sample, remove_sample
 
     corpus = build_corpus(data_root, "web", per_shape=3)
     instance = dg.DagsterInstance.ephemeral()

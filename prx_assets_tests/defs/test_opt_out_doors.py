@@ -19,8 +19,8 @@ from prx_assets.stages.shards import mds, plan
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
+from prx_assets.testing.served_app import ServedApp
 from prx_assets.testing.sources import write_sources
-from prx_assets_tests.browser.conftest import ServedApp
 from prx_assets_tests.browser.test_auth import Client
 from prx_assets_tests.loader.test_opt_out_guard import write_raw_ids
 

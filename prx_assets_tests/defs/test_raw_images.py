@@ -12,6 +12,7 @@ import pytest
 
 from prx_assets.definitions import build_defs
 from prx_assets.stages.ingest.ids import sample_id
+from prx_assets.testing.dagster_results import checks
 from prx_assets.testing.images import jpeg_bytes
 from prx_assets.testing.sources import write_sources
 
@@ -45,12 +46,6 @@ def materialization(result, asset: str = "raw_images") -> dict:
               if e.materialization.asset_key.path[-1] == asset]
     assert len(events) == 1
     return {k: v.value for k, v in events[0].metadata.items()}
-
-
-def checks(result) -> dict:
-    return {f"{e.event_specific_data.asset_key.path[-1]}:{e.event_specific_data.check_name}":
-            e.event_specific_data.passed
-            for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
 
 
 def test_partitions_materialise_independently_with_checks_and_metadata(

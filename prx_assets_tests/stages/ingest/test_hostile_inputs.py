@@ -17,7 +17,7 @@ from prx_assets.stages.ingest.ingest import IngestOptions, expand_units
 from prx_assets.stages.ingest.raw_rows import FoundItem, raw_row
 from prx_assets.stages.ingest.sources import SourceSpec
 from prx_assets.testing.images import jpeg_bytes
-from prx_assets_tests.stages.ingest.test_readers import add_member
+from prx_assets.testing.tars import add_member
 
 
 def spec(kind: str, uri: Path, **kwargs) -> SourceSpec:

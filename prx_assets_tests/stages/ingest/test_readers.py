@@ -1,4 +1,3 @@
-import io
 import json
 import os
 import tarfile
@@ -15,16 +14,11 @@ from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA, raw_row
 from prx_assets.stages.ingest.sources import SourceSpec
 from prx_assets.storage.object_store import StoreSettings
 from prx_assets.testing.images import jpeg_bytes
+from prx_assets.testing.tars import add_member
 
 
 def spec(kind: str, **kwargs) -> SourceSpec:
     return SourceSpec(name="src", kind=kind, uri="unused", **kwargs)
-
-
-def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    tar.addfile(info, io.BytesIO(data))
 
 
 def test_image_folder_listing_is_recursive_sorted_and_filtered(small_folder: Path):

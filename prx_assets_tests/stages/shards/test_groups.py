@@ -18,10 +18,16 @@ from prx_assets.stages.shards.mapping import mapping_for_append
 from prx_assets.storage import trees
 from prx_assets.storage.lance_tables import append_rows
 from prx_assets.storage.layout import Storage
-from prx_assets.testing.mds_corpus import ACTIVE, _caption, build_corpus, inputs_for
+from prx_assets.testing.mds_corpus import (
+    ACTIVE,
+    NEW_ID,
+    _caption,
+    add_sample,
+    build_corpus,
+    inputs_for,
+)
 from prx_assets.testing.shared_memory import plain_dataset, release_shared_memory
 from prx_assets.testing.tree_writers import kill_held_at
-from prx_assets_tests.stages.shards.test_incremental import NEW_ID, add_sample
 
 WHOLE = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False,
                           incremental=False, plan_rows=10**9)

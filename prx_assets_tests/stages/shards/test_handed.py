@@ -14,13 +14,16 @@ from prx_assets.storage import trees
 from prx_assets.storage.key_index import KeyIndexPolicy, key_index_stats
 from prx_assets.storage.lance_tables import append_rows
 from prx_assets.storage.layout import Storage
-from prx_assets.testing.mds_corpus import ACTIVE, _caption, build_corpus, inputs_for
-from prx_assets_tests.stages.shards.test_incremental import (
+from prx_assets.testing.mds_corpus import (
+    ACTIVE,
     NEW_ID,
-    OPTIONS,
+    _caption,
     add_sample,
+    build_corpus,
+    inputs_for,
     remove_sample,
 )
+from prx_assets.testing.mds_corpus import WRITE_OPTIONS as OPTIONS
 
 
 def mapped(data_root) -> dict[str, int]:

@@ -8,43 +8,28 @@ import os
 from datetime import UTC, datetime
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pytest
 
-from prx_assets.demo.corpus import procedural_image
 from prx_assets.loader import build_dataset
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
-from prx_assets.stages.images.imaging import encode_jpeg
-from prx_assets.stages.images.stage import BUCKETED_SCHEMA
 from prx_assets.stages.shards import mds, plan, verify
 from prx_assets.storage import trees
 from prx_assets.storage.lance_tables import append_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.sidecars import REASON_STALE, read_sidecar, sidecar_path
-from prx_assets.testing.mds_corpus import ACTIVE, _bucketed, _caption, build_corpus, inputs_for
+from prx_assets.testing.mds_corpus import (
+    ACTIVE,
+    NEW_ID,
+    _caption,
+    add_sample,
+    build_corpus,
+    inputs_for,
+    remove_sample,
+)
+from prx_assets.testing.mds_corpus import WRITE_OPTIONS as OPTIONS
 from prx_assets.testing.shared_memory import plain_dataset, release_shared_memory
 from prx_assets.testing.tree_writers import kill_held_at
-
-OPTIONS = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
-NEW_ID = "web:1-64x64-9999"
-
-
-def add_sample(data_root: Path, sample_id: str, shape=(1, 64, 64)) -> None:
-    """One new kept, captioned row in both input tables (an append commit each)."""
-    tier, w, h = shape
-    data = encode_jpeg(procedural_image(np.random.default_rng(99), w, h))
-    storage = Storage(data_root)
-    append_rows(storage.table("bucketed_images", "web"),
-                pa.Table.from_pylist([_bucketed(sample_id, "web", "ok", tier, w, h, data)],
-                                     schema=BUCKETED_SCHEMA), BUCKETED_SCHEMA)
-    append_rows(storage.table("captions", "web"), pa.Table.from_pylist(
-        [_caption(sample_id, ACTIVE, f"a picture {sample_id}", "ok",
-                  datetime(2026, 1, 2, tzinfo=UTC))], schema=CAPTIONS_SCHEMA), CAPTIONS_SCHEMA)
-
-
-def remove_sample(data_root: Path, sample_id: str) -> None:
-    Storage(data_root).table("bucketed_images", "web").open().delete(f"id = '{sample_id}'")
 
 
 def shard_inodes(tree: Path) -> dict[str, int]:

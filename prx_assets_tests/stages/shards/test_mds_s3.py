@@ -22,10 +22,9 @@ from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import Location
 from prx_assets.storage.sidecars import REASON_STALE, read_sidecar
 from prx_assets.storage.trees import tree_store
+from prx_assets.testing.mds_corpus import WRITE_OPTIONS as OPTIONS
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
 from prx_assets.testing.shared_memory import plain_dataset, release_shared_memory
-
-OPTIONS = plan.WriteOptions(size_limit=60_000, rows_per_part=7, parallel=False)
 
 
 def _upload_tables(local_root, storage: Storage) -> None:

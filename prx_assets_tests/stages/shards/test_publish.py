@@ -19,8 +19,8 @@ from prx_assets.storage.key_index import KeyIndexPolicy, key_index_stats
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
-from prx_assets.testing.mds_corpus import build_corpus, inputs_for
-from prx_assets_tests.stages.shards.test_incremental import NEW_ID, OPTIONS, add_sample
+from prx_assets.testing.mds_corpus import NEW_ID, add_sample, build_corpus, inputs_for
+from prx_assets.testing.mds_corpus import WRITE_OPTIONS as OPTIONS
 
 INDEXED = KeyIndexPolicy(min_rows=1)
 WEEK_AND_A_DAY_S = 8 * 24 * 3600

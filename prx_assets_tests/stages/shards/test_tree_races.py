@@ -28,10 +28,10 @@ from prx_assets.stages.skip_lists.skip_lists import skipped_ids
 from prx_assets.storage import failpoints, trees
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
-from prx_assets.testing.mds_corpus import build_corpus, inputs_for
+from prx_assets.testing.mds_corpus import WRITE_OPTIONS as OPTIONS
+from prx_assets.testing.mds_corpus import add_sample, build_corpus, inputs_for
 from prx_assets.testing.s3_writers import wait_until
-from prx_assets.testing.tree_writers import OPTIONS, Writer
-from prx_assets_tests.stages.shards.test_incremental import add_sample
+from prx_assets.testing.tree_writers import Writer
 
 HELD, WAITING = "mds.write_part", "leases.waiting"
 
@@ -164,8 +164,8 @@ _HOLDER = """
 import sys
 from pathlib import Path
 from prx_assets.stages.shards import mds
+from prx_assets.testing.mds_corpus import WRITE_OPTIONS as OPTIONS
 from prx_assets.testing.mds_corpus import inputs_for
-from prx_assets.testing.tree_writers import OPTIONS
 root = Path(sys.argv[1])
 mds.write_mds_tree(inputs_for(root, "web"), root, "web", OPTIONS)
 """

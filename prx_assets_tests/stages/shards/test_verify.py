@@ -11,8 +11,8 @@ import pytest
 from prx_assets.stages.shards import mds, verify
 from prx_assets.storage import trees
 from prx_assets.storage.layout import Storage
-from prx_assets.testing.mds_corpus import build_corpus, inputs_for
-from prx_assets_tests.stages.shards.test_incremental import NEW_ID, OPTIONS, add_sample
+from prx_assets.testing.mds_corpus import NEW_ID, add_sample, build_corpus, inputs_for
+from prx_assets.testing.mds_corpus import WRITE_OPTIONS as OPTIONS
 
 
 @pytest.fixture
