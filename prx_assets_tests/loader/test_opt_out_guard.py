@@ -8,6 +8,7 @@ import pyarrow as pa
 import pytest
 
 from prx_assets.loader import build_dataset
+from prx_assets.stages.opt_outs.resolution import resolve_opt_outs
 from prx_assets.stages.shards import mds, plan
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
@@ -97,3 +98,20 @@ def test_a_mapping_older_than_the_tree_still_drops_by_id(tree):
                             decode_images=False)
     got = [sample["id"] for sample in dataset]
     assert ids[2] not in got and dataset.opt_outs_dropped == 1
+
+
+def test_a_request_dropped_after_the_tables_resolution_still_blocks_its_id(tree):
+    """The guard reads the audited `opt_outs` table; a request file that landed after the
+    table's resolution is not in it, and is resolved when the loader opens the trees."""
+    root, ids = tree
+    opt_out(root, "a.jsonl", ids[3])
+    storage = Storage(root)
+    resolved = resolve_opt_outs(storage)
+    overwrite_rows(storage.table("opt_outs"), resolved.audit, resolved.schema)  # the asset
+    opt_out(root, "b.jsonl", ids[5])
+    assert ids[5] not in storage.table("opt_outs").to_table().column("id").to_pylist()
+    dataset = build_dataset(root / "mds", 1, 1, weights={"web": 1.0}, shuffle=False,
+                            decode_images=False)
+    got = [sample["id"] for sample in dataset]
+    assert sorted(got) == [i for i in ids if i not in (ids[3], ids[5])]
+    assert dataset.opt_outs_guarded == 2
