@@ -21,12 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.stages.opt_outs.opt_outs import AUDIT_SCHEMA, ResolutionInputs, resolve
-from prx_assets.stages.opt_outs.requests import (
-    RequestFile,
-    RowError,
-    parse_files,
-    read_request_files,
-)
+from prx_assets.stages.opt_outs.requests import RowError, parse_files, read_request_files
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.tables import OPT_OUTS, RAW_IMAGES
 
@@ -113,7 +108,7 @@ def resolve_opt_outs(storage: Storage | str | Path, sources: Iterable[str] | Non
     errors = [e for e in recorded.errors if e.file in kept] + parsed.errors
     record = Record(current, sorted(errors, key=lambda e: (e.file, e.line)),
                     inputs.versions())
-    return Resolution(audit, record, tuple(_names(fresh)))
+    return Resolution(audit, record, tuple(sorted(f.name for f in fresh)))
 
 
 def recorded_resolution(storage: Storage) -> tuple[pa.Table, Record | None]:
@@ -133,7 +128,3 @@ def ingested_sources(storage: Storage) -> list[str]:
     """Sources with a raw_images table (`lance/raw_images/<source>.lance`)."""
     return [name.removesuffix(".lance") for name in storage.table_folder(RAW_IMAGES).folders()
             if name.endswith(".lance")]
-
-
-def _names(files: Iterable[RequestFile]) -> list[str]:
-    return sorted({f.name for f in files})
