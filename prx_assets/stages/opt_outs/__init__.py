@@ -25,13 +25,14 @@ Data flow (one writer of request files, one parser, one resolver):
   browser doors (one new file per call, each row checked by the parser first).
 - `opt_outs`: the matching (`resolve`, by id, bytes, source key or url, extended to the
   same bytes and phash copies in any source) and the audit schema.
-- `resolution`: `resolve_opt_outs`, the only caller of `resolve` and of the parser outside
-  the doors. The `opt_outs` table carries in its schema metadata what it resolved (file
-  fingerprints, malformed rows, input table versions), so a reader takes from the table
-  what it already resolved and resolves only the rest: a file dropped, rewritten or written
-  by a door after the table's last materialisation, or everything when an input table
-  (raw_images of a source, duplicates) has a new version. A request not yet in the table
-  therefore still blocks its id in the loader: fail closed.
+- `resolution`: `resolve_opt_outs`, the only caller of `resolve`, and of the parser but
+  for `files_requesting` (the browser's "requested" note on a sample page, which reads its
+  own door's files). The `opt_outs` table carries in its schema metadata what it resolved
+  (file fingerprints, malformed rows, input table versions), so a reader takes from the
+  table what it already resolved and resolves only the rest: a file dropped, rewritten or
+  written by a door after the table's last materialisation, or everything once an input
+  table (a source's raw_images, duplicates) has a new version. A request not yet in the
+  table therefore still blocks its id in the loader: fail closed.
 - `guard`: the opt-outs recorded so far with when they landed, where they sit in a source's
   current tree, and which of them a reader could still stream.
 """
