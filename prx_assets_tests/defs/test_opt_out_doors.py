@@ -20,10 +20,10 @@ from prx_assets.stages.shards import mds, plan
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
+from prx_assets.testing.opt_outs import write_raw_ids
 from prx_assets_tests.browser.conftest import ServedApp
 from prx_assets_tests.browser.test_auth import Client
 from prx_assets_tests.conftest import write_sources
-from prx_assets_tests.loader.test_opt_out_guard import write_raw_ids
 
 TOKEN = "doors-curator-token-0123456789"
 

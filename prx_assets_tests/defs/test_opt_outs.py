@@ -14,8 +14,10 @@ from prx_assets.stages.opt_outs import resolution
 from prx_assets.stages.opt_outs.guard import recorded_opt_outs
 from prx_assets.stages.opt_outs.requests import RequestFile, write_request
 from prx_assets.storage.layout import Storage
+from prx_assets.testing.opt_outs import opt_out, record_opt_outs, write_raw_ids
 from prx_assets_tests.conftest import write_sources
-from prx_assets_tests.stages.opt_outs.test_resolution import IDS, drop_file, record, write_raw
+
+IDS = [f"web:{i}" for i in range(6)]
 
 
 def refuse(*args, **kwargs):
@@ -24,11 +26,11 @@ def refuse(*args, **kwargs):
 
 def test_every_reader_takes_the_tables_resolution(data_root, tmp_path, monkeypatch):
     storage = Storage(data_root)
-    write_raw(storage, IDS)
-    drop_file(storage, "ticket-1.jsonl", IDS[1])
+    write_raw_ids(data_root, "web", IDS)
+    opt_out(data_root, "ticket-1.jsonl", IDS[1])
     assert main(["opt-out", IDS[2], "--reason", "t2"]) == 0
     write_request(storage, IDS[3], "t3", door="browser", requested_by="alice")
-    record(storage)
+    record_opt_outs(data_root, ["web"])
     monkeypatch.setattr(resolution, "resolve", refuse)
     monkeypatch.setattr(RequestFile, "parse", refuse)
     opted = {IDS[1], IDS[2], IDS[3]}

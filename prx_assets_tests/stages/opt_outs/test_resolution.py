@@ -2,9 +2,6 @@
 the audited table is read back instead of resolving again, and whatever the table does not
 cover (a file dropped or rewritten after it, new input versions) is resolved on the fly."""
 
-import json
-
-import pyarrow as pa
 import pytest
 
 from prx_assets.cli import main
@@ -12,31 +9,11 @@ from prx_assets.stages.opt_outs import resolution
 from prx_assets.stages.opt_outs.guard import recorded_opt_outs
 from prx_assets.stages.opt_outs.requests import write_request
 from prx_assets.stages.opt_outs.resolution import resolve_opt_outs
-from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
-from prx_assets.storage.tables import OPT_OUTS, RAW_IMAGES
+from prx_assets.storage.tables import OPT_OUTS
+from prx_assets.testing.opt_outs import opt_out, record_opt_outs, write_raw_ids
 
 IDS = [f"web:{i}" for i in range(6)]
-
-
-def write_raw(storage: Storage, ids: list[str]) -> None:
-    rows = pa.table({"id": ids, "source_key": [i.split(":", 1)[1] for i in ids]})
-    overwrite_rows(storage.table(RAW_IMAGES, "web"), rows, rows.schema)
-
-
-def drop_file(storage: Storage, name: str, sample_id: str, reference: str = "ticket") -> None:
-    folder = storage.opt_outs_dir.path
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text(json.dumps({
-        "key_type": "id", "value": sample_id, "timestamp": "2026-11-01T00:00:00Z",
-        "reference": reference}) + "\n")
-
-
-def record(storage: Storage) -> resolution.Resolution:
-    """What the `opt_outs` asset does: resolve, and write the result as the table."""
-    resolved = resolve_opt_outs(storage, ["web"])
-    overwrite_rows(storage.table(OPT_OUTS), resolved.audit, resolved.schema)
-    return resolved
 
 
 @pytest.fixture()
@@ -56,18 +33,18 @@ def matched(monkeypatch) -> list[list[str]]:
 
 def test_the_three_doors_resolve_alike_and_the_table_is_read_back(data_root, matched):
     storage = Storage(data_root)
-    write_raw(storage, IDS)
-    drop_file(storage, "ticket-1.jsonl", IDS[1], "t1")
+    write_raw_ids(data_root, "web", IDS)
+    opt_out(data_root, "ticket-1.jsonl", IDS[1])
     assert main(["opt-out", IDS[2], "--reason", "t2"]) == 0
     browser = write_request(storage, IDS[3], "t3", door="browser", requested_by="alice")
 
-    first = record(storage)
+    first = record_opt_outs(data_root, ["web"])
     cli = next(n for n in first.resolved_now if n.startswith("cli-"))
     assert first.resolved_now == tuple(sorted(["ticket-1.jsonl", cli, browser.name]))
     assert matched == [sorted(["ticket-1.jsonl:1", f"{cli}:1", f"{browser.name}:1"])]
     assert sorted((r["id"], r["door"], r["reference"], r["via"])
                   for r in first.audit.to_pylist()) == [
-        (IDS[1], "file", "t1", "direct"), (IDS[2], "cli", "t2", "direct"),
+        (IDS[1], "file", "ticket", "direct"), (IDS[2], "cli", "t2", "direct"),
         (IDS[3], "browser", "t3", "direct")]
 
     # Every reader now takes the table's rows: nothing is parsed or matched again.
@@ -80,14 +57,14 @@ def test_the_three_doors_resolve_alike_and_the_table_is_read_back(data_root, mat
 
 def test_what_the_table_does_not_cover_is_resolved_on_the_fly(data_root, matched):
     storage = Storage(data_root)
-    write_raw(storage, IDS)
-    drop_file(storage, "a.jsonl", IDS[1])
-    drop_file(storage, "b.jsonl", IDS[2])
-    record(storage)
+    write_raw_ids(data_root, "web", IDS)
+    opt_out(data_root, "a.jsonl", IDS[1])
+    opt_out(data_root, "b.jsonl", IDS[2])
+    record_opt_outs(data_root, ["web"])
 
     # A file dropped after the table's resolution: it alone is resolved, and blocks its id.
     matched.clear()
-    drop_file(storage, "c.jsonl", IDS[3])
+    opt_out(data_root, "c.jsonl", IDS[3])
     late = resolve_opt_outs(storage, ["web"])
     assert late.resolved_now == ("c.jsonl",) and matched == [["c.jsonl:1"]]
     assert sorted(late.audit.column("id").to_pylist()) == IDS[1:4]
@@ -95,34 +72,34 @@ def test_what_the_table_does_not_cover_is_resolved_on_the_fly(data_root, matched
 
     # A recorded file rewritten: its new request replaces the recorded one.
     matched.clear()
-    drop_file(storage, "b.jsonl", IDS[4])
+    opt_out(data_root, "b.jsonl", IDS[4])
     rewritten = resolve_opt_outs(storage, ["web"])
     assert rewritten.resolved_now == ("b.jsonl", "c.jsonl")
     assert sorted(rewritten.audit.column("id").to_pylist()) == [IDS[1], IDS[3], IDS[4]]
 
     # A new version of an input table (an ingest): every request is resolved again, so an
     # image that arrived since is found (`a.jsonl` matched nothing before it did).
-    drop_file(storage, "a.jsonl", "web:new")
-    record(storage)
+    opt_out(data_root, "a.jsonl", "web:new")
+    record_opt_outs(data_root, ["web"])
     assert resolve_opt_outs(storage, ["web"]).audit.column("id").to_pylist()[0] is None
     matched.clear()
-    write_raw(storage, [*IDS, "web:new"])
+    write_raw_ids(data_root, "web", [*IDS, "web:new"])
     ingested = resolve_opt_outs(storage, ["web"])
     assert ingested.resolved_now == ("a.jsonl", "b.jsonl", "c.jsonl")
     assert "web:new" in ingested.audit.column("id").to_pylist()
     # Another set of sources is other inputs too (one without raw_images adds none).
-    record(storage)
+    record_opt_outs(data_root, ["web"])
     assert resolve_opt_outs(storage, ["web", "art"]).resolved_now == ()
     assert resolve_opt_outs(storage, []).resolved_now == ("a.jsonl", "b.jsonl", "c.jsonl")
 
 
 def test_malformed_rows_of_recorded_files_are_kept_with_the_record(data_root, matched):
     storage = Storage(data_root)
-    write_raw(storage, IDS)
-    (storage.opt_outs_dir.path).mkdir(parents=True)
+    write_raw_ids(data_root, "web", IDS)
+    storage.opt_outs_dir.path.mkdir(parents=True)
     (storage.opt_outs_dir.path / "r.csv").write_text(
         "key_type,value,timestamp,reference\nid,web:1,2026-11-01,t\ncolour,red,2026-11-01,t\n")
-    first = record(storage)
+    first = record_opt_outs(data_root, ["web"])
     assert [(e.file, e.line) for e in first.errors] == [("r.csv", 3)] and first.requests == 1
     matched.clear()
     again = resolve_opt_outs(storage, ["web"])
