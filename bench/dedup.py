@@ -31,12 +31,8 @@ from prx_assets.stages.captions.captions import active_caption_filter
 from prx_assets.stages.dedup.dedup import bucket_count, bucket_of, group_candidates
 from prx_assets.stages.images.imaging import encode_jpeg
 from prx_assets.stages.images.stage import BUCKETED_SCHEMA
-from prx_assets.stages.opt_outs.opt_outs import (
-    ids_for_source,
-    opt_out_dir,
-    parse_directory,
-    resolve,
-)
+from prx_assets.stages.opt_outs.opt_outs import ids_for_source
+from prx_assets.stages.opt_outs.resolution import resolve_opt_outs
 from prx_assets.stages.rewrite.rewrite import rewrite_without_skipped
 from prx_assets.stages.shards.mds import write_mds_tree
 from prx_assets.stages.shards.plan import SampleInputs, WriteOptions
@@ -133,9 +129,8 @@ def _corpus(root: Path, source: str = "web") -> None:
 
 
 def apply_opt_out(root: Path, source: str = "web") -> int:
-    """What skip_lists does for opt-outs: parse, resolve, rebuild and write the sidecars."""
-    parsed = parse_directory(opt_out_dir(root))
-    audit = resolve(parsed.requests, [source], root)
+    """What skip_lists does for opt-outs: resolve, rebuild and write the sidecars."""
+    audit = resolve_opt_outs(root, [source]).audit
     mapping = Storage(root).table("mds_samples", source)
     shards, _ = mapping_shards(mapping)
     lists = build_skip_lists(mapping_batches(mapping), {"optout": ids_for_source(audit, source)})
@@ -151,7 +146,7 @@ def opt_out_figures() -> list[Figure]:
                               caption_filter=active_caption_filter(CAPTION_VERSION))
         options = WriteOptions(size_limit=64 << 20, parallel=False)
         write_mds_tree(inputs, root, "web", options)
-        (opt_out_dir(root) / "new.csv").write_text(
+        (Storage(root).opt_outs_dir / "new.csv").write_text(
             "key_type,value,timestamp,reference\n"
             f"sha256,{17:064x},2026-11-30T00:00:00Z,bench\n")
         runs = []

@@ -114,7 +114,7 @@ def _opt_out(args: argparse.Namespace) -> int:
     requests the skip-list runs, as for a dropped file or the browser."""
     import getpass
 
-    from prx_assets.browser.optout import write_requests
+    from prx_assets.stages.opt_outs.requests import write_requests
     from prx_assets.storage.layout import Storage
 
     try:

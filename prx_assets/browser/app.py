@@ -69,7 +69,7 @@ from prx_assets.browser.cards import published, tree_card
 from prx_assets.browser.catalog import TABLE_TTL_S, BadQuery, Catalog, NotFound
 from prx_assets.browser.facets import Query
 from prx_assets.browser.links import dagster_home_instance, dagster_url, run_url
-from prx_assets.browser.optout import pending_requests, write_request
+from prx_assets.stages.opt_outs.requests import files_requesting, write_request
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS
 
@@ -160,7 +160,7 @@ def sample_page(request: Request, state: BrowserState) -> Response:
         return state.not_found(request, str(err))
     return state.render(request, "sample.html", s=found,
                         dagster=sample_run_url(found, state.dagster),
-                        requested=pending_requests(state.catalog.storage, found.id),
+                        requested=files_requesting(state.catalog.storage, found.id),
                         opted=request.query_params.get("opted") == "1")
 
 

@@ -1,28 +1,21 @@
-"""opt_outs: every request file parsed and resolved to the ids it removes (the audit trail),
-and the sensor that turns new request files into skip-list runs for exactly the sources hit."""
+"""opt_outs: every request file resolved to the ids it removes (the audit trail, written by
+`resolve_opt_outs`), and the sensor that turns new request files into skip-list runs for
+exactly the sources hit."""
 
 import hashlib
 import json
 from collections import Counter
 
 import dagster as dg
-import pyarrow as pa
 import ray.data
 
 from prx_assets.defs.io_managers import FRAGMENT_ROWS_KEY, LanceTableOutput
 from prx_assets.defs.metadata import counts_table
 from prx_assets.defs.resources import RayResource, SourcesResource, StorageResource
 from prx_assets.stages.ingest.sources import load_sources
-from prx_assets.stages.opt_outs.opt_outs import (
-    AUDIT_SCHEMA,
-    ParsedRequests,
-    affected_sources,
-    fingerprint,
-    opt_out_dir,
-    parse_directory,
-    request_files,
-    resolve,
-)
+from prx_assets.stages.opt_outs.opt_outs import affected_sources
+from prx_assets.stages.opt_outs.requests import request_fingerprints
+from prx_assets.stages.opt_outs.resolution import Resolution, resolve_opt_outs
 from prx_assets.storage.tables import DUPLICATES, OPT_OUTS, RAW_IMAGES, SKIP_LISTS
 
 # Metadata tables stay readable in the UI; the Lance table holds everything.
@@ -44,19 +37,19 @@ def build_opt_outs() -> dg.AssetsDefinition:
     )
     def opt_outs(context: dg.AssetExecutionContext, ray_cluster: RayResource,
                  sources: SourcesResource, storage: StorageResource) -> LanceTableOutput:
-        store = storage.get()
-        parsed = parse_directory(opt_out_dir(store))
-        for error in parsed.errors:
+        resolution = resolve_opt_outs(storage.get(), sources.load().names)
+        for error in resolution.errors:
             context.log.warning(f"malformed opt-out row {error}")
-        audit = resolve(parsed.requests, sources.load().names, store)
-        return LanceTableOutput(ray.data.from_arrow(audit), AUDIT_SCHEMA,
-                                metadata=audit_metadata(parsed, audit))
+        # The schema carries what was resolved: readers take these rows from the table and
+        # resolve only the request files it does not cover.
+        return LanceTableOutput(ray.data.from_arrow(resolution.audit), resolution.schema,
+                                metadata=audit_metadata(resolution))
 
     return opt_outs
 
 
-def audit_metadata(parsed: ParsedRequests, audit: pa.Table) -> dict:
-    rows = audit.to_pylist()
+def audit_metadata(resolution: Resolution) -> dict:
+    rows = resolution.audit.to_pylist()
     removed = [r for r in rows if r["id"] is not None]
     per_request: dict[str, dict] = {}
     for row in rows:
@@ -69,10 +62,10 @@ def audit_metadata(parsed: ParsedRequests, audit: pa.Table) -> dict:
     requests = [dg.TableRecord({**e, "sources": ", ".join(sorted(e["sources"]))})
                 for e in list(per_request.values())[:MAX_METADATA_ROWS]]
     errors = [dg.TableRecord({"file": e.file, "line": e.line, "problem": e.message})
-              for e in parsed.errors[:MAX_METADATA_ROWS]]
+              for e in resolution.errors[:MAX_METADATA_ROWS]]
     return {
-        "requests": len(parsed.requests),
-        "malformed_rows": len(parsed.errors),
+        "requests": resolution.requests,
+        "malformed_rows": len(resolution.errors),
         "ids_removed": len({r["id"] for r in removed}),
         "removed_per_source": counts_table(Counter(r["source"] for r in removed), "source"),
         "removed_by_way": counts_table(Counter(r["via"] for r in removed), "via"),
@@ -184,18 +177,21 @@ def build_opt_out_sensor(sources_file: str) -> dg.SensorDefinition:
             done = {**done, **pending["files"]}
             pending = None
         store = storage.get()
-        folder = opt_out_dir(store)
-        current = {file.name: fingerprint(file) for file in request_files(folder)}
-        new = {name: fp for name, fp in current.items() if done.get(name) != fp}
+        folder = store.opt_outs_dir
+        new = {name: stamp for name, stamp in request_fingerprints(folder).items()
+               if done.get(name) != stamp}
         if not new:
             return dg.SensorResult(skip_reason=f"no new opt-out request files in {folder}",
                                    cursor=write_cursor(done, None))
-        parsed = parse_directory(folder, names=new)
-        for error in parsed.errors:
-            context.log.warning(f"malformed opt-out row {error}")
-        audit = resolve(parsed.requests, load_sources(sources_file).names, store)
+        resolution = resolve_opt_outs(store, load_sources(sources_file).names)
+        new = {name: resolution.record.files.get(name, stamp) for name, stamp in new.items()}
+        for error in resolution.errors:
+            if error.file in new:
+                context.log.warning(f"malformed opt-out row {error}")
+        audit = resolution.of_files(new)
         sources = affected_sources(audit)
-        context.log.info(f"{len(parsed.requests)} new request(s) in {', '.join(sorted(new))} "
+        requests = len(set(audit.column("request_id").to_pylist()))
+        context.log.info(f"{requests} new request(s) in {', '.join(sorted(new))} "
                          f"affect: {', '.join(sources) or 'no source'}")
         batch = hashlib.sha256(json.dumps(new, sort_keys=True).encode()).hexdigest()[:12]
         specs = batch_requests(batch, sources, sorted(new))

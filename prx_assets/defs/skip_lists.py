@@ -14,7 +14,8 @@ from prx_assets.defs.resources import (
     StorageResource,
 )
 from prx_assets.stages.opt_outs.guard import pending_opt_outs, recorded_opt_outs
-from prx_assets.stages.opt_outs.opt_outs import ids_for_source, parse_directory, resolve
+from prx_assets.stages.opt_outs.opt_outs import ids_for_source
+from prx_assets.stages.opt_outs.resolution import resolve_opt_outs
 from prx_assets.stages.report.funnel import source_funnel
 from prx_assets.stages.skip_lists.skip_lists import (
     apply_reasons,
@@ -145,11 +146,10 @@ def _reasons(context: dg.AssetExecutionContext, config: SkipListsConfig, store: 
     elif config.skip_labels:
         context.log.warning(f"{source}: no caption_labels table yet; label reasons not applied")
     if config.opt_outs:
-        parsed = parse_directory(store.opt_outs_dir)
-        audit = resolve(parsed.requests, all_sources, store)
-        reasons[REASON_OPTOUT] = ids_for_source(audit, source)
-        lineage["opt_out_requests"] = len(parsed.requests)
-        lineage["opt_out_malformed_rows"] = len(parsed.errors)
+        resolution = resolve_opt_outs(store, all_sources)
+        reasons[REASON_OPTOUT] = ids_for_source(resolution.audit, source)
+        lineage["opt_out_requests"] = resolution.requests
+        lineage["opt_out_malformed_rows"] = len(resolution.errors)
     if config.ablations:
         for name, ids in read_ablations(store.ablations_dir).items():
             reasons[name] = {i for i in ids if i.startswith(f"{source}:")}

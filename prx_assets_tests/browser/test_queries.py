@@ -13,8 +13,7 @@ import pytest
 
 from prx_assets.browser import catalog, facets, links
 from prx_assets.browser.auth import RateLimit
-from prx_assets.browser.optout import pending_requests, write_request
-from prx_assets.stages.opt_outs.opt_outs import parse_directory
+from prx_assets.stages.opt_outs.requests import files_requesting, parse_directory, write_request
 from prx_assets.storage import filters
 
 
@@ -80,15 +79,15 @@ def test_ids_and_strings_are_checked_and_quoted():
 
 def test_opt_out_request_is_a_valid_pipeline_request(tmp_path):
     when = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
-    path = write_request(tmp_path, "web:abc", "ticket 7\n<b>", now=when)
+    path = write_request(tmp_path, "web:abc", "ticket 7\n<b>", now=when, door="browser")
     assert path.parent.path == tmp_path / "opt_outs" and path.name.startswith("browser-")
     record = json.loads(path.read_text())
     assert record == {"key_type": "id", "value": "web:abc", "timestamp": when.isoformat(),
                       "reference": "ticket 7 <b>", "door": "browser"}
     parsed = parse_directory(path.parent)
     assert not parsed.errors and [r.value for r in parsed.requests] == ["web:abc"]
-    assert pending_requests(tmp_path, "web:abc") == [path.name]
-    assert pending_requests(tmp_path, "web:other") == []
+    assert files_requesting(tmp_path, "web:abc") == [path.name]
+    assert files_requesting(tmp_path, "web:other") == []
     assert not list((tmp_path / "opt_outs").glob(".*"))  # no temporary file left behind
 
 

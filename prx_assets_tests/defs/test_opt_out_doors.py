@@ -15,14 +15,15 @@ from prx_assets.browser.auth import BrowserAuth, Curators
 from prx_assets.cli import main
 from prx_assets.definitions import build_defs
 from prx_assets.loader import build_dataset
+from prx_assets.stages.opt_outs.resolution import resolve_opt_outs
 from prx_assets.stages.shards import mds, plan
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
+from prx_assets.testing.opt_outs import write_raw_ids
 from prx_assets.testing.served_app import ServedApp
 from prx_assets.testing.sources import write_sources
 from prx_assets_tests.browser.test_auth import Client
-from prx_assets_tests.loader.test_opt_out_guard import write_raw_ids
 
 TOKEN = "doors-curator-token-0123456789"
 
@@ -100,3 +101,6 @@ def test_each_door_reaches_a_fresh_loader_within_one_tick_and_run(ray_session, d
         (by_browser, "browser", "ticket-3")])
     assert {r["id"]: r["requested_by"] for r in audit}[by_browser] == "alice"
     assert {r["id"]: r["requested_by"] for r in audit}[by_cli]  # the OS user
+    # The table the asset wrote carries its record: the three requests are read back from
+    # it, not resolved again.
+    assert resolve_opt_outs(Storage(root), ["web"]).resolved_now == ()

@@ -257,7 +257,7 @@ def test_captions_labels_dedup_and_opt_outs_carry_their_settings_into_ray_tasks(
         summarise,
     )
     from prx_assets.stages.labels.runs import LabelerSpec, label_coverage, label_source
-    from prx_assets.stages.opt_outs.opt_outs import opt_out_dir, parse_directory, resolve
+    from prx_assets.stages.opt_outs.resolution import resolve_opt_outs
     from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
@@ -306,8 +306,8 @@ def test_captions_labels_dedup_and_opt_outs_carry_their_settings_into_ray_tasks(
     assert summary.groups == 1 and summary.removed_per_source == {"web": 1}
 
     put_opt_out(s3_server, s3_root, "web:00")
-    parsed = parse_directory(opt_out_dir(store))
-    assert [r.value for r in parsed.requests] == ["web:00"] and parsed.errors == []
-    audit = resolve(parsed.requests, ["web"], store).to_pylist()
+    resolution = resolve_opt_outs(store, ["web"])
+    assert resolution.requests == 1 and resolution.errors == []
+    audit = resolution.audit.to_pylist()
     assert sorted((r["id"], r["via"]) for r in audit) == [("web:00", "direct"),
                                                          ("web:01", "duplicate")]

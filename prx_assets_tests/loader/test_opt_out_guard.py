@@ -2,8 +2,6 @@
 should skip it is missing (a build that published shards without sidecars) or stale (the
 mapping that placed it is older than the tree)."""
 
-import json
-
 import pyarrow as pa
 import pytest
 
@@ -12,26 +10,12 @@ from prx_assets.stages.shards import mds, plan
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.testing.mds_corpus import build_corpus, inputs_for
+from prx_assets.testing.opt_outs import opt_out, record_opt_outs, write_raw_ids
 
 SHAPES = ((1, 48, 48), (1, 48, 64))
 
 
 pytestmark = pytest.mark.usefixtures("fresh_shared_memory")
-
-
-def write_raw_ids(root, source: str, ids: list[str]) -> None:
-    """The key columns of raw_images that opt-out requests resolve against."""
-    rows = pa.table({"id": ids, "source": [source] * len(ids),
-                     "source_key": [i.split(":", 1)[1] for i in ids]})
-    overwrite_rows(Storage(root).table("raw_images", source), rows, rows.schema)
-
-
-def opt_out(root, name: str, sample_id: str) -> None:
-    folder = root / "opt_outs"
-    folder.mkdir(exist_ok=True)
-    (folder / name).write_text(json.dumps({"key_type": "id", "value": sample_id,
-                                           "timestamp": "2026-11-01T00:00:00Z",
-                                           "reference": "ticket"}) + "\n")
 
 
 @pytest.fixture()
@@ -97,3 +81,20 @@ def test_a_mapping_older_than_the_tree_still_drops_by_id(tree):
                             decode_images=False)
     got = [sample["id"] for sample in dataset]
     assert ids[2] not in got and dataset.opt_outs_dropped == 1
+
+
+def test_a_request_dropped_after_the_tables_resolution_still_blocks_its_id(tree):
+    """The guard reads the audited `opt_outs` table; a request file that landed after the
+    table's resolution is not in it, and is resolved when the loader opens the trees."""
+    root, ids = tree
+    opt_out(root, "a.jsonl", ids[3])
+    record_opt_outs(root)
+    opt_out(root, "b.jsonl", ids[5])
+    storage = Storage(root)
+    recorded = storage.table("opt_outs").to_table().column("id").to_pylist()
+    assert ids[3] in recorded and ids[5] not in recorded
+    dataset = build_dataset(root / "mds", 1, 1, weights={"web": 1.0}, shuffle=False,
+                            decode_images=False)
+    got = [sample["id"] for sample in dataset]
+    assert sorted(got) == [i for i in ids if i not in (ids[3], ids[5])]
+    assert dataset.opt_outs_guarded == 2

@@ -5,8 +5,9 @@ The sidecars (`skip_lists`) are the fast path; this module is the defence behind
 training loader drops every recorded opt-out it finds in the trees it opens even when a
 sidecar is missing or stale, and the `opt_outs_applied` check names the opt-outs that the
 sidecars of the current tree do not skip yet. "Recorded" means every request file in
-`$PRX_DATA_ROOT/opt_outs/` (the browser, the CLI and file drops all write one), resolved as
-`skip_lists` resolves them: by id, by the same bytes, and by phash copies in any source.
+`Storage.opt_outs_dir` (the browser, the CLI and file drops all write one), as
+`resolve_opt_outs` gives it to every reader: from the audited `opt_outs` table, and a
+request the table does not hold yet resolved on the fly (so it blocks its id all the same).
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from datetime import UTC, datetime
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prx_assets.stages.opt_outs.opt_outs import parse_directory, resolve
+from prx_assets.stages.opt_outs.resolution import resolve_opt_outs
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import Location
 from prx_assets.storage.sidecars import REASON_OPTOUT, read_sidecar, sidecar_name
-from prx_assets.storage.tables import MDS_SAMPLES, RAW_IMAGES
+from prx_assets.storage.tables import MDS_SAMPLES
 from prx_assets.storage.trees import tree_store
 
 SCAN_ROWS = 1 << 18
@@ -52,13 +53,11 @@ class Place:
 def recorded_opt_outs(storage: Storage, sources: Iterable[str] | None = None
                       ) -> dict[str, OptedOut]:
     """Every id the request files recorded up to now remove, with its earliest request.
-    `sources`: those whose raw_images resolve the requests (default: every source with a
-    raw_images table, so that a copy of an image opted out elsewhere is found too)."""
-    parsed = parse_directory(storage.opt_outs_dir)
-    if not parsed.requests:
+    `sources`: those whose raw_images resolve the requests (`resolve_opt_outs`' default:
+    every source with a raw_images table)."""
+    audit = resolve_opt_outs(storage, sources).audit
+    if not audit.num_rows:
         return {}
-    names = sorted(sources) if sources is not None else ingested_sources(storage)
-    audit = resolve(parsed.requests, names, storage)
     landed = landed_at(storage.opt_outs_dir)
     found: dict[str, OptedOut] = {}
     for row in audit.to_pylist():
@@ -81,12 +80,6 @@ def landed_at(folder: Location) -> dict[str, datetime]:
     return {info.base_name: info.mtime.replace(tzinfo=UTC) if info.mtime.tzinfo is None
             else info.mtime.astimezone(UTC)
             for info in infos if info.type == pafs.FileType.File and info.mtime is not None}
-
-
-def ingested_sources(storage: Storage) -> list[str]:
-    """Sources with a raw_images table (`lance/raw_images/<source>.lance`)."""
-    return [name.removesuffix(".lance") for name in storage.table_folder(RAW_IMAGES).folders()
-            if name.endswith(".lance")]
 
 
 def places(storage: Storage, source: str, ids: Iterable[str]) -> list[Place]:

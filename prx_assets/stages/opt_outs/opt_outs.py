@@ -1,41 +1,28 @@
-"""Opt-out requests: parsed from `$PRX_DATA_ROOT/opt_outs/*.csv|*.jsonl`, resolved to ids.
+"""Opt-out matching: requests resolved to the ids they remove (the audit rows).
 
-A request names an image by one key: its corpus `id`, the `sha256` of its original bytes,
-its `source_key` (the item's key inside its source; an optional `source` field narrows
-it to one source) or the `url` it was fetched from (raw_images' `url` column, recorded at
-ingest when the source carries one). Each request also carries a `timestamp` (ISO 8601)
-and a free-text `reference`.
-
-Malformed rows are collected with their file and line and never stop the valid ones.
 Resolution scans only the key columns of each source's raw_images, in bounded batches,
 and extends every match to its exact copies elsewhere: the same bytes (sha256) in any
-source, and every member of its phash group in the duplicates table.
+source, and every member of its phash group in the duplicates table. Each request is
+resolved on its own (its rows depend on it and the input tables only), so the rows of
+some requests resolved now and those of others resolved earlier against the same table
+versions make one audit. Readers do not call `resolve`: they go through
+`resolution.resolve_opt_outs` (see the package docstring).
 """
 
 from __future__ import annotations
 
-import csv
-import hashlib
-import io
-import json
-import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prx_assets.storage import object_store
+from prx_assets.stages.opt_outs.requests import KEY_TYPES, OptOutRequest
 from prx_assets.storage.layout import Storage, as_storage
-from prx_assets.storage.refs import Location, TableRef
+from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import DUPLICATES, RAW_IMAGES
 
-KEY_TYPES = ("id", "sha256", "source_key", "url")
-REQUIRED_FIELDS = ("key_type", "value", "timestamp", "reference")
-REQUEST_SUFFIXES = (".csv", ".jsonl")
-SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # How a resolved id was reached from its request.
 VIA_DIRECT, VIA_SAME_BYTES, VIA_DUPLICATE, VIA_NO_MATCH = (
     "direct", "same_bytes", "duplicate", "no_match")
@@ -55,173 +42,33 @@ AUDIT_SCHEMA = pa.schema([
     pa.field("requested_by", pa.string()),
     pa.field("door", pa.string()),
 ])
-DOORS = ("browser", "cli", "file")
 
 
 @dataclass(frozen=True)
-class OptOutRequest:
-    file: str
-    line: int
-    key_type: str
-    value: str
-    requested_at: datetime
-    reference: str
-    source: str | None = None
-    requested_by: str | None = None  # the curator (browser) or user (CLI); file: optional
-    door: str = "file"
+class ResolutionInputs:
+    """The tables a resolution reads, each pinned at one version."""
 
-    @property
-    def request_id(self) -> str:
-        return f"{self.file}:{self.line}"
+    raw_images: dict[str, TableRef]  # source -> its raw_images (sources with one only)
+    duplicates: TableRef | None  # None: no duplicates table yet
 
+    @classmethod
+    def pin(cls, storage: Storage | str | Path, sources: Iterable[str]) -> ResolutionInputs:
+        storage = as_storage(storage)
+        raw = {s: storage.table(RAW_IMAGES, s) for s in sorted(sources)}
+        raw = {s: table.at(version) for s, table in raw.items()
+               if (version := table.latest_version()) is not None}
+        duplicates = storage.table(DUPLICATES)
+        version = duplicates.latest_version()
+        return cls(raw, None if version is None else duplicates.at(version))
 
-@dataclass(frozen=True)
-class RowError:
-    file: str
-    line: int
-    message: str
+    def versions(self) -> dict[str, int | None]:
+        """`raw_images/<source>` and `duplicates` -> the version read: equal versions,
+        equal resolutions."""
+        found: dict[str, int | None] = {f"{RAW_IMAGES}/{s}": t.version
+                                        for s, t in self.raw_images.items()}
+        found[DUPLICATES] = self.duplicates.version if self.duplicates else None
+        return found
 
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.message}"
-
-
-@dataclass
-class ParsedRequests:
-    requests: list[OptOutRequest] = field(default_factory=list)
-    errors: list[RowError] = field(default_factory=list)
-
-    def extend(self, other: ParsedRequests) -> None:
-        self.requests += other.requests
-        self.errors += other.errors
-
-
-# A request file or folder: a local Path, or an `s3://` URI under an object-store root.
-def opt_out_dir(storage: Storage | str | Path) -> Location:
-    """The request folder under the storage root (a local folder or an `s3://` prefix)."""
-    return as_storage(storage).opt_outs_dir
-
-
-def request_files(directory: Location) -> list[Location]:
-    """Request files in name order (hidden and temporary files are not requests); a folder
-    that does not exist (no request yet; on S3, no object under the prefix) has none."""
-    return [file for file in directory.files()
-            if file.name.endswith(REQUEST_SUFFIXES) and not file.name.startswith(".")]
-
-
-def fingerprint(location: Location) -> str:
-    """Content hash: a rewritten file counts as new, a touched one does not."""
-    return hashlib.sha256(location.read_bytes()).hexdigest()[:16]
-
-
-def parse_request(record: dict, file: str, line: int) -> OptOutRequest:
-    """One request from a mapping of its fields; ValueError names what is wrong."""
-    missing = [f for f in REQUIRED_FIELDS if record.get(f) is None]
-    if missing:
-        raise ValueError(f"missing field(s) {', '.join(missing)}")
-    key_type = str(record["key_type"]).strip()
-    value = str(record["value"]).strip()
-    if key_type not in KEY_TYPES:
-        raise ValueError(f"key_type {key_type!r} is not one of {', '.join(KEY_TYPES)}")
-    if not value:
-        raise ValueError("empty value")
-    if key_type == "sha256":
-        value = value.lower()
-        if not SHA256.match(value):
-            raise ValueError(f"sha256 {value!r} is not 64 hex digits")
-    if key_type == "id" and ":" not in value:
-        raise ValueError(f"id {value!r} is not of the form <source>:<hash>")
-    source = _optional(record, "source")
-    door = _optional(record, "door") or "file"
-    if door not in DOORS:
-        raise ValueError(f"door {door!r} is not one of {', '.join(DOORS)}")
-    return OptOutRequest(file=file, line=line, key_type=key_type, value=value,
-                         requested_at=parse_timestamp(str(record["timestamp"])),
-                         reference=str(record["reference"]), source=source,
-                         requested_by=_optional(record, "requested_by"), door=door)
-
-
-def _optional(record: dict, name: str) -> str | None:
-    value = record.get(name)
-    return (str(value).strip() or None) if value is not None else None
-
-
-def parse_timestamp(text: str) -> datetime:
-    try:
-        stamp = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
-    except ValueError:
-        raise ValueError(f"timestamp {text!r} is not ISO 8601") from None
-    return stamp.replace(tzinfo=UTC) if stamp.tzinfo is None else stamp.astimezone(
-        UTC)
-
-
-def parse_file(location: Location) -> ParsedRequests:
-    """Every valid request of a file, and every malformed row with its line number."""
-    parsed = ParsedRequests()
-    name = location.name
-    try:
-        text = location.read_bytes().decode("utf-8")
-    except object_store.ObjectStoreError:
-        raise  # the store itself is unusable: not a property of this one file
-    except (OSError, UnicodeDecodeError) as exc:
-        parsed.errors.append(RowError(name, 0, f"unreadable: {exc}"))
-        return parsed
-    rows = _csv_rows(text) if name.endswith(".csv") else _jsonl_rows(text)
-    for line, record in rows:
-        try:
-            if isinstance(record, Exception):
-                raise record
-            parsed.requests.append(parse_request(record, name, line))
-        except ValueError as exc:
-            parsed.errors.append(RowError(name, line, str(exc)))
-    return parsed
-
-
-def parse_directory(directory: Location, names: Iterable[str] | None = None
-                    ) -> ParsedRequests:
-    """All request files of the folder (or only those named)."""
-    wanted = set(names) if names is not None else None
-    parsed = ParsedRequests()
-    for location in request_files(directory):
-        if wanted is None or location.name in wanted:
-            parsed.extend(parse_file(location))
-    return parsed
-
-
-def _jsonl_rows(text: str) -> Iterator[tuple[int, dict | Exception]]:
-    for number, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            yield number, ValueError(f"not valid JSON: {exc.msg}")
-            continue
-        yield number, record if isinstance(record, dict) else ValueError(
-            f"expected a JSON object, got {type(record).__name__}")
-
-
-def _csv_rows(text: str) -> Iterator[tuple[int, dict | Exception]]:
-    reader = csv.reader(io.StringIO(text))
-    header: list[str] | None = None
-    line = 0
-    for row in reader:
-        start, line = line + 1, reader.line_num
-        if not any(cell.strip() for cell in row):
-            continue
-        if header is None:
-            header = [cell.strip() for cell in row]
-            absent = [f for f in REQUIRED_FIELDS if f not in header]
-            if absent:
-                yield start, ValueError(f"header lacks column(s) {', '.join(absent)}")
-                return
-            continue
-        if len(row) != len(header):
-            yield start, ValueError(f"expected {len(header)} columns, got {len(row)}")
-            continue
-        yield start, dict(zip(header, row, strict=True))
-
-
-# --- resolution -------------------------------------------------------------------------
 
 @dataclass
 class _Keys:
@@ -282,10 +129,10 @@ def _same_bytes(raw: TableRef, shas: dict[str, set[str]], batch_rows: int
                        strict=True)
 
 
-def _group_members(duplicates: TableRef, ids: set[str], batch_rows: int
+def _group_members(duplicates: TableRef | None, ids: set[str], batch_rows: int
                    ) -> dict[str, set[str]]:
     """For each id in a duplicate group, every other member of its group."""
-    if not ids or not duplicates.exists():
+    if not ids or duplicates is None:
         return {}
     table = duplicates.open()
     phash_of: dict[str, int] = {}
@@ -306,19 +153,16 @@ def _group_members(duplicates: TableRef, ids: set[str], batch_rows: int
     return {i: members.get(p, set()) - {i} for i, p in phash_of.items()}
 
 
-def resolve(requests: list[OptOutRequest], sources: list[str], storage: Storage | str | Path,
+def resolve(requests: list[OptOutRequest], inputs: ResolutionInputs,
             batch_rows: int = 1 << 18) -> pa.Table:
-    """The audit trail: one row per (request, id it removes), AUDIT_SCHEMA.
+    """The audit rows of `requests`: one row per (request, id it removes), AUDIT_SCHEMA.
 
     A request that matches nothing keeps one row with a null id (`via = no_match`), so
     every request is accounted for.
     """
-    storage = as_storage(storage)
     found: dict[str, dict[str, str]] = {}  # request_id -> id -> via
     shas: dict[str, set[str]] = {}  # sha256 -> request ids
-    raw = {s: storage.table(RAW_IMAGES, s) for s in sources}
-    raw = {s: table.pinned() for s, table in raw.items() if table.exists()}
-    for source, table in raw.items():
+    for source, table in inputs.raw_images.items():
         keys = _Keys.of(requests, source)
         if keys.empty():
             continue
@@ -326,12 +170,12 @@ def resolve(requests: list[OptOutRequest], sources: list[str], storage: Storage 
             found.setdefault(request.request_id, {})[sample_id] = VIA_DIRECT
             if sha:
                 shas.setdefault(sha, set()).add(request.request_id)
-    for table in raw.values():
+    for table in inputs.raw_images.values():
         for sha, sample_id in _same_bytes(table, shas, batch_rows):
             for request_id in shas[sha]:
                 found[request_id].setdefault(sample_id, VIA_SAME_BYTES)
     direct = {i for ids in found.values() for i in ids}
-    members = _group_members(storage.table(DUPLICATES), direct, batch_rows)
+    members = _group_members(inputs.duplicates, direct, batch_rows)
     for ids in found.values():
         for sample_id in list(ids):
             for other in members.get(sample_id, ()):

@@ -3,12 +3,12 @@ import pyarrow as pa
 
 from prx_assets.stages.dedup.dedup import DUPLICATES_SCHEMA
 from prx_assets.stages.opt_outs.opt_outs import (
+    ResolutionInputs,
     affected_sources,
     ids_for_source,
-    parse_directory,
-    parse_file,
     resolve,
 )
+from prx_assets.stages.opt_outs.requests import parse_directory, parse_file
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import Location
 
@@ -97,7 +97,8 @@ def test_every_key_type_resolves_and_copies_elsewhere_are_removed_too(tmp_path):
         '{"key_type": "id", "value": "web:404", "timestamp": "2026-11-01", "reference": "r5"}']))
     parsed = parse_directory(Location.of(requests))
     assert not parsed.errors
-    audit = resolve(parsed.requests, ["web", "art", "stock"], root, batch_rows=2)
+    audit = resolve(parsed.requests, ResolutionInputs.pin(root, ["web", "art", "stock"]),
+                    batch_rows=2)
     by_request = {}
     for row in audit.to_pylist():
         by_request.setdefault(row["reference"], set()).add((row["id"], row["via"]))
@@ -114,12 +115,16 @@ def test_every_key_type_resolves_and_copies_elsewhere_are_removed_too(tmp_path):
 def test_request_files_in_a_bucket_are_listed_fingerprinted_and_parsed(s3_server, s3_root):
     """Under an s3:// root the request folder is a prefix: listed (hidden files and other
     suffixes ignored), fingerprinted by content, parsed; the browser's request is one put."""
-    from prx_assets.browser.optout import pending_requests, write_request
-    from prx_assets.stages.opt_outs.opt_outs import fingerprint, opt_out_dir, request_files
+    from prx_assets.stages.opt_outs.requests import (
+        files_requesting,
+        fingerprint,
+        request_files,
+        write_request,
+    )
     from prx_assets.storage import object_store
 
     store = Storage(s3_root)
-    folder = opt_out_dir(store)
+    folder = store.opt_outs_dir
     assert folder.uri == f"{s3_root}/opt_outs" and request_files(folder) == []  # none yet
     _, bucket, prefix = object_store.split_uri(folder.uri)
     client = s3_server.client()
@@ -137,7 +142,7 @@ def test_request_files_in_a_bucket_are_listed_fingerprinted_and_parsed(s3_server
                       Body=b"key_type,value,timestamp,reference\nid,web:3,2026-11-01,t\n")
     assert fingerprint(files[0]) != before
 
-    written = write_request(store, "web:9", "from the browser")
+    written = write_request(store, "web:9", "from the browser", door="browser")
     assert written.uri.startswith(f"{folder}/browser-")
-    assert pending_requests(store, "web:9") == [written.name]
+    assert files_requesting(store, "web:9") == [written.name]
     assert [r.value for r in parse_file(written).requests] == ["web:9"]
