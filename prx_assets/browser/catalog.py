@@ -30,6 +30,10 @@ from prx_assets.stages.skip_lists.skip_lists import (
     sidecar_files,
     sidecar_path,
 )
+from prx_assets.stages.skip_lists.skip_lists import (
+    # What the loader skips by default, for the pages that count skips (re-exported).
+    applies_by_default as applies_by_default,
+)
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.refs import Location, TableRef
 from prx_assets.storage.tables import CORPUS, MDS_SAMPLES, PER_SOURCE

@@ -5,10 +5,10 @@ Beside each shard `shard.NNNNN.mds` of an MDS leaf sits `shard.NNNNN.skip.json`:
     {"version": 1, "lists": {"<reason>": [sorted shard-local sample indices], ...}}
 
 An absent sidecar means nothing is skipped. Reasons are `dedup`, `semdedup` (embedding-space
-duplicates), `balance` (the samples concept balancing leaves out: opt-in, the loader applies
-it only when named), `text`, `nsfw` (and any other caption label chosen), `optout`, and one
-per named ablation list. Shards are never
-touched: changing what is skipped costs one small file per shard, not a rewrite.
+duplicates), `text`, `nsfw` (and any other caption label chosen), `optout`: applied by the
+loader by default (DEFAULT_REASONS); and the opt-in ones, applied only when a run names them:
+`balance` (the samples concept balancing leaves out) and one per named ablation list. Shards
+are never touched: changing what is skipped costs one small file per shard, not a rewrite.
 
 Locally each sidecar is replaced atomically (temporary file in the same folder, then
 `os.replace`), so a reader sees the old list or the new one, never half a file. A crash
@@ -53,17 +53,25 @@ SHARD_SUFFIX = ".mds"
 SIDECAR_SUFFIX = ".skip.json"
 REASON_DEDUP, REASON_OPTOUT = "dedup", "optout"
 REASON_SEMDEDUP, REASON_BALANCE = "semdedup", "balance"
-# Reasons the loader applies only when a training run names them (skip_reasons=None leaves
-# them out): balancing changes the data mix, which is an experiment, not hygiene.
-OPT_IN_REASONS = frozenset({REASON_BALANCE})
+REASON_RIGHTS = "rights"  # samples without the rights to train on (a reason to come)
+# Caption labels a skip list may name (`SkipListsConfig.skip_labels`): the labels stage's
+# LABELS, spelled out here because the training loader imports this module and not that one
+# (a test keeps the two equal).
+LABEL_REASONS = frozenset({"visual", "text", "nsfw"})
 # Samples an incremental mds_shards run superseded (the id changed or left the source): still
 # stored in an older shard, written by mds_shards itself, always applied by the loader and
 # kept by the skip_lists asset whatever it is configured with; a rewrite drops them.
 REASON_STALE = "stale"
+# The one definition of what the loader skips when a run names no reasons: hygiene (exact
+# and semantic duplicates, caption labels, opt-outs, rights) and stale samples. Every other
+# reason is opt-in, applied only when a run names it: `balance` and each named ablation list
+# change the data mix, which is an experiment, not hygiene. The grid, the sample page, the
+# funnel, the cards and the skipped_share check count skips with this same test.
+DEFAULT_REASONS = frozenset({REASON_DEDUP, REASON_SEMDEDUP, REASON_OPTOUT, REASON_RIGHTS,
+                             REASON_STALE}) | LABEL_REASONS
 ABLATION_NAME = re.compile(r"^[a-z0-9_]+$")
 # An ablation list is its own reason, so it cannot take a built-in reason's name.
-RESERVED_REASONS = frozenset({"dedup", "optout", "text", "nsfw", "visual", REASON_STALE,
-                              REASON_SEMDEDUP, REASON_BALANCE})
+RESERVED_REASONS = DEFAULT_REASONS | {REASON_BALANCE}
 # Columns of the MDS mapping table (`mds_samples`) a skip list needs.
 MAPPING_COLUMNS = ["id", "leaf", "shard", "sample_index"]
 SCAN_ROWS = 1 << 18  # rows per batch when scanning a table for ids
@@ -120,6 +128,21 @@ def write_sidecar(sidecar: Location | str | PurePath, lists: Mapping[str, Iterab
         location.delete()
     else:
         location.write_text(body)
+
+
+def applies_by_default(reason: str) -> bool:
+    """Whether the loader applies `reason` when a run names none (see DEFAULT_REASONS)."""
+    return reason in DEFAULT_REASONS
+
+
+def by_default(lists: Mapping[str, list[int]]) -> dict[str, list[int]]:
+    """The lists the loader applies by default."""
+    return {reason: ids for reason, ids in lists.items() if applies_by_default(reason)}
+
+
+def opt_in(lists: Mapping[str, list[int]]) -> dict[str, list[int]]:
+    """The opt-in lists (`balance`, named ablations): applied only when a run names them."""
+    return {reason: ids for reason, ids in lists.items() if not applies_by_default(reason)}
 
 
 def skipped_indices(lists: Mapping[str, list[int]], reasons: Iterable[str] | None = None
@@ -431,19 +454,56 @@ def label_ids(labels_table: TableRef, labels: Iterable[str], caption_version: st
     return found
 
 
-def skip_shares(tree: Location, per_leaf: Mapping[str, int]) -> dict[str, tuple[int, int]]:
-    """(stored samples, skipped) per stream (leaf), read back from the tree's sidecars;
+@dataclass
+class SkipTally:
+    """What sidecars skip, told apart as the loader tells it: `skipped` samples by default
+    (each once, whatever its reasons), `by_reason` samples per default reason, and `opt_in`
+    samples per opt-in list (counted, not skipped)."""
+
+    skipped: int = 0
+    by_reason: Counter = field(default_factory=Counter)
+    opt_in: Counter = field(default_factory=Counter)
+
+    def add(self, lists: Mapping[str, list[int]]) -> None:
+        """Count one shard's lists in."""
+        self.skipped += len(skipped_indices(by_default(lists)))
+        for reason, ids in lists.items():
+            (self.by_reason if applies_by_default(reason) else self.opt_in)[reason] += len(ids)
+
+
+@dataclass
+class StreamSkips:
+    """One stream (leaf): samples stored and what its sidecars skip."""
+
+    samples: int
+    skips: SkipTally
+
+    @property
+    def share(self) -> float:
+        """The share of the stream skipped by default."""
+        return self.skips.skipped / self.samples if self.samples else 0.0
+
+
+def skip_shares(tree: Location, per_leaf: Mapping[str, int]) -> dict[str, StreamSkips]:
+    """Samples stored and skipped per stream (leaf), read back from the tree's sidecars;
     `per_leaf` is the mapping table's live samples per leaf. Stale samples are stored and
     read past but not in the mapping: they count as stored and as skipped."""
-    skipped: Counter = Counter()
-    stale: Counter = Counter()
+    tallies: dict[str, SkipTally] = {}
     for sidecar in tree_sidecars(tree):
         leaf = sidecar.parent.uri[len(tree.uri.rstrip("/")) + 1:]
-        lists = read_sidecar(sidecar)
-        skipped[leaf] += len(skipped_indices(lists))
-        stale[leaf] += len(lists.get(REASON_STALE, []))
-    leaves = sorted(set(per_leaf) | set(stale))
-    return {leaf: (per_leaf.get(leaf, 0) + stale[leaf], skipped.get(leaf, 0)) for leaf in leaves}
+        tallies.setdefault(leaf, SkipTally()).add(read_sidecar(sidecar))
+    leaves = sorted(set(per_leaf) | set(tallies))
+    return {leaf: StreamSkips(per_leaf.get(leaf, 0)
+                              + tallies.get(leaf, SkipTally()).by_reason[REASON_STALE],
+                              tallies.get(leaf, SkipTally())) for leaf in leaves}
+
+
+def tree_skips(tree: Location) -> SkipTally:
+    """What every sidecar of a tree skips (a local folder or a version's `s3://` prefix)."""
+    tally = SkipTally()
+    for sidecar in tree_sidecars(tree):
+        tally.add(read_sidecar(sidecar))
+    return tally
 
 
 def skipped_ids(tree: Location | str | PurePath, mapping: TableRef,

@@ -20,8 +20,9 @@ SHAPES = ((1, 48, 48), (1, 64, 48))
 
 
 def _loader_ids(root) -> list[str]:
+    # The ablation list is opt-in: named, as the training run that compares it would.
     dataset = build_dataset(root / "mds", tier=1, batch_size=1, weights={"web": 1.0},
-                            shuffle=False)
+                            shuffle=False, skip_reasons=["dedup", "nsfw", "no_blue"])
     ids = [dataset[i]["id"] for i in range(dataset.num_samples) if not dataset.skipped[i]]
     streamed = [sample["id"] for sample in dataset]
     del dataset

@@ -7,7 +7,7 @@ import pytest
 from prx_assets.stages.semantic.semdedup import SEMANTIC_DUPLICATES_SCHEMA
 from prx_assets.stages.semantic.spaces import CONCEPTS_SCHEMA
 from prx_assets.stages.skip_lists.skip_lists import (
-    OPT_IN_REASONS,
+    applies_by_default,
     build_skip_lists,
     read_ablations,
     semantic_duplicate_ids,
@@ -46,7 +46,7 @@ def test_semdedup_and_balance_ids_per_source(tmp_path):
                                "shard": ["shard.00000.mds"] * 2, "sample_index": [0, 1]})
     lists = build_skip_lists([mapping], {"semdedup": {"web:b"}, "balance": {"web:b"}})
     assert lists == {("512/a", "shard.00000.mds"): {"semdedup": [1], "balance": [1]}}
-    assert {"balance"} == OPT_IN_REASONS
+    assert applies_by_default("semdedup") and not applies_by_default("balance")
 
 
 @pytest.mark.parametrize("name", ["semdedup", "balance"])
