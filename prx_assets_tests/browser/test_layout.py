@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 
 from prx_assets.stages.corpus.corpus import CORPUS_SCHEMA
-from prx_assets.storage.layout import Storage
 from prx_assets.storage.lance_tables import overwrite_rows
+from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import CORPUS
 from prx_assets.testing.chromium import screenshot
 from prx_assets_tests.browser.conftest import ServedApp

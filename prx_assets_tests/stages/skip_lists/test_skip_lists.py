@@ -242,12 +242,12 @@ def test_one_definition_of_what_the_loader_skips_by_default():
         opt_in,
     )
 
-    assert LABEL_REASONS == set(LABELS)
+    assert set(LABELS) == LABEL_REASONS
     for reason in ("dedup", "semdedup", "text", "nsfw", "optout", "rights", "stale"):
         assert applies_by_default(reason), reason
     for reason in ("balance", "no_blue", "ablation_1"):
         assert not applies_by_default(reason), reason
-    assert RESERVED_REASONS == DEFAULT_REASONS | {"balance"}
+    assert DEFAULT_REASONS | {"balance"} == RESERVED_REASONS
     lists = {"dedup": [1], "balance": [2, 3], "no_blue": [4]}
     assert by_default(lists) == {"dedup": [1]}
     assert opt_in(lists) == {"balance": [2, 3], "no_blue": [4]}
