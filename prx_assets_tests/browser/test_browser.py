@@ -251,6 +251,13 @@ def test_rejected_view_shows_what_was_thrown_away(served, tiny, page):
     reasons = page.locator('[data-facet="reject"] a').evaluate_all(
         "els => els.map(e => [e.dataset.reason, e.dataset.source])")
     assert reasons == [["too_small", "stock"]]  # the 200x200 photo, below the 384 floor
+    # It opens on the largest reason (across sources), in the grid's multi-column layout.
+    assert page.locator("#reject-title").inner_text().startswith("too_small")
+    tracks = page.locator("#rejects").evaluate(
+        "g => getComputedStyle(g).gridTemplateColumns.split(' ').length")
+    assert tracks >= 4, tracks  # 1,400 px wide: as many columns as the grid's
+    tile_width = page.locator("#rejects .tile").first.bounding_box()["width"]
+    assert tile_width < 400, tile_width
     page.locator('[data-facet="reject"] a').first.click()
     page.wait_for_url(re.compile(r"reason=too_small"))
     tiny_id = tiny.id("stock", "tiny.jpg")
