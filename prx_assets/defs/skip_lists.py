@@ -105,8 +105,10 @@ def build_skip_lists_asset(partitions_def: dg.PartitionsDefinition) -> dg.Assets
             total = sum(per_leaf.values()) + report.skipped_per_reason.get(REASON_STALE, 0)
             return dg.MaterializeResult(metadata={
                 **lineage, "tree": dg.MetadataValue.path(str(tree)),
-                "samples": total, "skipped": report.skipped_total,
-                "skipped_share": round(report.skipped_total / total, 4) if total else 0.0,
+                # Skipped as the loader skips when a run names no reasons; the opt-in
+                # lists are in skipped_per_reason, marked so.
+                "samples": total, "skipped": report.skipped_by_default,
+                "skipped_share": round(report.skipped_by_default / total, 4) if total else 0.0,
                 "skipped_per_reason": _reason_table(report.skipped_per_reason, total),
                 "sidecars_written": report.written, "sidecars_removed": report.removed,
                 "sidecars_unchanged": report.unchanged, **browser_link(context),
@@ -164,13 +166,18 @@ def _pinned_if_exists(table: TableRef) -> TableRef | None:
     return None if version is None else table.at(version)
 
 
+def _applied(reason: str) -> str:
+    return "by default" if applies_by_default(reason) else "opt-in (when a run names it)"
+
+
 def _reason_table(counts, total: int) -> dg.TableMetadataValue:
     records = [dg.TableRecord({"reason": reason, "skipped": int(n),
-                               "share": round(n / total, 4) if total else 0.0})
+                               "share": round(n / total, 4) if total else 0.0,
+                               "applied": _applied(reason)})
                for reason, n in sorted(counts.items())]
     return dg.MetadataValue.table(records, schema=dg.TableSchema(columns=[
         dg.TableColumn("reason", "string"), dg.TableColumn("skipped", "int"),
-        dg.TableColumn("share", "float")]))
+        dg.TableColumn("share", "float"), dg.TableColumn("applied", "string")]))
 
 
 class SkipShareConfig(dg.Config):
@@ -215,8 +222,7 @@ def _per_reason_table(shares: Mapping[str, StreamSkips]) -> dg.TableMetadataValu
         counts.update(s.skips.opt_in)
     records = [dg.TableRecord({"reason": reason, "samples": int(n),
                                "share": round(n / total, 4) if total else 0.0,
-                               "applied": "by default" if applies_by_default(reason)
-                               else "opt-in (when a run names it)"})
+                               "applied": _applied(reason)})
                for reason, n in sorted(counts.items())]
     return dg.MetadataValue.table(records, schema=dg.TableSchema(columns=[
         dg.TableColumn("reason", "string"), dg.TableColumn("samples", "int"),

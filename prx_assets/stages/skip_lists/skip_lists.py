@@ -193,8 +193,10 @@ class ApplyReport:
     unchanged: int = 0
     shards: int = 0
     skipped_per_reason: Counter = field(default_factory=Counter)
-    skipped_total: int = 0
+    skipped_total: int = 0  # samples any reason lists, opt-in ones included
     skipped_per_leaf: dict[str, int] = field(default_factory=dict)
+    # Samples the loader skips when a run names no reasons (DEFAULT_REASONS), each once.
+    skipped_by_default: int = 0
     # Samples skipped now and not before, or the other way round (any reason counts once).
     samples_changed: int = 0
 
@@ -204,7 +206,7 @@ class ApplyReport:
     def add(self, other: ApplyReport) -> None:
         """Count in the report of other shards (a build staging its sidecars per group)."""
         for name in ("written", "removed", "unchanged", "shards", "skipped_total",
-                     "samples_changed"):
+                     "skipped_by_default", "samples_changed"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.skipped_per_reason.update(other.skipped_per_reason)
         for leaf, skipped in other.skipped_per_leaf.items():
@@ -254,6 +256,7 @@ def _count_skipped(report: ApplyReport, final: SkipLists) -> ApplyReport:
             report.skipped_per_reason[reason] += len(ids)
         report.skipped_per_leaf[leaf] = (report.skipped_per_leaf.get(leaf, 0)
                                          + len(skipped_indices(by_reason)))
+        report.skipped_by_default += len(skipped_indices(by_default(by_reason)))
     report.skipped_total = sum(report.skipped_per_leaf.values())
     return report
 
