@@ -270,3 +270,12 @@ def test_skip_shares_count_default_reasons_and_opt_in_lists_apart(tmp_path):
     assert stream.skips.by_reason == {"dedup": 2, "semdedup": 1, "stale": 1}
     assert stream.skips.opt_in == {"balance": 3, "no_blue": 1}
     assert tree_skips(as_location(tmp_path)).skipped == 3
+
+
+def test_an_apply_report_counts_default_skips_apart_from_opt_in_lists(tmp_path):
+    leaf = tmp_path / "512" / "512x512"
+    leaf.mkdir(parents=True)
+    key = ("512/512x512", "shard.00000.mds")
+    report = apply_skip_lists(tmp_path, {key: {"dedup": [0], "balance": [0, 1, 2]}}, [key])
+    assert (report.skipped_total, report.skipped_by_default) == (3, 1)
+    assert report.skipped_per_reason == {"dedup": 1, "balance": 3}
