@@ -323,18 +323,22 @@ def distinct_captions(storage: Storage) -> int | None:
 
 
 def semantic_explanation(semantic: Mapping, captions: int | None) -> str | None:
-    """Why a large semantic share is expected, from the figures: in the caption space two
-    images with one caption are one point, so the share is set by the distinct captions."""
+    """Why a large semantic share is expected, from the figures: in the caption space an
+    image is its caption, so samples that repeat a caption are one point, and captions
+    worded alike fall within the eps."""
     removed, rows = semantic.get("removed"), semantic.get("embeddings")
     if not rows or removed is None or semantic.get("applied_by_skip_lists"):
         return None
     share = f"{removed / rows:.0%}"
+    acted = ("reported only, nothing skipped: an image encoder (image_encoder.checkpoint) "
+             "gives groups skip lists act on")
     if captions is None:
-        return f"{share} is reported only: nothing is skipped for it"
-    return (f"{share} because the {rows} samples carry {captions} distinct captions and in the "
-            f"caption space one caption is one point (crops of a few photos share one); "
-            f"reported only, nothing skipped: an image encoder (image_encoder.checkpoint) "
-            f"gives groups skip lists act on")
+        return f"{share}: {acted}"
+    repeats = min(removed, rows - captions)
+    return (f"{share} because in the caption space an image is its caption: {repeats} of the "
+            f"{removed} repeat another sample's caption word for word (crops of a few photos "
+            f"share one), the other {removed - repeats} are worded within cosine "
+            f"{1 - float(semantic.get('eps', 0)):.2f} of one; {acted}")
 
 
 def balance_explanation(concepts: Mapping) -> str | None:

@@ -118,10 +118,11 @@ def test_the_skipped_share_warning_is_explained_from_what_tripped_it():
 def test_the_semantic_share_and_the_balance_list_are_explained_from_the_figures():
     from prx_assets.demo.runner import balance_explanation, semantic_explanation
 
-    semantic = {"removed": 228, "embeddings": 259, "applied_by_skip_lists": False}
-    assert semantic_explanation(semantic, 31).startswith(
-        "88% because the 259 samples carry 31 distinct captions and in the caption space "
-        "one caption is one point")
+    semantic = {"removed": 228, "embeddings": 259, "eps": 0.05, "applied_by_skip_lists": False}
+    assert semantic_explanation(semantic, 133).startswith(
+        "88% because in the caption space an image is its caption: 126 of the 228 repeat "
+        "another sample's caption word for word (crops of a few photos share one), the other "
+        "102 are worded within cosine 0.95 of one; reported only")
     assert semantic_explanation({**semantic, "applied_by_skip_lists": True}, 31) is None
     assert balance_explanation({"samples": 259, "balanced_samples": 137}).startswith(
         "the other 122 of 259 make the opt-in `balance` list: the loader skips them only "
