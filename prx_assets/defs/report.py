@@ -38,11 +38,11 @@ def funnel_metadata(funnel: Funnel) -> dict:
         schema=dg.TableSchema(columns=[dg.TableColumn("stage", "string"),
                                        dg.TableColumn("images", "int"),
                                        dg.TableColumn("share_of_raw", "string")]))
+    # Counts only beside the bars (the table gives the shares): a row fits the page.
     chart = bar_chart_markdown([name for name, _ in rows], [count for _, count in rows],
-                               f"{funnel.source}: where the images go",
-                               [f"{count:,} ({percent(share)})"
-                                for (_, count), share in zip(rows, shares, strict=True)])
-    opt_in = {"opt_in_lists": dg.MetadataValue.text(opt_in_words(funnel.opt_in))} \
+                               f"{funnel.source}: where the images go")
+    # Markdown, not text: the UI wraps it (a text entry is cut at the column's edge).
+    opt_in = {"opt_in_lists": dg.MetadataValue.md(opt_in_words(funnel.opt_in))} \
         if funnel.opt_in else {}
     return {"funnel": table,
             "funnel_chart": dg.MetadataValue.md(chart),
@@ -56,10 +56,8 @@ def bands_chart(counts: dict[str, int], title: str, order: list[str] | None = No
     the UI draws on the asset page."""
     labels = order or sorted(counts)
     labels = [label for label in labels if label in counts]
-    total = sum(counts.values()) or 1
-    return dg.MetadataValue.md(bar_chart_markdown(
-        labels, [counts[label] for label in labels], title,
-        [f"{counts[label]:,} ({percent(counts[label] / total)})" for label in labels]))
+    return dg.MetadataValue.md(bar_chart_markdown(labels, [counts[label] for label in labels],
+                                                  title))
 
 
 def tier_shape_matrix(counts: dict[tuple[int, str], int]) -> dg.MetadataValue:

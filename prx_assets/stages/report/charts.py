@@ -14,9 +14,9 @@ BYTE_UNITS = ("B", "KB", "MB", "GB", "TB", "PB")
 # The Dagster UI draws a Markdown entry on the asset page only when it is shorter than this
 # (its MetadataEntry: `mdStr.length < 1000`); a longer one hides behind [Show Markdown].
 INLINE_MARKDOWN_CHARS = 1000
-# Characters of the longest bar, widest first: 16 fit beside the label and the value in
-# the asset page's metadata column at 1,500 px.
-BAR_WIDTHS = (16, 12, 8, 5)
+# Characters of the longest bar, widest first: 12 fit beside the label and the count in
+# the asset page's metadata column at 1,280 to 1,920 px.
+BAR_WIDTHS = (12, 10, 8, 5)
 NBSP = "\u00a0"  # a value ("124 (100.0 %)") stays on one line
 BLOCK = "\u2588"  # a full block; the eighths below draw the bar's last part
 EIGHTHS = "\u258f\u258e\u258d\u258c\u258b\u258a\u2589"

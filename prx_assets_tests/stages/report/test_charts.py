@@ -34,8 +34,8 @@ def test_a_bar_chart_is_markdown_short_enough_for_the_ui_to_draw_inline():
     assert "124\u00a0(100\u00a0%)" in chart  # a value never breaks across lines
     assert chart.replace("\u00a0", " ").splitlines() == [
         "**where the images go**", "", "| | | |", "| --- | ---: | --- |",
-        f"| raw | 124 (100 %) | {'█' * 16} |",
-        f"| kept | 107 (86 %) | {'█' * 13}▊ |",  # 110.5 eighths
+        f"| raw | 124 (100 %) | {'█' * 12} |",
+        f"| kept | 107 (86 %) | {'█' * 10}▍ |",  # 82.8 eighths
         "| in shards | 0 (0 %) |  |"]
     assert png_markdown(b"\x89PNG", "x") == "![x](data:image/png;base64,iVBORw==)"
 
@@ -48,9 +48,9 @@ def test_a_long_chart_narrows_its_bars_then_counts_the_rows_left_out():
     assert rows[-1].startswith("| … ") and rows[-1].endswith(" more | | |")
     shown = len(rows) - 5
     assert rows[-1] == f"| … {40 - shown} more | | |"
-    narrow = bar_chart_markdown(labels[:22], [5] * 22, "twenty-two")
+    narrow = bar_chart_markdown(labels[:24], [5] * 24, "twenty-four")
     assert len(narrow) < INLINE_MARKDOWN_CHARS and "more" not in narrow
-    assert max(len(r.split("|")[3].strip()) for r in narrow.splitlines()[4:]) < 16
+    assert max(len(r.split("|")[3].strip()) for r in narrow.splitlines()[4:]) < 12
 
 
 def test_the_tier_by_shape_matrix_has_a_row_per_tier_and_a_column_per_aspect():
