@@ -18,7 +18,7 @@ from prx_assets.stages.report.charts import (
 )
 from prx_assets.stages.report.contact_sheet import contact_sheet_png, reject_samples
 from prx_assets.stages.report.cost import cost_markdown, cost_per_1000
-from prx_assets.stages.report.funnel import Funnel, opt_in_words
+from prx_assets.stages.report.funnel import Funnel
 from prx_assets.storage.refs import TableRef
 
 WARNINGS_TAG = "prx/check_warnings"
@@ -41,8 +41,9 @@ def funnel_metadata(funnel: Funnel) -> dict:
     # Counts only beside the bars (the table gives the shares): a row fits the page.
     chart = bar_chart_markdown([name for name, _ in rows], [count for _, count in rows],
                                f"{funnel.source}: where the images go")
-    # Markdown, not text: the UI wraps it (a text entry is cut at the column's edge).
-    opt_in = {"opt_in_lists": dg.MetadataValue.md(opt_in_words(funnel.opt_in))} \
+    # Short: the UI cuts a value at its column's edge rather than wrap it.
+    lists = ", ".join(f"{reason} {n:,}" for reason, n in sorted(funnel.opt_in.items()))
+    opt_in = {"opt_in_lists": dg.MetadataValue.text(f"{lists} (skipped only when named)")} \
         if funnel.opt_in else {}
     return {"funnel": table,
             "funnel_chart": dg.MetadataValue.md(chart),

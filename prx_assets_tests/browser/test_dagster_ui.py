@@ -146,7 +146,7 @@ def test_the_funnel_and_histograms_draw_on_the_asset_page(dagster_dev, page):
     cell = chart.locator(":scope > td").last.bounding_box()
     drawn = chart.locator("table").first.bounding_box()
     assert drawn["x"] + drawn["width"] <= cell["x"] + cell["width"], (drawn, cell)
-    page.get_by_text("opt-in, not skipped unless a run names it: balance 45").wait_for()
+    page.get_by_text("balance 45 (skipped only when named)").wait_for()
     chart.scroll_into_view_if_needed()
     screenshot(page, "dagster_funnel")
 

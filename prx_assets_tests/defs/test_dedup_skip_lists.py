@@ -195,7 +195,7 @@ def test_duplicates_opt_outs_sensor_and_skip_lists(ray_session, data_root, tmp_p
     assert chart.startswith("**web: where the images go**") and len(chart) < 1000
     assert "| streamed by loader | 3 | " in chart
     assert meta["streamed_share_of_raw"].value == "50.0 %"
-    assert meta["opt_in_lists"].value == "opt-in, not skipped unless a run names it: no_u1 1"
+    assert meta["opt_in_lists"].value == "no_u1 1 (skipped only when named)"
     # The warning shows on the run itself, as a tag the Runs page lists.
     assert tag_run_with_warnings(instance, run.run_id) == {
         WARNINGS_TAG: "1: skip_lists:skipped_share"}

@@ -33,7 +33,7 @@ def test_the_funnel_is_a_table_and_a_picture():
     opted = funnel_metadata(Funnel("s", raw=10, decodable=10, kept=10, captioned=10,
                                    labelled=10, duplicates=0, skipped=0, in_shards=10,
                                    opt_in={"balance": 4}))
-    assert opted["opt_in_lists"].value == "opt-in, not skipped unless a run names it: balance 4"
+    assert opted["opt_in_lists"].value == "balance 4 (skipped only when named)"
     streamed = [r.data for r in opted["funnel"].value.records][-1]
     assert streamed["images"] == 10  # an opt-in list skips nothing by default
 
