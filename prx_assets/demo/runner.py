@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pyarrow.compute as pc
@@ -164,31 +165,30 @@ def _materialization_metadata(result: dg.ExecuteInProcessResult) -> dict:
     return metadata
 
 
+def _check_evaluations(result: dg.ExecuteInProcessResult) -> Iterator[tuple[str, Any]]:
+    """("asset:check", its evaluation) for each check evaluation of the run, in order."""
+    for event in result.all_events:
+        if event.event_type_value == "ASSET_CHECK_EVALUATION":
+            evaluation = event.asset_check_evaluation_data
+            yield f"{evaluation.asset_key.to_user_string()}:{evaluation.check_name}", evaluation
+
+
 def check_results(result: dg.ExecuteInProcessResult) -> tuple[dict, dict]:
     """check -> "passed" or "failed (SEVERITY)", and check -> what a check that did not pass
     measured."""
     checks, notes = {}, {}
-    for event in result.all_events:
-        if event.event_type_value == "ASSET_CHECK_EVALUATION":
-            evaluation = event.asset_check_evaluation_data
-            name = f"{evaluation.asset_key.to_user_string()}:{evaluation.check_name}"
-            checks[name] = ("passed" if evaluation.passed
-                            else f"failed ({evaluation.severity.value})")
-            if not evaluation.passed:
-                notes[name] = evaluation.description or _measured(evaluation.metadata)
+    for name, evaluation in _check_evaluations(result):
+        checks[name] = ("passed" if evaluation.passed
+                        else f"failed ({evaluation.severity.value})")
+        if not evaluation.passed:
+            notes[name] = evaluation.description or _measured(evaluation.metadata)
     return checks, notes
 
 
 def failed_check_metadata(result: dg.ExecuteInProcessResult) -> dict:
     """check -> {entry: value} of each check evaluation that did not pass."""
-    found = {}
-    for event in result.all_events:
-        if event.event_type_value == "ASSET_CHECK_EVALUATION":
-            evaluation = event.asset_check_evaluation_data
-            if not evaluation.passed:
-                name = f"{evaluation.asset_key.to_user_string()}:{evaluation.check_name}"
-                found[name] = {k: v.value for k, v in evaluation.metadata.items()}
-    return found
+    return {name: {k: v.value for k, v in evaluation.metadata.items()}
+            for name, evaluation in _check_evaluations(result) if not evaluation.passed}
 
 
 def skipped_share_explanation(metadata: Mapping) -> str | None:
@@ -315,7 +315,8 @@ def print_summary(runs: list[PartitionRun], sources_file: Path) -> None:
 
 
 def distinct_captions(storage: Storage) -> int | None:
-    """Distinct captions among the corpus' samples (None without a corpus table)."""
+    """Distinct captions among the corpus' samples (None without a corpus table); the
+    column is read whole: the demo's corpus is a few hundred rows."""
     table = storage.table(CORPUS)
     if not table.exists():
         return None

@@ -128,3 +128,25 @@ def test_the_semantic_share_and_the_balance_list_are_explained_from_the_figures(
         "the other 122 of 259 make the opt-in `balance` list: the loader skips them only "
         "when a run names it")
     assert balance_explanation({}) is None
+
+
+@dg.asset_check(asset=chatty)
+def chatty_warns() -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(passed=False, severity=dg.AssetCheckSeverity.WARN,
+                               metadata={"over_by_reason": dg.MetadataValue.json({"dedup": 2})})
+
+
+@dg.asset_check(asset=chatty)
+def chatty_fine() -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(passed=True, metadata={"n": 1})
+
+
+def test_a_run_keeps_the_metadata_of_the_checks_that_did_not_pass():
+    from prx_assets.demo.runner import _partition_run
+
+    job = dg.Definitions(assets=[chatty], asset_checks=[chatty_warns, chatty_fine]
+                         ).resolve_implicit_global_asset_job_def()
+    run = _partition_run("demo_a", _run(job, dg.DagsterInstance.ephemeral()))
+    assert run.checks == {"chatty:chatty_warns": "failed (WARN)",
+                          "chatty:chatty_fine": "passed"}
+    assert run.check_metadata == {"chatty:chatty_warns": {"over_by_reason": {"dedup": 2}}}
