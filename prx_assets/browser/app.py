@@ -286,9 +286,11 @@ def rejected_page(request: Request, state: BrowserState) -> Response:
     if not page_text.isdigit() or int(page_text) > 100_000:
         return state.error(request, 400, "Bad request", "page must be a small number")
     try:
-        page = (rejects.rejects(state.catalog, params["reason"], params.get("source", ""),
-                                int(page_text)) if params.get("reason") else None)
         counts = rejects.reject_counts(state.catalog)
+        # Without a reason the page opens on the largest one, across sources.
+        reason = params.get("reason") or rejects.largest_reason(counts)
+        page = (rejects.rejects(state.catalog, reason, params.get("source", ""),
+                                int(page_text)) if reason else None)
     except BadQuery as err:
         return state.error(request, 400, "Bad request", str(err))
     except NotFound as err:

@@ -3,9 +3,10 @@ which trees have one, and one card read back (its JSON and Markdown)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prx_assets.stages.shards.card import CARD_MD, read_card
+from prx_assets.stages.skip_lists.skip_lists import SkipTally, tree_skips
 from prx_assets.stages.subsets.tree import SUBSETS_DIR
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.trees import TREES_DIR, TreeStore
@@ -19,6 +20,9 @@ class TreeCard:
     name: str
     card: dict | None
     markdown: str
+    # What the tree's sidecars skip now (the card's own section is as of its build, before
+    # the skip lists of the source were written): by default, and the opt-in lists apart.
+    skips: SkipTally = field(default_factory=SkipTally)
 
     @property
     def samples(self) -> int | None:
@@ -55,4 +59,4 @@ def tree_card(storage: Storage, kind: str, name: str) -> TreeCard | None:
         markdown = (tree / CARD_MD).read_text()
     except FileNotFoundError:
         markdown = ""
-    return TreeCard(kind, name, read_card(tree), markdown)
+    return TreeCard(kind, name, read_card(tree), markdown, tree_skips(tree))

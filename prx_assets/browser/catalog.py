@@ -31,6 +31,10 @@ from prx_assets.storage.sidecars import (
     sidecar_files,
     sidecar_path,
 )
+from prx_assets.storage.sidecars import (
+    # What the loader skips by default, for the pages that count skips (re-exported).
+    applies_by_default as applies_by_default,
+)
 from prx_assets.storage.tables import CORPUS, MDS_SAMPLES, PER_SOURCE
 from prx_assets.storage.trees import current_tree
 

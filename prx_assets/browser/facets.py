@@ -22,7 +22,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prx_assets.browser.catalog import NAME, BadQuery, Catalog, Sidecar, valid_id
+from prx_assets.browser.catalog import (
+    NAME,
+    BadQuery,
+    Catalog,
+    Sidecar,
+    applies_by_default,
+    valid_id,
+)
 from prx_assets.stages.attributes.schema import field_named
 from prx_assets.stages.labels.labels import LABELS
 from prx_assets.storage.tables import DUPLICATES, MDS_SAMPLES
@@ -268,8 +275,8 @@ def corpus_filter(query: Query, sets: IdSets | None) -> pc.Expression | None:
             parts.append(pc.field("id").isin(dups[query.dup].array))
     if query.skip and sets is not None:
         skips = sets["skip"]
-        if query.skip == "any":
-            chosen = list(skips.values())
+        if query.skip == "any":  # any reason the loader applies by default
+            chosen = [ids for reason, ids in skips.items() if applies_by_default(reason)]
         else:
             chosen = [skips[query.skip]] if query.skip in skips else []
         parts.append(pc.field("id").isin(_union(chosen)))
@@ -369,7 +376,9 @@ def facet_counts(rows: pa.Table, sets: IdSets | None, members: Membership | None
         dup_counts["unique"] = rows.num_rows - sum(dup_counts.values())
         facets["dup"] = [(v, n) for v, n in dup_counts.items() if n]
         skip = [(reason, members.count(("skip", reason), addresses)) for reason in sets["skip"]]
-        facets["skip"] = [(r, n) for r, n in skip if n]
+        # Skipped by default, and the opt-in lists (counted, not skipped unless named).
+        facets["skip"] = [(r, n) for r, n in skip if n and applies_by_default(r)]
+        facets["opt_in"] = [(r, n) for r, n in skip if n and not applies_by_default(r)]
     return facets
 
 

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.browser import concepts
-from prx_assets.browser.catalog import Catalog, NotFound, valid_id
+from prx_assets.browser.catalog import Catalog, NotFound, applies_by_default, valid_id
 from prx_assets.browser.duplicates import exact_group, near_duplicates_of
 from prx_assets.browser.facets import (
     IdSet,
@@ -103,28 +103,43 @@ def shape_grid(tier_shapes: list[tuple[str, int]]) -> ShapeGrid:
 DEDUP_REASON = "dedup"
 
 
+def opt_in_words(reasons: list[str]) -> str:
+    """"in the balance list, opt-in": lists the loader applies only when a run names them."""
+    if not reasons:
+        return ""
+    lists = "list" if len(reasons) == 1 else "lists"
+    return f"in the {', '.join(reasons)} {lists}, opt-in"
+
+
 def fate(sample_id: str, sets: IdSets | None) -> tuple[str, str]:
-    """What training does with one sample: ("removed", "removed: duplicate") for a copy
-    dedup removed, ("skipped", "skipped: reason, ...") for one a skip list names, else
-    ("trains", "trains")."""
+    """What training does by default with one sample: ("removed", "removed: duplicate") for
+    a copy dedup removed, ("skipped", "skipped: reason, ...") for one a default skip list
+    names, else ("trains", "trains"), with the opt-in lists that name it said beside
+    ("trains · in the balance list, opt-in"): the loader skips those only when asked."""
     if sets is None:
         return ("trains", "trains")
     reasons = sorted(r for r, ids in sets["skip"].items() if sample_id in ids)
-    if sample_id in sets["dup"]["duplicate"] or DEDUP_REASON in reasons:
+    applied = [r for r in reasons if applies_by_default(r)]
+    if sample_id in sets["dup"]["duplicate"] or DEDUP_REASON in applied:
         return ("removed", "removed: duplicate")
-    if reasons:
-        return ("skipped", "skipped: " + ", ".join(reasons))
-    return ("trains", "trains")
+    if applied:
+        return ("skipped", "skipped: " + ", ".join(applied))
+    opt_in = [r for r in reasons if not applies_by_default(r)]
+    return ("trains", " · ".join(["trains", *([opt_in_words(opt_in)] if opt_in else [])]))
 
 
-def fate_counts(rows: int, sets: IdSets) -> dict[str, int]:
-    """Of the corpus' `rows`: how many train, how many a skip list skips, how many are
-    removed duplicates (each sample counted once, removal first)."""
+def fate_counts(rows: int, sets: IdSets) -> dict:
+    """Of the corpus' `rows`: how many train, how many a default skip list skips, how many
+    are removed duplicates (each sample counted once, removal first), as the loader does
+    when a run names no reasons; and `opt_in`: the samples of each opt-in list."""
     removed = set(sets["dup"]["duplicate"].ids) | set(
         sets["skip"].get(DEDUP_REASON, IdSet.of(())).ids)
-    skipped = set().union(*(ids.ids for ids in sets["skip"].values())) - removed
+    skipped = set().union(*(ids.ids for reason, ids in sets["skip"].items()
+                            if applies_by_default(reason))) - removed
+    opt_in = {reason: len(ids.ids) for reason, ids in sets["skip"].items()
+              if not applies_by_default(reason)}
     return {"trains": max(0, rows - len(removed) - len(skipped)), "skipped": len(skipped),
-            "removed": len(removed)}
+            "removed": len(removed), "opt_in": opt_in}
 
 
 def grid(catalog: Catalog, query: Query, with_facets: bool = True) -> Grid:
@@ -326,15 +341,17 @@ def sample(catalog: Catalog, sample_id: str) -> Sample:
 
 def skip_reasons(catalog: Catalog, mapping: LanceDataset | None, source: str,
                  sample_id: str) -> list[dict]:
-    """Where the sample sits in its source's current shards and what each sidecar skips."""
+    """Where the sample sits in its source's current shards, what each sidecar skips by
+    default (`reasons`) and the opt-in lists that name it, in words (`opt_in`)."""
     places = rows_where(mapping, eq_filter("id", sample_id),
                         ["leaf", "shard", "sample_index", "tree_version"], limit=16)
     out = []
     for place in places:
         sidecar = catalog.sidecar(source, place["leaf"], place["shard"])
         lists = sidecar.lists() if sidecar is not None else {}
-        reasons = sorted(r for r, ids in lists.items() if place["sample_index"] in ids)
-        out.append({**place, "reasons": reasons})
+        named = sorted(r for r, ids in lists.items() if place["sample_index"] in ids)
+        out.append({**place, "reasons": [r for r in named if applies_by_default(r)],
+                    "opt_in": opt_in_words([r for r in named if not applies_by_default(r)])})
     return out
 
 

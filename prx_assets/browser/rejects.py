@@ -55,6 +55,14 @@ def reject_counts(catalog: Catalog) -> list[RejectCount]:
     return sorted(counts, key=lambda c: (-c.count, c.source, c.reason))
 
 
+def largest_reason(counts: list[RejectCount]) -> str | None:
+    """The reason with the most rejected rows across sources (None when nothing was)."""
+    totals: Counter = Counter()
+    for count in counts:
+        totals[count.reason] += count.count
+    return min(totals, key=lambda reason: (-totals[reason], reason)) if totals else None
+
+
 @dataclass
 class RejectPage:
     reason: str

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import dagster as dg
 
 from prx_assets.stages.report.charts import (
-    bar_chart_png,
+    bar_chart_markdown,
     human_bytes,
     human_duration,
     percent,
@@ -27,8 +27,9 @@ TAG_CHARS = 200
 
 
 def funnel_metadata(funnel: Funnel) -> dict:
-    """`funnel` (a table: stage, images, share of raw) and `funnel_chart` (a bar chart as
-    Markdown), and the share kept in words."""
+    """`funnel` (a table: stage, images, share of raw) and `funnel_chart` (bars in a
+    Markdown table the UI draws on the asset page), the share kept in words, and
+    `opt_in_lists` (the opt-in lists' sizes, outside the funnel) when there are any."""
     rows = funnel.rows()
     shares = [count / funnel.raw if funnel.raw else 0.0 for _, count in rows]
     table = dg.MetadataValue.table(
@@ -37,26 +38,27 @@ def funnel_metadata(funnel: Funnel) -> dict:
         schema=dg.TableSchema(columns=[dg.TableColumn("stage", "string"),
                                        dg.TableColumn("images", "int"),
                                        dg.TableColumn("share_of_raw", "string")]))
-    chart = bar_chart_png([name for name, _ in rows], [count for _, count in rows],
-                          f"{funnel.source}: where the images go",
-                          [f"{count:,} ({percent(share)})"
-                           for (_, count), share in zip(rows, shares, strict=True)])
+    # Counts only beside the bars (the table gives the shares): a row fits the page.
+    chart = bar_chart_markdown([name for name, _ in rows], [count for _, count in rows],
+                               f"{funnel.source}: where the images go")
+    # Short: the UI cuts a value at its column's edge rather than wrap it.
+    lists = ", ".join(f"{reason} {n:,}" for reason, n in sorted(funnel.opt_in.items()))
+    opt_in = {"opt_in_lists": dg.MetadataValue.text(f"{lists} (skipped only when named)")} \
+        if funnel.opt_in else {}
     return {"funnel": table,
-            "funnel_chart": dg.MetadataValue.md(png_markdown(chart, f"{funnel.source} funnel")),
+            "funnel_chart": dg.MetadataValue.md(chart),
             "streamed_share_of_raw": dg.MetadataValue.text(
-                percent(funnel.streamed / funnel.raw if funnel.raw else 0))}
+                percent(funnel.streamed / funnel.raw if funnel.raw else 0)), **opt_in}
 
 
 def bands_chart(counts: dict[str, int], title: str, order: list[str] | None = None
                 ) -> dg.MetadataValue:
-    """A histogram of labelled bands (megapixels, aspect ratios) as Markdown with a PNG."""
+    """A histogram of labelled bands (megapixels, aspect ratios): bars in a Markdown table
+    the UI draws on the asset page."""
     labels = order or sorted(counts)
     labels = [label for label in labels if label in counts]
-    total = sum(counts.values()) or 1
-    png = bar_chart_png(labels, [counts[label] for label in labels], title,
-                        [f"{counts[label]:,} ({percent(counts[label] / total)})"
-                         for label in labels])
-    return dg.MetadataValue.md(png_markdown(png, title))
+    return dg.MetadataValue.md(bar_chart_markdown(labels, [counts[label] for label in labels],
+                                                  title))
 
 
 def tier_shape_matrix(counts: dict[tuple[int, str], int]) -> dg.MetadataValue:

@@ -150,8 +150,9 @@ def mds_tree_check(partitions_def: dg.PartitionsDefinition) -> dg.AssetChecksDef
 
 
 class RewriteConfig(dg.Config):
-    # Reasons whose samples leave the shards; None: every reason in the sidecars. Reasons
-    # not listed (e.g. ablations still being compared) stay skip lists of the new tree.
+    # Reasons whose samples leave the shards; None: the reasons in the sidecars the loader
+    # applies by default. Reasons not listed (the opt-in balance and ablation lists unless
+    # named) stay skip lists of the new tree.
     reasons: list[str] | None = None
     size_limit_mb: int = 128
     rows_per_part: int = DEFAULT_ROWS_PER_PART

@@ -1,5 +1,7 @@
 """skip_lists: per-shard sidecars of one source's MDS tree, and the skipped-share check."""
 
+from collections import Counter
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 
 import dagster as dg
@@ -18,6 +20,7 @@ from prx_assets.stages.opt_outs.opt_outs import ids_for_source
 from prx_assets.stages.opt_outs.resolution import resolve_opt_outs
 from prx_assets.stages.report.funnel import source_funnel
 from prx_assets.stages.skip_lists.skip_lists import (
+    StreamSkips,
     apply_reasons,
     duplicate_ids,
     label_ids,
@@ -35,6 +38,7 @@ from prx_assets.storage.sidecars import (
     REASON_OPTOUT,
     REASON_SEMDEDUP,
     REASON_STALE,
+    applies_by_default,
 )
 from prx_assets.storage.tables import (
     CAPTION_LABELS,
@@ -104,8 +108,10 @@ def build_skip_lists_asset(partitions_def: dg.PartitionsDefinition) -> dg.Assets
             total = sum(per_leaf.values()) + report.skipped_per_reason.get(REASON_STALE, 0)
             return dg.MaterializeResult(metadata={
                 **lineage, "tree": dg.MetadataValue.path(str(tree)),
-                "samples": total, "skipped": report.skipped_total,
-                "skipped_share": round(report.skipped_total / total, 4) if total else 0.0,
+                # Skipped as the loader skips when a run names no reasons; the opt-in
+                # lists are in skipped_per_reason, marked so.
+                "samples": total, "skipped": report.skipped_by_default,
+                "skipped_share": round(report.skipped_by_default / total, 4) if total else 0.0,
                 "skipped_per_reason": _reason_table(report.skipped_per_reason, total),
                 "sidecars_written": report.written, "sidecars_removed": report.removed,
                 "sidecars_unchanged": report.unchanged, **browser_link(context),
@@ -162,13 +168,18 @@ def _pinned_if_exists(table: TableRef) -> TableRef | None:
     return None if version is None else table.at(version)
 
 
+def _applied(reason: str) -> str:
+    return "by default" if applies_by_default(reason) else "opt-in (when a run names it)"
+
+
 def _reason_table(counts, total: int) -> dg.TableMetadataValue:
     records = [dg.TableRecord({"reason": reason, "skipped": int(n),
-                               "share": round(n / total, 4) if total else 0.0})
+                               "share": round(n / total, 4) if total else 0.0,
+                               "applied": _applied(reason)})
                for reason, n in sorted(counts.items())]
     return dg.MetadataValue.table(records, schema=dg.TableSchema(columns=[
         dg.TableColumn("reason", "string"), dg.TableColumn("skipped", "int"),
-        dg.TableColumn("share", "float")]))
+        dg.TableColumn("share", "float"), dg.TableColumn("applied", "string")]))
 
 
 class SkipShareConfig(dg.Config):
@@ -184,34 +195,76 @@ def skip_share_warning(source: str, records: list, over: list[str], bound: float
              f"({r.data['share']:.0%})" for r in records if r.data["stream"] in over]
     more = f" and {len(shown) - 5} more" if len(shown) > 5 else ""
     return (f"rewrite recommended for {source}: {len(over)} stream(s) skip more than "
-            f"{bound:.0%} of their samples: {', '.join(shown[:5])}{more} (run the rewrite job)")
+            f"{bound:.0%} of their samples: {', '.join(shown[:5])}{more} (run the rewrite job; "
+            f"opt-in lists such as balance are not counted: the loader skips them only when "
+            f"a run names them)")
+
+
+def _counts_words(counts: Mapping[str, int]) -> str:
+    """"dedup 2, semdedup 1" (largest first), "" for none."""
+    return ", ".join(f"{reason} {n}" for reason, n in
+                     sorted(counts.items(), key=lambda item: (-item[1], item[0])) if n)
+
+
+def _stream_table(shares: Mapping[str, StreamSkips]) -> list[dg.TableRecord]:
+    return [dg.TableRecord({"stream": leaf, "samples": s.samples, "skipped": s.skips.skipped,
+                            "share": round(s.share, 4),
+                            "reasons": _counts_words(s.skips.by_reason),
+                            "opt_in": _counts_words(s.skips.opt_in)})
+            for leaf, s in shares.items()]
+
+
+def _per_reason_table(shares: Mapping[str, StreamSkips]) -> dg.TableMetadataValue:
+    """Per reason across the source: samples it lists, their share of the stored samples,
+    and whether the loader applies it by default or only when a run names it."""
+    total = sum(s.samples for s in shares.values())
+    counts: Counter = Counter()
+    for s in shares.values():
+        counts.update(s.skips.by_reason)
+        counts.update(s.skips.opt_in)
+    records = [dg.TableRecord({"reason": reason, "samples": int(n),
+                               "share": round(n / total, 4) if total else 0.0,
+                               "applied": _applied(reason)})
+               for reason, n in sorted(counts.items())]
+    return dg.MetadataValue.table(records, schema=dg.TableSchema(columns=[
+        dg.TableColumn("reason", "string"), dg.TableColumn("samples", "int"),
+        dg.TableColumn("share", "float"), dg.TableColumn("applied", "string")]))
 
 
 def skipped_share_check(partitions_def: dg.PartitionsDefinition) -> dg.AssetChecksDefinition:
     @dg.asset_check(asset=dg.AssetKey(SKIP_LISTS), name="skipped_share",
                     partitions_def=partitions_def,
-                    description="Share of skipped samples per stream (MDS leaf), read back from "
-                                "the sidecars; above the bound a rewrite of the source is "
-                                "recommended (skipping is free to change, but wastes I/O).")
+                    description="Share of samples the loader skips by default per stream (MDS "
+                                "leaf), read back from the sidecars; above the bound a rewrite "
+                                "of the source is recommended (skipping is free to change, but "
+                                "wastes I/O). Opt-in lists (balance, ablations) are counted "
+                                "apart: the loader applies them only when a run names them.")
     def skipped_share(context: dg.AssetCheckExecutionContext, config: SkipShareConfig,
                       storage: StorageResource) -> dg.AssetCheckResult:
         source, store = context.partition_key, storage.get()
         _, per_leaf = mapping_shards(store.table(MDS_SAMPLES, source))
         shares = skip_shares(tree_store(store, source).current_tree(), per_leaf)
-        share = {leaf: round(k / n, 4) if n else 0.0 for leaf, (n, k) in shares.items()}
-        records = [dg.TableRecord({"stream": leaf, "samples": n, "skipped": k,
-                                   "share": share[leaf]}) for leaf, (n, k) in shares.items()]
-        over = [leaf for leaf in shares if share[leaf] > config.warn_above]
+        records = _stream_table(shares)
+        over = [leaf for leaf, s in shares.items() if s.share > config.warn_above]
+        over_by_reason: Counter = Counter()
+        for leaf in over:
+            over_by_reason.update(shares[leaf].skips.by_reason)
         return dg.AssetCheckResult(
             passed=not over, severity=dg.AssetCheckSeverity.WARN,
             description=skip_share_warning(source, records, over, config.warn_above),
             metadata={"warn_above": config.warn_above,
                       "streams_over": ", ".join(over) or "none",
+                      # What tripped the warning: samples per reason in the streams over.
+                      "over_by_reason": dg.MetadataValue.json(dict(sorted(
+                          over_by_reason.items()))),
+                      "per_reason": _per_reason_table(shares),
                       "per_stream": dg.MetadataValue.table(records, schema=dg.TableSchema(
                           columns=[dg.TableColumn("stream", "string"),
                                    dg.TableColumn("samples", "int"),
                                    dg.TableColumn("skipped", "int"),
-                                   dg.TableColumn("share", "float")]))})
+                                   dg.TableColumn("share", "float"),
+                                   dg.TableColumn("reasons", "string"),
+                                   dg.TableColumn("opt_in", "string")]))})
 
     return skipped_share
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
+import pyarrow.compute as pc
 
 from prx_assets.definitions import build_defs, default_subsets_file
 from prx_assets.defs.report import tag_run_with_warnings
@@ -33,15 +35,13 @@ from prx_assets.storage.tables import (
 CONSOLE_LEVEL = "INFO"
 
 # Checks that warn on the demo's own data, and why: what a new user reads under the warning.
+# A check with an explainer (EXPLAINERS) is explained from what tripped it, per run instead.
 DEMO_NOTES = {
     "caption_labels:label_shares":
         "not expected on the demo (its captions are photos and abstract pictures): look at "
         "the captions so labelled with `make browse` (/?label=nsfw); bounds: LabelSharesConfig",
-    "skip_lists:skipped_share":
-        "expected on the demo: its streams (tier and shape) hold 1-10 samples, so one planted "
-        "duplicate is over 10% of one; on real data, run "
-        "rewrite_shards_job (bound: SkipShareConfig.warn_above)",
 }
+SKIPPED_SHARE = "skip_lists:skipped_share"
 
 
 @dataclass
@@ -54,6 +54,8 @@ class PartitionRun:
     # check -> what it measured, for checks that did not pass (their evaluation's
     # description, else its metadata)
     check_notes: dict = field(default_factory=dict)
+    # check -> its metadata values, for checks that did not pass (what EXPLAINERS read)
+    check_metadata: dict = field(default_factory=dict)
 
 
 def with_console_level(run_config: dict | None, level: str = CONSOLE_LEVEL) -> dict:
@@ -77,7 +79,8 @@ def _run(job, instance: dg.DagsterInstance, run_config: dict | None = None,
 def _partition_run(name: str, result: dg.ExecuteInProcessResult) -> PartitionRun:
     checks, notes = check_results(result)
     return PartitionRun(name, result.success, result.run_id,
-                        _materialization_metadata(result), checks, notes)
+                        _materialization_metadata(result), checks, notes,
+                        failed_check_metadata(result))
 
 
 def materialize_all(sources_file: Path, instance: dg.DagsterInstance | None = None,
@@ -162,19 +165,62 @@ def _materialization_metadata(result: dg.ExecuteInProcessResult) -> dict:
     return metadata
 
 
+def _check_evaluations(result: dg.ExecuteInProcessResult) -> Iterator[tuple[str, Any]]:
+    """("asset:check", its evaluation) for each check evaluation of the run, in order."""
+    for event in result.all_events:
+        if event.event_type_value == "ASSET_CHECK_EVALUATION":
+            evaluation = event.asset_check_evaluation_data
+            yield f"{evaluation.asset_key.to_user_string()}:{evaluation.check_name}", evaluation
+
+
 def check_results(result: dg.ExecuteInProcessResult) -> tuple[dict, dict]:
     """check -> "passed" or "failed (SEVERITY)", and check -> what a check that did not pass
     measured."""
     checks, notes = {}, {}
-    for event in result.all_events:
-        if event.event_type_value == "ASSET_CHECK_EVALUATION":
-            evaluation = event.asset_check_evaluation_data
-            name = f"{evaluation.asset_key.to_user_string()}:{evaluation.check_name}"
-            checks[name] = ("passed" if evaluation.passed
-                            else f"failed ({evaluation.severity.value})")
-            if not evaluation.passed:
-                notes[name] = evaluation.description or _measured(evaluation.metadata)
+    for name, evaluation in _check_evaluations(result):
+        checks[name] = ("passed" if evaluation.passed
+                        else f"failed ({evaluation.severity.value})")
+        if not evaluation.passed:
+            notes[name] = evaluation.description or _measured(evaluation.metadata)
     return checks, notes
+
+
+def failed_check_metadata(result: dg.ExecuteInProcessResult) -> dict:
+    """check -> {entry: value} of each check evaluation that did not pass."""
+    return {name: {k: v.value for k, v in evaluation.metadata.items()}
+            for name, evaluation in _check_evaluations(result) if not evaluation.passed}
+
+
+def skipped_share_explanation(metadata: Mapping) -> str | None:
+    """Why skipped_share warned, from its metadata: the reasons skipped in the streams over
+    the bound, whether those streams are so small that one sample crosses it, and the
+    opt-in lists it did not count."""
+    if "over_by_reason" not in metadata or "per_stream" not in metadata:
+        return None
+    bound = float(metadata["warn_above"])
+    over = set(str(metadata["streams_over"]).split(", ")) - {"none"}
+    sizes = [r.data["samples"] for r in metadata["per_stream"].records
+             if r.data["stream"] in over]
+    reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(
+        metadata["over_by_reason"].items(), key=lambda item: (-item[1], item[0])))
+    parts = [f"tripped by {reasons or 'nothing'} in {len(over)} stream(s)"]
+    tiny = [n for n in sizes if n and 1 / n > bound]
+    if tiny:
+        parts.append(f"{len(tiny)} of them hold {min(tiny)}-{max(tiny)} samples, where one "
+                     f"skipped sample is over {bound:.0%}")
+    per_reason = metadata.get("per_reason")
+    opt_in = [f"{r.data['reason']} {r.data['samples']}"
+              for r in (per_reason.records if per_reason is not None else [])
+              if not r.data["applied"].startswith("by default")]
+    if opt_in:
+        parts.append(f"not counted: the opt-in {', '.join(opt_in)}")
+    parts.append("a stream of real size over the bound: rewrite_shards_job "
+                 "(bound: SkipShareConfig.warn_above)")
+    return "; ".join(parts)
+
+
+# Checks explained from their own metadata (what tripped them), per run.
+EXPLAINERS = {SKIPPED_SHARE: skipped_share_explanation}
 
 
 def _measured(metadata: Mapping[str, dg.MetadataValue]) -> str:
@@ -190,6 +236,9 @@ def check_lines(runs: list[PartitionRun]) -> list[str]:
     checks = {(run.source, name): outcome for run in runs
               for name, outcome in run.checks.items()}
     notes = {(run.source, name): note for run in runs for name, note in run.check_notes.items()}
+    explained = {(run.source, name): EXPLAINERS[name](metadata)
+                 for run in runs for name, metadata in run.check_metadata.items()
+                 if name in EXPLAINERS}
     failing = sorted(key for key, outcome in checks.items() if outcome != "passed")
     lines = [f"checks: {len(checks) - len(failing)} of {len(checks)} passed"
              + (f"; {len(failing)} did not:" if failing else "")]
@@ -200,6 +249,9 @@ def check_lines(runs: list[PartitionRun]) -> list[str]:
                 note = notes.get((source, name))
                 lines.append(f"      {source}: {checks[(source, name)]}"
                              + (f": {note}" if note else ""))
+                why = explained.get((source, name))
+                if why:
+                    lines.append(f"      -> {why}")
         if check in DEMO_NOTES:
             lines.append(f"      -> {DEMO_NOTES[check]}")
     return lines
@@ -238,12 +290,18 @@ def print_summary(runs: list[PartitionRun], sources_file: Path) -> None:
             print(f"   semantic duplicates: {semantic.get('removed')} of "
                   f"{semantic.get('embeddings')} at eps {semantic.get('eps')} ({acted})")
             print(f"      in the {semantic.get('space')}")
+            why = semantic_explanation(semantic, distinct_captions(storage))
+            if why:
+                print("\n".join(wrap(f"      -> {why}")))
         concepts = run.metadata.get(CONCEPTS, {})
         if concepts:
             print(f"   concepts: clusters per level {concepts.get('levels')}; balanced sample "
                   f"{concepts.get('balanced_samples')} of {concepts.get('samples')} (largest/"
                   f"median leaf {concepts.get('largest_to_median_before')} -> "
                   f"{concepts.get('largest_to_median_after')})")
+            why = balance_explanation(concepts)
+            if why:
+                print("\n".join(wrap(f"      -> {why}")))
         corpus = run.metadata.get(CORPUS, {})
         if corpus:
             print(f"   corpus: {corpus.get('dagster/row_count')} rows -> {corpus.get('path')}")
@@ -254,6 +312,45 @@ def print_summary(runs: list[PartitionRun], sources_file: Path) -> None:
         print("\n".join(wrap(line)))
     for line in closing_lines():
         print(line)
+
+
+def distinct_captions(storage: Storage) -> int | None:
+    """Distinct captions among the corpus' samples (None without a corpus table); the
+    column is read whole: the demo's corpus is a few hundred rows."""
+    table = storage.table(CORPUS)
+    if not table.exists():
+        return None
+    return len(pc.unique(table.to_table(columns=["caption"]).column("caption")))
+
+
+def semantic_explanation(semantic: Mapping, captions: int | None) -> str | None:
+    """Why a large semantic share is expected, from the figures: in the caption space an
+    image is its caption, so samples that repeat a caption are one point, and captions
+    worded alike fall within the eps."""
+    removed, rows = semantic.get("removed"), semantic.get("embeddings")
+    if not rows or removed is None or semantic.get("applied_by_skip_lists"):
+        return None
+    share = f"{removed / rows:.0%}"
+    acted = ("reported only, nothing skipped: an image encoder (image_encoder.checkpoint) "
+             "gives groups skip lists act on")
+    if captions is None:
+        return f"{share}: {acted}"
+    repeats = min(removed, rows - captions)
+    return (f"{share} because in the caption space an image is its caption: {repeats} of the "
+            f"{removed} repeat another sample's caption word for word (crops of a few photos "
+            f"share one), the other {removed - repeats} are worded within cosine "
+            f"{1 - float(semantic.get('eps', 0)):.2f} of one; {acted}")
+
+
+def balance_explanation(concepts: Mapping) -> str | None:
+    """What the balance list is, from the figures: the samples the balanced sample leaves
+    out, skipped only by a run that names it."""
+    samples, kept = concepts.get("samples"), concepts.get("balanced_samples")
+    if not samples or kept is None:
+        return None
+    return (f"the other {samples - kept} of {samples} make the opt-in `balance` list: the "
+            f"loader skips them only when a run names it (skip_reasons=[..., \"balance\"]); "
+            f"the grid marks them \"in the balance list, opt-in\"")
 
 
 def closing_lines() -> list[str]:

@@ -62,8 +62,9 @@ def build_dataset(mds_root: Location | str | Path | None, tier: int, batch_size:
     """One stream per leaf of `tier` across the weighted sources' current trees.
 
     weights: per-source weights (default: `weight` in sources.yaml); skip_reasons: `None` for
-    every reason in the sidecars but the opt-in `balance` (name it to train on the balanced
-    concept sample; `stale` always applies); mds_root: `None` for the configured
+    the reasons that apply by default (`skip_lists.DEFAULT_REASONS`: duplicates, labels,
+    opt-outs; `stale` always applies); the opt-in `balance` (the balanced concept sample)
+    and named ablation lists apply only when named here; mds_root: `None` for the configured
     storage's MDS root, a local folder or an `s3://` prefix, whose shards then stream into
     `cache_dir` (downloaded with the credentials of this process's environment). Extra
     kwargs go to `StreamingDataset`.

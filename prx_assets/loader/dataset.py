@@ -35,9 +35,9 @@ from streaming.base.format.base.reader import JointReader
 from prx_assets.storage.leases import ReaderLeaseKeeper
 from prx_assets.storage.refs import Location
 from prx_assets.storage.sidecars import (
-    OPT_IN_REASONS,
     REASON_STALE,
     SIDECAR_SUFFIX,
+    applies_by_default,
     read_sidecar,
     sidecar_name,
     sidecar_path,
@@ -73,8 +73,9 @@ class SkipListStreamingDataset(StreamingDataset):
     Args:
         streams: one `streaming.Stream` per leaf (see `prx_assets.loader.build_dataset`).
         batch_size: per-device batch size (required: batches are formed per stream).
-        skip_reasons: reasons to apply; `None` applies every reason found in the sidecars
-            except the opt-in ones (`balance`: named to be applied), `()` applies none but
+        skip_reasons: reasons to apply; `None` applies the reasons found in the sidecars that
+            apply by default (`skip_lists.DEFAULT_REASONS`; the opt-in `balance` and named
+            ablation lists are applied only when named), `()` applies none but
             `stale` (samples an incremental mds_shards run superseded,
             always applied: they are no longer part of the source).
         shuffle_seed: the seed of the deterministic shuffle.
@@ -100,7 +101,7 @@ class SkipListStreamingDataset(StreamingDataset):
         self.opt_outs_guarded = self._apply_opt_out_guard()
         self.opt_outs_dropped = 0  # yielded samples the guard caught by id (stale mapping)
         self.skip_reasons: list[str] = sorted(
-            set(found) - OPT_IN_REASONS if wanted is None
+            {r for r in found if applies_by_default(r)} if wanted is None
             else {r for r in wanted if r != REASON_STALE or r in found})
         self.skip_counts: Counter = found
         self.skip_digest = hashlib.sha256(np.flatnonzero(self.skipped).tobytes()).hexdigest()[:16]
@@ -133,7 +134,7 @@ class SkipListStreamingDataset(StreamingDataset):
             offset = int(self.sample_offset_per_shard[shard_id])
             for reason, indices in lists.items():
                 found[reason] += len(indices)
-                if (reason not in OPT_IN_REASONS) if wanted is None else (reason in wanted):
+                if applies_by_default(reason) if wanted is None else (reason in wanted):
                     local = np.asarray(indices, np.int64)
                     if local.size and (local.min() < 0 or local.max() >= shard.samples):
                         raise ValueError(f"{path}: index out of range for {shard.samples} samples")

@@ -6,9 +6,10 @@ Beside each shard `shard.NNNNN.mds` of an MDS leaf sits `shard.NNNNN.skip.json`:
     {"version": 1, "lists": {"<reason>": [sorted shard-local sample indices], ...}}
 
 An absent sidecar means nothing is skipped. Reasons are `dedup`, `semdedup` (embedding-space
-duplicates), `balance` (the samples concept balancing leaves out: opt-in, the loader applies
-it only when named), `text`, `nsfw` (and any other caption label chosen), `optout`, `stale`
-(written by mds_shards itself), and one per named ablation list.
+duplicates), `text`, `nsfw` (and any other caption label chosen), `optout`, `stale` (written
+by mds_shards itself): applied by the loader by default (DEFAULT_REASONS); and the opt-in
+ones, applied only when a run names them: `balance` (the samples concept balancing leaves
+out) and one per named ablation list.
 
 A sidecar is replaced whole (`Location.write_text`: locally a temporary file renamed over
 it, on S3 one PUT), so a reader sees the old lists or the new ones, never half a file.
@@ -31,13 +32,37 @@ SHARD_SUFFIX = ".mds"
 SIDECAR_SUFFIX = ".skip.json"
 REASON_DEDUP, REASON_OPTOUT = "dedup", "optout"
 REASON_SEMDEDUP, REASON_BALANCE = "semdedup", "balance"
-# Reasons the loader applies only when a training run names them (skip_reasons=None leaves
-# them out): balancing changes the data mix, which is an experiment, not hygiene.
-OPT_IN_REASONS = frozenset({REASON_BALANCE})
+REASON_RIGHTS = "rights"  # samples without the rights to train on (a reason to come)
+# Caption labels a skip list may name (`SkipListsConfig.skip_labels`): the labels stage's
+# LABELS, spelled out here because the training loader imports this module and not that one
+# (a test keeps the two equal).
+LABEL_REASONS = frozenset({"visual", "text", "nsfw"})
 # Samples an incremental mds_shards run superseded (the id changed or left the source): still
 # stored in an older shard, written by mds_shards itself, always applied by the loader and
 # kept by the skip_lists asset whatever it is configured with; a rewrite drops them.
 REASON_STALE = "stale"
+# The one definition of what the loader skips when a run names no reasons: hygiene (exact
+# and semantic duplicates, caption labels, opt-outs, rights) and stale samples. Every other
+# reason is opt-in, applied only when a run names it: `balance` and each named ablation list
+# change the data mix, which is an experiment, not hygiene. The grid, the sample page, the
+# funnel, the cards and the skipped_share check count skips with this same test.
+DEFAULT_REASONS = frozenset({REASON_DEDUP, REASON_SEMDEDUP, REASON_OPTOUT, REASON_RIGHTS,
+                             REASON_STALE}) | LABEL_REASONS
+
+
+def applies_by_default(reason: str) -> bool:
+    """Whether the loader applies `reason` when a run names none (see DEFAULT_REASONS)."""
+    return reason in DEFAULT_REASONS
+
+
+def by_default(lists: Mapping[str, list[int]]) -> dict[str, list[int]]:
+    """The lists the loader applies by default."""
+    return {reason: ids for reason, ids in lists.items() if applies_by_default(reason)}
+
+
+def opt_in(lists: Mapping[str, list[int]]) -> dict[str, list[int]]:
+    """The opt-in lists (`balance`, named ablations): applied only when a run names them."""
+    return {reason: ids for reason, ids in lists.items() if not applies_by_default(reason)}
 
 
 def sidecar_name(shard_name: str) -> str:

@@ -92,8 +92,9 @@ def test_a_facet_narrows_the_counts(served, tiny, page):
     before = facet(page, "source")
     assert before == {"web": 5, "stock": 4}
     assert sum(shape_cells(page).values()) == 9
-    # A row per tier, a column per aspect ratio: here one tier (512) and four shapes.
-    assert page.locator('[data-facet="shape"] tr').count() == 2
+    # A row per aspect ratio, a column per tier: here four shapes of one tier (512).
+    assert page.locator('[data-facet="shape"] tr').count() == 5
+    assert page.locator('[data-facet="shape"] tr').first.locator("th").count() == 2
     assert shape_cells(page) == {"608x432": 5, "512x512": 2, "576x464": 1, "640x400": 1}
     page.locator('[data-facet="source"] a[data-value="stock"]').click()
     page.wait_for_url(re.compile(r"source=stock"))
@@ -251,6 +252,13 @@ def test_rejected_view_shows_what_was_thrown_away(served, tiny, page):
     reasons = page.locator('[data-facet="reject"] a').evaluate_all(
         "els => els.map(e => [e.dataset.reason, e.dataset.source])")
     assert reasons == [["too_small", "stock"]]  # the 200x200 photo, below the 384 floor
+    # It opens on the largest reason (across sources), in the grid's multi-column layout.
+    assert page.locator("#reject-title").inner_text().startswith("too_small")
+    tracks = page.locator("#rejects").evaluate(
+        "g => getComputedStyle(g).gridTemplateColumns.split(' ').length")
+    assert tracks >= 4, tracks  # 1,400 px wide: as many columns as the grid's
+    tile_width = page.locator("#rejects .tile").first.bounding_box()["width"]
+    assert tile_width < 400, tile_width
     page.locator('[data-facet="reject"] a').first.click()
     page.wait_for_url(re.compile(r"reason=too_small"))
     tiny_id = tiny.id("stock", "tiny.jpg")

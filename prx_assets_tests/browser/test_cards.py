@@ -50,3 +50,21 @@ def test_the_browser_lists_every_tree_and_shows_its_card(client):
     assert status == 200 and "source tree `web`" in source
     assert client.get("/cards/subset/nothing")[0] == 404
     assert client.get("/cards/table/web")[0] == 404
+
+
+def test_a_source_card_shows_what_its_sidecars_skip_now(client, data_root):
+    """The card file is written with the tree, before the source's skip lists: the page adds
+    what the sidecars skip now, by default and in opt-in lists apart."""
+    from prx_assets.stages.shards.trees import current_tree
+    from prx_assets.stages.skip_lists.skip_lists import sidecar_path, write_sidecar
+
+    rows = Storage(str(data_root)).table("mds_samples", "web").to_table().to_pylist()
+    leaf, shard = rows[0]["leaf"], rows[0]["shard"]
+    write_sidecar(sidecar_path(current_tree(data_root / "mds", "web") / leaf / shard),
+                  {"dedup": [0], "balance": [0, 1]})
+    status, source = client.get("/cards/source/web")
+    assert status == 200
+    assert "<th>skipped by default now</th><td>1 (dedup 1)</td>" in source
+    assert "in the balance list, opt-in: 2" in source
+    status, subset = client.get("/cards/subset/few")
+    assert "<th>skipped by default now</th><td>0</td>" in subset

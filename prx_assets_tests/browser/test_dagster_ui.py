@@ -101,34 +101,60 @@ def test_launch_a_partition_from_the_asset_page(dagster_dev, page):
 
 
 @pytest.mark.timeout(600)
-def test_the_funnel_picture_on_the_last_per_source_asset(dagster_dev, page):
+def test_the_funnel_and_histograms_draw_on_the_asset_page(dagster_dev, page):
     """skip_lists (the last per-source asset) carries the source's funnel as a table and a
-    PNG in Markdown; the UI shows the table inline and the picture behind [Show Markdown]
-    (Dagster inlines only Markdown under 1,000 characters), and the small tier × shape
-    matrix inline. The materialisation is reported directly: what is tested is what the UI
-    renders of the metadata skip_lists records (test_dedup_skip_lists runs the asset)."""
+    bar chart; raw_images its megapixel and aspect-ratio histograms. Dagster draws Markdown
+    inline only under 1,000 characters (else it hides it behind [Show Markdown]): the charts
+    are bars of block characters in Markdown tables under that, drawn on the page at once.
+    The materialisations are reported directly: what is tested is what the UI renders of
+    the metadata the assets record (test_dedup_skip_lists and test_images run them)."""
     import dagster as dg
 
-    from prx_assets.defs.report import funnel_metadata, tier_shape_matrix
+    from prx_assets.defs.report import bands_chart, funnel_metadata, tier_shape_matrix
     from prx_assets.stages.report.funnel import Funnel
 
     funnel = Funnel(SOURCE, raw=124, decodable=120, kept=107, captioned=107, labelled=107,
-                    duplicates=6, skipped=8, in_shards=107)
+                    duplicates=6, skipped=8, in_shards=107, opt_in={"balance": 45})
     instance = dg.DagsterInstance.from_config(str(dagster_dev.home))
     instance.report_runless_asset_event(dg.AssetMaterialization(
         "skip_lists", partition=SOURCE, metadata={
             **funnel_metadata(funnel),
             "tier_by_shape": tier_shape_matrix({(512, "512x512"): 60, (512, "608x432"): 47})}))
+    bands = {"< 0.25 MP": 3, "0.25-0.5 MP": 40, "0.5-1 MP": 51, "1-2 MP": 26, "2-4 MP": 4}
+    instance.report_runless_asset_event(dg.AssetMaterialization(
+        "raw_images", partition=SOURCE, metadata={
+            "megapixels_chart": bands_chart(bands, "decodable images by megapixels"),
+            "aspect_ratios_chart": bands_chart({"0.75": 30, "1": 70, "1.33": 24},
+                                               "decodable images by width / height")}))
+    page.set_viewport_size({"width": 1500, "height": 1000})
     page.goto(dagster_dev.url + f"/assets/skip_lists?partition={SOURCE}")
     row = page.locator("tr", has=page.get_by_text("funnel", exact=True)).first
     row.get_by_text("streamed by loader", exact=True).wait_for()
     assert row.get_by_text("79.8 %", exact=True).count() == 1
     matrix = page.locator("tr", has=page.get_by_text("tier_by_shape", exact=True)).first
     matrix.get_by_text("47 · 608x432").wait_for()  # a Markdown table, rendered inline
-    page.locator("tr", has=page.get_by_text("funnel_chart", exact=True)).first \
-        .get_by_text("[Show Markdown]").click()
-    picture = page.get_by_role("dialog").locator(f'img[alt="{SOURCE} funnel"]')
-    picture.wait_for()
-    page.wait_for_function("i => i.complete && i.naturalWidth > 0", arg=picture.element_handle())
-    assert picture.evaluate("i => i.naturalWidth") == 560
+    chart = page.locator("tr", has=page.get_by_text("funnel_chart", exact=True)).first
+    chart.get_by_text(f"{SOURCE}: where the images go").wait_for()  # drawn, not behind a link
+    assert chart.get_by_text("[Show Markdown]").count() == 0
+    bars = chart.locator("td", has_text=re.compile("^[█▏▎▍▌▋▊▉]+$"))
+    assert bars.count() == len(funnel.rows())  # a bar per stage
+    text_width = ("e => { const r = document.createRange(); r.selectNodeContents(e); "
+                  "return r.getBoundingClientRect().width; }")
+    widths = bars.evaluate_all(f"els => els.map({text_width})")
+    assert max(widths) > 3 * min(widths)  # bars drawn to scale: raw against skipped
+    # Drawn whole: the chart ends inside its cell (the UI clips what runs over).
+    cell = chart.locator(":scope > td").last.bounding_box()
+    drawn = chart.locator("table").first.bounding_box()
+    assert drawn["x"] + drawn["width"] <= cell["x"] + cell["width"], (drawn, cell)
+    page.get_by_text("balance 45 (skipped only when named)").wait_for()
+    chart.scroll_into_view_if_needed()
     screenshot(page, "dagster_funnel")
+
+    page.goto(dagster_dev.url + f"/assets/raw_images?partition={SOURCE}")
+    for key, title in (("megapixels_chart", "decodable images by megapixels"),
+                       ("aspect_ratios_chart", "decodable images by width / height")):
+        histogram = page.locator("tr", has=page.get_by_text(key, exact=True)).first
+        histogram.get_by_text(title).wait_for()
+        assert histogram.get_by_text("[Show Markdown]").count() == 0
+        assert histogram.locator("td", has_text=re.compile("^█")).count() >= 3
+    screenshot(page, "dagster_histograms")

@@ -8,6 +8,7 @@ import json
 from datetime import UTC, datetime
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
@@ -159,3 +160,27 @@ def test_the_shape_facet_is_a_grid_of_tiers_by_aspect_ratio():
     assert grid.rows == [(512, [("432x608", 1), ("512x512", 2), ("608x432", 5)]),
                          (1024, [None, ("1024x1024", 1), ("1216x864", 3)])]
     assert shape_grid([]).rows == []
+
+
+def test_opt_in_lists_are_counted_apart_from_what_is_skipped_by_default():
+    """The grid's header, badges, facets and `skip=any` count skips as the loader applies
+    them by default; the balance list and ablations are opt-in, shown as such."""
+    from prx_assets.browser.queries import fate, fate_counts, opt_in_words
+
+    sets = {"dup": {"duplicate": facets.IdSet.of(["s:01"]), "kept": facets.IdSet.of(["s:02"])},
+            "skip": {"dedup": facets.IdSet.of(["s:01"]), "optout": facets.IdSet.of(["s:03"]),
+                     "balance": facets.IdSet.of(["s:03", "s:04", "s:05"]),
+                     "no_blue": facets.IdSet.of(["s:05"])}}
+    assert fate("s:01", sets) == ("removed", "removed: duplicate")
+    assert fate("s:03", sets) == ("skipped", "skipped: optout")  # balance too: skipped anyway
+    assert fate("s:04", sets) == ("trains", "trains · in the balance list, opt-in")
+    assert fate("s:05", sets) == ("trains", "trains · in the balance, no_blue lists, opt-in")
+    assert fate("s:06", sets) == ("trains", "trains")
+    assert fate_counts(10, sets) == {"trains": 8, "skipped": 1, "removed": 1,
+                                     "opt_in": {"balance": 3, "no_blue": 1}}
+    assert opt_in_words([]) == ""
+    where = facets.corpus_filter(facets.Query(skip="any"), sets)
+    table = pa.table({"id": [f"s:{n:02d}" for n in range(1, 7)]})
+    assert table.filter(where).column("id").to_pylist() == ["s:01", "s:03"]
+    where = facets.corpus_filter(facets.Query(skip="balance"), sets)  # an opt-in list, named
+    assert table.filter(where).column("id").to_pylist() == ["s:03", "s:04", "s:05"]

@@ -1,4 +1,5 @@
-"""`balance` is opt-in in the loader: skip_reasons=None applies every other reason found."""
+"""`balance` and named ablation lists are opt-in in the loader: skip_reasons=None applies the
+reasons that apply by default (skip_lists.DEFAULT_REASONS) and counts the others."""
 
 import gc
 import json
@@ -29,7 +30,7 @@ def tree(tmp_path):
         by_shard.setdefault((row["leaf"], row["shard"]), []).append(row["sample_index"])
     (leaf, shard), indices = sorted(by_shard.items())[0]
     indices = sorted(indices)
-    lists = {"semdedup": indices[:2], "balance": indices[2:6]}
+    lists = {"semdedup": indices[:2], "balance": indices[2:6], "no_blue": indices[6:7]}
     path = sidecar_path(trees.current_tree(root / "mds", "alpha") / leaf / shard)
     path.write_text(json.dumps({"version": 1, "lists": lists}))
     yield root / "mds"
@@ -37,13 +38,19 @@ def tree(tmp_path):
     release_shared_memory(tmp_path)
 
 
-def test_balance_applies_only_when_named(tree):
+def test_balance_and_ablations_apply_only_when_named(tree):
     default = build_dataset(tree, 1, 2, weights={"alpha": 1.0}, shuffle=False)
     assert default.skip_reasons == ["semdedup"]
     assert int(default.skipped.sum()) == 2
     assert default.skip_counts["balance"] == 4  # found and counted, not applied
+    assert default.skip_counts["no_blue"] == 1  # an ablation list: the same
     del default
     balanced = build_dataset(tree, 1, 2, weights={"alpha": 1.0}, shuffle=False,
                              skip_reasons=["semdedup", "balance"])
     assert balanced.skip_reasons == ["balance", "semdedup"]
     assert int(balanced.skipped.sum()) == 6
+    del balanced
+    ablated = build_dataset(tree, 1, 2, weights={"alpha": 1.0}, shuffle=False,
+                            skip_reasons=["semdedup", "no_blue"])
+    assert ablated.skip_reasons == ["no_blue", "semdedup"]
+    assert int(ablated.skipped.sum()) == 3

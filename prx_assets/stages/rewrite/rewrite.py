@@ -26,6 +26,7 @@ from prx_assets.stages.skip_lists.skip_lists import (
     MAPPING_COLUMNS,
     SCAN_ROWS,
     ApplyReport,
+    applies_by_default,
     build_skip_lists,
     reasons_in,
     skipped_ids,
@@ -92,7 +93,9 @@ def rewrite_without_skipped(inputs: SampleInputs, storage: Storage | str | Path,
                             reasons: Iterable[str] | None = None,
                             options: WriteOptions | None = None,
                             log: Callable[[str], None] = logger.info) -> RewriteReport:
-    """Rebuild `source`'s tree without the samples skipped for `reasons` (all by default).
+    """Rebuild `source`'s tree without the samples skipped for `reasons` (by default the
+    reasons the loader applies by default: the opt-in `balance` and ablation lists stay skip
+    lists of the new tree, so a run that does not name them still reads their samples).
     Stale samples (superseded by an incremental run) are never in the mapping table, so the
     rewrite leaves them out whatever `reasons` says."""
     storage = as_storage(storage)
@@ -100,7 +103,8 @@ def rewrite_without_skipped(inputs: SampleInputs, storage: Storage | str | Path,
     old_tree = tree_store(storage, source).current_tree()
     mapping = storage.table(MDS_SAMPLES, source)
     present = reasons_in(old_tree) - {REASON_STALE}
-    rewritten = sorted(present if reasons is None else set(reasons) & present)
+    rewritten = sorted({r for r in present if applies_by_default(r)} if reasons is None
+                       else set(reasons) & present)
     excluded = skipped_ids(old_tree, mapping, rewritten)
     kept_lists = {r: _without(skipped_ids(old_tree, mapping, [r]), excluded)
                   for r in sorted(present - set(rewritten))}

@@ -127,7 +127,7 @@ def card_markdown(card: dict) -> str:
                  f"{c.get('level', '-')} present; {c.get('samples', 0):,} samples carry one."
                  if c else "No concepts table.")
     lines += ["", "## Dedup and skips", ""]
-    lines += [f"- {reason}: {n:,}" for reason, n in card["skips"].items()] or ["- none"]
+    lines += [skip_line(reason, n) for reason, n in card["skips"].items()] or ["- none"]
     if card.get("selection"):
         lines += ["", "## Selection", ""]
         selection = dict(card["selection"])
@@ -183,6 +183,15 @@ def leaf_counts(tree: Location) -> dict[str, int]:
     from prx_assets.storage.trees import leaf_names, leaf_samples
 
     return {name: leaf_samples(tree / name) for name in leaf_names(tree)}
+
+
+def skip_line(reason: str, samples: int) -> str:
+    """"- dedup: 12", or "- balance: 45 (opt-in list: skipped only when a run names it)"."""
+    from prx_assets.storage.sidecars import applies_by_default
+
+    note = "" if applies_by_default(reason) else \
+        " (opt-in list: skipped only when a run names it)"
+    return f"- {reason}: {samples:,}{note}"
 
 
 def skip_counts(tree: Location) -> dict[str, int]:

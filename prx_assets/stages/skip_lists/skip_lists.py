@@ -30,10 +30,12 @@ from prx_assets.storage.layout import Storage
 from prx_assets.storage.leases import Lease, tree_lease
 from prx_assets.storage.refs import Location, TableRef, as_location
 from prx_assets.storage.sidecars import (
+    DEFAULT_REASONS,
     REASON_BALANCE,
-    REASON_SEMDEDUP,
     REASON_STALE,
     SIDECAR_SUFFIX,
+    applies_by_default,
+    by_default,
     read_sidecar,
     shard_name_of,
     sidecar_body,
@@ -56,8 +58,7 @@ from prx_assets.storage.trees import (
 
 ABLATION_NAME = re.compile(r"^[a-z0-9_]+$")
 # An ablation list is its own reason, so it cannot take a built-in reason's name.
-RESERVED_REASONS = frozenset({"dedup", "optout", "text", "nsfw", "visual", REASON_STALE,
-                              REASON_SEMDEDUP, REASON_BALANCE})
+RESERVED_REASONS = DEFAULT_REASONS | {REASON_BALANCE}
 # Columns of the MDS mapping table (`mds_samples`) a skip list needs.
 MAPPING_COLUMNS = ["id", "leaf", "shard", "sample_index"]
 SCAN_ROWS = 1 << 18  # rows per batch when scanning a table for ids
@@ -107,8 +108,10 @@ class ApplyReport:
     unchanged: int = 0
     shards: int = 0
     skipped_per_reason: Counter = field(default_factory=Counter)
-    skipped_total: int = 0
+    skipped_total: int = 0  # samples any reason lists, opt-in ones included
     skipped_per_leaf: dict[str, int] = field(default_factory=dict)
+    # Samples the loader skips when a run names no reasons (DEFAULT_REASONS), each once.
+    skipped_by_default: int = 0
     # Samples skipped now and not before, or the other way round (any reason counts once).
     samples_changed: int = 0
 
@@ -118,7 +121,7 @@ class ApplyReport:
     def add(self, other: ApplyReport) -> None:
         """Count in the report of other shards (a build staging its sidecars per group)."""
         for name in ("written", "removed", "unchanged", "shards", "skipped_total",
-                     "samples_changed"):
+                     "skipped_by_default", "samples_changed"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.skipped_per_reason.update(other.skipped_per_reason)
         for leaf, skipped in other.skipped_per_leaf.items():
@@ -168,6 +171,7 @@ def _count_skipped(report: ApplyReport, final: SkipLists) -> ApplyReport:
             report.skipped_per_reason[reason] += len(ids)
         report.skipped_per_leaf[leaf] = (report.skipped_per_leaf.get(leaf, 0)
                                          + len(skipped_indices(by_reason)))
+        report.skipped_by_default += len(skipped_indices(by_default(by_reason)))
     report.skipped_total = sum(report.skipped_per_leaf.values())
     return report
 
@@ -356,19 +360,56 @@ def label_ids(labels_table: TableRef, labels: Iterable[str], caption_version: st
     return found
 
 
-def skip_shares(tree: Location, per_leaf: Mapping[str, int]) -> dict[str, tuple[int, int]]:
-    """(stored samples, skipped) per stream (leaf), read back from the tree's sidecars;
+@dataclass
+class SkipTally:
+    """What sidecars skip, told apart as the loader tells it: `skipped` samples by default
+    (each once, whatever its reasons), `by_reason` samples per default reason, and `opt_in`
+    samples per opt-in list (counted, not skipped)."""
+
+    skipped: int = 0
+    by_reason: Counter = field(default_factory=Counter)
+    opt_in: Counter = field(default_factory=Counter)
+
+    def add(self, lists: Mapping[str, list[int]]) -> None:
+        """Count one shard's lists in."""
+        self.skipped += len(skipped_indices(by_default(lists)))
+        for reason, ids in lists.items():
+            (self.by_reason if applies_by_default(reason) else self.opt_in)[reason] += len(ids)
+
+
+@dataclass
+class StreamSkips:
+    """One stream (leaf): samples stored and what its sidecars skip."""
+
+    samples: int
+    skips: SkipTally
+
+    @property
+    def share(self) -> float:
+        """The share of the stream skipped by default."""
+        return self.skips.skipped / self.samples if self.samples else 0.0
+
+
+def skip_shares(tree: Location, per_leaf: Mapping[str, int]) -> dict[str, StreamSkips]:
+    """Samples stored and skipped per stream (leaf), read back from the tree's sidecars;
     `per_leaf` is the mapping table's live samples per leaf. Stale samples are stored and
     read past but not in the mapping: they count as stored and as skipped."""
-    skipped: Counter = Counter()
-    stale: Counter = Counter()
+    tallies: dict[str, SkipTally] = {}
     for sidecar in tree_sidecars(tree):
         leaf = sidecar.parent.uri[len(tree.uri.rstrip("/")) + 1:]
-        lists = read_sidecar(sidecar)
-        skipped[leaf] += len(skipped_indices(lists))
-        stale[leaf] += len(lists.get(REASON_STALE, []))
-    leaves = sorted(set(per_leaf) | set(stale))
-    return {leaf: (per_leaf.get(leaf, 0) + stale[leaf], skipped.get(leaf, 0)) for leaf in leaves}
+        tallies.setdefault(leaf, SkipTally()).add(read_sidecar(sidecar))
+    leaves = sorted(set(per_leaf) | set(tallies))
+    return {leaf: StreamSkips(per_leaf.get(leaf, 0)
+                              + tallies.get(leaf, SkipTally()).by_reason[REASON_STALE],
+                              tallies.get(leaf, SkipTally())) for leaf in leaves}
+
+
+def tree_skips(tree: Location) -> SkipTally:
+    """What every sidecar of a tree skips (a local folder or a version's `s3://` prefix)."""
+    tally = SkipTally()
+    for sidecar in tree_sidecars(tree):
+        tally.add(read_sidecar(sidecar))
+    return tally
 
 
 def skipped_ids(tree: Location | str | PurePath, mapping: TableRef,

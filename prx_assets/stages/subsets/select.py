@@ -22,7 +22,12 @@ import pyarrow.compute as pc
 from prx_assets.stages.attributes.schema import ORIGIN_CAPTION, SCHEMA_VERSION, fields
 from prx_assets.stages.subsets.definitions import AttributeCondition, SubsetDefinition
 from prx_assets.storage.refs import Location, TableRef
-from prx_assets.storage.sidecars import OPT_IN_REASONS, read_sidecar, sidecar_name
+from prx_assets.storage.sidecars import (
+    by_default,
+    read_sidecar,
+    sidecar_name,
+    skipped_indices,
+)
 
 MAPPING_COLUMNS = ["id", "source", "tier", "width", "height", "leaf", "shard", "sample_index"]
 
@@ -41,8 +46,9 @@ class SourceTables:
 
 
 def skipped_rows(mapping: pa.Table, tree: Location) -> pa.Array:
-    """A boolean per mapping row: skipped by a sidecar of the tree (any reason but the
-    opt-in ones), so a subset never carries a deduplicated, opted-out or unsafe sample."""
+    """A boolean per mapping row: skipped by a sidecar of the tree for a reason the loader
+    applies by default (not the opt-in ones), so a subset never carries a deduplicated,
+    opted-out or unsafe sample."""
     skipped = np.zeros(mapping.num_rows, dtype=bool)
     if mapping.num_rows == 0:
         return pa.array(skipped)
@@ -51,8 +57,7 @@ def skipped_rows(mapping: pa.Table, tree: Location) -> pa.Array:
     index = mapping.column("sample_index").to_numpy()
     for leaf, shard in {(str(a), str(b)) for a, b in zip(leaves, shards, strict=True)}:
         lists = read_sidecar(tree / leaf / sidecar_name(shard))
-        # What the loader skips by default: every reason but the opt-in ones.
-        skip = {i for reason, ids in lists.items() if reason not in OPT_IN_REASONS for i in ids}
+        skip = skipped_indices(by_default(lists))
         if skip:
             here = (leaves == leaf) & (shards == shard)
             skipped |= here & np.isin(index, list(skip))

@@ -1,12 +1,9 @@
 """Numbers for people: sizes, shares, durations, bar charts and the tier × shape matrix."""
 
-import io
-
-from PIL import Image
-
 from prx_assets.stages.report.charts import (
-    CHART_WIDTH_PX,
-    bar_chart_png,
+    INLINE_MARKDOWN_CHARS,
+    bar,
+    bar_chart_markdown,
     human_bytes,
     human_duration,
     percent,
@@ -24,16 +21,36 @@ def test_sizes_shares_and_durations_read_as_words():
         "4.2 s", "1 min 15 s", "1 h 2 min")
 
 
-def test_a_bar_chart_is_a_small_png_with_a_bar_per_label():
-    png = bar_chart_png(["raw", "kept", "in shards"], [124, 107, 0], "where the images go",
-                        ["124 (100 %)", "107 (86 %)", "0 (0 %)"])
-    image = Image.open(io.BytesIO(png))
-    assert image.format == "PNG" and image.width == CHART_WIDTH_PX
-    assert len(png) < 40_000
-    taller = Image.open(io.BytesIO(bar_chart_png([str(i) for i in range(9)], list(range(9)),
-                                                 "nine")))
-    assert taller.height > image.height  # a row per label
+def test_a_bar_is_block_characters_in_eighths():
+    assert bar(10, 10, 4) == "████"
+    assert bar(5, 10, 4) == "██"
+    assert bar(1, 10, 4) == "▍"  # 3.2 eighths -> 3
+    assert bar(0, 10, 4) == "" and bar(3, 0, 4) == ""
+
+
+def test_a_bar_chart_is_markdown_short_enough_for_the_ui_to_draw_inline():
+    chart = bar_chart_markdown(["raw", "kept", "in shards"], [124, 107, 0],
+                               "where the images go", ["124 (100 %)", "107 (86 %)", "0 (0 %)"])
+    assert "124\u00a0(100\u00a0%)" in chart  # a value never breaks across lines
+    assert chart.replace("\u00a0", " ").splitlines() == [
+        "**where the images go**", "", "| | | |", "| --- | ---: | --- |",
+        f"| raw | 124 (100 %) | {'█' * 12} |",
+        f"| kept | 107 (86 %) | {'█' * 10}▍ |",  # 82.8 eighths
+        "| in shards | 0 (0 %) |  |"]
     assert png_markdown(b"\x89PNG", "x") == "![x](data:image/png;base64,iVBORw==)"
+
+
+def test_a_long_chart_narrows_its_bars_then_counts_the_rows_left_out():
+    labels = [f"a long band label {i}" for i in range(40)]
+    chart = bar_chart_markdown(labels, list(range(40)), "forty bands")
+    assert len(chart) < INLINE_MARKDOWN_CHARS
+    rows = chart.splitlines()
+    assert rows[-1].startswith("| … ") and rows[-1].endswith(" more | | |")
+    shown = len(rows) - 5
+    assert rows[-1] == f"| … {40 - shown} more | | |"
+    narrow = bar_chart_markdown(labels[:24], [5] * 24, "twenty-four")
+    assert len(narrow) < INLINE_MARKDOWN_CHARS and "more" not in narrow
+    assert max(len(r.split("|")[3].strip()) for r in narrow.splitlines()[4:]) < 12
 
 
 def test_the_tier_by_shape_matrix_has_a_row_per_tier_and_a_column_per_aspect():

@@ -21,8 +21,9 @@ SHAPES = ((1, 48, 48), (1, 64, 48))
 
 
 def _loader_ids(root) -> list[str]:
+    # The ablation list is opt-in: named, as the training run that compares it would.
     dataset = build_dataset(root / "mds", tier=1, batch_size=1, weights={"web": 1.0},
-                            shuffle=False)
+                            shuffle=False, skip_reasons=["dedup", "nsfw", "no_blue"])
     ids = [dataset[i]["id"] for i in range(dataset.num_samples) if not dataset.skipped[i]]
     streamed = [sample["id"] for sample in dataset]
     del dataset
@@ -69,7 +70,12 @@ def test_rewrite_yields_the_same_ids_and_empties_the_skip_lists(tmp_path, plan_r
     assert [p.parent.name for p in sidecar_files(tree)]  # only no_blue survives
     assert report.carried_over.skipped_per_reason.keys() == {"no_blue"}
 
+    # By default the opt-in ablation list stays a skip list; named, its samples leave too.
     report = rewrite_without_skipped(inputs_for(root, "web"), root, "web", options=options)
+    assert report.rewritten_reasons == [] and report.excluded == 0
+    assert report.carried_over.skipped_per_reason.keys() == {"no_blue"}
+    report = rewrite_without_skipped(inputs_for(root, "web"), root, "web",
+                                     reasons=["no_blue"], options=options)
     assert set(_loader_ids(root)) == set(before)
     assert sidecar_files(trees.current_tree(root, "web")) == []  # skip lists now empty
     left = set(mapping.to_table(columns=["id"]).column("id").to_pylist())

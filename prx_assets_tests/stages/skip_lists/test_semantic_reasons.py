@@ -14,7 +14,7 @@ from prx_assets.stages.skip_lists.skip_lists import (
 )
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.refs import TableRef
-from prx_assets.storage.sidecars import OPT_IN_REASONS
+from prx_assets.storage.sidecars import applies_by_default
 
 
 def test_semdedup_and_balance_ids_per_source(tmp_path):
@@ -46,7 +46,7 @@ def test_semdedup_and_balance_ids_per_source(tmp_path):
                                "shard": ["shard.00000.mds"] * 2, "sample_index": [0, 1]})
     lists = build_skip_lists([mapping], {"semdedup": {"web:b"}, "balance": {"web:b"}})
     assert lists == {("512/a", "shard.00000.mds"): {"semdedup": [1], "balance": [1]}}
-    assert {"balance"} == OPT_IN_REASONS
+    assert applies_by_default("semdedup") and not applies_by_default("balance")
 
 
 @pytest.mark.parametrize("name", ["semdedup", "balance"])

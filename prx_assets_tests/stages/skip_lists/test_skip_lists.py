@@ -224,3 +224,55 @@ def test_dedup_and_label_reasons_are_read_from_a_bucket(s3_server, s3_root, monk
     assert label_ids(labels, ["text"], "cap", "cls") == {"text": {"web:3"}}
     assert label_ids(store.table("caption_labels", "other"), ["text"], "cap", "cls") == {
         "text": set()}
+
+
+def test_one_definition_of_what_the_loader_skips_by_default():
+    """Hygiene reasons apply by default; balance and every named ablation only when named.
+    The label reasons are the labels stage's labels (spelled out for the loader's sake)."""
+    from prx_assets.stages.labels.labels import LABELS
+    from prx_assets.stages.skip_lists.skip_lists import (
+        DEFAULT_REASONS,
+        LABEL_REASONS,
+        RESERVED_REASONS,
+        applies_by_default,
+        by_default,
+        opt_in,
+    )
+
+    assert set(LABELS) == LABEL_REASONS
+    for reason in ("dedup", "semdedup", "text", "nsfw", "optout", "rights", "stale"):
+        assert applies_by_default(reason), reason
+    for reason in ("balance", "no_blue", "ablation_1"):
+        assert not applies_by_default(reason), reason
+    assert DEFAULT_REASONS | {"balance"} == RESERVED_REASONS
+    lists = {"dedup": [1], "balance": [2, 3], "no_blue": [4]}
+    assert by_default(lists) == {"dedup": [1]}
+    assert opt_in(lists) == {"balance": [2, 3], "no_blue": [4]}
+
+
+def test_skip_shares_count_default_reasons_and_opt_in_lists_apart(tmp_path):
+    from prx_assets.stages.skip_lists.skip_lists import skip_shares, tree_skips
+    from prx_assets.storage.refs import as_location
+
+    leaf = tmp_path / "512" / "512x512"
+    leaf.mkdir(parents=True)
+    write_sidecar(sidecar_path(leaf / "shard.00000.mds"),
+                  {"dedup": [0, 1], "semdedup": [1], "balance": [2, 3, 4], "no_blue": [5]})
+    write_sidecar(sidecar_path(leaf / "shard.00001.mds"), {"stale": [0]})
+    shares = skip_shares(as_location(tmp_path), {"512/512x512": 20})
+    stream = shares["512/512x512"]
+    assert stream.samples == 21  # 20 live + 1 stale, stored and read past
+    assert stream.skips.skipped == 3  # samples 0 and 1 once each, and the stale one
+    assert stream.share == 3 / 21
+    assert stream.skips.by_reason == {"dedup": 2, "semdedup": 1, "stale": 1}
+    assert stream.skips.opt_in == {"balance": 3, "no_blue": 1}
+    assert tree_skips(as_location(tmp_path)).skipped == 3
+
+
+def test_an_apply_report_counts_default_skips_apart_from_opt_in_lists(tmp_path):
+    leaf = tmp_path / "512" / "512x512"
+    leaf.mkdir(parents=True)
+    key = ("512/512x512", "shard.00000.mds")
+    report = apply_skip_lists(tmp_path, {key: {"dedup": [0], "balance": [0, 1, 2]}}, [key])
+    assert (report.skipped_total, report.skipped_by_default) == (3, 1)
+    assert report.skipped_per_reason == {"dedup": 1, "balance": 3}
