@@ -230,10 +230,10 @@ def test_one_definition_of_what_the_loader_skips_by_default():
     """Hygiene reasons apply by default; balance and every named ablation only when named.
     The label reasons are the labels stage's labels (spelled out for the loader's sake)."""
     from prx_assets.stages.labels.labels import LABELS
-    from prx_assets.stages.skip_lists.skip_lists import (
+    from prx_assets.stages.skip_lists.skip_lists import RESERVED_REASONS
+    from prx_assets.storage.sidecars import (
         DEFAULT_REASONS,
         LABEL_REASONS,
-        RESERVED_REASONS,
         applies_by_default,
         by_default,
         opt_in,
