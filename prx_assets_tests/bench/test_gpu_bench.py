@@ -37,6 +37,7 @@ STAGE_FIELDS = {"rows", "wall_s", "time_to_first_result_s", "steady_s", "steady_
                 "processes_by_group", "lance_rows"}
 
 
+@pytest.mark.e2e  # the bench in a subprocess
 def test_without_a_gpu_it_says_so_and_exits_non_zero(tmp_path):
     # No nvidia-smi on the PATH: what a machine without a GPU driver looks like.
     env = {**os.environ, "PATH": str(Path(sys.executable).parent), "PYTHONPATH": str(REPO)}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.source_sensor import measure, measure_s3
 
 
@@ -11,6 +13,7 @@ def test_the_sensor_bench_times_a_tick_and_a_bare_listing(tmp_path):
     assert "2,000 local files" in figure.metric and figure.baseline_name == "bare listing"
 
 
+@pytest.mark.s3  # measure_s3 starts its own S3 server
 def test_the_sensor_bench_on_the_s3_server_lists_the_same_objects_both_ways(tmp_path):
     (figure,) = measure_s3(tmp_path, 200)
     assert figure.value > 0 and figure.baseline_value > 0

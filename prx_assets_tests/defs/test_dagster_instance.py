@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import dagster as dg
+import pytest
 from dagster._core.instance.ref import InstanceRef
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,6 +25,7 @@ defs = dg.Definitions(assets=[one])
 '''
 
 
+@pytest.mark.e2e  # a `dagster` command runs the asset
 def test_a_dagster_command_from_another_folder_records_its_run_in_dagster_home(tmp_path):
     home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
     home.mkdir()

@@ -89,6 +89,7 @@ def test_missing_source_path_fails_that_partition_clearly(ray_session, data_root
     assert "source 'gone'" in message and "/nonexistent/images" in message
 
 
+@pytest.mark.e2e  # `dagster definitions validate` in a subprocess
 def test_code_location_validates_from_the_workspace():
     root = Path(__file__).parents[2]
     dagster = Path(sys.executable).parent / "dagster"
@@ -153,6 +154,7 @@ def test_reruns_report_what_changed_and_keep_the_data_version_when_nothing_did(
                                                               "new.jpg"))
 
 
+@pytest.mark.e2e  # a run in a subprocess, killed
 def test_a_run_killed_after_a_chunk_commit_resumes_with_only_the_rest(
         ray_session, data_root, tmp_path):
     """SIGKILL of the run's whole process group right after its first chunk committed (the

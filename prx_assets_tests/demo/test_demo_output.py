@@ -8,9 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from prx_assets.demo.console import MAX_WIDTH, NATIVE_NOTICES
 from prx_assets.testing.images import jpeg_bytes
 from prx_assets.testing.sources import write_sources
+
+pytestmark = pytest.mark.e2e  # the demo in a subprocess
 
 REPO = Path(__file__).resolve().parents[2]
 SIZES = [(480, 360), (360, 480), (640, 360), (512, 512), (900, 600), (400, 700)]

@@ -152,6 +152,7 @@ def test_resume_with_other_skip_lists_is_refused(corpus):
     same_reasons.load_state_dict(state)  # same lists: accepted
 
 
+@pytest.mark.e2e  # ranks in subprocesses
 def test_ranks_and_workers_get_equal_disjoint_batches(corpus):
     """Two ranks on one node (real processes, gloo), each with two DataLoader workers;
     weights proportional to size, so no sample is upsampled (repeated)."""

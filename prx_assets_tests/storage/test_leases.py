@@ -30,7 +30,7 @@ from prx_assets.storage.refs import Location
 from prx_assets.storage.trees import TreeStore, hold_current_tree, new_tree_version
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
 def root(request, tmp_path) -> Location:
     if request.param == "local":
         return Storage(str(tmp_path / "data")).location()

@@ -290,7 +290,7 @@ def test_two_writers_creating_the_same_table_both_land(s3_server, s3_root):
     assert sorted(ids) == ["shared", "x", "y"]
 
 
-@pytest.mark.parametrize("where", ["s3", "local"])
+@pytest.mark.parametrize("where", [pytest.param("s3", marks=pytest.mark.s3), "local"])
 def test_a_create_that_finds_the_table_created_meanwhile_merges_into_it(
         where, request, tmp_path, monkeypatch):
     """The create race made deterministic: the other writer's whole upsert lands after this

@@ -22,6 +22,8 @@ from prx_assets.testing.s3_writers import (
     wait_until,
 )
 
+pytestmark = pytest.mark.e2e  # writers in subprocesses
+
 POINT = "storage.upsert_uncommitted"
 
 
@@ -149,7 +151,7 @@ class _LocalDisk:
 @pytest.mark.parametrize(("existing", "verb"), [
     ([], "replace"), (["s0", "s1", "s9"], "replace"), (["s0", "s1", "s9"], "replace-ids")],
     ids=["first", "replacing", "replacing-by-id"])
-@pytest.mark.parametrize("store", ["local", "s3"])
+@pytest.mark.parametrize("store", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_two_replacements_of_one_source_never_double_or_lose_its_rows(
         request, tmp_path: Path, existing: list[str], verb: str, store: str):
     """Two `corpus` writers replacing one source's rows (`replace_where`), both planned on

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
 
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
 from prx_assets.stages.shards import groups, mds, plan, verify
@@ -119,6 +120,7 @@ mds.write_mds_tree(inputs_for(root, "web"), root, "web", plan.WriteOptions(
 """
 
 
+@pytest.mark.e2e  # a build in a subprocess, killed
 def test_a_kill_before_the_mapping_commit_keeps_the_previous_tree(data_root, tmp_path):
     build_corpus(data_root, "web", per_shape=7)
     first = write(data_root, GROUPED)

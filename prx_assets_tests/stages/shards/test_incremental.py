@@ -143,6 +143,7 @@ mds.write_mds_tree(inputs_for(root, "web"), root, "web",
 """
 
 
+@pytest.mark.e2e  # a build in a subprocess, killed
 def test_a_kill_mid_append_leaves_the_previous_tree_and_the_rerun_has_no_duplicates(
         data_root, tmp_path):
     corpus = build_corpus(data_root, "web", per_shape=4)

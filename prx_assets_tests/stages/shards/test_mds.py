@@ -132,6 +132,7 @@ mds.write_mds_tree(inputs_for(root, "web"), root, "web",
 """
 
 
+@pytest.mark.e2e  # a build in a subprocess, killed
 def test_a_killed_build_leaves_the_previous_tree_current(data_root, tmp_path):
     corpus = build_corpus(data_root, "web", per_shape=6)
     before = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web",

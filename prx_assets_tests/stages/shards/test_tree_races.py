@@ -36,7 +36,7 @@ from prx_assets.testing.tree_writers import Writer
 HELD, WAITING = "mds.write_part", "leases.waiting"
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
 def root(request, tmp_path, monkeypatch) -> str:
     """A data root with a built tree of `web` (small shards, several leaves)."""
     local = tmp_path / "data"
@@ -166,6 +166,8 @@ from pathlib import Path
 from prx_assets.stages.shards import mds
 from prx_assets.testing.mds_corpus import WRITE_OPTIONS as OPTIONS
 from prx_assets.testing.mds_corpus import inputs_for
+
+pytestmark = pytest.mark.e2e  # builds and skip lists in subprocesses
 root = Path(sys.argv[1])
 mds.write_mds_tree(inputs_for(root, "web"), root, "web", OPTIONS)
 """
@@ -196,7 +198,7 @@ def test_a_killed_holders_lease_expires_and_the_next_build_takes_over(data_root,
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("root", ["s3"], indirect=True)
+@pytest.mark.parametrize("root", [pytest.param("s3", marks=pytest.mark.s3)], indirect=True)
 def test_skip_lists_killed_mid_version_on_s3_leave_the_tree_and_the_rerun_applies(root,
                                                                                  tmp_path):
     """On an object store skip lists make a new tree version: killed with half its sidecars
