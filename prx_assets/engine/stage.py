@@ -133,7 +133,7 @@ def run_stage(stage: Stage[R], upstream: TableRef, target: TableRef, chunk_rows:
     report = stage.report()
     stage.table.ensure(target)
     if not upstream.exists():
-        raise FileNotFoundError(f"{upstream} does not exist: materialise it first")
+        raise FileNotFoundError(f"{upstream} does not exist: materialise {stage.upstream} first")
     upstream = upstream.pinned()
     report.upstream_version = upstream.version
     pending = stage.pending(upstream, target, report)

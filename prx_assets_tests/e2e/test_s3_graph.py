@@ -292,7 +292,7 @@ def test_captions_labels_dedup_and_opt_outs_carry_their_settings_into_ray_tasks(
                           LabelerSpec(), chunk_rows=4)
     assert report.written == 6
     assert label_coverage(captions, labels, caption_filter, spec.version(),
-                          report.classifier_version).labelled == 6
+                          report.classifier_version).rows() == 6
 
     hashes, missing = hash_inputs(store, ["web"])
     assert missing == []

@@ -24,7 +24,6 @@ from prx_assets.engine.chunked import drop_ids
 from prx_assets.engine.stage import (
     Coverage,
     Pending,
-    Stage,
     StageReport,
     TableSpec,
     coverage,
@@ -53,18 +52,15 @@ from prx_assets.stages.attributes.schema import (
     schema_text,
     validate,
 )
-from prx_assets.storage.changes import (
-    handed_changes,
-    not_up_to_date,
-    read_ids,
-    up_to_date_ids,
+from prx_assets.stages.captions.consumers import (
+    CAPTION_COLUMNS,
+    CaptionConsumer,
 )
+from prx_assets.storage.changes import up_to_date_ids
 from prx_assets.storage.filters import all_of, eq_filter, in_filter
 from prx_assets.storage.refs import TableRef
 
-CAPTION_COLUMNS = ["id", "caption_version", "caption"]
 BACKENDS = ("caption", "transformers", "vllm")
-LOOKUP_CAPTIONS = 10_000  # changed captions tagged by id; past it, compared in full
 
 
 @dataclass(frozen=True)
@@ -266,46 +262,31 @@ def tagged_ids(attributes: TableRef, captions: TableRef, caption_filter: str,
     return up_to_date_ids(done, captioned)
 
 
-def record_tag(caption_version: str, attribute_version: str) -> str:
-    """What the attributes' record of the captions was made under: the active pair."""
-    return f"{caption_version}/{attribute_version}"
-
-
-class AttributeStage(Stage[AttributeRunReport]):
+class AttributeStage(CaptionConsumer[AttributeRunReport]):
     """Captions in, one attribute record per usable caption out, under the active
     (caption version, attribute version) pair."""
 
-    upstream = "captions"  # what the attributes table's record of the captions is called
     failpoint = "attributes.chunk_committed"
 
     def __init__(self, caption_version: str, caption_filter: str, spec: AttributerSpec,
                  bucketed: TableRef | None = None):
-        self.caption_version, self.caption_filter = caption_version, caption_filter
+        super().__init__(caption_version, caption_filter, spec.version())
         self.spec, self.bucketed = spec, bucketed
-        self.pair = (caption_version, spec.version())
         self.table = replace(ATTRIBUTES_TABLE, schema=attributes_schema(spec.schema_version))
 
     def report(self) -> AttributeRunReport:
         return AttributeRunReport(*self.pair)
 
-    def record_tag(self) -> str:
-        return record_tag(*self.pair)
+    def done_filter(self) -> str:
+        return _done_filter(*self.pair)
 
-    def pending(self, upstream: TableRef, target: TableRef, report: AttributeRunReport) -> Pending:
-        """With the attributes' record of the captions: the usable captions written since,
-        less those with a final record as new (looked up by id); without one (or past
-        `LOOKUP_CAPTIONS`), every usable caption compared with every record."""
-        changed = handed_changes(upstream, target, self.upstream, self.record_tag(),
-                                 self.caption_filter, LOOKUP_CAPTIONS)
-        if changed is None:
-            done = tagged_ids(target, upstream, self.caption_filter, *self.pair)
-            n = max(0, upstream.count_rows(filter=self.caption_filter) - len(done))
-            return Pending(n, drop_ids(upstream.read(columns=CAPTION_COLUMNS,
-                                                     filter=self.caption_filter), done)
-                           if n else None)
-        todo = not_up_to_date(changed[0], target, _done_filter(*self.pair), upstream,
-                              self.caption_filter)
-        return Pending(len(todo), read_ids(upstream, todo, CAPTION_COLUMNS, self.caption_filter))
+    def pending_in_full(self, captions: TableRef, target: TableRef) -> Pending:
+        """Every usable caption compared with every final record."""
+        done = tagged_ids(target, captions, self.caption_filter, *self.pair)
+        n = max(0, captions.count_rows(filter=self.caption_filter) - len(done))
+        return Pending(n, drop_ids(captions.read(columns=CAPTION_COLUMNS,
+                                                 filter=self.caption_filter), done)
+                       if n else None)
 
     def transform(self, rows: ray.data.Dataset, count: int) -> ray.data.Dataset:
         return attribute_stage(rows, self.spec, self.bucketed, count)

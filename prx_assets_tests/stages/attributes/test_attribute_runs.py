@@ -32,6 +32,7 @@ def test_a_run_with_the_record_of_the_captions_tags_only_what_changed(
     import lance
 
     from prx_assets.stages.attributes import runs
+    from prx_assets.stages.captions import consumers
     from prx_assets.storage.changes import read_consumed
 
     captions = TableRef.of(tmp_path / "captions.lance")
@@ -41,7 +42,7 @@ def test_a_run_with_the_record_of_the_captions_tags_only_what_changed(
     spec = AttributerSpec(batch_size=4)
     assert tag_source(captions, attributes, "v1", CAPTION_FILTER, spec).written == len(rows)
     assert read_consumed(attributes, "captions",
-                         runs.record_tag("v1", spec.version())) is not None
+                         consumers.record_tag("v1", spec.version())) is not None
 
     def compared_in_full(*args, **kwargs):
         raise AssertionError("compared every caption with every record")

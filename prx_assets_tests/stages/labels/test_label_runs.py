@@ -3,6 +3,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from prx_assets.stages.captions.consumers import record_tag
 from prx_assets.stages.labels import runs
 from prx_assets.stages.labels.backends import OpenAISettings
 from prx_assets.stages.labels.labels import LABELS_SCHEMA, active_labels_filter
@@ -12,7 +13,6 @@ from prx_assets.stages.labels.runs import (
     label_coverage,
     label_source,
     pool_size,
-    record_tag,
 )
 from prx_assets.storage.changes import read_consumed
 from prx_assets.storage.refs import TableRef
@@ -68,7 +68,7 @@ def test_embedded_labels_are_incremental_across_caption_versions(ray_session, tm
     assert table.count_rows() == 9
     assert table.count_rows(filter=active_labels_filter("v2", spec.version())) == 3
     coverage = label_coverage(captions, labels, _filter("v2"), "v2", spec.version())
-    assert (coverage.captions, coverage.labelled, coverage.share) == (3, 3, 1.0)
+    assert (coverage.inputs, coverage.rows(), coverage.share()) == (3, 3, 1.0)
 
 
 def test_openai_backend_labels_through_the_pool_and_leaves_failures_for_later(
