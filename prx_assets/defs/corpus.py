@@ -196,7 +196,5 @@ def build_corpus_asset(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefi
 
 
 def corpus_defs(partitions_def: dg.PartitionsDefinition) -> dg.Definitions:
-    corpus = build_corpus_asset(partitions_def)
-    return dg.Definitions(assets=[corpus], jobs=[dg.define_asset_job(
-        "corpus_table_job", selection=dg.AssetSelection.assets(corpus),
-        description="The searchable corpus table across sources.")])
+    # Its job, corpus_table_job, comes from the registry (`definitions.pipeline_jobs`).
+    return dg.Definitions(assets=[build_corpus_asset(partitions_def)])
