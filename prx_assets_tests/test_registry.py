@@ -69,7 +69,7 @@ def test_jobs_automation_and_the_demo_follow_the_registry(graph):
         selected = graph.resolve_job_def(job.name).asset_layer.selected_asset_keys
         assert {k.to_user_string() for k in selected} == set(job.assets), job.name
     assert {a for job in JOBS for a in job.assets} == {s.asset for s in STEPS}
-    assert AUTOMATED == automated()
+    assert automated() == AUTOMATED
     automatic = [k.to_user_string() for k in graph.resolve_asset_graph().toposorted_asset_keys
                  if graph.resolve_asset_graph().get(k).automation_condition is not None]
     assert set(automatic) == set(automated())

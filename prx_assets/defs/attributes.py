@@ -78,8 +78,8 @@ def build_attributes(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
             report = tag_source(inputs[CAPTIONS], table, caption_version, caption_filter, spec,
                                 bucketed if bucketed.version is not None else None,
                                 attributer.chunk_rows,
-                                lambda r: progress.update(r.commits.rows, total=r.to_tag))
-        progress.total = report.to_tag
+                                lambda r: progress.update(r.commits.rows, total=r.to_do))
+        progress.total = report.to_do
         progress.finish()
         cover = attribute_coverage(inputs[CAPTIONS], table, caption_filter, caption_version,
                                    report.attribute_version)
@@ -95,7 +95,7 @@ def build_attributes(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
                 "backend": spec.backend, "model": spec.model_name, "origin": spec.origin,
                 "records_by_status": counts_table(Counter(cover.counts), "status"),
                 "valid_share": round(cover.share(cover.rows(STATUS_OK)), 4),
-                "reasons": "; ".join(report.reasons) or "none",
+                "reasons": "; ".join(report.examples) or "none",
                 "dagster/row_count": cover.rows(),
             })
 

@@ -14,6 +14,7 @@ import dagster as dg
 
 from prx_assets.defs.leases import asset_lease
 from prx_assets.defs.metadata import (
+    INPUT_VERSION,
     browser_link,
     content_data_version,
     counts_table,
@@ -46,7 +47,6 @@ from prx_assets.storage.tables import (
 )
 
 INPUTS = (BUCKETED_IMAGES, PHASHES, CAPTIONS, CAPTION_LABELS, ATTRIBUTES)
-INPUT_VERSION = "input_version/"
 
 
 def source_tables(store: Storage, source: str, caption_version: str,

@@ -45,8 +45,8 @@ def build_caption_labels(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDe
             caption_filter = active_caption_filter(caption_version)
             report = label_source(captions, labels, caption_version, caption_filter,
                                   classifier.spec(), config.chunk_rows,
-                                  lambda r: progress.update(r.commits.rows, total=r.to_label))
-            progress.total = report.to_label
+                                  lambda r: progress.update(r.commits.rows, total=r.to_do))
+            progress.total = report.to_do
             progress.finish()
             coverage = label_coverage(captions, labels, caption_filter, caption_version,
                                       report.classifier_version)
@@ -62,7 +62,7 @@ def build_caption_labels(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDe
                     "caption_version": caption_version,
                     "classifier_version": report.classifier_version,
                     "labelled_now": report.written, "failed_now": report.failed,
-                    "failures": "; ".join(report.errors) or "none",
+                    "failures": "; ".join(report.examples) or "none",
                     "captions_per_s": round(report.captions_per_s, 2),
                     **cost_metadata(report.seconds, report.commits.rows, classifier.gpus(),
                                     classifier.gpu_hour_usd, classifier.cpu_hour_usd),

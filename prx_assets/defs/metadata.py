@@ -66,17 +66,6 @@ def materialized_lance_version(instance: dg.DagsterInstance, asset_key: dg.Asset
     return int(value) if value is not None else None
 
 
-def input_versions(context: dg.AssetExecutionContext, *asset_names: str) -> dict:
-    """Metadata entries `input_version/<asset>`: the materialised version of each input,
-    which is the version the Lance IO manager pins its reads to."""
-    partition = context.partition_key if context.has_partition_key else None
-    return {
-        f"input_version/{name}": materialized_lance_version(
-            context.instance, dg.AssetKey(name), partition) or -1
-        for name in asset_names
-    }
-
-
 def recorded_input_version(instance: dg.DagsterInstance, asset_key: dg.AssetKey | str,
                            partition_key: str | None, input_name: str) -> int | None:
     """The `input_version/<input>` the latest materialisation of that partition recorded
@@ -214,7 +203,7 @@ def latest_data_version(instance: dg.DagsterInstance, asset_key: dg.AssetKey | s
 INPUT_VERSION = "input_version/"  # lineage entries: `input_version/<input>` -> version read
 
 
-def lineage(versions: Mapping[str, int | None]) -> dict[str, int]:
+def input_lineage(versions: Mapping[str, int | None]) -> dict[str, int]:
     """`input_version/<input>` entries: the version each input was read at (-1: none)."""
     return {f"{INPUT_VERSION}{name}": -1 if version is None else int(version)
             for name, version in versions.items()}
@@ -258,7 +247,7 @@ def stage_result(context: dg.AssetExecutionContext, *, inputs: Inputs | Mapping[
     the run's duration (`stage_seconds`), then the stage's own entries; `asset` names one
     output of a multi-asset."""
     versions = inputs.versions() if isinstance(inputs, Inputs) else inputs
-    entries: dict[str, Any] = {**lineage(versions), **browser_link(context, asset),
+    entries: dict[str, Any] = {**input_lineage(versions), **browser_link(context, asset),
                                "lance_version": lance_version,
                                **incremental_metadata(processed, reused, removed)}
     if seconds is not None:

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 
 from prx_assets.defs.leases import asset_lease
-from prx_assets.defs.metadata import lineage, pin_inputs, stage_result
+from prx_assets.defs.metadata import input_lineage, pin_inputs, stage_result
 from prx_assets.defs.resources import SourcesResource
 from prx_assets.engine.batches import arrow_batches
 from prx_assets.stages.captions.captions import active_caption_filter
@@ -153,7 +153,7 @@ def _space(context: dg.AssetExecutionContext, store: Storage, names: list[str]
     if space.missing:
         context.log.warning(f"no image_embeddings yet for {', '.join(space.missing)}")
     note = context.resources.image_encoder.space_note()
-    return space, encoder, {**lineage(space.versions), "encoder": encoder, "space": note,
+    return space, encoder, {**input_lineage(space.versions), "encoder": encoder, "space": note,
                             "sources_missing": ", ".join(space.missing) or "none"}
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Generic, TypeVar
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import ray
 import ray.data
 
 from prx_assets.engine.chunked import ChunkedReport, ChunkedRun, CommitTarget, NewRows, run_chunked
@@ -36,9 +38,26 @@ from prx_assets.storage.lance_tables import FragmentPolicy, create_empty
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.table_stats import value_counts
 
+NODE_COLUMN = "_ray_node"  # transient: which Ray node produced the row (for the metadata)
 # A per-source table's fragments: up to 1 GiB or 2²⁰ rows each (blob tables set their own).
 PER_SOURCE_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
 EXAMPLES = 5  # failures a report keeps as examples
+
+
+def with_node_column(batch: pa.Table) -> pa.Table:
+    """The batch with the id of the Ray node running this task (fused into the task that
+    makes the rows, so it names where the work ran); a schema tag would not survive the
+    driver's rebatching into chunks."""
+    node = ray.get_runtime_context().get_node_id()
+    return batch.append_column(NODE_COLUMN, pa.array([node] * batch.num_rows, pa.string()))
+
+
+def without_node_column(chunk: pa.Table, nodes: set[str]) -> pa.Table:
+    """The chunk without `NODE_COLUMN`, its nodes added to `nodes`."""
+    if NODE_COLUMN not in chunk.column_names:
+        return chunk
+    nodes.update(pc.unique(chunk.column(NODE_COLUMN)).to_pylist())
+    return chunk.drop_columns([NODE_COLUMN])
 
 
 @dataclass(frozen=True)
@@ -125,22 +144,42 @@ class Stage(Generic[R]):
         consumed (a row left to retry is handed on with the same changes)."""
         return True
 
+    def ensure(self, target: TableRef) -> None:
+        """Make the target exist before the run (default: an empty table of `table`)."""
+        self.table.ensure(target)
+
+    def after(self, upstream: TableRef, target: TableRef, report: R) -> None:
+        """Work after the last chunk, before the record (default: none)."""
+
 
 def run_stage(stage: Stage[R], upstream: TableRef, target: TableRef, chunk_rows: int,
               on_chunk: Callable[[R], None] | None = None) -> R:
     """Bring `target` up to date with `upstream` (pinned here unless the caller pinned it:
     the version read is the one the report and the record name)."""
     report = stage.report()
-    stage.table.ensure(target)
+    stage.ensure(target)
     if not upstream.exists():
         raise FileNotFoundError(f"{upstream} does not exist: materialise {stage.upstream} first")
     upstream = upstream.pinned()
     report.upstream_version = upstream.version
-    pending = stage.pending(upstream, target, report)
-    report.to_do, report.removed = pending.count, pending.removed
+    commit_pending(stage, stage.pending(upstream, target, report), target, chunk_rows, report,
+                   on_chunk)
+    stage.after(upstream, target, report)
+    if stage.finished(report):
+        record_consumed(target, stage.upstream, consumed_at(upstream.open(), stage.record_tag()))
+    return report
+
+
+def commit_pending(stage: Stage[R], pending: Pending, target: TableRef, chunk_rows: int,
+                   report: R, on_chunk: Callable[[R], None] | None = None) -> R:
+    """Transform `pending` and commit it to `target` chunk by chunk, counting each committed
+    chunk into `report` (what `run_stage` does between selecting and recording; on its own
+    for rows selected elsewhere, e.g. a benchmark's)."""
+    report.to_do, report.removed = pending.count, report.removed + pending.removed
 
     def committed(chunk: pa.Table, run: ChunkedRun) -> None:
         report.commits = run
+        # A killed run keeps every chunk committed so far: tests hold or kill it here.
         failpoint(stage.failpoint)
         stage.count(chunk, report)
         if on_chunk:
@@ -150,8 +189,6 @@ def run_stage(stage: Stage[R], upstream: TableRef, target: TableRef, chunk_rows:
                                  stage.table.target(target), chunk_rows,
                                  to_commit=stage.to_commit, on_chunk=committed,
                                  new_rows=pending.new_rows)
-    if stage.finished(report):
-        record_consumed(target, stage.upstream, consumed_at(upstream.open(), stage.record_tag()))
     return report
 
 

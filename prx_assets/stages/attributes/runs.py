@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -237,17 +236,8 @@ class AttributeRunReport(StageReport):
     caption_version: str
     attribute_version: str
 
-    @property
-    def statuses(self) -> Counter:
-        return self.counts
 
-    @property
-    def reasons(self) -> list[str]:  # a few invalid or failed examples
-        return self.examples
 
-    @property
-    def to_tag(self) -> int:
-        return self.to_do
 
 
 def tagged_ids(attributes: TableRef, captions: TableRef, caption_filter: str,

@@ -11,7 +11,6 @@ throughout.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypedDict
@@ -100,17 +99,8 @@ class LabelRunReport(StageReport):
     caption_version: str
     classifier_version: str
 
-    @property
-    def labels(self) -> Counter:
-        return self.counts
 
-    @property
-    def errors(self) -> list[str]:  # a few examples
-        return self.examples
 
-    @property
-    def to_label(self) -> int:  # captions pending when the run started (the progress total)
-        return self.to_do
 
     @property
     def failed(self) -> int:
