@@ -19,7 +19,6 @@ import pyarrow as pa
 import ray.data
 
 from prx_assets.engine.batches import IN_PROCESS_ROWS, batch_fn, in_this_process
-from prx_assets.engine.chunked import drop_ids
 from prx_assets.engine.stage import (
     Coverage,
     Pending,
@@ -52,7 +51,6 @@ from prx_assets.stages.attributes.schema import (
     validate,
 )
 from prx_assets.stages.captions.consumers import (
-    CAPTION_COLUMNS,
     CaptionConsumer,
 )
 from prx_assets.storage.changes import up_to_date_ids
@@ -274,9 +272,7 @@ class AttributeStage(CaptionConsumer[AttributeRunReport]):
         """Every usable caption compared with every final record."""
         done = tagged_ids(target, captions, self.caption_filter, *self.pair)
         n = max(0, captions.count_rows(filter=self.caption_filter) - len(done))
-        return Pending(n, drop_ids(captions.read(columns=CAPTION_COLUMNS,
-                                                 filter=self.caption_filter), done)
-                       if n else None)
+        return self.read_all_but(captions, done, n)
 
     def transform(self, rows: ray.data.Dataset, count: int) -> ray.data.Dataset:
         return attribute_stage(rows, self.spec, self.bucketed, count)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pyarrow as pa
 import ray.data
 
+from prx_assets.engine.chunked import drop_ids
 from prx_assets.engine.removals import delete_ids
 from prx_assets.engine.stage import Pending, R, Stage
 from prx_assets.storage.changes import handed_changes, not_up_to_date, read_ids
@@ -61,3 +62,9 @@ class CaptionConsumer(Stage[R]):
     def read(self, captions: TableRef, ids: pa.Array) -> ray.data.Dataset | None:
         """The usable caption rows of these ids (None: none, nothing is built)."""
         return read_ids(captions, ids, CAPTION_COLUMNS, self.caption_filter)
+
+    def read_all_but(self, captions: TableRef, done: pa.Array, count: int) -> Pending:
+        """The `count` usable captions whose id is not in `done` (nothing read when none)."""
+        return Pending(count, drop_ids(captions.read(columns=CAPTION_COLUMNS,
+                                                     filter=self.caption_filter), done)
+                       if count else None)

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import ray.data
 
 from prx_assets.engine.batches import IN_PROCESS_ROWS, in_this_process
-from prx_assets.engine.chunked import drop_ids, keep_ids
+from prx_assets.engine.chunked import keep_ids
 from prx_assets.engine.id_sets import IdSet
 from prx_assets.engine.removals import DELETE_IDS_PER_COMMIT, delete_ids
 from prx_assets.engine.stage import (
@@ -33,7 +33,7 @@ from prx_assets.engine.stage import (
     run_stage,
 )
 from prx_assets.models.embeddings import shared_embedder
-from prx_assets.stages.captions.consumers import CAPTION_COLUMNS, CaptionConsumer
+from prx_assets.stages.captions.consumers import CaptionConsumer
 from prx_assets.stages.labels.backends import (
     QUESTION,
     OpenAILabelClient,
@@ -294,10 +294,9 @@ class LabelStage(CaptionConsumer[LabelRunReport]):
         removed = drop_orphan_labels(target, captions)
         done = labelled_ids(target, *self.pair, captions, self.caption_filter)
         n = count_pending(captions, self.caption_filter, done)
-        # Nothing to do: no actor pool, no model load.
-        return Pending(n, drop_ids(captions.read(columns=CAPTION_COLUMNS,
-                                                 filter=self.caption_filter), done)
-                       if n else None, removed)
+        pending = self.read_all_but(captions, done, n)  # none: no actor pool, no model load
+        pending.removed = removed
+        return pending
 
     def transform(self, rows: ray.data.Dataset, count: int) -> ray.data.Dataset:
         return label_stage(rows, self.spec, count)
