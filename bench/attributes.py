@@ -66,7 +66,7 @@ def tagging_figures(work: Path) -> list[Figure]:
     spec = AttributerSpec(backend="transformers", model=str(model), batch_size=8)
     run = tag_source(storage.table(CAPTIONS, "bench"), storage.table("attributes", "bench"),
                      ACTIVE, active_caption_filter(ACTIVE), spec, chunk_rows=8)
-    statuses = run.statuses
+    statuses = run.counts
     recorded = statuses.get("ok", 0) + statuses.get("invalid", 0)
     print(f"tagging: bare {bare:.1f} s, pipeline {run.seconds:.1f} s, statuses {dict(statuses)}, "
           f"valid in the bare loop {valid_bare}/{len(captions)}")

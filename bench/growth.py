@@ -253,22 +253,22 @@ def merge_on_both_keys(table_dir: Path, rows: int, chunk_rows: int) -> float:
     chunk merge-inserted on (id, caption version), which Lance joins against every row,
     no key index, then compaction and cleanup."""
     from prx_assets.engine.batches import arrow_batches
-    from prx_assets.stages.captions.runs import CAPTION_KEYS, CAPTIONS_FRAGMENTS
+    from prx_assets.stages.captions.runs import CAPTIONS_TABLE
     from prx_assets.storage.lance_tables import cleanup, compact, upsert
     from prx_assets.storage.refs import TableRef
 
     table = TableRef.of(table_dir)
     started = time.perf_counter()
     for chunk in arrow_batches(stage(inputs(rows)), batch_size=chunk_rows):
-        upsert(table, chunk, SCHEMA, CAPTION_KEYS)
-    compact(table, CAPTIONS_FRAGMENTS)
-    cleanup(table.open(), CAPTIONS_FRAGMENTS)
+        upsert(table, chunk, SCHEMA, list(CAPTIONS_TABLE.keys))
+    compact(table, CAPTIONS_TABLE.fragments)
+    cleanup(table.open(), CAPTIONS_TABLE.fragments)
     return time.perf_counter() - started
 
 
 def measure(rows: int, work: Path, baseline_max: int, chunk_rows: int) -> SizeRun:
     from prx_assets.engine.chunked import CommitTarget, NewRows, pending_new_rows, run_chunked
-    from prx_assets.stages.captions.runs import CAPTION_KEYS
+    from prx_assets.stages.captions.runs import CAPTIONS_TABLE
     from prx_assets.storage.key_index import KeyIndexPolicy
     from prx_assets.storage.lance_tables import FragmentPolicy
     from prx_assets.storage.refs import TableRef
@@ -305,8 +305,8 @@ def measure(rows: int, work: Path, baseline_max: int, chunk_rows: int) -> SizeRu
     result.disk_per_live_freed = disk_per_live(appended)
     result.merge_s, _ = timed_run(work / f"merge-{rows}.lance", inputs(rows), policy,
                                   chunk_rows=chunk_rows)
-    keyed = CommitTarget(TableRef.of(work / f"keys-{rows}.lance"), SCHEMA, CAPTION_KEYS,
-                         policy)
+    keyed = CommitTarget(TableRef.of(work / f"keys-{rows}.lance"), SCHEMA,
+                         list(CAPTIONS_TABLE.keys), policy)
     started = time.perf_counter()
     run_chunked(inputs(rows), stage, keyed, chunk_rows)
     result.merge_keys_s = time.perf_counter() - started

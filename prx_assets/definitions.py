@@ -17,7 +17,7 @@ from prx_assets.defs.attributes import AttributerResource, attribute_defs
 from prx_assets.defs.captions import caption_defs
 from prx_assets.defs.corpus import corpus_defs
 from prx_assets.defs.dedup import dedup_defs
-from prx_assets.defs.factory import AUTOMATED, automate, factory_defs
+from prx_assets.defs.factory import automate, factory_defs
 from prx_assets.defs.images import image_defs
 from prx_assets.defs.ingest import ingest_defs
 from prx_assets.defs.io_managers import RayLanceIOManager
@@ -35,55 +35,19 @@ from prx_assets.defs.resources import (
 from prx_assets.defs.semantic import ImageEncoderResource, semantic_defs
 from prx_assets.defs.shards import shard_defs
 from prx_assets.defs.skip_lists import skip_list_defs
-from prx_assets.defs.subsets import SUBSETS_GROUP, subset_defs
+from prx_assets.defs.subsets import subset_defs
+from prx_assets.registry import JOBS, PER_SOURCE, SUBSET, automated
 from prx_assets.stages.ingest.sources import load_sources, sources_path
 from prx_assets.stages.subsets.definitions import subsets_path
-from prx_assets.storage.tables import (
-    CONCEPTS,
-    CORPUS,
-    DUPLICATES,
-    IMAGE_EMBEDDINGS,
-    OPT_OUTS,
-    SEMANTIC_DUPLICATES,
-    SKIP_LISTS,
-)
-
-# Assets over every source at once: run on their own, not once per source partition.
-GLOBAL_ASSETS = dg.AssetSelection.assets(DUPLICATES, OPT_OUTS)
-# Skip lists end corpus_job; they run again after dedup_job, per source, to apply the
-# global duplicates.
-SKIP_LIST_ASSETS = dg.AssetSelection.assets(SKIP_LISTS)
-CORPUS_ASSETS = dg.AssetSelection.assets(CORPUS)
-# Semantic curation runs on its own: embeddings per source (after captions and labels), then
-# the global semantic duplicates and concepts (before skip_lists_job, which applies them).
-EMBEDDING_ASSETS = dg.AssetSelection.assets(IMAGE_EMBEDDINGS)
-SEMANTIC_ASSETS = dg.AssetSelection.assets(SEMANTIC_DUPLICATES, CONCEPTS)
-# Subsets are partitioned by subset, not by source: subsets_job runs them (after skip lists).
-SUBSET_ASSETS = dg.AssetSelection.groups(SUBSETS_GROUP)
 
 
 def pipeline_jobs(partitions: dg.PartitionsDefinition) -> list[dg.UnresolvedAssetJobDefinition]:
-    """The jobs `make demo` and the UI run: per source, then across sources."""
-    return [
-        dg.define_asset_job(
-            "corpus_job", partitions_def=partitions,
-            # Ends with the source's skip lists: a fresh tree never goes out without the
-            # sidecars that apply the opt-outs recorded so far (fail closed).
-            selection=(dg.AssetSelection.all() - GLOBAL_ASSETS - CORPUS_ASSETS
-                       - EMBEDDING_ASSETS - SEMANTIC_ASSETS - SUBSET_ASSETS),
-            description="Every asset of the corpus for one source, ending with its skip "
-                        "lists."),
-        dg.define_asset_job("dedup_job", selection=GLOBAL_ASSETS,
-                            description="Global duplicates and the opt-out audit."),
-        dg.define_asset_job("skip_lists_job", selection=SKIP_LIST_ASSETS, partitions_def=partitions,
-                            description="One source's skip lists (after dedup_job)."),
-        dg.define_asset_job("embeddings_job", selection=EMBEDDING_ASSETS,
-                            partitions_def=partitions,
-                            description="One source's image embeddings (after corpus_job)."),
-        dg.define_asset_job("semantic_job", selection=SEMANTIC_ASSETS,
-                            description="Semantic duplicates and concepts across sources "
-                                        "(after embeddings_job)."),
-    ]
+    """The jobs `make demo` and the UI run, from the registry: per source, then across
+    sources (the subset job is built with the subsets, `defs/subsets`)."""
+    return [dg.define_asset_job(job.name, selection=dg.AssetSelection.assets(*job.assets),
+                                partitions_def=partitions if job.partitioning == PER_SOURCE
+                                else None, description=job.description)
+            for job in JOBS if job.partitioning != SUBSET]
 
 
 def build_defs(sources_file: Path | None = None, captioner_file: Path | None = None,
@@ -129,7 +93,7 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
             "image_encoder": ImageEncoderResource(),
         })
     return dg.Definitions.merge(*stages, shared).map_resolved_asset_specs(
-        func=automate, selection=dg.AssetSelection.assets(*AUTOMATED))
+        func=automate, selection=dg.AssetSelection.assets(*automated()))
 
 
 def default_subsets_file(sources_file: Path) -> Path:

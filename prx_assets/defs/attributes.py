@@ -11,8 +11,7 @@ import dagster as dg
 
 from prx_assets.defs.captions import GPU_POOL
 from prx_assets.defs.leases import asset_lease
-from prx_assets.defs.metadata import browser_link, counts_table, incremental_metadata
-from prx_assets.defs.report import duration_metadata
+from prx_assets.defs.metadata import counts_table, pin_inputs, stage_result
 from prx_assets.engine.progress import StageProgress
 from prx_assets.stages.attributes.backends import VLLMAttributeSettings
 from prx_assets.stages.attributes.runs import (
@@ -20,7 +19,7 @@ from prx_assets.stages.attributes.runs import (
     attribute_coverage,
     tag_source,
 )
-from prx_assets.stages.attributes.schema import SCHEMA_VERSION
+from prx_assets.stages.attributes.schema import SCHEMA_VERSION, STATUS_OK
 from prx_assets.stages.captions.captions import active_caption_filter
 from prx_assets.storage.tables import ATTRIBUTES, BUCKETED_IMAGES, CAPTIONS
 
@@ -69,45 +68,35 @@ def build_attributes(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
         source = context.partition_key
         caption_version = context.resources.captioner.caption_version()
         store = context.resources.storage.get()
-        captions, table = store.table(CAPTIONS, source), store.table(ATTRIBUTES, source)
-        bucketed = store.table(BUCKETED_IMAGES, source)
-        # Captions commit chunks outside materialisations: pin once, tag it, record it.
-        captions_version = captions.latest_version()
-        bucketed_version = bucketed.latest_version() if bucketed.exists() else None
+        inputs = pin_inputs(store, source, CAPTIONS, BUCKETED_IMAGES)
+        bucketed = inputs[BUCKETED_IMAGES]
+        table = store.table(ATTRIBUTES, source)
         caption_filter = active_caption_filter(caption_version)
         progress = StageProgress(f"{ATTRIBUTES}[{source}]", None, context.log.info,
                                  unit="images")
         with asset_lease(context, store):
-            report = tag_source(captions.at(captions_version), table, caption_version,
-                                caption_filter, spec,
-                                bucketed.at(bucketed_version) if bucketed_version else None,
+            report = tag_source(inputs[CAPTIONS], table, caption_version, caption_filter, spec,
+                                bucketed if bucketed.version is not None else None,
                                 attributer.chunk_rows,
-                                lambda r: progress.update(r.commits.rows, total=r.to_tag))
-        progress.total = report.to_tag
+                                lambda r: progress.update(r.commits.rows, total=r.to_do))
+        progress.total = report.to_do
         progress.finish()
-        cover = attribute_coverage(captions, table, caption_filter, caption_version,
+        cover = attribute_coverage(inputs[CAPTIONS], table, caption_filter, caption_version,
                                    report.attribute_version)
-        return dg.MaterializeResult(
-            data_version=dg.DataVersion(
+        return stage_result(
+            context, inputs=inputs, lance_version=report.lance_version,
+            processed=report.written, reused=max(0, cover.rows() - report.written), removed=0,
+            seconds=report.seconds, data_version=dg.DataVersion(
                 f"{caption_version}/{report.attribute_version}@{report.lance_version}"),
             metadata={
-                f"input_version/{CAPTIONS}": -1 if captions_version is None
-                else captions_version,
-                f"input_version/{BUCKETED_IMAGES}": -1 if bucketed_version is None
-                else bucketed_version,
-                **browser_link(context),
-                "lance_version": report.lance_version,
                 "caption_version": caption_version,
                 "attribute_version": report.attribute_version,
                 "schema_version": spec.schema_version,
                 "backend": spec.backend, "model": spec.model_name, "origin": spec.origin,
-                **incremental_metadata(report.written,
-                                       max(0, cover.recorded - report.written), 0),
-                "records_by_status": counts_table(Counter(cover.statuses), "status"),
-                "valid_share": round(cover.share, 4),
-                "reasons": "; ".join(report.reasons) or "none",
-                **duration_metadata("stage_seconds", report.seconds),
-                "dagster/row_count": cover.recorded,
+                "records_by_status": counts_table(Counter(cover.counts), "status"),
+                "valid_share": round(cover.share(cover.rows(STATUS_OK)), 4),
+                "reasons": "; ".join(report.examples) or "none",
+                "dagster/row_count": cover.rows(),
             })
 
     return attributes
@@ -133,12 +122,11 @@ def attribute_checks(partitions_def: dg.PartitionsDefinition
                                    store.table(ATTRIBUTES, source),
                                    active_caption_filter(version), version,
                                    context.resources.attributer.attribute_version())
-        final = cover.valid + cover.statuses.get("invalid", 0)
-        share = final / cover.captions if cover.captions else 1.0
+        share = cover.share(cover.rows(STATUS_OK, "invalid"))
         return dg.AssetCheckResult(passed=share >= config.min_recorded_share, metadata={
-            "recorded_share": round(share, 4), "valid": cover.valid,
-            "invalid_with_reason": cover.statuses.get("invalid", 0),
-            "failed": cover.statuses.get("failed", 0), "captions": cover.captions})
+            "recorded_share": round(share, 4), "valid": cover.rows(STATUS_OK),
+            "invalid_with_reason": cover.rows("invalid"),
+            "failed": cover.rows("failed"), "captions": cover.inputs})
 
     return [every_image_recorded]
 

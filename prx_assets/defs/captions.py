@@ -16,48 +16,41 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import dagster as dg
-import pyarrow as pa
-import pyarrow.compute as pc
 import ray.data
 
 from prx_assets.defs.io_managers import COLUMNS_KEY
 from prx_assets.defs.leases import asset_lease
 from prx_assets.defs.metadata import (
-    browser_link,
+    INPUT_VERSION,
     counts_table,
-    incremental_metadata,
-    input_versions,
     latest_materialization,
-    materialized_lance_version,
+    pin_inputs,
     recorded,
     recorded_input_version,
+    stage_result,
 )
 from prx_assets.defs.report import cost_metadata, duration_metadata
 from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
-from prx_assets.engine.chunked import drop_ids
 from prx_assets.engine.progress import StageProgress
+from prx_assets.engine.stage import Coverage, run_stage
 from prx_assets.stages.captions.captioners import CaptionerSpec
-from prx_assets.stages.captions.captions import TARGET_WORDS, word_histogram
+from prx_assets.stages.captions.captions import (
+    STATUS_FAILED,
+    STATUS_OK,
+    TARGET_WORDS,
+    word_histogram,
+)
 from prx_assets.stages.captions.runs import (
     CaptionRunReport,
-    awaiting_new_images,
-    bucketed_changes,
-    caption_source,
+    CaptionStage,
+    captions_coverage,
     changed_ids,
-    count_pending,
-    coverage,
+    done_rows,
     drop_captions,
-    ensure_table,
-    pending_changed_ids,
-    pending_ids,
-    pending_requests,
-    read_kept,
-    record_bucketed_consumed,
-    requests_for,
+    in_target_rows,
 )
 from prx_assets.stages.report.charts import human_duration
 from prx_assets.storage.layout import Storage
-from prx_assets.storage.refs import TableRef
 from prx_assets.storage.retention import held_while, hold_version
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, RAW_IMAGES
 
@@ -95,87 +88,60 @@ def build_captions(partitions_def: dg.PartitionsDefinition,
         store = storage.get()
         with asset_lease(context, store):
             table = store.table(CAPTIONS, source)
-            stale, changed = drop_stale_captions(context, store,
+            # Read here rather than through the IO manager's inputs: filtered and projected
+            # by Lance (no image bytes for the `original` backend; few pending images are
+            # read by id), at the versions pinned as every stage pins them.
+            inputs = pin_inputs(store, source, BUCKETED_IMAGES, RAW_IMAGES)
+            bucketed, raw = inputs[BUCKETED_IMAGES], inputs[RAW_IMAGES]
+            stale, changed = drop_stale_captions(context, store, raw.version,
                                                  with_caption=not spec.uses_model)
-            # Read here rather than through the IO manager's input: filtered and projected by
-            # Lance (no image bytes for the `original` backend; few pending images are read
-            # by id), at the versions it pinned.
-            bucketed = store.table(BUCKETED_IMAGES, source).at(
-                materialized_lance_version(context.instance, BUCKETED_IMAGES, source))
-            raw = store.table(RAW_IMAGES, source).at(
-                materialized_lance_version(context.instance, RAW_IMAGES, source))
             # Held while the run reads them (hours on GPUs): a blob table frees superseded
             # versions after a 10-minute grace.
             with held_while(bucketed, RUN_HOLDER, bucketed.version), \
                     held_while(raw, RUN_HOLDER, raw.version):
-                requests = caption_requests(bucketed, raw, raw_images, table, spec, changed)
                 context.log.info(f"captioning {source!r} with {spec.backend} "
                                  f"({spec.model_name}), version {spec.version()}")
-                progress = StageProgress(f"{CAPTIONS}[{source}]",
-                                         captions_to_make(store, source, spec),
-                                         context.log.info, unit="images")
-                report = caption_source(requests, table, spec, captioner.chunk_rows,
-                                        on_chunk=lambda r: progress.update(r.commits.rows))
+                progress = StageProgress(f"{CAPTIONS}[{source}]", None, context.log.info,
+                                         unit="images")
+                report = run_stage(CaptionStage(spec, raw, changed), bucketed,
+                                   table, captioner.chunk_rows,
+                                   on_chunk=lambda r: progress.update(r.commits.rows,
+                                                                      total=r.to_do))
+                progress.total = report.to_do
                 progress.finish()
-            ensure_table(table)
-            record_bucketed_consumed(bucketed, table, spec)  # a config commit when it moved
-            lance_version = ensure_table(table)  # the latest version
-            hold_raw_version(context, store)
-            cover = coverage(store.table(BUCKETED_IMAGES, source), table, report.version)
-            return dg.MaterializeResult(
-                metadata={
-                    **input_versions(context, BUCKETED_IMAGES, RAW_IMAGES),
-                    **run_metadata(report, spec, cover),
-                    **cost_metadata(report.seconds, report.commits.rows, gpus_in_use(spec),
-                                    captioner.gpu_hour_usd, captioner.cpu_hour_usd),
-                    **captions_counts(report, cover, stale),
-                    "stale_captions_dropped": stale,
-                    "path": dg.MetadataValue.path(table.uri),
-                    "lance_version": lance_version, **browser_link(context),
-                },
+            lance_version = table.latest_version()  # after the record (a config commit)
+            if raw.version is not None:
+                # Kept until the next run has compared it with its own (`drop_stale_captions`):
+                # raw_images frees superseded versions after a short grace
+                # (`PRX_BLOB_GRACE_S`), long before the next captions run may come.
+                hold_version(raw, CAPTIONS, raw.version)
+            cover = captions_coverage(bucketed, table, report.version)
+            return stage_result(
+                context, inputs=inputs.versions(), lance_version=lance_version,
+                processed=report.written, reused=max(0, cover.rows() - report.written),
+                removed=stale, seconds=report.seconds,
                 # Content-driven already: the table's version moves only when a chunk was
                 # committed, stale rows were dropped or bucketed changed (the record).
                 data_version=dg.DataVersion(f"{report.version}@{lance_version}"),
-            )
+                metadata={
+                    **run_metadata(report, spec, cover),
+                    **cost_metadata(report.seconds, report.commits.rows, gpus_in_use(spec),
+                                    captioner.gpu_hour_usd, captioner.cpu_hour_usd),
+                    "stale_captions_dropped": stale,
+                    "path": dg.MetadataValue.path(table.uri),
+                })
 
     return captions
 
 
-def caption_requests(bucketed: TableRef, raw: TableRef, raw_images: ray.data.Dataset,
-                     captions: TableRef, spec: CaptionerSpec, changed: set[str]
-                     ) -> ray.data.Dataset | None:
-    """The pending requests. With the captions' record of bucketed, from its changes since
-    (and, for the `original` backend, the items whose source caption changed: bucketed
-    does not change with it); without one, or past a few thousand, from every kept id: a
-    model backend selects ids first and reads only their images. A model backend leaves
-    out changed items whose new image the image stage has not made yet."""
-    changes = bucketed_changes(bucketed, captions, spec)
-    changed_ids = pa.array(sorted(changed), pa.string())
-    ids = pending_changed_ids(bucketed, changes, captions, spec,
-                              None if spec.uses_model else changed_ids) \
-        if changes is not None else None
-    if not spec.uses_model:
-        return requests_for(bucketed, ids, raw) if ids is not None else \
-            pending_requests(read_kept(bucketed, spec), raw_images, captions, spec)
-    # A replaced file waits for its new image (its bucketed row comes with a later change).
-    waiting = awaiting_new_images(bucketed, raw, changed_ids)
-    if ids is None:
-        ids = pending_ids(bucketed, captions, spec)
-    if ids is not None:
-        return requests_for(bucketed, ids.filter(pc.invert(pc.is_in(ids, waiting))))
-    return drop_ids(pending_requests(read_kept(bucketed, spec), raw_images, captions, spec),
-                    waiting)
-
-
-def drop_stale_captions(context: dg.AssetExecutionContext, store: Storage, with_caption: bool
-                        ) -> tuple[int, set[str]]:
+def drop_stale_captions(context: dg.AssetExecutionContext, store: Storage, current: int | None,
+                        with_caption: bool) -> tuple[int, set[str]]:
     """Captions are done per id, and an id is its key in the source: a file replaced under
     the same name keeps its id. Drop the caption rows of items removed or changed since the
-    raw_images version the last captions run read, so they are captioned again; returns
-    the rows dropped and those items' ids."""
+    raw_images version the last captions run read (to `current`, this run's), so they are
+    captioned again; returns the rows dropped and those items' ids."""
     source = context.partition_key
     previous = recorded_input_version(context.instance, context.asset_key, source, RAW_IMAGES)
-    current = materialized_lance_version(context.instance, RAW_IMAGES, source)
     if previous is None or current is None or previous == current \
             or not store.table(CAPTIONS, source).exists():
         return 0, set()
@@ -191,30 +157,7 @@ def drop_stale_captions(context: dg.AssetExecutionContext, store: Storage, with_
     return dropped, ids
 
 
-def hold_raw_version(context: dg.AssetExecutionContext, store: Storage) -> None:
-    """Keep the raw_images version this run read until the next run has compared it with
-    its own (`drop_stale_captions`): raw_images frees superseded versions after a short
-    grace (`PRX_BLOB_GRACE_S`), long before the next captions run may come."""
-    source = context.partition_key
-    version = materialized_lance_version(context.instance, RAW_IMAGES, source)
-    if version is not None:
-        hold_version(store.table(RAW_IMAGES, source), CAPTIONS, version)
-
-
-def captions_to_make(store: Storage, source: str, spec: CaptionerSpec) -> int:
-    """The progress total: kept images less the captions of this version already final."""
-    return count_pending(store.table(BUCKETED_IMAGES, source), store.table(CAPTIONS, source),
-                         spec.version())
-
-
-def captions_counts(report: CaptionRunReport, cover, stale: int) -> dict:
-    """The incremental counts: captions written this run, rows of the active version kept
-    from earlier runs, and rows dropped because their item was removed or changed."""
-    rows = cover.done + cover.failed  # rows of the active version now in the table
-    return incremental_metadata(report.written, max(0, rows - report.written), stale)
-
-
-def run_metadata(report: CaptionRunReport, spec, cover) -> dict:
+def run_metadata(report: CaptionRunReport, spec: CaptionerSpec, cover: Coverage) -> dict:
     gpus = gpus_in_use(spec)
     rate = report.images_per_s
     meta = {
@@ -226,20 +169,20 @@ def run_metadata(report: CaptionRunReport, spec, cover) -> dict:
         "chunks_committed": report.chunks,
         "images_per_s": round(rate, 2),
         **duration_metadata("stage_seconds", report.seconds),
-        "rows_by_status": counts_table(Counter(report.statuses), "status"),
+        "rows_by_status": counts_table(Counter(report.counts), "status"),
         "caption_words": words_table(report.word_counts),
-        "kept_images": cover.kept,
-        "coverage": round(cover.share, 4),
-        "dagster/row_count": cover.done + cover.failed,
+        "kept_images": cover.inputs,
+        "coverage": round(cover.share(done_rows(cover)), 4),
+        "dagster/row_count": cover.rows(),
     }
     if gpus and rate > 0:
         meta["images_per_s_per_gpu"] = round(rate / gpus, 2)
-        meta["projected_gpu_hours"] = round(cover.kept / (rate / gpus) / 3600, 2)
+        meta["projected_gpu_hours"] = round(cover.inputs / (rate / gpus) / 3600, 2)
         meta["projected_gpu_time_in_words"] = dg.MetadataValue.text(
-            human_duration(cover.kept / (rate / gpus)))
+            human_duration(cover.inputs / (rate / gpus)))
     elif rate > 0:
-        meta["projected_hours_at_this_rate"] = round(cover.kept / rate / 3600, 3)
-        meta["projected_time_in_words"] = dg.MetadataValue.text(human_duration(cover.kept / rate))
+        meta["projected_hours_at_this_rate"] = round(cover.inputs / rate / 3600, 3)
+        meta["projected_time_in_words"] = dg.MetadataValue.text(human_duration(cover.inputs / rate))
     return meta
 
 
@@ -273,8 +216,8 @@ def caption_checks(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetChec
 
     def counts(context, captioner: CaptionerResource, storage: StorageResource):
         source, store = context.partition_key, storage.get()
-        return coverage(store.table(BUCKETED_IMAGES, source), store.table(CAPTIONS, source),
-                        captioner.caption_version())
+        return captions_coverage(store.table(BUCKETED_IMAGES, source),
+                                 store.table(CAPTIONS, source), captioner.caption_version())
 
     @dg.asset_check(asset=asset, name="coverage", partitions_def=partitions_def,
                     description="Share of kept images captioned under the active version.")
@@ -282,8 +225,9 @@ def caption_checks(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetChec
                          storage: StorageResource,
                          config: CaptionCheckConfig) -> dg.AssetCheckResult:
         c = counts(context, captioner, storage)
-        return dg.AssetCheckResult(passed=c.share >= config.min_coverage, metadata={
-            "coverage": round(c.share, 4), "kept": c.kept, "done": c.done,
+        share = c.share(done_rows(c))
+        return dg.AssetCheckResult(passed=share >= config.min_coverage, metadata={
+            "coverage": round(share, 4), "kept": c.inputs, "done": done_rows(c),
             "active_version": captioner.caption_version()})
 
     @dg.asset_check(asset=asset, name="length_in_target", partitions_def=partitions_def,
@@ -295,10 +239,13 @@ def caption_checks(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetChec
         if not captioner.spec().uses_model:
             return dg.AssetCheckResult(passed=True, metadata={
                 "note": "source captions: the length rule applies to model captions only"})
-        share = c.in_target / c.ok if c.ok else 0.0
+        ok = c.rows(STATUS_OK)
+        in_target = in_target_rows(storage.get().table(CAPTIONS, context.partition_key),
+                                   captioner.caption_version())
+        share = in_target / ok if ok else 0.0
         return dg.AssetCheckResult(
             passed=share >= config.min_in_target_share, severity=dg.AssetCheckSeverity.WARN,
-            metadata={"in_target_share": round(share, 4), "ok_captions": c.ok})
+            metadata={"in_target_share": round(share, 4), "ok_captions": ok})
 
     @dg.asset_check(asset=asset, name="failure_share", partitions_def=partitions_def,
                     description="Share of kept images whose captioning failed (retried later).")
@@ -306,9 +253,9 @@ def caption_checks(partitions_def: dg.PartitionsDefinition) -> list[dg.AssetChec
                       storage: StorageResource,
                       config: CaptionCheckConfig) -> dg.AssetCheckResult:
         c = counts(context, captioner, storage)
-        share = c.failed / c.kept if c.kept else 0.0
+        share = c.share(c.rows(STATUS_FAILED)) if c.inputs else 0.0
         return dg.AssetCheckResult(passed=share <= config.max_failure_share, metadata={
-            "failure_share": round(share, 4), "failed": c.failed})
+            "failure_share": round(share, 4), "failed": c.rows(STATUS_FAILED)})
 
     return [caption_coverage, length_in_target, failure_share]
 
@@ -343,7 +290,7 @@ def _why_stale(captions, version: str, images_version, retry_failures: bool) -> 
         return "missing"
     if recorded(captions, "caption_version") != version:
         return "new caption version"
-    if recorded(captions, f"input_version/{BUCKETED_IMAGES}") != images_version:
+    if recorded(captions, f"{INPUT_VERSION}{BUCKETED_IMAGES}") != images_version:
         return "new images"
     if retry_failures and (_failed_rows(captions) or 0) > 0:
         return "failed rows"

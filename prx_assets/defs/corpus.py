@@ -14,6 +14,7 @@ import dagster as dg
 
 from prx_assets.defs.leases import asset_lease
 from prx_assets.defs.metadata import (
+    INPUT_VERSION,
     browser_link,
     content_data_version,
     counts_table,
@@ -46,7 +47,6 @@ from prx_assets.storage.tables import (
 )
 
 INPUTS = (BUCKETED_IMAGES, PHASHES, CAPTIONS, CAPTION_LABELS, ATTRIBUTES)
-INPUT_VERSION = "input_version/"
 
 
 def source_tables(store: Storage, source: str, caption_version: str,
@@ -196,7 +196,5 @@ def build_corpus_asset(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefi
 
 
 def corpus_defs(partitions_def: dg.PartitionsDefinition) -> dg.Definitions:
-    corpus = build_corpus_asset(partitions_def)
-    return dg.Definitions(assets=[corpus], jobs=[dg.define_asset_job(
-        "corpus_table_job", selection=dg.AssetSelection.assets(corpus),
-        description="The searchable corpus table across sources.")])
+    # Its job, corpus_table_job, comes from the registry (`definitions.pipeline_jobs`).
+    return dg.Definitions(assets=[build_corpus_asset(partitions_def)])

@@ -3,6 +3,7 @@
 import dagster as dg
 
 from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, FRAGMENT_ROWS_KEY, LanceTableOutput
+from prx_assets.defs.metadata import input_lineage
 from prx_assets.defs.resources import RayResource, SourcesResource, StorageResource
 from prx_assets.stages.dedup.dedup import (
     DEFAULT_ROWS_PER_BUCKET,
@@ -51,7 +52,7 @@ def build_duplicates() -> dg.AssetsDefinition:
         near = near_duplicate_report(inputs, config.near_duplicate_probes,
                                      config.near_duplicate_max_rows,
                                      config.near_duplicate_max_distance)
-        lineage = {f"input_version/{PHASHES}/{i.source}": i.version for i in inputs}
+        lineage = input_lineage({f"{PHASHES}/{i.source}": i.version for i in inputs})
         return LanceTableOutput(
             duplicates_dataset(inputs, config.rows_per_bucket), DUPLICATES_SCHEMA,
             metadata={**lineage, "sources_missing": ", ".join(missing) or "none",

@@ -16,28 +16,17 @@ import os
 
 import dagster as dg
 
+from prx_assets.registry import automated
 from prx_assets.stages.ingest.readers import ListingError, SourceNotFoundError
 from prx_assets.stages.ingest.sources import SourcesConfig, SourceSpec
 from prx_assets.stages.ingest.watch import ListingDigest, change_reason, listing_digest
 from prx_assets.storage.object_store import ObjectStoreError
-from prx_assets.storage.tables import (
-    BUCKETED_IMAGES,
-    CAPTION_LABELS,
-    CAPTIONS,
-    CONCEPTS,
-    DUPLICATES,
-    MDS_SHARDS,
-    OPT_OUTS,
-    PHASHES,
-    RAW_IMAGES,
-    SEMANTIC_DUPLICATES,
-    SKIP_LISTS,
-)
+from prx_assets.storage.tables import CONCEPTS, OPT_OUTS, RAW_IMAGES, SEMANTIC_DUPLICATES
 
 FACTORY_SETTING = "PRX_FACTORY"
-# The assets automation materialises once raw_images changed, in the order they follow it.
-AUTOMATED = (BUCKETED_IMAGES, PHASHES, CAPTIONS, CAPTION_LABELS, MDS_SHARDS, DUPLICATES,
-             SKIP_LISTS)
+# The assets automation materialises once raw_images changed, in the order they follow it
+# (the registry's `automated` steps).
+AUTOMATED = automated()
 # Seconds between two listings of a source: a listing of a big bucket is the tick's cost.
 SOURCE_SENSOR_INTERVAL = 300
 # Tags on every run a source sensor requests: the UI shows them on the run.

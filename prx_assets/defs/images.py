@@ -20,43 +20,39 @@ from prx_assets.defs.io_managers import (
 )
 from prx_assets.defs.leases import asset_lease
 from prx_assets.defs.metadata import (
-    browser_link,
+    Inputs,
     bucket_metadata,
     content_data_version,
-    incremental_metadata,
-    input_versions,
     latest_data_version,
-    materialized_lance_version,
+    pin_inputs,
+    stage_result,
 )
 from prx_assets.defs.report import cost_metadata, duration_metadata, reject_sheet_metadata
 from prx_assets.defs.resources import RayResource, StorageResource
 from prx_assets.defs.table_checks import table_checks
 from prx_assets.engine.progress import StageProgress
+from prx_assets.engine.stage import PER_SOURCE_FRAGMENTS
 from prx_assets.stages.images import pil_backend
 from prx_assets.stages.images.buckets import DEFAULT_TIERS, BucketRule
 from prx_assets.stages.images.fidelity import fidelity_report
 from prx_assets.stages.images.imaging import DEFAULT_QUALITY, DEFAULT_SUBSAMPLING, ImageOptions
 from prx_assets.stages.images.stage import (
     RAW_COLUMNS,
-    UPSTREAM,
     ImageRunReport,
     ImageTables,
-    fresh_rows,
     run_image_stage,
     settings_fingerprint,
 )
 from prx_assets.stages.report.cost import DEFAULT_CPU_HOUR_USD, DEFAULT_GPU_HOUR_USD
-from prx_assets.storage.changes import added_rows, read_consumed
 from prx_assets.storage.lance_tables import FragmentPolicy, describe_write
 from prx_assets.storage.layout import Storage
-from prx_assets.storage.refs import TableRef
 from prx_assets.storage.retention import blob_grace
 from prx_assets.storage.table_stats import bucket_profile
 from prx_assets.storage.tables import BUCKETED_IMAGES, PHASHES, RAW_IMAGES
 
 # Blobs: superseded versions freed after a short grace, not held a week.
 BUCKETED_FRAGMENTS = FragmentPolicy(target_bytes=512 << 20, superseded_grace=blob_grace())
-PHASH_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
+PHASH_FRAGMENTS = PER_SOURCE_FRAGMENTS
 
 
 class ImageStageConfig(dg.Config):
@@ -115,19 +111,20 @@ def build_image_stage(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefin
                     raw_images: ray.data.Dataset) -> Iterator[dg.MaterializeResult]:
         store, source = storage.get(), context.partition_key
         with asset_lease(context, store, BUCKETED_IMAGES):
-            lineage = input_versions(context, RAW_IMAGES)
-            # The same raw version the IO manager pinned `raw_images` to.
-            raw = store.table(RAW_IMAGES, source).at(
-                materialized_lance_version(context.instance, RAW_IMAGES, source))
+            inputs = pin_inputs(store, source, RAW_IMAGES)
+            raw = inputs[RAW_IMAGES]
             tables = ImageTables(store.table(BUCKETED_IMAGES, source), store.table(PHASHES, source),
                                  BUCKETED_FRAGMENTS, PHASH_FRAGMENTS)
             options = config.options()
 
-            progress = StageProgress(f"{BUCKETED_IMAGES}[{source}]",
-                                     images_to_process(raw, tables, options), context.log.info,
+            progress = StageProgress(f"{BUCKETED_IMAGES}[{source}]", None, context.log.info,
                                      unit="images")
-            report = run_image_stage(raw_images, raw, tables, options, config.chunk_rows,
-                                     on_chunk=lambda r: progress.update(r.commits.rows))
+            # The rows the IO manager loaded are read at the pinned version, as every input.
+            report = run_image_stage(raw.read(columns=RAW_COLUMNS), raw, tables, options,
+                                     config.chunk_rows,
+                                     on_chunk=lambda r: progress.update(r.commits.rows,
+                                                                        total=r.to_do))
+            progress.total = report.to_do
             progress.finish()
             context.log.info(f"{source}: {report.written:,} image(s) processed, {report.removed:,} "
                              f"removed, settings {settings_fingerprint(options)}")
@@ -135,9 +132,10 @@ def build_image_stage(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefin
             # environment's, so the driver's is the one that ran.
             backend = pil_backend.current()
             profile = bucket_profile(tables.bucketed)
-            yield _result(context, store, BUCKETED_IMAGES, report, processed=report.written,
-                          removed=report.removed, compacted_from=report.commits.compacted_from,
-                          metadata={**lineage, **bucket_metadata(profile),
+            yield _result(context, store, BUCKETED_IMAGES, report, inputs,
+                          processed=report.written, removed=report.removed,
+                          compacted_from=report.commits.compacted_from,
+                          metadata={**bucket_metadata(profile),
                                     **reject_sheet_metadata(tables.bucketed, raw,
                                                             profile.status_counts),
                                     "image_backend": backend.name,
@@ -148,29 +146,17 @@ def build_image_stage(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefin
                                     **cost_metadata(report.seconds, report.written, 0,
                                                     DEFAULT_GPU_HOUR_USD,
                                                     config.cpu_hour_usd)})
-            yield _result(context, store, PHASHES, report, processed=report.hashes_written,
-                          removed=report.hashes_removed,
+            yield _result(context, store, PHASHES, report, inputs,
+                          processed=report.hashes_written, removed=report.hashes_removed,
                           compacted_from=report.hashes_compacted_from,
-                          metadata={**lineage, "flat_images": profile.flat,
+                          metadata={"flat_images": profile.flat,
                                     "hashed_images": profile.hashed})
 
     return image_stage
 
 
-def images_to_process(raw: TableRef, tables: ImageTables, options: ImageOptions) -> int:
-    """The progress total: the raw rows written since bucketed's record of what it consumed
-    (fragment counts, no scan); without a record, raw rows less the bucketed rows already
-    made under these settings (an estimate when raw rows changed or left: the line's total
-    grows if the stage does more)."""
-    since = read_consumed(tables.bucketed, UPSTREAM, tag=settings_fingerprint(options))
-    if since is not None:
-        return added_rows(raw.open().get_fragments(), since)
-    _, _, fresh = fresh_rows(tables, settings_fingerprint(options))
-    return max(0, raw.count_rows() - fresh)
-
-
 def _result(context: dg.AssetExecutionContext, store: Storage, name: str,
-            report: ImageRunReport, processed: int, removed: int,
+            report: ImageRunReport, inputs: Inputs, processed: int, removed: int,
             compacted_from: int | None, metadata: dict) -> dg.MaterializeResult:
     """One table's materialisation: the IO manager's table entries, the incremental counts,
     and a data version that moves only when this run changed a row of it."""
@@ -179,15 +165,13 @@ def _result(context: dg.AssetExecutionContext, store: Storage, name: str,
     write = describe_write(ref.open())
     write.nodes = sorted(report.nodes)
     write.compacted_from = compacted_from if compacted_from is not None else write.fragments
-    key = dg.AssetKey(name)
-    return dg.MaterializeResult(
-        asset_key=key,
-        metadata={**table_metadata(ref, write),
-                  **incremental_metadata(processed, max(0, write.rows - processed), removed),
-                  **metadata, **browser_link(context, name)},
+    return stage_result(
+        context, inputs=inputs, lance_version=write.version, processed=processed,
+        reused=max(0, write.rows - processed), removed=removed, asset=name,
         data_version=content_data_version(
-            latest_data_version(context.instance, key, source),
-            changed=bool(processed or removed), lance_version=write.version))
+            latest_data_version(context.instance, dg.AssetKey(name), source),
+            changed=bool(processed or removed), lance_version=write.version),
+        metadata={**table_metadata(ref, write), **metadata})
 
 
 class FidelityConfig(dg.Config):

@@ -7,10 +7,9 @@ import dagster as dg
 from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, PROFILE_KEY, table_metadata
 from prx_assets.defs.leases import asset_lease
 from prx_assets.defs.metadata import (
-    browser_link,
     content_data_version,
-    incremental_metadata,
     latest_data_version,
+    stage_result,
 )
 from prx_assets.defs.resources import RayResource, SourcesResource, StorageResource
 from prx_assets.defs.table_checks import table_checks
@@ -29,7 +28,7 @@ from prx_assets.stages.ingest.readers import (
     ListingError,
     SourceNotFoundError,
 )
-from prx_assets.storage.lance_tables import FragmentPolicy, describe_write
+from prx_assets.storage.lance_tables import FragmentPolicy, WriteReport, describe_write
 from prx_assets.storage.object_store import ObjectStoreError
 from prx_assets.storage.retention import blob_grace
 from prx_assets.storage.tables import RAW_IMAGES
@@ -101,24 +100,30 @@ def build_raw_images(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
                 f"unit(s), {report.rows_reused:,} reused from the last run, "
                 f"{report.rows_removed:,} removed; "
                 f"version {report.lance_version}")
-            return dg.MaterializeResult(
-                metadata=_metadata(context, target, report, spec.kind, uri, spec.license),
-                data_version=content_data_version(
-                    latest_data_version(context.instance, context.asset_key, context.partition_key),
-                    report.changed, report.lance_version),
-            )
+            return _result(context, target, report, spec.kind, uri, spec.license)
 
     return raw_images
 
 
-def _metadata(context: dg.AssetExecutionContext, target: CommitTarget,
-              report: IngestReport, kind: str, uri: str, license: str) -> dict:
+def _result(context: dg.AssetExecutionContext, target: CommitTarget,
+            report: IngestReport, kind: str, uri: str, license: str) -> dg.MaterializeResult:
+    """The run as Dagster records it: raw_images reads no table (no lineage), the source."""
     written = describe_write(target.open())
     written.nodes = sorted(report.nodes)
     written.compacted_from = report.commits.compacted_from or written.fragments
+    return stage_result(
+        context, inputs={}, lance_version=written.version, processed=report.rows_processed,
+        reused=report.rows_reused, removed=report.rows_removed,
+        data_version=content_data_version(
+            latest_data_version(context.instance, context.asset_key, context.partition_key),
+            report.changed, report.lance_version),
+        metadata=_metadata(target, written, report, kind, uri, license))
+
+
+def _metadata(target: CommitTarget, written: WriteReport, report: IngestReport, kind: str,
+              uri: str, license: str) -> dict:
     return {
         **table_metadata(target.table, written, RAW_IMAGES),
-        **incremental_metadata(report.rows_processed, report.rows_reused, report.rows_removed),
         "units_listed": report.units_listed,
         "units_read": report.units_read,
         "commits": report.commits.commits,
@@ -126,7 +131,6 @@ def _metadata(context: dg.AssetExecutionContext, target: CommitTarget,
         "source_kind": kind,
         "source_uri": dg.MetadataValue.path(uri),
         "license": license,
-        **browser_link(context),
     }
 
 

@@ -8,13 +8,13 @@ from collections import Counter
 import dagster as dg
 
 from prx_assets.defs.leases import asset_lease
-from prx_assets.defs.metadata import browser_link, counts_table, incremental_metadata
-from prx_assets.defs.report import cost_metadata, duration_metadata
+from prx_assets.defs.metadata import counts_table, pin_inputs, stage_result
+from prx_assets.defs.report import cost_metadata
 from prx_assets.defs.resources import ClassifierResource
 from prx_assets.engine.progress import StageProgress
 from prx_assets.stages.captions.captions import active_caption_filter
 from prx_assets.stages.labels.labels import LABELS, load_embedded_classifier
-from prx_assets.stages.labels.runs import label_coverage, label_source
+from prx_assets.stages.labels.runs import label_coverage, label_shares, label_source
 from prx_assets.storage.tables import CAPTION_LABELS, CAPTIONS
 
 
@@ -36,45 +36,41 @@ def build_caption_labels(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDe
         caption_version = context.resources.captioner.caption_version()
         store = context.resources.storage.get()
         with asset_lease(context, store):
-            captions, labels = store.table(CAPTIONS, source), store.table(CAPTION_LABELS, source)
-            # Captions commit chunks outside materialisations: pin the latest once, label that
-            # version and record it.
-            captions_version = captions.latest_version()
-
+            inputs = pin_inputs(store, source, CAPTIONS)
+            captions, labels = inputs[CAPTIONS], store.table(CAPTION_LABELS, source)
             # The total is counted inside label_source (pending captions): set with the first
             # chunk; a run with nothing pending ends on "nothing to do".
             progress = StageProgress(f"{CAPTION_LABELS}[{source}]", None, context.log.info,
                                      unit="captions")
             caption_filter = active_caption_filter(caption_version)
-            report = label_source(captions.at(captions_version), labels, caption_version,
-                                  caption_filter, classifier.spec(), config.chunk_rows,
-                                  lambda r: progress.update(r.commits.rows, total=r.to_label))
-            progress.total = report.to_label
+            report = label_source(captions, labels, caption_version, caption_filter,
+                                  classifier.spec(), config.chunk_rows,
+                                  lambda r: progress.update(r.commits.rows, total=r.to_do))
+            progress.total = report.to_do
             progress.finish()
             coverage = label_coverage(captions, labels, caption_filter, caption_version,
                                       report.classifier_version)
-            return dg.MaterializeResult(data_version=dg.DataVersion(
-                f"{caption_version}/{report.classifier_version}@{report.lance_version}"), metadata={
-                f"input_version/{CAPTIONS}": -1 if captions_version is None else captions_version,
-                **browser_link(context),
-                "lance_version": report.lance_version,
-                "caption_version": caption_version,
-                "classifier_version": report.classifier_version,
-                # Labels are replaced in place (keyed per caption and classifier version); those
-                # of items gone upstream are dropped. A failed row is not written: not processed.
-                **incremental_metadata(report.written, max(0, coverage.labelled - report.written),
-                                       report.removed),
-                "labelled_now": report.written, "failed_now": report.failed,
-                "failures": "; ".join(report.errors) or "none",
-                "captions_per_s": round(report.captions_per_s, 2),
-                **duration_metadata("stage_seconds", report.seconds),
-                **cost_metadata(report.seconds, report.commits.rows, classifier.gpus(),
-                                classifier.gpu_hour_usd, classifier.cpu_hour_usd),
-                "coverage": round(coverage.share, 4),
-                "label_shares": counts_table(Counter({label: coverage.counts.get(label, 0)
-                                                      for label in LABELS}), "label"),
-                **_validation_metadata(classifier),
-            })
+            # Labels are replaced in place (keyed per caption and classifier version); those
+            # of items gone upstream are dropped. A failed row is not written: not processed.
+            return stage_result(
+                context, inputs=inputs, lance_version=report.lance_version,
+                processed=report.written, reused=max(0, coverage.rows() - report.written),
+                removed=report.removed, seconds=report.seconds,
+                data_version=dg.DataVersion(f"{caption_version}/{report.classifier_version}"
+                                            f"@{report.lance_version}"),
+                metadata={
+                    "caption_version": caption_version,
+                    "classifier_version": report.classifier_version,
+                    "labelled_now": report.written, "failed_now": report.failed,
+                    "failures": "; ".join(report.examples) or "none",
+                    "captions_per_s": round(report.captions_per_s, 2),
+                    **cost_metadata(report.seconds, report.commits.rows, classifier.gpus(),
+                                    classifier.gpu_hour_usd, classifier.cpu_hour_usd),
+                    "coverage": round(coverage.share(), 4),
+                    "label_shares": counts_table(Counter({label: coverage.rows(label)
+                                                          for label in LABELS}), "label"),
+                    **_validation_metadata(classifier),
+                })
 
     return caption_labels
 
@@ -137,16 +133,16 @@ def caption_labels_checks(partitions_def: dg.PartitionsDefinition
     def label_coverage_check(context: dg.AssetCheckExecutionContext,
                              config: LabelCoverageConfig) -> dg.AssetCheckResult:
         coverage = coverage_of(context)
-        return dg.AssetCheckResult(passed=coverage.share >= config.min_share, metadata={
-            "coverage": round(coverage.share, 4), "captions": coverage.captions,
-            "labelled": coverage.labelled, "min_share": config.min_share})
+        return dg.AssetCheckResult(passed=coverage.share() >= config.min_share, metadata={
+            "coverage": round(coverage.share(), 4), "captions": coverage.inputs,
+            "labelled": coverage.rows(), "min_share": config.min_share})
 
     @dg.asset_check(asset=asset, name="label_shares", partitions_def=partitions_def,
                     required_resource_keys={"captioner", "classifier", "storage"},
                     description="Each label's share inside configurable bounds (warns).")
     def label_shares_check(context: dg.AssetCheckExecutionContext,
                            config: LabelSharesConfig) -> dg.AssetCheckResult:
-        shares = coverage_of(context).shares
+        shares = label_shares(coverage_of(context))
         outside = label_bounds_missed(shares, config)
         return dg.AssetCheckResult(
             passed=not outside, severity=dg.AssetCheckSeverity.WARN,

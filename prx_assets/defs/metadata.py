@@ -4,13 +4,21 @@ turning table profiles into what the Dagster UI renders (tables, not prose)."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
 
 from prx_assets.browser.links import view_url
-from prx_assets.defs.report import bands_chart, size_in_words, tier_shape_matrix
+from prx_assets.defs.report import (
+    bands_chart,
+    duration_metadata,
+    size_in_words,
+    tier_shape_matrix,
+)
 from prx_assets.stages.report.charts import percent
+from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.table_stats import (
     AR_BANDS,
@@ -56,17 +64,6 @@ def materialized_lance_version(instance: dg.DagsterInstance, asset_key: dg.Asset
     """The `lance_version` recorded by the latest materialisation of that partition."""
     value = latest_recorded(instance, asset_key, partition_key, "lance_version")
     return int(value) if value is not None else None
-
-
-def input_versions(context: dg.AssetExecutionContext, *asset_names: str) -> dict:
-    """Metadata entries `input_version/<asset>`: the materialised version of each input,
-    which is the version the Lance IO manager pins its reads to."""
-    partition = context.partition_key if context.has_partition_key else None
-    return {
-        f"input_version/{name}": materialized_lance_version(
-            context.instance, dg.AssetKey(name), partition) or -1
-        for name in asset_names
-    }
 
 
 def recorded_input_version(instance: dg.DagsterInstance, asset_key: dg.AssetKey | str,
@@ -199,3 +196,62 @@ def latest_data_version(instance: dg.DagsterInstance, asset_key: dg.AssetKey | s
     if materialization is None:
         return None
     return materialization.tags.get("dagster/data_version") if materialization.tags else None
+
+
+# ------------------------------------------------------------------ a stage's run, recorded
+
+INPUT_VERSION = "input_version/"  # lineage entries: `input_version/<input>` -> version read
+
+
+def input_lineage(versions: Mapping[str, int | None]) -> dict[str, int]:
+    """`input_version/<input>` entries: the version each input was read at (-1: none)."""
+    return {f"{INPUT_VERSION}{name}": -1 if version is None else int(version)
+            for name, version in versions.items()}
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """A run's input tables, each pinned at the version the run reads."""
+
+    tables: dict[str, TableRef]
+
+    def __getitem__(self, name: str) -> TableRef:
+        return self.tables[name]
+
+    def versions(self) -> dict[str, int | None]:
+        return {name: table.version for name, table in self.tables.items()}
+
+
+def pin_inputs(store: Storage, source: str | None, *names: str) -> Inputs:
+    """Each input table of a run pinned at its latest version as the run starts (an absent
+    table stays unpinned: version None, recorded as -1).
+
+    The one way inputs are pinned. Not the materialised version: a per-source stage commits
+    chunk by chunk, so a killed upstream run leaves committed rows no materialisation names,
+    and tables written outside Dagster (the CLI, tests) have none at all; the latest version
+    always exists and holds every committed row (each row is keyed, so reading a chunk again
+    never doubles it). Pinned once, what the run reads and the `input_version/*` it records
+    are one version, whatever commits upstream while it runs."""
+    tables = {name: store.table(name, source) for name in names}
+    return Inputs({name: table.pinned() if table.exists() else table
+                   for name, table in tables.items()})
+
+
+def stage_result(context: dg.AssetExecutionContext, *, inputs: Inputs | Mapping[str, int | None],
+                 lance_version: int | None, processed: int, reused: int, removed: int,
+                 seconds: float | None = None, data_version: dg.DataVersion | None = None,
+                 asset: str | None = None, metadata: Mapping[str, Any] | None = None
+                 ) -> dg.MaterializeResult:
+    """A stage's run as Dagster records it: lineage (`input_version/<input>`), the browser's
+    link, the table's `lance_version`, the incremental counts under the contract's names,
+    the run's duration (`stage_seconds`), then the stage's own entries; `asset` names one
+    output of a multi-asset."""
+    versions = inputs.versions() if isinstance(inputs, Inputs) else inputs
+    entries: dict[str, Any] = {**input_lineage(versions), **browser_link(context, asset),
+                               "lance_version": lance_version,
+                               **incremental_metadata(processed, reused, removed)}
+    if seconds is not None:
+        entries.update(duration_metadata("stage_seconds", seconds))
+    return dg.MaterializeResult(asset_key=dg.AssetKey(asset) if asset else None,
+                                data_version=data_version,
+                                metadata={**entries, **(metadata or {})})

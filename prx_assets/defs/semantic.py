@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 
 from prx_assets.defs.leases import asset_lease
-from prx_assets.defs.metadata import browser_link, incremental_metadata
+from prx_assets.defs.metadata import input_lineage, pin_inputs, stage_result
 from prx_assets.defs.resources import SourcesResource
 from prx_assets.engine.batches import arrow_batches
 from prx_assets.stages.captions.captions import active_caption_filter
@@ -94,41 +94,40 @@ def build_image_embeddings(partitions_def: dg.PartitionsDefinition) -> dg.Assets
         image_encoder: ImageEncoderResource = context.resources.image_encoder
         caption_version = context.resources.captioner.caption_version()
         encoder = image_encoder.encoder(caption_version)
-        bucketed = store.table(BUCKETED_IMAGES, source)
-        if bucketed.latest_version() is None:
-            raise dg.Failure(f"{bucketed} does not exist: materialise bucketed_images first")
-        bucketed = bucketed.pinned()
+        # The caption space reads the labels' embeddings: an input only there.
+        names = [BUCKETED_IMAGES] if image_encoder.checkpoint else [BUCKETED_IMAGES,
+                                                                   CAPTION_LABELS]
+        inputs = pin_inputs(store, source, *names)
+        for name, version in inputs.versions().items():
+            if version is None:
+                raise dg.Failure(f"{inputs[name]} does not exist: materialise {name} first")
+        bucketed = inputs[BUCKETED_IMAGES]
         table = store.table(IMAGE_EMBEDDINGS, source)
         with asset_lease(context, store):  # one writer per (asset, source)
             work = plan(kept_ids(bucketed), table, encoder)
-            lineage: dict = {f"input_version/{BUCKETED_IMAGES}": bucketed.version}
             if image_encoder.checkpoint:
                 batches = arrow_batches(image_vectors(
                     bucketed, work.todo, image_encoder.checkpoint, image_encoder.actors,
                     image_encoder.batch_size, image_encoder.threads_per_actor)) if work.todo else []
             else:
-                labels = store.table(CAPTION_LABELS, source)
-                if labels.latest_version() is None:
-                    raise dg.Failure(f"{labels} does not exist: no caption embeddings to use")
-                labels = labels.pinned()
-                lineage[f"input_version/{CAPTION_LABELS}"] = labels.version
-                batches = caption_vectors(labels, caption_version, work.todo) if work.todo else []
+                batches = caption_vectors(inputs[CAPTION_LABELS], caption_version,
+                                          work.todo) if work.todo else []
             counts = write_embeddings(table, batches, encoder, work.removed)
             index = index_vectors(table) if table.exists() else "no table"
         context.log.info(f"{source}: {counts.written} embedded, {work.reused} reused, "
                          f"{len(work.removed)} removed under {encoder}")
-        return dg.MaterializeResult(metadata={
-            **lineage, **browser_link(context),
-            "encoder": encoder, "space": image_encoder.space_note(),
-            "lance_version": table.latest_version() or 0,
-            **incremental_metadata(counts.written, work.reused, len(work.removed)),
-            "failed": counts.failed, "failures": "; ".join(counts.errors or []) or "none",
-            # In the caption space an image without a usable caption has no vector yet.
-            "not_embedded": len(work.todo) - counts.written - counts.failed,
-            "vector_index": index,
-            # Vectors of another size were there (another encoder): the table was replaced.
-            "replaced_other_space": counts.replaced,
-        })
+        return stage_result(
+            context, inputs=inputs, lance_version=table.latest_version() or 0,
+            processed=counts.written, reused=work.reused, removed=len(work.removed),
+            metadata={
+                "encoder": encoder, "space": image_encoder.space_note(),
+                "failed": counts.failed, "failures": "; ".join(counts.errors or []) or "none",
+                # In the caption space an image without a usable caption has no vector yet.
+                "not_embedded": len(work.todo) - counts.written - counts.failed,
+                "vector_index": index,
+                # Vectors of another size were there (another encoder): the table was replaced.
+                "replaced_other_space": counts.replaced,
+            })
 
     return image_embeddings
 
@@ -153,9 +152,8 @@ def _space(context: dg.AssetExecutionContext, store: Storage, names: list[str]
     space = gather(store, names, encoder)
     if space.missing:
         context.log.warning(f"no image_embeddings yet for {', '.join(space.missing)}")
-    lineage = {f"input_version/{name}": v for name, v in space.versions.items()}
     note = context.resources.image_encoder.space_note()
-    return space, encoder, {**lineage, "encoder": encoder, "space": note,
+    return space, encoder, {**input_lineage(space.versions), "encoder": encoder, "space": note,
                             "sources_missing": ", ".join(space.missing) or "none"}
 
 

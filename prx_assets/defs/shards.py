@@ -12,10 +12,10 @@ from prx_assets.defs.metadata import (
     content_data_version,
     counts_table,
     incremental_metadata,
-    input_versions,
+    input_lineage,
     latest_data_version,
     latest_recorded,
-    materialized_lance_version,
+    pin_inputs,
 )
 from prx_assets.defs.report import duration_metadata
 from prx_assets.defs.resources import CaptionerResource, RayResource, StorageResource
@@ -52,13 +52,12 @@ class MdsShardsConfig(dg.Config):
 
 def sample_inputs(context: dg.AssetExecutionContext, store: Storage,
                   caption_version: str) -> SampleInputs:
-    """Both inputs pinned at their materialised versions, the ones recorded as lineage."""
+    """Both inputs pinned as every stage pins them (`pin_inputs`), the versions recorded as
+    lineage."""
     source = context.partition_key
+    inputs = pin_inputs(store, source, BUCKETED_IMAGES, CAPTIONS)
     return SampleInputs(
-        bucketed=store.table(BUCKETED_IMAGES, source).at(
-            materialized_lance_version(context.instance, BUCKETED_IMAGES, source)),
-        captions=store.table(CAPTIONS, source).at(
-            materialized_lance_version(context.instance, CAPTIONS, source)),
+        bucketed=inputs[BUCKETED_IMAGES], captions=inputs[CAPTIONS],
         caption_filter=active_caption_filter(caption_version),
         license=source_licenses([source])[source])
 
@@ -78,8 +77,9 @@ def build_mds_shards(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
         with asset_lease(context, store):
             source = context.partition_key
             started = time.monotonic()
-            report = write_mds_tree(sample_inputs(context, store, caption_version), store,
-                                    source, config.options(), log=context.log.info)
+            inputs = sample_inputs(context, store, caption_version)
+            report = write_mds_tree(inputs, store, source, config.options(),
+                                    log=context.log.info)
             seconds = time.monotonic() - started
             previous = latest_data_version(context.instance, MDS_SHARDS, source)
             return dg.MaterializeResult(
@@ -88,7 +88,8 @@ def build_mds_shards(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefini
                           "appended": report.appended, "new_tree": report.changed,
                           **compared_metadata(report.compared_ids),
                           **duration_metadata("stage_seconds", seconds),
-                          **input_versions(context, BUCKETED_IMAGES, CAPTIONS),
+                          **input_lineage({BUCKETED_IMAGES: inputs.bucketed.version,
+                                           CAPTIONS: inputs.captions.version}),
                           **browser_link(context)},
                 # The tree version names the content: unchanged when nothing changed.
                 data_version=content_data_version(previous, report.changed, report.mapping_version,
@@ -190,8 +191,8 @@ def rewrite_shards(context: dg.OpExecutionContext, config: RewriteConfig,
         "mapping_lance_version": tree.mapping_version, "rewrite": True,
         "rewritten_reasons": ", ".join(report.rewritten_reasons) or "none",
         "excluded_by_rewrite": report.excluded,
-        f"input_version/{BUCKETED_IMAGES}": inputs.bucketed.version or -1,
-        f"input_version/{CAPTIONS}": inputs.captions.version or -1})
+        **input_lineage({BUCKETED_IMAGES: inputs.bucketed.version,
+                         CAPTIONS: inputs.captions.version})})
     carried = report.carried_over
     yield dg.AssetMaterialization(asset_key=SKIP_LISTS, partition=source, metadata={
         "tree": dg.MetadataValue.path(str(tree.path)), "samples": tree.samples,

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 import dagster as dg
 
 from prx_assets.defs.leases import asset_lease
-from prx_assets.defs.metadata import browser_link, incremental_metadata
+from prx_assets.defs.metadata import browser_link, incremental_metadata, input_lineage
 from prx_assets.defs.report import funnel_metadata
 from prx_assets.defs.resources import (
     CaptionerResource,
@@ -104,7 +104,7 @@ def build_skip_lists_asset(partitions_def: dg.PartitionsDefinition) -> dg.Assets
             mapping_version = run.mapping.version
             context.log.info(f"{source}: {report.written} sidecar(s) written, {report.removed} "
                              f"removed, {report.unchanged} unchanged under {tree}")
-            lineage[f"input_version/{MDS_SAMPLES}"] = mapping_version
+            lineage.update(input_lineage({MDS_SAMPLES: mapping_version}))
             total = sum(per_leaf.values()) + report.skipped_per_reason.get(REASON_STALE, 0)
             return dg.MaterializeResult(metadata={
                 **lineage, "tree": dg.MetadataValue.path(str(tree)),
@@ -134,20 +134,20 @@ def _reasons(context: dg.AssetExecutionContext, config: SkipListsConfig, store: 
     duplicates = _pinned_if_exists(store.table(DUPLICATES)) if config.dedup else None
     if duplicates is not None:
         reasons[REASON_DEDUP] = duplicate_ids(duplicates, source)
-        lineage[f"input_version/{DUPLICATES}"] = duplicates.version
+        lineage.update(input_lineage({DUPLICATES: duplicates.version}))
     semantic = _pinned_if_exists(store.table(SEMANTIC_DUPLICATES)) if config.semdedup else None
     if semantic is not None:
         reasons[REASON_SEMDEDUP] = semantic_duplicate_ids(semantic, source)
-        lineage[f"input_version/{SEMANTIC_DUPLICATES}"] = semantic.version
+        lineage.update(input_lineage({SEMANTIC_DUPLICATES: semantic.version}))
     concepts = _pinned_if_exists(store.table(CONCEPTS)) if config.balance else None
     if concepts is not None:
         reasons[REASON_BALANCE] = unbalanced_ids(concepts, source)
-        lineage[f"input_version/{CONCEPTS}"] = concepts.version
+        lineage.update(input_lineage({CONCEPTS: concepts.version}))
     labels = _pinned_if_exists(store.table(CAPTION_LABELS, source)) if config.skip_labels \
         else None
     if labels is not None:
         reasons.update(label_ids(labels, config.skip_labels, *versions))
-        lineage[f"input_version/{CAPTION_LABELS}"] = labels.version
+        lineage.update(input_lineage({CAPTION_LABELS: labels.version}))
         lineage["caption_version"], lineage["classifier_version"] = versions
     elif config.skip_labels:
         context.log.warning(f"{source}: no caption_labels table yet; label reasons not applied")

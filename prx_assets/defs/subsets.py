@@ -8,7 +8,7 @@ from pathlib import Path
 import dagster as dg
 
 from prx_assets.defs.leases import asset_lease
-from prx_assets.defs.metadata import counts_table
+from prx_assets.defs.metadata import INPUT_VERSION, counts_table
 from prx_assets.defs.report import duration_metadata
 from prx_assets.stages.subsets.build import ActiveVersions, build_subset
 from prx_assets.stages.subsets.definitions import load_subsets
@@ -59,7 +59,8 @@ def build_subsets_asset(partitions_def: dg.StaticPartitionsDefinition, subsets_f
                 "bytes": tree.bytes,
                 "per_source": counts_table(tree.per_source, "source"),
                 "dropped": counts_table(built.selection.dropped, "reason"),
-                **{f"input_version/{name}": value for name, value in built.inputs.items()},
+                # Its inputs include tree versions (strings): recorded as they are.
+                **{f"{INPUT_VERSION}{name}": value for name, value in built.inputs.items()},
                 **{k: v for k, v in vars(versions).items() if v},
                 **duration_metadata("stage_seconds", built.seconds),
                 "select_seconds": round(built.select_seconds, 3),

@@ -14,6 +14,7 @@ from prx_assets.definitions import build_defs, default_subsets_file
 from prx_assets.defs.report import tag_run_with_warnings
 from prx_assets.demo.console import short_console_logger, wrap
 from prx_assets.engine import ray_runtime
+from prx_assets.registry import JOBS, PER_SOURCE, SUBSET, Job
 from prx_assets.stages.ingest.sources import load_sources
 from prx_assets.stages.report.funnel import format_funnel, source_funnel
 from prx_assets.stages.shards.card import CARD_MD
@@ -83,63 +84,46 @@ def _partition_run(name: str, result: dg.ExecuteInProcessResult) -> PartitionRun
                         failed_check_metadata(result))
 
 
+def demo_jobs(semantic: bool) -> list[Job]:
+    """The registry's jobs in its order; the semantic ones only with `semantic`."""
+    return [job for job in JOBS if semantic or not job.semantic]
+
+
 def materialize_all(sources_file: Path, instance: dg.DagsterInstance | None = None,
                     corpus_run_config: dict | None = None, semantic: bool = False
                     ) -> list[PartitionRun]:
-    """Every asset for every source: corpus_job per source (with `corpus_run_config`), then
-    (with `semantic`) each source's embeddings and the semantic duplicates and concepts,
-    dedup across sources, each source's skip lists, and the corpus table."""
+    """Every asset for every source, job by job in the registry's order: corpus_job per
+    source (with `corpus_run_config`), then (with `semantic`) each source's embeddings and
+    the semantic duplicates and concepts, dedup across sources, each source's skip lists,
+    the corpus table and the first subset."""
     instance = instance or dg.DagsterInstance.get()
     defs = build_defs(sources_file)
-    job = defs.resolve_job_def("corpus_job")
     ray_runtime.connect()  # one Ray for all partitions; resources reuse it
-    runs = []
-    for source in load_sources(sources_file).names:
-        runs.append(_partition_run(source, _run(job, instance, corpus_run_config,
-                                                partition_key=source)))
-    if semantic:
-        runs += _semantic_runs(defs, instance, load_sources(sources_file).names)
-    runs += _after_all_sources(defs, instance, load_sources(sources_file).names)
-    if runs and all(run.success for run in runs):  # the corpus table spans every source
-        runs.append(_partition_run("(all sources: corpus_table_job)",
-                                   _run(defs.resolve_job_def("corpus_table_job"), instance)))
-    return runs + _subset_runs(defs, instance, sources_file)
-
-
-def _semantic_runs(defs: dg.Definitions, instance: dg.DagsterInstance, sources: list[str]
-                   ) -> list[PartitionRun]:
-    """Each source's image embeddings, then semantic duplicates and concepts across them
-    (before skip_lists_job, which turns them into the semdedup and balance reasons)."""
-    runs = [_partition_run(f"{source} (embeddings_job)", _run(
-        defs.resolve_job_def("embeddings_job"), instance, partition_key=source))
-        for source in sources]
-    runs.append(_partition_run("(all sources: semantic_job)",
-                               _run(defs.resolve_job_def("semantic_job"), instance)))
+    sources = load_sources(sources_file).names
+    runs: list[PartitionRun] = []
+    for job in demo_jobs(semantic):
+        for label, partition in _partitions(job, sources, sources_file, runs):
+            config = corpus_run_config if job.name == "corpus_job" else None
+            runs.append(_partition_run(label, _run(defs.resolve_job_def(job.name), instance,
+                                                   config, partition_key=partition)))
     return runs
 
 
-def _after_all_sources(defs: dg.Definitions, instance: dg.DagsterInstance,
-                       sources: list[str]) -> list[PartitionRun]:
-    """Global dedup (needs every source's hashes), then each source's skip lists where its
-    MDS shards exist."""
-    runs = [_partition_run("(all sources: dedup_job)",
-                           _run(defs.resolve_job_def("dedup_job"), instance))]
-    for source in sources:
-        if Storage.from_env().table(MDS_SAMPLES, source).exists():
-            runs.append(_partition_run(f"{source} (skip_lists_job)", _run(
-                defs.resolve_job_def("skip_lists_job"), instance, partition_key=source)))
-    return runs
-
-
-def _subset_runs(defs: dg.Definitions, instance: dg.DagsterInstance, sources_file: Path
-                 ) -> list[PartitionRun]:
-    """The first subset of the subsets file beside the sources (after the skip lists: a
-    subset never carries a skipped sample)."""
-    names = load_subsets(default_subsets_file(sources_file)).names
-    if not names:
+def _partitions(job: Job, sources: list[str], sources_file: Path, runs: list[PartitionRun]
+                ) -> list[tuple[str, str | None]]:
+    """(label, partition) of each run of `job` the demo launches: per source (skip lists
+    only where the source's MDS shards exist), once across sources (the corpus table only
+    after every run so far succeeded: it spans every source), the first subset."""
+    if job.partitioning == PER_SOURCE:
+        if job.name == "skip_lists_job":
+            sources = [s for s in sources if Storage.from_env().table(MDS_SAMPLES, s).exists()]
+        return [(s if job.name == "corpus_job" else f"{s} ({job.name})", s) for s in sources]
+    if job.partitioning == SUBSET:
+        names = load_subsets(default_subsets_file(sources_file)).names
+        return [(f"(subset {names[0]}: {job.name})", names[0])] if names else []
+    if job.name == "corpus_table_job" and not (runs and all(run.success for run in runs)):
         return []
-    return [_partition_run(f"(subset {names[0]}: subsets_job)", _run(
-        defs.resolve_job_def("subsets_job"), instance, partition_key=names[0]))]
+    return [(f"(all sources: {job.name})", None)]
 
 
 def subset_card_lines(storage: Storage, runs: list[PartitionRun]) -> list[str]:

@@ -1,6 +1,7 @@
 """The pipeline's stages, one package each: pure, typed logic over Ray and Lance, no Dagster.
 
-In the order a source goes through them:
+Roughly in the order a source goes through them (the exact order, each asset's partitioning
+and upstreams, and the jobs that run them: `prx_assets.registry`):
 
 1. `ingest`      raw files of a source into `raw_images`
 2. `images`      one decode per image: filter, tier and shape, Lanczos, JPEG Q92, phash

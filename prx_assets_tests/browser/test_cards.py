@@ -55,8 +55,8 @@ def test_the_browser_lists_every_tree_and_shows_its_card(client):
 def test_a_source_card_shows_what_its_sidecars_skip_now(client, data_root):
     """The card file is written with the tree, before the source's skip lists: the page adds
     what the sidecars skip now, by default and in opt-in lists apart."""
-    from prx_assets.stages.shards.trees import current_tree
-    from prx_assets.stages.skip_lists.skip_lists import sidecar_path, write_sidecar
+    from prx_assets.storage.sidecars import sidecar_path, write_sidecar
+    from prx_assets.storage.trees import current_tree
 
     rows = Storage(str(data_root)).table("mds_samples", "web").to_table().to_pylist()
     leaf, shard = rows[0]["leaf"], rows[0]["shard"]

@@ -4,8 +4,9 @@ from prx_assets.defs.captions import run_metadata
 from prx_assets.defs.report import cost_metadata, duration_metadata
 from prx_assets.defs.resources import CaptionerResource, ClassifierResource
 from prx_assets.engine.chunked import ChunkedRun
+from prx_assets.engine.stage import Coverage
 from prx_assets.stages.captions.captioners import CaptionerSpec
-from prx_assets.stages.captions.runs import CaptionRunReport, Coverage
+from prx_assets.stages.captions.runs import CaptionRunReport
 
 
 def test_a_duration_is_a_number_and_words():
@@ -17,7 +18,7 @@ def test_a_duration_is_a_number_and_words():
 def test_the_captions_run_reports_its_wall_time_in_words():
     report = CaptionRunReport(version="v1",
                               commits=ChunkedRun(rows=300, committed=300, seconds=150.0))
-    cover = Coverage(kept=7200, done=300, ok=300, failed=0, in_target=300)
+    cover = Coverage(inputs=7200, counts={"ok": 300})
     meta = run_metadata(report, CaptionerSpec(), cover)
     assert meta["stage_seconds"] == 150.0
     assert meta["stage_seconds_in_words"].value == "2 min 30 s"

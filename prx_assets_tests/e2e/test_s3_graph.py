@@ -249,7 +249,12 @@ def test_captions_labels_dedup_and_opt_outs_carry_their_settings_into_ray_tasks(
 
     from prx_assets.stages.captions.captioners import CaptionerSpec
     from prx_assets.stages.captions.captions import active_caption_filter
-    from prx_assets.stages.captions.runs import caption_source, coverage, pending_requests
+    from prx_assets.stages.captions.runs import (
+        caption_source,
+        captions_coverage,
+        done_rows,
+        pending_requests,
+    )
     from prx_assets.stages.dedup.dedup import (
         DUPLICATES_SCHEMA,
         duplicates_dataset,
@@ -283,8 +288,8 @@ def test_captions_labels_dedup_and_opt_outs_carry_their_settings_into_ray_tasks(
     requests = pending_requests(store.table(BUCKETED_IMAGES, "web").read(),
                                 store.table(RAW_IMAGES, "web").read(), captions, spec)
     assert caption_source(requests, captions, spec, chunk_rows=4).written == 6
-    cover = coverage(store.table(BUCKETED_IMAGES, "web"), captions, spec.version())
-    assert (cover.kept, cover.done) == (6, 6)
+    cover = captions_coverage(store.table(BUCKETED_IMAGES, "web"), captions, spec.version())
+    assert (cover.inputs, done_rows(cover)) == (6, 6)
     again = pending_requests(store.table(BUCKETED_IMAGES, "web").read(), None, captions,
                              CaptionerSpec())
     assert again.count() == 0  # done ids read from the bucket
@@ -295,7 +300,7 @@ def test_captions_labels_dedup_and_opt_outs_carry_their_settings_into_ray_tasks(
                           LabelerSpec(), chunk_rows=4)
     assert report.written == 6
     assert label_coverage(captions, labels, caption_filter, spec.version(),
-                          report.classifier_version).labelled == 6
+                          report.classifier_version).rows() == 6
 
     hashes, missing = hash_inputs(store, ["web"])
     assert missing == []

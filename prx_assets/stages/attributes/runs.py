@@ -12,21 +12,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import ray.data
 
 from prx_assets.engine.batches import IN_PROCESS_ROWS, batch_fn, in_this_process
-from prx_assets.engine.chunked import (
-    ChunkedReport,
-    ChunkedRun,
-    CommitTarget,
-    drop_ids,
-    run_chunked,
+from prx_assets.engine.stage import (
+    Coverage,
+    Pending,
+    StageReport,
+    TableSpec,
+    coverage,
+    run_stage,
 )
 from prx_assets.stages.attributes.backends import (
     INSTRUCTIONS,
@@ -51,26 +50,14 @@ from prx_assets.stages.attributes.schema import (
     schema_text,
     validate,
 )
-from prx_assets.storage.changes import (
-    consumed_at,
-    handed_changes,
-    not_up_to_date,
-    read_ids,
-    record_consumed,
-    up_to_date_ids,
+from prx_assets.stages.captions.consumers import (
+    CaptionConsumer,
 )
-from prx_assets.storage.failpoints import failpoint
+from prx_assets.storage.changes import up_to_date_ids
 from prx_assets.storage.filters import all_of, eq_filter, in_filter
-from prx_assets.storage.lance_tables import FragmentPolicy, create_empty
 from prx_assets.storage.refs import TableRef
-from prx_assets.storage.table_stats import value_counts
 
-ATTRIBUTE_KEYS = ["id", "caption_version", "attribute_version"]
-ATTRIBUTES_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
-CAPTION_COLUMNS = ["id", "caption_version", "caption"]
 BACKENDS = ("caption", "transformers", "vllm")
-UPSTREAM = "captions"  # what the attributes table's record of the captions is called
-LOOKUP_CAPTIONS = 10_000  # changed captions tagged by id; past it, compared in full
 
 
 @dataclass(frozen=True)
@@ -238,22 +225,17 @@ def attribute_stage(pending: ray.data.Dataset, spec: AttributerSpec,
 
 # --- the run ---------------------------------------------------------------------------------
 
+ATTRIBUTES_TABLE = TableSpec(attributes_schema(SCHEMA_VERSION), ("id", "caption_version",
+                                                                   "attribute_version"))
+
+
 @dataclass
-class AttributeRunReport(ChunkedReport):
+class AttributeRunReport(StageReport):
     caption_version: str
     attribute_version: str
-    statuses: Counter = field(default_factory=Counter)
-    reasons: list[str] = field(default_factory=list)  # a few invalid or failed examples
-    to_tag: int = 0
 
 
-def attributes_target(table: TableRef, schema_version: str = SCHEMA_VERSION) -> CommitTarget:
-    return CommitTarget(table, attributes_schema(schema_version), ATTRIBUTE_KEYS,
-                        ATTRIBUTES_FRAGMENTS)
 
-
-def ensure_attributes_table(table: TableRef, schema_version: str = SCHEMA_VERSION) -> int:
-    return create_empty(table, attributes_schema(schema_version))
 
 
 def tagged_ids(attributes: TableRef, captions: TableRef, caption_filter: str,
@@ -268,27 +250,40 @@ def tagged_ids(attributes: TableRef, captions: TableRef, caption_filter: str,
     return up_to_date_ids(done, captioned)
 
 
-def record_tag(caption_version: str, attribute_version: str) -> str:
-    """What the attributes' record of the captions was made under: the active pair."""
-    return f"{caption_version}/{attribute_version}"
+class AttributeStage(CaptionConsumer[AttributeRunReport]):
+    """Captions in, one attribute record per usable caption out, under the active
+    (caption version, attribute version) pair."""
 
+    failpoint = "attributes.chunk_committed"
 
-def pending_tags(captions: TableRef, attributes: TableRef, caption_filter: str,
-                 pair: tuple[str, str]) -> tuple[int, ray.data.Dataset | None]:
-    """How many captions to tag, and their rows. With the attributes' record of the
-    captions: the usable captions written since, less those with a final record as new
-    (looked up by id); without one (or past `LOOKUP_CAPTIONS`), every usable caption
-    compared with every record."""
-    changed = handed_changes(captions, attributes, UPSTREAM, record_tag(*pair), caption_filter,
-                             LOOKUP_CAPTIONS)
-    if changed is None:
-        done = tagged_ids(attributes, captions, caption_filter, *pair)
-        n = max(0, captions.count_rows(filter=caption_filter) - len(done))
-        return n, drop_ids(captions.read(columns=CAPTION_COLUMNS, filter=caption_filter),
-                           done) if n else None
-    todo = not_up_to_date(changed[0], attributes, _done_filter(*pair), captions,
-                          caption_filter)
-    return len(todo), read_ids(captions, todo, CAPTION_COLUMNS, caption_filter)
+    def __init__(self, caption_version: str, caption_filter: str, spec: AttributerSpec,
+                 bucketed: TableRef | None = None):
+        super().__init__(caption_version, caption_filter, spec.version())
+        self.spec, self.bucketed = spec, bucketed
+        self.table = replace(ATTRIBUTES_TABLE, schema=attributes_schema(spec.schema_version))
+
+    def report(self) -> AttributeRunReport:
+        return AttributeRunReport(*self.pair)
+
+    def done_filter(self) -> str:
+        return _done_filter(*self.pair)
+
+    def pending_in_full(self, captions: TableRef, target: TableRef) -> Pending:
+        """Every usable caption compared with every final record."""
+        done = tagged_ids(target, captions, self.caption_filter, *self.pair)
+        n = max(0, captions.count_rows(filter=self.caption_filter) - len(done))
+        return self.read_all_but(captions, done, n)
+
+    def transform(self, rows: ray.data.Dataset, count: int) -> ray.data.Dataset:
+        return attribute_stage(rows, self.spec, self.bucketed, count)
+
+    def count(self, chunk: pa.Table, report: AttributeRunReport) -> None:
+        report.counts.update(chunk.column("status").to_pylist())
+        report.keep_examples(chunk.column("error").to_pylist())
+
+    def finished(self, report: AttributeRunReport) -> bool:
+        # Failures are retried by handing the same changes on: no record past them.
+        return all(status in FINAL_STATUSES for status in report.counts)
 
 
 def tag_source(captions: TableRef, attributes: TableRef, caption_version: str,
@@ -298,54 +293,13 @@ def tag_source(captions: TableRef, attributes: TableRef, caption_version: str,
                ) -> AttributeRunReport:
     """Tag the pending captions of one source; `captions` pinned by the caller is the
     version tagged (the lineage it records)."""
-    report = AttributeRunReport(caption_version, spec.version())
-    ensure_attributes_table(attributes, spec.schema_version)
-    captions = captions.pinned()
-    pair = (caption_version, report.attribute_version)
-    report.to_tag, pending = pending_tags(captions, attributes, caption_filter, pair)
-
-    def count(chunk: pa.Table, run: ChunkedRun) -> None:
-        report.commits = run
-        failpoint("attributes.chunk_committed")
-        report.statuses.update(chunk.column("status").to_pylist())
-        bad = chunk.filter(pc.is_valid(chunk.column("error"))).column("error").to_pylist()
-        report.reasons.extend(bad[: max(0, 5 - len(report.reasons))])
-        if on_chunk:
-            on_chunk(report)
-
-    report.commits = run_chunked(pending, lambda rows: attribute_stage(rows, spec, bucketed,
-                                                                       report.to_tag),
-                                 attributes_target(attributes, spec.schema_version),
-                                 chunk_rows, on_chunk=count)
-    if all(status in FINAL_STATUSES for status in report.statuses):
-        # Failures are retried by handing the same changes on: no record past them.
-        record_consumed(attributes, UPSTREAM, consumed_at(captions.open(), record_tag(*pair)))
-    return report
-
-
-@dataclass(frozen=True)
-class AttributeCoverage:
-    captions: int  # usable captions of the active version
-    statuses: dict[str, int]  # status -> records under the active pair
-
-    @property
-    def valid(self) -> int:
-        return self.statuses.get(STATUS_OK, 0)
-
-    @property
-    def recorded(self) -> int:
-        return sum(self.statuses.values())
-
-    @property
-    def share(self) -> float:
-        return self.valid / self.captions if self.captions else 1.0
+    return run_stage(AttributeStage(caption_version, caption_filter, spec, bucketed),
+                     captions, attributes, chunk_rows, on_chunk)
 
 
 def attribute_coverage(captions: TableRef, attributes: TableRef, caption_filter: str,
-                       caption_version: str, attribute_version: str) -> AttributeCoverage:
-    usable = captions.count_rows(filter=caption_filter) if captions.exists() else 0
-    if not attributes.exists():
-        return AttributeCoverage(usable, {})
-    condition = all_of(eq_filter("caption_version", caption_version),
-                       eq_filter("attribute_version", attribute_version))
-    return AttributeCoverage(usable, dict(value_counts(attributes, "status", condition)))
+                       caption_version: str, attribute_version: str) -> Coverage:
+    """Usable captions of the active version, and the records under the pair by status."""
+    return coverage(captions, caption_filter, attributes, "status", all_of(
+        eq_filter("caption_version", caption_version),
+        eq_filter("attribute_version", attribute_version)))

@@ -9,7 +9,6 @@ its failed row.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,18 +19,24 @@ import ray.data
 from prx_assets.engine.batches import batch_fn
 from prx_assets.engine.chunked import BROADCAST_IDS as DEFAULT_BROADCAST_IDS
 from prx_assets.engine.chunked import (
-    ChunkedReport,
-    ChunkedRun,
-    CommitTarget,
     collect_ids,
+    drop_ids,
     hash_partitions,
     keep_ids,
     pending_rows,
-    run_chunked,
     without_ids,
 )
 from prx_assets.engine.id_sets import IdSet
 from prx_assets.engine.removals import DELETE_IDS_PER_COMMIT, delete_ids
+from prx_assets.engine.stage import (
+    Coverage,
+    Pending,
+    Stage,
+    StageReport,
+    TableSpec,
+    commit_pending,
+    coverage,
+)
 from prx_assets.stages.captions.captioners import CaptionerSpec, caption_stage
 from prx_assets.stages.captions.captions import (
     CAPTIONS_SCHEMA,
@@ -42,28 +47,23 @@ from prx_assets.stages.captions.captions import (
 from prx_assets.storage.changes import (
     Changes,
     changes_since,
-    consumed_at,
     read_consumed,
     read_ids,
-    record_consumed,
     rows_with_ids,
 )
-from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.filters import all_of, eq_filter
-from prx_assets.storage.lance_tables import FragmentPolicy, create_empty, only_appended_since
+from prx_assets.storage.lance_tables import only_appended_since
 from prx_assets.storage.refs import TableRef
-from prx_assets.storage.table_stats import value_counts
 
-CAPTION_KEYS = ["id", "caption_version"]
+CAPTIONS_TABLE = TableSpec(CAPTIONS_SCHEMA, ("id", "caption_version"))
 UPSTREAM = "bucketed_images"  # what the captions table's record of the kept images is called
-CAPTIONS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
 
 
 @dataclass
-class CaptionRunReport(ChunkedReport):
+class CaptionRunReport(StageReport):
     version: str
-    statuses: Counter = field(default_factory=Counter)
     word_counts: list[int] = field(default_factory=list)
+
 
     @property
     def images_per_s(self) -> float:
@@ -76,11 +76,6 @@ BROADCAST_IDS = DEFAULT_BROADCAST_IDS
 # A model backend's run with at most this many pending images reads only their bytes, by id
 # (one `IN` filter); with more it reads every kept image once.
 IMAGE_LOOKUP_IDS = 10_000
-
-
-def captions_target(captions: TableRef) -> CommitTarget:
-    """A source's captions table: one row per (id, caption version)."""
-    return CommitTarget(captions, CAPTIONS_SCHEMA, CAPTION_KEYS, CAPTIONS_FRAGMENTS)
 
 
 def pending_requests(bucketed: ray.data.Dataset, raw_captions: ray.data.Dataset | None,
@@ -159,14 +154,6 @@ def awaiting_new_images(bucketed: TableRef, raw: TableRef, ids: pa.Array) -> pa.
     joined = made.join(now, "id", join_type="left outer")
     differs = pc.fill_null(pc.not_equal(joined["raw_sha256"], joined["sha256"]), True)
     return joined.filter(differs).column("id").combine_chunks()
-
-
-def record_bucketed_consumed(bucketed: TableRef, captions: TableRef, spec: CaptionerSpec
-                             ) -> None:
-    """Record that the captions of `spec`'s version cover every kept image of the pinned
-    bucketed version (only after a run finished: a killed run hands its changes on)."""
-    if bucketed.exists() and captions.exists():
-        record_consumed(captions, UPSTREAM, consumed_at(bucketed.open(), spec.version()))
 
 
 def requests_for(bucketed: TableRef, ids: pa.Array, raw: TableRef | None = None
@@ -254,57 +241,95 @@ def drop_captions(captions: TableRef, ids: set[str], chunk: int = DELETE_IDS_PER
     return delete_ids(captions.latest(), pa.array(sorted(ids), pa.string()), chunk)
 
 
+def caption_requests(bucketed: TableRef, raw: TableRef, raw_images: ray.data.Dataset | None,
+                     captions: TableRef, spec: CaptionerSpec, changed: set[str]
+                     ) -> ray.data.Dataset | None:
+    """The pending requests. With the captions' record of bucketed, from its changes since
+    (and, for the `original` backend, the items whose source caption changed: bucketed
+    does not change with it); without one, or past a few thousand, from every kept id: a
+    model backend selects ids first and reads only their images. A model backend leaves
+    out changed items whose new image the image stage has not made yet."""
+    changes = bucketed_changes(bucketed, captions, spec)
+    changed_ids = pa.array(sorted(changed), pa.string())
+    ids = pending_changed_ids(bucketed, changes, captions, spec,
+                              None if spec.uses_model else changed_ids) \
+        if changes is not None else None
+    if not spec.uses_model:
+        return requests_for(bucketed, ids, raw) if ids is not None else \
+            pending_requests(read_kept(bucketed, spec), raw_images, captions, spec)
+    # A replaced file waits for its new image (its bucketed row comes with a later change).
+    waiting = awaiting_new_images(bucketed, raw, changed_ids)
+    if ids is None:
+        ids = pending_ids(bucketed, captions, spec)
+    if ids is not None:
+        return requests_for(bucketed, ids.filter(pc.invert(pc.is_in(ids, waiting))))
+    return drop_ids(pending_requests(read_kept(bucketed, spec), raw_images, captions, spec),
+                    waiting)
+
+
+class CaptionStage(Stage[CaptionRunReport]):
+    """Kept images (bucketed_images) in, one caption per kept image out under the spec's
+    caption version; a failed caption is written as failed and retried by the next run. Its
+    record of bucketed is made whatever failed (failures are looked up, not handed on)."""
+
+    table = CAPTIONS_TABLE
+    upstream = UPSTREAM
+    failpoint = "captions.chunk_committed"
+
+    def __init__(self, spec: CaptionerSpec, raw: TableRef | None = None,
+                 changed: set[str] | None = None):
+        self.spec, self.raw, self.changed = spec, raw, changed or set()
+
+    def report(self) -> CaptionRunReport:
+        return CaptionRunReport(version=self.spec.version())
+
+    def record_tag(self) -> str:
+        return self.spec.version()
+
+    def pending(self, upstream: TableRef, target: TableRef, report: CaptionRunReport
+                ) -> Pending:
+        assert self.raw is not None, "a captions run reads raw_images (the source captions)"
+        raw_captions = self.raw.read(columns=["id", "original_caption"])
+        return Pending(count_pending(upstream, target, self.spec.version()), caption_requests(
+            upstream, self.raw, raw_captions, target, self.spec, self.changed))
+
+    def transform(self, rows: ray.data.Dataset, count: int) -> ray.data.Dataset:
+        return caption_stage(rows, self.spec)
+
+    def count(self, chunk: pa.Table, report: CaptionRunReport) -> None:
+        report.counts.update(chunk.column("status").to_pylist())
+        ok = pc.equal(chunk.column("status"), STATUS_OK)
+        report.word_counts.extend(chunk.filter(ok).column("n_words").to_pylist())
+
+
 def caption_source(requests: ray.data.Dataset | None, captions: TableRef, spec: CaptionerSpec,
                    chunk_rows: int = 1024,
                    on_chunk: Callable[[CaptionRunReport], None] | None = None
                    ) -> CaptionRunReport:
-    """Caption `requests` and commit the results chunk by chunk."""
-    report = CaptionRunReport(version=spec.version())
-
-    def count(chunk: pa.Table, run: ChunkedRun) -> None:
-        report.commits = run
-        report.statuses.update(chunk.column("status").to_pylist())
-        ok = pc.equal(chunk.column("status"), STATUS_OK)
-        report.word_counts.extend(chunk.filter(ok).column("n_words").to_pylist())
-        if on_chunk:
-            on_chunk(report)
-        # A killed run keeps every chunk committed so far: tests hold the run here.
-        failpoint("captions.chunk_committed")
-
-    report.commits = run_chunked(requests, lambda rows: caption_stage(rows, spec),
-                                 captions_target(captions), chunk_rows,
-                                 on_chunk=count)
-    return report
+    """Caption `requests` selected by the caller (a benchmark, a test) and commit the results
+    chunk by chunk; the asset runs the whole stage (`run_stage(CaptionStage(...))`)."""
+    stage = CaptionStage(spec)
+    return commit_pending(stage, Pending(0, requests), captions, chunk_rows, stage.report(),
+                          on_chunk)
 
 
-def ensure_table(captions: TableRef) -> int:
-    """An empty captions table for a source with nothing to caption (downstream can read it)."""
-    return create_empty(captions, CAPTIONS_SCHEMA)
+def captions_coverage(bucketed: TableRef, captions: TableRef, version: str) -> Coverage:
+    """Kept images, and the captions of `version` by status (read from the committed
+    tables, metadata columns only)."""
+    return coverage(bucketed, eq_filter("status", STATUS_OK), captions, "status",
+                    eq_filter("caption_version", version))
 
 
-@dataclass(frozen=True)
-class Coverage:
-    kept: int
-    done: int
-    ok: int
-    failed: int
-    in_target: int
-
-    @property
-    def share(self) -> float:
-        return self.done / self.kept if self.kept else 1.0
+def done_rows(cover: Coverage) -> int:
+    """Kept images with a caption that needs no more work (any status but failed)."""
+    return cover.rows() - cover.rows(STATUS_FAILED)
 
 
-def coverage(bucketed: TableRef, captions: TableRef, version: str,
-             target: tuple[int, int] = (100, 200)) -> Coverage:
-    """Counts for the checks, read from the committed tables (metadata columns only)."""
-    kept = bucketed.count_rows(filter=eq_filter("status", STATUS_OK)) \
-        if bucketed.exists() else 0
+def in_target_rows(captions: TableRef, version: str, target: tuple[int, int] = (100, 200)
+                   ) -> int:
+    """Captions of `version` whose length is within `target` words."""
     if not captions.exists():
-        return Coverage(kept, 0, 0, 0, 0)
-    statuses = value_counts(captions, "status", eq_filter("caption_version", version))
-    in_target = captions.count_rows(filter=all_of(
+        return 0
+    return captions.count_rows(filter=all_of(
         eq_filter("caption_version", version), eq_filter("status", STATUS_OK),
         f"n_words >= {int(target[0])}", f"n_words <= {int(target[1])}"))
-    done = sum(n for s, n in statuses.items() if s != "failed")
-    return Coverage(kept, done, statuses.get(STATUS_OK, 0), statuses.get("failed", 0), in_target)

@@ -26,22 +26,26 @@ import ray.data
 from prx_assets.engine.batches import batch_fn
 from prx_assets.engine.chunked import (
     BROADCAST_IDS,
-    ChunkedReport,
-    ChunkedRun,
-    CommitTarget,
     hash_partitions,
     new_if_empty,
-    run_chunked,
 )
 from prx_assets.engine.removals import delete_ids, removed_ids
+from prx_assets.engine.stage import (
+    Pending,
+    Stage,
+    StageReport,
+    TableSpec,
+    run_stage,
+    with_node_column,
+    without_node_column,
+)
 from prx_assets.stages.images.imaging import ImageOptions, process_image
 from prx_assets.storage.changes import (
     Changes,
+    added_rows,
     changes_since,
-    consumed_at,
     forget_consumed,
     read_consumed,
-    record_consumed,
     rows_with_ids,
 )
 from prx_assets.storage.failpoints import failpoint
@@ -240,22 +244,11 @@ def ensure_table(target: TableRef, schema: pa.Schema, replace: bool = False) -> 
 
 # --- one run ------------------------------------------------------------------------------
 
-NODE_COLUMN = "_ray_node"  # transient: which Ray node produced the row (for the metadata)
-
-
-def with_node_column(batch: pa.Table) -> pa.Table:
-    """The batch with the id of the Ray node running this task (fused into the decoding
-    task, so it names where the work ran); a schema tag would not survive the driver's
-    rebatching into chunks."""
-    node = ray.get_runtime_context().get_node_id()
-    return batch.append_column(NODE_COLUMN, pa.array([node] * batch.num_rows, pa.string()))
-
-
 @dataclass
-class ImageRunReport(ChunkedReport):
-    """What one run of the stage did to its two tables (`commits` counts bucketed chunks)."""
+class ImageRunReport(StageReport):
+    """What one run of the stage did to its two tables (`commits` counts bucketed chunks;
+    `removed`, bucketed rows deleted because their ids left raw_images)."""
 
-    removed: int = 0  # bucketed rows deleted: their ids left raw_images
     hashes_written: int = 0  # phashes rows upserted
     hashes_removed: int = 0  # phashes rows deleted: id removed, or its new row has no hash
     hashes_compacted_from: int | None = None
@@ -263,19 +256,25 @@ class ImageRunReport(ChunkedReport):
 
 
 def remove_ids(tables: ImageTables, report: ImageRunReport, gone: pa.Array) -> None:
-    """Delete the rows of ids that left raw_images, phashes first (see `run_image_stage`)."""
+    """Delete the rows of ids that left raw_images, phashes first (see `ImageStage`)."""
     report.hashes_removed += delete_ids(tables.phashes, gone)
     report.removed += delete_ids(tables.bucketed, gone)
 
 
-def run_image_stage(raw: ray.data.Dataset, raw_table: TableRef, tables: ImageTables,
-                    options: ImageOptions, chunk_rows: int,
-                    on_chunk: Callable[[ImageRunReport], None] | None = None) -> ImageRunReport:
-    """Bring both tables up to date with `raw` (rows with RAW_COLUMNS read from `raw_table`,
-    the pinned raw_images version): delete removed ids, then decode what is pending and
-    commit it in chunks of `chunk_rows`, then record what was consumed. With a record, the
-    removed ids and the pending rows come from raw's changes since (`raw_changes`); after a
-    raw compaction the ids are compared only if bucketed ends with more rows than raw.
+def images_to_process(raw: TableRef, tables: ImageTables, fingerprint: str) -> int:
+    """The progress total: the raw rows written since bucketed's record of what it consumed
+    (fragment counts, no scan); without a record, raw rows less the bucketed rows already
+    made under these settings (an estimate when raw rows changed or left: the line's total
+    grows if the stage does more)."""
+    since = read_consumed(tables.bucketed, UPSTREAM, tag=fingerprint)
+    if since is not None:
+        return added_rows(raw.open().get_fragments(), since)
+    _, _, fresh = fresh_rows(tables, fingerprint)
+    return max(0, raw.count_rows() - fresh)
+
+
+class ImageStage(Stage[ImageRunReport]):
+    """raw_images rows in, bucketed rows (with phash) out, and phashes beside them.
 
     Ordering, so that a kill anywhere is repaired by the rerun and readers never see an
     id twice: every commit is keyed on id (a merge-insert or a delete), and phashes is
@@ -285,54 +284,82 @@ def run_image_stage(raw: ray.data.Dataset, raw_table: TableRef, tables: ImageTab
     at most one chunk, never behind it. (Syncing phashes from bucketed at the end would
     need a full comparison of the two tables on every run to find what a kill left out.)
     """
-    # A replaced bucketed table can no longer say which ids left: phashes starts over too.
-    replaced = ensure_table(tables.bucketed, BUCKETED_SCHEMA)
-    ensure_table(tables.phashes, PHASH_SCHEMA, replace=replaced)
-    report = ImageRunReport()
-    fingerprint = settings_fingerprint(options)
-    changes = raw_changes(raw_table, tables, fingerprint)
-    if changes is None or changes.removed is not None:
-        remove_ids(tables, report, removed_ids(tables.bucketed, raw_table)
-                   if changes is None else changes.removed)
 
-    def hashes_first(chunk: pa.Table) -> pa.Table:
-        report.nodes.update(pc.unique(chunk.column(NODE_COLUMN)).to_pylist())
-        chunk = chunk.drop_columns([NODE_COLUMN])
+    upstream = UPSTREAM
+    failpoint = "images.chunk_committed"
+
+    def __init__(self, raw: ray.data.Dataset, tables: ImageTables, options: ImageOptions):
+        self.raw, self.tables, self.options = raw, tables, options
+        self.fingerprint = settings_fingerprint(options)
+        self.table = TableSpec(BUCKETED_SCHEMA, ("id",), tables.bucketed_policy)
+        self.changes: Changes | None = None
+        self.current = ImageRunReport()
+
+    def report(self) -> ImageRunReport:
+        self.current = ImageRunReport()
+        return self.current
+
+    def record_tag(self) -> str:
+        return self.fingerprint
+
+    def ensure(self, target: TableRef) -> None:
+        # A replaced bucketed table can no longer say which ids left: phashes starts over.
+        replaced = ensure_table(target, BUCKETED_SCHEMA)
+        ensure_table(self.tables.phashes, PHASH_SCHEMA, replace=replaced)
+
+    def pending(self, upstream: TableRef, target: TableRef, report: ImageRunReport) -> Pending:
+        """With a record, the removed ids and the pending rows come from raw's changes since
+        (`raw_changes`); without one, from comparing both tables."""
+        self.changes = changes = raw_changes(upstream, self.tables, self.fingerprint)
+        if changes is None or changes.removed is not None:
+            remove_ids(self.tables, report, removed_ids(target, upstream)
+                       if changes is None else changes.removed)
+        # A first run (bucketed empty) appends: raw_images holds each id once.
+        new_rows = new_if_empty(target)
+        rows = pending_raw(self.raw, self.tables, self.fingerprint) if changes is None \
+            else pending_changed_raw(upstream, changes, self.tables, self.fingerprint)
+        return Pending(images_to_process(upstream, self.tables, self.fingerprint), rows,
+                       new_rows=new_rows)
+
+    def transform(self, rows: ray.data.Dataset, count: int) -> ray.data.Dataset:
+        return build_bucketed_dataset(rows, self.options).map_batches(
+            with_node_column, batch_format="pyarrow", zero_copy_batch=True)
+
+    def to_commit(self, chunk: pa.Table) -> pa.Table:
+        """phashes first: its rows of the chunk upserted (deleted for rows without a hash);
+        bucketed then commits the whole chunk."""
+        report, phashes = self.current, self.tables.phashes
+        chunk = without_node_column(chunk, report.nodes)
         hashed = chunk.filter(pc.is_valid(chunk.column("phash")))
         unhashed = chunk.filter(pc.is_null(chunk.column("phash"))).column("id")
-        report.hashes_removed += delete_ids(tables.phashes, unhashed.combine_chunks())
+        report.hashes_removed += delete_ids(phashes, unhashed.combine_chunks())
         if hashed.num_rows:
-            upsert(tables.phashes, hashed.select(PHASH_COLUMNS), PHASH_SCHEMA, ["id"])
-            maintain_key_index(tables.phashes, "id", tables.phash_policy.key_index)
+            upsert(phashes, hashed.select(PHASH_COLUMNS), PHASH_SCHEMA, ["id"])
+            maintain_key_index(phashes, "id", self.tables.phash_policy.key_index)
             report.hashes_written += hashed.num_rows
-        return chunk  # bucketed commits the whole chunk, after phashes
+        return chunk
 
-    def committed(_chunk: pa.Table, run: ChunkedRun) -> None:
-        report.commits = run
-        failpoint("images.chunk_committed")
-        if on_chunk:
-            on_chunk(report)
+    def after(self, upstream: TableRef, target: TableRef, report: ImageRunReport) -> None:
+        """phashes' index, compaction and cleanup, as the runner does bucketed's; after a raw
+        compaction, the ids that left (unknown from the changes) once more bucketed rows
+        than raw rows say some did. Every raw row of this version now has its bucketed row:
+        the record that follows hands the next run only what changes after it."""
+        phashes, policy = self.tables.phashes, self.tables.phash_policy
+        if report.commits.commits:
+            refresh_key_index(phashes, "id", policy.key_index)
+        if report.commits.commits > 1:
+            report.hashes_compacted_from = compact(phashes, policy)
+            cleanup(phashes.latest().open(), policy)
+        if self.changes is not None and self.changes.removed is None \
+                and target.latest().count_rows() > upstream.count_rows():
+            remove_ids(self.tables, report, removed_ids(target, upstream))
 
-    # A first run (bucketed empty) appends: raw_images holds each id once.
-    new_rows = new_if_empty(tables.bucketed)
-    pending = pending_raw(raw, tables, fingerprint) if changes is None \
-        else pending_changed_raw(raw_table, changes, tables, fingerprint)
-    target = CommitTarget(tables.bucketed, BUCKETED_SCHEMA, ["id"], tables.bucketed_policy)
-    report.commits = run_chunked(
-        pending, lambda rows: build_bucketed_dataset(rows, options).map_batches(
-            with_node_column, batch_format="pyarrow", zero_copy_batch=True),
-        target, chunk_rows, to_commit=hashes_first, on_chunk=committed, new_rows=new_rows)
-    if report.commits.commits:
-        refresh_key_index(tables.phashes, "id", tables.phash_policy.key_index)
-    if report.commits.commits > 1:
-        report.hashes_compacted_from = compact(tables.phashes, tables.phash_policy)
-        cleanup(tables.phashes.latest().open(), tables.phash_policy)
-    if changes is not None and changes.removed is None \
-            and tables.bucketed.latest().count_rows() > raw_table.count_rows():
-        # Raw was compacted since the record: which ids left is unknown. Every raw row now
-        # has its bucketed row, so only more bucketed rows than raw rows means any did.
-        remove_ids(tables, report, removed_ids(tables.bucketed, raw_table))
-    # Every raw row of this version now has its bucketed row: the next run is handed only
-    # what changes after it (a kill before this line hands it these changes again).
-    record_consumed(tables.bucketed, UPSTREAM, consumed_at(raw_table.open(), fingerprint))
-    return report
+
+def run_image_stage(raw: ray.data.Dataset, raw_table: TableRef, tables: ImageTables,
+                    options: ImageOptions, chunk_rows: int,
+                    on_chunk: Callable[[ImageRunReport], None] | None = None) -> ImageRunReport:
+    """Bring both tables up to date with `raw` (rows with RAW_COLUMNS read from `raw_table`,
+    the pinned raw_images version): delete removed ids, then decode what is pending and
+    commit it in chunks of `chunk_rows`, then record what was consumed (`ImageStage`)."""
+    return run_stage(ImageStage(raw, tables, options), raw_table, tables.bucketed, chunk_rows,
+                     on_chunk)

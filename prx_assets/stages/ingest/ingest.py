@@ -43,6 +43,7 @@ from prx_assets.engine.chunked import (
     hash_partitions,
     run_chunked,
 )
+from prx_assets.engine.stage import NODE_COLUMN, with_node_column
 from prx_assets.stages.ingest import readers
 from prx_assets.stages.ingest.location import SourceLocation
 from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS
@@ -61,8 +62,6 @@ from prx_assets.storage.lance_tables import create_empty, overwrite_rows, tag_wi
 
 # Units per in-memory block handed to Ray (a block is a few hundred KB of paths).
 UNIT_BLOCK = 10_000
-# The Ray node that read a row, carried beside the row up to its commit (ray_nodes metadata).
-NODE_COLUMN = "_ray_node"
 UNIT_KEYS = ("unit", "unit_signature")
 # Up to this many rows the comparison runs on the driver (as engine.chunked broadcasts up to
 # a million ids); past it, in Ray hash joins.
@@ -236,13 +235,8 @@ def expand_units(units: pa.Table, spec: SourceSpec, location: SourceLocation | s
         for unit, signature in zip(units.column("unit").to_pylist(), signatures, strict=True)
         for row in _unit_rows(spec, location, unit, signature, options)
     ):
-        yield _with_node_column(table) if node_column else tag_with_node(table)
+        yield with_node_column(table) if node_column else tag_with_node(table)
         failpoint("ingest.expand_units")
-
-
-def _with_node_column(table: pa.Table) -> pa.Table:
-    node = ray.get_runtime_context().get_node_id()
-    return table.append_column(NODE_COLUMN, pa.array([node] * table.num_rows, pa.string()))
 
 
 def rows_to_commit(chunk: pa.Table) -> pa.Table:

@@ -11,9 +11,8 @@ throughout.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypedDict
 
 import numpy as np
@@ -22,17 +21,19 @@ import pyarrow.compute as pc
 import ray.data
 
 from prx_assets.engine.batches import IN_PROCESS_ROWS, in_this_process
-from prx_assets.engine.chunked import (
-    ChunkedReport,
-    ChunkedRun,
-    CommitTarget,
-    drop_ids,
-    keep_ids,
-    run_chunked,
-)
+from prx_assets.engine.chunked import keep_ids
 from prx_assets.engine.id_sets import IdSet
 from prx_assets.engine.removals import DELETE_IDS_PER_COMMIT, delete_ids
+from prx_assets.engine.stage import (
+    Coverage,
+    Pending,
+    StageReport,
+    TableSpec,
+    coverage,
+    run_stage,
+)
 from prx_assets.models.embeddings import shared_embedder
+from prx_assets.stages.captions.consumers import CaptionConsumer
 from prx_assets.stages.labels.backends import (
     QUESTION,
     OpenAILabelClient,
@@ -51,24 +52,9 @@ from prx_assets.stages.labels.labels import (
     label_rows,
     version_hash,
 )
-from prx_assets.storage.changes import (
-    consumed_at,
-    handed_changes,
-    not_up_to_date,
-    read_ids,
-    record_consumed,
-    up_to_date_ids,
-)
-from prx_assets.storage.failpoints import failpoint
-from prx_assets.storage.lance_tables import FragmentPolicy, create_empty
+from prx_assets.storage.changes import up_to_date_ids
 from prx_assets.storage.refs import TableRef
-from prx_assets.storage.table_stats import value_counts
 
-LABEL_KEYS = ["id", "caption_version", "classifier_version"]
-UPSTREAM = "captions"  # what the labels table's record of the captions it consumed is called
-LOOKUP_CAPTIONS = 10_000  # changed captions labelled by id; past it, compared in full
-LABELS_FRAGMENTS = FragmentPolicy(target_bytes=1 << 30, max_rows=1 << 20)
-CAPTION_COLUMNS = ["id", "caption_version", "caption"]
 # What a label stage yields: LABELS_SCHEMA rows plus an error (label null when it failed).
 STAGE_SCHEMA = pa.schema([f.with_nullable(True) if f.name == "label" else f
                           for f in LABELS_SCHEMA] + [pa.field("error", pa.string())])
@@ -109,13 +95,12 @@ class LabelerSpec:
 
 
 @dataclass
-class LabelRunReport(ChunkedReport):
+class LabelRunReport(StageReport):
     caption_version: str
     classifier_version: str
-    labels: Counter = field(default_factory=Counter)
-    errors: list[str] = field(default_factory=list)  # a few examples
-    removed: int = 0  # label rows of items gone from the captions (removed upstream)
-    to_label: int = 0  # captions pending when the run started (the progress total)
+
+
+
 
     @property
     def failed(self) -> int:
@@ -146,11 +131,6 @@ def labelled_ids(labels: TableRef, caption_version: str, classifier_version: str
     return up_to_date_ids(labelled, captioned)
 
 
-def record_tag(caption_version: str, classifier_version: str) -> str:
-    """What the labels' record of the captions was made under: the active pair."""
-    return f"{caption_version}/{classifier_version}"
-
-
 def drop_orphan_labels(labels: TableRef, captions: TableRef,
                        chunk: int = DELETE_IDS_PER_COMMIT) -> int:
     """Delete the label rows (every version pair) of ids that have no caption row any more:
@@ -171,12 +151,6 @@ def count_pending(captions: TableRef, caption_filter: str, done: pa.Array) -> in
     done_set = IdSet.of(done)  # sorted once, not hashed per batch
     return sum(keep_ids(pa.Table.from_batches([b]), done_set, member=False).num_rows
                for b in scanner.to_batches())
-
-
-def pending_captions(captions: TableRef, caption_filter: str, done: pa.Array
-                     ) -> ray.data.Dataset:
-    """Usable captions of the active version whose id is not in `done`."""
-    return drop_ids(captions.read(columns=CAPTION_COLUMNS, filter=caption_filter), done)
 
 
 class EmbeddingStage:
@@ -289,20 +263,54 @@ def _vllm_rows(batch: pa.Table, classifier_version: str) -> pa.Table:
     return _stage_rows(batch, classifier_version, labels, scores, vectors, errors)
 
 
-def ensure_labels_table(labels: TableRef) -> int:
-    """An empty labels table, so downstream readers and checks always find one."""
-    return create_empty(labels, LABELS_SCHEMA)
-
-
-def labels_target(labels: TableRef) -> CommitTarget:
-    """A source's labels table: one row per (id, caption version, classifier version)."""
-    return CommitTarget(labels, LABELS_SCHEMA, LABEL_KEYS, LABELS_FRAGMENTS)
-
-
 def labelled_rows(chunk: pa.Table) -> pa.Table:
     """The rows of a stage chunk that got a label, as LABELS_SCHEMA rows: a failure is not
     written, so the next run labels it again."""
     return chunk.filter(pc.is_valid(chunk.column("label"))).drop_columns(["error"])
+
+
+class LabelStage(CaptionConsumer[LabelRunReport]):
+    """Captions in, one label (scores, MiniLM embedding) per usable caption out, under the
+    active (caption version, classifier version) pair; rows of captions gone upstream are
+    deleted (every version pair)."""
+
+    table = TableSpec(LABELS_SCHEMA, ("id", "caption_version", "classifier_version"))
+    failpoint = "labels.chunk_committed"
+    drops_removed = True
+
+    def __init__(self, caption_version: str, caption_filter: str, spec: LabelerSpec):
+        super().__init__(caption_version, caption_filter, spec.version())
+        self.spec = spec
+
+    def report(self) -> LabelRunReport:
+        return LabelRunReport(*self.pair)
+
+    def done_filter(self) -> str:
+        return active_labels_filter(*self.pair)
+
+    def pending_in_full(self, captions: TableRef, target: TableRef) -> Pending:
+        """Every caption compared with every label: orphans dropped, then the captions
+        without an up-to-date label."""
+        removed = drop_orphan_labels(target, captions)
+        done = labelled_ids(target, *self.pair, captions, self.caption_filter)
+        n = count_pending(captions, self.caption_filter, done)
+        pending = self.read_all_but(captions, done, n)  # none: no actor pool, no model load
+        pending.removed = removed
+        return pending
+
+    def transform(self, rows: ray.data.Dataset, count: int) -> ray.data.Dataset:
+        return label_stage(rows, self.spec, count)
+
+    def to_commit(self, chunk: pa.Table) -> pa.Table:
+        return labelled_rows(chunk)
+
+    def count(self, chunk: pa.Table, report: LabelRunReport) -> None:
+        failed = pc.is_null(chunk.column("label"))
+        report.keep_examples(chunk.filter(failed).column("error").to_pylist())
+        report.counts.update(chunk.filter(pc.invert(failed)).column("label").to_pylist())
+
+    def finished(self, report: LabelRunReport) -> bool:
+        return report.failed == 0  # failures are retried by handing the same changes on
 
 
 def label_source(captions: TableRef, labels: TableRef, caption_version: str,
@@ -312,71 +320,19 @@ def label_source(captions: TableRef, labels: TableRef, caption_version: str,
 
     `captions` is read at its version (pin it with `.at(version)`, so the version the
     caller records as lineage is the one labelled; unpinned: the latest)."""
-    report = LabelRunReport(caption_version, spec.version())
-    ensure_labels_table(labels)
-    if not captions.exists():
-        raise FileNotFoundError(f"{captions} does not exist: materialise captions first")
-    captions = captions.pinned()
-    tag = record_tag(caption_version, report.classifier_version)
-    changed = handed_changes(captions, labels, UPSTREAM, tag, caption_filter, LOOKUP_CAPTIONS)
-    if changed is None:  # every caption compared with every label
-        report.removed = drop_orphan_labels(labels, captions)
-        done = labelled_ids(labels, caption_version, report.classifier_version, captions,
-                            caption_filter)
-        report.to_label = count_pending(captions, caption_filter, done)
-        # Nothing to do: no actor pool, no model load.
-        pending = pending_captions(captions, caption_filter, done) if report.to_label else None
-    else:  # handed the captions' changes since the record
-        added, removed = changed
-        report.removed = delete_ids(labels.latest(), removed)
-        todo = not_up_to_date(added, labels, active_labels_filter(
-            caption_version, report.classifier_version), captions, caption_filter)
-        report.to_label = len(todo)
-        pending = read_ids(captions, todo, CAPTION_COLUMNS, caption_filter)
-
-    def count(chunk: pa.Table, run: ChunkedRun) -> None:
-        report.commits = run
-        failpoint("labels.chunk_committed")
-        failed = pc.is_null(chunk.column("label"))
-        errors = chunk.filter(failed).column("error").to_pylist()
-        report.errors.extend(errors[: max(0, 5 - len(report.errors))])
-        report.labels.update(chunk.filter(pc.invert(failed)).column("label").to_pylist())
-        if on_chunk:
-            on_chunk(report)
-
-    report.commits = run_chunked(pending, lambda rows: label_stage(rows, spec, report.to_label),
-                                 labels_target(labels), chunk_rows,
-                                 to_commit=labelled_rows, on_chunk=count)
-    if report.failed == 0:  # failures are retried by handing the same changes on
-        record_consumed(labels, UPSTREAM, consumed_at(captions.open(), tag))
-    return report
-
-
-@dataclass(frozen=True)
-class LabelCoverage:
-    captions: int  # usable captions of the active version
-    counts: dict[str, int]  # label -> rows labelled under the active pair
-
-    @property
-    def labelled(self) -> int:
-        return sum(self.counts.values())
-
-    @property
-    def share(self) -> float:
-        return self.labelled / self.captions if self.captions else 1.0
-
-    @property
-    def shares(self) -> dict[str, float]:
-        total = self.labelled
-        return {label: self.counts.get(label, 0) / total if total else 0.0 for label in LABELS}
+    return run_stage(LabelStage(caption_version, caption_filter, spec), captions, labels,
+                     chunk_rows, on_chunk)
 
 
 def label_coverage(captions: TableRef, labels: TableRef, caption_filter: str,
-                   caption_version: str, classifier_version: str) -> LabelCoverage:
-    """Counts for the checks and metadata, from the committed tables (no embeddings read)."""
-    usable = captions.count_rows(filter=caption_filter) if captions.exists() else 0
-    if not labels.exists():
-        return LabelCoverage(usable, {})
-    counts = value_counts(labels, "label",
-                          active_labels_filter(caption_version, classifier_version))
-    return LabelCoverage(usable, dict(counts))
+                   caption_version: str, classifier_version: str) -> Coverage:
+    """Usable captions of the active version, and the rows labelled under the pair by
+    label (counted from the committed tables, no embeddings read)."""
+    return coverage(captions, caption_filter, labels, "label",
+                    active_labels_filter(caption_version, classifier_version))
+
+
+def label_shares(cover: Coverage) -> dict[str, float]:
+    """Each label's share of the labelled captions."""
+    total = cover.rows()
+    return {label: cover.rows(label) / total if total else 0.0 for label in LABELS}

@@ -18,7 +18,7 @@ def test_a_few_captions_are_tagged_in_this_process_as_the_actor_pool_tags_them(
         attributes = TableRef.of(tmp_path / f"attributes-{name}.lance")
         spec = AttributerSpec(batch_size=4, in_process_rows=in_process_rows)
         report = tag_source(captions, attributes, "v1", CAPTION_FILTER, spec)
-        assert report.to_tag == len(rows) and report.written == len(rows)
+        assert report.to_do == len(rows) and report.written == len(rows)
         tables[name] = attributes.latest().to_table().drop_columns(["created_at"]) \
             .sort_by("id")
     assert tables["here"].equals(tables["pool"])
@@ -32,6 +32,7 @@ def test_a_run_with_the_record_of_the_captions_tags_only_what_changed(
     import lance
 
     from prx_assets.stages.attributes import runs
+    from prx_assets.stages.captions import consumers
     from prx_assets.storage.changes import read_consumed
 
     captions = TableRef.of(tmp_path / "captions.lance")
@@ -41,7 +42,7 @@ def test_a_run_with_the_record_of_the_captions_tags_only_what_changed(
     spec = AttributerSpec(batch_size=4)
     assert tag_source(captions, attributes, "v1", CAPTION_FILTER, spec).written == len(rows)
     assert read_consumed(attributes, "captions",
-                         runs.record_tag("v1", spec.version())) is not None
+                         consumers.record_tag("v1", spec.version())) is not None
 
     def compared_in_full(*args, **kwargs):
         raise AssertionError("compared every caption with every record")
@@ -52,7 +53,7 @@ def test_a_run_with_the_record_of_the_captions_tags_only_what_changed(
     write_captions(captions, [(again, "A green bicycle against a brick wall."),
                               ("web:new", "A wooden boat on a calm lake at dawn.")], "v1")
     report = tag_source(captions, attributes, "v1", CAPTION_FILTER, spec)
-    assert (report.to_tag, report.written) == (2, 2)
+    assert (report.to_do, report.written) == (2, 2)
     records = attributes.latest().to_table().to_pylist()
     assert len(records) == len(rows) + 1 == len({r["id"] for r in records})
-    assert tag_source(captions, attributes, "v1", CAPTION_FILTER, spec).to_tag == 0
+    assert tag_source(captions, attributes, "v1", CAPTION_FILTER, spec).to_do == 0

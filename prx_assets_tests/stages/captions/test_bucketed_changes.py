@@ -8,14 +8,17 @@ import pyarrow as pa
 
 from prx_assets.stages.captions.captioners import CaptionerSpec
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
-from prx_assets.stages.captions.runs import (
-    bucketed_changes,
-    pending_changed_ids,
-    record_bucketed_consumed,
-)
+from prx_assets.stages.captions.runs import UPSTREAM, bucketed_changes, pending_changed_ids
+from prx_assets.storage.changes import consumed_at, record_consumed
 from prx_assets.storage.refs import TableRef
 
 SPEC = CaptionerSpec(backend="transformers", model="tiny-vlm")
+
+
+def record_bucketed_consumed(bucketed: TableRef, captions: TableRef, spec: CaptionerSpec
+                             ) -> None:
+    """What a finished captions run records (`engine.stage.run_stage`)."""
+    record_consumed(captions, UPSTREAM, consumed_at(bucketed.open(), spec.version()))
 BUCKETED = pa.schema([("id", pa.string()), ("status", pa.string())])
 
 

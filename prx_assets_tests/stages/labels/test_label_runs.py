@@ -3,6 +3,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from prx_assets.stages.captions.consumers import record_tag
 from prx_assets.stages.labels import runs
 from prx_assets.stages.labels.backends import OpenAISettings
 from prx_assets.stages.labels.labels import LABELS_SCHEMA, active_labels_filter
@@ -12,7 +13,6 @@ from prx_assets.stages.labels.runs import (
     label_coverage,
     label_source,
     pool_size,
-    record_tag,
 )
 from prx_assets.storage.changes import read_consumed
 from prx_assets.storage.refs import TableRef
@@ -68,7 +68,7 @@ def test_embedded_labels_are_incremental_across_caption_versions(ray_session, tm
     assert table.count_rows() == 9
     assert table.count_rows(filter=active_labels_filter("v2", spec.version())) == 3
     coverage = label_coverage(captions, labels, _filter("v2"), "v2", spec.version())
-    assert (coverage.captions, coverage.labelled, coverage.share) == (3, 3, 1.0)
+    assert (coverage.inputs, coverage.rows(), coverage.share()) == (3, 3, 1.0)
 
 
 def test_openai_backend_labels_through_the_pool_and_leaves_failures_for_later(
@@ -82,7 +82,7 @@ def test_openai_backend_labels_through_the_pool_and_leaves_failures_for_later(
         spec = LabelerSpec("openai", openai=OpenAISettings(url, concurrency=2, retries=0))
         report = label_source(captions, labels, "v1", _filter("v1"), spec)
         assert (report.written, report.failed) == (2, 1)
-        assert "not a label" in report.errors[0]
+        assert "not a label" in report.examples[0]
         got = {r["id"]: r["label"] for r in lance.dataset(str(labels)).to_table().to_pylist()}
         assert got == {"s:1": "text", "s:2": "visual"}
         # the failure is retried on the next run, the labelled rows are not re-sent
@@ -175,7 +175,7 @@ def test_a_run_with_the_record_of_the_captions_is_handed_their_changes(
     lance.dataset(str(captions)).delete(f"id = '{gone}'")  # its item left the source
     write_captions(captions, [("web:new", "A wooden boat on a calm lake at dawn.")], "v1")
     report = label_source(captions, labels, "v1", _filter("v1"), spec)
-    assert (report.to_label, report.written, report.removed) == (1, 1, 1)
+    assert (report.to_do, report.written, report.removed) == (1, 1, 1)
     ids = sorted(lance.dataset(str(labels)).to_table().column("id").to_pylist())
     assert ids == sorted([i for i, _, _ in rows if i != gone] + ["web:new"])
-    assert label_source(captions, labels, "v1", _filter("v1"), spec).to_label == 0
+    assert label_source(captions, labels, "v1", _filter("v1"), spec).to_do == 0
