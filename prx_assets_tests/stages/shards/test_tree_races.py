@@ -33,6 +33,8 @@ from prx_assets.testing.mds_corpus import add_sample, build_corpus, inputs_for
 from prx_assets.testing.s3_writers import wait_until
 from prx_assets.testing.tree_writers import Writer
 
+pytestmark = pytest.mark.e2e  # builds and skip lists in subprocesses
+
 HELD, WAITING = "mds.write_part", "leases.waiting"
 
 
@@ -166,8 +168,6 @@ from pathlib import Path
 from prx_assets.stages.shards import mds
 from prx_assets.testing.mds_corpus import WRITE_OPTIONS as OPTIONS
 from prx_assets.testing.mds_corpus import inputs_for
-
-pytestmark = pytest.mark.e2e  # builds and skip lists in subprocesses
 root = Path(sys.argv[1])
 mds.write_mds_tree(inputs_for(root, "web"), root, "web", OPTIONS)
 """
