@@ -60,10 +60,13 @@ def test_partitions_materialise_independently_with_checks_and_metadata(
     assert reasons == {"unsupported_format": 1, "truncated": 1, "unreadable": 1,
                        "empty_file": 1, "not_an_image": 1}
     assert {r.data["format"] for r in meta["formats"].records} == {"JPEG", "PNG", "WEBP", "GIF"}
-    # Sizes in words, and the resolution bands as pictures (PNG in Markdown).
+    # Sizes in words, and the resolution bands as bar charts the asset page draws inline
+    # (Markdown under the UI's 1,000-character limit).
     assert re.fullmatch(r"[0-9.]+ (B|KB|MB)", meta["table_size"])
-    assert meta["megapixels_chart"].startswith("![decodable images by megapixels](data:image/png")
-    assert meta["aspect_ratios_chart"].startswith("![decodable images by width / height](")
+    for chart, title in (("megapixels_chart", "decodable images by megapixels"),
+                         ("aspect_ratios_chart", "decodable images by width / height")):
+        assert meta[chart].startswith(f"**{title}**") and "█" in meta[chart]
+        assert len(meta[chart]) < 1000
     raw_checks = {k: v for k, v in checks(web).items() if k.startswith("raw_images:")}
     assert raw_checks == {"raw_images:ids_unique": True, "raw_images:fragments_healthy": True,
                           "raw_images:reject_share": False}  # 5 of 8 rows rejected: warns
