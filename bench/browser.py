@@ -210,27 +210,27 @@ def bare_sample(catalog: Catalog, sample_id: str) -> None:
     source = sample_id.split(":")[0]
     catalog.corpus().to_table(columns=["id", "source", "tier", "width", "height", "caption",
                                        "label", "phash"], filter=where, limit=1)
-    catalog.table("bucketed_images", source).to_table(
+    catalog.dataset("bucketed_images", source).to_table(
         columns=["status", "tier", "width", "height", "original_width", "original_height",
                  "error", "pixels", "flat"], filter=where, limit=1)
-    catalog.table("raw_images", source).to_table(
+    catalog.dataset("raw_images", source).to_table(
         columns=["source_key", "sha256", "format", "n_bytes", "width", "height", "url",
                  "status"], filter=where, limit=1)
-    catalog.table("captions", source).to_table(
+    catalog.dataset("captions", source).to_table(
         columns=["caption_version", "caption", "n_words", "model", "backend", "status",
                  "error", "created_at"], filter=where, limit=100)
-    catalog.table("caption_labels", source).to_table(
+    catalog.dataset("caption_labels", source).to_table(
         columns=["caption_version", "classifier_version", "label", "score_visual",
                  "score_text", "score_nsfw", "created_at"], filter=where, limit=100)
-    dup = catalog.table("duplicates").to_table(columns=["kept_id", "phash", "group_size"],
+    dup = catalog.dataset("duplicates").to_table(columns=["kept_id", "phash", "group_size"],
                                                filter=where, limit=1)
     if dup.num_rows:
-        catalog.table("duplicates").to_table(
+        catalog.dataset("duplicates").to_table(
             columns=["id", "kept_id", "phash", "group_size"],
             filter=f"kept_id = '{dup.column('kept_id')[0].as_py()}'", limit=2)
-    catalog.table("mds_samples", source).to_table(
+    catalog.dataset("mds_samples", source).to_table(
         columns=["leaf", "shard", "sample_index", "tree_version"], filter=where, limit=16)
-    catalog.table("opt_outs").to_table(
+    catalog.dataset("opt_outs").to_table(
         columns=["request_id", "key_type", "value", "reference", "requested_at", "via"],
         filter=where, limit=100)
 

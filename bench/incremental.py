@@ -111,7 +111,7 @@ def open_instance(home: Path):
 def job_for(defs, assets):
     import dagster as dg
 
-    return defs.resolve_job_def("corpus_job").get_subset(
+    return defs.resolve_job_def("source_job").get_subset(
         asset_selection={dg.AssetKey(a) for a in assets}, asset_check_selection=set())
 
 

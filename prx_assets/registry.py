@@ -89,20 +89,20 @@ STEPS: tuple[Step, ...] = (
 JOBS: tuple[Job, ...] = (
     # Ends with the source's skip lists: a fresh tree never goes out without the sidecars
     # that apply the opt-outs recorded so far (fail closed).
-    Job("corpus_job", PER_SOURCE,
+    Job("source_job", PER_SOURCE,
         (RAW_IMAGES, BUCKETED_IMAGES, PHASHES, CAPTIONS, CAPTION_LABELS, ATTRIBUTES,
          MDS_SHARDS, SKIP_LISTS),
         "Every asset of the corpus for one source, ending with its skip lists."),
     # Semantic curation runs on its own: embeddings per source (after captions and labels),
     # then the global semantic duplicates and concepts (before skip_lists_job applies them).
     Job("embeddings_job", PER_SOURCE, (IMAGE_EMBEDDINGS,),
-        "One source's image embeddings (after corpus_job).", semantic=True),
+        "One source's image embeddings (after source_job).", semantic=True),
     Job("semantic_job", GLOBAL, (SEMANTIC_DUPLICATES, CONCEPTS),
         "Semantic duplicates and concepts across sources (after embeddings_job).",
         semantic=True),
     Job("dedup_job", GLOBAL, (DUPLICATES, OPT_OUTS),
         "Global duplicates and the opt-out audit."),
-    # Skip lists end corpus_job; they run again after dedup_job, per source, to apply the
+    # Skip lists end source_job; they run again after dedup_job, per source, to apply the
     # global duplicates.
     Job("skip_lists_job", PER_SOURCE, (SKIP_LISTS,),
         "One source's skip lists (after dedup_job)."),

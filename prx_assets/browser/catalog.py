@@ -105,7 +105,7 @@ class Catalog:
             return _table_sources(folder)
         return self.fresh(f"sources/{asset}", lambda: _table_sources(folder))
 
-    def table(self, asset: str, source: str | None = None) -> LanceDataset | None:
+    def dataset(self, asset: str, source: str | None = None) -> LanceDataset | None:
         """The global table `asset`, or its table for a known `source` (else None)."""
         if source is None:
             return self._dataset(self.storage.table(asset))
@@ -114,7 +114,7 @@ class Catalog:
         return self._dataset(self.storage.table(asset, source))
 
     def corpus(self) -> LanceDataset:
-        table = self.table(CORPUS)
+        table = self.dataset(CORPUS)
         if table is None:
             raise NotFound("no corpus table yet: materialise the `corpus` asset "
                            "(e.g. `make demo`)")

@@ -33,7 +33,7 @@ CLUSTER_CAPTIONS = 5
 
 
 def concepts_table(catalog: Catalog) -> LanceDataset | None:
-    return catalog.table(CONCEPTS)
+    return catalog.dataset(CONCEPTS)
 
 
 def levels(catalog: Catalog) -> list[int]:

@@ -90,7 +90,7 @@ def raw_facts(catalog: Catalog, ids: list[str]) -> dict[str, dict]:
             by_source[source] = mine
     facts: dict[str, dict] = {}
     for source, mine in by_source.items():
-        table = catalog.table(RAW_IMAGES, source)
+        table = catalog.dataset(RAW_IMAGES, source)
         if table is None:
             continue
         rows = table.to_table(columns=["id", "source_key", "width", "height", "n_bytes",
@@ -115,7 +115,7 @@ def why_kept(members: list[dict]) -> str:
 def exact_groups(catalog: Catalog, page: int = 0, per_page: int = 20
                  ) -> tuple[list[ExactGroup], int]:
     """A page of exact-duplicate groups (one query for the kept copies, one for members)."""
-    table = catalog.table(DUPLICATES)
+    table = catalog.dataset(DUPLICATES)
     if table is None:
         return [], 0
     kept_filter = "id = kept_id"
@@ -146,7 +146,7 @@ class SemanticGroup:
 def semantic_groups(catalog: Catalog, page: int = 0, per_page: int = 20
                     ) -> tuple[list[SemanticGroup], int]:
     """A page of SemDeDup groups, largest first (the `semantic_duplicates` table)."""
-    table = catalog.table(SEMANTIC_DUPLICATES)
+    table = catalog.dataset(SEMANTIC_DUPLICATES)
     if table is None:
         return [], 0
     kept_filter = "id = kept_id"

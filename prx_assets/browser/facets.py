@@ -198,7 +198,7 @@ def id_sets(catalog: Catalog) -> IdSets:
 
 def duplicate_sets(catalog: Catalog) -> dict[str, IdSet]:
     """Members of exact-duplicate groups: the copies removed and the copies kept."""
-    table = catalog.table(DUPLICATES)
+    table = catalog.dataset(DUPLICATES)
     if table is None:
         return {"duplicate": IdSet.of(()), "kept": IdSet.of(())}
 
@@ -227,7 +227,7 @@ def skipped_sets(catalog: Catalog) -> dict[str, IdSet]:
     def compute() -> dict[str, IdSet]:
         ids: dict[str, set[str]] = {}
         for source in catalog.sources_of(MDS_SAMPLES):
-            mapping = catalog.table(MDS_SAMPLES, source)
+            mapping = catalog.dataset(MDS_SAMPLES, source)
             if mapping is None:
                 continue
             for sidecar in catalog.sidecars(source):

@@ -228,14 +228,14 @@ def _image_neighbours(catalog: Catalog, table: LanceDataset, sample_id: str,
     sample's encoder across every source (each source's search uses its ANN index when it
     has one, else an exact scan capped at k), then the corpus rows the facets keep."""
     source = corpus_row(catalog, sample_id, ["source"])["source"]
-    own = one_row(catalog.table(IMAGE_EMBEDDINGS, source), sample_id, ["encoder", "embedding"])
+    own = one_row(catalog.dataset(IMAGE_EMBEDDINGS, source), sample_id, ["encoder", "embedding"])
     if own is None:
         raise NotFound(f"no image embedding for {sample_id!r}: materialise "
                        "`image_embeddings` for its source")
     vector = np.asarray(own["embedding"], np.float32)
     found: list[pa.Table] = []
     for other in catalog.sources_of(IMAGE_EMBEDDINGS):
-        vectors = catalog.table(IMAGE_EMBEDDINGS, other)
+        vectors = catalog.dataset(IMAGE_EMBEDDINGS, other)
         if vectors is None:
             continue
         encoder = eq_filter("encoder", own["encoder"])
@@ -311,9 +311,9 @@ def sample(catalog: Catalog, sample_id: str) -> Sample:
     row = corpus_row(catalog, sample_id, ["id", "source", "tier", "width", "height", "caption",
                                           "label", "phash"])
     source = row["source"]
-    tables = {name: catalog.table(name, source) for name in
+    tables = {name: catalog.dataset(name, source) for name in
               (RAW_IMAGES, BUCKETED_IMAGES, CAPTIONS, CAPTION_LABELS, MDS_SAMPLES)}
-    tables.update({DUPLICATES: catalog.table(DUPLICATES), OPT_OUTS: catalog.table(OPT_OUTS)})
+    tables.update({DUPLICATES: catalog.dataset(DUPLICATES), OPT_OUTS: catalog.dataset(OPT_OUTS)})
     image = one_row(tables[BUCKETED_IMAGES], sample_id,
                    ["status", "tier", "width", "height", "original_width", "original_height",
                     "error", "pixels", "flat"])
@@ -369,7 +369,7 @@ def thumbnail(catalog: Catalog, sample_id: str) -> tuple[bytes, int]:
 def full_image(catalog: Catalog, sample_id: str) -> tuple[bytes, int]:
     """The bucketed JPEG of a corpus sample (its source is looked up, not parsed)."""
     source = corpus_row(catalog, sample_id, ["source"])["source"]
-    table = catalog.table(BUCKETED_IMAGES, source)
+    table = catalog.dataset(BUCKETED_IMAGES, source)
     row = one_row(table, sample_id, ["image"])
     if table is None or row is None or not row["image"]:
         raise NotFound(f"no bucketed image for {sample_id!r}")

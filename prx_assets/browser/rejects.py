@@ -40,7 +40,7 @@ def reject_counts(catalog: Catalog) -> list[RejectCount]:
     """Rows not kept, per source and reason, most first."""
     counts = []
     for source in catalog.sources_of(BUCKETED_IMAGES):
-        table = catalog.table(BUCKETED_IMAGES, source)
+        table = catalog.dataset(BUCKETED_IMAGES, source)
         if table is None:
             continue
 
@@ -84,7 +84,7 @@ def rejects(catalog: Catalog, reason: str, source: str = "", page: int = 0) -> R
     skip, total = page * REJECT_PAGE, 0
     rows: list[dict] = []
     for name in sources:
-        table = catalog.table(BUCKETED_IMAGES, name)
+        table = catalog.dataset(BUCKETED_IMAGES, name)
         if table is None:
             continue
         n = table.count_rows(filter=where)
@@ -113,7 +113,7 @@ def raw_preview(catalog: Catalog, sample_id: str, max_px: int) -> tuple[bytes, i
     valid_id(sample_id)
     sources = catalog.sources_of(RAW_IMAGES)
     source = next((s for s in sources if sample_id.startswith(f"{s}:")), None)
-    table = catalog.table(RAW_IMAGES, source) if source else None
+    table = catalog.dataset(RAW_IMAGES, source) if source else None
     if table is None:
         raise NotFound(f"no raw image for {sample_id!r}")
     rows = table.to_table(columns=["image"], filter=pc.field("id") == sample_id, limit=1)

@@ -9,8 +9,8 @@ from collections import Counter
 
 import dagster as dg
 
+from prx_assets.defs.asset_leases import asset_lease
 from prx_assets.defs.captions import GPU_POOL
-from prx_assets.defs.leases import asset_lease
 from prx_assets.defs.metadata import counts_table, pin_inputs, stage_result
 from prx_assets.engine.progress import StageProgress
 from prx_assets.stages.attributes.backends import VLLMAttributeSettings

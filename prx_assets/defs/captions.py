@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import dagster as dg
 import ray.data
 
+from prx_assets.defs.asset_leases import asset_lease
 from prx_assets.defs.io_managers import COLUMNS_KEY
-from prx_assets.defs.leases import asset_lease
 from prx_assets.defs.metadata import (
     INPUT_VERSION,
     counts_table,

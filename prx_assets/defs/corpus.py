@@ -12,7 +12,7 @@ from collections import Counter
 
 import dagster as dg
 
-from prx_assets.defs.leases import asset_lease
+from prx_assets.defs.asset_leases import asset_lease
 from prx_assets.defs.metadata import (
     INPUT_VERSION,
     browser_link,

@@ -12,13 +12,13 @@ from collections.abc import Iterator
 import dagster as dg
 import ray.data
 
+from prx_assets.defs.asset_leases import asset_lease
 from prx_assets.defs.io_managers import (
     COLUMNS_KEY,
     FRAGMENT_BYTES_KEY,
     FRAGMENT_ROWS_KEY,
     table_metadata,
 )
-from prx_assets.defs.leases import asset_lease
 from prx_assets.defs.metadata import (
     Inputs,
     bucket_metadata,
@@ -27,9 +27,9 @@ from prx_assets.defs.metadata import (
     pin_inputs,
     stage_result,
 )
+from prx_assets.defs.per_source_checks import table_checks
 from prx_assets.defs.report import cost_metadata, duration_metadata, reject_sheet_metadata
 from prx_assets.defs.resources import RayResource, StorageResource
-from prx_assets.defs.table_checks import table_checks
 from prx_assets.engine.progress import StageProgress
 from prx_assets.engine.stage import PER_SOURCE_FRAGMENTS
 from prx_assets.stages.images import pil_backend

@@ -4,15 +4,15 @@ incrementally: a rerun reads only the units that changed and deletes the rows th
 
 import dagster as dg
 
+from prx_assets.defs.asset_leases import asset_lease
 from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, PROFILE_KEY, table_metadata
-from prx_assets.defs.leases import asset_lease
 from prx_assets.defs.metadata import (
     content_data_version,
     latest_data_version,
     stage_result,
 )
+from prx_assets.defs.per_source_checks import table_checks
 from prx_assets.defs.resources import RayResource, SourcesResource, StorageResource
-from prx_assets.defs.table_checks import table_checks
 from prx_assets.engine.chunked import CommitTarget
 from prx_assets.engine.progress import StageProgress
 from prx_assets.stages.ingest.ingest import (

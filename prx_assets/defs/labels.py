@@ -7,7 +7,7 @@ from collections import Counter
 
 import dagster as dg
 
-from prx_assets.defs.leases import asset_lease
+from prx_assets.defs.asset_leases import asset_lease
 from prx_assets.defs.metadata import counts_table, pin_inputs, stage_result
 from prx_assets.defs.report import cost_metadata
 from prx_assets.defs.resources import ClassifierResource

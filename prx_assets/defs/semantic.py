@@ -7,7 +7,7 @@ import dagster as dg
 import numpy as np
 import pyarrow as pa
 
-from prx_assets.defs.leases import asset_lease
+from prx_assets.defs.asset_leases import asset_lease
 from prx_assets.defs.metadata import input_lineage, pin_inputs, stage_result
 from prx_assets.defs.resources import SourcesResource
 from prx_assets.engine.batches import arrow_batches

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import dagster as dg
 
-from prx_assets.defs.leases import asset_lease
+from prx_assets.defs.asset_leases import asset_lease
 from prx_assets.defs.metadata import (
     browser_link,
     content_data_version,

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import dagster as dg
 
-from prx_assets.defs.leases import asset_lease
+from prx_assets.defs.asset_leases import asset_lease
 from prx_assets.defs.metadata import browser_link, incremental_metadata, input_lineage
 from prx_assets.defs.report import funnel_metadata
 from prx_assets.defs.resources import (

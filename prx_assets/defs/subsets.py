@@ -7,7 +7,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from prx_assets.defs.leases import asset_lease
+from prx_assets.defs.asset_leases import asset_lease
 from prx_assets.defs.metadata import INPUT_VERSION, counts_table
 from prx_assets.defs.report import duration_metadata
 from prx_assets.stages.subsets.build import ActiveVersions, build_subset

@@ -92,7 +92,7 @@ def demo_jobs(semantic: bool) -> list[Job]:
 def materialize_all(sources_file: Path, instance: dg.DagsterInstance | None = None,
                     corpus_run_config: dict | None = None, semantic: bool = False
                     ) -> list[PartitionRun]:
-    """Every asset for every source, job by job in the registry's order: corpus_job per
+    """Every asset for every source, job by job in the registry's order: source_job per
     source (with `corpus_run_config`), then (with `semantic`) each source's embeddings and
     the semantic duplicates and concepts, dedup across sources, each source's skip lists,
     the corpus table and the first subset."""
@@ -103,7 +103,7 @@ def materialize_all(sources_file: Path, instance: dg.DagsterInstance | None = No
     runs: list[PartitionRun] = []
     for job in demo_jobs(semantic):
         for label, partition in _partitions(job, sources, sources_file, runs):
-            config = corpus_run_config if job.name == "corpus_job" else None
+            config = corpus_run_config if job.name == "source_job" else None
             runs.append(_partition_run(label, _run(defs.resolve_job_def(job.name), instance,
                                                    config, partition_key=partition)))
     return runs
@@ -117,7 +117,7 @@ def _partitions(job: Job, sources: list[str], sources_file: Path, runs: list[Par
     if job.partitioning == PER_SOURCE:
         if job.name == "skip_lists_job":
             sources = [s for s in sources if Storage.from_env().table(MDS_SAMPLES, s).exists()]
-        return [(s if job.name == "corpus_job" else f"{s} ({job.name})", s) for s in sources]
+        return [(s if job.name == "source_job" else f"{s} ({job.name})", s) for s in sources]
     if job.partitioning == SUBSET:
         names = load_subsets(default_subsets_file(sources_file)).names
         return [(f"(subset {names[0]}: {job.name})", names[0])] if names else []

@@ -87,11 +87,11 @@ class Storage:
         if name in PER_SOURCE:
             if not source:
                 raise ValueError(f"table {name!r} is per source: name the source")
-            return (self.table_folder(name) / f"{source}.lance").table()
+            return (self.table_folder(name) / f"{source}.lance").as_table()
         if name in GLOBAL:
             if source:
                 raise ValueError(f"table {name!r} spans every source: it takes no source")
-            return self.location("lance", f"{name}.lance").table()
+            return self.location("lance", f"{name}.lance").as_table()
         raise ValueError(f"unknown table {name!r}; tables are {PER_SOURCE + GLOBAL}")
 
     def table_folder(self, name: str) -> Location:

@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from prx_assets.storage import object_store
 from prx_assets.storage.object_store import StoreSettings, as_uri, is_object_store
@@ -173,8 +173,7 @@ class Location:
     settings: StoreSettings | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def of(cls, uri: str | PurePath, overrides: Mapping[str, str] | None = None
-           ) -> Location:
+    def of(cls, uri: str | PurePath, overrides: Mapping[str, str] | None = None) -> Self:
         """A location from outside the storage root (a source's files), its settings from
         the standard variables and `overrides`."""
         text = as_uri(uri)
@@ -188,7 +187,7 @@ class Location:
     def __truediv__(self, name: str) -> Location:
         return replace(self, uri=f"{self.uri.rstrip('/')}/{name}")
 
-    def table(self, version: int | None = None) -> TableRef:
+    def as_table(self, version: int | None = None) -> TableRef:
         """The Lance table at this location, with the same settings."""
         return TableRef(self.uri, version, self.settings)
 

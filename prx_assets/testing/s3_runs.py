@@ -91,12 +91,12 @@ from prx_assets.engine import ray_runtime
 sources, source, not_yet = Path(sys.argv[1]), sys.argv[2], set(sys.argv[3].split(","))
 defs, instance = build_defs(sources), dg.DagsterInstance.ephemeral()
 ray_runtime.connect(num_cpus=2)  # or the cluster RAY_ADDRESS names
-per_source = [key for key in defs.resolve_job_def("corpus_job").asset_layer
+per_source = [key for key in defs.resolve_job_def("source_job").asset_layer
               .executable_asset_keys if key.path[-1] not in not_yet]
 report = {}
 # The order `make demo` uses: the source, then dedup and the opt-out audit across sources,
 # then the source's skip lists (they need the duplicates table), then the corpus table.
-for job, partition, selection in (("corpus_job", source, per_source), ("dedup_job", None, None),
+for job, partition, selection in (("source_job", source, per_source), ("dedup_job", None, None),
                                   ("skip_lists_job", source, None),
                                   ("corpus_table_job", None, None)):
     result = defs.resolve_job_def(job).execute_in_process(

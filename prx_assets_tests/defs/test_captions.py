@@ -61,7 +61,7 @@ def run_captions_scenario(instance, data_root, tmp_path):
 
     assert sensor_partitions() == {}  # nothing has images yet: nothing to caption
 
-    images = defs.resolve_job_def("corpus_job").execute_in_process(
+    images = defs.resolve_job_def("source_job").execute_in_process(
         partition_key="web", instance=instance,
         asset_selection=[dg.AssetKey("raw_images"), dg.AssetKey("bucketed_images"),
                          dg.AssetKey("phashes")])
@@ -106,14 +106,14 @@ def run_captions_scenario(instance, data_root, tmp_path):
 
     # The image stage run again over the same images changes nothing: captions stay current.
     image_stage = [dg.AssetKey(k) for k in ("raw_images", "bucketed_images", "phashes")]
-    again = defs.resolve_job_def("corpus_job").execute_in_process(
+    again = defs.resolve_job_def("source_job").execute_in_process(
         partition_key="web", instance=instance, asset_selection=image_stage)
     assert again.success
     assert materializations(again)["bucketed_images"]["rows_processed"].value == 0
     assert sensor_partitions() == {}
     # New images make the old version's partition stale too.
     (folder / "p9.jpg").write_bytes(jpeg_bytes(720, 560, 19))
-    again = defs.resolve_job_def("corpus_job").execute_in_process(
+    again = defs.resolve_job_def("source_job").execute_in_process(
         partition_key="web", instance=instance, asset_selection=image_stage)
     assert again.success
     assert sensor_partitions() == {"web": "new images"}
@@ -150,7 +150,7 @@ def test_a_replaced_file_is_captioned_again_after_raw_frees_old_versions(
         (folder / f"p{i}.txt").write_text(f"A red and grey pattern, number {i}.")
     defs = build_defs(write_sources(tmp_path / "s.yaml", [
         f"{{name: web, kind: image_folder, uri: {folder}}}"]), tmp_path / "captioner.yaml")
-    job = defs.resolve_job_def("corpus_job")
+    job = defs.resolve_job_def("source_job")
     keys = [dg.AssetKey(k) for k in ("raw_images", "bucketed_images", "phashes", "captions")]
 
     def run(selection):
@@ -203,7 +203,7 @@ def test_a_model_backend_captions_only_new_images_by_id(ray_session, data_root, 
     keys = [dg.AssetKey(k) for k in ("raw_images", "bucketed_images", "phashes", "captions")]
 
     def run() -> dict:
-        result = defs.resolve_job_def("corpus_job").execute_in_process(
+        result = defs.resolve_job_def("source_job").execute_in_process(
             partition_key="web", instance=instance, asset_selection=keys)
         assert result.success
         return materializations(result)["captions"]
@@ -231,7 +231,7 @@ def test_a_model_backend_waits_for_the_new_image_of_a_replaced_file(
     captions = TableRef.of(data_root / "lance/captions/web.lance")
 
     def run(selection) -> dict:
-        result = defs.resolve_job_def("corpus_job").execute_in_process(
+        result = defs.resolve_job_def("source_job").execute_in_process(
             partition_key="web", instance=instance, asset_selection=selection)
         assert result.success
         return materializations(result)

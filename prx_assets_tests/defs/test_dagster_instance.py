@@ -56,6 +56,6 @@ def test_every_job_runs_its_steps_in_the_run_process(tmp_path):
                             [f"{{name: web, kind: image_folder, uri: {tmp_path}}}"])
     defs = build_defs(sources)
     jobs = [*defs.resolve_all_job_defs(), defs.resolve_implicit_global_asset_job_def()]
-    assert {"corpus_job", "__ASSET_JOB"} <= {job.name for job in jobs}
+    assert {"source_job", "__ASSET_JOB"} <= {job.name for job in jobs}
     assert {job.name: job.executor_def.name for job in jobs} == \
         {job.name: "in_process" for job in jobs}

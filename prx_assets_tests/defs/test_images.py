@@ -37,7 +37,7 @@ def test_image_stage_decodes_once_into_two_tables_with_checks(ray_session, data_
                             [f"{{name: web, kind: image_folder, uri: {folder}}}"])
 
     instance = dg.DagsterInstance.ephemeral()
-    result = build_defs(sources).resolve_job_def("corpus_job").execute_in_process(
+    result = build_defs(sources).resolve_job_def("source_job").execute_in_process(
         partition_key="web", instance=instance,
         asset_selection=[dg.AssetKey(k) for k in ("raw_images", "bucketed_images", "phashes")])
     assert result.success
@@ -119,7 +119,7 @@ def _stage_run(defs, instance, assets=("raw_images", *IMAGE_ASSETS), run_config=
     """Materialise `assets` of partition "web" (checks left out); metadata per asset."""
     from prx_assets.testing.fault_runs import run_in_process
 
-    result = run_in_process(defs, "corpus_job", "web", instance, assets, run_config)
+    result = run_in_process(defs, "source_job", "web", instance, assets, run_config)
     assert result.success
     return {e.event_specific_data.materialization.asset_key.path[-1]: e.event_specific_data
             for e in result.get_asset_materialization_events()}

@@ -1,4 +1,4 @@
-"""Opt-outs fail closed through Dagster: corpus_job ends with skip lists, the sensor's
+"""Opt-outs fail closed through Dagster: source_job ends with skip lists, the sensor's
 cursor moves only once the runs it requested succeeded, and the blocking check
 `opt_outs_applied` fails while an old opt-out is still streamable."""
 
@@ -62,10 +62,10 @@ def _launch(defs, instance, request: dg.RunRequest) -> bool:
     return result.success
 
 
-def test_corpus_job_ends_with_skip_lists(tmp_path):
+def test_source_job_ends_with_skip_lists(tmp_path):
     sources = write_sources(tmp_path / "s.yaml", [f"{{name: web, kind: image_folder, "
                                                   f"uri: {tmp_path}}}"])
-    keys = build_defs(sources).resolve_job_def("corpus_job").asset_layer.executable_asset_keys
+    keys = build_defs(sources).resolve_job_def("source_job").asset_layer.executable_asset_keys
     assert dg.AssetKey("skip_lists") in keys and dg.AssetKey("mds_shards") in keys
 
 

@@ -36,7 +36,7 @@ def two_sources(tmp_path: Path, small_folder: Path) -> Path:
 
 def run_partition(sources: Path, partition: str, instance: dg.DagsterInstance):
     """Ingest only (with its checks): later stages have their own tests."""
-    job = build_defs(sources).resolve_job_def("corpus_job")
+    job = build_defs(sources).resolve_job_def("source_job")
     return job.execute_in_process(partition_key=partition, instance=instance, raise_on_error=False,
                                   asset_selection=[dg.AssetKey("raw_images")])
 
@@ -144,7 +144,7 @@ def test_reruns_report_what_changed_and_keep_the_data_version_when_nothing_did(
     assert data_version(changed) != data_version(first)
 
     # Downstream loads raw_images through the IO manager, pinned to the recorded version.
-    job = build_defs(sources).resolve_job_def("corpus_job")
+    job = build_defs(sources).resolve_job_def("source_job")
     images = job.execute_in_process(
         partition_key="web", instance=instance, raise_on_error=False,
         asset_selection=[dg.AssetKey(k) for k in ("bucketed_images", "phashes")])
@@ -182,7 +182,7 @@ def test_a_run_killed_after_a_chunk_commit_resumes_with_only_the_rest(
                             [f"{{name: web, kind: image_folder, uri: {folder}}}"])
     home = write_instance_config(tmp_path / "home")
     config = {"ops": {"raw_images": {"config": {"chunk_rows": 4, "files_per_task": 4}}}}
-    spec = RunSpec(sources, "corpus_job", "web", home, data_root, ("raw_images",),
+    spec = RunSpec(sources, "source_job", "web", home, data_root, ("raw_images",),
                    run_config=config).arm("ingest.chunk_committed", tmp_path)
     run = RunProcess(spec, tmp_path)
     try:
@@ -197,7 +197,7 @@ def test_a_run_killed_after_a_chunk_commit_resumes_with_only_the_rest(
     instance = open_instance(home)
     try:
         mark_killed_run_failed(instance, spec.run_id)
-        job = build_defs(sources).resolve_job_def("corpus_job").get_subset(
+        job = build_defs(sources).resolve_job_def("source_job").get_subset(
             asset_selection={dg.AssetKey("raw_images")}, asset_check_selection=set())
         rerun = job.execute_in_process(partition_key="web", instance=instance,
                                        run_config=config)

@@ -48,7 +48,7 @@ def test_no_credential_in_what_a_run_writes(ray_session, data_root, tmp_path, mo
     with dg.instance_for_test(temp_dir=str(home)) as instance:
         selection = [dg.AssetKey(k) for k in ("raw_images", "bucketed_images", "phashes",
                                               "captions")]
-        result = defs.resolve_job_def("corpus_job").execute_in_process(
+        result = defs.resolve_job_def("source_job").execute_in_process(
             partition_key="web", instance=instance, asset_selection=selection,
             raise_on_error=False)
         events = "\n".join(str(e) for e in instance.all_logs(result.run_id))

@@ -24,7 +24,7 @@ RUN_ID = "0f1e2d3c-4b5a-6978-8877-665544332211"
 
 
 def test_an_event_is_one_short_line_with_the_run_id_shortened():
-    metadata = {"run_id": RUN_ID, "job_name": "corpus_job",
+    metadata = {"run_id": RUN_ID, "job_name": "source_job",
                 "job_tags": {"dagster/partition": "demo_wds"}, "step_key": "caption_labels",
                 "resource_name": None, "dagster_event": None,
                 "orig_message": "caption_labels[demo_wds]: 212 of 212 captions " + "x" * 300}

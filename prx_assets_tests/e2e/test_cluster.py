@@ -208,15 +208,15 @@ def test_the_graph_on_a_two_node_cluster_with_the_data_root_in_a_bucket(
     for job, outcome in report.items():
         assert outcome["success"], (job, outcome["failures"])
         assert set(outcome["failed_checks"].values()) <= {"WARN"}, (job, outcome)
-    nodes = report["corpus_job"]["ray_nodes"]
-    assert nodes["raw_images"] == 2 and nodes["bucketed_images"] == 2, report["corpus_job"]
+    nodes = report["source_job"]["ray_nodes"]
+    assert nodes["raw_images"] == 2 and nodes["bucketed_images"] == 2, report["source_job"]
     keys = keys_under(s3_server, s3_root)
     for table in PER_SOURCE_TABLES:
         assert any(k.startswith(f"lance/{table}/{SOURCE}.lance/_versions/") for k in keys), table
     for table in GLOBAL_TABLES:
         assert any(k.startswith(f"lance/{table}.lance/_versions/") for k in keys), table
     # The shards and the skip lists too: versioned prefixes, the pointer, the sidecars.
-    assert "mds_shards" in report["corpus_job"]["materialized"]
+    assert "mds_shards" in report["source_job"]["materialized"]
     assert report["skip_lists_job"]["materialized"] == ["skip_lists"]
     assert_mds_in_bucket(keys)
     for name, folder in folders.items():

@@ -147,7 +147,7 @@ def corpus(ray_session, tmp_path_factory):
     corpus = Corpus(tmp)
     os.environ["PRX_DATA_ROOT"] = str(corpus.data_root)
     try:
-        corpus.run("corpus_job", "web", STAGE_ASSETS)
+        corpus.run("source_job", "web", STAGE_ASSETS)
         corpus.run("dedup_job", None)
         yield corpus
     finally:
@@ -246,7 +246,7 @@ def test_kill_during_ingest(corpus, tmp_path):
         stat = path.stat()
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     config = {"ops": {"raw_images": {"config": {"chunk_rows": 4, "files_per_task": 4}}}}
-    spec = corpus.spec("corpus_job", "web", ["raw_images"])
+    spec = corpus.spec("source_job", "web", ["raw_images"])
     spec.run_config = config
     _kill_mid_stage(corpus, spec, "raw_images", "ingest.chunk_committed", tmp_path)
     killed = table_state(corpus.uri("raw_images", "web"))
@@ -257,7 +257,7 @@ def test_kill_during_ingest(corpus, tmp_path):
               if k != "raw_images/web"}
     assert others == {k: v for k, v in before.items() if k != "raw_images/web"}
 
-    result = run_in_process(corpus.defs, "corpus_job", "web", corpus.instance, ["raw_images"],
+    result = run_in_process(corpus.defs, "source_job", "web", corpus.instance, ["raw_images"],
                             run_config=config)
     assert result.success, _failure(result)
     [event] = result.get_asset_materialization_events()
@@ -279,7 +279,7 @@ def test_kill_during_image_stage(corpus, tmp_path):
     assets = ["bucketed_images", "phashes"]
     before = store_state(corpus.data_root, ["web"])
     bucketed = corpus.uri("bucketed_images", "web")
-    spec = corpus.spec("corpus_job", "web", assets)
+    spec = corpus.spec("source_job", "web", assets)
     spec.run_config = NEW_SETTINGS
     _kill_mid_stage(corpus, spec, "image_stage", "images.chunk_committed", tmp_path)
     outage = table_state(bucketed)
@@ -306,7 +306,7 @@ def test_kill_during_image_stage(corpus, tmp_path):
 
 def _image_run(corpus: Corpus, run_config: dict | None = None) -> dict:
     """The image stage on "web" in process; bucketed_images' materialisation metadata."""
-    result = run_in_process(corpus.defs, "corpus_job", "web", corpus.instance,
+    result = run_in_process(corpus.defs, "source_job", "web", corpus.instance,
                             ["bucketed_images", "phashes"], run_config)
     assert result.success, _failure(result)
     return next(m.metadata for m in result.asset_materializations_for_node("image_stage")
@@ -354,7 +354,7 @@ def test_kill_during_captions(corpus, tmp_path):
 def test_kill_during_mds_shards(corpus, tmp_path):
     before = store_state(corpus.data_root, ["web"])
     trees = corpus.data_root / "mds" / TREES_DIR / "web"
-    spec = corpus.spec("corpus_job", "web", ["mds_shards"])
+    spec = corpus.spec("source_job", "web", ["mds_shards"])
     # Nothing changed since the tree was built, so only a full build has work to kill.
     spec.run_config = {"ops": {"mds_shards": {"config": {"incremental": False}}}}
     _kill_mid_stage(corpus, spec, "mds_shards", "mds.write_part", tmp_path)
@@ -365,7 +365,7 @@ def test_kill_during_mds_shards(corpus, tmp_path):
     _assert_tree_streams(corpus, "web", len(corpus.kept("web")))
 
     # The (incremental) rerun clears the leftovers and finds the current tree up to date.
-    corpus.run("corpus_job", "web", ["mds_shards"])
+    corpus.run("source_job", "web", ["mds_shards"])
     assert not list(trees.glob("*" + PARTIAL_SUFFIX))
     assert current_tree(corpus.data_root, "web").name == before["mds/web"]["tree"]
     _assert_source_complete(corpus, "web", stream=True)
@@ -423,13 +423,13 @@ def test_kill_during_labels(corpus, tmp_path):
     chunk is kept (each id once), the rerun labels only the rest."""
     if corpus.uri("caption_labels", "web").exists():
         shutil.rmtree(corpus.uri("caption_labels", "web"))  # every caption pending
-    spec = corpus.spec("corpus_job", "web", ["caption_labels"])
+    spec = corpus.spec("source_job", "web", ["caption_labels"])
     spec.run_config = LABELS_IN_FOURS
     _kill_mid_stage(corpus, spec, "caption_labels", "labels.chunk_committed", tmp_path)
     killed = _labelled(corpus, "web")
     assert len(killed) == 4 and len(set(killed)) == 4
 
-    result = run_in_process(corpus.defs, "corpus_job", "web", corpus.instance,
+    result = run_in_process(corpus.defs, "source_job", "web", corpus.instance,
                             ["caption_labels"], run_config=LABELS_IN_FOURS)
     assert result.success, _failure(result)
     [event] = result.get_asset_materialization_events()
@@ -448,14 +448,14 @@ def test_kill_during_attributes(corpus, tmp_path):
     table = corpus.uri("attributes", "web")
     if table.exists():
         shutil.rmtree(table)  # every caption pending
-    spec = corpus.spec("corpus_job", "web", ["attributes"])
+    spec = corpus.spec("source_job", "web", ["attributes"])
     spec.run_config = ATTRIBUTES_IN_FOURS
     _kill_mid_stage(corpus, spec, "attributes", "attributes.chunk_committed", tmp_path)
     killed = _ids(table)
     assert len(killed) == 4 and len(set(killed)) == 4
     assert not [k for k in lance.dataset(str(table)).config() if k.startswith("prx.consumed")]
 
-    result = run_in_process(corpus.defs, "corpus_job", "web", corpus.instance,
+    result = run_in_process(corpus.defs, "source_job", "web", corpus.instance,
                             ["attributes"], run_config=ATTRIBUTES_IN_FOURS)
     assert result.success, _failure(result)
     [event] = result.get_asset_materialization_events()
@@ -477,11 +477,11 @@ def test_kill_during_corpus_replace(corpus, tmp_path):
     the corpus is exactly as before (no source half in, none doubled); the rerun adds the
     source's rows, each once, and keeps the others."""
     if not corpus.uri("caption_labels", "web").exists():
-        corpus.run("corpus_job", "web", ["caption_labels"])
+        corpus.run("source_job", "web", ["caption_labels"])
     corpus.run("corpus_table_job", None)  # "more" has no labels yet: left out
     before_version, before = _corpus_rows(corpus)
     assert before and {source for _, source in before} == {"web"}
-    corpus.run("corpus_job", "more", ["raw_images", "bucketed_images", "phashes", "captions",
+    corpus.run("source_job", "more", ["raw_images", "bucketed_images", "phashes", "captions",
                                       "caption_labels"])
 
     spec = corpus.spec("corpus_table_job", None, ["corpus"])
@@ -527,7 +527,7 @@ def test_ray_worker_killed_mid_task(corpus, tmp_path):
     """SIGKILL the Ray worker held inside the image stage's task: Ray Data retries the task,
     the retry passes the failpoint (it fires once per run), and the run commits exactly the
     expected rows. (New settings, so that every row has to be redone.)"""
-    spec = corpus.spec("corpus_job", "web", ["bucketed_images", "phashes"])
+    spec = corpus.spec("source_job", "web", ["bucketed_images", "phashes"])
     spec.run_config = NEW_SETTINGS
     run, held = start_run(corpus, spec, tmp_path, "images.bucket_batch")
     killed: list[str] = []
@@ -555,11 +555,11 @@ def test_unwritable_output_fails_clearly(corpus):
     naming the path and the cause; nothing stored before is touched."""
     before = store_state(corpus.data_root, ["web"])
     blocker = corpus.data_root / "lance" / "bucketed_images" / "alt.lance"
-    corpus.run("corpus_job", "alt", ["raw_images"])
+    corpus.run("source_job", "alt", ["raw_images"])
     raw_alt = table_state(corpus.uri("raw_images", "alt"))
     blocker.write_text("not a table")
     try:
-        result = run_in_process(corpus.defs, "corpus_job", "alt", corpus.instance,
+        result = run_in_process(corpus.defs, "source_job", "alt", corpus.instance,
                                 ["bucketed_images", "phashes"])
         assert not result.success
         message = _failure(result)
@@ -576,12 +576,12 @@ def test_unwritable_output_fails_clearly(corpus):
 def test_two_partitions_at_once(corpus, tmp_path):
     """Two runs, two sources, two processes with their own embedded Ray, one instance."""
     before = store_state(corpus.data_root, ["web"])
-    runs = [RunProcess(corpus.spec("corpus_job", source, STAGE_ASSETS), tmp_path)
+    runs = [RunProcess(corpus.spec("source_job", source, STAGE_ASSETS), tmp_path)
             for source in ("alt", "more")]
     results = [run.wait(timeout=600) for run in runs]
     for i, (run, result) in enumerate(zip(runs, results, strict=True)):
         if not result["success"] and RAY_START_TIMEOUT in run.output():  # see start_run
-            runs[i] = RunProcess(corpus.spec("corpus_job", run.spec.partition, STAGE_ASSETS),
+            runs[i] = RunProcess(corpus.spec("source_job", run.spec.partition, STAGE_ASSETS),
                                  tmp_path)
             result = results[i] = runs[i].wait(timeout=600)
         assert result["success"], runs[i].output()[-6000:]
@@ -599,7 +599,7 @@ def test_inputs_changing_between_runs(corpus):
     new state in every table, the captions downstream sees and the MDS tree."""
     source, folder = "alt", corpus.folders["alt"]
     if not corpus.uri("mds_samples", source).exists():
-        corpus.run("corpus_job", source, STAGE_ASSETS)
+        corpus.run("source_job", source, STAGE_ASSETS)
     old_raw = {r["source_key"]: r for r in table_state(corpus.uri("raw_images", source))["rows"]}
     # added
     (folder / "a_new.jpg").write_bytes(jpeg_bytes(720, 540, 555))
@@ -613,7 +613,7 @@ def test_inputs_changing_between_runs(corpus):
     (folder / "asmall.jpg").write_bytes(jpeg_bytes(640, 480, 778))
     (folder / "asmall.txt").write_text("the small one, now big enough")
 
-    corpus.run("corpus_job", source, STAGE_ASSETS)
+    corpus.run("source_job", source, STAGE_ASSETS)
     _assert_source_complete(corpus, source)  # exact id sets, from the files now present
     raw = {r["source_key"]: r for r in table_state(corpus.uri("raw_images", source))["rows"]}
     assert set(raw) == set(corpus.files(source))

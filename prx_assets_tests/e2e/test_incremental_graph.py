@@ -50,9 +50,9 @@ def remove_picture(folder: Path, i: int) -> None:
 
 
 def run_source(sources: Path, captioner: Path, instance: dg.DagsterInstance) -> dict:
-    """corpus_job for the source; the metadata of each asset it materialised."""
+    """source_job for the source; the metadata of each asset it materialised."""
     defs = build_defs(sources, captioner)
-    result = defs.resolve_job_def("corpus_job").execute_in_process(
+    result = defs.resolve_job_def("source_job").execute_in_process(
         partition_key=SOURCE, instance=instance, raise_on_error=False)
     assert result.success, [e.message for e in result.all_events if e.is_failure]
     return {e.event_specific_data.materialization.asset_key.path[-1]:

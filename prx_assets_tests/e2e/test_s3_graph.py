@@ -81,7 +81,7 @@ def test_the_whole_graph_of_a_webdataset_source_lives_in_the_bucket(
         # WARN checks may fail on a corpus this small (label shares of a dozen pictures).
         assert set(outcome["failed_checks"].values()) <= {"WARN"}, (job, outcome)
     assert set(PER_SOURCE_TABLES) - {MDS_SAMPLES} | {MDS_SHARDS} <= set(
-        report["corpus_job"]["materialized"])
+        report["source_job"]["materialized"])
     assert report["skip_lists_job"]["materialized"] == [SKIP_LISTS]
 
     keys = keys_under(s3_server, s3_root)
@@ -225,7 +225,7 @@ def test_a_bad_data_root_fails_the_partition_at_once_naming_the_uri_and_cause(
     monkeypatch.chdir(tmp_path)
     sources = write_sources(tmp_path / "sources.yaml",
                             [f"{{name: web, kind: image_folder, uri: {small_folder}}}"])
-    result = build_defs(sources).resolve_job_def("corpus_job").execute_in_process(
+    result = build_defs(sources).resolve_job_def("source_job").execute_in_process(
         partition_key="web", instance=dg.DagsterInstance.ephemeral(), raise_on_error=False)
     assert not result.success
     failures = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]

@@ -233,7 +233,7 @@ def test_raw_images_materialise_into_the_bucket_with_checks(
 
     sources = write_sources(tmp_path / "sources.yaml",
                             [f"{{name: web, kind: image_folder, uri: {small_folder}}}"])
-    job = build_defs(sources).resolve_job_def("corpus_job")
+    job = build_defs(sources).resolve_job_def("source_job")
     result = job.execute_in_process(partition_key="web", instance=dg.DagsterInstance.ephemeral(),
                                     asset_selection=[dg.AssetKey("raw_images")])
     assert result.success

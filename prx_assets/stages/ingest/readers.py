@@ -156,7 +156,7 @@ def _walk_store(location: SourceLocation, base: str, rel_dir: str, suffixes: tup
     local walk (a listing failure fails the walk with `ListingError`, naming the prefix)."""
     directory = f"{base}/{rel_dir}".rstrip("/")
     try:
-        infos = location.filesystem().get_file_info(
+        infos = location.filesystem()[0].get_file_info(
             pafs.FileSelector(directory, recursive=False))
     except OSError as exc:
         raise ListingError(f"prefix s3://{directory}/", exc) from exc
@@ -179,7 +179,7 @@ def read_file_bytes(location: SourceLocation, path: str,
     """The file's bytes, or a FoundItem that records why they could not be read (the size
     is checked before anything is loaded)."""
     try:
-        with location.filesystem().open_input_file(path) as handle:
+        with location.filesystem()[0].open_input_file(path) as handle:
             size = handle.size()
             if size > max_file_bytes:
                 return FoundItem(key="", status=STATUS_FILE_TOO_LARGE,
@@ -222,7 +222,7 @@ def _inside_root(location: SourceLocation, path: str) -> bool:
 
 def _read_text(location: SourceLocation, path: str) -> str | None:
     try:
-        with location.filesystem().open_input_stream(path) as handle:
+        with location.filesystem()[0].open_input_stream(path) as handle:
             data = handle.read()
     except OSError:
         return None
@@ -251,7 +251,7 @@ def read_tar(spec: SourceSpec, uri: SourceLocation | Path, rel: str,
     current_key: str | None = None
     sample: dict[str, bytes] = {}
     try:
-        with location.filesystem().open_input_stream(location.path_of(rel)) as stream, \
+        with location.filesystem()[0].open_input_stream(location.path_of(rel)) as stream, \
                 tarfile.open(fileobj=stream, mode="r|*") as tar:
             for member in tar:
                 if member.isdir():
@@ -335,7 +335,7 @@ def read_parquet_file(spec: SourceSpec, uri: SourceLocation | Path, rel: str,
     columns = [spec.image_column] + [c for c in (spec.key_column, spec.caption_column,
                                                  spec.url_column) if c]
     try:
-        parquet = pq.ParquetFile(location.filesystem().open_input_file(path))
+        parquet = pq.ParquetFile(location.filesystem()[0].open_input_file(path))
         missing = [c for c in columns if c not in parquet.schema_arrow.names]
         if missing:
             yield FoundItem(key=f"{rel}#file", status=STATUS_UNREADABLE,
@@ -441,7 +441,7 @@ LANCE_UNIT_PREFIX = "fragment-"
 
 def lance_unit_entries(spec: SourceSpec, location: SourceLocation
                        ) -> Iterator[tuple[str, str]]:
-    table = location.table().open()
+    table = location.as_table().open()
     for fragment in table.get_fragments():
         yield f"{LANCE_UNIT_PREFIX}{fragment.fragment_id}", f"v{table.version}"
 
@@ -449,7 +449,7 @@ def lance_unit_entries(spec: SourceSpec, location: SourceLocation
 def read_lance_fragment(spec: SourceSpec, location: SourceLocation, unit: str, version: str,
                         batch_rows: int = 256) -> Iterator[FoundItem]:
     """The rows of one fragment of the source table, at the version its signature names."""
-    table = location.table(int(version.removeprefix("v"))).open()
+    table = location.as_table(int(version.removeprefix("v"))).open()
     fragment = table.get_fragment(int(unit.removeprefix(LANCE_UNIT_PREFIX)))
     assert fragment is not None, unit  # listed from this very version of the table
     columns = [c for c in (spec.key_column, spec.image_column, spec.caption_column,

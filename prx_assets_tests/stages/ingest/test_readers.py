@@ -63,7 +63,8 @@ def test_an_object_store_list_error_fails_the_listing_naming_the_prefix(
                 raise OSError("When listing objects under key 'a/b': AWS Error SLOW_DOWN")
             return pafs.LocalFileSystem().get_file_info(selector)
 
-    monkeypatch.setattr(SourceLocation, "filesystem", lambda self: FailingListing())
+    monkeypatch.setattr(SourceLocation, "filesystem",
+                        lambda self: (FailingListing(), str(small_folder)))
     # The object-store walk names paths `bucket/prefix`: here the folder's absolute path.
     location = SourceLocation(f"s3://{small_folder}", settings=StoreSettings.resolve("s3://b/p"))
     with pytest.raises(readers.ListingError, match=r"prefix s3://.*/a/b/.*SLOW_DOWN"):
@@ -209,7 +210,7 @@ def test_object_store_sources_list_with_signatures_and_stream(s3_server, s3_root
 
     table_uri = f"{s3_root}/src.lance"
     location = SourceLocation.of(table_uri)
-    overwrite_rows(location.table(), pa.table({"key": ["k1", "k2"], "image": [img, img]}),
+    overwrite_rows(location.as_table(), pa.table({"key": ["k1", "k2"], "image": [img, img]}),
                    pa.schema([("key", pa.string()), ("image", pa.binary())]))
     lance_spec = spec("lance", key_column="key")
     units = list(readers.lance_unit_entries(lance_spec, readers.resolve_location(lance_spec,
