@@ -172,13 +172,16 @@ def _applied(reason: str) -> str:
     return "by default" if applies_by_default(reason) else "opt-in (when a run names it)"
 
 
-def _reason_table(counts, total: int) -> dg.TableMetadataValue:
-    records = [dg.TableRecord({"reason": reason, "skipped": int(n),
+def _reason_table(counts: Mapping[str, int], total: int, counted: str = "skipped"
+                  ) -> dg.TableMetadataValue:
+    """Per reason: samples (`counted`), their share of `total`, and whether the loader
+    applies the reason by default or only when a run names it."""
+    records = [dg.TableRecord({"reason": reason, counted: int(n),
                                "share": round(n / total, 4) if total else 0.0,
                                "applied": _applied(reason)})
                for reason, n in sorted(counts.items())]
     return dg.MetadataValue.table(records, schema=dg.TableSchema(columns=[
-        dg.TableColumn("reason", "string"), dg.TableColumn("skipped", "int"),
+        dg.TableColumn("reason", "string"), dg.TableColumn(counted, "int"),
         dg.TableColumn("share", "float"), dg.TableColumn("applied", "string")]))
 
 
@@ -222,13 +225,7 @@ def _per_reason_table(shares: Mapping[str, StreamSkips]) -> dg.TableMetadataValu
     for s in shares.values():
         counts.update(s.skips.by_reason)
         counts.update(s.skips.opt_in)
-    records = [dg.TableRecord({"reason": reason, "samples": int(n),
-                               "share": round(n / total, 4) if total else 0.0,
-                               "applied": _applied(reason)})
-               for reason, n in sorted(counts.items())]
-    return dg.MetadataValue.table(records, schema=dg.TableSchema(columns=[
-        dg.TableColumn("reason", "string"), dg.TableColumn("samples", "int"),
-        dg.TableColumn("share", "float"), dg.TableColumn("applied", "string")]))
+    return _reason_table(counts, total, counted="samples")
 
 
 def skipped_share_check(partitions_def: dg.PartitionsDefinition) -> dg.AssetChecksDefinition:
