@@ -19,7 +19,7 @@ os.environ.pop("RAY_ADDRESS", None)  # tests start their own clusters where they
 # A test that uses one of these fixtures (itself or through another) gets the mark, so
 # `make test-fast` leaves it out: the S3 server, a browser, or the browser tests' corpus
 # (`tiny`, built by running the whole graph).
-MARKS_BY_FIXTURE = {"s3_server": "s3", "chromium": "browser", "tiny": "e2e"}
+MARKS_BY_FIXTURE = {"s3_server": "s3", "chromium": "browser", "tiny": "e2e", "ray_session": "ray"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
