@@ -53,9 +53,10 @@ test: install
 	echo "mypy:"; cat "$$types_log"; rm -f "$$types_log"; \
 	exit $$(( tests_rc || types_rc ))
 
-# The tests that need no subprocess run, whole graph, S3 server, cluster or browser (the
-# marks in pyproject.toml), after ruff and the import contracts; no mypy (`make lint`).
-FAST := not e2e and not s3 and not cluster and not browser
+# The tests that need no subprocess run, whole graph, S3 server, Ray (the embedded one-node
+# cluster or a multi-node one) or browser (the marks in pyproject.toml), after ruff and the
+# import contracts; no mypy (`make lint`). About 2.5 min on 2 cores.
+FAST := not e2e and not s3 and not cluster and not ray and not browser
 test-fast: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
