@@ -22,10 +22,6 @@ os.environ.pop("RAY_ADDRESS", None)  # tests start their own clusters where they
 MARKS_BY_FIXTURE = {"s3_server": "s3", "chromium": "browser", "tiny": "e2e", "ray_session": "ray"}
 
 
-# The long files first: the workers (`--dist loadfile`) take files in this order, so the
-# multi-minute cluster and whole-graph files start at once instead of leaving one worker
-# alone at the end. Within a rank, files keep their collection order.
-SLOW_FIRST = ("cluster", "e2e", "s3", "browser", "ray")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -33,12 +29,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for fixture, mark in MARKS_BY_FIXTURE.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(mark)
-    rank = {}
-    for item in items:
-        marks = {m.name for m in item.iter_markers()}
-        file_rank = next((i for i, m in enumerate(SLOW_FIRST) if m in marks), len(SLOW_FIRST))
-        rank[item.path] = min(rank.get(item.path, file_rank), file_rank)
-    items.sort(key=lambda item: rank[item.path])  # stable: a file's tests stay together
 
 
 @pytest.fixture(scope="session")
