@@ -171,6 +171,9 @@ class ClassifierResource(spec_fields(LabelerSpec, exclude=LABELER_NESTED)):  # t
     api_key_env: str = "OPENAI_API_KEY"
     concurrency: int = 8  # openai: requests in flight per actor; vllm: engine replicas
     retries: int = 4
+    # vllm: each engine's share of its GPU; the caption embedder holds the rest (1.0: the
+    # embedder needs a GPU of its own).
+    vllm_gpu_share: float = 0.9
     # Prices for `cost_per_1000_images` (assumptions by default: see stages/report/cost.py).
     gpu_hour_usd: float = DEFAULT_GPU_HOUR_USD
     cpu_hour_usd: float = DEFAULT_CPU_HOUR_USD
@@ -186,8 +189,9 @@ class ClassifierResource(spec_fields(LabelerSpec, exclude=LABELER_NESTED)):  # t
                                 concurrency=self.concurrency, retries=self.retries) \
             if self.base_url else None
         return LabelerSpec(**spec_values(self, LabelerSpec, exclude=LABELER_NESTED),
-                           openai=openai, vllm=VLLMSettings(model=model,
-                                                            concurrency=self.concurrency))
+                           openai=openai, vllm=VLLMSettings(
+                               model=model, concurrency=self.concurrency,
+                               gpu_share=self.vllm_gpu_share))
 
     def classifier_version(self) -> str:
         return self.spec().version()

@@ -37,6 +37,20 @@ class VLLMEngine:
     continue_on_error: bool = False
     images: bool = False  # run the multimodal preparation stage (image parts in messages)
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": False}
+    # Each engine worker's share of its GPU. Below 1, another Ray actor can hold the rest of
+    # the same GPU (the labeller's caption embedder takes 1 - share).
+    gpu_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_share <= 1:
+            raise ValueError(f"gpu_share is a share of one GPU, in (0, 1]: {self.gpu_share}")
+
+    def placement(self) -> dict[str, Any] | None:
+        """Ray's placement group for one replica: None (ray.data.llm's default, a whole GPU
+        per worker) or one bundle per worker holding `gpu_share` of a GPU."""
+        if self.gpu_share == 1:
+            return None
+        return {"bundle_per_worker": {"CPU": 1, "GPU": self.gpu_share}, "strategy": "PACK"}
 
     def processor_config(self) -> vLLMEngineProcessorConfig:
         """The `ray.data.llm` configuration of this stage."""
@@ -66,6 +80,7 @@ class VLLMEngine:
             tokenize_stage=True,
             detokenize_stage=True,
             prepare_multimodal_stage=multimodal,
+            placement_group_config=self.placement(),
         )
 
     def processor(self, preprocess: RowFn, postprocess: RowFn) -> Processor:

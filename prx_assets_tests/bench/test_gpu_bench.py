@@ -67,6 +67,9 @@ def test_tiny_run_measures_both_stages_through_their_own_tables(ray_session, tmp
     assert caption["statuses"] == {"ok": 8} and caption["output_tokens"] == 12
     assert caption["vision_tokens_per_image"] > 0 and caption["tokens_per_word"] > 0
     assert sum(label["labels"].values()) == 8
+    # The embedder's own rate, on the device the labeller embeds on (the CPU here).
+    assert label["embedding"]["device"] == "cpu" and label["embedding"]["captions"] == 8
+    assert label["embedding"]["captions_per_s"] > 0
     tables = Path(result["tables"])
     captions = lance.dataset(str(tables / "captions.lance")).to_table().to_pylist()
     assert {r["caption_version"] for r in captions} == {caption["caption_version"]}

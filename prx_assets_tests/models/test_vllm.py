@@ -1,3 +1,4 @@
+import pytest
 """The one vLLM stage builder, checked as configuration against the installed ray.data.llm
 (no vLLM on this machine: the processor itself is built with build_processor stubbed)."""
 
@@ -93,3 +94,13 @@ def test_only_an_engine_that_keeps_failed_rows_wraps_its_postprocess(monkeypatch
     assert VLLMEngine("m").processor(post, post).postprocess is Built.postprocess
     wrapped = VLLMEngine("m", continue_on_error=True).processor(post, post).postprocess
     assert wrapped is not Built.postprocess
+
+
+def test_an_engine_below_a_whole_gpu_asks_ray_for_its_share_in_its_placement_group():
+    whole = VLLMEngine("Qwen/Qwen3-8B").processor_config()
+    assert whole.placement_group_config is None  # ray.data.llm's default: a GPU per worker
+    shared = VLLMEngine("Qwen/Qwen3-8B", gpu_share=0.9).processor_config()
+    assert shared.placement_group_config["bundle_per_worker"] == {"CPU": 1, "GPU": 0.9}
+    for share in (0.0, 1.5):
+        with pytest.raises(ValueError, match="gpu_share"):
+            VLLMEngine("Qwen/Qwen3-8B", gpu_share=share)

@@ -77,6 +77,9 @@ class VLLMSettings:
     max_model_len: int = 4096
     accelerator_type: str | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # vLLM's, on top of ours
+    # Each engine's share of its GPU; the caption embedder holds the rest of it (1.0: the
+    # engine has the GPU alone and the embeddings need a GPU of their own).
+    gpu_share: float = 0.9
 
 
 def vllm_sampling_params() -> dict[str, Any]:
@@ -95,6 +98,7 @@ def vllm_engine(settings: VLLMSettings) -> VLLMEngine:
         concurrency=settings.concurrency,
         batch_size=settings.batch_size,
         accelerator_type=settings.accelerator_type,
+        gpu_share=settings.gpu_share,
         # Qwen3 thinks aloud unless told not to; a one-word answer needs no reasoning.
         chat_template_kwargs={"enable_thinking": False},
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import numpy as np
 import pyarrow as pa
@@ -32,7 +32,7 @@ from prx_assets.engine.stage import (
     coverage,
     run_stage,
 )
-from prx_assets.models.embeddings import shared_embedder
+from prx_assets.models.embeddings import GPU_BATCH_SIZE, shared_embedder
 from prx_assets.stages.captions.consumers import CaptionConsumer
 from prx_assets.stages.labels.backends import (
     QUESTION,
@@ -59,6 +59,7 @@ from prx_assets.storage.refs import TableRef
 STAGE_SCHEMA = pa.schema([f.with_nullable(True) if f.name == "label" else f
                           for f in LABELS_SCHEMA] + [pa.field("error", pa.string())])
 BACKENDS = ("embedded", "openai", "vllm")
+EMBED_DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,31 @@ class LabelerSpec:
     l2: float = DEFAULT_L2
     openai: OpenAISettings | None = None
     vllm: VLLMSettings = VLLMSettings()
+    # Where captions are embedded: "auto" is the GPU under the vllm backend (a CPU pool
+    # embeds 4-10 captions/s per core, so it would bound the GPU), the CPU otherwise.
+    embed_device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown classifier backend {self.backend!r}; one of {BACKENDS}")
+        if self.embed_device not in EMBED_DEVICES:
+            raise ValueError(f"unknown embed_device {self.embed_device!r}; one of "
+                             f"{EMBED_DEVICES}")
         if self.backend == "openai" and self.openai is None:
             raise ValueError("the openai backend needs OpenAISettings(base_url=...)")
+
+    def embedding_device(self) -> str:
+        if self.embed_device != "auto":
+            return self.embed_device
+        return "cuda" if self.backend == "vllm" else "cpu"
+
+    def embedding_gpus(self) -> float:
+        """Each embedding actor's share of a GPU: the part the vLLM engine leaves (a whole
+        GPU when the engine takes all of its own); none on the CPU."""
+        if self.embedding_device() == "cpu":
+            return 0.0
+        share = 1.0 - self.vllm.gpu_share if self.backend == "vllm" else 1.0
+        return round(share, 6) or 1.0
 
     def version(self) -> str:
         """Short hash of backend, model, training set / prompt and classifier parameters."""
@@ -156,8 +176,8 @@ def count_pending(captions: TableRef, caption_filter: str, done: pa.Array) -> in
 class EmbeddingStage:
     """Adds the MiniLM embedding (for backends whose labels come from elsewhere)."""
 
-    def __init__(self, threads: int = 1):
-        self.embedder = shared_embedder(threads)
+    def __init__(self, threads: int = 1, device: str = "cpu"):
+        self.embedder = shared_embedder(threads, device)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         vectors = self.embedder.embed([c or "" for c in batch.column("caption").to_pylist()])
@@ -248,11 +268,23 @@ def label_stage(pending: ray.data.Dataset, spec: LabelerSpec, rows: int | None =
         return pending.map_batches(OpenAILabelStage, fn_constructor_kwargs={
             "settings": spec.openai, "classifier_version": version,
             "threads": spec.threads_per_actor}, **pool)
-    embedded = pending.map_batches(EmbeddingStage, fn_constructor_kwargs={
-        "threads": spec.threads_per_actor}, **pool)
+    embedded = pending.map_batches(EmbeddingStage, **embedding_pool(spec, pool))
     labelled = build_vllm_labeler(spec.vllm)(embedded)
     return labelled.map_batches(_vllm_rows, fn_kwargs={"classifier_version": version},
                                 batch_format="pyarrow")
+
+
+def embedding_pool(spec: LabelerSpec, cpu_pool: _PoolArgs) -> dict[str, Any]:
+    """`map_batches` arguments of the embedding actors under the vllm backend: on the GPU,
+    one actor per engine replica holding the share of its GPU the engine leaves (so both
+    fit on one GPU); on the CPU, the CPU pool."""
+    device = spec.embedding_device()
+    if device == "cpu":
+        return {**cpu_pool, "fn_constructor_kwargs": {"threads": spec.threads_per_actor}}
+    return {"fn_constructor_kwargs": {"threads": 1, "device": device},
+            "batch_format": "pyarrow", "batch_size": GPU_BATCH_SIZE,
+            "compute": ray.data.ActorPoolStrategy(size=spec.vllm.concurrency),
+            "num_cpus": 1, "num_gpus": spec.embedding_gpus()}
 
 
 def _vllm_rows(batch: pa.Table, classifier_version: str) -> pa.Table:

@@ -134,6 +134,39 @@ def test_the_pool_grows_to_the_cluster_cpus_unless_told_its_size():
     assert pool_size(LabelerSpec(actors=3), cpus=8) == 3
 
 
+def test_captions_are_embedded_on_the_gpu_only_when_a_model_labels_them_there():
+    assert [LabelerSpec(backend=b).embedding_device() for b in ("embedded", "vllm")] == \
+        ["cpu", "cuda"]
+    openai = OpenAISettings("http://127.0.0.1:1/v1")
+    assert LabelerSpec(backend="openai", openai=openai).embedding_device() == "cpu"
+    assert LabelerSpec(backend="vllm", embed_device="cpu").embedding_gpus() == 0.0
+    assert LabelerSpec(backend="vllm").embedding_gpus() == pytest.approx(0.1)
+    whole = LabelerSpec(backend="vllm", vllm=runs.VLLMSettings(gpu_share=1.0))
+    assert whole.embedding_gpus() == 1.0  # the engine leaves nothing: a GPU of its own
+    with pytest.raises(ValueError, match="embed_device"):
+        LabelerSpec(embed_device="gpu")
+
+
+def test_the_vllm_labeller_shares_each_gpu_between_its_engine_and_the_embedder(ray_session):
+    """The plan Ray Data runs (built, not executed: no vLLM here): MiniLM in an actor per
+    engine replica on the GPU share the engine leaves, the two summing to whole GPUs."""
+    import ray.data
+
+    spec = LabelerSpec(backend="vllm", vllm=runs.VLLMSettings(concurrency=2))
+    plan = runs.label_stage(ray.data.from_items([{"id": "a", "caption_version": "v",
+                                                  "caption": "A barn."}]), spec, 1000)
+    ops, op = {}, plan._logical_plan.dag
+    while op is not None:
+        ops[op.name] = op
+        op = op.input_dependencies[0] if op.input_dependencies else None
+    embed = ops["MapBatches(EmbeddingStage)"]
+    engine = ops["MapBatches(vLLMEngineStageUDF)"]
+    assert embed.fn_constructor_kwargs["device"] == "cuda"
+    assert embed.compute.max_size == embed.compute.min_size == 2  # one per replica
+    gpus = embed.ray_remote_args["num_gpus"] + engine.ray_remote_args["num_gpus"]
+    assert gpus == pytest.approx(1.0)
+
+
 def test_the_pool_starts_at_full_size_only_with_work_for_every_actor(ray_session):
     from prx_assets.stages.labels.runs import CAPTIONS_PER_ACTOR, actor_pool
 
