@@ -169,7 +169,8 @@ def _add_query_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=10, help="how many results (default 10)")
     parser.add_argument("--where", action="append", default=[], metavar="CONDITION",
                         help="an attribute condition, repeatable: medium=photo, "
-                             "subjects=animal,food, watermark=false, aesthetic_quality>=4")
+                             "subjects=animal,food, watermark=false, aesthetic_quality>=4, "
+                             "people=unknown (not known: null, never read as 'no')")
 
 
 def main(argv: list[str] | None = None) -> int:

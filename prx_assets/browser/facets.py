@@ -30,7 +30,7 @@ from prx_assets.browser.catalog import (
     applies_by_default,
     valid_id,
 )
-from prx_assets.stages.attributes.schema import field_named
+from prx_assets.stages.attributes.schema import UNKNOWN, field_named
 from prx_assets.stages.labels.labels import LABELS
 from prx_assets.storage.tables import DUPLICATES, MDS_SAMPLES
 
@@ -152,7 +152,7 @@ def _attribute_params(params: dict[str, str]
     for name in ATTRIBUTE_FACETS:
         value = params.get(name) or ""
         if value:
-            allowed = [str(v).lower() for v in field_named(name).values]
+            allowed = [str(v).lower() for v in field_named(name).values] + [UNKNOWN]
             if value not in allowed:
                 raise BadQuery(f"{name} must be one of {', '.join(allowed)}")
             chosen.append((name, value))
@@ -264,7 +264,10 @@ def corpus_filter(query: Query, sets: IdSets | None) -> pc.Expression | None:
         width, height = query.shape.split("x")
         parts.append((pc.field("width") == int(width)) & (pc.field("height") == int(height)))
     for name, value in query.attributes:
-        parts.append(pc.field(name) == (value == "true" if name == "watermark" else value))
+        if value == UNKNOWN:  # withheld or not told: null, never read as "no"
+            parts.append(pc.field(name).is_null())
+        else:
+            parts.append(pc.field(name) == (value == "true" if name == "watermark" else value))
     for name, least in query.minimums:
         parts.append(pc.field(name) >= least)
     if query.dup and sets is not None:
@@ -419,9 +422,12 @@ def attribute_facets(rows: pa.Table) -> dict[str, list[tuple[str, int]]]:
     facets: dict[str, list[tuple[str, int]]] = {}
     for name in ATTRIBUTE_FACETS:
         if name in rows.column_names:
-            counts = pc.value_counts(pc.drop_null(rows.column(name)))
+            column = rows.column(name)
+            counts = pc.value_counts(pc.drop_null(column))
             pairs = [(str(v["values"].as_py()).lower(), int(v["counts"].as_py()))
                      for v in counts]
+            if column.null_count:
+                pairs.append((UNKNOWN, column.null_count))
             facets[name] = sorted(pairs, key=lambda p: (-p[1], p[0]))
     for name in QUALITY_FACETS:
         if name in rows.column_names:

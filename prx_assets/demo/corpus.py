@@ -269,7 +269,8 @@ def write_demo_subsets(path: Path) -> Path:
         "    version: 1\n"
         "    description: visual photographs without dominant text or a watermark\n"
         "    labels: [visual]\n"
-        "    attributes: {medium: [photo], visible_text: [none, some], watermark: false}\n"
+        "    attributes: {medium: [photo], visible_text: [none, some, unknown], "
+        "watermark: false}\n"
         "    cap_per_source: 40\n"
         "    target_size: 80\n"
     )

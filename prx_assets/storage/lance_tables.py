@@ -113,6 +113,21 @@ def create_empty(table: TableRef, schema: pa.Schema) -> int:
     return created if created is not None else table.open().version
 
 
+def add_missing_columns(table: TableRef, schema: pa.Schema) -> list[str]:
+    """Give an existing table the nullable columns `schema` has and it lacks (all null: a
+    metadata-only commit, no data rewritten), so a stage whose schema grew a column writes to
+    a table made before it. Returns the columns added."""
+    have = set(table.open().schema.names)
+    missing = [f for f in schema if f.name not in have]
+    required = [f.name for f in missing if not f.nullable]
+    if required:
+        raise ValueError(f"{table}: lacks the non-null columns {required}; only nullable "
+                         "columns are added to an existing table")
+    if missing:
+        table.open().add_columns(pa.schema(missing))
+    return [f.name for f in missing]
+
+
 class LanceOverwriteSink(Datasink[dict]):
     """Writes fragments from Ray tasks, then commits them as one Overwrite on the driver."""
 

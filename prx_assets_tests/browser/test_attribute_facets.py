@@ -24,6 +24,13 @@ def test_attribute_facets_filter_the_rows():
     assert ROWS.filter(corpus_filter(loose, None)).column("id").to_pylist() == ["a", "b", "c"]
 
 
+def test_unknown_chooses_the_rows_that_do_not_know_the_attribute_never_a_no():
+    unknown = Query.parse({"watermark": "unknown"})
+    assert ROWS.filter(corpus_filter(unknown, None)).column("id").to_pylist() == ["d"]
+    no = Query.parse({"watermark": "false"})
+    assert ROWS.filter(corpus_filter(no, None)).column("id").to_pylist() == ["a", "c"]
+
+
 def test_attribute_values_are_checked_against_the_schema():
     with pytest.raises(BadQuery, match="medium"):
         Query.parse({"medium": "hologram"})
@@ -33,7 +40,8 @@ def test_attribute_values_are_checked_against_the_schema():
 
 def test_attribute_facets_are_counted_with_cumulative_quality_ranges():
     facets = attribute_facets(ROWS)
-    assert facets["medium"] == [("photo", 2), ("painting", 1)]
-    assert facets["watermark"] == [("false", 2), ("true", 1)]
+    # A null is counted as unknown, apart from the values (never as "no").
+    assert facets["medium"] == [("photo", 2), ("painting", 1), ("unknown", 1)]
+    assert facets["watermark"] == [("false", 2), ("true", 1), ("unknown", 1)]
     assert facets["aesthetic_quality_min"] == [("5", 1), ("4", 2), ("3", 3), ("2", 3),
                                                ("1", 3)]

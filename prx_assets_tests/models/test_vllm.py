@@ -1,7 +1,7 @@
-import pytest
 """The one vLLM stage builder, checked as configuration against the installed ray.data.llm
 (no vLLM on this machine: the processor itself is built with build_processor stubbed)."""
 
+import pytest
 import ray.data.llm
 from ray.data.llm import (
     ChatTemplateStageConfig,

@@ -8,6 +8,7 @@ import ray.data
 
 from prx_assets.storage.lance_tables import (
     FragmentPolicy,
+    add_missing_columns,
     compact,
     write_dataset_atomically,
 )
@@ -128,3 +129,24 @@ def test_a_file_in_the_way_of_an_output_folder_is_named(tmp_path):
         prepare_output_dir(TableRef.of(tmp_path / "t.lance"), "Lance table")
     prepare_output_dir(TableRef.of(tmp_path / "ok" / "x.lance"), "Lance table")
     assert (tmp_path / "ok").is_dir() and not (tmp_path / "ok" / "x.lance").exists()
+
+
+def test_a_table_made_before_a_nullable_column_gets_it_and_takes_merges_with_it(tmp_path):
+    """A stage whose schema grew a nullable column (attributes' `withheld`) writes to a table
+    made before it: `TableSpec.ensure` adds the column, all null, without rewriting data."""
+    from prx_assets.engine.stage import TableSpec
+
+    ref = TableRef.of(tmp_path / "t.lance")
+    old = pa.schema([pa.field("id", pa.string(), nullable=False), pa.field("x", pa.int64())])
+    lance.write_dataset(pa.table({"id": ["a"], "x": [1]}, schema=old), ref.uri)
+    new = old.append(pa.field("why", pa.string()))
+    data_files = sorted(p.name for p in (tmp_path / "t.lance" / "data").iterdir())
+    TableSpec(new, ("id",)).ensure(ref)
+    assert ref.open().schema.names == ["id", "x", "why"]
+    assert sorted(p.name for p in (tmp_path / "t.lance" / "data").iterdir()) == data_files
+    ref.open().merge_insert("id").when_matched_update_all().when_not_matched_insert_all() \
+        .execute(pa.table({"id": ["b"], "x": [2], "why": ["r"]}, schema=new))
+    assert ref.open().to_table().sort_by("id").column("why").to_pylist() == [None, "r"]
+    assert add_missing_columns(ref, new) == []  # once only
+    with pytest.raises(ValueError, match="non-null"):
+        add_missing_columns(ref, new.append(pa.field("must", pa.int8(), nullable=False)))

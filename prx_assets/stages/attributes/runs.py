@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import ray.data
 
 from prx_assets.engine.batches import IN_PROCESS_ROWS, batch_fn, in_this_process
@@ -36,7 +37,12 @@ from prx_assets.stages.attributes.backends import (
     vllm_sampling_params,
     vllm_tagged,
 )
-from prx_assets.stages.attributes.caption_derived import DESCRIPTIONS, CaptionAttributer
+from prx_assets.stages.attributes.caption_derived import (
+    DESCRIPTIONS,
+    EMITTED,
+    CaptionAttributer,
+    withheld_reason,
+)
 from prx_assets.stages.attributes.schema import (
     FINAL_STATUSES,
     ORIGIN_CAPTION,
@@ -97,7 +103,8 @@ class AttributerSpec:
         parts: dict = {"schema": schema_text(self.schema_version), "model": self.model_name}
         if self.backend == "caption":
             from prx_assets.models.embeddings import model_fingerprint
-            parts.update(descriptions=DESCRIPTIONS, weights=model_fingerprint())
+            parts.update(descriptions=DESCRIPTIONS, weights=model_fingerprint(),
+                         emitted=EMITTED)
         else:
             parts.update(prompt=INSTRUCTIONS, decoding="structured")
         if self.backend == "vllm":
@@ -133,10 +140,12 @@ class CaptionAttributeStage:
         self.version = attribute_version
         self.schema_version = schema_version
         self.attributer = CaptionAttributer(version=schema_version, threads=threads)
+        self.withheld = withheld_reason(self.attributer.emit, schema_version)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         records = self.attributer.records(batch.column("caption").to_pylist())
-        tagged = [_checked(i, cv, record, ORIGIN_CAPTION, self.schema_version)
+        tagged = [replace(_checked(i, cv, record, ORIGIN_CAPTION, self.schema_version),
+                          withheld=self.withheld)
                   for i, cv, record in zip(batch.column("id").to_pylist(),
                                            batch.column("caption_version").to_pylist(),
                                            records, strict=True)]
@@ -235,9 +244,6 @@ class AttributeRunReport(StageReport):
     attribute_version: str
 
 
-
-
-
 def tagged_ids(attributes: TableRef, captions: TableRef, caption_filter: str,
                caption_version: str, attribute_version: str) -> pa.Array:
     """Ids with a final record under the pair no older than their caption row (a caption
@@ -279,7 +285,8 @@ class AttributeStage(CaptionConsumer[AttributeRunReport]):
 
     def count(self, chunk: pa.Table, report: AttributeRunReport) -> None:
         report.counts.update(chunk.column("status").to_pylist())
-        report.keep_examples(chunk.column("error").to_pylist())
+        failed = chunk.filter(pc.not_equal(chunk.column("status"), STATUS_OK))
+        report.keep_examples(failed.column("error").to_pylist())
 
     def finished(self, report: AttributeRunReport) -> bool:
         # Failures are retried by handing the same changes on: no record past them.

@@ -26,6 +26,10 @@ STATUS_INVALID = "invalid"  # the model's answer never validated: recorded with 
 STATUS_FAILED = "failed"  # inference failed (an engine error): retried on the next run
 FINAL_STATUSES = (STATUS_OK, STATUS_INVALID)
 
+# The word conditions (`--where`, subsets) and facets use for a null value: the record
+# does not know it (a withheld field, or a quality a caption cannot tell), which is not "no".
+UNKNOWN = "unknown"
+
 ORIGIN_MODEL = "model"  # a VLM looked at the image under structured decoding
 ORIGIN_CAPTION = "caption_derived"  # derived from the caption text alone (the CPU default)
 
@@ -103,6 +107,9 @@ def attributes_schema(version: str = SCHEMA_VERSION) -> pa.Schema:
         pa.field("attempts", pa.int16()),
         *(pa.field(f.name, f.arrow_type) for f in fields(version)),
         pa.field("created_at", pa.timestamp("us", tz="UTC")),
+        # Which fields the backend leaves null on purpose, and why (last: added to older
+        # tables by `ensure`, which appends).
+        pa.field("withheld", pa.string()),
     ])
 
 
@@ -167,6 +174,7 @@ class Tagged:
     origin: str
     error: str | None = None
     attempts: int = 1
+    withheld: str | None = None  # fields left null on purpose, and why
 
 
 def attribute_rows(tagged: Sequence[Tagged], attribute_version: str,
@@ -183,6 +191,7 @@ def attribute_rows(tagged: Sequence[Tagged], attribute_version: str,
         "error": [t.error for t in tagged],
         "attempts": [t.attempts for t in tagged],
         "created_at": [now] * len(tagged),
+        "withheld": [t.withheld for t in tagged],
     }
     for f in fields(version):
         columns[f.name] = [(t.record or {}).get(f.name) for t in tagged]

@@ -14,7 +14,7 @@ import lance
 import numpy as np
 import pyarrow as pa
 
-from prx_assets.stages.attributes.schema import field_named
+from prx_assets.stages.attributes.schema import UNKNOWN, field_named
 from prx_assets.storage.filters import all_of, eq_filter, in_filter, sql_string
 from prx_assets.storage.object_store import ObjectStoreError
 from prx_assets.storage.refs import TableRef
@@ -89,7 +89,8 @@ _CONDITION = re.compile(r"^\s*([a-z_]+)\s*(>=|<=|=)\s*(.+?)\s*$")
 
 def attribute_filter(condition: str) -> str:
     """One attribute condition as Lance SQL: `medium=photo`, `medium=photo,painting` (any
-    of), `subjects=animal` (holds it), `watermark=false`, `aesthetic_quality>=4`. Names and
+    of), `subjects=animal` (holds it), `watermark=false`, `aesthetic_quality>=4`,
+    `people=unknown` (the records that do not know it; a null never matches a value). Names and
     values are checked against the attribute schema, so nothing else reaches the SQL."""
     match = _CONDITION.match(condition)
     if not match:
@@ -107,13 +108,16 @@ def attribute_filter(condition: str) -> str:
     if op != "=":
         raise SearchError(f"{name} takes =, not {op}")
     values = [v.strip() for v in text.split(",")]
+    if values == [UNKNOWN]:  # the records that do not know it (null), not "no"
+        return f"{name} IS NULL"
     if f.kind == "boolean":
         if values[0] not in ("true", "false") or len(values) > 1:
             raise SearchError(f"{name}: true or false")
         return f"{name} = {values[0]}"
     unknown = [v for v in values if v not in f.values]
     if unknown:
-        raise SearchError(f"{name}: {unknown} not among {list(f.values)}")
+        raise SearchError(f"{name}: {unknown} not among {list(f.values)} (or {UNKNOWN} "
+                          "alone: the records that do not know it)")
     if f.kind == "enum_list":
         return "(" + " OR ".join(f"array_has({name}, {sql_string(v)})" for v in values) + ")"
     return in_filter(name, values)

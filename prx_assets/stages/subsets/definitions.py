@@ -13,6 +13,7 @@ load time with the subset and the field named).
           medium: [photo]           #   enum: any of these values
           subjects: [animal, food]  #   list: shares at least one
           watermark: false          #   boolean
+          visible_text: [none, unknown]  # `unknown`: the record does not know (null)
           aesthetic_quality: {min: 3}  # integer range (min and/or max)
         caption_derived: true       # optional: accept caption-derived records (default true)
         concepts: {level: 1, clusters: [0, 3]}  # optional: only these concept clusters
@@ -39,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from prx_assets.stages.attributes.schema import SCHEMA_VERSION, field_named
+from prx_assets.stages.attributes.schema import SCHEMA_VERSION, UNKNOWN, field_named
 
 DEFAULT_SUBSETS_FILE = "subsets.yaml"
 NAME_PATTERN = re.compile(r"^[a-z0-9_]+$")
@@ -208,8 +209,9 @@ def _conditions(spec: Any, fail, version: str = SCHEMA_VERSION
                                                  maximum=condition.get("max")))
             continue
         values = condition if isinstance(condition, list) else [condition]
-        bad = [v for v in values if v not in f.values]
+        bad = [v for v in values if v not in (*f.values, UNKNOWN)]
         if bad or not values:
-            raise fail(f"attributes.{name}", f"{bad or values!r}: allowed {list(f.values)}")
+            raise fail(f"attributes.{name}",
+                       f"{bad or values!r}: allowed {[*f.values, UNKNOWN]}")
         conditions.append(AttributeCondition(name, tuple(values)))
     return tuple(conditions)

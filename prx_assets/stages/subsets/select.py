@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prx_assets.stages.attributes.schema import ORIGIN_CAPTION, SCHEMA_VERSION, fields
+from prx_assets.stages.attributes.schema import ORIGIN_CAPTION, SCHEMA_VERSION, UNKNOWN, fields
 from prx_assets.stages.subsets.definitions import AttributeCondition, SubsetDefinition
 from prx_assets.storage.refs import Location, TableRef
 from prx_assets.storage.sidecars import (
@@ -106,15 +106,23 @@ def with_clusters(rows: pa.Table, concepts: TableRef | None, level: int) -> pa.T
 
 
 def condition_mask(rows: pa.Table, condition: AttributeCondition) -> pa.Array:
-    """Rows meeting one attribute condition (a row without the attribute does not)."""
+    """Rows meeting one attribute condition. A row without the attribute (null: withheld,
+    or no record) meets it only when the condition lists `unknown`: unknown is not "no"."""
     if condition.field not in rows.column_names:
-        return pa.array(np.zeros(rows.num_rows, dtype=bool))
+        return pa.array(np.full(rows.num_rows, UNKNOWN in condition.values))
     column = rows.column(condition.field)
+    known = _known_mask(column, condition)
+    if UNKNOWN in condition.values:
+        return pc.or_(known, pc.is_null(column))
+    return known
+
+
+def _known_mask(column: pa.ChunkedArray, condition: AttributeCondition) -> pa.Array:
     if pa.types.is_list(column.type):
         column = column.combine_chunks()
         hits = pc.is_in(pc.list_flatten(column), value_set=pa.array(list(condition.values)))
         parents = pc.list_parent_indices(column).to_numpy()
-        mask = np.zeros(rows.num_rows, dtype=bool)
+        mask = np.zeros(len(column), dtype=bool)
         mask[parents[hits.to_numpy(zero_copy_only=False)]] = True
         return pa.array(mask)
     if condition.minimum is not None or condition.maximum is not None:
@@ -124,9 +132,8 @@ def condition_mask(rows: pa.Table, condition: AttributeCondition) -> pa.Array:
         if condition.maximum is not None:
             mask = pc.and_(mask, pc.less_equal(column, condition.maximum))
         return pc.fill_null(mask, False)
-    value_type = column.type
-    return pc.fill_null(pc.is_in(column, value_set=pa.array(list(condition.values),
-                                                            value_type)), False)
+    values = [v for v in condition.values if v != UNKNOWN]
+    return pc.fill_null(pc.is_in(column, value_set=pa.array(values, column.type)), False)
 
 
 def filter_rows(rows: pa.Table, definition: SubsetDefinition) -> tuple[pa.Table, Counter]:

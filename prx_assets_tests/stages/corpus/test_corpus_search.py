@@ -12,6 +12,7 @@ from prx_assets.stages.corpus.search import (
     EmptyCorpus,
     SearchError,
     UnknownId,
+    attribute_filter,
     format_hits,
     search_text,
     similar,
@@ -120,3 +121,11 @@ def test_cli_search_on_a_bucket_names_what_is_missing(s3_root, monkeypatch, caps
     monkeypatch.setenv("PRX_DATA_ROOT", "s3://no-such-bucket-here/corpus")
     assert cli.main(["similar", "web:heron"]) == 2
     assert "bucket 'no-such-bucket-here' does not exist" in capsys.readouterr().err
+
+
+def test_unknown_asks_for_the_records_that_do_not_know_an_attribute():
+    assert attribute_filter("people=unknown") == "people IS NULL"
+    assert attribute_filter("watermark=unknown") == "watermark IS NULL"
+    assert attribute_filter("people=none") == "people IN ('none')"  # a null never matches
+    with pytest.raises(SearchError, match="unknown alone"):
+        attribute_filter("people=none,unknown")

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from prx_assets.stages.attributes.schema import STATUS_OK, Tagged, attribute_rows
@@ -15,6 +16,7 @@ from prx_assets.stages.shards import mds, plan
 from prx_assets.stages.shards.card import CARD_JSON, CARD_MD, read_card
 from prx_assets.stages.subsets.build import ActiveVersions, build_subset, current_subset_uri
 from prx_assets.stages.subsets.definitions import SubsetsError, load_subsets, parse_subset
+from prx_assets.stages.subsets.select import condition_mask
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.sidecars import sidecar_body, sidecar_name
@@ -176,3 +178,16 @@ def test_mds_uri_prints_a_subset_and_the_loader_mixes_it_with_sources(two_trees,
     ids = {dataset[i]["id"] for i in range(dataset.num_samples)}
     subset_ids = set(built.selection.rows.column("id").to_pylist())
     assert subset_ids <= ids and any(i not in subset_ids for i in ids)
+
+
+def test_a_null_attribute_meets_a_condition_only_when_it_lists_unknown():
+    rows = pa.table({"visible_text": ["none", "dominant", None],
+                     "subjects": [["animal"], [], None]})
+    known = parse_subset({"name": "a", "attributes": {"visible_text": ["none", "some"]}})
+    either = parse_subset({"name": "a", "attributes": {"visible_text": ["none", "unknown"],
+                                                       "subjects": ["animal", "unknown"]}})
+    assert condition_mask(rows, known.attributes[0]).to_pylist() == [True, False, False]
+    assert [condition_mask(rows, c).to_pylist() for c in either.attributes] == \
+        [[True, False, True], [True, False, True]]
+    absent = parse_subset({"name": "a", "attributes": {"people": ["unknown"]}})
+    assert condition_mask(rows, absent.attributes[0]).to_pylist() == [True] * 3
