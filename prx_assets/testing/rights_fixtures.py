@@ -169,3 +169,74 @@ def corrupt_manifest(signed_jpeg: bytes) -> bytes:
     body = start + 4 + 8  # marker, length, then the JP common header the reader checks
     garbled = bytes(b ^ 0x5A for b in signed_jpeg[body:body + 64])
     return signed_jpeg[:body] + garbled + signed_jpeg[body + 64:]
+
+
+# ------------------------------------------------------------------ a source of them
+
+@dataclass(frozen=True)
+class SignalSample:
+    """One WebDataset sample: its image member, its `.json` sidecar, and the reservation
+    ingest must read from the two (`none`, `constrained` or `prohibited`)."""
+
+    key: str
+    ext: str
+    data: bytes
+    sidecar: dict
+    status: str
+
+
+RESERVED_DOMAIN = "reserved.example"
+PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "camera", "immunohistochemistry",
+          "hubble_deep_field", "retina", "brick", "moon")
+
+
+def signal_samples(folder: Path, size: int = 448) -> list[SignalSample]:
+    """A sample per kind of signal, each a different real photo (none is a duplicate of
+    another): plain, XMP element and attribute forms in JPEG/PNG/WebP, C2PA, a corrupt
+    manifest, X-Robots-Tag, TDMRep and a URL on `RESERVED_DOMAIN`. The XMP cases need
+    exiftool, the C2PA ones c2pa-python."""
+    xmp = write_data_mining(folder, [("jpeg", "element", "DMI-PROHIBITED-GENAIMLTRAINING")],
+                            size, PHOTOS[1])
+    xmp += write_data_mining(folder, [("png", "attribute", "DMI-PROHIBITED-SEECONSTRAINT")],
+                             size, PHOTOS[2])
+    xmp += write_data_mining(folder, [("webp", "element", "DMI-ALLOWED")], size, PHOTOS[3])
+    signed = sign_training_mining(photo("jpeg", size, PHOTOS[4]), "image/jpeg",
+                                  {"ai_generative_training": "notAllowed"})
+    broken = corrupt_manifest(sign_training_mining(photo("jpeg", size, PHOTOS[5]),
+                                                   "image/jpeg", {"ai_training": "allowed"}))
+
+    def url(n: int, host: str = "photos.example.org") -> dict:
+        return {"url": f"https://{host}/{n}.jpg", "caption": f"photo number {n}",
+                "license": "cc-by-4.0", "attribution": f"Photographer {n}"}
+
+    return [
+        SignalSample("s0", "jpg", photo("jpeg", size, PHOTOS[0]), url(0), "none"),
+        SignalSample("s1", "jpg", xmp[0].path.read_bytes(), url(1), "prohibited"),
+        SignalSample("s2", "png", xmp[1].path.read_bytes(), url(2), "constrained"),
+        SignalSample("s3", "webp", xmp[2].path.read_bytes(), url(3), "none"),
+        SignalSample("s4", "jpg", signed, url(4), "prohibited"),
+        SignalSample("s5", "jpg", broken, url(5), "prohibited"),
+        SignalSample("s6", "jpg", photo("jpeg", size, PHOTOS[6]),
+                     {**url(6), "X-Robots-Tag": "noai"}, "prohibited"),
+        SignalSample("s7", "jpg", photo("jpeg", size, PHOTOS[7]),
+                     {**url(7), "tdm-reservation": 1}, "prohibited"),
+        # No signal in the file or the sidecar: the domain list (read by the readers of the
+        # table, not at ingest) withholds it.
+        SignalSample("s8", "jpg", photo("jpeg", size, PHOTOS[8]),
+                     url(8, f"cdn.{RESERVED_DOMAIN}"), "none"),
+        SignalSample("s9", "jpg", photo("jpeg", size, PHOTOS[9]), url(9), "none"),
+    ]
+
+
+def write_signal_tar(path: Path, samples: list[SignalSample]) -> Path:
+    """The samples as one WebDataset shard (`<key>.<ext>` and `<key>.json`)."""
+    import json
+    import tarfile
+
+    from prx_assets.testing.tars import add_member
+
+    with tarfile.open(path, "w") as tar:
+        for sample in samples:
+            add_member(tar, f"{sample.key}.{sample.ext}", sample.data)
+            add_member(tar, f"{sample.key}.json", json.dumps(sample.sidecar).encode())
+    return path
