@@ -13,6 +13,7 @@ import pytest
 from prx_assets.definitions import build_defs
 from prx_assets.loader import build_dataset
 from prx_assets.stages.opt_outs.rights import domains_dir
+from prx_assets.stages.shards.card import read_card
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.sidecars import REASON_RIGHTS, read_sidecar, sidecar_files
 from prx_assets.storage.tables import RAW_IMAGES
@@ -68,6 +69,10 @@ def test_reserved_samples_never_reach_the_loader(ray_session, data_root, tmp_pat
                for i in read_sidecar(sidecar).get(REASON_RIGHTS, [])}
     assert len(skipped) == 7
     assert _streamed(data_root, guard=False) == kept  # the sidecars alone
+    card = read_card(tree)
+    assert {k: v["count"] for k, v in card["reservations"].items()} == {
+        "none": 4, "prohibited": 5, "constrained": 1}
+    assert card["licenses"]["cc-by-4.0"]["count"] == 10
 
     for sidecar in sidecar_files(Path(tree.uri)):
         sidecar.unlink()
