@@ -58,22 +58,29 @@ def write_data_mining(folder: Path, cases: list[tuple[str, str, str]], size: int
                       which: str = "astronaut") -> list[XmpFixture]:
     """One image per (format, form, PLUS term), written by exiftool into `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
-    config = folder / "plus.config"
-    config.write_text(PLUS_CONFIG)
-    args: list[str] = []
     made = []
     for fmt, form, value in cases:
         path = folder / f"{value}.{form}.{FORMATS[fmt][0]}"
         path.write_bytes(photo(fmt, size, which))
+        made.append(XmpFixture(fmt, form, value, path))
+    tag_files(folder, [(f.path, f.form, f.value) for f in made])
+    return made
+
+
+def tag_files(folder: Path, files: list[tuple[Path, str, str]]) -> None:
+    """Write plus:DataMining (a PLUS term) into each file in place, in the element or the
+    attribute form: one exiftool process for all of them."""
+    config = folder / "plus.config"
+    config.write_text(PLUS_CONFIG)
+    args: list[str] = []
+    for path, form, value in files:
         args += (["-api", "Compact=Shorthand"] if form == "attribute" else [])
         args += ["-q", "-overwrite_original", f"-XMP-plus:DataMining={PLUS_VOCAB}{value}",
                  str(path), "-execute"]
-        made.append(XmpFixture(fmt, form, value, path))
     argfile = folder / "args.txt"
     argfile.write_text("\n".join(args) + "\n")
     subprocess.run(["exiftool", "-config", str(config), "-@", str(argfile)], check=True,
                    capture_output=True)
-    return made
 
 
 def malformed_xmp(data: bytes) -> bytes:

@@ -20,6 +20,7 @@ manifest, c2pa-python missing) is a prohibition, with the error in the signal te
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import re
@@ -27,6 +28,7 @@ import struct
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 from xml.etree import ElementTree
 
@@ -254,12 +256,22 @@ def c2pa_findings(data: bytes, mime: str) -> list[Finding]:
         return [Finding("c2pa", "manifest present but c2pa-python is not installed",
                         PROHIBITED)]
     try:
-        with c2pa.Reader(mime, io.BytesIO(data)) as reader:
+        with c2pa.Reader(mime, io.BytesIO(data), context=_reading_context()) as reader:
             store = json.loads(reader.json())
     except Exception as exc:  # c2pa raises its own error types for every kind of damage
         return [Finding("c2pa", f"unreadable manifest ({type(exc).__name__}: "
                                 f"{str(exc)[:200]})", PROHIBITED)]
     return training_mining_findings(store)
+
+
+@functools.cache
+def _reading_context() -> Any:
+    """c2pa's reader without signature and hash verification (once per process): a
+    reservation binds whoever signed it, trusted or not, and an unverified `allowed` lifts
+    nothing, so verifying would only double the read (4 ms against 9 ms an image)."""
+    import c2pa
+
+    return c2pa.Context.from_dict({"verify": {"verify_after_reading": False}})
 
 
 def training_mining_findings(store: Mapping) -> list[Finding]:
