@@ -44,6 +44,15 @@ def test_prohibited_domains_and_uncleared_constraints_are_withheld(tmp_path: Pat
         ("web:a", "curator@x", "browser"), ("web:b", "curator@x", "browser")}
 
 
+def test_the_cli_records_a_clearance(data_root: Path, capsys):
+    from prx_assets.cli import main
+
+    assert main(["clear-rights", "web:b", "--reason", "policy read"]) == 0
+    assert "1 clearance(s) recorded" in capsys.readouterr().out
+    assert rights.cleared_ids(Storage(str(data_root))) == {"web:b"}
+    assert main(["clear-rights", "not-an-id", "--reason", "x"]) == 2
+
+
 def test_a_table_from_before_reservations_has_only_the_domain_list(tmp_path: Path):
     storage = Storage(str(tmp_path))
     old = pa.schema([("id", pa.string()), ("url", pa.string())])
