@@ -25,11 +25,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("fresh_shared_memory"),
               pytest.mark.skipif(not rf.exiftool_available(), reason="exiftool not installed")]
 
 
-def _streamed(root: Path, guard: bool) -> set[str]:
+def _streamed(root: Path, guard: bool) -> dict[str, dict]:
+    """Each streamed sample's provenance columns, by id."""
     dataset = build_dataset(root / "mds", 512, 1, weights={"web": 1.0}, shuffle=False,
                             decode_images=False, guard_opt_outs=guard)
     try:
-        return {sample["id"] for sample in dataset}
+        return {sample["id"]: {c: sample[c] for c in ("url", "license", "attribution")}
+                for sample in dataset}
     finally:
         dataset.reader_leases.release()
 
@@ -68,7 +70,10 @@ def test_reserved_samples_never_reach_the_loader(ray_session, data_root, tmp_pat
     skipped = {i for sidecar in sidecar_files(Path(tree.uri))
                for i in read_sidecar(sidecar).get(REASON_RIGHTS, [])}
     assert len(skipped) == 7
-    assert _streamed(data_root, guard=False) == kept  # the sidecars alone
+    streamed = _streamed(data_root, guard=False)
+    assert set(streamed) == kept  # the sidecars alone
+    assert streamed[ids["s0"]] == {"url": "https://photos.example.org/0.jpg",
+                                   "license": "cc-by-4.0", "attribution": "Photographer 0"}
     card = read_card(tree)
     assert {k: v["count"] for k, v in card["reservations"].items()} == {
         "none": 4, "prohibited": 5, "constrained": 1}
@@ -76,5 +81,5 @@ def test_reserved_samples_never_reach_the_loader(ray_session, data_root, tmp_pat
 
     for sidecar in sidecar_files(Path(tree.uri)):
         sidecar.unlink()
-    assert _streamed(data_root, guard=False) == set(ids.values())  # nothing skips them now
-    assert _streamed(data_root, guard=True) == kept  # ...but the guard does
+    assert set(_streamed(data_root, guard=False)) == set(ids.values())  # nothing skips them
+    assert set(_streamed(data_root, guard=True)) == kept  # ...but the guard does
