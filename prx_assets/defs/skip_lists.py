@@ -165,7 +165,9 @@ def _reasons(context: dg.AssetExecutionContext, config: SkipListsConfig, store: 
     if config.rights:
         raw = _pinned_if_exists(store.table(RAW_IMAGES, source))
         if raw is not None:
-            reasons[REASON_RIGHTS] = {w.id for w in withheld_rows(raw, read_rules(store))}
+            withheld = {w.id for w in withheld_rows(raw, read_rules(store))}
+            if withheld:  # an absent reason is an empty list: no sidecar names it
+                reasons[REASON_RIGHTS] = withheld
             lineage.update(input_lineage({RAW_IMAGES: raw.version}))
     if config.ablations:
         for name, ids in read_ablations(store.ablations_dir).items():

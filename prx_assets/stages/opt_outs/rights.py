@@ -16,6 +16,7 @@ clearance never lifts a prohibition, and nothing here lifts an opt-out: reasons 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -82,6 +83,20 @@ def read_rules(storage: Storage | str | Path) -> RightsRules:
     storage = as_storage(storage)
     text = "\n".join(f.read_text() for f in domains_dir(storage).files(".txt"))
     return RightsRules(parse_domain_list(text), frozenset(cleared_ids(storage)))
+
+
+def rules_fingerprint(storage: Storage | str | Path) -> str:
+    """A hash of the domain lists and clearance files as they are now: what the rights
+    sensor compares (a file added, rewritten or removed changes it)."""
+    storage = as_storage(storage)
+    digest = hashlib.sha256()
+    for folder in (domains_dir(storage), clearances_dir(storage)):
+        for file in sorted(folder.files(), key=lambda f: f.name):
+            if file.name.startswith("."):
+                continue
+            digest.update(f"{folder.name}/{file.name}\0".encode())
+            digest.update(hashlib.sha256(file.read_bytes()).digest())
+    return digest.hexdigest()[:16]
 
 
 def cleared_ids(storage: Storage) -> set[str]:
