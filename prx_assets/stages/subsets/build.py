@@ -110,8 +110,8 @@ def subset_card(definition: SubsetDefinition, selection: Selection,
 
 
 def _ids_by_source(rows: pa.Table) -> dict[str, pa.Array]:
-    ids = rows.column("id").combine_chunks()
-    sources = pc.utf8_slice_codeunits(ids, 0, pc.find_substring(ids, ":"))
+    """The selected ids of each source (the selection's `source` column)."""
+    ids, sources = rows.column("id").combine_chunks(), rows.column("source").combine_chunks()
     return {s: ids.filter(pc.equal(sources, s)) for s in pc.unique(sources).to_pylist()}
 
 
