@@ -316,7 +316,7 @@ def sample(catalog: Catalog, sample_id: str) -> Sample:
     """Everything the pipeline knows about one sample, one bounded query per table."""
     corpus = catalog.corpus()
     row = corpus_row(catalog, sample_id, ["id", "source", "tier", "width", "height", "caption",
-                                          "label", "phash"])
+                                          "label", "phash", "reservation"])
     source = row["source"]
     tables = {name: catalog.dataset(name, source) for name in
               (RAW_IMAGES, BUCKETED_IMAGES, CAPTIONS, CAPTION_LABELS, MDS_SAMPLES)}

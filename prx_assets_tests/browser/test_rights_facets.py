@@ -81,3 +81,32 @@ def test_reserved_tiles_carry_a_badge_and_the_sample_page_the_signal(root):
         assert SIGNAL in page and "Ann Example" in page
         assert 'data-reservation="prohibited"' in page
         assert "javascript:" not in page.split('id="license"')[1].split("</td>")[0]
+
+
+def test_a_curator_clears_a_constrained_reservation_but_not_a_prohibition(root):
+    import re
+
+    from prx_assets.stages.opt_outs.requests import parse_directory
+    from prx_assets.stages.opt_outs.rights import clearances_dir
+    from prx_assets_tests.browser.test_auth import TOKEN, _auth
+
+    with ServedApp(root, create_app(root, _auth())) as served:
+        anonymous = Client(served.url)
+        assert 'id="login-needed"' in anonymous.request("GET", "/sample/web:2/clear-rights")[2]
+        assert anonymous.request("POST", "/sample/web:2/clear-rights",
+                                 {"token": "x", "confirm": "yes"})[0] == 401
+        curator = Client(served.url)
+        assert curator.login(TOKEN) == 303
+        assert 'id="clear-rights"' in curator.request("GET", "/sample/web:2")[2]
+        page = curator.request("GET", "/sample/web:2/clear-rights")[2]
+        token = re.search(r'name="token" value="([^"]+)"', page).group(1)
+        assert curator.request("GET", "/sample/web:1/clear-rights")[0] == 409
+        assert curator.request("POST", "/sample/web:1/clear-rights",
+                               {"token": token, "confirm": "yes"})[0] == 409
+        status, headers, _ = curator.request("POST", "/sample/web:2/clear-rights",
+                                             {"token": token, "confirm": "yes",
+                                              "reference": "licence read"})
+        assert status == 303 and headers["location"] == "/sample/web:2?cleared=1"
+    audit = parse_directory(clearances_dir(Storage(str(root)))).requests
+    assert [(r.value, r.requested_by, r.door, r.reference) for r in audit] == [
+        ("web:2", "alice", "browser", "licence read")]
