@@ -53,6 +53,10 @@ def test_reserved_samples_never_reach_the_loader(ray_session, data_root, tmp_pat
             "source_job").execute_in_process(partition_key="web", instance=instance,
                                              raise_on_error=False)
     assert result.success, [e.message for e in result.all_events if e.is_failure]
+    ingested = next(e.event_specific_data.materialization.metadata for e in
+                    result.get_asset_materialization_events()
+                    if e.event_specific_data.materialization.asset_key.path[-1] == RAW_IMAGES)
+    assert ingested["reservations"].value == {"none": 4, "prohibited": 5, "constrained": 1}
 
     raw = {r["source_key"]: r for r in Storage(data_root).table(RAW_IMAGES, "web").to_table(
         columns=["id", "source_key", "license", "attribution", "reservation",

@@ -23,6 +23,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from prx_assets.stages.ingest.rights import (
     CONSTRAINED,
@@ -142,6 +143,16 @@ def _withheld_in(batch: pa.RecordBatch, rules: RightsRules) -> Iterator[Withheld
         found = rules.withheld(sample_id, reservation, signal, url)
         if found is not None:
             yield found
+
+
+def reservation_counts(raw: TableRef) -> dict[str, int]:
+    """Rows of a raw_images table per `reservation` value (none, constrained, prohibited;
+    {} for a table from before reservations)."""
+    if "reservation" not in raw.open().schema.names:
+        return {}
+    column = raw.to_table(columns=["reservation"]).column("reservation")
+    return {str(v["values"]): int(v["counts"])
+            for v in pc.value_counts(column).to_pylist() if v["values"] is not None}
 
 
 def withheld_ids(storage: Storage | str | Path, sources: Iterable[str],

@@ -61,3 +61,11 @@ def test_a_table_from_before_reservations_has_only_the_domain_list(tmp_path: Pat
     assert rights.withheld_ids(storage, ["old", "absent"]) == {}
     (rights.domains_dir(storage) / "list.txt").write_text("https://x.org/\n")
     assert set(rights.withheld_ids(storage, ["old"])) == {"old:a"}
+
+
+def test_reservation_counts_per_value(tmp_path: Path):
+    storage = Storage(str(tmp_path))
+    write_raw(storage, "web", [("web:a", None, "prohibited", "x"), ("web:b", None, "none", None),
+                               ("web:c", None, "none", None)])
+    assert rights.reservation_counts(storage.table(RAW_IMAGES, "web")) == {
+        "prohibited": 1, "none": 2}
