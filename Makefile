@@ -11,11 +11,11 @@ export HF_HUB_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV := 0
 
-.PHONY: install chromium demo test test-fast lint bench bench-incremental ui validate browse clean
+.PHONY: install chromium exiftool demo test test-fast lint bench bench-incremental ui validate browse clean
 
 # The image stage's Pillow build goes in last (scripts/image_backend.sh says why); every
 # install also puts the cached pillow-simd wheel back if a pip run replaced it since.
-install: chromium $(STAMP)
+install: chromium exiftool $(STAMP)
 	@scripts/image_backend.sh $(VENV) ensure
 
 # The browser tests drive Debian's chromium through Playwright, which cannot download
@@ -24,6 +24,12 @@ chromium:
 	@command -v chromium >/dev/null || { \
 	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium; }
+
+# The rights tests write real XMP with exiftool (prx_assets/testing/rights_fixtures.py).
+exiftool:
+	@command -v exiftool >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libimage-exiftool-perl; }
 
 $(STAMP): pyproject.toml scripts/image_backend.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -127,6 +127,24 @@ def _opt_out(args: argparse.Namespace) -> int:
     return 0
 
 
+def _clear_rights(args: argparse.Namespace) -> int:
+    """A curator's clearance of constrained samples (docs/rights.md), audited like an
+    opt-out request; applied by the next skip_lists run and every loader opened after."""
+    import getpass
+
+    from prx_assets.stages.opt_outs.rights import clear
+    from prx_assets.storage.layout import Storage
+
+    try:
+        written = clear(Storage.from_env(), list(args.ids), args.reason, door="cli",
+                        cleared_by=getpass.getuser())
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{len(args.ids)} clearance(s) recorded in {written}")
+    return 0
+
+
 def _mds_uri(args: argparse.Namespace) -> int:
     """The current tree's location: `StreamingDataset(remote=<it>/<tier>/<W>x<H>)` reads it.
     With `--lease HOURS`, a reader lease keeps that tree for HOURS (its id on stderr)."""
@@ -214,6 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     opt_out.add_argument("ids", nargs="+", metavar="ID", help="sample ids (<source>:<hash>)")
     opt_out.add_argument("--reason", required=True, help="why (a ticket, an e-mail id)")
     opt_out.set_defaults(func=_opt_out)
+    clearance = sub.add_parser("clear-rights", help="clear constrained training reservations "
+                                                    "of sample ids after reading their terms "
+                                                    "(prohibitions cannot be cleared)")
+    clearance.add_argument("ids", nargs="+", metavar="ID", help="sample ids (<source>:<hash>)")
+    clearance.add_argument("--reason", required=True, help="what was checked (a licence, a "
+                                                           "ticket)")
+    clearance.set_defaults(func=_clear_rights)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -81,7 +81,7 @@ STEPS: tuple[Step, ...] = (
                                                 MDS_SHARDS, OPT_OUTS, SEMANTIC_DUPLICATES),
          automated=True),
     Step(CORPUS, "corpus", GLOBAL, (ATTRIBUTES, BUCKETED_IMAGES, CAPTION_LABELS, CAPTIONS,
-                                    PHASHES)),
+                                    PHASHES, RAW_IMAGES)),
     Step(SUBSETS, "subsets", SUBSET, (MDS_SHARDS, SKIP_LISTS, ATTRIBUTES, CAPTION_LABELS,
                                       CONCEPTS)),
 )

@@ -69,7 +69,9 @@ from prx_assets.browser.cards import published, tree_card
 from prx_assets.browser.catalog import TABLE_TTL_S, BadQuery, Catalog, NotFound
 from prx_assets.browser.facets import Query
 from prx_assets.browser.links import dagster_home_instance, dagster_url, run_url
+from prx_assets.stages.ingest.rights import CONSTRAINED
 from prx_assets.stages.opt_outs.requests import files_requesting, write_request
+from prx_assets.stages.opt_outs.rights import clear
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS
 
@@ -199,6 +201,39 @@ async def opt_out_page(request: Request, state: BrowserState) -> Response:
                                       requested_by=session.curator, door="browser")
     logger.info(f"opt-out of {row['id']} by curator {session.curator}: {written.name}")
     return RedirectResponse(f"/sample/{row['id']}?opted=1", status_code=303)
+
+
+async def clear_rights_page(request: Request, state: BrowserState) -> Response:
+    """A curator's clearance of a constrained training reservation (docs/rights.md),
+    through the opt-out door's checks: GET the confirmation page, POST one new clearance
+    file under the curator's name. A prohibition cannot be cleared."""
+    try:
+        row = await run_in_threadpool(queries.corpus_row, state.catalog,
+                                      request.path_params["sample_id"],
+                                      ["id", "source", "caption", "reservation"])
+    except NotFound as err:
+        return state.not_found(request, str(err))
+    if row.get("reservation") != CONSTRAINED:
+        return state.error(request, 409, "Nothing to clear",
+                           f"{row['id']} has reservation {row.get('reservation') or 'none'}: "
+                           "only a constrained one can be cleared")
+    session = state.auth.session(request)
+    if request.method == "GET":
+        return state.render(request, "clearrights.html", row=row, session=session)
+    form = await request.form()
+    refusal = write_refusal(request, state, str(form.get("token", "")))
+    if refusal is not None:
+        return refusal
+    if form.get("confirm") != "yes":
+        return state.error(request, 400, "Not confirmed",
+                           "tick the confirmation box to clear this reservation")
+    assert session is not None  # write_refusal refuses a request without one
+    written = await run_in_threadpool(clear, state.catalog.storage, [row["id"]],
+                                      str(form.get("reference", "")), door="browser",
+                                      cleared_by=session.curator)
+    logger.info(f"rights clearance of {row['id']} by curator {session.curator}: "
+                f"{written.name}")
+    return RedirectResponse(f"/sample/{row['id']}?cleared=1", status_code=303)
 
 
 def write_refusal(request: Request, state: BrowserState, form_token: str) -> Response | None:
@@ -386,6 +421,7 @@ ROUTES: list[tuple[str, Handler, tuple[str, ...]]] = [
     ("/", grid_page, ("GET",)),
     ("/sample/{sample_id}", sample_page, ("GET",)),
     ("/sample/{sample_id}/opt-out", opt_out_page, ("GET", "POST")),
+    ("/sample/{sample_id}/clear-rights", clear_rights_page, ("GET", "POST")),
     ("/concept/{level:int}/{cluster:int}", concept_page, ("GET",)),
     ("/duplicates", duplicates_page, ("GET",)),
     ("/rejected", rejected_page, ("GET",)),

@@ -48,6 +48,11 @@ FACET_COLUMNS = ["source", "label", "tier", "width", "height"]
 # the qualities as "at least N" range filters (`<name>_min`), counted cumulatively.
 ATTRIBUTE_FACETS = ("medium", "visible_text", "people", "setting", "style", "watermark")
 QUALITY_FACETS = ("aesthetic_quality", "technical_quality")
+# Provenance facets (corpus columns since reservations are read at ingest; docs/rights.md):
+# the training reservation, with its `reserved` badge on the tiles, and the license.
+PROVENANCE_FACETS = ("reservation", "license")
+RESERVATIONS = ("none", "constrained", "prohibited")
+LICENSE = re.compile(r"^[\w.+:/ -]{1,100}$")
 # Id sets that feed a facet filter (duplicates, skip reasons) are read with this limit.
 MAX_ID_SET = 100_000
 MAX_CONCEPT_LEVEL, MAX_CLUSTER = 8, 10_000_000
@@ -156,6 +161,7 @@ def _attribute_params(params: dict[str, str]
             if value not in allowed:
                 raise BadQuery(f"{name} must be one of {', '.join(allowed)}")
             chosen.append((name, value))
+    chosen += _provenance_params(params)
     minimums = []
     for name in QUALITY_FACETS:
         text = params.get(f"{name}_min") or ""
@@ -164,6 +170,20 @@ def _attribute_params(params: dict[str, str]
                 raise BadQuery(f"{name}_min must be 1 to 5")
             minimums.append((name, int(text)))
     return tuple(chosen), tuple(minimums)
+
+
+def _provenance_params(params: dict[str, str]) -> list[tuple[str, str]]:
+    chosen = []
+    reservation, license = params.get("reservation") or "", params.get("license") or ""
+    if reservation:
+        if reservation not in RESERVATIONS:
+            raise BadQuery(f"reservation must be one of {', '.join(RESERVATIONS)}")
+        chosen.append(("reservation", reservation))
+    if license:
+        if not LICENSE.match(license):
+            raise BadQuery("license must be a license name")
+        chosen.append(("license", license))
+    return chosen
 
 
 # ------------------------------------------------------------------------------- id sets
@@ -414,7 +434,8 @@ def facet_columns(table: LanceDataset) -> list[str]:
     """The columns the facets count: the corpus's own, and its attributes when it has them
     (a corpus built before attributes has none)."""
     names = set(table.schema.names)
-    return [*FACET_COLUMNS, *(c for c in (*ATTRIBUTE_FACETS, *QUALITY_FACETS) if c in names)]
+    return [*FACET_COLUMNS, *(c for c in (*ATTRIBUTE_FACETS, *QUALITY_FACETS,
+                                           *PROVENANCE_FACETS) if c in names)]
 
 
 def attribute_facets(rows: pa.Table) -> dict[str, list[tuple[str, int]]]:
@@ -434,4 +455,9 @@ def attribute_facets(rows: pa.Table) -> dict[str, list[tuple[str, int]]]:
             values = pc.drop_null(rows.column(name)).to_numpy(zero_copy_only=False)
             cumulative = [(str(n), int((values >= n).sum())) for n in range(5, 0, -1)]
             facets[f"{name}_min"] = [(v, c) for v, c in cumulative if c]
+    for name in PROVENANCE_FACETS:  # values as they are (a license keeps its spelling)
+        if name in rows.column_names:
+            counts = pc.value_counts(pc.drop_null(rows.column(name)))
+            facets[name] = sorted(((str(v["values"].as_py()), int(v["counts"].as_py()))
+                                   for v in counts), key=lambda p: (-p[1], p[0]))
     return facets

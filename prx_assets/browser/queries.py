@@ -161,8 +161,8 @@ def grid(catalog: Catalog, query: Query, with_facets: bool = True) -> Grid:
             facet_rows = hits.select([*columns, "_rowaddr"])
     else:
         total = table.count_rows(filter=where)
-        tiles = _tiles(table.to_table(columns=GRID_COLUMNS, filter=where, offset=start,
-                                      limit=PAGE_SIZE))
+        tiles = _tiles(table.to_table(columns=_grid_columns(table), filter=where,
+                                      offset=start, limit=PAGE_SIZE))
         capped = False
         if with_facets:
             facet_rows = table.to_table(columns=columns, filter=where, limit=MAX_FACET_ROWS,
@@ -256,10 +256,16 @@ def _image_neighbours(catalog: Catalog, table: LanceDataset, sample_id: str,
 def tiles_of(catalog: Catalog, ids: list[str]) -> list[Tile]:
     """Grid tiles of these corpus samples (at most PAGE_SIZE), in the order given."""
     wanted = pa.array(ids[:PAGE_SIZE], pa.string())
-    rows = catalog.corpus().to_table(columns=GRID_COLUMNS, filter=pc.field("id").isin(wanted),
-                                     limit=PAGE_SIZE)
+    corpus = catalog.corpus()
+    rows = corpus.to_table(columns=_grid_columns(corpus), filter=pc.field("id").isin(wanted),
+                           limit=PAGE_SIZE)
     order = pc.sort_indices(pc.index_in(rows.column("id"), value_set=wanted))
     return _tiles(rows.take(order))
+
+
+def _grid_columns(table: LanceDataset) -> list[str]:
+    """A tile's columns, with its reservation where the corpus has one."""
+    return [*GRID_COLUMNS, *(["reservation"] if "reservation" in table.schema.names else [])]
 
 
 def _has_index(table: LanceDataset, column: str) -> bool:
@@ -276,7 +282,8 @@ def _tiles(rows: pa.Table, score: str | None = None) -> list[Tile]:
         tiles.append(Tile(row["id"], row["source"], row.get("label"), row.get("tier"),
                           row.get("width"), row.get("height"),
                           caption if len(caption) <= CAPTION_CHARS
-                          else caption[:CAPTION_CHARS - 1] + "…", value))
+                          else caption[:CAPTION_CHARS - 1] + "…", value,
+                          row.get("reservation")))
     return tiles
 
 
@@ -309,7 +316,7 @@ def sample(catalog: Catalog, sample_id: str) -> Sample:
     """Everything the pipeline knows about one sample, one bounded query per table."""
     corpus = catalog.corpus()
     row = corpus_row(catalog, sample_id, ["id", "source", "tier", "width", "height", "caption",
-                                          "label", "phash"])
+                                          "label", "phash", "reservation"])
     source = row["source"]
     tables = {name: catalog.dataset(name, source) for name in
               (RAW_IMAGES, BUCKETED_IMAGES, CAPTIONS, CAPTION_LABELS, MDS_SAMPLES)}
@@ -319,7 +326,8 @@ def sample(catalog: Catalog, sample_id: str) -> Sample:
                     "error", "pixels", "flat"])
     raw = one_row(tables[RAW_IMAGES], sample_id,
                  ["source_key", "sha256", "format", "n_bytes", "width", "height", "url",
-                  "status"])
+                  "status", "license", "license_url", "attribution", "reservation",
+                  "reservation_signal"])
     where = eq_filter("id", sample_id)
     captions = sorted(rows_where(tables[CAPTIONS], where,
                                  ["caption_version", "caption", "n_words", "model", "backend",

@@ -44,9 +44,10 @@ from prx_assets.storage.tables import (
     CAPTIONS,
     CORPUS,
     PHASHES,
+    RAW_IMAGES,
 )
 
-INPUTS = (BUCKETED_IMAGES, PHASHES, CAPTIONS, CAPTION_LABELS, ATTRIBUTES)
+INPUTS = (BUCKETED_IMAGES, PHASHES, CAPTIONS, CAPTION_LABELS, ATTRIBUTES, RAW_IMAGES)
 
 
 def source_tables(store: Storage, source: str, caption_version: str,
@@ -65,7 +66,7 @@ def source_tables(store: Storage, source: str, caption_version: str,
         active_labels_filter(caption_version, classifier_version),
         attributes if attribute_version else None,
         active_attributes_filter(caption_version, attribute_version)
-        if attribute_version else None).pinned()
+        if attribute_version else None, store.table(RAW_IMAGES, source)).pinned()
 
 
 def pinned_versions(tables: SourceTables) -> dict:
@@ -74,6 +75,8 @@ def pinned_versions(tables: SourceTables) -> dict:
                 CAPTION_LABELS: tables.labels.version, PHASHES: tables.phashes.version}
     if tables.attributes is not None:
         versions[ATTRIBUTES] = tables.attributes.version
+    if tables.raw is not None:
+        versions[RAW_IMAGES] = tables.raw.version
     return {f"{INPUT_VERSION}{table}/{tables.name}": -1 if v is None else v
             for table, v in versions.items()}
 

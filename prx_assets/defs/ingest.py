@@ -28,6 +28,7 @@ from prx_assets.stages.ingest.readers import (
     ListingError,
     SourceNotFoundError,
 )
+from prx_assets.stages.opt_outs.rights import reservation_counts
 from prx_assets.storage.lance_tables import FragmentPolicy, WriteReport, describe_write
 from prx_assets.storage.object_store import ObjectStoreError
 from prx_assets.storage.retention import blob_grace
@@ -131,6 +132,8 @@ def _metadata(target: CommitTarget, written: WriteReport, report: IngestReport, 
         "source_kind": kind,
         "source_uri": dg.MetadataValue.path(uri),
         "license": license,
+        # Rows by training reservation (docs/rights.md): one string column read.
+        "reservations": dg.MetadataValue.json(reservation_counts(target.table)),
     }
 
 

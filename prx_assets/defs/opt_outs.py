@@ -16,6 +16,7 @@ from prx_assets.stages.ingest.sources import load_sources
 from prx_assets.stages.opt_outs.opt_outs import affected_sources
 from prx_assets.stages.opt_outs.requests import request_fingerprints
 from prx_assets.stages.opt_outs.resolution import Resolution, resolve_opt_outs
+from prx_assets.stages.opt_outs.rights import rules_fingerprint
 from prx_assets.storage.tables import DUPLICATES, OPT_OUTS, RAW_IMAGES, SKIP_LISTS
 
 # Metadata tables stay readable in the UI; the Lance table holds everything.
@@ -202,5 +203,32 @@ def build_opt_out_sensor(sources_file: str) -> dg.SensorDefinition:
     return opt_out_sensor
 
 
+def build_rights_sensor(sources_file: str) -> dg.SensorDefinition:
+    @dg.sensor(
+        name="rights_sensor",
+        target=dg.AssetSelection.assets(SKIP_LISTS),
+        minimum_interval_seconds=60,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description="Watches $PRX_DATA_ROOT/rights/ (the reserved domain lists and the "
+                    "curators' clearances) and requests a skip_lists run of every source "
+                    "when they change, so the sidecars' `rights` lists follow them "
+                    "(docs/rights.md). The loader's guard applies them at once anyway.",
+    )
+    def rights_sensor(context: dg.SensorEvaluationContext, storage: StorageResource):
+        stamp = rules_fingerprint(storage.get())
+        if stamp == context.cursor:
+            return dg.SensorResult(skip_reason="the domain lists and clearances are unchanged",
+                                   cursor=stamp)
+        sources = load_sources(sources_file).names
+        context.log.info(f"rights rules changed ({stamp}): skip lists of {', '.join(sources)}")
+        return dg.SensorResult(cursor=stamp, run_requests=[
+            dg.RunRequest(run_key=f"rights:{source}:{stamp}", partition_key=source,
+                          asset_selection=[dg.AssetKey(SKIP_LISTS)]) for source in sources])
+
+    return rights_sensor
+
+
 def opt_out_defs(sources_file: str) -> dg.Definitions:
-    return dg.Definitions(assets=[build_opt_outs()], sensors=[build_opt_out_sensor(sources_file)])
+    return dg.Definitions(assets=[build_opt_outs()],
+                          sensors=[build_opt_out_sensor(sources_file),
+                                   build_rights_sensor(sources_file)])

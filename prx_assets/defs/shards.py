@@ -27,7 +27,13 @@ from prx_assets.stages.shards.plan import DEFAULT_ROWS_PER_PART, SampleInputs, W
 from prx_assets.stages.shards.publish import TreeReport
 from prx_assets.stages.shards.verify import verify_tree
 from prx_assets.storage.layout import Storage
-from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, MDS_SHARDS, SKIP_LISTS
+from prx_assets.storage.tables import (
+    BUCKETED_IMAGES,
+    CAPTIONS,
+    MDS_SHARDS,
+    RAW_IMAGES,
+    SKIP_LISTS,
+)
 from prx_assets.storage.trees import DEFAULT_RETENTION
 
 DEFAULT_RETENTION_DAYS = DEFAULT_RETENTION.total_seconds() / 86400
@@ -56,10 +62,11 @@ def sample_inputs(context: dg.AssetExecutionContext, store: Storage,
     lineage."""
     source = context.partition_key
     inputs = pin_inputs(store, source, BUCKETED_IMAGES, CAPTIONS)
+    raw = store.table(RAW_IMAGES, source)
     return SampleInputs(
         bucketed=inputs[BUCKETED_IMAGES], captions=inputs[CAPTIONS],
         caption_filter=active_caption_filter(caption_version),
-        license=source_licenses([source])[source])
+        license=source_licenses([source])[source], raw=raw.pinned() if raw.exists() else None)
 
 
 def build_mds_shards(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefinition:

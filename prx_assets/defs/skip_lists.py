@@ -18,6 +18,7 @@ from prx_assets.defs.resources import (
 from prx_assets.stages.opt_outs.guard import pending_opt_outs, recorded_opt_outs
 from prx_assets.stages.opt_outs.opt_outs import ids_for_source
 from prx_assets.stages.opt_outs.resolution import resolve_opt_outs
+from prx_assets.stages.opt_outs.rights import read_rules, withheld_rows
 from prx_assets.stages.report.funnel import source_funnel
 from prx_assets.stages.skip_lists.skip_lists import (
     StreamSkips,
@@ -36,6 +37,7 @@ from prx_assets.storage.sidecars import (
     REASON_BALANCE,
     REASON_DEDUP,
     REASON_OPTOUT,
+    REASON_RIGHTS,
     REASON_SEMDEDUP,
     REASON_STALE,
     applies_by_default,
@@ -47,6 +49,7 @@ from prx_assets.storage.tables import (
     MDS_SAMPLES,
     MDS_SHARDS,
     OPT_OUTS,
+    RAW_IMAGES,
     SEMANTIC_DUPLICATES,
     SKIP_LISTS,
 )
@@ -65,6 +68,9 @@ class SkipListsConfig(dg.Config):
     semdedup: bool = True
     balance: bool = True
     opt_outs: bool = True
+    # Training reservations (docs/rights.md): prohibited, on a reserved domain, or
+    # constrained and not cleared by a curator.
+    rights: bool = True
     # Named ablation lists: $PRX_DATA_ROOT/ablations/<name>.txt, one id per line.
     ablations: bool = True
 
@@ -80,7 +86,7 @@ def build_skip_lists_asset(partitions_def: dg.PartitionsDefinition) -> dg.Assets
         kinds={"json"},
         description="Per-shard skip lists (shard.NNNNN.skip.json beside each shard): "
                     "non-kept duplicates (pHash and semantic), the concept-balance "
-                    "complement, chosen caption labels, opt-outs and named "
+                    "complement, chosen caption labels, opt-outs, rights reservations and named "
                     "ablations. Shards are never touched.",
     )
     def skip_lists(context: dg.AssetExecutionContext, config: SkipListsConfig,
@@ -156,6 +162,13 @@ def _reasons(context: dg.AssetExecutionContext, config: SkipListsConfig, store: 
         reasons[REASON_OPTOUT] = ids_for_source(resolution.audit, source)
         lineage["opt_out_requests"] = resolution.requests
         lineage["opt_out_malformed_rows"] = len(resolution.errors)
+    if config.rights:
+        raw = _pinned_if_exists(store.table(RAW_IMAGES, source))
+        if raw is not None:
+            withheld = {w.id for w in withheld_rows(raw, read_rules(store))}
+            if withheld:  # an absent reason is an empty list: no sidecar names it
+                reasons[REASON_RIGHTS] = withheld
+            lineage.update(input_lineage({RAW_IMAGES: raw.version}))
     if config.ablations:
         for name, ids in read_ablations(store.ablations_dir).items():
             reasons[name] = {i for i in ids if i.startswith(f"{source}:")}

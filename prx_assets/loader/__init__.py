@@ -35,6 +35,7 @@ from prx_assets.loader.streams import (
     plan_leaves,
 )
 from prx_assets.stages.opt_outs.guard import places, recorded_opt_outs
+from prx_assets.stages.opt_outs.rights import withheld_ids
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import Location, as_location
 
@@ -74,8 +75,10 @@ def build_dataset(mds_root: Location | str | Path | None, tier: int, batch_size:
     rebuilds meanwhile publish new trees, and this one stays until the epoch is done.
 
     Fail closed: every opt-out recorded (in `opt_outs/` under the storage root of
-    `mds_root`) by the time the trees are opened is skipped even where a sidecar is
-    missing or stale; `guard_opt_outs=False` trusts the sidecars alone (benchmarks)."""
+    `mds_root`) by the time the trees are opened, and every sample withheld for its rights
+    (`stages.opt_outs.rights`: a reservation read at ingest, the domain list, no curator
+    clearance), is skipped even where a sidecar is missing or stale;
+    `guard_opt_outs=False` trusts the sidecars alone (benchmarks)."""
     weights = dict(weights) if weights is not None else default_weights(sources_file)
     storage = Storage(as_location(mds_root).parent.uri) if mds_root else Storage.from_env()
     root = as_location(mds_root) if mds_root else storage.mds_root
@@ -97,12 +100,14 @@ def build_dataset(mds_root: Location | str | Path | None, tier: int, batch_size:
 
 
 def opt_out_guard(storage: Storage, leaves: list[Leaf]) -> OptOutGuard:
-    """The opt-outs recorded now, placed in the leaves just planned (one per stream)."""
-    opted = recorded_opt_outs(storage)
+    """The opt-outs recorded now and the samples withheld for their rights, placed in the
+    leaves just planned (one per stream)."""
+    sources = {leaf.source for leaf in leaves}
+    opted = set(recorded_opt_outs(storage)) | set(withheld_ids(storage, sources))
     if not opted:
         return OptOutGuard()
     per_leaf: dict[tuple[str, str], dict[str, list[int]]] = {}
-    for source in {leaf.source for leaf in leaves}:
+    for source in sources:
         for place in places(storage, source, opted):
             shards = per_leaf.setdefault((source, place.leaf), {})
             shards.setdefault(place.shard, []).append(place.sample_index)

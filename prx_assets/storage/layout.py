@@ -23,6 +23,7 @@ DEFAULT_DATA_ROOT = "./data"
 MDS_DIR = "mds"
 OPT_OUTS_DIR = "opt_outs"
 ABLATIONS_DIR = "ablations"
+RIGHTS_DIR = "rights"
 
 
 def _normalise_root(root: str) -> str:
@@ -110,6 +111,13 @@ class Storage:
     def opt_outs_dir(self) -> Location:
         """The folder users drop opt-out request files into."""
         return self.location(OPT_OUTS_DIR)
+
+    @property
+    def rights_dir(self) -> Location:
+        """Rights reservations beside the opt-outs: `domains/*.txt` (reserved domains and
+        URL prefixes) and `clearances/*.jsonl` (curators' clearances, audited like
+        opt-out requests); see docs/rights.md."""
+        return self.location(RIGHTS_DIR)
 
     @property
     def ablations_dir(self) -> Location:

@@ -6,7 +6,7 @@ request again."""
 import dagster as dg
 
 from prx_assets.cli import main
-from prx_assets.defs.opt_outs import build_opt_out_sensor
+from prx_assets.defs.opt_outs import build_opt_out_sensor, build_rights_sensor
 from prx_assets.defs.resources import StorageResource
 from prx_assets.defs.skip_lists import SkipListsConfig, _reasons
 from prx_assets.loader import opt_out_guard
@@ -50,3 +50,29 @@ def test_every_reader_takes_the_tables_resolution(data_root, tmp_path, monkeypat
                                           resources={"storage": StorageResource()}))
     assert sorted((r.asset_selection[0].path[-1], r.partition_key)
                   for r in tick.run_requests) == [("opt_outs", None), ("skip_lists", "web")]
+
+
+def test_the_rights_sensor_requests_skip_lists_when_domains_or_clearances_change(
+        data_root, tmp_path):
+    from prx_assets.stages.opt_outs.rights import clear, domains_dir
+
+    sources = write_sources(tmp_path / "s.yaml", [
+        f"{{name: web, kind: image_folder, uri: {tmp_path}}}",
+        f"{{name: pics, kind: image_folder, uri: {tmp_path}}}"])
+    sensor = build_rights_sensor(str(sources))
+
+    def tick(cursor):
+        return sensor(dg.build_sensor_context(cursor=cursor,
+                                              instance=dg.DagsterInstance.ephemeral(),
+                                              resources={"storage": StorageResource()}))
+
+    first = tick(None)  # no cursor yet: every source once
+    assert sorted(r.partition_key for r in first.run_requests) == ["pics", "web"]
+    assert not tick(first.cursor).run_requests
+    (domains_dir(Storage(data_root)) / "list.txt").write_text("reserved.example\n")
+    listed = tick(first.cursor)
+    assert len(listed.run_requests) == 2 and listed.cursor != first.cursor
+    clear(Storage(data_root), ["web:1"], "policy read", door="cli")
+    cleared = tick(listed.cursor)
+    assert {r.asset_selection[0].path[-1] for r in cleared.run_requests} == {"skip_lists"}
+    assert cleared.cursor not in (first.cursor, listed.cursor)

@@ -98,3 +98,22 @@ def test_a_request_dropped_after_the_tables_resolution_still_blocks_its_id(tree)
     got = [sample["id"] for sample in dataset]
     assert sorted(got) == [i for i in ids if i not in (ids[3], ids[5])]
     assert dataset.opt_outs_guarded == 2
+
+
+def test_a_reserved_sample_without_its_sidecar_is_not_streamed(tree):
+    """Skip reason `rights` fails closed like an opt-out: prohibited, on a listed domain,
+    or constrained and not cleared (a clearance brings a constrained one back)."""
+    from prx_assets.stages.opt_outs.rights import clear, domains_dir
+
+    root, ids = tree
+    reservation = {ids[1]: "prohibited", ids[2]: "constrained"}
+    url = {ids[5]: "https://img.reserved.example/5.jpg"}
+    raw = pa.table({"id": ids, "url": [url.get(i) for i in ids],
+                    "reservation": [reservation.get(i, "none") for i in ids],
+                    "reservation_signal": [reservation.get(i) for i in ids]})
+    overwrite_rows(Storage(root).table("raw_images", "web"), raw, raw.schema)
+    (domains_dir(Storage(root)) / "list.txt").write_text("reserved.example\n")
+    assert sorted(streamed(root)) == [i for i in ids if i not in (ids[1], ids[2], ids[5])]
+    clear(Storage(root), [ids[1], ids[2]], "terms read", door="cli")
+    assert sorted(streamed(root)) == [i for i in ids if i not in (ids[1], ids[5])]
+    assert {ids[1], ids[5]} <= set(streamed(root, guard_opt_outs=False))

@@ -83,9 +83,19 @@ CORPUS_SCHEMA = pa.schema([
     # The active attribute record's typed columns (null without one) and where it came from.
     pa.field("attribute_origin", pa.string()),
     *(pa.field(f.name, f.arrow_type) for f in attribute_fields()),
+    # Provenance and the training reservation read at ingest (raw_images; docs/rights.md).
+    pa.field("url", pa.string()),
+    pa.field("license", pa.string()),
+    pa.field("license_url", pa.string()),
+    pa.field("attribution", pa.string()),
+    pa.field("reservation", pa.string()),
+    pa.field("reservation_signal", pa.string()),
 ])
+PROVENANCE_COLUMNS = ["url", "license", "license_url", "attribution", "reservation",
+                      "reservation_signal"]
 ATTRIBUTE_COLUMNS = [f.name for f in attribute_fields()]
-META_COLUMNS = ["caption", "label", "phash", "embedding", "attribute_origin", *ATTRIBUTE_COLUMNS]
+META_COLUMNS = ["caption", "label", "phash", "embedding", "attribute_origin", *ATTRIBUTE_COLUMNS,
+                *PROVENANCE_COLUMNS]
 SHAPE_COLUMNS = ["id", "source", "tier", "width", "height"]
 # A corpus row without its thumbnail: what `expected_rows` computes on the driver.
 ROW_SCHEMA = pa.schema([f for f in CORPUS_SCHEMA if f.name != "thumbnail"])
@@ -116,20 +126,25 @@ class SourceTables:
     # without attributes gets null attribute columns).
     attributes: TableRef | None = None
     attributes_filter: str | None = None
+    # The source's raw_images, for provenance and reservations (optional: null columns).
+    raw: TableRef | None = None
 
     def pinned(self) -> SourceTables:
         """Every input at its latest version now (what is read is what lineage records)."""
         attributes = self.attributes.pinned() if self.attributes is not None \
             and self.attributes.exists() else None
+        raw = self.raw.pinned() if self.raw is not None and self.raw.exists() else None
         return replace(self, bucketed=self.bucketed.pinned(), captions=self.captions.pinned(),
                        labels=self.labels.pinned(), phashes=self.phashes.pinned(),
-                       attributes=attributes)
+                       attributes=attributes, raw=raw)
 
     def versions(self) -> dict[str, int | None]:
         versions = {"bucketed": self.bucketed.version, "captions": self.captions.version,
                     "labels": self.labels.version, "phashes": self.phashes.version}
         if self.attributes is not None:
             versions["attributes"] = self.attributes.version
+        if self.raw is not None:
+            versions["raw"] = self.raw.version
         return versions
 
 
@@ -208,7 +223,8 @@ def source_metadata(tables: SourceTables) -> pa.Table:
     meta = pa.table({"id": labels.column("id"), "caption": caption,
                      "label": labels.column("label"), "phash": phash,
                      "embedding": labels.column("embedding"),
-                     **source_attributes(tables, labels.column("id"))})
+                     **source_attributes(tables, labels.column("id")),
+                     **source_provenance(tables, labels.column("id"))})
     return meta.filter(pc.is_valid(meta.column("caption")))
 
 
@@ -220,6 +236,18 @@ def source_attributes(tables: SourceTables, ids: pa.ChunkedArray) -> dict[str, p
     records = _read(tables.attributes, ["id", "origin", *ATTRIBUTE_COLUMNS],
                     tables.attributes_filter).rename_columns(["id", *columns])
     return dict(zip(columns, _lookup(ids.combine_chunks(), records, columns), strict=True))
+
+
+def source_provenance(tables: SourceTables, ids: pa.ChunkedArray) -> dict[str, pa.Array]:
+    """Provenance and reservation of `ids` from raw_images (null without the table, or
+    for a column a table of an older schema lacks)."""
+    raw = tables.raw
+    present = set(raw.open().schema.names) if raw is not None and raw.exists() else set()
+    columns = [c for c in PROVENANCE_COLUMNS if c in present]
+    found = dict(zip(columns, _lookup(ids.combine_chunks(), _read(raw, ["id", *columns]),
+                                      columns), strict=True)) if raw is not None and columns \
+        else {}
+    return {c: found.get(c, pa.nulls(len(ids), pa.string())) for c in PROVENANCE_COLUMNS}
 
 
 def thumbnailed(batch: pa.Table, expected: pa.Table) -> pa.Table:

@@ -54,6 +54,13 @@ class Hit:
     # BM25 for text search, cosine similarity for `similar`; None in a plain listing (the
     # corpus browser's grid shows its tiles as hits too).
     score: float | None = None
+    # The training reservation read at ingest ("none", "constrained", "prohibited"; None
+    # for a corpus built before reservations): the browser's `reserved` badge.
+    reservation: str | None = None
+
+    @property
+    def reserved(self) -> bool:
+        return self.reservation not in (None, "none")
 
     @property
     def shape(self) -> str:

@@ -82,6 +82,9 @@ class IngestOptions:
     # ...except that a run may always remove this many rows: a handful of files deleted from
     # a small source is a curation, and a share of a tiny table says little.
     removal_floor_rows: int = 100
+    # Read the training reservations (stages/ingest/rights.py); off only for the bench's
+    # baseline: rows then say "none" whatever the images carry.
+    read_rights: bool = True
 
 
 class RemovalLimitError(RuntimeError):
@@ -263,7 +266,8 @@ def _unit_rows(spec: SourceSpec, location: SourceLocation, unit: str,
     count = 0
     seen: set[str] = set()
     for item in _items_of_unit(spec, location, unit, signature, options):
-        row = raw_row(spec.name, item, options.max_pixels, options.max_caption_bytes)
+        row = raw_row(spec.name, item, options.max_pixels, options.max_caption_bytes,
+                      spec.license, options.read_rights)
         if row["id"] in seen:
             continue
         seen.add(row["id"])

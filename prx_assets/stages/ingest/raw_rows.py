@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +10,9 @@ import pyarrow as pa
 
 from prx_assets.stages.ingest.ids import sample_id
 from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS, STATUS_OK, probe_image, sha256_hex
+from prx_assets.stages.ingest.rights import NONE, read_reservation
+
+UNKNOWN_LICENSE = "unknown"
 
 DEFAULT_MAX_CAPTION_BYTES = 16 << 10  # a source's caption above this is cut (with a note)
 
@@ -29,6 +32,16 @@ RAW_IMAGES_SCHEMA = pa.schema(
         pa.field("error", pa.string()),
         # Where the item was fetched from, when the source says (opt-outs by url).
         pa.field("url", pa.string()),
+        # Provenance (docs/rights.md): the sample's own license where its sidecar or row has
+        # one, else the source's `license` in sources.yaml, else "unknown"; its license's
+        # URL and the attribution it asks for where given.
+        pa.field("license", pa.string()),
+        pa.field("license_url", pa.string()),
+        pa.field("attribution", pa.string()),
+        # The training reservation read from the bytes and the sidecar (stages/ingest/
+        # rights.py): "none", "prohibited" or "constrained", and what said so.
+        pa.field("reservation", pa.string()),
+        pa.field("reservation_signal", pa.string()),
         # Change detection (docs/sources.md): the unit the row came from (a file, a tar, a
         # parquet file, a Lance fragment), what the listing said of that unit when it was
         # read (size and mtime, or the Lance version), and, on the unit's last row only, how
@@ -53,12 +66,17 @@ class FoundItem:
     status: str | None = None  # set when the reader itself failed (unreadable, unsafe_path...)
     error: str | None = None
     url: str | None = None
+    # Provenance and rights fields from the item's sidecar or row (readers.provenance_of).
+    meta: Mapping[str, object] | None = None
 
 
 def raw_row(source: str, item: FoundItem, max_pixels: int = DEFAULT_MAX_PIXELS,
-            max_caption_bytes: int = DEFAULT_MAX_CAPTION_BYTES) -> dict:
-    """Probe the item's bytes (header only) and return its `raw_images` row. A caption
-    over `max_caption_bytes` (UTF-8) is cut there, and the row's `error` says so."""
+            max_caption_bytes: int = DEFAULT_MAX_CAPTION_BYTES,
+            source_license: str = UNKNOWN_LICENSE, read_rights: bool = True) -> dict:
+    """Probe the item's bytes (header only) and return its `raw_images` row, with its
+    provenance and its reservation (`read_rights=False` leaves the signals unread: the
+    bench's baseline). A caption over `max_caption_bytes` (UTF-8) is cut there, and the
+    row's `error` says so."""
     caption, cut_note = capped_caption(item.caption, max_caption_bytes)
     row: dict[str, Any] = {
         "id": sample_id(source, item.key),
@@ -74,6 +92,9 @@ def raw_row(source: str, item: FoundItem, max_pixels: int = DEFAULT_MAX_PIXELS,
         "status": item.status,
         "error": item.error,
         "url": item.url,
+        **provenance(item.meta, source_license),
+        "reservation": NONE,
+        "reservation_signal": None,
         "unit": None,
         "unit_signature": None,
         "unit_items": None,
@@ -85,9 +106,25 @@ def raw_row(source: str, item: FoundItem, max_pixels: int = DEFAULT_MAX_PIXELS,
                width=probe.width, height=probe.height)
     if probe.status == STATUS_OK:
         row["image"] = item.data  # original bytes, untouched
+        if read_rights:
+            reservation = read_reservation(item.data, item.meta)
+            row.update(reservation=reservation.status,
+                       reservation_signal=reservation.signal)
     if cut_note and row["error"] is None:
         row["error"] = cut_note
     return row
+
+
+def provenance(meta: Mapping[str, object] | None, source_license: str) -> dict:
+    """The row's license, license_url and attribution."""
+    meta = meta or {}
+
+    def text(field: str) -> str | None:
+        value = meta.get(field)
+        return str(value).strip() or None if value is not None else None
+
+    return {"license": text("license") or source_license or UNKNOWN_LICENSE,
+            "license_url": text("license_url"), "attribution": text("attribution")}
 
 
 def capped_caption(caption: str | None, max_bytes: int) -> tuple[str | None, str | None]:

@@ -10,7 +10,7 @@ import json
 import os
 import posixpath
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path, PurePosixPath
 
 import pyarrow as pa
@@ -189,6 +189,28 @@ def read_file_bytes(location: SourceLocation, path: str,
         return FoundItem(key="", status=STATUS_UNREADABLE, error=f"{type(exc).__name__}: {exc}")
 
 
+def provenance_of(names: Mapping[str, tuple[str, ...]], record: Mapping[str, object]
+                  ) -> dict[str, object] | None:
+    """The provenance fields a sidecar or row holds (`SourceSpec.provenance_names`), None
+    when it holds none."""
+    found: dict[str, object] = {}
+    for field, candidates in names.items():
+        for name in candidates:
+            value = record.get(name)
+            if value is not None and str(value).strip():
+                found[field] = value
+                break
+    return found or None
+
+
+def provenance_columns(spec: SourceSpec, available: Iterable[str]) -> list[str]:
+    """The provenance columns a Parquet file or Lance table has (absent ones are no error:
+    most sources have none)."""
+    present = set(available)
+    return sorted({n for names in spec.provenance_names().values() for n in names
+                   if n in present})
+
+
 def _with_key(found: FoundItem | bytes, key: str, caption: str | None) -> FoundItem:
     if isinstance(found, FoundItem):
         return FoundItem(key=key, caption=caption, status=found.status, error=found.error)
@@ -295,17 +317,25 @@ def _wds_sample(spec: SourceSpec, rel: str, key: str, sample: dict[str, bytes],
     if truncated:
         return FoundItem(key=full_key, caption=caption, status=STATUS_UNREADABLE,
                          error="tar shard ended inside this sample")
+    sidecar = _wds_json(sample)
     return FoundItem(key=full_key, data=sample[image_ext], caption=caption,
-                     url=_wds_url(spec, sample))
+                     url=_wds_url(spec, sidecar),
+                     meta=provenance_of(spec.provenance_names(), sidecar) if sidecar else None)
 
 
-def _wds_url(spec: SourceSpec, sample: dict[str, bytes]) -> str | None:
+def _wds_json(sample: dict[str, bytes]) -> dict:
+    """The sample's `.json` member as a dict ({} when absent or not a JSON object)."""
     if "json" not in sample:
-        return None
+        return {}
     try:
-        value = json.loads(sample["json"]).get(spec.url_field)
-    except (ValueError, AttributeError):
-        return None
+        value = json.loads(sample["json"])
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _wds_url(spec: SourceSpec, sidecar: dict) -> str | None:
+    value = sidecar.get(spec.url_field)
     return str(value).strip() or None if value else None
 
 
@@ -334,9 +364,11 @@ def read_parquet_file(spec: SourceSpec, uri: SourceLocation | Path, rel: str,
     base = str(PurePosixPath(path).parent)
     columns = [spec.image_column] + [c for c in (spec.key_column, spec.caption_column,
                                                  spec.url_column) if c]
+    names = spec.provenance_names()
     try:
         parquet = pq.ParquetFile(location.filesystem()[0].open_input_file(path))
         missing = [c for c in columns if c not in parquet.schema_arrow.names]
+        columns += provenance_columns(spec, parquet.schema_arrow.names)
         if missing:
             yield FoundItem(key=f"{rel}#file", status=STATUS_UNREADABLE,
                             error=f"parquet {rel}: missing column(s) {', '.join(missing)}")
@@ -356,7 +388,8 @@ def read_parquet_file(spec: SourceSpec, uri: SourceLocation | Path, rel: str,
                 caption = record.get(spec.caption_column) if spec.caption_column else None
                 item = _parquet_item(spec, location, base, key, record[spec.image_column],
                                      caption, max_file_bytes)
-                yield _with_url(item, record.get(spec.url_column) if spec.url_column else None)
+                item = _with_url(item, record.get(spec.url_column) if spec.url_column else None)
+                yield dataclasses.replace(item, meta=provenance_of(names, record))
     except (OSError, ValueError) as exc:  # arrow raises ArrowInvalid (a ValueError)
         yield FoundItem(key=f"{rel}#file", status=STATUS_UNREADABLE,
                         error=f"parquet {rel}: {type(exc).__name__}: {exc}")
@@ -462,10 +495,13 @@ def read_lance_fragment(spec: SourceSpec, location: SourceLocation, unit: str, v
                         error=f"lance {location.uri} {unit}: {problem}")
         return
     keys = _Keys(spec, unit)
+    columns += provenance_columns(spec, table.schema.names)
+    names = spec.provenance_names()
     for batch in fragment.to_batches(columns=columns, batch_size=batch_rows):
         for record in batch.to_pylist():
             key, refused = keys.next(record)
-            yield refused if refused is not None else lance_record_item(spec, record, key)
+            yield refused if refused is not None else dataclasses.replace(
+                lance_record_item(spec, record, key), meta=provenance_of(names, record))
 
 
 def lance_record_item(spec: SourceSpec, record: dict, key: str | None = None) -> FoundItem:

@@ -23,9 +23,22 @@ DEFAULT_SOURCES_FILE = "sources.yaml"
 _COMMON_FIELDS = {"name", "kind", "uri", "license", "weight", "description"}
 _KIND_FIELDS: dict[str, set[str]] = {
     "image_folder": {"caption_suffix"},
-    "webdataset": {"image_extensions", "caption_extension", "caption_field", "url_field"},
-    "parquet": {"image_column", "image_is_path", "key_column", "caption_column", "url_column"},
-    "lance": {"image_column", "key_column", "caption_column", "url_column"},
+    "webdataset": {"image_extensions", "caption_extension", "caption_field", "url_field",
+                   "provenance"},
+    "parquet": {"image_column", "image_is_path", "key_column", "caption_column", "url_column",
+                "provenance"},
+    "lance": {"image_column", "key_column", "caption_column", "url_column", "provenance"},
+}
+# Per-sample provenance and rights fields, read from a WebDataset sample's `.json` keys or
+# a Parquet/Lance row's columns: each field's default names, first found wins. A source's
+# `provenance:` mapping names its own key or column for a field (docs/rights.md).
+PROVENANCE_FIELDS: dict[str, tuple[str, ...]] = {
+    "license": ("license",),
+    "license_url": ("license_url",),
+    "attribution": ("attribution", "author", "creator"),
+    "x_robots_tag": ("x_robots_tag", "x-robots-tag", "X-Robots-Tag"),
+    "tdm_reservation": ("tdm_reservation", "tdm-reservation"),
+    "tdm_policy": ("tdm_policy", "tdm-policy"),
 }
 
 
@@ -57,6 +70,15 @@ class SourceSpec:
     key_column: str | None = None
     caption_column: str | None = None
     url_column: str | None = None
+    # webdataset / parquet / lance: provenance field -> the source's key or column for it
+    # (PROVENANCE_FIELDS' names where a field is not named here).
+    provenance: tuple[tuple[str, str], ...] = ()
+
+    def provenance_names(self) -> dict[str, tuple[str, ...]]:
+        """Each provenance field's candidate keys or columns, the source's own first."""
+        named = dict(self.provenance)
+        return {f: ((named[f],) if f in named else names) for f, names
+                in PROVENANCE_FIELDS.items()}
 
     @property
     def in_object_store(self) -> bool:
@@ -163,9 +185,22 @@ def parse_source(entry: Any, index: int, path: Path | str = "<sources>") -> Sour
         if not isinstance(exts, list) or not exts or not all(isinstance(e, str) for e in exts):
             raise fail("image_extensions", "must be a non-empty list of extensions")
         kwargs["image_extensions"] = tuple(e.lower().lstrip(".") for e in exts)
+    if "provenance" in entry:
+        kwargs["provenance"] = _provenance(entry["provenance"], fail)
     if kind == "lance" and "key_column" not in entry:
         raise fail("key_column", "required for kind 'lance' (ids derive from a stable key)")
     return SourceSpec(**kwargs)
+
+
+def _provenance(mapping: Any, fail: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(mapping, Mapping):
+        raise fail("provenance", "must map fields to the source's keys or columns")
+    for key, value in mapping.items():
+        if key not in PROVENANCE_FIELDS:
+            raise fail("provenance", f"{key!r} is not one of {', '.join(PROVENANCE_FIELDS)}")
+        if not isinstance(value, str) or not value:
+            raise fail("provenance", f"{key}: {value!r} must be a non-empty string")
+    return tuple(sorted((str(k), str(v)) for k, v in mapping.items()))
 
 
 def _reject_duplicate_names(specs: tuple[SourceSpec, ...], path: Path) -> None:

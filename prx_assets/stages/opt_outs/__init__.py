@@ -35,4 +35,8 @@ Data flow (one writer of request files, one parser, one resolver):
   table therefore still blocks its id in the loader: fail closed.
 - `guard`: the opt-outs recorded so far with when they landed, where they sit in a source's
   current tree, and which of them a reader could still stream.
+- `rights`: skip reason `rights` as every reader applies it (the skip lists, the loader's
+  guard, the browser): the reservations ingest recorded, the domain list under
+  `Storage.rights_dir`, and curators' clearances written through `write_requests` into
+  their own folder (docs/rights.md).
 """

@@ -239,11 +239,13 @@ def _csv_rows(text: str) -> Iterator[tuple[int, dict | Exception]]:
 
 def write_requests(storage: Storage | str | Path, sample_ids: list[str], reference: str,
                    now: datetime | None = None, *, door: str,
-                   requested_by: str | None = None) -> Location:
+                   requested_by: str | None = None, folder: Location | None = None
+                   ) -> Location:
     """One new request file opting every id out (one line each, who and why on each);
-    returns its location. Each record is checked with `parse_request` before anything is
-    written, so what lands is valid; the write is durable (file and folder flushed) and
-    whole (renamed into place, or one PUT)."""
+    returns its location. `folder`: another audited folder of the same format (the rights
+    clearances), `opt_outs_dir` by default. Each record is checked with `parse_request`
+    before anything is written, so what lands is valid; the write is durable (file and
+    folder flushed) and whole (renamed into place, or one PUT)."""
     if not sample_ids:
         raise ValueError("no sample id to opt out")
     now = now or datetime.now(UTC)
@@ -257,7 +259,7 @@ def write_requests(storage: Storage | str | Path, sample_ids: list[str], referen
     body = "".join(json.dumps(record) + "\n" for record in records)
     for line, record in enumerate(records, start=1):
         parse_request(record, name, line)  # ValueError naming what would be malformed
-    target = as_storage(storage).opt_outs_dir / name
+    target = (folder or as_storage(storage).opt_outs_dir) / name
     target.write_text(body)
     return target
 

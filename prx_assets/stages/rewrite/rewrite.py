@@ -35,7 +35,7 @@ from prx_assets.stages.skip_lists.skip_lists import (
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.refs import Location, TableRef
 from prx_assets.storage.sidecars import REASON_STALE
-from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, MDS_SAMPLES
+from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, MDS_SAMPLES, RAW_IMAGES
 from prx_assets.storage.trees import tree_store
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,12 @@ def pinned_inputs(storage: Storage | str | Path, source: str, caption_filter: st
         bucketed=storage.table(BUCKETED_IMAGES, source).at(manifest.get("bucketed_version")),
         captions=storage.table(CAPTIONS, source).at(manifest.get("captions_version")),
         caption_filter=caption_filter,
-        license=(manifest.get("settings") or {}).get("license", "unknown"))
+        license=(manifest.get("settings") or {}).get("license", "unknown"),
+        raw=_existing(storage.table(RAW_IMAGES, source)))
+
+
+def _existing(table: TableRef) -> TableRef | None:
+    return table.pinned() if table.exists() else None
 
 
 def _ids(table: TableRef, condition: str | None = None) -> pa.Array:

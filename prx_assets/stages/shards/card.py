@@ -50,6 +50,9 @@ class CardFacts:
     inputs: dict[str, int | str | None] = field(default_factory=dict)  # table -> version
     definition: dict[str, Any] = field(default_factory=dict)  # a subset's definition
     dropped: dict[str, int] = field(default_factory=dict)  # a subset's selection figures
+    # Samples per license, per attribution-required license and per reservation
+    # (`provenance_counts`; docs/rights.md).
+    provenance: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def build_card(facts: CardFacts, now: datetime | None = None) -> tuple[dict, str]:
@@ -72,6 +75,9 @@ def build_card(facts: CardFacts, now: datetime | None = None) -> tuple[dict, str
         "attribute_origins": dict(facts.attribute_origins),
         "concepts": dict(facts.concepts),
         "skips": dict(sorted(facts.skips.items())),
+        "licenses": _shares(facts.provenance.get("license", {})),
+        "attribution_required": _shares(facts.provenance.get("attribution_required", {})),
+        "reservations": _shares(facts.provenance.get("reservation", {})),
         "versions": dict(sorted(facts.versions.items())),
         "inputs": dict(sorted(facts.inputs.items())),
         "stream": stream_recipe(facts),
@@ -114,6 +120,7 @@ def card_markdown(card: dict) -> str:
     lines += ["## Sources and licenses", "", "| source | license | samples |",
               "| --- | --- | ---: |"]
     lines += [f"| {s['name']} | {s['license']} | {_n(s['samples'])} |" for s in card["sources"]]
+    lines += _provenance_lines(card)
     lines += ["", "## Tiers and shapes", "", "| leaf | samples |", "| --- | ---: |"]
     lines += [f"| {leaf} | {n:,} |" for leaf, n in card["shapes"].items()]
     lines += _share_section("Caption labels", {"label": card["labels"]})
@@ -143,6 +150,52 @@ def card_markdown(card: dict) -> str:
               "```python", stream["streaming"], "```", "", "```python", stream["loader"],
               "```", ""]
     return "\n".join(lines)
+
+
+def _provenance_lines(card: dict) -> list[str]:
+    """Samples per license (those asking for attribution marked) and per reservation."""
+    if not card.get("licenses") and not card.get("reservations"):
+        return []
+    asks = card.get("attribution_required", {})
+    lines = ["", "## Provenance and reservations", "", "| license | samples | attribution |",
+             "| --- | ---: | --- |"]
+    lines += [f"| {name} | {v['count']:,} | {'required' if name in asks else '-'} |"
+              for name, v in card.get("licenses", {}).items()]
+    reservations = ", ".join(f"{name}: {v['count']:,}"
+                             for name, v in card.get("reservations", {}).items())
+    lines += ["", f"Training reservations (read at ingest; reserved samples are skipped as "
+                  f"`rights`): {reservations or 'none recorded'}."]
+    return lines
+
+
+def attribution_required(license: str) -> bool:
+    """Whether a license identifier is one that asks for attribution (the CC BY family, and
+    any name saying `attribution`)."""
+    name = license.lower().replace("_", "-").replace(" ", "-")
+    return name.startswith(("cc-by", "by-")) or name == "by" or "attribution" in name
+
+
+def provenance_counts(storage: Any, ids_by_source: Mapping[str, pa.Array]
+                      ) -> dict[str, dict[str, int]]:
+    """Samples per license, per attribution-required license and per reservation, of the
+    given ids of each source (their raw_images rows; a table of an older schema counts
+    nothing)."""
+    from prx_assets.storage.tables import RAW_IMAGES
+
+    totals: dict[str, Counter] = {"license": Counter(), "reservation": Counter()}
+    for source, ids in ids_by_source.items():
+        raw = storage.table(RAW_IMAGES, source)
+        if not raw.exists() or "reservation" not in raw.open().schema.names:
+            continue
+        rows = raw.to_table(columns=["id", "license", "reservation"])
+        rows = rows.filter(pc.is_in(rows.column("id"), value_set=ids))
+        for column, counts in value_counts(rows, ["license", "reservation"]).items():
+            totals[column].update(counts)
+    out = {name: dict(counts) for name, counts in totals.items() if counts}
+    asks = {k: n for k, n in totals["license"].items() if attribution_required(k)}
+    if asks:
+        out["attribution_required"] = asks
+    return out
 
 
 def _n(value: int | None) -> str:
@@ -328,6 +381,7 @@ def source_tree_card(build: Any) -> tuple[dict, str]:
         attributes=counts, attribute_origins=origins,
         concepts=concept_coverage(storage.table(CONCEPTS), ids),
         skips=skip_counts(build.staging),
+        provenance=provenance_counts(storage, {build.source: ids}),
         versions={**versions, **({"caption_version": caption_version}
                                  if caption_version else {})},
         inputs={BUCKETED_IMAGES: inputs.bucketed.version, CAPTIONS: inputs.captions.version,

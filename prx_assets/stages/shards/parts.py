@@ -19,9 +19,10 @@ import pyarrow as pa
 import ray
 
 from prx_assets.engine.progress import StageProgress
-from prx_assets.stages.shards.plan import SampleInputs, WriteOptions
+from prx_assets.stages.shards.plan import PROVENANCE_COLUMNS, SampleInputs, WriteOptions
 from prx_assets.storage.failpoints import failpoint
-from prx_assets.storage.refs import Location
+from prx_assets.storage.filters import in_filter
+from prx_assets.storage.refs import Location, TableRef
 
 IMAGE_COLUMNS = ["id", "source", "image", "width", "height", "original_width", "original_height"]
 TAKE_ROWS = 64  # rows fetched from Lance per read inside a task (bounded memory)
@@ -68,9 +69,11 @@ def write_part(spec: PartSpec, inputs: SampleInputs, options: WriteOptions) -> l
                                                      columns=IMAGE_COLUMNS))
             texts = _rows_by_id(captions._take_rows(spec.caption_rows[start:stop].tolist(),
                                                     columns=["id", "caption"]))
-            for sample_id in _as_strings(spec.ids[start:stop]):
+            ids = _as_strings(spec.ids[start:stop])
+            origins = provenance_by_id(inputs.raw, ids)
+            for sample_id in ids:
                 writer.write(_sample(images[sample_id], texts[sample_id]["caption"],
-                                     inputs.license))
+                                     inputs.license, origins.get(sample_id)))
             failpoint("mds.write_part")
     return json.loads(json.dumps(writer.shards))
 
@@ -83,11 +86,27 @@ def _rows_by_id(table: pa.Table) -> dict[str, dict]:
     return {row["id"]: row for row in table.to_pylist()}
 
 
-def _sample(row: dict, caption: str, license: str) -> dict:
+def provenance_by_id(raw: TableRef | None, ids: list[str]) -> dict[str, dict]:
+    """The provenance columns of `ids` in raw_images (one indexed `id IN` read of a few
+    dozen ids); {} without the table or for a table of an older schema."""
+    if raw is None or not ids:
+        return {}
+    table = raw.open()
+    columns = [c for c in PROVENANCE_COLUMNS if c in table.schema.names]
+    if not columns:
+        return {}
+    rows = table.to_table(columns=["id", *columns], filter=in_filter("id", ids))
+    return _rows_by_id(rows)
+
+
+def _sample(row: dict, caption: str, license: str, origin: dict | None = None) -> dict:
+    origin = origin or {}
     return {"image": bytes(row["image"]), "caption": caption, "id": row["id"],
             "source": row["source"], "width": int(row["width"]), "height": int(row["height"]),
             "original_width": int(row["original_width"]),
-            "original_height": int(row["original_height"]), "license": license}
+            "original_height": int(row["original_height"]),
+            "license": origin.get("license") or license,
+            **{c: origin.get(c) or "" for c in ("url", "license_url", "attribution")}}
 
 
 def write_parts(specs: list[PartSpec], inputs: SampleInputs, options: WriteOptions

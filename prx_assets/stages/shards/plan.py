@@ -39,8 +39,16 @@ MDS_COLUMNS = {
     "height": "int",
     "original_width": "int",
     "original_height": "int",
-    "license": "str",  # the source's `license` in sources.yaml (an addition to the contract)
+    # Provenance (additions to the contract; docs/rights.md): the sample's own license from
+    # raw_images, else the source's `license` in sources.yaml; its url, license URL and
+    # attribution ("" where the source has none).
+    "license": "str",
+    "url": "str",
+    "license_url": "str",
+    "attribution": "str",
 }
+# The provenance columns a sample takes from its raw_images row.
+PROVENANCE_COLUMNS = ("url", "license", "license_url", "attribution")
 # What a sample's fingerprint is made of: columns read without touching image bytes or
 # caption text. The image stage rewrites a changed image's row (new phash, pixels, shape);
 # the captions stage writes a new caption row (new created_at, n_words) when it re-captions.
@@ -66,15 +74,19 @@ class SampleInputs:
     # Ids left out, unique (e.g. a rewrite without skipped samples): an Arrow array, as a
     # rewrite may leave out tens of millions.
     exclude_ids: pa.Array = field(default_factory=lambda: pa.array([], pa.string()))
-    license: str = "unknown"  # the source's license, written into every sample
+    license: str = "unknown"  # the source's license: a sample's where it has none
+    # The source's raw_images (pinned), for each sample's provenance; None: the source's
+    # license and empty provenance (a tree rebuilt from tables without it).
+    raw: TableRef | None = None
 
     @property
     def leaves_out(self) -> bool:
         return len(self.exclude_ids) > 0
 
     def pinned(self) -> SampleInputs:
+        raw = self.raw.pinned() if self.raw is not None and self.raw.exists() else None
         return dataclasses.replace(self, bucketed=self.bucketed.pinned(),
-                                   captions=self.captions.pinned())
+                                   captions=self.captions.pinned(), raw=raw)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from prx_assets.stages.attributes.runs import active_attributes_filter
 from prx_assets.stages.labels.labels import active_labels_filter
 from prx_assets.stages.shards.card import (
@@ -14,6 +17,7 @@ from prx_assets.stages.shards.card import (
     CardFacts,
     build_card,
     concept_coverage,
+    provenance_counts,
     value_counts,
     write_card,
 )
@@ -83,7 +87,8 @@ def _pinned(storage: Storage, name: str, source: str):
 
 def subset_card(definition: SubsetDefinition, selection: Selection,
                 report: SubsetTreeReport, tree: Location, licenses: dict[str, str],
-                versions: ActiveVersions, inputs: dict, concepts) -> tuple[dict, str]:
+                versions: ActiveVersions, inputs: dict, concepts,
+                provenance: dict[str, dict[str, int]] | None = None) -> tuple[dict, str]:
     rows = selection.rows
     counts = value_counts(rows, ["label", "origin", *SHARE_ATTRIBUTES])
     facts = CardFacts(
@@ -99,8 +104,15 @@ def subset_card(definition: SubsetDefinition, selection: Selection,
         inputs=inputs,
         definition={"name": definition.name, "fingerprint": definition.fingerprint(),
                     "description": definition.description, "definition": definition.raw},
-        dropped={"candidates": selection.candidates, **selection.dropped})
+        dropped={"candidates": selection.candidates, **selection.dropped},
+        provenance=provenance or {})
     return build_card(facts)
+
+
+def _ids_by_source(rows: pa.Table) -> dict[str, pa.Array]:
+    """The selected ids of each source (the selection's `source` column)."""
+    ids, sources = rows.column("id").combine_chunks(), rows.column("source").combine_chunks()
+    return {s: ids.filter(pc.equal(sources, s)) for s in pc.unique(sources).to_pylist()}
 
 
 def build_subset(storage: Storage, definition: SubsetDefinition, sources: list[str],
@@ -123,7 +135,9 @@ def build_subset(storage: Storage, definition: SubsetDefinition, sources: list[s
     def card(staging: Location, report: SubsetTreeReport) -> None:
         write_card(staging, *subset_card(definition, selection, report,
                                          store.tree(report.tree_version), licenses, versions,
-                                         inputs, concepts))
+                                         inputs, concepts,
+                                         provenance_counts(storage,
+                                                           _ids_by_source(selection.rows))))
 
     report = build_subset_tree(store, selection.rows, {t.source: t.tree for t in tables},
                                licenses, manifest, write_card=card)

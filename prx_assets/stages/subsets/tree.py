@@ -41,7 +41,8 @@ from prx_assets.storage.trees import (
 )
 
 SUBSETS_DIR = "subsets"  # under the MDS root: mds/subsets/<name>
-SUBSET_COLUMNS = dict(MDS_COLUMNS)  # the design's sample with `license`
+SUBSET_COLUMNS = dict(MDS_COLUMNS)  # the design's sample with its provenance columns
+PROVENANCE_DEFAULTS = {"url": "", "license_url": "", "attribution": ""}
 
 
 def subset_store(mds_root: Location, name: str,
@@ -127,7 +128,10 @@ def write_leaf(rows: pa.Table, out: Path, source_trees: Mapping[str, Location],
                                                for e in read_index(leaf_dir)}
                 shards = {key: ShardSamples(leaf_dir, indexes[(source, leaf)][shard])}
             sample = shards[key].sample(int(index))
-            writer.write({**sample, "license": licenses.get(source, "unknown")})
+            # A source tree from before the provenance columns has none: empty, and the
+            # source's license.
+            writer.write({**PROVENANCE_DEFAULTS, **sample,
+                          "license": sample.get("license") or licenses.get(source, "unknown")})
 
 
 def build_subset_tree(store: TreeStore, rows: pa.Table, source_trees: Mapping[str, Location],

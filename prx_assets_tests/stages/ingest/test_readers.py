@@ -184,6 +184,37 @@ def test_urls_are_kept_when_the_source_carries_them(tmp_path: Path):
     assert row["url"] == "https://x.org/a.jpg" and set(row) == set(RAW_IMAGES_SCHEMA.names)
 
 
+def test_provenance_and_rights_fields_travel_from_sidecars_and_columns(tmp_path: Path):
+    """A WebDataset `.json` and Parquet columns with provenance, under default and mapped
+    names; the source's license is the fallback and `unknown` the last resort."""
+    img = jpeg_bytes(400, 400)
+    make_tar(tmp_path / "s.tar", [
+        ("a.jpg", img), ("a.json", json.dumps({
+            "license": "cc-by-sa-4.0", "license_url": "https://cc.org/by-sa/4.0/",
+            "author": "Ann", "X-Robots-Tag": "noai"}).encode()),
+        ("b.jpg", img), ("b.json", json.dumps({"credit": "Bob"}).encode()),
+        ("c.jpg", img)])
+    wds = spec("webdataset", license="cc0", provenance=(("attribution", "credit"),))
+    rows = [raw_row("web", item, source_license=wds.license)
+            for item in readers.read_tar(wds, tmp_path, "s.tar")]
+    assert [(r["license"], r["license_url"], r["attribution"]) for r in rows] == [
+        ("cc-by-sa-4.0", "https://cc.org/by-sa/4.0/", None),  # `credit` replaces the defaults
+        ("cc0", None, "Bob"), ("cc0", None, None)]
+    assert [(r["reservation"], r["reservation_signal"]) for r in rows] == [
+        ("prohibited", "x-robots-tag=noai"), ("none", None), ("none", None)]
+    pq.write_table(pa.table({"img": [img, img], "lic": ["cc-by-4.0", None],
+                             "author": ["Cy", None], "tdm_reservation": [None, 1]}),
+                   tmp_path / "p.parquet")
+    par = spec("parquet", image_column="img", provenance=(("license", "lic"),))
+    rows = [raw_row("par", item) for item in readers.read_parquet_file(par, tmp_path,
+                                                                       "p.parquet")]
+    assert [(r["license"], r["attribution"], r["reservation"]) for r in rows] == [
+        ("cc-by-4.0", "Cy", "none"), ("unknown", None, "prohibited")]
+    assert set(rows[0]) == set(RAW_IMAGES_SCHEMA.names)
+    unread = raw_row("web", next(readers.read_tar(wds, tmp_path, "s.tar")), read_rights=False)
+    assert unread["reservation"] == "none" and unread["license"] == "cc-by-sa-4.0"
+
+
 # ------------------------------------------------------------------ sources on s3://
 
 def test_object_store_sources_list_with_signatures_and_stream(s3_server, s3_root, tmp_path):

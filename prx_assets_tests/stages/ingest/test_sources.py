@@ -22,6 +22,14 @@ def test_loads_sources_in_order_with_defaults_and_relative_uris(tmp_path: Path):
     assert config.get("pq").image_is_path is True
 
 
+def test_a_provenance_mapping_names_the_sources_own_keys(tmp_path: Path):
+    path = write_sources(tmp_path / "s.yaml", [
+        "{name: pq, kind: parquet, uri: p, provenance: {license: LICENSE, attribution: by}}"])
+    names = load_sources(path).get("pq").provenance_names()
+    assert names["license"] == ("LICENSE",) and names["attribution"] == ("by",)
+    assert names["license_url"] == ("license_url",)  # the default where not named
+
+
 @pytest.mark.parametrize("entry, message", [
     ("{name: Bad-Name, kind: image_folder, uri: x}", "field 'name'"),
     ("{kind: image_folder, uri: x}", "field 'name'"),
@@ -32,6 +40,9 @@ def test_loads_sources_in_order_with_defaults_and_relative_uris(tmp_path: Path):
     ("{name: a, kind: image_folder, uri: x, image_column: img}", "field 'image_column'"),
     ("{name: a, kind: lance, uri: x}", "field 'key_column'"),
     ("{name: a, kind: parquet, uri: x, image_is_path: maybe}", "field 'image_is_path'"),
+    ("{name: a, kind: parquet, uri: x, provenance: {licence: l}}", "'licence' is not one"),
+    ("{name: a, kind: parquet, uri: x, provenance: [license]}", "field 'provenance'"),
+    ("{name: a, kind: image_folder, uri: x, provenance: {license: l}}", "field 'provenance'"),
 ])
 def test_invalid_entries_name_source_and_field(tmp_path: Path, entry: str, message: str):
     path = write_sources(tmp_path / "s.yaml", [entry])
