@@ -3,8 +3,9 @@ vector assigned to its leaf in a task per chunk (`streamed.route_chunk`), the le
 budgets water-filled on the driver from their sizes alone, and each bucket of leaves'
 balanced sample drawn and written by a task of its own.
 
-A leaf's sample is drawn by a generator seeded by (seed, leaf): the same draw whichever
-task or node holds the leaf.
+A bucket's leaves draw their samples, leaf by leaf, from one generator seeded by (seed,
+bucket): the same draw whichever task or node runs it. A space of one bucket draws from
+`seed` alone, as `concepts.balanced_selection` does (the same sample as the in-memory path).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def streamed_concepts(inputs: streamed.SpaceInputs, out: TableRef, level_counts:
     result = StreamedConcepts(rows, 0, level_sizes(leaf_sizes, tree.parents), budgets,
                               sample_rows=len(fit))
     fragments: list = []
-    reduce_calls = [(tasks.put(budgets), tree.parents, seed, first_ids, out,
+    seeds = [seed] if buckets == 1 else [[seed, b] for b in range(buckets)]
+    reduce_calls = [(tasks.put(budgets), tree.parents, seeds[b], first_ids, out,
                      *[r[b] for r in routed]) for b in range(buckets)]
     for bucket in tasks.map(concepts_bucket, reduce_calls):
         fragments.extend(pickle.loads(f) for f in bucket["fragments"])
@@ -75,17 +77,17 @@ def streamed_concepts(inputs: streamed.SpaceInputs, out: TableRef, level_counts:
     return result
 
 
-def concepts_bucket(budgets: np.ndarray, parents: list[np.ndarray], seed: int, first_ids: int,
-                    out: TableRef, *parts: streamed.Routed) -> dict:
+def concepts_bucket(budgets: np.ndarray, parents: list[np.ndarray], seed: int | list[int],
+                    first_ids: int, out: TableRef, *parts: streamed.Routed) -> dict:
     """One bucket of leaves (a task): each leaf's balanced sample, and a row per sample per
     level written as fragments of `out`."""
     routed = streamed.merge_routed(parts)
     keep = np.zeros(len(routed.rows), bool)
     firsts: dict[int, list[str]] = {}
+    rng = np.random.default_rng(seed)
     for leaf, positions in streamed.clusters_of(routed):
         budget = int(budgets[leaf])
         if budget:
-            rng = np.random.default_rng([seed, leaf])
             keep[rng.choice(positions, size=min(budget, positions.size), replace=False)] = True
         firsts[leaf] = routed.ids.take(pa.array(positions[:first_ids])).to_pylist()
     levels = [routed.cluster.astype(np.int64)]

@@ -73,7 +73,7 @@ def test_a_space_within_the_sample_gives_the_in_memory_groups(tmp_path):
     assert result.removed_by_eps == expected.removed_by_eps
     assert (result.clusters, result.largest_cluster) == (expected.clusters,
                                                          expected.largest_cluster)
-    assert result.sample_rows == 1200 and result.nodes == {"local"}
+    assert result.sample_rows == 1200 and len(result.nodes) == 1
     assert result.largest == sorted(result.largest, key=lambda g: -g["group_size"])
 
 
@@ -114,7 +114,7 @@ def test_streamed_concepts_match_the_in_memory_hierarchy_and_budgets(tmp_path):
     out = storage.table("concepts")
     target = len(vectors) // 3
     result = streamed_concepts(inputs, out, (12, 3), target, 0, Tasks(use_ray=False),
-                               chunk_rows=111, bucket_rows=400)
+                               chunk_rows=111, bucket_rows=len(vectors))
     tree = hierarchical_kmeans(vectors, (12, 3), 0)
     assert np.array_equal(result.sizes[0], tree.sizes(1))
     assert np.array_equal(result.budgets, leaf_budgets(tree, target))
@@ -124,11 +124,16 @@ def test_streamed_concepts_match_the_in_memory_hierarchy_and_budgets(tmp_path):
     rows = np.array([index[i] for i in leaves.column("id").to_pylist()])
     assert np.array_equal(leaves.column("cluster").to_numpy(), tree.leaves[rows])
     kept = leaves.column("balanced").to_numpy(zero_copy_only=False)
-    assert kept.sum() == balanced_selection(tree, target).sum()
+    # One bucket: the in-memory path's very sample.
+    assert np.array_equal(kept, balanced_selection(tree, target)[rows])
     kept_per_leaf = np.bincount(tree.leaves[rows][kept], minlength=12)
     assert np.array_equal(kept_per_leaf, result.budgets)
     top = table.filter(pa.compute.equal(table.column("level"), 2))
     assert top.num_rows == len(vectors)
+    several = streamed_concepts(inputs, out, (12, 3), target, 0, Tasks(use_ray=False),
+                                chunk_rows=111, bucket_rows=400)
+    balanced = out.open().to_table(filter="level = 1 AND balanced")
+    assert balanced.num_rows == several.budgets.sum() == result.budgets.sum()
     assert result.first_ids and all(len(v) <= 3 for v in result.first_ids.values())
 
 
