@@ -9,8 +9,9 @@ Per size N, on a fresh data root:
   a block dealt over the sources (so groups span sources);
 - random 64-bit pHashes, 10 % of them copies of another row's hash (the planted exact
   groups), written as the images stage's `phashes` rows;
-- each step run as its asset runs it (the duplicates Ray job written through
-  `write_dataset_atomically`; the streamed semantic steps with their Ray tasks), its
+- each step run as its asset runs it (duplicates: the Ray job written through
+  `write_dataset_atomically` on the first run, then updated from the changes,
+  `dedup.incremental`; the streamed semantic steps with their Ray tasks), its
   seconds, the driver's peak PSS and the Ray workers' (busy and idle workers' PSS, the
   object store apart) sampled from /proc;
 - recall and precision of the planted groups (pairs of rows sharing a group);
@@ -159,14 +160,19 @@ def predicted_groups(table: pa.Table, column: str, n: int) -> np.ndarray:
 
 
 def run_duplicates(root: Path) -> None:
+    """As the asset runs it: updated from the changes when it can, else the Ray job."""
     from prx_assets.stages.dedup.dedup import DUPLICATES_SCHEMA, duplicates_dataset, hash_inputs
+    from prx_assets.stages.dedup.incremental import incremental_duplicates, record_inputs
     from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
     from prx_assets.storage.layout import Storage
 
     storage = Storage(root)
     inputs, _ = hash_inputs(storage, list(SOURCES))
-    write_dataset_atomically(duplicates_dataset(inputs), storage.table("duplicates"),
-                             FragmentPolicy(), DUPLICATES_SCHEMA)
+    target = storage.table("duplicates")
+    if incremental_duplicates(inputs, target) is None:
+        write_dataset_atomically(duplicates_dataset(inputs), target, FragmentPolicy(),
+                                 DUPLICATES_SCHEMA)
+        record_inputs(target, inputs)
 
 
 def run_semantic_duplicates(root: Path) -> None:
