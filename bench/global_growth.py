@@ -176,7 +176,8 @@ def run_duplicates(root: Path) -> None:
 
 
 def run_semantic_duplicates(root: Path) -> None:
-    from prx_assets.stages.semantic.semdedup import SemDedupConfig, streamed_semantic_duplicates
+    from prx_assets.stages.semantic.semdedup import SemDedupConfig
+    from prx_assets.stages.semantic.semdedup_streamed import streamed_semantic_duplicates
     from prx_assets.stages.semantic.streamed import Tasks, space_inputs
     from prx_assets.storage.layout import Storage
 

@@ -35,6 +35,9 @@ from prx_assets.stages.semantic.semdedup import (
     DEFAULT_EPS,
     REPORT_EPS,
     SemDedupConfig,
+)
+from prx_assets.stages.semantic.semdedup_streamed import (
+    incremental_semantic_duplicates,
     streamed_semantic_duplicates,
 )
 from prx_assets.stages.semantic.spaces import streamed_concepts
@@ -53,6 +56,7 @@ from prx_assets.storage.tables import (
     CONCEPTS,
     IMAGE_EMBEDDINGS,
     PHASHES,
+    SEMANTIC_CLUSTERS,
     SEMANTIC_DUPLICATES,
 )
 
@@ -140,6 +144,11 @@ class SemanticDuplicatesConfig(dg.Config):
     sample_rows: int = DEFAULT_SAMPLE_ROWS
     ray_tasks: bool = True  # assignment and clusters in Ray tasks (False: in this process)
     seed: int = 0
+    # A run after a full one assigns the rows written since to the recorded centroids and
+    # regroups only their clusters; `refit` (or more than `max_changed_share` of the rows
+    # changed, other settings, an input compacted) fits and groups every row again.
+    refit: bool = False
+    max_changed_share: float = 0.1
     # In the caption space (no image encoder) two images with one caption look identical,
     # so its groups are reported only unless this is set: skip lists act on image spaces.
     apply_in_caption_space: bool = False
@@ -178,14 +187,21 @@ def build_semantic_duplicates() -> dg.AssetsDefinition:
                                   cluster_cap=config.cluster_cap, seed=config.seed)
         image_encoder: ImageEncoderResource = context.resources.image_encoder
         applied = bool(image_encoder.checkpoint) or config.apply_in_caption_space
-        result = streamed_semantic_duplicates(
-            inputs, store.table(SEMANTIC_DUPLICATES), settings, Tasks(config.ray_tasks),
-            applied, config.sample_rows)
+        out, clusters = store.table(SEMANTIC_DUPLICATES), store.table(SEMANTIC_CLUSTERS)
+        result = None if config.refit else incremental_semantic_duplicates(
+            inputs, out, clusters, settings, applied, config.sample_rows,
+            config.max_changed_share)
+        if result is None:
+            result = streamed_semantic_duplicates(
+                inputs, out, settings, Tasks(config.ray_tasks), applied, config.sample_rows,
+                clusters_out=clusters)
         removed = result.removed_by_eps[config.eps]
         return dg.MaterializeResult(metadata={
             **recorded, "lance_version": result.version, "embeddings": result.rows,
             "fit_sample": result.sample_rows, "ray_nodes": len(result.nodes),
-            "clusters": result.clusters, "largest_cluster": result.largest_cluster,
+            "run": result.run, "changed_rows": result.changed_rows,
+            "regrouped_rows": result.regrouped_rows, "clusters": result.clusters,
+            "largest_cluster": result.largest_cluster,
             "faiss_gpu": result.on_gpu, "eps": config.eps, "removed": removed,
             "applied_by_skip_lists": applied,
             "removed_share": round(removed / result.rows, 4) if result.rows else 0.0,

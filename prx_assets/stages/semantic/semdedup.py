@@ -19,7 +19,6 @@ pass: each block of similarities is thresholded once per `eps`.
 from __future__ import annotations
 
 import math
-import pickle
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -29,10 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.stages.dedup.dedup import group_candidates
-from prx_assets.stages.semantic import streamed
 from prx_assets.stages.semantic.kmeans import gpu_count, kmeans, normalise
-from prx_assets.storage.lance_tables import commit_fragments, overwrite_rows
-from prx_assets.storage.refs import TableRef
 
 if TYPE_CHECKING:
     import ray
@@ -86,7 +82,7 @@ def partition(vectors: np.ndarray, config: SemDedupConfig) -> list[np.ndarray]:
     """Row numbers per cluster (non-empty ones), every cluster at most `cluster_cap` rows
     unless k-means cannot split it further (then it is compared whole)."""
     first = kmeans(vectors, config.cluster_count(len(vectors)), config.seed, use_gpu=config.use_gpu)
-    return _split_large(vectors, _members(first.assignment), config, depth=0)
+    return split_large(vectors, _members(first.assignment), config, depth=0)
 
 
 def _members(assignment: np.ndarray) -> list[np.ndarray]:
@@ -95,7 +91,7 @@ def _members(assignment: np.ndarray) -> list[np.ndarray]:
     return [part for part in np.split(order, bounds) if part.size]
 
 
-def _split_large(vectors: np.ndarray, clusters: list[np.ndarray], config: SemDedupConfig,
+def split_large(vectors: np.ndarray, clusters: list[np.ndarray], config: SemDedupConfig,
                  depth: int) -> list[np.ndarray]:
     out: list[np.ndarray] = []
     for rows in clusters:
@@ -108,7 +104,7 @@ def _split_large(vectors: np.ndarray, clusters: list[np.ndarray], config: SemDed
         if len(split) == 1:  # identical vectors: nothing to split on
             out.append(rows)
         else:
-            out.extend(_split_large(vectors, split, config, depth + 1))
+            out.extend(split_large(vectors, split, config, depth + 1))
     return out
 
 
@@ -303,106 +299,3 @@ def largest_groups(duplicates: pa.Table, top: int = 10, ids_shown: int = 5) -> l
     return [{"group_size": len(by_group[g]), "kept_id": kept[g],
              "ids": ", ".join(sorted(by_group[g])[:ids_shown])} for g in order]
 
-
-# -- the streamed path: a fit on a sample, the clusters in Ray tasks (`streamed`) ---------
-
-@dataclass
-class StreamedSemDedup:
-    """What `streamed_semantic_duplicates` wrote and the figures of the asset's metadata."""
-
-    rows: int
-    version: int
-    clusters: int = 0
-    largest_cluster: int = 0
-    removed_by_eps: dict[float, int] = field(default_factory=dict)
-    largest: list[dict] = field(default_factory=list)  # `largest_groups` over every bucket
-    sample_rows: int = 0
-    on_gpu: bool = False
-    nodes: set[str] = field(default_factory=set)
-
-
-def streamed_semantic_duplicates(inputs: streamed.SpaceInputs, out: TableRef,
-                                 config: SemDedupConfig, tasks: streamed.Tasks,
-                                 applied: bool = True,
-                                 sample_rows: int = streamed.DEFAULT_SAMPLE_ROWS,
-                                 chunk_rows: int = streamed.DEFAULT_CHUNK_ROWS,
-                                 bucket_rows: int = streamed.DEFAULT_BUCKET_ROWS
-                                 ) -> StreamedSemDedup:
-    """The `semantic_duplicates` table of every source's vectors, written to `out` as one
-    version, without the vectors ever in this process: k-means fitted on a sample of at
-    most `sample_rows`, every vector assigned in a task per chunk, each bucket of clusters
-    grouped (`cluster_groups`) and its kept copies chosen in a task of its own. On a space
-    no larger than the sample, the table is `semantic_duplicates`'s."""
-    rows = inputs.rows
-    eps_values = config.all_eps()
-    read_version = out.latest_version()
-    if rows == 0:
-        version = overwrite_rows(out, SEMANTIC_DUPLICATES_SCHEMA.empty_table(),
-                                 SEMANTIC_DUPLICATES_SCHEMA)
-        return StreamedSemDedup(0, version, removed_by_eps=dict.fromkeys(eps_values, 0))
-    fit = streamed.sample(inputs, tasks, sample_rows, config.seed, chunk_rows)
-    centroids = kmeans(fit, config.cluster_count(rows), config.seed,
-                       use_gpu=config.use_gpu).centroids
-    buckets = streamed.bucket_count(rows, bucket_rows)
-    calls = [(c, inputs.encoder, tasks.put(centroids), buckets, True)
-             for c in streamed.chunks(inputs, chunk_rows)]
-    _, routed = tasks.scatter(streamed.route_chunk, calls, buckets)
-    phashes = inputs.phashes_by_rank()
-    result = StreamedSemDedup(rows, 0, removed_by_eps=dict.fromkeys(eps_values, 0),
-                              sample_rows=len(fit),
-                              on_gpu=gpu_count() > 0 if config.use_gpu is None else config.use_gpu)
-    fragments: list = []
-    reduce_calls = [(config, applied, phashes, out, *[r[b] for r in routed])
-                    for b in range(buckets)]
-    for bucket in tasks.map(semdedup_bucket, reduce_calls):
-        fragments.extend(pickle.loads(f) for f in bucket["fragments"])
-        result.clusters += bucket["clusters"]
-        result.largest_cluster = max(result.largest_cluster, bucket["largest_cluster"])
-        for eps, n in bucket["removed"].items():
-            result.removed_by_eps[eps] += n
-        result.largest = sorted([*result.largest, *bucket["largest"]],
-                                key=lambda g: (-g["group_size"], g["kept_id"]))[:10]
-        tasks.nodes.add(bucket["node"])
-    result.version = commit_fragments(out, fragments, SEMANTIC_DUPLICATES_SCHEMA, read_version)
-    result.nodes = set(tasks.nodes)
-    return result
-
-
-def semdedup_bucket(config: SemDedupConfig, applied: bool, phashes: dict[int, TableRef],
-                    out: TableRef, *parts: streamed.Routed) -> dict:
-    """One bucket of clusters (a task): its groups at every eps, its kept copies (pixels
-    looked up for the members only), written as fragments of `out`."""
-    routed = streamed.merge_routed(parts)
-    eps_values = config.all_eps()
-    acting = eps_values.index(config.eps)
-    n = len(routed.rows)
-    group = np.arange(n, dtype=np.int64)
-    cluster_of = np.zeros(n, np.int32)
-    removed = dict.fromkeys(eps_values, 0)
-    clusters = largest = 0
-    vectors = routed.vectors if routed.vectors is not None else np.zeros((0, 1), np.float32)
-    for cluster, positions in streamed.clusters_of(routed):
-        for rows in _split_large(vectors, [positions], config, depth=0):
-            labels = cluster_groups(vectors[rows], eps_values, config.block_rows)
-            for eps, level in zip(eps_values, labels, strict=True):
-                removed[eps] += int(rows.size - np.unique(level).size)
-            group[rows] = rows[labels[acting]]
-            cluster_of[rows] = cluster
-            clusters += 1
-            largest = max(largest, int(rows.size))
-    sizes = np.bincount(group, minlength=n)
-    members = np.flatnonzero(sizes[group] > 1)
-    pixels = np.zeros(n, np.int64)
-    pixels[members] = streamed.pixels_of(routed.ids.take(pa.array(members)),
-                                         routed.rank[members], phashes)
-    table = kept_copies(routed.ids, group, pixels, routed.rank, cluster_of, vectors)
-    # Group numbers in the space's rows (the bucket's positions are in row order).
-    local = table.column("group").to_numpy()
-    table = table.set_column(table.schema.get_field_index("group"),
-                             SEMANTIC_DUPLICATES_SCHEMA.field("group"),
-                             pa.array(routed.rows[local], pa.int64()))
-    if not applied:
-        table = reported_only(table)
-    return {"fragments": streamed.write_rows(out, table, SEMANTIC_DUPLICATES_SCHEMA),
-            "clusters": clusters, "largest_cluster": largest, "removed": removed,
-            "largest": largest_groups(table), "node": streamed.node_id()}

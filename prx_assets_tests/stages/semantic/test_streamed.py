@@ -14,13 +14,26 @@ from prx_assets.stages.semantic.concepts import (
     leaf_budgets,
 )
 from prx_assets.stages.semantic.embeddings import write_embeddings
+from prx_assets.stages.semantic.kmeans import assign, normalise
 from prx_assets.stages.semantic.semdedup import (
     SemDedupConfig,
+    cluster_groups,
+    kept_copies,
     semantic_duplicates,
+)
+from prx_assets.stages.semantic.semdedup_streamed import (
+    fit_tag,
+    incremental_semantic_duplicates,
+    read_fit,
     streamed_semantic_duplicates,
 )
 from prx_assets.stages.semantic.spaces import streamed_concepts
-from prx_assets.stages.semantic.streamed import Tasks, sample, space_inputs
+from prx_assets.stages.semantic.streamed import (
+    DEFAULT_SAMPLE_ROWS,
+    Tasks,
+    sample,
+    space_inputs,
+)
 from prx_assets.stages.semantic.synthetic import long_tailed_mixture, pairs_of, planted_duplicates
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
@@ -155,3 +168,70 @@ def test_an_empty_space_writes_empty_tables(tmp_path, rows):
     concepts = streamed_concepts(inputs, storage.table("concepts"), (4,), 0, 0,
                                  Tasks(use_ray=False))
     assert concepts.rows == 0 and storage.table("concepts").open().count_rows() == 0
+
+
+def groups_at_fit(ids: pa.Array, vectors: np.ndarray, pixels: np.ndarray, rank: np.ndarray,
+                  centroids: np.ndarray, config: SemDedupConfig) -> dict:
+    """A full recompute at a given fit, in this process: {id: (kept id, size, cluster)}."""
+    vectors = normalise(vectors)
+    cluster = assign(vectors, centroids).astype(np.int32)
+    group = np.arange(len(vectors))
+    for c in np.unique(cluster):
+        rows = np.flatnonzero(cluster == c)
+        group[rows] = rows[cluster_groups(vectors[rows], [config.eps])[0]]
+    table = kept_copies(ids, group, pixels, rank, cluster, vectors)
+    return {r["id"]: (r["kept_id"], r["group_size"], r["cluster"]) for r in table.to_pylist()}
+
+
+def test_an_update_at_a_fixed_fit_equals_a_full_recompute_at_that_fit(tmp_path):
+    data = planted_duplicates(1000, dim=16, topics=10, seed=6)
+    storage = write_space(tmp_path, data.vectors, data.pixels)
+    config = SemDedupConfig(cluster_rows=50, cluster_cap=10_000)
+    out, clusters = storage.table("semantic_duplicates"), storage.table("semantic_clusters")
+    inputs = space_inputs(storage, list(SOURCES), ENCODER)
+    assert incremental_semantic_duplicates(inputs, out, clusters, config) is None  # no fit
+    streamed_semantic_duplicates(inputs, out, config, Tasks(use_ray=False), chunk_rows=200,
+                                 bucket_rows=400, clusters_out=clusters)
+    centroids = read_fit(clusters, fit_tag(inputs, config, True, DEFAULT_SAMPLE_ROWS))[0]
+
+    # stock gains near copies of three rows and two new rows alike; web loses two rows in
+    # groups of clusters no new row joins (only a deletion touches those).
+    rng = np.random.default_rng(1)
+    originals = rng.choice(1000, size=3, replace=False)
+    copies = normalise(data.vectors[originals] + rng.normal(size=(3, 16)) * 0.01)
+    pair = normalise(np.repeat(rng.normal(size=(1, 16)), 2, axis=0)
+                     + rng.normal(size=(2, 16)) * 0.005)
+    new = np.concatenate([copies, pair])
+    new_ids = [f"stock:{2000 + i:06d}" for i in range(len(new))]
+    write_embeddings(storage.table("image_embeddings", "stock"),
+                     [pa.table({"id": new_ids, "embedding": new.tolist()})], ENCODER, [])
+    new_pixels = np.full(len(new), 5 * 65_536, np.int64)
+    hashes = pa.table({"id": new_ids, "pixels": pa.array(new_pixels)})
+    storage.table("phashes", "stock").open().insert(hashes)
+    joined = set(assign(new, centroids).tolist())
+    grouped = [r["id"] for r in out.open().to_table().to_pylist()
+               if r["id"].startswith("web") and r["cluster"] not in joined]
+    web = storage.table("image_embeddings", "web").open()
+    web.delete(f"id IN ('{grouped[0]}', '{grouped[1]}')")
+
+    inputs = space_inputs(storage, list(SOURCES), ENCODER)
+    result = incremental_semantic_duplicates(inputs, out, clusters, config)
+    assert result is not None and result.run == "update" and result.changed_rows == 7
+    assert 0 < result.regrouped_rows < inputs.rows / 2
+    ids = space_ids(1000).to_pylist()
+    alive = [n for n, i in enumerate(ids) if i not in grouped[:2]]
+    expected = groups_at_fit(
+        pa.array([ids[n] for n in alive] + new_ids),
+        np.concatenate([data.vectors[alive], new]),
+        np.concatenate([data.pixels[alive], new_pixels]),
+        np.r_[np.where(np.array(alive) < 500, 0, 1), np.ones(len(new))].astype(np.int32),
+        centroids, config)
+    got = {r["id"]: (r["kept_id"], r["group_size"], r["cluster"])
+           for r in out.open().to_table().to_pylist()}
+    assert got == expected
+    assert set(new_ids) <= set(got)
+    # Nothing changed since: nothing regrouped.
+    again = incremental_semantic_duplicates(space_inputs(storage, list(SOURCES), ENCODER),
+                                            out, clusters, config)
+    assert again is not None and again.regrouped_rows == 0
+    assert again.removed_by_eps[config.eps] == sum(1 for i, (k, _, _) in got.items() if i != k)
