@@ -11,7 +11,8 @@ Per size N, on a fresh data root:
   groups), written as the images stage's `phashes` rows;
 - each step run as its asset runs it (duplicates: the Ray job written through
   `write_dataset_atomically` on the first run, then updated from the changes,
-  `dedup.incremental`; the streamed semantic steps with their Ray tasks), its
+  `dedup.incremental`; semantic_duplicates likewise, updated at its recorded fit after
+  the first run, `semdedup_streamed`; concepts streamed, refitted every run), its
   seconds, the driver's peak PSS and the Ray workers' (busy and idle workers' PSS, the
   object store apart) sampled from /proc;
 - recall and precision of the planted groups (pairs of rows sharing a group);
@@ -176,15 +177,23 @@ def run_duplicates(root: Path) -> None:
 
 
 def run_semantic_duplicates(root: Path) -> None:
+    """As the asset runs it: updated at the recorded fit when it can, else a full run."""
     from prx_assets.stages.semantic.semdedup import SemDedupConfig
-    from prx_assets.stages.semantic.semdedup_streamed import streamed_semantic_duplicates
+    from prx_assets.stages.semantic.semdedup_streamed import (
+        incremental_semantic_duplicates,
+        streamed_semantic_duplicates,
+    )
     from prx_assets.stages.semantic.streamed import Tasks, space_inputs
     from prx_assets.storage.layout import Storage
 
     storage = Storage(root)
     inputs = space_inputs(storage, list(SOURCES), ENCODER)
-    streamed_semantic_duplicates(inputs, storage.table("semantic_duplicates"), SemDedupConfig(),
-                                 Tasks(use_ray=True), sample_rows=SAMPLE_ROWS)
+    out, clusters = storage.table("semantic_duplicates"), storage.table("semantic_clusters")
+    config = SemDedupConfig()
+    if incremental_semantic_duplicates(inputs, out, clusters, config,
+                                       sample_rows=SAMPLE_ROWS) is None:
+        streamed_semantic_duplicates(inputs, out, config, Tasks(use_ray=True),
+                                     sample_rows=SAMPLE_ROWS, clusters_out=clusters)
 
 
 def run_concepts(root: Path) -> None:
