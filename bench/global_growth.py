@@ -98,7 +98,7 @@ def write_rows(root: Path, start: int, n: int, seed: int) -> np.ndarray:
     from prx_assets.storage.lance_tables import append_rows
     from prx_assets.storage.layout import Storage
 
-    storage = Storage(root)
+    storage = Storage(str(root))
     groups = []
     for block, first in enumerate(range(start, start + n, BLOCK_ROWS)):
         size = min(BLOCK_ROWS, start + n - first)
@@ -167,7 +167,7 @@ def run_duplicates(root: Path) -> None:
     from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
     from prx_assets.storage.layout import Storage
 
-    storage = Storage(root)
+    storage = Storage(str(root))
     inputs, _ = hash_inputs(storage, list(SOURCES))
     target = storage.table("duplicates")
     if incremental_duplicates(inputs, target) is None:
@@ -186,7 +186,7 @@ def run_semantic_duplicates(root: Path) -> None:
     from prx_assets.stages.semantic.streamed import Tasks, space_inputs
     from prx_assets.storage.layout import Storage
 
-    storage = Storage(root)
+    storage = Storage(str(root))
     inputs = space_inputs(storage, list(SOURCES), ENCODER)
     out, clusters = storage.table("semantic_duplicates"), storage.table("semantic_clusters")
     config = SemDedupConfig()
@@ -202,7 +202,7 @@ def run_concepts(root: Path) -> None:
     from prx_assets.stages.semantic.streamed import Tasks, space_inputs
     from prx_assets.storage.layout import Storage
 
-    storage = Storage(root)
+    storage = Storage(str(root))
     inputs = space_inputs(storage, list(SOURCES), ENCODER)
     streamed_concepts(inputs, storage.table("concepts"), effective_sizes(DEFAULT_SIZES,
                                                                          inputs.rows),
@@ -228,7 +228,7 @@ def timed_step(name: str, root: Path) -> StepRun:
 def score(run: SizeRun, root: Path, semantic_truth: np.ndarray) -> None:
     from prx_assets.storage.layout import Storage
 
-    storage = Storage(root)
+    storage = Storage(str(root))
     n = run.rows
     dups = storage.table("duplicates").open().to_table(columns=["id", "phash"])
     # The planted exact groups are the rows of equal hashes, read back from phashes.

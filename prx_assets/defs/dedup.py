@@ -78,11 +78,12 @@ def build_duplicates() -> dg.AssetsDefinition:
             context.log.info(f"{update.changed_rows:,} hashed rows changed: the groups of "
                              f"{update.hashes:,} hashes rewritten ({update.rows_rewritten:,} rows)")
             written = target.at(update.version)
-            # Written already: the IO manager writes nothing for None.
-            return dg.Output(None, metadata={
+            metadata: dict[str, Any] = {
                 **table_metadata(written, describe_write(written.open())), **recorded,
                 "run": "incremental", "hashes_rechecked": update.hashes,
-                "changed_rows": update.changed_rows, **_summary_metadata(written, totals)})
+                "changed_rows": update.changed_rows, **_summary_metadata(written, totals)}
+            # Written already: the IO manager writes nothing for None.
+            return dg.Output(None, metadata=metadata)
         context.log.info(f"grouping {sum(totals.values()):,} hashes from {len(inputs)} source(s)")
 
         def after_write(table: TableRef) -> dict:

@@ -37,7 +37,7 @@ from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import IMAGE_EMBEDDINGS, PHASHES
 
-DEFAULT_SAMPLE_ROWS = 1_000_000  # the fit's input: 10^6 768-d vectors are 3 GB
+DEFAULT_SAMPLE_ROWS = 1 << 20  # the fit's input: 2^20 768-d vectors are 3 GB
 DEFAULT_CHUNK_ROWS = 1 << 18  # rows one assignment task reads
 DEFAULT_BUCKET_ROWS = 1 << 18  # rows one per-cluster task receives, on average
 MAX_IN_FLIGHT = 8  # reduce tasks submitted ahead of the results read
@@ -129,6 +129,8 @@ def read_chunk(chunk: Chunk, encoder: str, vectors: bool = True
                ) -> tuple[pa.Array, np.ndarray | None]:
     """(ids, unit vectors or None) of a chunk's rows, in row order."""
     fragment = chunk.part.table.open().get_fragment(chunk.fragment)
+    if fragment is None:  # the table is pinned: its fragments stay
+        raise FileNotFoundError(f"{chunk.part.table}: no fragment {chunk.fragment}")
     columns = ["id", "embedding"] if vectors else ["id"]
     table = fragment.to_table(columns=columns, filter=eq_filter("encoder", encoder),
                               offset=chunk.start, limit=chunk.rows)
@@ -208,7 +210,7 @@ def merge_routed(parts: Sequence[Routed]) -> Routed:
     order = np.argsort(rows, kind="stable")
     ids = pa.concat_arrays([p.ids for p in parts]).take(pa.array(order))
     first = parts[0].vectors
-    vectors = (np.concatenate([p.vectors for p in parts])[order]  # type: ignore[misc]
+    vectors = (np.concatenate([p.vectors for p in parts if p.vectors is not None])[order]
                if first is not None else None)
     return Routed(rows[order], ids, np.concatenate([p.rank for p in parts])[order],
                   np.concatenate([p.cluster for p in parts])[order], vectors)
