@@ -8,7 +8,7 @@ Per size N, on a fresh data root:
   groups), written through the embeddings stage's writer (`write_embeddings`), the rows of
   a block dealt over the sources (so groups span sources);
 - random 64-bit pHashes, 10 % of them copies of another row's hash (the planted exact
-  groups), written as the images stage's `phashes` rows;
+  groups), written as the images stage's `phashes` rows, with its key index on `id`;
 - each step run as its asset runs it (duplicates: the Ray job written through
   `write_dataset_atomically` on the first run, then updated from the changes,
   `dedup.incremental`; semantic_duplicates likewise, updated at its recorded fit after
@@ -95,6 +95,7 @@ def write_rows(root: Path, start: int, n: int, seed: int) -> np.ndarray:
     from prx_assets.stages.images.stage import PHASH_SCHEMA
     from prx_assets.stages.semantic.embeddings import write_embeddings
     from prx_assets.stages.semantic.synthetic import planted_duplicates
+    from prx_assets.storage.key_index import KeyIndexPolicy, refresh_key_index
     from prx_assets.storage.lance_tables import append_rows
     from prx_assets.storage.layout import Storage
 
@@ -115,6 +116,8 @@ def write_rows(root: Path, start: int, n: int, seed: int) -> np.ndarray:
                     pa.array(data.vectors[mine].ravel()), DIM)})], ENCODER, [])
             append_rows(storage.table("phashes", source), phash_rows(
                 ids, hashes[mine], data.pixels[mine], PHASH_SCHEMA), PHASH_SCHEMA)
+    for source in SOURCES:  # as the image stage keeps it: lookups by id go through it
+        refresh_key_index(storage.table("phashes", source), "id", KeyIndexPolicy())
     return np.concatenate(groups)
 
 
