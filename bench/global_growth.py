@@ -59,6 +59,15 @@ class StepPeak(BackgroundSampler):
     def __init__(self, interval: float = 0.2):
         super().__init__(interval)
         self.driver_kb = self.workers_kb = 0
+        self.cpu_start = self.cpu_s = 0.0
+
+    def __enter__(self):
+        self.cpu_start = sample_tree(os.getpid()).cpu_s
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self.cpu_s = sample_tree(os.getpid()).cpu_s - self.cpu_start
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -72,11 +81,13 @@ class StepPeak(BackgroundSampler):
 @dataclass
 class StepRun:
     seconds: float = 0.0
+    cpu_s: float = 0.0  # the process tree's CPU seconds (fairer than wall on a shared box)
     driver_kb: int = 0
     workers_kb: int = 0
     recall: float | None = None
     precision: float | None = None
     rerun_s: float = 0.0
+    rerun_cpu_s: float = 0.0
 
 
 @dataclass
@@ -225,7 +236,7 @@ def timed_step(name: str, root: Path) -> StepRun:
         started = time.perf_counter()
         RUNNERS[name](root)
         seconds = time.perf_counter() - started
-    return StepRun(seconds, peak.driver_kb, peak.workers_kb)
+    return StepRun(seconds, peak.cpu_s, peak.driver_kb, peak.workers_kb)
 
 
 def score(run: SizeRun, root: Path, semantic_truth: np.ndarray) -> None:
@@ -261,12 +272,15 @@ def measure(rows: int, work: Path) -> SizeRun:
     run = SizeRun(rows)
     for name in STEPS:
         run.steps[name] = timed_step(name, root)
-        print(f"  {rows:,} rows: {name} {run.steps[name].seconds:.1f} s", flush=True)
+        print(f"  {rows:,} rows: {name} {run.steps[name].seconds:.1f} s, "
+              f"{run.steps[name].cpu_s:.1f} cpu s", flush=True)
     score(run, root, truth)
     extra = max(len(SOURCES), rows // 1000)
     write_rows(root, rows, extra, seed=2)  # 0.1 % more, dealt over the sources
     for name in STEPS:
-        run.steps[name].rerun_s = timed_step(name, root).seconds
+        rerun = timed_step(name, root)
+        run.steps[name].rerun_s, run.steps[name].rerun_cpu_s = rerun.seconds, rerun.cpu_s
+        print(f"  {rows:,} rows +0.1 %: {name} {rerun.seconds:.1f} s", flush=True)
     shutil.rmtree(root, ignore_errors=True)
     return run
 
@@ -281,12 +295,16 @@ def figures(runs: list[SizeRun]) -> list[Figure]:
             label = name.replace("semantic_duplicates", "semdedup")
             out.append(Figure("global", f"{label} s/row ×, {at}", step.seconds / run.rows,
                               f"s/row at {base.rows:,}", first.seconds / base.rows, "s/row"))
+            out.append(Figure("global", f"{label} cpu s/row ×, {at}", step.cpu_s / run.rows,
+                              f"at {base.rows:,}", first.cpu_s / base.rows, "s/row"))
             out.append(Figure("global", f"{label} driver MB, {at}", step.driver_kb / 1024,
                               f"at {base.rows:,}", first.driver_kb / 1024, "MB"))
             out.append(Figure("global", f"{label} workers MB, {at}", step.workers_kb / 1024,
                               f"at {base.rows:,}", first.workers_kb / 1024, "MB"))
             out.append(Figure("global", f"{label} +0.1 % rerun, {at}", step.rerun_s,
                               "full run", step.seconds, "s"))
+            out.append(Figure("global", f"{label} +0.1 % cpu, {at}", step.rerun_cpu_s,
+                              "full run", step.cpu_s, "cpu s"))
             if step.recall is not None and step.precision is not None:
                 out.append(Figure("global", f"{label} recall, {at}", 100 * step.recall,
                                   "target", 95.0, "%"))
