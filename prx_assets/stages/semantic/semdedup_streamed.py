@@ -41,7 +41,9 @@ from prx_assets.stages.semantic.semdedup import (
     kept_copies,
     largest_groups,
     reported_only,
+    roots,
     split_large,
+    union,
 )
 from prx_assets.storage.changes import (
     consumed_at,
@@ -180,10 +182,43 @@ def routed_rows(routed: streamed.Routed) -> pa.Table:
                      "embedding": vector_column(routed.vectors)})
 
 
+@dataclass(frozen=True)
+class Grown:
+    """Clusters an update only added rows to: their old rows' groups (`old_group`, a group
+    number per row of the bucket, -1 for none) stand, only pairs with a new row are new."""
+
+    clusters: frozenset[int]
+    new: np.ndarray  # bool per row of the bucket
+    old_group: np.ndarray  # int64 per row of the bucket
+
+
+def grow_groups(vectors: np.ndarray, positions: np.ndarray, grown: Grown, eps: float
+                ) -> np.ndarray:
+    """Group labels (each row's group = its smallest position in `positions`) of one
+    cluster that only gained rows: the old groups joined, then every pair with a new row
+    above cosine 1 - eps (a block of new rows x the cluster: O(new x cluster))."""
+    n = positions.size
+    parent = np.arange(n, dtype=np.int64)
+    old = grown.old_group[positions]
+    member = np.flatnonzero(old >= 0)
+    if member.size:
+        _, first, inverse = np.unique(old[member], return_index=True, return_inverse=True)
+        parent = union(parent, member, member[first[inverse]])
+    fresh = np.flatnonzero(grown.new[positions])
+    if fresh.size:
+        similarity = vectors[positions[fresh]] @ vectors[positions].T
+        i, j = np.nonzero(similarity > 1.0 - eps)
+        other = fresh[i] != j
+        parent = union(parent, fresh[i][other], j[other])
+    return roots(parent)
+
+
 def group_bucket(routed: streamed.Routed, config: SemDedupConfig, applied: bool,
-                 phashes: dict[int, TableRef]) -> tuple[pa.Table, dict]:
+                 phashes: dict[int, TableRef], grown: Grown | None = None
+                 ) -> tuple[pa.Table, dict]:
     """The groups of every cluster of `routed` (rows in row order) at every eps and their
-    kept copies (pixels looked up for the members only): the duplicates rows and stats."""
+    kept copies (pixels looked up for the members only): the duplicates rows and stats.
+    Clusters of `grown` are grown from their old groups at the acting eps only."""
     eps_values = config.all_eps()
     acting = eps_values.index(config.eps)
     n = len(routed.rows)
@@ -193,6 +228,14 @@ def group_bucket(routed: streamed.Routed, config: SemDedupConfig, applied: bool,
     clusters = largest = 0
     vectors = routed.vectors if routed.vectors is not None else np.zeros((0, 1), np.float32)
     for cluster, positions in streamed.clusters_of(routed):
+        if grown is not None and cluster in grown.clusters and positions.size <= (
+                config.cluster_cap):
+            labels = grow_groups(vectors, positions, grown, config.eps)
+            group[positions] = positions[labels]
+            cluster_of[positions] = cluster
+            clusters += 1
+            largest = max(largest, int(positions.size))
+            continue
         for rows in split_large(vectors, [positions], config, depth=0):
             labels = cluster_groups(vectors[rows], eps_values, config.block_rows)
             for eps, level in zip(eps_values, labels, strict=True):
@@ -322,7 +365,9 @@ def incremental_semantic_duplicates(
         "embedding": vector_column(vectors)}, schema=clusters_schema(centroids.shape[1]))
     both = pa.concat_tables([kept_rows.cast(new_rows.schema), new_rows])
     both = both.take(pc.sort_indices(both, [("row", "ascending")]))
-    table, stats = group_bucket(_as_routed(both), config, applied, inputs.phashes_by_rank())
+    grown = _grown(out, both, listed, touched, old, next_row)
+    table, stats = group_bucket(_as_routed(both), config, applied, inputs.phashes_by_rank(),
+                                grown)
     add_stats(result, stats)
     result.regrouped_rows = both.num_rows
     merge = (out.open().merge_insert("id").when_matched_update_all()
@@ -336,6 +381,17 @@ def incremental_semantic_duplicates(
     result.version = out.open().version
     result.removed_by_eps = {config.eps: _removed(out)}
     return result
+
+
+def _grown(out: TableRef, rows: pa.Table, listed: str, touched: np.ndarray,
+           gone: pa.Table | None, next_row: int) -> Grown:
+    """The touched clusters no row left (only added to), with their rows' old groups."""
+    left = set(gone.column("cluster").to_pylist()) if gone is not None else set()
+    groups = out.open().to_table(columns=["id", "group"], filter=listed)
+    old_group = pc.fill_null(pc.take(groups.column("group"), pc.index_in(
+        rows.column("id"), value_set=groups.column("id"))), -1).to_numpy()
+    return Grown(frozenset(int(c) for c in touched) - left,
+                 rows.column("row").to_numpy() >= next_row, np.asarray(old_group, np.int64))
 
 
 def _as_routed(rows: pa.Table) -> streamed.Routed:
