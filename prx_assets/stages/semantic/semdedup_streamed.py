@@ -231,7 +231,9 @@ def group_bucket(routed: streamed.Routed, config: SemDedupConfig, applied: bool,
         if grown is not None and cluster in grown.clusters and positions.size <= (
                 config.cluster_cap):
             labels = grow_groups(vectors, positions, grown, config.eps)
-            group[positions] = positions[labels]
+            # Only the groups a new row joined changed: the others' rows stand as written.
+            changed = np.isin(labels, labels[grown.new[positions]])
+            group[positions] = np.where(changed, positions[labels], positions)
             cluster_of[positions] = cluster
             clusters += 1
             largest = max(largest, int(positions.size))
@@ -370,8 +372,13 @@ def incremental_semantic_duplicates(
                                 grown)
     add_stats(result, stats)
     result.regrouped_rows = both.num_rows
-    merge = (out.open().merge_insert("id").when_matched_update_all()
-             .when_not_matched_insert_all().when_not_matched_by_source_delete(listed))
+    # Rows of regrouped clusters are replaced; a grown cluster's groups only grow or merge,
+    # so its changed groups' rows are all among the new ones (matched by id).
+    regrouped = sorted(set(touched.tolist()) - grown.clusters)
+    merge = out.open().merge_insert("id").when_matched_update_all().when_not_matched_insert_all()
+    if regrouped:
+        merge = merge.when_not_matched_by_source_delete(
+            f"cluster IN ({', '.join(str(int(c)) for c in regrouped)})")
     merge.execute(table.cast(SEMANTIC_DUPLICATES_SCHEMA))
     merge = (clusters.open().merge_insert("id").when_matched_update_all()
              .when_not_matched_insert_all().when_not_matched_by_source_delete(
