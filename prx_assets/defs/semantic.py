@@ -43,6 +43,7 @@ from prx_assets.stages.semantic.semdedup_streamed import (
 from prx_assets.stages.semantic.spaces import streamed_concepts
 from prx_assets.stages.semantic.streamed import (
     DEFAULT_SAMPLE_ROWS,
+    IN_PROCESS_ROWS,
     SpaceInputs,
     Tasks,
     space_inputs,
@@ -143,6 +144,8 @@ class SemanticDuplicatesConfig(dg.Config):
     # of a smaller space); every vector is then assigned in Ray tasks.
     sample_rows: int = DEFAULT_SAMPLE_ROWS
     ray_tasks: bool = True  # assignment and clusters in Ray tasks (False: in this process)
+    # A space this small runs in this process: Ray's per-task start costs more than it.
+    in_process_rows: int = IN_PROCESS_ROWS
     seed: int = 0
     # A run after a full one assigns the rows written since to the recorded centroids and
     # regroups only their clusters; `refit` (or more than `max_changed_share` of the rows
@@ -193,8 +196,9 @@ def build_semantic_duplicates() -> dg.AssetsDefinition:
             config.max_changed_share)
         if result is None:
             result = streamed_semantic_duplicates(
-                inputs, out, settings, Tasks(config.ray_tasks), applied, config.sample_rows,
-                clusters_out=clusters)
+                inputs, out, settings,
+                Tasks(config.ray_tasks and inputs.rows > config.in_process_rows), applied,
+                config.sample_rows, clusters_out=clusters)
         removed = result.removed_by_eps[config.eps]
         return dg.MaterializeResult(metadata={
             **recorded, "lance_version": result.version, "embeddings": result.rows,
@@ -239,6 +243,7 @@ class ConceptsConfig(dg.Config):
     # The hierarchy is fitted on a seeded sample of at most this many vectors.
     sample_rows: int = DEFAULT_SAMPLE_ROWS
     ray_tasks: bool = True  # assignment and sampling in Ray tasks (False: in this process)
+    in_process_rows: int = IN_PROCESS_ROWS  # as SemanticDuplicatesConfig's
     seed: int = 0
     top_clusters: int = 5
     captions_per_cluster: int = 3
@@ -261,7 +266,8 @@ def build_concepts() -> dg.AssetsDefinition:
         sizes = effective_sizes(config.level_sizes, max(rows, 1), config.min_rows_per_leaf)
         result = streamed_concepts(inputs, store.table(CONCEPTS), sizes,
                                    round(config.target_share * rows), config.seed,
-                                   Tasks(config.ray_tasks), config.captions_per_cluster,
+                                   Tasks(config.ray_tasks and rows > config.in_process_rows),
+                                   config.captions_per_cluster,
                                    config.sample_rows)
         if rows == 0:
             return dg.MaterializeResult(metadata={**recorded, "lance_version": result.version,

@@ -40,6 +40,7 @@ from prx_assets.storage.tables import IMAGE_EMBEDDINGS, PHASHES
 DEFAULT_SAMPLE_ROWS = 1 << 20  # the fit's input: 2^20 768-d vectors are 3 GB
 DEFAULT_CHUNK_ROWS = 1 << 18  # rows one assignment task reads
 DEFAULT_BUCKET_ROWS = 1 << 18  # rows one per-cluster task receives, on average
+IN_PROCESS_ROWS = 20_000  # a smaller space runs in the driver: Ray's task start costs more
 MAX_IN_FLIGHT = 8  # reduce tasks submitted ahead of the results read
 LOOKUP_IDS = 4096  # ids per IN filter of the pixel lookup
 
