@@ -73,7 +73,9 @@ STEPS: tuple[Step, ...] = (
     Step(ATTRIBUTES, "attributes", PER_SOURCE, (CAPTIONS, BUCKETED_IMAGES)),
     Step(MDS_SHARDS, "shards", PER_SOURCE, (BUCKETED_IMAGES, CAPTIONS), automated=True),
     Step(IMAGE_EMBEDDINGS, "semantic", PER_SOURCE, (BUCKETED_IMAGES, CAPTION_LABELS)),
-    Step(SEMANTIC_DUPLICATES, "semantic", GLOBAL, (IMAGE_EMBEDDINGS, PHASHES)),
+    # Automated: an update regroups only the clusters new embeddings touch, at the
+    # recorded fit (`semantic/semdedup_streamed`). Concepts refit every run: by hand.
+    Step(SEMANTIC_DUPLICATES, "semantic", GLOBAL, (IMAGE_EMBEDDINGS, PHASHES), automated=True),
     Step(CONCEPTS, "semantic", GLOBAL, (IMAGE_EMBEDDINGS,)),
     Step(DUPLICATES, "dedup", GLOBAL, (PHASHES,), automated=True),
     Step(OPT_OUTS, "opt_outs", GLOBAL, (DUPLICATES, RAW_IMAGES)),

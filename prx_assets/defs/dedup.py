@@ -1,8 +1,15 @@
 """duplicates: exact phash duplicates across every source (one global table)."""
 
+from typing import Any
+
 import dagster as dg
 
-from prx_assets.defs.io_managers import FRAGMENT_BYTES_KEY, FRAGMENT_ROWS_KEY, LanceTableOutput
+from prx_assets.defs.io_managers import (
+    FRAGMENT_BYTES_KEY,
+    FRAGMENT_ROWS_KEY,
+    LanceTableOutput,
+    table_metadata,
+)
 from prx_assets.defs.metadata import input_lineage
 from prx_assets.defs.resources import RayResource, SourcesResource, StorageResource
 from prx_assets.stages.dedup.dedup import (
@@ -14,6 +21,12 @@ from prx_assets.stages.dedup.dedup import (
     near_duplicate_report,
     summarise,
 )
+from prx_assets.stages.dedup.incremental import (
+    DEFAULT_MAX_CHANGED_SHARE,
+    incremental_duplicates,
+    record_inputs,
+)
+from prx_assets.storage.lance_tables import describe_write
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import DUPLICATES, PHASHES
 
@@ -24,6 +37,10 @@ class DuplicatesConfig(dg.Config):
     near_duplicate_probes: int = 256
     near_duplicate_max_rows: int = 5_000_000
     near_duplicate_max_distance: int = 4
+    # Update the groups the phashes' changes since the last run touch (a full run when
+    # those cannot be told: no record, sources reordered, a compaction, too many changes).
+    incremental: bool = True
+    max_changed_share: float = DEFAULT_MAX_CHANGED_SHARE
 
 
 def build_duplicates() -> dg.AssetsDefinition:
@@ -41,23 +58,41 @@ def build_duplicates() -> dg.AssetsDefinition:
     )
     def duplicates(context: dg.AssetExecutionContext, config: DuplicatesConfig,
                    ray_cluster: RayResource, sources: SourcesResource,
-                   storage: StorageResource) -> LanceTableOutput:
+                   storage: StorageResource) -> dg.Output[Any]:
         names = sources.load().names
         store = storage.get()
         inputs, missing = hash_inputs(store, names)
         if missing:
             context.log.warning(f"no phashes table yet for {', '.join(missing)}: not deduplicated")
         totals = hashed_rows(inputs)
-        context.log.info(f"grouping {sum(totals.values()):,} hashes from {len(inputs)} source(s)")
         near = near_duplicate_report(inputs, config.near_duplicate_probes,
                                      config.near_duplicate_max_rows,
                                      config.near_duplicate_max_distance)
-        lineage = input_lineage({f"{PHASHES}/{i.source}": i.version for i in inputs})
-        return LanceTableOutput(
+        recorded = {**input_lineage({f"{PHASHES}/{i.source}": i.version for i in inputs}),
+                    "sources_missing": ", ".join(missing) or "none",
+                    "near_duplicate_share": _near_table(near)}
+        target = store.table(DUPLICATES)
+        update = (incremental_duplicates(inputs, target, config.max_changed_share)
+                  if config.incremental else None)
+        if update is not None:
+            context.log.info(f"{update.changed_rows:,} hashed rows changed: the groups of "
+                             f"{update.hashes:,} hashes rewritten ({update.rows_rewritten:,} rows)")
+            written = target.at(update.version)
+            metadata: dict[str, Any] = {
+                **table_metadata(written, describe_write(written.open())), **recorded,
+                "run": "incremental", "hashes_rechecked": update.hashes,
+                "changed_rows": update.changed_rows, **_summary_metadata(written, totals)}
+            # Written already: the IO manager writes nothing for None.
+            return dg.Output(None, metadata=metadata)
+        context.log.info(f"grouping {sum(totals.values()):,} hashes from {len(inputs)} source(s)")
+
+        def after_write(table: TableRef) -> dict:
+            record_inputs(table, inputs)  # what the next run's update starts from
+            return {"run": "full", **_summary_metadata(table, totals)}
+
+        return dg.Output(LanceTableOutput(
             duplicates_dataset(inputs, config.rows_per_bucket), DUPLICATES_SCHEMA,
-            metadata={**lineage, "sources_missing": ", ".join(missing) or "none",
-                      "near_duplicate_share": _near_table(near)},
-            after_write=lambda table: _summary_metadata(table, totals))
+            metadata=recorded, after_write=after_write))
 
     return duplicates
 

@@ -79,7 +79,8 @@ def build_source_sensor(spec: SourceSpec, location: str) -> dg.SensorDefinition:
 
 
 # Upstreams automation does not wait for: the opt-out audit (its own sensor launches the
-# skip_lists runs it affects) and the semantic tables (run by hand, optional to skip_lists).
+# skip_lists runs it affects) and the semantic tables (optional to skip_lists; concepts run
+# by hand, semantic_duplicates is automated once image_embeddings exist for every source).
 NOT_AWAITED = dg.AssetSelection.assets(OPT_OUTS, SEMANTIC_DUPLICATES, CONCEPTS)
 
 

@@ -5,7 +5,6 @@ import itertools
 
 import dagster as dg
 import numpy as np
-import pyarrow as pa
 
 from prx_assets.defs.asset_leases import asset_lease
 from prx_assets.defs.metadata import input_lineage, pin_inputs, stage_result
@@ -16,9 +15,7 @@ from prx_assets.stages.semantic.concepts import (
     DEFAULT_SIZES,
     DEFAULT_TARGET_SHARE,
     MIN_ROWS_PER_LEAF,
-    balanced_selection,
     effective_sizes,
-    hierarchical_kmeans,
     largest_to_median,
     size_histogram,
 )
@@ -37,17 +34,21 @@ from prx_assets.stages.semantic.semdedup import (
     DEFAULT_CLUSTER_ROWS,
     DEFAULT_EPS,
     REPORT_EPS,
-    SEMANTIC_DUPLICATES_SCHEMA,
     SemDedupConfig,
-    largest_groups,
-    ray_runner,
-    reported_only,
-    run_serially,
-    semantic_duplicates,
 )
-from prx_assets.stages.semantic.spaces import CONCEPTS_SCHEMA, Space, concept_rows, gather
+from prx_assets.stages.semantic.semdedup_streamed import (
+    incremental_semantic_duplicates,
+    streamed_semantic_duplicates,
+)
+from prx_assets.stages.semantic.spaces import streamed_concepts
+from prx_assets.stages.semantic.streamed import (
+    DEFAULT_SAMPLE_ROWS,
+    IN_PROCESS_ROWS,
+    SpaceInputs,
+    Tasks,
+    space_inputs,
+)
 from prx_assets.storage.filters import all_of, in_filter
-from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import (
     BUCKETED_IMAGES,
@@ -56,6 +57,7 @@ from prx_assets.storage.tables import (
     CONCEPTS,
     IMAGE_EMBEDDINGS,
     PHASHES,
+    SEMANTIC_CLUSTERS,
     SEMANTIC_DUPLICATES,
 )
 
@@ -138,23 +140,33 @@ class SemanticDuplicatesConfig(dg.Config):
     report_eps: list[float] = list(REPORT_EPS)  # noqa: RUF012 (see SkipListsConfig)
     cluster_rows: int = DEFAULT_CLUSTER_ROWS
     cluster_cap: int = DEFAULT_CLUSTER_CAP
-    ray_tasks: bool = True  # one Ray task per batch of clusters (False: in this process)
+    # The k-means is fitted on a seeded sample of at most this many vectors (every vector
+    # of a smaller space); every vector is then assigned in Ray tasks.
+    sample_rows: int = DEFAULT_SAMPLE_ROWS
+    ray_tasks: bool = True  # assignment and clusters in Ray tasks (False: in this process)
+    # A space this small runs in this process: Ray's per-task start costs more than it.
+    in_process_rows: int = IN_PROCESS_ROWS
     seed: int = 0
+    # A run after a full one assigns the rows written since to the recorded centroids and
+    # regroups only their clusters; `refit` (or more than `max_changed_share` of the rows
+    # changed, other settings, an input compacted) fits and groups every row again.
+    refit: bool = False
+    max_changed_share: float = 0.1
     # In the caption space (no image encoder) two images with one caption look identical,
     # so its groups are reported only unless this is set: skip lists act on image spaces.
     apply_in_caption_space: bool = False
 
 
 def _space(context: dg.AssetExecutionContext, store: Storage, names: list[str]
-           ) -> tuple[Space, str, dict]:
+           ) -> tuple[SpaceInputs, dict]:
     caption_version = context.resources.captioner.caption_version()
     encoder = context.resources.image_encoder.encoder(caption_version)
-    space = gather(store, names, encoder)
-    if space.missing:
-        context.log.warning(f"no image_embeddings yet for {', '.join(space.missing)}")
+    inputs = space_inputs(store, names, encoder)
+    if inputs.missing:
+        context.log.warning(f"no image_embeddings yet for {', '.join(inputs.missing)}")
     note = context.resources.image_encoder.space_note()
-    return space, encoder, {**input_lineage(space.versions), "encoder": encoder, "space": note,
-                            "sources_missing": ", ".join(space.missing) or "none"}
+    return inputs, {**input_lineage(inputs.versions), "encoder": encoder, "space": note,
+                    "sources_missing": ", ".join(inputs.missing) or "none"}
 
 
 def build_semantic_duplicates() -> dg.AssetsDefinition:
@@ -172,28 +184,34 @@ def build_semantic_duplicates() -> dg.AssetsDefinition:
                                   config: SemanticDuplicatesConfig) -> dg.MaterializeResult:
         sources: SourcesResource = context.resources.sources
         store: Storage = context.resources.storage.get()
-        space, _, recorded = _space(context, store, sources.load().names)
+        inputs, recorded = _space(context, store, sources.load().names)
         settings = SemDedupConfig(eps=config.eps, report_eps=tuple(config.report_eps),
                                   cluster_rows=config.cluster_rows,
                                   cluster_cap=config.cluster_cap, seed=config.seed)
-        runner = ray_runner() if config.ray_tasks else run_serially
-        result = semantic_duplicates(space.ids, space.vectors, space.pixels, space.rank,
-                                     settings, runner)
         image_encoder: ImageEncoderResource = context.resources.image_encoder
         applied = bool(image_encoder.checkpoint) or config.apply_in_caption_space
-        table = result.duplicates if applied else reported_only(result.duplicates)
-        version = overwrite_rows(store.table(SEMANTIC_DUPLICATES), table,
-                                 SEMANTIC_DUPLICATES_SCHEMA)
+        out, clusters = store.table(SEMANTIC_DUPLICATES), store.table(SEMANTIC_CLUSTERS)
+        result = None if config.refit else incremental_semantic_duplicates(
+            inputs, out, clusters, settings, applied, config.sample_rows,
+            config.max_changed_share)
+        if result is None:
+            result = streamed_semantic_duplicates(
+                inputs, out, settings,
+                Tasks(config.ray_tasks and inputs.rows > config.in_process_rows), applied,
+                config.sample_rows, clusters_out=clusters)
         removed = result.removed_by_eps[config.eps]
         return dg.MaterializeResult(metadata={
-            **recorded, "lance_version": version, "embeddings": result.rows,
-            "clusters": result.clusters, "largest_cluster": result.largest_cluster,
+            **recorded, "lance_version": result.version, "embeddings": result.rows,
+            "fit_sample": result.sample_rows, "ray_nodes": len(result.nodes),
+            "run": result.run, "changed_rows": result.changed_rows,
+            "regrouped_rows": result.regrouped_rows, "clusters": result.clusters,
+            "largest_cluster": result.largest_cluster,
             "faiss_gpu": result.on_gpu, "eps": config.eps, "removed": removed,
             "applied_by_skip_lists": applied,
             "removed_share": round(removed / result.rows, 4) if result.rows else 0.0,
             "removed_share_by_eps": dg.MetadataValue.md(
                 _eps_markdown(result.removed_by_eps, result.rows, config.eps)),
-            "largest_groups": _groups_table(largest_groups(result.duplicates)),
+            "largest_groups": _groups_table(result.largest),
         })
 
     return semantic_duplicates_asset
@@ -222,6 +240,10 @@ class ConceptsConfig(dg.Config):
     target_share: float = DEFAULT_TARGET_SHARE
     # Levels are scaled down together below this many rows per leaf (a small corpus).
     min_rows_per_leaf: int = MIN_ROWS_PER_LEAF
+    # The hierarchy is fitted on a seeded sample of at most this many vectors.
+    sample_rows: int = DEFAULT_SAMPLE_ROWS
+    ray_tasks: bool = True  # assignment and sampling in Ray tasks (False: in this process)
+    in_process_rows: int = IN_PROCESS_ROWS  # as SemanticDuplicatesConfig's
     seed: int = 0
     top_clusters: int = 5
     captions_per_cluster: int = 3
@@ -229,36 +251,36 @@ class ConceptsConfig(dg.Config):
 
 def build_concepts() -> dg.AssetsDefinition:
     @dg.asset(
-        name=CONCEPTS, group_name="semantic", kinds={"lance"}, code_version="1",
+        name=CONCEPTS, group_name="semantic", kinds={"ray", "lance"}, code_version="1",
         deps=[dg.AssetDep(IMAGE_EMBEDDINGS, partition_mapping=dg.AllPartitionMapping())],
-        required_resource_keys={"captioner", "image_encoder", "sources", "storage"},
+        required_resource_keys={"captioner", "image_encoder", "ray_cluster", "sources",
+                                "storage"},
         description="Hierarchical k-means concepts: a cluster per sample per level, and a "
                     "balanced sample (the hierarchical method's water-filling from the top "
                     "level down); the unbalanced rest is the skip reason balance.")
     def concepts(context: dg.AssetExecutionContext, config: ConceptsConfig
                  ) -> dg.MaterializeResult:
         store: Storage = context.resources.storage.get()
-        space, _, recorded = _space(context, store, context.resources.sources.load().names)
-        if space.rows == 0:
-            version = overwrite_rows(store.table(CONCEPTS), CONCEPTS_SCHEMA.empty_table(),
-                                     CONCEPTS_SCHEMA)
-            return dg.MaterializeResult(metadata={**recorded, "lance_version": version,
+        inputs, recorded = _space(context, store, context.resources.sources.load().names)
+        rows = inputs.rows
+        sizes = effective_sizes(config.level_sizes, max(rows, 1), config.min_rows_per_leaf)
+        result = streamed_concepts(inputs, store.table(CONCEPTS), sizes,
+                                   round(config.target_share * rows), config.seed,
+                                   Tasks(config.ray_tasks and rows > config.in_process_rows),
+                                   config.captions_per_cluster,
+                                   config.sample_rows)
+        if rows == 0:
+            return dg.MaterializeResult(metadata={**recorded, "lance_version": result.version,
                                                   "samples": 0})
-        sizes = effective_sizes(config.level_sizes, space.rows, config.min_rows_per_leaf)
-        tree = hierarchical_kmeans(space.vectors, sizes, config.seed)
-        keep = balanced_selection(tree, round(config.target_share * space.rows), config.seed)
-        version = overwrite_rows(store.table(CONCEPTS), concept_rows(space.ids, tree, keep),
-                                 CONCEPTS_SCHEMA)
-        before = tree.sizes(1)
-        after = np.bincount(tree.leaves[keep], minlength=len(before))
-        captions = _top_clusters(store, space, tree.leaves, before, config,
+        before, after = result.sizes[0], result.budgets
+        captions = _top_clusters(store, result.first_ids, before, config,
                                  context.resources.captioner.caption_version())
         return dg.MaterializeResult(metadata={
-            **recorded, "lance_version": version, "samples": space.rows,
+            **recorded, "lance_version": result.version, "samples": rows,
+            "fit_sample": result.sample_rows, "ray_nodes": len(result.nodes),
             "level_sizes_used": ", ".join(str(k) for k in sizes),
-            "levels": ", ".join(str(int((tree.sizes(level) > 0).sum()))
-                                for level in range(1, len(tree.levels) + 1)),
-            "balanced_samples": int(keep.sum()),
+            "levels": ", ".join(str(int((level > 0).sum())) for level in result.sizes),
+            "balanced_samples": int(after.sum()),
             "largest_to_median_before": round(largest_to_median(before), 2),
             "largest_to_median_after": round(largest_to_median(after), 2),
             "leaf_sizes": dg.MetadataValue.md(_histogram_markdown(before, after)),
@@ -285,23 +307,17 @@ def _histogram_markdown(before: np.ndarray, after: np.ndarray) -> str:
     return "\n".join(lines)
 
 
-def _top_clusters(store: Storage, space: Space, leaves: np.ndarray, sizes: np.ndarray,
+def _top_clusters(store: Storage, first_ids: dict[int, list[str]], sizes: np.ndarray,
                   config: ConceptsConfig, caption_version: str) -> str:
     """The largest leaf clusters with a few of their captions (what the concept is)."""
     chosen = np.argsort(-sizes, kind="stable")[:config.top_clusters]
-    samples = {int(c): space.ids.take(pa_indices(np.flatnonzero(leaves == c)
-                                                 [:config.captions_per_cluster])).to_pylist()
-               for c in chosen}
+    samples = {int(c): first_ids.get(int(c), []) for c in chosen}
     texts = _captions(store, [i for ids in samples.values() for i in ids], caption_version)
     lines = ["| leaf cluster | size | sample captions |", "| --- | --- | --- |"]
     for cluster, ids in samples.items():
         shown = " / ".join(texts.get(i, i)[:120].replace("|", " ") for i in ids)
         lines.append(f"| {cluster} | {int(sizes[cluster])} | {shown} |")
     return "\n".join(lines)
-
-
-def pa_indices(rows: np.ndarray) -> pa.Array:
-    return pa.array(rows, pa.int64())
 
 
 def _captions(store: Storage, ids: list[str], caption_version: str) -> dict[str, str]:

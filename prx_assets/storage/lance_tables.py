@@ -162,13 +162,7 @@ class LanceOverwriteSink(Datasink[dict]):
             return {"fragments": [], "schema": None, "nodes": nodes}
         schema = self.schema or first.schema
         reader = pa.RecordBatchReader.from_batches(schema, _chain_first(first, batches, schema))
-        # "overwrite": files of `schema`, even one the replaced table lacks (append refuses).
-        fragments = write_fragments(
-            reader, self.table.uri, schema=schema, mode="overwrite",
-            max_rows_per_file=self.policy.max_rows,
-            max_bytes_per_file=self.policy.target_bytes,
-            storage_options=self.table.lance_options(),
-        )
+        fragments = write_task_fragments(self.table, reader, schema, self.policy)
         return {"fragments": [pickle.dumps(f) for f in fragments],
                 "schema": pickle.dumps(schema), "nodes": nodes}
 
@@ -180,22 +174,40 @@ class LanceOverwriteSink(Datasink[dict]):
                                  else _existing_schema(self.table))
         if schema is None:
             raise ValueError(f"{self.table}: nothing was written and no schema is known")
-        failpoint("storage.overwrite_uncommitted")
-        try:
-            lance.LanceDataset.commit(
-                self.table.uri, lance.LanceOperation.Overwrite(schema, fragments),
-                read_version=self.read_version, max_retries=0,
-                storage_options=self.table.lance_options())
-        except OSError as exc:
-            latest = self.table.latest_version()
-            if latest == self.read_version:
-                raise  # not a lost race: a real failure
-            raise CommitConflictError(
-                f"cannot commit {self.table}: another writer committed version {latest} while "
-                f"this write (based on version {self.read_version}) ran; this write's "
-                f"{len(fragments)} fragment(s) were not committed and the table keeps the "
-                "other writer's version: rerun to replace it") from exc
+        commit_fragments(self.table, fragments, schema, self.read_version)
         self.nodes = sorted(set().union(*(r["nodes"] for r in returns)))
+
+
+def write_task_fragments(table: TableRef, rows: pa.Table | pa.RecordBatchReader,
+                         schema: pa.Schema, policy: FragmentPolicy | None = None) -> list:
+    """Data files of `rows` in `table`'s folder, from a task: nothing is visible until the
+    driver passes the returned fragments to `commit_fragments`."""
+    policy = policy or FragmentPolicy()
+    # "overwrite": files of `schema`, even one the replaced table lacks (append refuses).
+    return write_fragments(
+        rows, table.uri, schema=schema, mode="overwrite", max_rows_per_file=policy.max_rows,
+        max_bytes_per_file=policy.target_bytes, storage_options=table.lance_options())
+
+
+def commit_fragments(table: TableRef, fragments: list, schema: pa.Schema,
+                     read_version: int | None) -> int:
+    """The fragments the tasks wrote as the table's whole new version, in one commit that
+    fails (`CommitConflictError`) if another writer committed since `read_version`."""
+    failpoint("storage.overwrite_uncommitted")
+    try:
+        return lance.LanceDataset.commit(
+            table.uri, lance.LanceOperation.Overwrite(schema, fragments),
+            read_version=read_version, max_retries=0,
+            storage_options=table.lance_options()).version
+    except OSError as exc:
+        latest = table.latest_version()
+        if latest == read_version:
+            raise  # not a lost race: a real failure
+        raise CommitConflictError(
+            f"cannot commit {table}: another writer committed version {latest} while "
+            f"this write (based on version {read_version}) ran; this write's "
+            f"{len(fragments)} fragment(s) were not committed and the table keeps the "
+            "other writer's version: rerun to replace it") from exc
 
 
 def tag_with_node(table: pa.Table) -> pa.Table:

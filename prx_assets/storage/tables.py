@@ -18,10 +18,12 @@ OPT_OUTS = "opt_outs"
 CORPUS = "corpus"
 SEMANTIC_DUPLICATES = "semantic_duplicates"  # SemDeDup groups across sources
 CONCEPTS = "concepts"  # hierarchical k-means cluster per sample per level, balance flag
+# SemDeDup's k-means cluster of every vector, with the vector: what an update regroups.
+SEMANTIC_CLUSTERS = "semantic_clusters"
 
 PER_SOURCE = (RAW_IMAGES, BUCKETED_IMAGES, PHASHES, CAPTIONS, CAPTION_LABELS, MDS_SAMPLES,
               IMAGE_EMBEDDINGS, ATTRIBUTES)
-GLOBAL = (DUPLICATES, OPT_OUTS, CORPUS, SEMANTIC_DUPLICATES, CONCEPTS)
+GLOBAL = (DUPLICATES, OPT_OUTS, CORPUS, SEMANTIC_DUPLICATES, CONCEPTS, SEMANTIC_CLUSTERS)
 
 # Artifacts that are not Lance tables: each source's MDS tree and the skip-list sidecars
 # beside its shards (assets of these names record them).

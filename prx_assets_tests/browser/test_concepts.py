@@ -53,7 +53,7 @@ def _write_concepts(store: Storage) -> None:
     tree = ConceptTree(levels=[GROUPS, np.array([0, 0, 1])[GROUPS]],
                        parents=[np.array([0, 0, 1])],
                        centroids=[np.zeros((3, 2)), np.zeros((2, 2))])
-    rows = concept_rows(pa.array(IDS, pa.string()), tree, np.ones(len(IDS), bool))
+    rows = concept_rows(pa.array(IDS, pa.string()), tree.levels, np.ones(len(IDS), bool))
     overwrite_rows(store.table(CONCEPTS), rows, CONCEPTS_SCHEMA)
 
 

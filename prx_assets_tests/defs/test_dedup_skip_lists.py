@@ -107,6 +107,12 @@ def test_duplicates_opt_outs_sensor_and_skip_lists(ray_session, data_root, tmp_p
     assert per_source["web"]["hashed"] == 5  # six images, one flat
     assert meta["input_version/phashes/web"].value >= 1
     assert meta["largest_groups"].value.records[0].data["group_size"] == 3
+    assert meta["run"].value == "full"
+    # Nothing hashed since: the next run updates the groups from the (empty) changes.
+    again = _materialization(defs.resolve_job_def("dedup_job").execute_in_process(
+        instance=instance), "duplicates")
+    assert (again["run"].value, again["hashes_rechecked"].value) == ("incremental", 0)
+    assert Storage(data_root).table("duplicates").to_table().to_pylist() == dups
 
     # Opt-outs arrive: first a file touching only stock, then one touching web.
     requests = data_root / "opt_outs"

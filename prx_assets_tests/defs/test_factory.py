@@ -126,6 +126,24 @@ def test_a_raw_images_update_is_carried_downstream_by_automation(source):
         assert automated(skip) == {"skip_lists": {"web"}}
 
 
+
+def test_semantic_duplicates_follow_every_sources_embeddings(source):
+    """Automated once each source has embeddings (run by hand or by a job): an update then
+    regroups only the clusters the new vectors touch."""
+    _, defs = source
+    with dg.instance_for_test() as instance:
+        for name in ("raw_images", *PER_SOURCE_CHAIN):
+            instance.report_runless_asset_event(dg.AssetMaterialization(name, partition="web"))
+        instance.report_runless_asset_event(dg.AssetMaterialization("duplicates"))
+        before = dg.evaluate_automation_conditions(defs=defs, instance=instance)
+        assert "semantic_duplicates" not in automated(before)  # no embeddings yet
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization("image_embeddings", partition="web"))
+        after = dg.evaluate_automation_conditions(defs=defs, instance=instance,
+                                                  cursor=before.cursor)
+        assert automated(after)["semantic_duplicates"] == {None}
+
+
 PER_SOURCE_CHAIN = ("bucketed_images", "phashes", "captions", "caption_labels", "mds_shards")
 
 

@@ -144,6 +144,8 @@ def test_whole_graph_on_a_two_node_cluster_matches_embedded(
     # Ingest and the image stage ran tasks on both nodes (the driver records the node of
     # every written block).
     assert result["nodes"]["raw_images"] == 2 and result["nodes"]["bucketed_images"] == 2
+    # The global steps record where their tasks ran too (this corpus: one dedup bucket).
+    assert result["nodes"]["duplicates"] >= 1
 
     runs = run_embedded(sources, embedded_root, monkeypatch)
     assert_funnel(runs, sources, embedded_root, capsys)

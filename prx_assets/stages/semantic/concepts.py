@@ -108,11 +108,27 @@ def water_fill(sizes: np.ndarray, budget: int) -> np.ndarray:
 
 def leaf_budgets(tree: ConceptTree, target: int) -> np.ndarray:
     """Samples to keep per leaf: `target` water-filled from the top level down."""
-    top = len(tree.levels) - 1
-    budgets = water_fill(tree.sizes(top + 1), target)
-    for level in range(top, 0, -1):  # from level top+1 down to level 1 (the leaves)
-        children_parent = tree.parents[level - 1]
-        child_sizes = tree.sizes(level)
+    return budgets_of(tree.sizes(1), tree.parents, target)
+
+
+def level_sizes(leaf_sizes: np.ndarray, parents: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Samples per cluster at every level (leaves first) from the leaves' sizes."""
+    sizes = [np.asarray(leaf_sizes, np.int64)]
+    for parent in parents:
+        upper = int(parent.max()) + 1 if parent.size else 0
+        sizes.append(np.bincount(parent, weights=sizes[-1], minlength=upper).astype(np.int64))
+    return sizes
+
+
+def budgets_of(leaf_sizes: np.ndarray, parents: Sequence[np.ndarray], target: int
+               ) -> np.ndarray:
+    """Samples to keep per leaf from the leaves' sizes and the levels' parents (what the
+    streamed path knows without the samples' clusters): `leaf_budgets`."""
+    sizes = level_sizes(leaf_sizes, parents)
+    budgets = water_fill(sizes[-1], target)
+    for level in range(len(sizes) - 1, 0, -1):  # from the top level down to the leaves
+        children_parent = parents[level - 1]
+        child_sizes = sizes[level - 1]
         child_budgets = np.zeros_like(child_sizes)
         for parent, budget in enumerate(budgets):
             children = np.flatnonzero(children_parent == parent)

@@ -82,7 +82,7 @@ def partition(vectors: np.ndarray, config: SemDedupConfig) -> list[np.ndarray]:
     """Row numbers per cluster (non-empty ones), every cluster at most `cluster_cap` rows
     unless k-means cannot split it further (then it is compared whole)."""
     first = kmeans(vectors, config.cluster_count(len(vectors)), config.seed, use_gpu=config.use_gpu)
-    return _split_large(vectors, _members(first.assignment), config, depth=0)
+    return split_large(vectors, _members(first.assignment), config, depth=0)
 
 
 def _members(assignment: np.ndarray) -> list[np.ndarray]:
@@ -91,7 +91,7 @@ def _members(assignment: np.ndarray) -> list[np.ndarray]:
     return [part for part in np.split(order, bounds) if part.size]
 
 
-def _split_large(vectors: np.ndarray, clusters: list[np.ndarray], config: SemDedupConfig,
+def split_large(vectors: np.ndarray, clusters: list[np.ndarray], config: SemDedupConfig,
                  depth: int) -> list[np.ndarray]:
     out: list[np.ndarray] = []
     for rows in clusters:
@@ -104,7 +104,7 @@ def _split_large(vectors: np.ndarray, clusters: list[np.ndarray], config: SemDed
         if len(split) == 1:  # identical vectors: nothing to split on
             out.append(rows)
         else:
-            out.extend(_split_large(vectors, split, config, depth + 1))
+            out.extend(split_large(vectors, split, config, depth + 1))
     return out
 
 
@@ -298,3 +298,4 @@ def largest_groups(duplicates: pa.Table, top: int = 10, ids_shown: int = 5) -> l
     order = sorted(by_group, key=lambda g: (-len(by_group[g]), kept[g]))[:top]
     return [{"group_size": len(by_group[g]), "kept_id": kept[g],
              "ids": ", ".join(sorted(by_group[g])[:ids_shown])} for g in order]
+

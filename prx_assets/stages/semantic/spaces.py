@@ -1,24 +1,26 @@
-"""The global steps' input: every source's vectors of one encoder, with what the keep
-policy needs (pixels from phashes, the source's rank in the sources file), pinned once so
-what is recorded as lineage is what was read; and the `concepts` table's rows.
+"""The `concepts` table, streamed: the hierarchy fitted on a sample of the space, every
+vector assigned to its leaf in a task per chunk (`streamed.route_chunk`), the leaves'
+budgets water-filled on the driver from their sizes alone, and each bucket of leaves'
+balanced sample drawn and written by a task of its own.
 
-The vectors of every source are gathered on the driver (n x dim float32: 10^6 512-d
-vectors are 2 GB); the k-means and the per-cluster steps then bound each task by the
-cluster cap.
+A bucket's leaves draw their samples, leaf by leaf, from one generator seeded by (seed,
+bucket): the same draw whichever task or node runs it. A space of one bucket draws from
+`seed` alone, as `concepts.balanced_selection` does (the same sample as the in-memory path).
 """
 
 from __future__ import annotations
 
+import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from prx_assets.stages.semantic.concepts import ConceptTree
-from prx_assets.stages.semantic.embeddings import read_space
-from prx_assets.storage.layout import Storage
-from prx_assets.storage.tables import IMAGE_EMBEDDINGS, PHASHES
+from prx_assets.stages.semantic import streamed
+from prx_assets.stages.semantic.concepts import budgets_of, hierarchical_kmeans, level_sizes
+from prx_assets.storage.lance_tables import commit_fragments, overwrite_rows
+from prx_assets.storage.refs import TableRef
 
 CONCEPTS_SCHEMA = pa.schema([
     pa.field("id", pa.string(), nullable=False),
@@ -29,71 +31,79 @@ CONCEPTS_SCHEMA = pa.schema([
 
 
 @dataclass
-class Space:
-    ids: pa.Array
-    vectors: np.ndarray
-    pixels: np.ndarray
-    rank: np.ndarray
-    versions: dict[str, int] = field(default_factory=dict)  # input table -> version read
-    missing: list[str] = field(default_factory=list)  # sources with no embeddings yet
+class StreamedConcepts:
+    """What `streamed_concepts` wrote and the figures of the asset's metadata."""
 
-    @property
-    def rows(self) -> int:
-        return len(self.ids)
-
-
-def gather(storage: Storage, sources: list[str], encoder: str) -> Space:
-    """Every source's rows of `encoder`, with pixels (0 where phashes has no row)."""
-    ids: list[pa.Array] = []
-    vectors: list[np.ndarray] = []
-    pixels: list[np.ndarray] = []
-    ranks: list[np.ndarray] = []
-    space = Space(pa.array([], pa.string()), np.zeros((0, 1), np.float32), np.zeros(0),
-                  np.zeros(0))
-    for rank, source in enumerate(sources):
-        table = storage.table(IMAGE_EMBEDDINGS, source)
-        version = table.latest_version()
-        if version is None:
-            space.missing.append(source)
-            continue
-        table = table.at(version)
-        space.versions[f"{IMAGE_EMBEDDINGS}/{source}"] = version
-        source_ids, source_vectors = read_space(table, encoder)
-        if not len(source_ids):
-            continue
-        ids.append(source_ids)
-        vectors.append(source_vectors)
-        pixels.append(_pixels(storage, source, source_ids, space))
-        ranks.append(np.full(len(source_ids), rank, np.int32))
-    if ids:
-        dims = {v.shape[1] for v in vectors}
-        if len(dims) > 1:
-            raise ValueError(f"encoder {encoder!r} has vectors of several sizes: {sorted(dims)}")
-        space.ids, space.vectors = pa.concat_arrays(ids), np.concatenate(vectors)
-        space.pixels, space.rank = np.concatenate(pixels), np.concatenate(ranks)
-    return space
+    rows: int
+    version: int
+    sizes: list[np.ndarray] = field(default_factory=list)  # samples per cluster, per level
+    budgets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per leaf
+    first_ids: dict[int, list[str]] = field(default_factory=dict)  # a leaf's first samples
+    sample_rows: int = 0
+    nodes: set[str] = field(default_factory=set)
 
 
-def _pixels(storage: Storage, source: str, ids: pa.Array, space: Space) -> np.ndarray:
-    hashes = storage.table(PHASHES, source)
-    version = hashes.latest_version()
-    if version is None:
-        return np.zeros(len(ids), np.int64)
-    hashes = hashes.at(version)
-    space.versions[f"{PHASHES}/{source}"] = version
-    table = hashes.to_table(columns=["id", "pixels"])
-    positions = pc.index_in(ids, value_set=table.column("id"))
-    found = pc.take(table.column("pixels"), positions)
-    return np.asarray(pc.fill_null(found, 0).to_numpy(zero_copy_only=False), np.int64)
+def streamed_concepts(inputs: streamed.SpaceInputs, out: TableRef, level_counts: Sequence[int],
+                      target: int, seed: int, tasks: streamed.Tasks, first_ids: int = 3,
+                      sample_rows: int = streamed.DEFAULT_SAMPLE_ROWS,
+                      chunk_rows: int = streamed.DEFAULT_CHUNK_ROWS,
+                      bucket_rows: int = streamed.DEFAULT_BUCKET_ROWS) -> StreamedConcepts:
+    """The `concepts` table of every source's vectors (a row per sample per level) written
+    to `out` as one version; `target` samples balanced over the hierarchy."""
+    rows = inputs.rows
+    read_version = out.latest_version()
+    if rows == 0:
+        return StreamedConcepts(0, overwrite_rows(out, CONCEPTS_SCHEMA.empty_table(),
+                                                  CONCEPTS_SCHEMA))
+    fit = streamed.sample(inputs, tasks, sample_rows, seed, chunk_rows)
+    tree = hierarchical_kmeans(fit, level_counts, seed)
+    buckets = streamed.bucket_count(rows, bucket_rows)
+    calls = [(c, inputs.encoder, tasks.put(tree.centroids[0]), buckets, False)
+             for c in streamed.chunks(inputs, chunk_rows)]
+    leaf_sizes, routed = tasks.scatter(streamed.route_chunk, calls, buckets)
+    budgets = budgets_of(leaf_sizes, tree.parents, target)
+    result = StreamedConcepts(rows, 0, level_sizes(leaf_sizes, tree.parents), budgets,
+                              sample_rows=len(fit))
+    fragments: list = []
+    seeds = [seed] if buckets == 1 else [[seed, b] for b in range(buckets)]
+    reduce_calls = [(tasks.put(budgets), tree.parents, seeds[b], first_ids, out,
+                     *[r[b] for r in routed]) for b in range(buckets)]
+    for bucket in tasks.map(concepts_bucket, reduce_calls):
+        fragments.extend(pickle.loads(f) for f in bucket["fragments"])
+        result.first_ids.update(bucket["first_ids"])
+        tasks.nodes.add(bucket["node"])
+    result.version = commit_fragments(out, fragments, CONCEPTS_SCHEMA, read_version)
+    result.nodes = set(tasks.nodes)
+    return result
 
 
-def concept_rows(ids: pa.Array, tree: ConceptTree, keep: np.ndarray) -> pa.Table:
-    """One row per sample per level."""
-    levels = len(tree.levels)
+def concepts_bucket(budgets: np.ndarray, parents: list[np.ndarray], seed: int | list[int],
+                    first_ids: int, out: TableRef, *parts: streamed.Routed) -> dict:
+    """One bucket of leaves (a task): each leaf's balanced sample, and a row per sample per
+    level written as fragments of `out`."""
+    routed = streamed.merge_routed(parts)
+    keep = np.zeros(len(routed.rows), bool)
+    firsts: dict[int, list[str]] = {}
+    rng = np.random.default_rng(seed)
+    for leaf, positions in streamed.clusters_of(routed):
+        budget = int(budgets[leaf])
+        if budget:
+            keep[rng.choice(positions, size=min(budget, positions.size), replace=False)] = True
+        firsts[leaf] = routed.ids.take(pa.array(positions[:first_ids])).to_pylist()
+    levels = [routed.cluster.astype(np.int64)]
+    for parent in parents:
+        levels.append(parent[levels[-1]])
+    table = concept_rows(routed.ids, levels, keep)
+    return {"fragments": streamed.write_rows(out, table, CONCEPTS_SCHEMA), "first_ids": firsts,
+            "node": streamed.node_id()}
+
+
+def concept_rows(ids: pa.Array, levels: Sequence[np.ndarray], keep: np.ndarray) -> pa.Table:
+    """One row per sample per level (`levels[l]`: each sample's cluster at level l+1)."""
     n = len(ids)
     return pa.table({
-        "id": pa.concat_arrays([ids] * levels) if n else pa.array([], pa.string()),
-        "level": pa.array(np.repeat(np.arange(1, levels + 1), n).astype(np.int8)),
-        "cluster": pa.array(np.concatenate(tree.levels).astype(np.int32)),
-        "balanced": pa.array(np.tile(keep, levels)),
+        "id": pa.concat_arrays([ids] * len(levels)) if n else pa.array([], pa.string()),
+        "level": pa.array(np.repeat(np.arange(1, len(levels) + 1), n).astype(np.int8)),
+        "cluster": pa.array(np.concatenate(levels).astype(np.int32)),
+        "balanced": pa.array(np.tile(keep, len(levels))),
     }, schema=CONCEPTS_SCHEMA)

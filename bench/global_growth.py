@@ -1,0 +1,344 @@
+"""The cross-source steps as the corpus grows: pHash `duplicates`, `semantic_duplicates` and
+`concepts` at several corpus sizes, spread over four sources.
+
+Per size N, on a fresh data root:
+
+- vectors of 64 dimensions (`synthetic.planted_duplicates`, in blocks of at most 250,000
+  rows with topics of their own: 20 % of originals with 1-4 near copies, the planted
+  groups), written through the embeddings stage's writer (`write_embeddings`), the rows of
+  a block dealt over the sources (so groups span sources);
+- random 64-bit pHashes, 10 % of them copies of another row's hash (the planted exact
+  groups), written as the images stage's `phashes` rows, with its key index on `id`;
+- each step run as its asset runs it (duplicates: the Ray job written through
+  `write_dataset_atomically` on the first run, then updated from the changes,
+  `dedup.incremental`; semantic_duplicates likewise, updated at its recorded fit after
+  the first run, `semdedup_streamed`; concepts streamed, refitted every run), its
+  seconds, the driver's peak PSS and the Ray workers' (busy and idle workers' PSS, the
+  object store apart) sampled from /proc;
+- recall and precision of the planted groups (pairs of rows sharing a group);
+- then 0.1 % new rows in one source and every step again: its seconds as a share of the
+  full run's.
+
+Seconds per row and the driver's memory are printed as ratios to the smallest size.
+Targets (issue 45): per row <= 1.3 and driver memory <= 1.2 from 10^5 to 10^7, recall and
+precision >= 0.95, the +0.1 % rerun <= 5 % of the full run.
+
+    python -m bench.global_growth --sizes 1e5,1e6,1e7
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from bench.common import Figure, report
+from bench.proc_memory import BUSY, DRIVER, IDLE, BackgroundSampler, sample_tree
+
+DEFAULT_SIZES = (2_000, 8_000)  # a smoke run for `make bench`; the note uses 1e5,1e6,1e7
+SOURCES = ("s0", "s1", "s2", "s3")
+DIM = 64
+BLOCK_ROWS = 250_000
+SAMPLE_ROWS = 100_000  # the fit's sample: the same at every size from 10^5 up
+ENCODER = "bench-encoder"
+STEPS = ("duplicates", "semantic_duplicates", "concepts")
+
+
+class StepPeak(BackgroundSampler):
+    """Peak PSS of this process (the driver) and of its Ray workers, from /proc."""
+
+    def __init__(self, interval: float = 0.2):
+        super().__init__(interval)
+        self.driver_kb = self.workers_kb = 0
+        self.cpu_start = self.cpu_s = 0.0
+
+    def __enter__(self):
+        self.cpu_start = sample_tree(os.getpid()).cpu_s
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self.cpu_s = sample_tree(os.getpid()).cpu_s - self.cpu_start
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sample = sample_tree(os.getpid())
+            self.driver_kb = max(self.driver_kb, sample.by_kind.get(DRIVER, 0))
+            workers = sample.by_kind.get(BUSY, 0) + sample.by_kind.get(IDLE, 0)
+            self.workers_kb = max(self.workers_kb, workers)
+            self._stop.wait(self.interval)
+
+
+@dataclass
+class StepRun:
+    seconds: float = 0.0
+    cpu_s: float = 0.0  # the process tree's CPU seconds (fairer than wall on a shared box)
+    driver_kb: int = 0
+    workers_kb: int = 0
+    recall: float | None = None
+    precision: float | None = None
+    rerun_s: float = 0.0
+    rerun_cpu_s: float = 0.0
+
+
+@dataclass
+class SizeRun:
+    rows: int
+    steps: dict[str, StepRun] = field(default_factory=dict)
+
+
+def row_id(source: str, row: int) -> str:
+    return f"{source}:{row:011d}"
+
+
+def write_rows(root: Path, start: int, n: int, seed: int) -> np.ndarray:
+    """Rows [start, start + n) of every table, dealt over the sources; returns each row's
+    planted semantic group (-1: none; numbered from `start`)."""
+    from prx_assets.stages.images.stage import PHASH_SCHEMA
+    from prx_assets.stages.semantic.embeddings import write_embeddings
+    from prx_assets.stages.semantic.synthetic import planted_duplicates
+    from prx_assets.storage.key_index import KeyIndexPolicy, refresh_key_index
+    from prx_assets.storage.lance_tables import append_rows
+    from prx_assets.storage.layout import Storage
+
+    storage = Storage(str(root))
+    groups = []
+    for block, first in enumerate(range(start, start + n, BLOCK_ROWS)):
+        size = min(BLOCK_ROWS, start + n - first)
+        data = planted_duplicates(size, dim=DIM, topics=max(10, size // 2_000),
+                                  seed=seed * 1000 + block)
+        groups.append(np.where(data.group >= 0, data.group + first, -1))
+        hashes = planted_hashes(size, seed * 1000 + block)
+        rows = np.arange(first, first + size)
+        for k, source in enumerate(SOURCES):
+            mine = np.flatnonzero(rows % len(SOURCES) == k)
+            ids = pa.array([row_id(source, int(r)) for r in rows[mine]])
+            write_embeddings(storage.table("image_embeddings", source), [pa.table({
+                "id": ids, "embedding": pa.FixedSizeListArray.from_arrays(
+                    pa.array(data.vectors[mine].ravel()), DIM)})], ENCODER, [])
+            append_rows(storage.table("phashes", source), phash_rows(
+                ids, hashes[mine], data.pixels[mine], PHASH_SCHEMA), PHASH_SCHEMA)
+    for source in SOURCES:  # as the image stage keeps it: lookups by id go through it
+        refresh_key_index(storage.table("phashes", source), "id", KeyIndexPolicy())
+    return np.concatenate(groups)
+
+
+def planted_hashes(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    hashes = rng.integers(-2**63, 2**63 - 1, size=n, dtype=np.int64)
+    copies = rng.random(n) < 0.1
+    hashes[copies] = rng.choice(hashes[~copies], size=int(copies.sum()))
+    return hashes
+
+
+def phash_rows(ids: pa.Array, hashes: np.ndarray, pixels: np.ndarray, schema: pa.Schema
+               ) -> pa.Table:
+    columns = {"id": ids, "phash": pa.array(hashes), "pixels": pa.array(pixels),
+               "flat": pa.array(np.zeros(len(ids), bool))}
+    return pa.table({f.name: columns.get(f.name, pa.nulls(len(ids), f.type))
+                     for f in schema}, schema=schema)
+
+
+def rows_of(ids: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """The bench's row number of each id (`row_id`)."""
+    digits = pc.utf8_slice_codeunits(ids, len(SOURCES[0]) + 1)
+    return pc.cast(digits, pa.int64()).to_numpy()
+
+
+def pair_scores(predicted: np.ndarray, truth: np.ndarray) -> tuple[float, float]:
+    """(recall, precision) of the pairs of rows sharing a group (-1: in none)."""
+    def pairs(labels: np.ndarray) -> int:
+        _, counts = np.unique(labels[labels >= 0], return_counts=True)
+        return int((counts * (counts - 1) // 2).sum())
+
+    both = (predicted >= 0) & (truth >= 0)
+    joint = predicted[both].astype(np.int64) * (int(truth.max()) + 1) + truth[both]
+    _, counts = np.unique(joint, return_counts=True)
+    common = int((counts * (counts - 1) // 2).sum())
+    return common / max(1, pairs(truth)), common / max(1, pairs(predicted))
+
+
+def predicted_groups(table: pa.Table, column: str, n: int) -> np.ndarray:
+    group = np.full(n, -1, np.int64)
+    if table.num_rows:
+        group[rows_of(table.column("id"))] = table.column(column).to_numpy()
+    return group
+
+
+def run_duplicates(root: Path) -> None:
+    """As the asset runs it: updated from the changes when it can, else the Ray job."""
+    from prx_assets.stages.dedup.dedup import DUPLICATES_SCHEMA, duplicates_dataset, hash_inputs
+    from prx_assets.stages.dedup.incremental import incremental_duplicates, record_inputs
+    from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
+    from prx_assets.storage.layout import Storage
+
+    storage = Storage(str(root))
+    inputs, _ = hash_inputs(storage, list(SOURCES))
+    target = storage.table("duplicates")
+    if incremental_duplicates(inputs, target) is None:
+        write_dataset_atomically(duplicates_dataset(inputs), target, FragmentPolicy(),
+                                 DUPLICATES_SCHEMA)
+        record_inputs(target, inputs)
+
+
+def run_semantic_duplicates(root: Path) -> None:
+    """As the asset runs it: updated at the recorded fit when it can, else a full run."""
+    from prx_assets.stages.semantic.semdedup import SemDedupConfig
+    from prx_assets.stages.semantic.semdedup_streamed import (
+        incremental_semantic_duplicates,
+        streamed_semantic_duplicates,
+    )
+    from prx_assets.stages.semantic.streamed import Tasks, space_inputs
+    from prx_assets.storage.layout import Storage
+
+    storage = Storage(str(root))
+    inputs = space_inputs(storage, list(SOURCES), ENCODER)
+    out, clusters = storage.table("semantic_duplicates"), storage.table("semantic_clusters")
+    config = SemDedupConfig()
+    if incremental_semantic_duplicates(inputs, out, clusters, config,
+                                       sample_rows=SAMPLE_ROWS) is None:
+        streamed_semantic_duplicates(inputs, out, config, Tasks(use_ray=True),
+                                     sample_rows=SAMPLE_ROWS, clusters_out=clusters)
+
+
+def run_concepts(root: Path) -> None:
+    from prx_assets.stages.semantic.concepts import DEFAULT_SIZES, effective_sizes
+    from prx_assets.stages.semantic.spaces import streamed_concepts
+    from prx_assets.stages.semantic.streamed import Tasks, space_inputs
+    from prx_assets.storage.layout import Storage
+
+    storage = Storage(str(root))
+    inputs = space_inputs(storage, list(SOURCES), ENCODER)
+    streamed_concepts(inputs, storage.table("concepts"), effective_sizes(DEFAULT_SIZES,
+                                                                         inputs.rows),
+                      inputs.rows // 2, 0, Tasks(use_ray=True), sample_rows=SAMPLE_ROWS)
+
+
+RUNNERS: dict[str, Callable[[Path], None]] = {
+    "duplicates": run_duplicates, "semantic_duplicates": run_semantic_duplicates,
+    "concepts": run_concepts}
+
+
+def timed_step(name: str, root: Path) -> StepRun:
+    from prx_assets.engine.ray_runtime import return_freed_memory
+
+    # What writing the rows left in Arrow's pool and malloc is the bench's, not the step's.
+    pa.default_memory_pool().release_unused()
+    return_freed_memory()
+    with StepPeak() as peak:
+        started = time.perf_counter()
+        RUNNERS[name](root)
+        seconds = time.perf_counter() - started
+    return StepRun(seconds, peak.cpu_s, peak.driver_kb, peak.workers_kb)
+
+
+def score(run: SizeRun, root: Path, semantic_truth: np.ndarray) -> None:
+    from prx_assets.storage.layout import Storage
+
+    storage = Storage(str(root))
+    n = run.rows
+    dups = storage.table("duplicates").open().to_table(columns=["id", "phash"])
+    # The planted exact groups are the rows of equal hashes, read back from phashes.
+    truth = np.full(n, -1, np.int64)
+    hashes = [storage.table("phashes", s).open().to_table(columns=["id", "phash"])
+              for s in SOURCES]
+    table = pa.concat_tables(hashes)
+    _, inverse = np.unique(table.column("phash").to_numpy(), return_inverse=True)
+    truth[rows_of(table.column("id"))] = inverse
+    sizes = np.bincount(inverse)
+    truth[sizes[truth] < 2] = -1
+    _, found = np.unique(dups.column("phash").to_numpy(), return_inverse=True)
+    predicted = np.full(n, -1, np.int64)
+    if dups.num_rows:
+        predicted[rows_of(dups.column("id"))] = found
+    step = run.steps["duplicates"]
+    step.recall, step.precision = pair_scores(predicted, truth)
+    semantic = storage.table("semantic_duplicates").open().to_table(columns=["id", "group"])
+    step = run.steps["semantic_duplicates"]
+    step.recall, step.precision = pair_scores(predicted_groups(semantic, "group", n),
+                                              semantic_truth)
+
+
+def measure(rows: int, work: Path) -> SizeRun:
+    root = work / f"n{rows}"
+    truth = write_rows(root, 0, rows, seed=1)
+    run = SizeRun(rows)
+    for name in STEPS:
+        run.steps[name] = timed_step(name, root)
+        print(f"  {rows:,} rows: {name} {run.steps[name].seconds:.1f} s, "
+              f"{run.steps[name].cpu_s:.1f} cpu s", flush=True)
+    score(run, root, truth)
+    extra = max(len(SOURCES), rows // 1000)
+    write_rows(root, rows, extra, seed=2)  # 0.1 % more, dealt over the sources
+    for name in STEPS:
+        rerun = timed_step(name, root)
+        run.steps[name].rerun_s, run.steps[name].rerun_cpu_s = rerun.seconds, rerun.cpu_s
+        print(f"  {rows:,} rows +0.1 %: {name} {rerun.seconds:.1f} s", flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+    return run
+
+
+def figures(runs: list[SizeRun]) -> list[Figure]:
+    base = runs[0]
+    out: list[Figure] = []
+    for run in runs:
+        at = f"{run.rows:.0e}".replace("+0", "")
+        for name in STEPS:
+            step, first = run.steps[name], base.steps[name]
+            label = name.replace("semantic_duplicates", "semdedup")
+            out.append(Figure("global", f"{label} s/row ×, {at}", step.seconds / run.rows,
+                              f"s/row at {base.rows:,}", first.seconds / base.rows, "s/row"))
+            out.append(Figure("global", f"{label} cpu s/row ×, {at}", step.cpu_s / run.rows,
+                              f"at {base.rows:,}", first.cpu_s / base.rows, "s/row"))
+            out.append(Figure("global", f"{label} driver MB, {at}", step.driver_kb / 1024,
+                              f"at {base.rows:,}", first.driver_kb / 1024, "MB"))
+            out.append(Figure("global", f"{label} workers MB, {at}", step.workers_kb / 1024,
+                              f"at {base.rows:,}", first.workers_kb / 1024, "MB"))
+            out.append(Figure("global", f"{label} +0.1 % rerun, {at}", step.rerun_s,
+                              "full run", step.seconds, "s"))
+            out.append(Figure("global", f"{label} +0.1 % cpu, {at}", step.rerun_cpu_s,
+                              "full run", step.cpu_s, "cpu s"))
+            if step.recall is not None and step.precision is not None:
+                out.append(Figure("global", f"{label} recall, {at}", 100 * step.recall,
+                                  "target", 95.0, "%"))
+                out.append(Figure("global", f"{label} precision, {at}", 100 * step.precision,
+                                  "target", 95.0, "%"))
+    return out
+
+
+def parse_sizes(text: str) -> list[int]:
+    return sorted({int(float(part)) for part in text.split(",") if part.strip()})
+
+
+def run(sizes: list[int]) -> list[SizeRun]:
+    from prx_assets.engine import ray_runtime
+
+    ray_runtime.connect(num_cpus=2)
+    work = Path(tempfile.mkdtemp(prefix="prx-global-growth-"))
+    try:
+        measure(1_000, work)  # Ray's workers start here, not in the first size's figures
+        return [measure(rows, work) for rows in sizes]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)))
+    args = parser.parse_args(argv if argv is not None else [])
+    report(figures(run(parse_sizes(args.sizes))), "global_growth")
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

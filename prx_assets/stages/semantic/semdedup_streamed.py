@@ -1,0 +1,417 @@
+"""SemDeDup over every source's vectors without gathering them (`streamed`), and its update
+from what changed at a fixed fit.
+
+A full run fits the k-means on a sample, assigns every vector in Ray tasks and groups each
+bucket of clusters in a task of its own (`semdedup.cluster_groups`, `semdedup.kept_copies`:
+the in-memory path's functions). Its tasks also write every row's cluster, with its vector,
+to `semantic_clusters`, whose config records the fit (the centroids) and, per source, the
+`image_embeddings` version consumed whole (`storage.changes`), under a tag naming the
+encoder, the settings and the sources in order.
+
+An update (`incremental_semantic_duplicates`) assigns the rows written since to the
+recorded centroids, finds the clusters those rows and the rows deleted or rewritten since
+belong to, reads only those clusters' rows back from `semantic_clusters`, regroups them,
+and replaces their rows of `semantic_duplicates` in one commit. At a fixed fit its groups
+and kept copies are a full run's on the same rows, except where a cluster over
+`cluster_cap` is split again (the split's k-means sees the rows in another order); the
+group numbers of new groups are new rows' numbers, not the positions a full run gives.
+The fit is never refitted by an update: a full run refits (the asset's `refit`, or no
+record, other settings, a compaction, more than `max_changed_share` of the rows changed).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import pickle
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from prx_assets.stages.semantic import streamed
+from prx_assets.stages.semantic.embeddings import vector_column
+from prx_assets.stages.semantic.kmeans import assign, gpu_count, kmeans, normalise
+from prx_assets.stages.semantic.semdedup import (
+    SEMANTIC_DUPLICATES_SCHEMA,
+    SemDedupConfig,
+    cluster_groups,
+    kept_copies,
+    largest_groups,
+    reported_only,
+    roots,
+    split_large,
+    union,
+)
+from prx_assets.storage.changes import (
+    consumed_at,
+    pinned_changes,
+    read_consumed,
+    record_consumed,
+    rows_with_ids,
+)
+from prx_assets.storage.filters import eq_filter, in_filter
+from prx_assets.storage.lance_tables import commit_fragments, overwrite_rows
+from prx_assets.storage.refs import TableRef
+from prx_assets.storage.tables import IMAGE_EMBEDDINGS
+
+FIT_KEY = "prx.semdedup.fit"  # semantic_clusters' config: the fit the rows were assigned by
+
+
+def clusters_schema(dim: int) -> pa.Schema:
+    """`semantic_clusters`: each vector's k-means cluster, with the vector (the rows an
+    update regroups are read back by cluster, not gathered from every source)."""
+    return pa.schema([
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("row", pa.int64(), nullable=False),  # its number in the space
+        pa.field("rank", pa.int32(), nullable=False),  # its source's rank
+        pa.field("cluster", pa.int32(), nullable=False),
+        pa.field("embedding", pa.list_(pa.float32(), dim)),
+    ])
+
+
+def fit_tag(inputs: streamed.SpaceInputs, config: SemDedupConfig, applied: bool,
+            sample_rows: int) -> str:
+    """What decides the groups besides the rows: the records are kept under it."""
+    return json.dumps({"encoder": inputs.encoder, "config": repr(config), "applied": applied,
+                       "sample_rows": sample_rows,
+                       "sources": [[p.rank, p.source] for p in inputs.parts]}, sort_keys=True)
+
+
+@dataclass
+class StreamedSemDedup:
+    """What a run wrote and the figures of the asset's metadata."""
+
+    rows: int
+    version: int
+    clusters: int = 0
+    largest_cluster: int = 0
+    removed_by_eps: dict[float, int] = field(default_factory=dict)
+    largest: list[dict] = field(default_factory=list)  # `largest_groups` over every bucket
+    sample_rows: int = 0
+    on_gpu: bool = False
+    nodes: set[str] = field(default_factory=set)
+    run: str = "full"
+    changed_rows: int = 0  # an update: rows written or deleted since the record
+    regrouped_rows: int = 0  # an update: rows of the touched clusters
+
+
+def streamed_semantic_duplicates(inputs: streamed.SpaceInputs, out: TableRef,
+                                 config: SemDedupConfig, tasks: streamed.Tasks,
+                                 applied: bool = True,
+                                 sample_rows: int = streamed.DEFAULT_SAMPLE_ROWS,
+                                 chunk_rows: int = streamed.DEFAULT_CHUNK_ROWS,
+                                 bucket_rows: int = streamed.DEFAULT_BUCKET_ROWS,
+                                 clusters_out: TableRef | None = None) -> StreamedSemDedup:
+    """The `semantic_duplicates` table of every source's vectors, written to `out` as one
+    version, without the vectors ever in this process: k-means fitted on a sample of at
+    most `sample_rows`, every vector assigned in a task per chunk, each bucket of clusters
+    grouped and its kept copies chosen in a task of its own. On a space no larger than the
+    sample, the table is `semdedup.semantic_duplicates`'s. With `clusters_out`, every row's
+    cluster is written there too, with the fit and the records an update starts from."""
+    rows = inputs.rows
+    eps_values = config.all_eps()
+    read_version = out.latest_version()
+    if rows == 0:
+        version = overwrite_rows(out, SEMANTIC_DUPLICATES_SCHEMA.empty_table(),
+                                 SEMANTIC_DUPLICATES_SCHEMA)
+        return StreamedSemDedup(0, version, removed_by_eps=dict.fromkeys(eps_values, 0))
+    fit = streamed.sample(inputs, tasks, sample_rows, config.seed, chunk_rows)
+    centroids = kmeans(fit, config.cluster_count(rows), config.seed,
+                       use_gpu=config.use_gpu).centroids
+    buckets = streamed.bucket_count(rows, bucket_rows)
+    calls = [(c, inputs.encoder, tasks.put(centroids), buckets, True)
+             for c in streamed.chunks(inputs, chunk_rows)]
+    _, routed = tasks.scatter(streamed.route_chunk, calls, buckets)
+    phashes = inputs.phashes_by_rank()
+    result = StreamedSemDedup(rows, 0, removed_by_eps=dict.fromkeys(eps_values, 0),
+                              sample_rows=len(fit),
+                              on_gpu=gpu_count() > 0 if config.use_gpu is None else config.use_gpu)
+    fragments: list = []
+    cluster_fragments: list = []
+    clusters_version = clusters_out.latest_version() if clusters_out else None
+    reduce_calls = [(config, applied, phashes, out, clusters_out, *[r[b] for r in routed])
+                    for b in range(buckets)]
+    for bucket in tasks.map(semdedup_bucket, reduce_calls):
+        fragments.extend(pickle.loads(f) for f in bucket["fragments"])
+        cluster_fragments.extend(pickle.loads(f) for f in bucket["cluster_fragments"])
+        add_stats(result, bucket)
+        tasks.nodes.add(bucket["node"])
+    if clusters_out is not None:
+        commit_fragments(clusters_out, cluster_fragments, clusters_schema(centroids.shape[1]),
+                         clusters_version)
+    result.version = commit_fragments(out, fragments, SEMANTIC_DUPLICATES_SCHEMA, read_version)
+    if clusters_out is not None:  # after both commits: an update starts from these
+        record_fit(clusters_out, inputs, fit_tag(inputs, config, applied, sample_rows),
+                   centroids, rows)
+    result.nodes = set(tasks.nodes)
+    return result
+
+
+def add_stats(result: StreamedSemDedup, bucket: dict) -> None:
+    result.clusters += bucket["clusters"]
+    result.largest_cluster = max(result.largest_cluster, bucket["largest_cluster"])
+    for eps, n in bucket["removed"].items():
+        result.removed_by_eps[eps] = result.removed_by_eps.get(eps, 0) + n
+    result.largest = sorted([*result.largest, *bucket["largest"]],
+                            key=lambda g: (-g["group_size"], g["kept_id"]))[:10]
+
+
+def semdedup_bucket(config: SemDedupConfig, applied: bool, phashes: dict[int, TableRef],
+                    out: TableRef, clusters_out: TableRef | None, *parts: streamed.Routed
+                    ) -> dict:
+    """One bucket of clusters (a task): its groups written as fragments of `out`, its rows'
+    clusters as fragments of `clusters_out`."""
+    routed = streamed.merge_routed(parts)
+    table, stats = group_bucket(routed, config, applied, phashes)
+    stats["fragments"] = streamed.write_rows(out, table, SEMANTIC_DUPLICATES_SCHEMA)
+    stats["cluster_fragments"] = [] if clusters_out is None or routed.vectors is None else (
+        streamed.write_rows(clusters_out, routed_rows(routed),
+                            clusters_schema(routed.vectors.shape[1])))
+    stats["node"] = streamed.node_id()
+    return stats
+
+
+def routed_rows(routed: streamed.Routed) -> pa.Table:
+    assert routed.vectors is not None
+    return pa.table({"id": routed.ids, "row": pa.array(routed.rows, pa.int64()),
+                     "rank": pa.array(routed.rank, pa.int32()),
+                     "cluster": pa.array(routed.cluster, pa.int32()),
+                     "embedding": vector_column(routed.vectors)})
+
+
+@dataclass(frozen=True)
+class Grown:
+    """Clusters an update only added rows to: their old rows' groups (`old_group`, a group
+    number per row of the bucket, -1 for none) stand, only pairs with a new row are new."""
+
+    clusters: frozenset[int]
+    new: np.ndarray  # bool per row of the bucket
+    old_group: np.ndarray  # int64 per row of the bucket
+
+
+def grow_groups(vectors: np.ndarray, positions: np.ndarray, grown: Grown, eps: float
+                ) -> np.ndarray:
+    """Group labels (each row's group = its smallest position in `positions`) of one
+    cluster that only gained rows: the old groups joined, then every pair with a new row
+    above cosine 1 - eps (a block of new rows x the cluster: O(new x cluster))."""
+    n = positions.size
+    parent = np.arange(n, dtype=np.int64)
+    old = grown.old_group[positions]
+    member = np.flatnonzero(old >= 0)
+    if member.size:
+        _, first, inverse = np.unique(old[member], return_index=True, return_inverse=True)
+        parent = union(parent, member, member[first[inverse]])
+    fresh = np.flatnonzero(grown.new[positions])
+    if fresh.size:
+        similarity = vectors[positions[fresh]] @ vectors[positions].T
+        i, j = np.nonzero(similarity > 1.0 - eps)
+        other = fresh[i] != j
+        parent = union(parent, fresh[i][other], j[other])
+    return roots(parent)
+
+
+def group_bucket(routed: streamed.Routed, config: SemDedupConfig, applied: bool,
+                 phashes: dict[int, TableRef], grown: Grown | None = None
+                 ) -> tuple[pa.Table, dict]:
+    """The groups of every cluster of `routed` (rows in row order) at every eps and their
+    kept copies (pixels looked up for the members only): the duplicates rows and stats.
+    Clusters of `grown` are grown from their old groups at the acting eps only."""
+    eps_values = config.all_eps()
+    acting = eps_values.index(config.eps)
+    n = len(routed.rows)
+    group = np.arange(n, dtype=np.int64)
+    cluster_of = np.zeros(n, np.int32)
+    removed = dict.fromkeys(eps_values, 0)
+    clusters = largest = 0
+    vectors = routed.vectors if routed.vectors is not None else np.zeros((0, 1), np.float32)
+    for cluster, positions in streamed.clusters_of(routed):
+        if grown is not None and cluster in grown.clusters and positions.size <= (
+                config.cluster_cap):
+            labels = grow_groups(vectors, positions, grown, config.eps)
+            # Only the groups a new row joined changed: the others' rows stand as written.
+            changed = np.isin(labels, labels[grown.new[positions]])
+            group[positions] = np.where(changed, positions[labels], positions)
+            cluster_of[positions] = cluster
+            clusters += 1
+            largest = max(largest, int(positions.size))
+            continue
+        for rows in split_large(vectors, [positions], config, depth=0):
+            labels = cluster_groups(vectors[rows], eps_values, config.block_rows)
+            for eps, level in zip(eps_values, labels, strict=True):
+                removed[eps] += int(rows.size - np.unique(level).size)
+            group[rows] = rows[labels[acting]]
+            cluster_of[rows] = cluster
+            clusters += 1
+            largest = max(largest, int(rows.size))
+    sizes = np.bincount(group, minlength=n)
+    members = np.flatnonzero(sizes[group] > 1)
+    pixels = np.zeros(n, np.int64)
+    pixels[members] = streamed.pixels_of(routed.ids.take(pa.array(members)),
+                                         routed.rank[members], phashes)
+    table = kept_copies(routed.ids, group, pixels, routed.rank, cluster_of, vectors)
+    # Group numbers in the space's rows (the positions are in row order).
+    local = table.column("group").to_numpy()
+    table = table.set_column(table.schema.get_field_index("group"),
+                             SEMANTIC_DUPLICATES_SCHEMA.field("group"),
+                             pa.array(routed.rows[local], pa.int64()))
+    if not applied:
+        table = reported_only(table)
+    return table, {"clusters": clusters, "largest_cluster": largest, "removed": removed,
+                   "largest": largest_groups(table)}
+
+
+# -- the record of the fit, and the update from what changed ------------------------------
+
+def embeddings_name(source: str) -> str:
+    return f"{IMAGE_EMBEDDINGS}/{source}"
+
+
+def record_fit(clusters: TableRef, inputs: streamed.SpaceInputs, tag: str,
+               centroids: np.ndarray, next_row: int) -> None:
+    """The centroids and the next row number in `clusters`' config, then what it consumed
+    of each source (the update's starting point)."""
+    buffer = io.BytesIO()
+    np.save(buffer, centroids.astype(np.float32))
+    record = {"tag": tag, "next_row": int(next_row),
+              "centroids": base64.b64encode(buffer.getvalue()).decode()}
+    clusters.latest().open().update_config({FIT_KEY: json.dumps(record)})
+    for part in inputs.parts:
+        record_consumed(clusters, embeddings_name(part.source),
+                        consumed_at(part.table.open(), tag))
+
+
+def read_fit(clusters: TableRef, tag: str) -> tuple[np.ndarray, int] | None:
+    """(centroids, next row number) recorded under `tag`; None without one."""
+    if not clusters.exists():
+        return None
+    text = clusters.latest().open().config().get(FIT_KEY)
+    if text is None:
+        return None
+    record = json.loads(text)
+    if record.get("tag") != tag:
+        return None
+    centroids = np.load(io.BytesIO(base64.b64decode(record["centroids"])))
+    return centroids, int(record["next_row"])
+
+
+@dataclass
+class _Delta:
+    """The rows written since the records (assigned) and the ids written or deleted."""
+
+    added: list[pa.Table] = field(default_factory=list)  # id, rank, embedding
+    gone: list[pa.Array] = field(default_factory=list)
+    changed: int = 0
+
+
+def _delta(inputs: streamed.SpaceInputs, clusters: TableRef, tag: str) -> _Delta | None:
+    delta = _Delta()
+    for part in inputs.parts:
+        since = read_consumed(clusters, embeddings_name(part.source), tag)
+        if since is None:
+            return None
+        changes = pinned_changes(part.table, since, limit=part.table.open().count_rows())
+        if changes is None or changes.removed is None:
+            return None
+        rows = part.table.to_table(columns=["id", "embedding"], filter=(
+            f"({eq_filter('encoder', inputs.encoder)}) AND ({changes.added_filter})"))
+        deleted = changes.deleted if changes.deleted is not None else changes.removed
+        delta.added.append(rows.append_column(
+            "rank", pa.array(np.full(rows.num_rows, part.rank, np.int32))))
+        delta.gone.extend([rows.column("id").combine_chunks(), deleted])
+        delta.changed += rows.num_rows + len(deleted)
+    return delta
+
+
+def incremental_semantic_duplicates(
+        inputs: streamed.SpaceInputs, out: TableRef, clusters: TableRef,
+        config: SemDedupConfig, applied: bool = True,
+        sample_rows: int = streamed.DEFAULT_SAMPLE_ROWS,
+        max_changed_share: float = 0.1) -> StreamedSemDedup | None:
+    """`out` and `clusters` updated from the changes since the records, at the recorded
+    fit (see the module's text); None when a full run is needed."""
+    tag = fit_tag(inputs, config, applied, sample_rows)
+    recorded = read_fit(clusters, tag) if out.exists() else None
+    if recorded is None or not inputs.parts:
+        return None
+    centroids, next_row = recorded
+    delta = _delta(inputs, clusters, tag)
+    if delta is None or delta.changed > max_changed_share * max(1, inputs.rows):
+        return None
+    result = StreamedSemDedup(inputs.rows, out.open().version, run="update",
+                              changed_rows=delta.changed)
+    added = pa.concat_tables(delta.added)
+    flat = added.column("embedding").combine_chunks()
+    vectors = normalise(flat.flatten().to_numpy(zero_copy_only=False).reshape(
+        len(flat), centroids.shape[1])) if len(flat) else np.zeros((0, centroids.shape[1]),
+                                                                   np.float32)
+    new_cluster = assign(vectors, centroids).astype(np.int32)
+    gone = pc.unique(pa.concat_arrays([a.cast(pa.string()) for a in delta.gone])) if (
+        delta.gone) else pa.array([], pa.string())
+    old = rows_with_ids(clusters.open(), gone, ["cluster"]) if len(gone) else None
+    touched = np.unique(np.concatenate([new_cluster, old.column("cluster").to_numpy()
+                                        if old is not None else np.zeros(0, np.int32)]))
+    if touched.size == 0:
+        record_fit(clusters, inputs, tag, centroids, next_row)
+        result.removed_by_eps = {config.eps: _removed(out)}
+        return result
+    listed = f"cluster IN ({', '.join(str(int(c)) for c in touched)})"
+    kept_rows = clusters.open().to_table(filter=listed)
+    kept_rows = kept_rows.filter(pc.invert(pc.is_in(kept_rows.column("id"), value_set=gone)))
+    new_rows = pa.table({
+        "id": added.column("id"), "row": pa.array(np.arange(next_row, next_row + len(vectors)),
+                                                  pa.int64()),
+        "rank": added.column("rank"), "cluster": pa.array(new_cluster, pa.int32()),
+        "embedding": vector_column(vectors)}, schema=clusters_schema(centroids.shape[1]))
+    both = pa.concat_tables([kept_rows.cast(new_rows.schema), new_rows])
+    both = both.take(pc.sort_indices(both, [("row", "ascending")]))
+    grown = _grown(out, both, listed, touched, old, next_row)
+    table, stats = group_bucket(_as_routed(both), config, applied, inputs.phashes_by_rank(),
+                                grown)
+    add_stats(result, stats)
+    result.regrouped_rows = both.num_rows
+    # Rows of regrouped clusters are replaced; a grown cluster's groups only grow or merge,
+    # so its changed groups' rows are all among the new ones (matched by id).
+    regrouped = sorted(set(touched.tolist()) - grown.clusters)
+    merge = out.open().merge_insert("id").when_matched_update_all().when_not_matched_insert_all()
+    if regrouped:
+        merge = merge.when_not_matched_by_source_delete(
+            f"cluster IN ({', '.join(str(int(c)) for c in regrouped)})")
+    merge.execute(table.cast(SEMANTIC_DUPLICATES_SCHEMA))
+    merge = (clusters.open().merge_insert("id").when_matched_update_all()
+             .when_not_matched_insert_all().when_not_matched_by_source_delete(
+                 in_filter("id", gone.to_pylist())))
+    merge.execute(new_rows)
+    record_fit(clusters, inputs, tag, centroids, next_row + len(vectors))
+    result.version = out.open().version
+    result.removed_by_eps = {config.eps: _removed(out)}
+    return result
+
+
+def _grown(out: TableRef, rows: pa.Table, listed: str, touched: np.ndarray,
+           gone: pa.Table | None, next_row: int) -> Grown:
+    """The touched clusters no row left (only added to), with their rows' old groups."""
+    left = set(gone.column("cluster").to_pylist()) if gone is not None else set()
+    groups = out.open().to_table(columns=["id", "group"], filter=listed)
+    old_group = pc.fill_null(pc.take(groups.column("group"), pc.index_in(
+        rows.column("id"), value_set=groups.column("id"))), -1).to_numpy()
+    return Grown(frozenset(int(c) for c in touched) - left,
+                 rows.column("row").to_numpy() >= next_row, np.asarray(old_group, np.int64))
+
+
+def _as_routed(rows: pa.Table) -> streamed.Routed:
+    flat = rows.column("embedding").combine_chunks()
+    return streamed.Routed(
+        rows.column("row").to_numpy(), rows.column("id").combine_chunks(),
+        rows.column("rank").to_numpy(), rows.column("cluster").to_numpy(),
+        flat.flatten().to_numpy(zero_copy_only=False).reshape(len(flat), flat.type.list_size))
+
+
+def _removed(out: TableRef) -> int:
+    """Rows of `out` that are not their group's kept copy (a streamed count)."""
+    removed = 0
+    for batch in out.open().to_batches(columns=["id", "kept_id"]):
+        removed += pc.sum(pc.not_equal(batch.column("id"), batch.column("kept_id"))).as_py() or 0
+    return removed

@@ -1,0 +1,237 @@
+"""The streamed global semantic steps against the in-memory ones: on a space no larger than
+the fit's sample they write the same groups, kept copies and concepts; on a smaller sample
+the planted groups are still found. In this process (`Tasks(use_ray=False)`), with small
+chunks and buckets so several of each run."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from prx_assets.stages.semantic.concepts import (
+    balanced_selection,
+    budgets_of,
+    hierarchical_kmeans,
+    leaf_budgets,
+)
+from prx_assets.stages.semantic.embeddings import write_embeddings
+from prx_assets.stages.semantic.kmeans import assign, normalise
+from prx_assets.stages.semantic.semdedup import (
+    SemDedupConfig,
+    cluster_groups,
+    kept_copies,
+    semantic_duplicates,
+)
+from prx_assets.stages.semantic.semdedup_streamed import (
+    fit_tag,
+    incremental_semantic_duplicates,
+    read_fit,
+    streamed_semantic_duplicates,
+)
+from prx_assets.stages.semantic.spaces import streamed_concepts
+from prx_assets.stages.semantic.streamed import (
+    DEFAULT_SAMPLE_ROWS,
+    Tasks,
+    sample,
+    space_inputs,
+)
+from prx_assets.stages.semantic.synthetic import long_tailed_mixture, pairs_of, planted_duplicates
+from prx_assets.storage.lance_tables import overwrite_rows
+from prx_assets.storage.layout import Storage
+
+ENCODER = "enc"
+SOURCES = ("web", "stock")
+
+
+def write_space(root, vectors: np.ndarray, pixels: np.ndarray | None = None) -> Storage:
+    """The vectors split over two sources (each in three appends: several fragments), with
+    a phashes table of their pixels."""
+    storage = Storage(root)
+    halves = np.array_split(np.arange(len(vectors)), 2)
+    for source, rows in zip(SOURCES, halves, strict=True):
+        ids = [f"{source}:{i:06d}" for i in rows]
+        for piece in np.array_split(np.arange(rows.size), 3):
+            batch = pa.table({"id": [ids[i] for i in piece],
+                              "embedding": vectors[rows[piece]].tolist()})
+            write_embeddings(storage.table("image_embeddings", source), [batch], ENCODER, [])
+        if pixels is not None:
+            hashes = pa.table({"id": ids, "pixels": pa.array(pixels[rows], pa.int64())})
+            overwrite_rows(storage.table("phashes", source), hashes, hashes.schema)
+    return storage
+
+
+def space_ids(n: int) -> pa.Array:
+    halves = np.array_split(np.arange(n), 2)
+    return pa.array([f"{s}:{i:06d}" for s, rows in zip(SOURCES, halves, strict=True)
+                     for i in rows])
+
+
+def rows_by_id(table: pa.Table) -> dict:
+    return {r["id"]: (r["kept_id"], r["group"], r["group_size"], round(r["similarity"], 4),
+                      r["applied"]) for r in table.to_pylist()}
+
+
+def test_a_space_within_the_sample_gives_the_in_memory_groups(tmp_path):
+    data = planted_duplicates(1200, dim=16, topics=12, seed=3)
+    storage = write_space(tmp_path, data.vectors, data.pixels)
+    inputs = space_inputs(storage, list(SOURCES), ENCODER)
+    assert inputs.rows == 1200 and len(inputs.parts[1].fragments) == 3
+    config = SemDedupConfig(cluster_rows=150, cluster_cap=120)
+    out = storage.table("semantic_duplicates")
+    result = streamed_semantic_duplicates(inputs, out, config, Tasks(use_ray=False),
+                                          chunk_rows=97, bucket_rows=300)
+    rank = np.repeat([0, 1], [600, 600]).astype(np.int32)
+    expected = semantic_duplicates(space_ids(1200), data.vectors, data.pixels, rank, config)
+    assert expected.duplicates.num_rows > 100
+    assert rows_by_id(out.open().to_table()) == rows_by_id(expected.duplicates)
+    assert result.removed_by_eps == expected.removed_by_eps
+    assert (result.clusters, result.largest_cluster) == (expected.clusters,
+                                                         expected.largest_cluster)
+    assert result.sample_rows == 1200 and len(result.nodes) == 1
+    assert result.largest == sorted(result.largest, key=lambda g: -g["group_size"])
+
+
+def test_a_fit_on_a_sample_still_finds_the_planted_groups(tmp_path):
+    data = planted_duplicates(3000, dim=32, topics=30, seed=4)
+    storage = write_space(tmp_path, data.vectors)
+    inputs = space_inputs(storage, list(SOURCES), ENCODER)
+    out = storage.table("semantic_duplicates")
+    result = streamed_semantic_duplicates(inputs, out, SemDedupConfig(cluster_rows=300),
+                                          Tasks(use_ray=False), sample_rows=600,
+                                          chunk_rows=500, bucket_rows=1000)
+    assert result.sample_rows == 600
+    table = out.open().to_table()
+    index = {i: n for n, i in enumerate(space_ids(3000).to_pylist())}
+    group = np.full(3000, -1, np.int64)
+    group[[index[i] for i in table.column("id").to_pylist()]] = table.column("group").to_numpy()
+    found, truth = pairs_of(group), data.true_pairs()
+    assert len(found & truth) / len(truth) >= 0.95
+    assert len(found & truth) / len(found) >= 0.95
+
+
+def test_the_sample_is_seeded_bounded_and_whole_when_the_space_fits(tmp_path):
+    vectors = np.random.default_rng(0).normal(size=(500, 8)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    inputs = space_inputs(write_space(tmp_path, vectors), list(SOURCES), ENCODER)
+    tasks = Tasks(use_ray=False)
+    assert np.allclose(sample(inputs, tasks, 500, 0, chunk_rows=64), vectors, atol=1e-6)
+    drawn = sample(inputs, tasks, 100, 7, chunk_rows=64)
+    assert drawn.shape == (100, 8)
+    assert np.array_equal(drawn, sample(inputs, tasks, 100, 7, chunk_rows=64))
+    assert not np.array_equal(drawn, sample(inputs, tasks, 100, 8, chunk_rows=64))
+
+
+def test_streamed_concepts_match_the_in_memory_hierarchy_and_budgets(tmp_path):
+    vectors, _ = long_tailed_mixture(topics=20, largest=400, dim=16, seed=5)
+    storage = write_space(tmp_path, vectors)
+    inputs = space_inputs(storage, list(SOURCES), ENCODER)
+    out = storage.table("concepts")
+    target = len(vectors) // 3
+    result = streamed_concepts(inputs, out, (12, 3), target, 0, Tasks(use_ray=False),
+                               chunk_rows=111, bucket_rows=len(vectors))
+    tree = hierarchical_kmeans(vectors, (12, 3), 0)
+    assert np.array_equal(result.sizes[0], tree.sizes(1))
+    assert np.array_equal(result.budgets, leaf_budgets(tree, target))
+    table = out.open().to_table()
+    leaves = table.filter(pa.compute.equal(table.column("level"), 1))
+    index = {i: n for n, i in enumerate(space_ids(len(vectors)).to_pylist())}
+    rows = np.array([index[i] for i in leaves.column("id").to_pylist()])
+    assert np.array_equal(leaves.column("cluster").to_numpy(), tree.leaves[rows])
+    kept = leaves.column("balanced").to_numpy(zero_copy_only=False)
+    # One bucket: the in-memory path's very sample.
+    assert np.array_equal(kept, balanced_selection(tree, target)[rows])
+    kept_per_leaf = np.bincount(tree.leaves[rows][kept], minlength=12)
+    assert np.array_equal(kept_per_leaf, result.budgets)
+    top = table.filter(pa.compute.equal(table.column("level"), 2))
+    assert top.num_rows == len(vectors)
+    several = streamed_concepts(inputs, out, (12, 3), target, 0, Tasks(use_ray=False),
+                                chunk_rows=111, bucket_rows=400)
+    balanced = out.open().to_table(filter="level = 1 AND balanced")
+    assert balanced.num_rows == several.budgets.sum() == result.budgets.sum()
+    assert result.first_ids and all(len(v) <= 3 for v in result.first_ids.values())
+
+
+def test_budgets_from_sizes_alone_are_the_trees():
+    vectors, _ = long_tailed_mixture(topics=15, largest=300, dim=8, seed=1)
+    tree = hierarchical_kmeans(vectors, (10, 4, 2), 0)
+    assert np.array_equal(budgets_of(tree.sizes(1), tree.parents, 200),
+                          leaf_budgets(tree, 200))
+
+
+@pytest.mark.parametrize("rows", [0])
+def test_an_empty_space_writes_empty_tables(tmp_path, rows):
+    storage = Storage(tmp_path)
+    inputs = space_inputs(storage, list(SOURCES), ENCODER)
+    assert inputs.missing == list(SOURCES) and inputs.rows == rows
+    result = streamed_semantic_duplicates(inputs, storage.table("semantic_duplicates"),
+                                          SemDedupConfig(), Tasks(use_ray=False))
+    assert result.rows == 0 and storage.table("semantic_duplicates").open().count_rows() == 0
+    concepts = streamed_concepts(inputs, storage.table("concepts"), (4,), 0, 0,
+                                 Tasks(use_ray=False))
+    assert concepts.rows == 0 and storage.table("concepts").open().count_rows() == 0
+
+
+def groups_at_fit(ids: pa.Array, vectors: np.ndarray, pixels: np.ndarray, rank: np.ndarray,
+                  centroids: np.ndarray, config: SemDedupConfig) -> dict:
+    """A full recompute at a given fit, in this process: {id: (kept id, size, cluster)}."""
+    vectors = normalise(vectors)
+    cluster = assign(vectors, centroids).astype(np.int32)
+    group = np.arange(len(vectors))
+    for c in np.unique(cluster):
+        rows = np.flatnonzero(cluster == c)
+        group[rows] = rows[cluster_groups(vectors[rows], [config.eps])[0]]
+    table = kept_copies(ids, group, pixels, rank, cluster, vectors)
+    return {r["id"]: (r["kept_id"], r["group_size"], r["cluster"]) for r in table.to_pylist()}
+
+
+def test_an_update_at_a_fixed_fit_equals_a_full_recompute_at_that_fit(tmp_path):
+    data = planted_duplicates(1000, dim=16, topics=10, seed=6)
+    storage = write_space(tmp_path, data.vectors, data.pixels)
+    config = SemDedupConfig(cluster_rows=50, cluster_cap=10_000)
+    out, clusters = storage.table("semantic_duplicates"), storage.table("semantic_clusters")
+    inputs = space_inputs(storage, list(SOURCES), ENCODER)
+    assert incremental_semantic_duplicates(inputs, out, clusters, config) is None  # no fit
+    streamed_semantic_duplicates(inputs, out, config, Tasks(use_ray=False), chunk_rows=200,
+                                 bucket_rows=400, clusters_out=clusters)
+    centroids = read_fit(clusters, fit_tag(inputs, config, True, DEFAULT_SAMPLE_ROWS))[0]
+
+    # stock gains near copies of three rows and two new rows alike; web loses two rows in
+    # groups of clusters no new row joins (only a deletion touches those).
+    rng = np.random.default_rng(1)
+    originals = rng.choice(1000, size=3, replace=False)
+    copies = normalise(data.vectors[originals] + rng.normal(size=(3, 16)) * 0.01)
+    pair = normalise(np.repeat(rng.normal(size=(1, 16)), 2, axis=0)
+                     + rng.normal(size=(2, 16)) * 0.005)
+    new = np.concatenate([copies, pair])
+    new_ids = [f"stock:{2000 + i:06d}" for i in range(len(new))]
+    write_embeddings(storage.table("image_embeddings", "stock"),
+                     [pa.table({"id": new_ids, "embedding": new.tolist()})], ENCODER, [])
+    new_pixels = np.full(len(new), 5 * 65_536, np.int64)
+    hashes = pa.table({"id": new_ids, "pixels": pa.array(new_pixels)})
+    storage.table("phashes", "stock").open().insert(hashes)
+    joined = set(assign(new, centroids).tolist())
+    grouped = [r["id"] for r in out.open().to_table().to_pylist()
+               if r["id"].startswith("web") and r["cluster"] not in joined]
+    web = storage.table("image_embeddings", "web").open()
+    web.delete(f"id IN ('{grouped[0]}', '{grouped[1]}')")
+
+    inputs = space_inputs(storage, list(SOURCES), ENCODER)
+    result = incremental_semantic_duplicates(inputs, out, clusters, config)
+    assert result is not None and result.run == "update" and result.changed_rows == 7
+    assert 0 < result.regrouped_rows < inputs.rows / 2
+    ids = space_ids(1000).to_pylist()
+    alive = [n for n, i in enumerate(ids) if i not in grouped[:2]]
+    expected = groups_at_fit(
+        pa.array([ids[n] for n in alive] + new_ids),
+        np.concatenate([data.vectors[alive], new]),
+        np.concatenate([data.pixels[alive], new_pixels]),
+        np.r_[np.where(np.array(alive) < 500, 0, 1), np.ones(len(new))].astype(np.int32),
+        centroids, config)
+    got = {r["id"]: (r["kept_id"], r["group_size"], r["cluster"])
+           for r in out.open().to_table().to_pylist()}
+    assert got == expected
+    assert set(new_ids) <= set(got)
+    # Nothing changed since: nothing regrouped.
+    again = incremental_semantic_duplicates(space_inputs(storage, list(SOURCES), ENCODER),
+                                            out, clusters, config)
+    assert again is not None and again.regrouped_rows == 0
+    assert again.removed_by_eps[config.eps] == sum(1 for i, (k, _, _) in got.items() if i != k)
