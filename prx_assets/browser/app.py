@@ -67,7 +67,7 @@ from prx_assets.browser.auth import (
 )
 from prx_assets.browser.cards import published, tree_card
 from prx_assets.browser.catalog import TABLE_TTL_S, BadQuery, Catalog, NotFound
-from prx_assets.browser.facets import Query
+from prx_assets.browser.facets import MAX_CLUSTER, MAX_CONCEPT_LEVEL, Query
 from prx_assets.browser.links import dagster_home_instance, dagster_url, run_url
 from prx_assets.stages.opt_outs.requests import files_requesting, write_request
 from prx_assets.storage.layout import Storage
@@ -135,6 +135,9 @@ def grid_page(request: Request, state: BrowserState) -> Response:
 def concept_page(request: Request, state: BrowserState) -> Response:
     """One concept cluster: its samples, size, a few captions, its nearest clusters."""
     level, cluster = request.path_params["level"], request.path_params["cluster"]
+    if level > MAX_CONCEPT_LEVEL or cluster > MAX_CLUSTER:  # beyond a Lance int32 filter
+        return state.error(request, 400, "Bad request", f"a concept is a level up to "
+                           f"{MAX_CONCEPT_LEVEL} and a cluster up to {MAX_CLUSTER}")
     try:
         found = concepts.cluster(state.catalog, level, cluster, queries.PAGE_SIZE)
         tiles = queries.tiles_of(state.catalog, found.ids)
