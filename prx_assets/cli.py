@@ -133,26 +133,27 @@ def _mds_uri(args: argparse.Namespace) -> int:
     import time
 
     from prx_assets.storage.layout import Storage
-    from prx_assets.storage.trees import current_tree_uri, hold_current_tree
+    from prx_assets.storage.trees import current_tree_uri, hold_current_tree, hold_tree
 
     if (args.source is None) == (args.subset is None):
         print("error: name a SOURCE or --subset NAME (one of them)", file=sys.stderr)
-        return 2
-    if args.subset is not None and args.lease is not None:
-        print("error: --lease holds a source's tree; a subset's trees are not leased yet",
-              file=sys.stderr)
         return 2
     storage = Storage.from_env()
     try:
         if args.subset is not None:
             from prx_assets.stages.subsets.build import current_subset_uri
+            from prx_assets.stages.subsets.tree import subset_store
 
-            print(current_subset_uri(storage, args.subset))
-            return 0
-        if args.lease is None:
+            if args.lease is None:
+                print(current_subset_uri(storage, args.subset))
+                return 0
+            tree, lease = hold_tree(subset_store(storage.mds_root, args.subset),
+                                    args.lease * 3600)
+        elif args.lease is None:
             print(current_tree_uri(storage, args.source))
             return 0
-        tree, lease = hold_current_tree(storage.mds_root, args.source, args.lease * 3600)
+        else:
+            tree, lease = hold_current_tree(storage.mds_root, args.source, args.lease * 3600)
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

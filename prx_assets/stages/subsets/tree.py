@@ -47,7 +47,7 @@ SUBSET_COLUMNS = dict(MDS_COLUMNS)  # the design's sample with `license`
 def subset_store(mds_root: Location, name: str,
                  log: Callable[[str], None] | None = None) -> TreeStore:
     """The subset's trees: a TreeStore under `mds/subsets`."""
-    store = TreeStore(mds_root / SUBSETS_DIR, name)
+    store = TreeStore(mds_root / SUBSETS_DIR, name, kind=SUBSETS_DIR)
     if log is not None:
         store.log = log
     return store
