@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from functools import partial
@@ -59,6 +60,7 @@ from starlette.staticfiles import StaticFiles
 
 from prx_assets.browser import concepts, duplicates, queries, rejects
 from prx_assets.browser.auth import (
+    AUTH_DB,
     SESSION_COOKIE,
     BrowserAuth,
     Curators,
@@ -457,9 +459,17 @@ def serve(storage: Storage | str | Path, host: str = "127.0.0.1", port: int = 80
     reading needs a session too."""
     import uvicorn
 
-    app = create_app(storage, BrowserAuth(curators), private_reads=check_bind(host, curators),
+    app = create_app(storage, browser_auth(curators), private_reads=check_bind(host, curators),
                      dagster=dagster_home_instance())
     uvicorn.run(app, host=host, port=port, log_level="info")
+
+
+def browser_auth(curators: Curators | None) -> BrowserAuth:
+    """Sessions and rate limits in a SQLite file beside the Dagster instance
+    ($DAGSTER_HOME/browser_auth.sqlite): kept across a restart and shared by every server
+    process started there; in this process's memory without DAGSTER_HOME."""
+    home = os.environ.get("DAGSTER_HOME")
+    return BrowserAuth.shared(curators, Path(home) / AUTH_DB) if home else BrowserAuth(curators)
 
 
 def check_bind(host: str, curators: Curators | None) -> bool:
