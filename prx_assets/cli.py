@@ -138,6 +138,10 @@ def _mds_uri(args: argparse.Namespace) -> int:
     if (args.source is None) == (args.subset is None):
         print("error: name a SOURCE or --subset NAME (one of them)", file=sys.stderr)
         return 2
+    refusal = _mds_uri_refusal(args)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     storage = Storage.from_env()
     try:
         if args.subset is not None:
@@ -164,10 +168,37 @@ def _mds_uri(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mds_uri_refusal(args: argparse.Namespace) -> str | None:
+    """Why `mds-uri`'s arguments cannot be used (a name that is no source or subset name
+    would reach paths outside the trees, and a lease file path), None when they can."""
+    import math
+
+    from prx_assets.stages.ingest.sources import NAME_PATTERN
+
+    name = args.source if args.source is not None else args.subset
+    if not NAME_PATTERN.match(name):
+        return f"{name!r} is not a source or subset name ([a-z0-9_]+)"
+    if args.lease is not None and not (math.isfinite(args.lease) and 0 < args.lease <= 8760):
+        return f"--lease {args.lease}: a number of hours above 0, at most 8760 (a year)"
+    return None
+
+
+MAX_RESULTS = 10_000
+
+
+def _result_count(text: str) -> int:
+    """`--k`: a whole number from 1 to MAX_RESULTS (Lance refused 0 and below with a
+    traceback)."""
+    if not text.strip().isdigit() or not 1 <= int(text) <= MAX_RESULTS:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number from 1 to {MAX_RESULTS}")
+    return int(text)
+
+
 def _add_query_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", help="only this source")
     parser.add_argument("--label", choices=["visual", "text", "nsfw"], help="only this label")
-    parser.add_argument("--k", type=int, default=10, help="how many results (default 10)")
+    parser.add_argument("--k", type=_result_count, default=10,
+                        help=f"how many results (default 10, at most {MAX_RESULTS})")
     parser.add_argument("--where", action="append", default=[], metavar="CONDITION",
                         help="an attribute condition, repeatable: medium=photo, "
                              "subjects=animal,food, watermark=false, aesthetic_quality>=4")
