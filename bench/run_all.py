@@ -10,7 +10,8 @@ import sys
 STAGES = ["bench.ingest", "bench.image_stage", "bench.subsampling", "bench.captions", "bench.mds",
           "bench.optout_guard", "bench.labels", "bench.attributes", "bench.dedup",
           "bench.semantic", "bench.browser", "bench.s3", "bench.leases", "bench.incremental",
-          "bench.growth", "bench.plan_growth", "bench.source_sensor", "bench.scale"]
+          "bench.growth", "bench.plan_growth", "bench.source_sensor", "bench.soak",
+          "bench.scale"]
 
 
 def main() -> int:

@@ -153,7 +153,7 @@ def describe_failure(context: dg.RunFailureSensorContext) -> str:
     ("OSError: ...", the body's exception, not Dagster's wrapper around it)."""
     steps = []
     for event in context.get_step_failure_events():
-        error = event.event_specific_data.error if event.event_specific_data else None
+        error = event.step_failure_data.error
         while error is not None and error.cause is not None:
             error = error.cause
         steps.append((event.step_key or "?", error.message if error is not None else ""))

@@ -110,8 +110,9 @@ def _delete_at_version(table: TableRef, dataset: lance.LanceDataset, addresses: 
         by_fragment.setdefault(address >> 32, []).append(address)
     updated, removed = [], []
     for fragment_id, mine in by_fragment.items():
-        kept = dataset.get_fragment(fragment_id).delete(
-            f"_rowaddr IN ({', '.join(map(str, mine))})")
+        fragment = dataset.get_fragment(fragment_id)
+        assert fragment is not None  # an address read at this very version
+        kept = fragment.delete(f"_rowaddr IN ({', '.join(map(str, mine))})")
         if kept is None:  # every row of the fragment was a later copy
             removed.append(fragment_id)
         else:
