@@ -98,7 +98,8 @@ class Soak:
 
         self.files_made += 1
         name = name or f"img{self.files_made:04d}.jpg"
-        width, height = self.rng.choice([(320, 320), (400, 300), (300, 400), (512, 384)])
+        # Tier 512 at least (a smaller image is `too_small`): every image reaches the tree.
+        width, height = self.rng.choice([(512, 384), (640, 480), (600, 600), (480, 640)])
         (self.folder / name).write_bytes(jpeg_bytes(width, height, self.rng.randrange(10**6)))
         (self.folder / name).with_suffix(".txt").write_text(
             f"a generated test pattern number {self.rng.randrange(10**6)}")
