@@ -211,7 +211,7 @@ def test_a_lease_lost_after_the_mapping_commit_is_repaired_by_the_next_run(data_
     from prx_assets.stages.shards import publish as publish_module
     from prx_assets.storage.leases import LeaseLostError
 
-    corpus = build_corpus(data_root, "web", per_shape=7)
+    corpus = build_corpus(data_root, "web", per_shape=3)  # small: three builds
     write(data_root, APPENDING)
     change_inputs(data_root, corpus)
     store = trees.tree_store(Storage(data_root), "web")
