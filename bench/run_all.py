@@ -11,6 +11,7 @@ STAGES = ["bench.ingest", "bench.image_stage", "bench.subsampling", "bench.capti
           "bench.optout_guard", "bench.rights", "bench.labels", "bench.attributes", "bench.dedup",
           "bench.semantic", "bench.browser", "bench.s3", "bench.leases", "bench.incremental",
           "bench.growth", "bench.global_growth", "bench.plan_growth", "bench.source_sensor",
+          "bench.soak",
           "bench.scale"]
 
 

@@ -151,26 +151,31 @@ def _mds_uri(args: argparse.Namespace) -> int:
     import time
 
     from prx_assets.storage.layout import Storage
-    from prx_assets.storage.trees import current_tree_uri, hold_current_tree
+    from prx_assets.storage.trees import current_tree_uri, hold_current_tree, hold_tree
 
     if (args.source is None) == (args.subset is None):
         print("error: name a SOURCE or --subset NAME (one of them)", file=sys.stderr)
         return 2
-    if args.subset is not None and args.lease is not None:
-        print("error: --lease holds a source's tree; a subset's trees are not leased yet",
-              file=sys.stderr)
+    refusal = _mds_uri_refusal(args)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
         return 2
     storage = Storage.from_env()
     try:
         if args.subset is not None:
             from prx_assets.stages.subsets.build import current_subset_uri
+            from prx_assets.stages.subsets.tree import subset_store
 
-            print(current_subset_uri(storage, args.subset))
-            return 0
-        if args.lease is None:
+            if args.lease is None:
+                print(current_subset_uri(storage, args.subset))
+                return 0
+            tree, lease = hold_tree(subset_store(storage.mds_root, args.subset),
+                                    args.lease * 3600)
+        elif args.lease is None:
             print(current_tree_uri(storage, args.source))
             return 0
-        tree, lease = hold_current_tree(storage.mds_root, args.source, args.lease * 3600)
+        else:
+            tree, lease = hold_current_tree(storage.mds_root, args.source, args.lease * 3600)
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -181,10 +186,37 @@ def _mds_uri(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mds_uri_refusal(args: argparse.Namespace) -> str | None:
+    """Why `mds-uri`'s arguments cannot be used (a name that is no source or subset name
+    would reach paths outside the trees, and a lease file path), None when they can."""
+    import math
+
+    from prx_assets.stages.ingest.sources import NAME_PATTERN
+
+    name = args.source if args.source is not None else args.subset
+    if not NAME_PATTERN.match(name):
+        return f"{name!r} is not a source or subset name ([a-z0-9_]+)"
+    if args.lease is not None and not (math.isfinite(args.lease) and 0 < args.lease <= 8760):
+        return f"--lease {args.lease}: a number of hours above 0, at most 8760 (a year)"
+    return None
+
+
+MAX_RESULTS = 10_000
+
+
+def _result_count(text: str) -> int:
+    """`--k`: a whole number from 1 to MAX_RESULTS (Lance refused 0 and below with a
+    traceback)."""
+    if not text.strip().isdigit() or not 1 <= int(text) <= MAX_RESULTS:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number from 1 to {MAX_RESULTS}")
+    return int(text)
+
+
 def _add_query_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", help="only this source")
     parser.add_argument("--label", choices=["visual", "text", "nsfw"], help="only this label")
-    parser.add_argument("--k", type=int, default=10, help="how many results (default 10)")
+    parser.add_argument("--k", type=_result_count, default=10,
+                        help=f"how many results (default 10, at most {MAX_RESULTS})")
     parser.add_argument("--where", action="append", default=[], metavar="CONDITION",
                         help="an attribute condition, repeatable: medium=photo, "
                              "subjects=animal,food, watermark=false, aesthetic_quality>=4, "

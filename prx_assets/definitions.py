@@ -17,7 +17,7 @@ from prx_assets.defs.attributes import AttributerResource, attribute_defs
 from prx_assets.defs.captions import caption_defs
 from prx_assets.defs.corpus import corpus_defs
 from prx_assets.defs.dedup import dedup_defs
-from prx_assets.defs.factory import automate, factory_defs
+from prx_assets.defs.factory import FRESH_ASSETS, automate, factory_defs, fresh
 from prx_assets.defs.images import image_defs
 from prx_assets.defs.ingest import ingest_defs
 from prx_assets.defs.io_managers import RayLanceIOManager
@@ -93,7 +93,8 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
             "image_encoder": ImageEncoderResource(),
         })
     return dg.Definitions.merge(*stages, shared).map_resolved_asset_specs(
-        func=automate, selection=dg.AssetSelection.assets(*automated()))
+        func=automate, selection=dg.AssetSelection.assets(*automated())
+    ).map_resolved_asset_specs(func=fresh, selection=dg.AssetSelection.assets(*FRESH_ASSETS))
 
 
 def default_subsets_file(sources_file: Path) -> Path:

@@ -19,6 +19,7 @@ os.environ.pop("RAY_ADDRESS", None)  # tests start their own clusters where they
 # A test that uses one of these fixtures (itself or through another) gets the mark, so
 # `make test-fast` leaves it out: the S3 server, a browser, the browser tests' corpus
 # (`tiny`, built by running the whole graph), or the embedded Ray.
+CANARY_CREDENTIAL = ("PRX_TEST_CANARY_API_KEY", "canary-credential-of-the-test-driver")
 MARKS_BY_FIXTURE = {"s3_server": "s3", "chromium": "browser", "tiny": "e2e", "ray_session": "ray"}
 
 
@@ -35,6 +36,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def ray_session():
     from prx_assets.engine import ray_runtime
 
+    # A credential the driver holds when Ray starts: its workers must not inherit it.
+    os.environ.setdefault(*CANARY_CREDENTIAL)
     started = ray_runtime.connect(num_cpus=2)
     yield
     if started:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from functools import partial
@@ -59,6 +60,7 @@ from starlette.staticfiles import StaticFiles
 
 from prx_assets.browser import concepts, duplicates, queries, rejects
 from prx_assets.browser.auth import (
+    AUTH_DB,
     SESSION_COOKIE,
     BrowserAuth,
     Curators,
@@ -67,7 +69,7 @@ from prx_assets.browser.auth import (
 )
 from prx_assets.browser.cards import published, tree_card
 from prx_assets.browser.catalog import TABLE_TTL_S, BadQuery, Catalog, NotFound
-from prx_assets.browser.facets import Query
+from prx_assets.browser.facets import MAX_CLUSTER, MAX_CONCEPT_LEVEL, Query
 from prx_assets.browser.links import dagster_home_instance, dagster_url, run_url
 from prx_assets.stages.ingest.rights import CONSTRAINED
 from prx_assets.stages.opt_outs.requests import files_requesting, write_request
@@ -137,6 +139,9 @@ def grid_page(request: Request, state: BrowserState) -> Response:
 def concept_page(request: Request, state: BrowserState) -> Response:
     """One concept cluster: its samples, size, a few captions, its nearest clusters."""
     level, cluster = request.path_params["level"], request.path_params["cluster"]
+    if level > MAX_CONCEPT_LEVEL or cluster > MAX_CLUSTER:  # beyond a Lance int32 filter
+        return state.error(request, 400, "Bad request", f"a concept is a level up to "
+                           f"{MAX_CONCEPT_LEVEL} and a cluster up to {MAX_CLUSTER}")
     try:
         found = concepts.cluster(state.catalog, level, cluster, queries.PAGE_SIZE)
         tiles = queries.tiles_of(state.catalog, found.ids)
@@ -490,9 +495,17 @@ def serve(storage: Storage | str | Path, host: str = "127.0.0.1", port: int = 80
     reading needs a session too."""
     import uvicorn
 
-    app = create_app(storage, BrowserAuth(curators), private_reads=check_bind(host, curators),
+    app = create_app(storage, browser_auth(curators), private_reads=check_bind(host, curators),
                      dagster=dagster_home_instance())
     uvicorn.run(app, host=host, port=port, log_level="info")
+
+
+def browser_auth(curators: Curators | None) -> BrowserAuth:
+    """Sessions and rate limits in a SQLite file beside the Dagster instance
+    ($DAGSTER_HOME/browser_auth.sqlite): kept across a restart and shared by every server
+    process started there; in this process's memory without DAGSTER_HOME."""
+    home = os.environ.get("DAGSTER_HOME")
+    return BrowserAuth.shared(curators, Path(home) / AUTH_DB) if home else BrowserAuth(curators)
 
 
 def check_bind(host: str, curators: Curators | None) -> bool:

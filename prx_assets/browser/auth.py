@@ -23,10 +23,11 @@ import hashlib
 import hmac
 import os
 import secrets
+import sqlite3
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -101,25 +102,69 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(str(token).encode()).digest()
 
 
+AUTH_DB = "browser_auth.sqlite"  # beside the Dagster instance ($DAGSTER_HOME)
+_AUTH_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (id TEXT PRIMARY KEY, curator TEXT NOT NULL,
+                                     form_token TEXT NOT NULL, expires REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS events (name TEXT NOT NULL, key TEXT NOT NULL, at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS events_by_key ON events (name, key, at);
+"""
+
+
+class AuthStore:
+    """Where sessions and rate-limit events live: a SQLite file that every server process
+    started with it shares (and that outlives a restart), or, without a path, this
+    process's memory. Each check-and-count is one IMMEDIATE transaction, so two processes
+    never both take a window's last slot."""
+
+    def __init__(self, path: Path | str | None = None) -> None:
+        self.path = None if path is None else Path(path)
+        self._lock = threading.Lock()
+        self._memory = (sqlite3.connect(":memory:", check_same_thread=False,
+                                        isolation_level=None) if self.path is None else None)
+        with self.transaction() as db:
+            for statement in _AUTH_SCHEMA.split(";")[:-1]:  # executescript would commit
+                db.execute(statement)
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            db = self._memory or sqlite3.connect(self.path or "", timeout=10.0,
+                                                 isolation_level=None)
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield db
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+                db.execute("COMMIT")
+            finally:
+                if db is not self._memory:
+                    db.close()
+
+
 class RateLimit:
-    """At most `limit` events per key in any `window_s` seconds (a sliding window)."""
+    """At most `limit` events per key in any `window_s` seconds (a sliding window), counted
+    in `store` under `name` (processes sharing the store share the limit)."""
 
     def __init__(self, limit: int, window_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.time, store: AuthStore | None = None,
+                 name: str = "events") -> None:
         self.limit, self.window_s, self.clock = limit, window_s, clock
-        self._events: dict[str, deque[float]] = {}
-        self._lock = threading.Lock()
+        self.store, self.name = store or AuthStore(), name
 
     def allow(self, key: str) -> bool:
         """Count one event for `key` if the window has room; False (not counted) if not."""
         now = self.clock()
-        with self._lock:
-            events = self._events.setdefault(key, deque())
-            while events and events[0] <= now - self.window_s:
-                events.popleft()
-            if len(events) >= self.limit:
+        with self.store.transaction() as db:
+            db.execute("DELETE FROM events WHERE name = ? AND key = ? AND at <= ?",
+                       (self.name, key, now - self.window_s))
+            (count,) = db.execute("SELECT COUNT(*) FROM events WHERE name = ? AND key = ?",
+                                  (self.name, key)).fetchone()
+            if count >= self.limit:
                 return False
-            events.append(now)
+            db.execute("INSERT INTO events VALUES (?, ?, ?)", (self.name, key, now))
             return True
 
 
@@ -131,34 +176,34 @@ class Session:
 
 
 class Sessions:
-    """Server-side sessions by random id (nothing about the curator is in the cookie)."""
+    """Server-side sessions by random id (nothing about the curator is in the cookie), kept
+    in `store` (processes sharing the store share the sessions)."""
 
     def __init__(self, hours: float = SESSION_HOURS,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, store: AuthStore | None = None) -> None:
         self.seconds, self.clock = hours * 3600, clock
-        self._by_id: dict[str, Session] = {}
-        self._lock = threading.Lock()
+        self.store = store or AuthStore()
 
     def start(self, curator: str) -> str:
         session_id = secrets.token_urlsafe(32)
-        with self._lock:
-            self._by_id[session_id] = Session(curator, secrets.token_urlsafe(32),
-                                              self.clock() + self.seconds)
+        with self.store.transaction() as db:
+            db.execute("INSERT INTO sessions VALUES (?, ?, ?, ?)",
+                       (session_id, curator, secrets.token_urlsafe(32),
+                        self.clock() + self.seconds))
         return session_id
 
     def get(self, session_id: str | None) -> Session | None:
         if not session_id:
             return None
-        with self._lock:
-            session = self._by_id.get(session_id)
-            if session is not None and session.expires <= self.clock():
-                del self._by_id[session_id]
-                return None
-            return session
+        with self.store.transaction() as db:
+            db.execute("DELETE FROM sessions WHERE expires <= ?", (self.clock(),))
+            row = db.execute("SELECT curator, form_token, expires FROM sessions WHERE id = ?",
+                             (session_id,)).fetchone()
+        return None if row is None else Session(*row)
 
     def end(self, session_id: str | None) -> None:
-        with self._lock:
-            self._by_id.pop(session_id or "", None)
+        with self.store.transaction() as db:
+            db.execute("DELETE FROM sessions WHERE id = ?", (session_id or "",))
 
 
 @dataclass
@@ -168,9 +213,18 @@ class BrowserAuth:
 
     curators: Curators | None = None
     sessions: Sessions = field(default_factory=Sessions)
-    writes: RateLimit = field(default_factory=lambda: RateLimit(10, 60.0))
-    logins: RateLimit = field(default_factory=lambda: RateLimit(5, 300.0))
+    writes: RateLimit = field(default_factory=lambda: RateLimit(10, 60.0, name="writes"))
+    logins: RateLimit = field(default_factory=lambda: RateLimit(5, 300.0, name="logins"))
     secure_cookie: bool = False  # True behind HTTPS: the cookie is then never sent in clear
+
+    @classmethod
+    def shared(cls, curators: Curators | None, path: Path | str) -> BrowserAuth:
+        """Sessions and both rate limits in the SQLite file at `path`: every server process
+        started with it sees the same sessions and counts against the same limits."""
+        store = AuthStore(path)
+        return cls(curators, Sessions(store=store),
+                   RateLimit(10, 60.0, store=store, name="writes"),
+                   RateLimit(5, 300.0, store=store, name="logins"))
 
     @property
     def configured(self) -> bool:

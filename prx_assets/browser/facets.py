@@ -56,6 +56,7 @@ LICENSE = re.compile(r"^[\w.+:/ -]{1,100}$")
 # Id sets that feed a facet filter (duplicates, skip reasons) are read with this limit.
 MAX_ID_SET = 100_000
 MAX_CONCEPT_LEVEL, MAX_CLUSTER = 8, 10_000_000
+MAX_TIER = 100_000  # tiers are a bucket's side in pixels (256 ... 2048)
 SPACES = ("image",)  # more like this besides the default caption space
 
 
@@ -90,9 +91,7 @@ class Query:
         label = params.get("label") or ""
         if label and label not in LABELS:
             raise BadQuery(f"label must be one of {', '.join(LABELS)}")
-        tier_text = params.get("tier") or ""
-        if tier_text and not tier_text.isdigit():
-            raise BadQuery("tier must be a number")
+        tier = _small_number(params, "tier", MAX_TIER)  # beyond: an int32 filter overflows
         shape = params.get("shape") or ""
         if shape and not SHAPE.match(shape):
             raise BadQuery("shape must look like 512x512")
@@ -109,7 +108,7 @@ class Query:
         space = params.get("space") or ""
         if space and space not in SPACES:
             raise BadQuery(f"space must be one of {', '.join(SPACES)}")
-        return cls(text, similar, source, label, int(tier_text) if tier_text else None, shape,
+        return cls(text, similar, source, label, tier, shape,
                    dup, skip, int(page_text), *_attribute_params(params), level=level,
                    concept=concept, space=space)
 

@@ -8,11 +8,16 @@ instance runs only what someone launches. `PRX_FACTORY=on` (read when the code l
 loads) starts them all; each can also be switched on alone in the UI (docs/factory.md).
 Automatic runs go through the instance's run queue like any other, so the concurrency
 limits of dagster.yaml and the `gpu` pool hold for them.
+
+Also here: the freshness policies of `mds_shards` and `skip_lists` (a source whose tree
+stopped updating shows in the UI's asset health) and the run-failure sensor, which logs
+one line per failed run naming the failing step and its cause.
 """
 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import dagster as dg
 
@@ -21,14 +26,29 @@ from prx_assets.stages.ingest.readers import ListingError, SourceNotFoundError
 from prx_assets.stages.ingest.sources import SourcesConfig, SourceSpec
 from prx_assets.stages.ingest.watch import ListingDigest, change_reason, listing_digest
 from prx_assets.storage.object_store import ObjectStoreError
-from prx_assets.storage.tables import CONCEPTS, OPT_OUTS, RAW_IMAGES, SEMANTIC_DUPLICATES
+from prx_assets.storage.tables import (
+    CONCEPTS,
+    MDS_SHARDS,
+    OPT_OUTS,
+    RAW_IMAGES,
+    SEMANTIC_DUPLICATES,
+    SKIP_LISTS,
+)
 
 FACTORY_SETTING = "PRX_FACTORY"
 # The assets automation materialises once raw_images changed, in the order they follow it
 # (the registry's `automated` steps).
 AUTOMATED = automated()
-# Seconds between two listings of a source: a listing of a big bucket is the tick's cost.
+# Seconds between two listings of a source: a listing of a big bucket is the tick's cost
+# (`PRX_SOURCE_SENSOR_INTERVAL_S`, read when the code location loads).
 SOURCE_SENSOR_INTERVAL = 300
+INTERVAL_SETTING = "PRX_SOURCE_SENSOR_INTERVAL_S"
+# A source's tree and skip lists not updated for this long: the asset's health warns, then
+# fails (the factory updates them within minutes of a source change).
+FRESH_WARN, FRESH_FAIL = timedelta(days=1), timedelta(days=3)
+FRESHNESS = dg.FreshnessPolicy.time_window(fail_window=FRESH_FAIL, warn_window=FRESH_WARN)
+FRESH_ASSETS = (MDS_SHARDS, SKIP_LISTS)
+FAILURE_SENSOR = "run_failure_reporter"
 # Tags on every run a source sensor requests: the UI shows them on the run.
 TRIGGER_TAG = "prx/trigger"
 REASON_TAG = "prx/trigger_reason"
@@ -43,18 +63,29 @@ def _status() -> dg.DefaultSensorStatus:
     return dg.DefaultSensorStatus.RUNNING if factory_on() else dg.DefaultSensorStatus.STOPPED
 
 
+def source_sensor_interval() -> int:
+    """Seconds between a source sensor's listings: `PRX_SOURCE_SENSOR_INTERVAL_S`, default
+    SOURCE_SENSOR_INTERVAL."""
+    text = os.environ.get(INTERVAL_SETTING, "").strip()
+    if not text:
+        return SOURCE_SENSOR_INTERVAL
+    if not text.isdigit() or not 1 <= int(text) <= 86_400:
+        raise ValueError(f"{INTERVAL_SETTING}={text!r}: a whole number of seconds, 1 to 86400")
+    return int(text)
+
+
 def sensor_name(source: str) -> str:
     return f"{source}_source_sensor"
 
 
 def build_source_sensor(spec: SourceSpec, location: str) -> dg.SensorDefinition:
-    """Lists the source every `SOURCE_SENSOR_INTERVAL` seconds; when the digest of the
+    """Lists the source every `source_sensor_interval()` seconds; when the digest of the
     listing differs from the cursor's, requests the source's `raw_images` run (its run key
     is the new digest, so one listing state launches one run)."""
 
     @dg.sensor(
         name=sensor_name(spec.name), target=dg.AssetSelection.assets(RAW_IMAGES),
-        minimum_interval_seconds=SOURCE_SENSOR_INTERVAL, default_status=_status(),
+        minimum_interval_seconds=source_sensor_interval(), default_status=_status(),
         description=f"Lists source {spec.name!r} ({location}) and requests its incremental "
                     "raw_images run when a file was added, removed or rewritten. The cursor "
                     "is a digest of the listing.")
@@ -100,7 +131,45 @@ def automation_sensor() -> dg.AutomationConditionSensorDefinition:
                     "asset's Automation tab).")
 
 
+def fresh(spec: dg.AssetSpec) -> dg.AssetSpec:
+    """The asset with FRESHNESS (for `map_resolved_asset_specs` over FRESH_ASSETS)."""
+    return spec.replace_attributes(freshness_policy=FRESHNESS)
+
+
+def failure_line(run_id: str, job: str, steps: list[tuple[str, str]], run_cause: str) -> str:
+    """One line for a failed run: the first failing step and the first line of its error,
+    or the run's own failure (a crash, a killed worker) when no step failed."""
+    if steps:
+        step, cause = steps[0]
+        more = f" (+{len(steps) - 1} more failed step(s))" if len(steps) > 1 else ""
+    else:
+        step, cause, more = "(no step)", run_cause, ""
+    text = (cause or "").strip()
+    first = text.splitlines()[0] if text else "no message"
+    return f"run {run_id} of {job} failed at step {step}: {first}{more}"
+
+
+def describe_failure(context: dg.RunFailureSensorContext) -> str:
+    """`failure_line` of the context's run: each failed step with its innermost error
+    ("OSError: ...", the body's exception, not Dagster's wrapper around it)."""
+    steps = []
+    for event in context.get_step_failure_events():
+        error = event.step_failure_data.error
+        while error is not None and error.cause is not None:
+            error = error.cause
+        steps.append((event.step_key or "?", error.message if error is not None else ""))
+    return failure_line(context.dagster_run.run_id, context.dagster_run.job_name, steps,
+                        context.failure_event.message or "")
+
+
+@dg.run_failure_sensor(name=FAILURE_SENSOR, default_status=dg.DefaultSensorStatus.RUNNING,
+                       description="Logs one line per failed run: the failing step and its "
+                                   "cause (the run's own failure when no step failed).")
+def run_failure_reporter(context: dg.RunFailureSensorContext) -> None:
+    context.log.error(describe_failure(context))
+
+
 def factory_defs(sources: SourcesConfig) -> dg.Definitions:
     return dg.Definitions(
         sensors=[*(build_source_sensor(spec, sources.location_of(spec.name))
-                   for spec in sources.sources), automation_sensor()])
+                   for spec in sources.sources), automation_sensor(), run_failure_reporter])

@@ -5,11 +5,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import ray
 import ray.data
 
 from prx_assets.engine.progress import quiet_ray_data
+from prx_assets.engine.redact import credential_names
 from prx_assets.storage import failpoints
 
 LOOPBACK = "127.0.0.1"
@@ -49,17 +52,32 @@ def connect(address: str | None = None, num_cpus: int | None = None,
         ray.init(address=address, _node_ip_address=LOOPBACK if _is_local(address) else None,
                  logging_level=logging.WARNING, runtime_env=runtime_env)
     else:
-        ray.init(
-            num_cpus=num_cpus,
-            object_store_memory=(object_store_mb * (1 << 20) if object_store_mb
-                                 else default_object_store_bytes(num_cpus)),
-            _node_ip_address=LOOPBACK,
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            runtime_env=runtime_env,
-        )
+        with credentials_withheld():
+            ray.init(
+                num_cpus=num_cpus,
+                object_store_memory=(object_store_mb * (1 << 20) if object_store_mb
+                                     else default_object_store_bytes(num_cpus)),
+                _node_ip_address=LOOPBACK,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                runtime_env=runtime_env,
+            )
     configure_ray_data()
     return True
+
+
+@contextmanager
+def credentials_withheld() -> Iterator[None]:
+    """The credential variables out of this process's environment while embedded Ray starts:
+    its raylet, and every worker the raylet starts, inherit the environment of that moment,
+    and a worker's environment dump showed OPENAI_API_KEY and AWS_* keys. Workers need none:
+    Lance and object-store clients get credentials as resolved options (`TableRef`,
+    `Location`), the captioner its key in its spec."""
+    withheld = {name: os.environ.pop(name) for name in credential_names()}
+    try:
+        yield
+    finally:
+        os.environ.update(withheld)
 
 
 # Read output blocks a dataset should have at least, per CPU of the cluster. Ray Data's

@@ -23,6 +23,13 @@ _SECRET_ENV = re.compile(r"(?:KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIALS?)(?:_
 MIN_SECRET_LENGTH = 8  # shorter values ("1", "true") would mask ordinary words
 
 
+def credential_names(environ: dict[str, str] | None = None) -> list[str]:
+    """Names of the environment's credential variables (OPENAI_API_KEY,
+    AWS_SECRET_ACCESS_KEY, AWS_ACCESS_KEY_ID, HF_TOKEN, ...)."""
+    env = os.environ if environ is None else environ
+    return sorted(name for name in env if _SECRET_ENV.search(name.upper()))
+
+
 def secret_values(environ: dict[str, str] | None = None) -> list[str]:
     """Values of the credential variables set in the environment, longest first."""
     env = os.environ if environ is None else environ

@@ -19,14 +19,14 @@ from pathlib import Path
 from streaming import Stream
 
 from prx_assets.stages.ingest.sources import load_sources
-from prx_assets.stages.subsets.tree import SUBSETS_DIR
+from prx_assets.stages.subsets.tree import SUBSETS_DIR, subset_store
 from prx_assets.storage.layout import MDS_DIR
 from prx_assets.storage.leases import READER_TTL_S, ReaderLeaseKeeper
 from prx_assets.storage.object_store import is_object_store, split_uri
 from prx_assets.storage.refs import Location, as_location
 from prx_assets.storage.trees import (
     TreeStore,
-    hold_current_tree,
+    hold_tree,
     leaf_names,
     leaf_samples,
     source_trees,
@@ -64,7 +64,7 @@ def stream_trees(root: Location, key: str) -> TreeStore:
     if root.is_local and not os.path.lexists(root.path / SUBSETS_DIR) \
             and os.path.lexists(root.path / MDS_DIR / SUBSETS_DIR):
         root = root / MDS_DIR
-    return TreeStore(root / SUBSETS_DIR, key.removeprefix(SUBSET_PREFIX))
+    return subset_store(root, key.removeprefix(SUBSET_PREFIX))
 
 
 def plan_leaves(mds_root: Location | Path | str, tier: int, weights: Mapping[str, float],
@@ -99,26 +99,26 @@ def plan_leaves(mds_root: Location | Path | str, tier: int, weights: Mapping[str
 
 def hold_trees(mds_root: Location | Path | str, weights: Mapping[str, float],
                seconds: float = READER_TTL_S) -> tuple[dict[str, Location], ReaderLeaseKeeper]:
-    """Each weighted source's current tree under a reader lease, renewed while the returned
-    keeper lives (its thread renews every third of `seconds`); a tree is not pruned while
-    held (docs/factory.md, "Reader leases and retention"). A reader that may not write
+    """Each weighted source's (or subset's) current tree under a reader lease, renewed while
+    the returned keeper lives (its thread renews every third of `seconds`); a tree is not
+    pruned while held (docs/factory.md, "Reader leases and retention"). A reader that may not write
     (read-only credentials) streams without a lease, warned: the tree is then kept for the
     retention window only."""
     root = as_location(mds_root)
     trees: dict[str, Location] = {}
     leases = []
     for source, weight in sorted(weights.items()):
-        if weight <= 0 or source.startswith(SUBSET_PREFIX):  # subset trees: not leased yet
+        if weight <= 0:
             continue
         try:
-            trees[source], lease = hold_current_tree(root, source, seconds)
+            trees[source], lease = hold_tree(stream_trees(root, source), seconds)
             leases.append(lease)
         except FileNotFoundError:
             raise  # no tree at all: the error names the source
         except OSError as exc:  # refused (read-only credentials, a read-only folder)
             warnings.warn(f"{source}: no reader lease ({exc}); the tree is kept only for its "
                           "retention window after a rebuild supersedes it", stacklevel=2)
-            trees[source] = source_trees(root, source).current_tree()
+            trees[source] = stream_trees(root, source).current_tree()
     return trees, ReaderLeaseKeeper(leases, seconds)
 
 

@@ -57,6 +57,8 @@ POINTS = {
                               "committed (more captions pending)",
     "attributes.chunk_committed": "the attributes driver, right after a chunk of attributes "
                                   "committed (more captions pending)",
+    "storage.copies_found": "a writer repairing keys two writers both committed, the later "
+                            "copies found by key and not yet deleted",
     "mds.write_part": "a Ray task writing an MDS part inside the `.partial` tree, after its "
                       "first samples",
     "leases.waiting": "a writer that found its lease held by a live owner, before it waits "

@@ -18,6 +18,7 @@ import lance
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.filters import in_filter
 from prx_assets.storage.refs import TableRef
 
@@ -56,22 +57,66 @@ def split_present(dataset: lance.LanceDataset, rows: pa.Table, keys: list[str]
     return rows.filter(present), rows.filter(pc.invert(present))
 
 
+DROP_ATTEMPTS = 5  # deletes of later copies preempted by a compaction, then an error
+
+
 def drop_later_copies(table: TableRef, keys: list[str], rows: pa.Table) -> int | None:
     """Delete every row holding one of `rows`' keys but the first (lowest row address: the
     earliest commit, so two writers repairing the same keys keep the same row). Returns the
     new version, None when no key had a copy. A lookup through the key index: cost grows
-    with `rows`."""
-    dataset = table.latest().open()
+    with `rows`.
+
+    The copies are found by key at one version and deleted by a commit made against that
+    version: a row address names a row only within its version (a compaction moves rows),
+    so when another commit (a compaction) lands in between, the delete conflicts and the
+    copies are found again by key on the new version."""
+    for attempt in range(1, DROP_ATTEMPTS + 1):
+        dataset = table.latest().open()
+        later = _later_copies(dataset, keys, rows)
+        if not later:
+            return None
+        failpoint("storage.copies_found")
+        try:
+            version = _delete_at_version(table, dataset, later)
+        except lance.commit.CommitConflictError:
+            log.warning("%s: deleting later copies lost to a concurrent commit on version %d "
+                        "(attempt %d of %d): finding them again by key", table,
+                        dataset.version, attempt, DROP_ATTEMPTS)
+            continue
+        log.warning("%s: %d row(s) written twice by concurrent writers; kept the first copy",
+                    table, len(later))
+        return version
+    raise RuntimeError(f"{table}: later copies of {len(rows)} key(s) not deleted: "
+                       f"{DROP_ATTEMPTS} deletes lost to concurrent commits")
+
+
+def _later_copies(dataset: lance.LanceDataset, keys: list[str], rows: pa.Table) -> list[int]:
+    """Row addresses (in `dataset`'s version) of every copy of a key but its first."""
     found = rows_with_keys(dataset, rows, keys)
     if found.num_rows == 0:
-        return None
+        return []
     addresses = found.column("_rowaddr")
     by_key = pa.table({"key": key_strings(found, keys), "address": addresses})
     first = by_key.group_by("key").aggregate([("address", "min")]).column("address_min")
-    later = addresses.filter(pc.invert(pc.is_in(addresses, first))).to_pylist()
-    if not later:
-        return None
-    log.warning("%s: %d row(s) written twice by concurrent writers; keeping the first copy",
-                table, len(later))
-    dataset.delete(f"_rowaddr IN ({', '.join(map(str, sorted(later)))})")
-    return table.latest_version()
+    return sorted(addresses.filter(pc.invert(pc.is_in(addresses, first))).to_pylist())
+
+
+def _delete_at_version(table: TableRef, dataset: lance.LanceDataset, addresses: list[int]
+                       ) -> int:
+    """Delete the rows at `addresses` in one commit that lands only on `dataset`'s version
+    (a later commit touching their fragments: CommitConflictError)."""
+    by_fragment: dict[int, list[int]] = {}
+    for address in addresses:
+        by_fragment.setdefault(address >> 32, []).append(address)
+    updated, removed = [], []
+    for fragment_id, mine in by_fragment.items():
+        fragment = dataset.get_fragment(fragment_id)
+        assert fragment is not None  # an address read at this very version
+        kept = fragment.delete(f"_rowaddr IN ({', '.join(map(str, mine))})")
+        if kept is None:  # every row of the fragment was a later copy
+            removed.append(fragment_id)
+        else:
+            updated.append(kept)
+    operation = lance.LanceOperation.Delete(updated, removed, "later copies of keys")
+    return lance.LanceDataset.commit(table.uri, operation, read_version=dataset.version,
+                                     storage_options=table.lance_options()).version

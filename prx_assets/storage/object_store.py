@@ -263,3 +263,22 @@ def _seconds(duration: str) -> float:
         raise ValueError(f"not a duration: {duration!r}")
     value, unit = float(match.group(1)), match.group(2) or "s"
     return value * {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
+
+
+# What an object store answers when it is briefly unable to (S3's 500/503 "SlowDown",
+# a gateway's 502/504): worth a retry of the step, unlike a refused key or a missing bucket.
+_TRANSIENT = re.compile(r"(?:status|code|http|answered)[^0-9\n]{0,16}5(?:00|02|03|04)\b"
+                        r"|SlowDown|ServiceUnavailable|Service Unavailable"
+                        r"|Internal Server Error|Bad Gateway|Gateway Time-?out", re.IGNORECASE)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether `exc` (or an exception it was raised from) is an object store's transient
+    server error (5xx), so the step that met it may run again."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError | RuntimeError | ObjectStoreError) \
+                and _TRANSIENT.search(str(seen)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -91,6 +91,9 @@ class TreeStore:
     mds_root: Location
     source: str
     log: Callable[[str], None] = logger.info
+    # Where a tree kind other than a source's lives below `$PRX_DATA_ROOT/mds` ("subsets"):
+    # its trees sit under `mds/<kind>/`, its reader leases under `leases/readers/<kind>/`.
+    kind: str = ""
 
     @property
     def is_local(self) -> bool:
@@ -99,7 +102,13 @@ class TreeStore:
     @property
     def data_root(self) -> Location:
         """`$PRX_DATA_ROOT`, above the MDS root: where leases live."""
-        return self.mds_root.parent
+        return self.mds_root.parent.parent if self.kind else self.mds_root.parent
+
+    @property
+    def reader_key(self) -> str:
+        """What reader leases of these trees are filed under (a subset's apart from a
+        source of the same name)."""
+        return f"{self.kind}/{self.source}" if self.kind else self.source
 
     @property
     def trees_dir(self) -> Location:
@@ -274,7 +283,7 @@ class TreeStore:
             return []
         published = [name for name in self.trees_dir.folders()
                      if not name.endswith(PARTIAL_SUFFIX) and name <= current]
-        held = held_versions(self.data_root, self.source) if published[:-1] else set()
+        held = held_versions(self.data_root, self.reader_key) if published[:-1] else set()
         removed = []
         for old, successor in pairwise(published):
             if old in held or version_time(successor) > now - retention:
@@ -312,15 +321,19 @@ def hold_current_tree(root: Location | str | PurePath, source: str, seconds: flo
     `prune` keeps a leased tree past its retention. The lease is taken before the tree is
     checked to still exist (a prune that listed the leases before it would have removed it
     already, and we resolve again)."""
-    store = source_trees(root, source)
+    return hold_tree(source_trees(root, source), seconds)
+
+
+def hold_tree(store: TreeStore, seconds: float) -> tuple[Location, ReaderLease]:
+    """`hold_current_tree` for any trees (a source's, a subset's)."""
     for _ in range(3):
         tree = store.current_tree()
-        lease = take_reader_lease(store.data_root, source, tree.name, seconds)
+        lease = take_reader_lease(store.data_root, store.reader_key, tree.name, seconds)
         if (tree / TREE_MANIFEST).exists():
             return tree, lease
         lease.release()
-    raise RuntimeError(f"{source}: the current tree kept changing while a reader lease was "
-                       "taken on it; try again")
+    raise RuntimeError(f"{store.reader_key}: the current tree kept changing while a reader "
+                       "lease was taken on it; try again")
 
 
 def current_tree_uri(storage: Storage | str | Path, source: str) -> str:

@@ -173,3 +173,25 @@ def test_sessions_expire():
     assert sessions.get(session_id).curator == "alice"
     now[0] += 3601
     assert sessions.get(session_id) is None
+
+
+def test_two_server_processes_share_sessions_and_rate_limits(tmp_path, monkeypatch):
+    """Before: sessions and limits lived in one process's memory (lost on a restart, not
+    seen by a second server process). Two stores over one file stand for two processes:
+    each opens its own SQLite connection per call."""
+    from prx_assets.browser.app import browser_auth
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
+    curators = Curators.parse(f"alice {TOKEN}")
+    one, two = browser_auth(curators), browser_auth(curators)
+    assert (tmp_path / "browser_auth.sqlite").exists()
+    session_id = one.sessions.start("alice")
+    assert two.sessions.get(session_id) == one.sessions.get(session_id)
+    assert two.sessions.get(session_id).curator == "alice"
+    allowed = [server.writes.allow("alice") for server in (one, two) * 6]
+    assert allowed.count(True) == one.writes.limit == 10  # one window across both
+    assert two.logins.allow("alice")  # a limit of its own
+    two.sessions.end(session_id)
+    assert one.sessions.get(session_id) is None
+    restarted = browser_auth(curators)
+    assert not restarted.writes.allow("alice")  # a restart forgets nothing

@@ -125,6 +125,14 @@ def test_concept_page_samples_captions_and_nearest_clusters(app):
     assert _get(app, "/concept/7/0")[0] == 404
 
 
+def test_concept_page_refuses_numbers_beyond_a_cluster(app):
+    """Numbers past int32 once reached the Lance filter and answered 500."""
+    for path in ("/concept/1/99999999999", "/concept/99999999999/0"):
+        status, html = _get(app, path)
+        assert status == 400, path
+        assert "a concept is a level up to" in html
+
+
 def test_sample_page_links_its_concepts_and_image_space(app):
     status, html = _get(app, "/sample/web:5")
     assert status == 200

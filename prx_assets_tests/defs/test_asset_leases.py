@@ -40,3 +40,44 @@ def test_the_instance_queues_one_run_per_partition(tmp_path, monkeypatch):
     limits = instance.get_concurrency_config().run_queue_config.tag_concurrency_limits
     assert {"key": "dagster/partition", "value": {"applyLimitPerUniqueValue": True},
             "limit": 1} in limits
+    # A crashed run is launched once more; a step's failure is retried inside the run.
+    assert instance.run_retries_enabled and instance.run_retries_max_retries == 1
+    assert not instance.run_retries_retry_on_asset_or_op_failure
+
+
+def test_a_transient_object_store_error_retries_the_step_a_bounded_number_of_times(
+        data_root, monkeypatch):
+    from prx_assets.defs import asset_leases
+
+    monkeypatch.setattr(asset_leases, "RETRY_WAIT_S", 0)
+    attempts: list[int] = []
+
+    def body(context: dg.AssetExecutionContext, failures: int, cause: str) -> None:
+        with asset_leases.asset_lease(context, Storage(str(data_root)), "flaky"):
+            attempts.append(context.retry_number)
+            if len(attempts) <= failures:
+                raise OSError(cause)
+
+    @dg.asset
+    def twice_503(context: dg.AssetExecutionContext) -> None:
+        body(context, 2, "Generic S3 error: Server returned non-2xx status code: 503 "
+                         "Service Unavailable: SlowDown")
+
+    assert dg.materialize([twice_503], raise_on_error=False).success
+    assert attempts == [0, 1, 2]
+    attempts.clear()
+
+    @dg.asset
+    def always_503(context: dg.AssetExecutionContext) -> None:
+        body(context, 99, "HTTP status 503 Service Unavailable")
+
+    assert not dg.materialize([always_503], raise_on_error=False).success
+    assert attempts == [0, 1, 2]  # bounded: TRANSIENT_RETRIES after the first
+    attempts.clear()
+
+    @dg.asset
+    def refused(context: dg.AssetExecutionContext) -> None:
+        body(context, 99, "credentials refused (InvalidAccessKeyId)")
+
+    assert not dg.materialize([refused], raise_on_error=False).success
+    assert attempts == [0]  # not transient: no retry

@@ -155,3 +155,48 @@ def automated(result) -> dict[str, set]:
         if partitions:
             found[key.to_user_string()] = partitions
     return found
+
+
+def test_the_source_sensors_interval_is_a_setting(source, monkeypatch, tmp_path):
+    _, defs = source
+    assert defs.get_sensor_def(sensor_name("web")).minimum_interval_seconds == 300
+    monkeypatch.setenv("PRX_SOURCE_SENSOR_INTERVAL_S", "20")
+    faster = build_defs(tmp_path / "sources.yaml")
+    assert faster.get_sensor_def(sensor_name("web")).minimum_interval_seconds == 20
+    monkeypatch.setenv("PRX_SOURCE_SENSOR_INTERVAL_S", "soon")
+    with pytest.raises(ValueError, match="PRX_SOURCE_SENSOR_INTERVAL_S='soon'"):
+        build_defs(tmp_path / "sources.yaml")
+
+
+def test_trees_and_skip_lists_have_a_freshness_policy(source):
+    _, defs = source
+    graph = defs.resolve_asset_graph()
+    for key in ("mds_shards", "skip_lists"):
+        policy = graph.get(dg.AssetKey(key)).freshness_policy
+        assert policy is not None and policy.fail_window.to_timedelta().days == 3, key
+    assert graph.get(dg.AssetKey("raw_images")).freshness_policy is None
+
+
+def test_a_failed_run_is_logged_in_one_line_naming_the_step_and_cause():
+    from prx_assets.defs.factory import describe_failure, failure_line, run_failure_reporter
+
+    @dg.op
+    def fetch() -> None:
+        raise OSError("bucket answered 403 Forbidden\nsecond line")
+
+    @dg.job
+    def broken() -> None:
+        fetch()
+
+    with dg.instance_for_test() as instance:
+        result = broken.execute_in_process(instance=instance, raise_on_error=False)
+        failure = next(e for e in result.all_events if e.event_type_value == "PIPELINE_FAILURE")
+        context = dg.build_run_status_sensor_context(
+            sensor_name="run_failure_reporter", dagster_event=failure,
+            dagster_instance=instance, dagster_run=result.dagster_run).for_run_failure()
+        line = describe_failure(context)
+        run_failure_reporter(context)  # logs that line
+    assert line == (f"run {result.run_id} of broken failed at step fetch: OSError: bucket "
+                    "answered 403 Forbidden")
+    assert failure_line("r", "j", [], "run worker crashed") == \
+        "run r of j failed at step (no step): run worker crashed"

@@ -1,3 +1,5 @@
+import os
+
 from prx_assets.engine.ray_runtime import (
     MALLOC_ENV,
     OBJECT_STORE_FLOOR,
@@ -33,3 +35,23 @@ def test_ray_data_blocks_are_sized_to_the_cluster(ray_session):
     cpus = int(ray.cluster_resources()["CPU"])
     assert context.read_op_min_num_blocks == max(2, 2 * cpus) < 200  # not Ray's default
     assert context.target_max_block_size == MAX_BLOCK_BYTES
+
+
+def test_workers_do_not_inherit_the_drivers_credentials(ray_session):
+    """Embedded workers once inherited the driver's whole environment: a worker's
+    environment dump showed OPENAI_API_KEY and AWS_* keys. The session's Ray started with a
+    canary credential in the driver's environment (conftest)."""
+    import ray
+
+    from prx_assets.engine.redact import credential_names
+
+    held = credential_names()
+    assert "PRX_TEST_CANARY_API_KEY" in held
+
+    @ray.remote(num_cpus=0)
+    def worker_environment() -> dict[str, str]:
+        return dict(os.environ)
+
+    seen = ray.get(worker_environment.remote())
+    assert not set(held) & set(seen)
+    assert seen["HF_HUB_OFFLINE"] and "PATH" in seen  # what workers need still reaches them

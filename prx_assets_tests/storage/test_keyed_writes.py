@@ -3,11 +3,12 @@ chunk replaces, and the repair of copies two writers made (no Ray: plain Lance c
 
 from __future__ import annotations
 
+import lance
 import pyarrow as pa
 
 from prx_assets.engine import chunked
 from prx_assets.engine.chunked import upsert_looked_up
-from prx_assets.storage import lance_tables
+from prx_assets.storage import keyed_writes, lance_tables
 from prx_assets.storage.key_index import KeyIndexPolicy, key_index_stats, maintain_key_index
 from prx_assets.storage.keyed_writes import (
     drop_later_copies,
@@ -116,3 +117,25 @@ def test_a_merge_rebased_over_an_append_of_the_same_keys_keeps_the_first_copy(
     got = contents(table)
     assert [got[(f"k{i:03d}", "b")] for i in range(3, 7)] == [9, 9, 7, 7]
     assert [got[(f"k{i:03d}", "a")] for i in range(3, 7)] == [0, 0, 0, 0]
+
+
+def test_later_copies_are_found_again_by_key_when_a_compaction_lands_first(
+        tmp_path, monkeypatch):
+    """Row addresses name rows within one version only: a compaction committing between the
+    lookup and the delete once left the copies in place (or could hit other rows); the delete
+    now lands only on the version it read, and is redone by key after the compaction."""
+    table = TableRef.of(tmp_path / "t.lance")
+    upsert(table, rows(range(10)), SCHEMA, KEYS)
+    lance.write_dataset(rows(range(5, 12), "a", 1), table.uri, mode="append")  # two copies
+    compacted = []
+
+    def a_compaction_commits_first(name: str) -> None:
+        if name == "storage.copies_found" and not compacted:
+            compacted.append(table.open().optimize.compact_files(
+                target_rows_per_fragment=1_000, num_threads=1))
+
+    monkeypatch.setattr(keyed_writes, "failpoint", a_compaction_commits_first)
+    assert drop_later_copies(table, KEYS, rows(range(5, 12))) == table.latest_version()
+    assert compacted
+    got = contents(table)  # each key once
+    assert [got[(f"k{i:03d}", "a")] for i in range(12)] == [0] * 10 + [1, 1]

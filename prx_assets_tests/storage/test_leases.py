@@ -201,3 +201,25 @@ def test_mds_uri_with_a_lease_holds_the_tree_it_prints(data_root, capsys):
     assert held_versions(Storage(str(data_root)).location(), "web") == {version}
     tree, lease = hold_current_tree(Storage(str(data_root)).mds_root, "web", 60)
     assert tree.name == version and lease.expires_at > time.time()
+
+
+def test_mds_uri_with_a_lease_holds_a_subset_tree_past_its_retention(data_root, capsys):
+    """Before: `mds-uri --subset NAME --lease` refused, and a subset's prune knew no
+    reader leases (it looked for them under the MDS root)."""
+    from prx_assets import cli
+    from prx_assets.stages.subsets.tree import subset_store
+
+    storage = Storage(str(data_root))
+    store = subset_store(storage.mds_root, "web")  # named as a source: leases kept apart
+    store.prepare()
+    old, new = "20260101T000000000000Z", "20260102T000000000000Z"
+    _tree(store, old)
+    store.publish(old, expected=None)
+    assert cli.main(["mds-uri", "--subset", "web", "--lease", "2"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == str(store.tree(old).path.resolve())
+    assert f"holds tree {old}" in out.err
+    assert held_versions(storage.location(), "web") == set()  # not the source's
+    _tree(store, new)
+    store.publish(new, expected=old)
+    assert store.prune(timedelta(0)) == [] and store.versions() == [old, new]

@@ -45,6 +45,7 @@ from prx_assets.engine.chunked import (
 )
 from prx_assets.engine.stage import NODE_COLUMN, with_node_column
 from prx_assets.stages.ingest import readers
+from prx_assets.stages.ingest.ids import sample_id
 from prx_assets.stages.ingest.location import SourceLocation
 from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS
 from prx_assets.stages.ingest.raw_rows import (
@@ -244,16 +245,35 @@ def expand_units(units: pa.Table, spec: SourceSpec, location: SourceLocation | s
 
 def rows_to_commit(chunk: pa.Table) -> pa.Table:
     """A chunk as it is merge-inserted: without the node column, and with one row per id
-    (the last), since a merge-insert refuses two source rows for one key (a key found in
-    two units of a source: the unit read later wins)."""
+    (a merge-insert refuses two source rows for one key). A key found in two units of a
+    source keeps the row of the unit first by name (whatever order Ray read them in); each
+    other one becomes a `duplicate_key` row of its own unit naming both units (before, the
+    unit read later won silently). Units in different chunks are not compared."""
     if NODE_COLUMN in chunk.column_names:
         chunk = chunk.drop_columns([NODE_COLUMN])
     ids = chunk.column("id")
     if pc.count_distinct(ids).as_py() == chunk.num_rows:
         return chunk
-    positions = pa.table({"id": ids, "position": pa.array(range(chunk.num_rows), pa.int64())})
-    last = positions.group_by("id").aggregate([("position", "max")])["position_max"]
-    return chunk.take(pc.take(last, pc.sort_indices(last)))  # in chunk order
+    rows = chunk.to_pylist()
+    kept: dict[str, str] = {}  # id -> the unit whose row is kept: the first by name
+    for row in rows:
+        unit = row.get("unit") or ""
+        kept[row["id"]] = min(unit, kept.get(row["id"], unit))
+    for row in rows:  # a unit repeats no key (`_unit_rows`): a repeat is another unit's
+        if (row.get("unit") or "") != kept[row["id"]]:
+            _mark_duplicate(row, kept[row["id"]])
+    return pa.Table.from_pylist(rows, schema=chunk.schema)
+
+
+def _mark_duplicate(row: dict, first_unit: str) -> None:
+    """`row`, whose key an earlier unit of the chunk holds, as a `duplicate_key` row of its
+    own unit (its unit and signature kept, so the unit still counts as read whole)."""
+    key, unit = row["source_key"], row.get("unit") or ""
+    row.update(id=sample_id(row["source"], f"{unit}#{key}"), source_key=f"{unit}#{key}",
+               image=None, format=None, width=None, height=None,
+               status=readers.STATUS_DUPLICATE_KEY,
+               error=f"key {key!r} of unit {unit!r} is also in unit {first_unit!r}: keys must "
+                     "be unique in a source; the first unit's row is kept")
 
 
 def _unit_rows(spec: SourceSpec, location: SourceLocation, unit: str,

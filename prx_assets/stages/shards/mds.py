@@ -56,6 +56,7 @@ from prx_assets.stages.shards.publish import (
     append_build,
     finish_interrupted_publish,
     grouped_full_build,
+    mapping_ahead,
     unchanged_report,
 )
 from prx_assets.storage.lance_tables import prepare_output_dir
@@ -89,10 +90,14 @@ def _write(inputs: SampleInputs, storage: Storage, store: TreeStore, options: Wr
     mapping = storage.table(MDS_SAMPLES, source)
     prepare_output_dir(mapping, "Lance table")
     finish_interrupted_publish(store, mapping, log)
+    ahead = mapping_ahead(store, mapping)
+    if ahead:
+        log(f"{source}: the mapping names tree(s) {', '.join(ahead)} that were never "
+            "published (a run lost its lease after its mapping commit): building in full")
     current = store.current_version()
     build = Build(store, mapping, inputs.pinned(), options, mapping.latest_version(),
                   base_tree=current, lease=lease, stage_files=stage_files)
-    manifest = _manifest_to_append_to(build, current)
+    manifest = None if ahead else _manifest_to_append_to(build, current)
     touched = None if manifest is None or current is None else touched_ids(
         build.inputs, consumed_record(store.trees_dir, current, manifest))
     if current is not None and touched is not None and mapping.exists():

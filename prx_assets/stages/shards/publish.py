@@ -273,3 +273,17 @@ def finish_interrupted_publish(store: TreeStore, mapping: TableRef,
             store.publish(newer[-1], expected=current)
             keep = frozenset({newer[-1]})
     store.remove_unpublished(keep)
+
+
+def mapping_ahead(store: TreeStore, mapping: TableRef) -> list[str]:
+    """Tree versions the mapping names that the current tree does not hold: a run whose
+    lease lapsed after its mapping commit, whose version the writer that took over had
+    already removed as unpublished, left the mapping describing a tree that will never be
+    published (no roll forward can fix it: the next run builds in full). Counted per
+    fragment with the cache `verify` keeps."""
+    current = store.current_version()
+    if current is None or not mapping.exists():
+        return []
+    held = set(lineage(store.manifest(current) or {}, current))
+    _, named = mapped_leaves(mapping, cache=store.trees_dir / MAPPED_LEAVES)
+    return sorted(named - held)

@@ -48,7 +48,7 @@ PROVENANCE_DEFAULTS = {"url": "", "license_url": "", "attribution": ""}
 def subset_store(mds_root: Location, name: str,
                  log: Callable[[str], None] | None = None) -> TreeStore:
     """The subset's trees: a TreeStore under `mds/subsets`."""
-    store = TreeStore(mds_root / SUBSETS_DIR, name)
+    store = TreeStore(mds_root / SUBSETS_DIR, name, kind=SUBSETS_DIR)
     if log is not None:
         store.log = log
     return store

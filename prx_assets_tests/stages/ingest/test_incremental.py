@@ -313,10 +313,7 @@ def test_a_big_table_compares_in_ray_hash_joins_with_the_same_result(
 
 def test_a_key_repeated_in_a_source_is_one_row(ray_session, tmp_path):
     """A tar whose sample members are not adjacent yields its key twice: its first item is
-    the row. A chunk holding one id twice (a key in two units) commits the last one (a
-    merge-insert refuses two source rows for one key)."""
-    from prx_assets.stages.ingest.ingest import rows_to_commit
-
+    the row."""
     root = tmp_path / "source"
     root.mkdir()
     img = jpeg_bytes(400, 300, 1)
@@ -330,6 +327,20 @@ def test_a_key_repeated_in_a_source_is_one_row(ray_session, tmp_path):
     assert sorted(r["source_key"] for r in rows(table)) == ["a.tar/x", "a.tar/y"]
     assert ingest(spec, table).rows_processed == 0  # complete: nothing read again
 
-    chunk = pa.table({"id": ["a", "b", "a"], "v": [1, 2, 3]})
-    assert sorted(rows_to_commit(chunk).to_pylist(), key=lambda r: r["id"]) == [
-        {"id": "a", "v": 3}, {"id": "b", "v": 2}]
+
+def test_a_key_in_two_units_is_a_duplicate_key_row_naming_both(ray_session, tmp_path):
+    """Before: the unit read later won silently (one row, no word about the other)."""
+    root = tmp_path / "source"
+    root.mkdir()
+    for name, shade in (("a.parquet", 1), ("b.parquet", 2)):
+        pq.write_table(pa.table({"k": ["x"], "image": [jpeg_bytes(400, 300, shade)]}),
+                       root / name)
+    spec = SourceSpec(name="pq", kind="parquet", uri=str(root), key_column="k")
+    table = tmp_path / "raw.lance"
+    assert ingest(spec, table).rows == 2
+    got = {r["source_key"]: r for r in rows(table)}
+    assert got["x"]["status"] == "ok" and got["x"]["unit"] == "a.parquet"
+    duplicate = got["b.parquet#x"]
+    assert duplicate["status"] == "duplicate_key" and duplicate["image"] is None
+    assert "'a.parquet'" in duplicate["error"] and "'b.parquet'" in duplicate["error"]
+    assert ingest(spec, table).rows_processed == 0  # each unit counts as read whole

@@ -199,3 +199,36 @@ def test_an_incremental_run_not_handed_its_changes_compares_in_groups(data_root)
     assert dict(report.left_out) == dict(left_out)
     checks, problems = verify.verify_tree(data_root, "web")
     assert all(c.ok for c in checks) and not problems, (checks, problems)
+
+
+
+def test_a_lease_lost_after_the_mapping_commit_is_repaired_by_the_next_run(data_root,
+                                                                           monkeypatch):
+    """The run's lease lapses after its mapping commit, and the writer that took over had
+    already removed the run's staged version as unpublished: the mapping names a tree that
+    will never be published. Before, the next run appended on top of that mapping and
+    nothing repaired it; now it finds the mapping ahead of the tree and builds in full."""
+    from prx_assets.stages.shards import publish as publish_module
+    from prx_assets.storage.leases import LeaseLostError
+
+    corpus = build_corpus(data_root, "web", per_shape=3)  # small: three builds
+    write(data_root, APPENDING)
+    change_inputs(data_root, corpus)
+    store = trees.tree_store(Storage(data_root), "web")
+
+    def lease_lost_before_the_swap(name: str) -> None:
+        if name == "mds.before_publish":
+            for version in store.versions():
+                if version > (store.current_version() or ""):
+                    store.tree(version).delete()  # the taker's remove_unpublished
+            raise LeaseLostError("lease lost: expired (test)")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(publish_module, "failpoint", lease_lost_before_the_swap)
+        with pytest.raises(LeaseLostError):
+            write(data_root, APPENDING)
+    repaired = write(data_root, APPENDING)
+    checks, problems = verify.verify_tree(data_root, "web")
+    assert all(c.ok for c in checks) and not problems, (checks, problems)
+    assert set(mapping_rows(data_root)) == {i for ids in stored_ids(repaired.path).values()
+                                            for i in ids}
