@@ -139,14 +139,14 @@ def built_corpus(tmp: Path) -> Iterator[Corpus]:
 
 
 def failure(result: dg.ExecuteInProcessResult) -> str:
-    return "\n".join(e.event_specific_data.error.to_string() for e in result.all_events
-                     if e.event_type_value == "STEP_FAILURE")
+    return "\n".join(str(e.step_failure_data.error) for e in result.all_events
+                     if e.is_step_failure)
 
 
 def materialization_meta(result: dg.ExecuteInProcessResult) -> dict:
     """The metadata values of a run's one materialisation."""
     [event] = result.get_asset_materialization_events()
-    return {k: v.value for k, v in event.event_specific_data.materialization.metadata.items()}
+    return {k: v.value for k, v in event.materialization.metadata.items()}
 
 
 def ids(uri: Path, filter: str | None = None) -> list[str]:
