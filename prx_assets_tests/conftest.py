@@ -15,6 +15,12 @@ from prx_assets.testing.images import image_bytes, jpeg_bytes
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.pop("RAY_ADDRESS", None)  # tests start their own clusters where they need one
+# Ray keeps as many idle workers as the node has CPUs (2 in the tests) and kills the rest a
+# second after their task: a Ray Data join or shuffle then started a fresh worker process
+# (seconds of imports) for nearly every task, ~10 s per tiny join. Six kept idle workers
+# make them reused. Set before any Ray starts: the session's, and the subprocess runs' and
+# test clusters' (they inherit this environment).
+os.environ.setdefault("RAY_num_workers_soft_limit", "6")
 
 # A test that uses one of these fixtures (itself or through another) gets the mark, so
 # `make test-fast` leaves it out: the S3 server, a browser, the browser tests' corpus

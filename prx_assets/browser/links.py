@@ -12,27 +12,19 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import urlencode
 
-from prx_assets.storage.tables import (
-    BUCKETED_IMAGES,
-    CAPTION_LABELS,
-    CAPTIONS,
-    CORPUS,
-    DUPLICATES,
-    MDS_SHARDS,
-    OPT_OUTS,
-    PHASHES,
-    RAW_IMAGES,
-    SKIP_LISTS,
-)
+from prx_assets.registry import PER_SOURCE, assets_of
+from prx_assets.storage.tables import CORPUS, DUPLICATES, OPT_OUTS, SKIP_LISTS
 
 BROWSER_URL_ENV = "PRX_BROWSER_URL"
 # Where the browser's pages link into Dagster; `make ui` serves there by default.
 DAGSTER_URL_ENV = "PRX_DAGSTER_URL"
 DEFAULT_DAGSTER_URL = "http://127.0.0.1:3000"
-# Which view matches which asset: per-source assets open the grid narrowed to the source.
+# Which view matches which asset: the global ones with a page of their own, and every
+# per-source step of the registry opens the grid narrowed to the source (with these
+# facets besides).
 GLOBAL_VIEWS = {CORPUS: "/", DUPLICATES: "/duplicates", OPT_OUTS: "/?skip=optout"}
-SOURCE_VIEWS = {SKIP_LISTS: {"skip": "any"}, CAPTION_LABELS: {}, CAPTIONS: {},
-                BUCKETED_IMAGES: {}, RAW_IMAGES: {}, PHASHES: {}, MDS_SHARDS: {}}
+SOURCE_VIEW_FACETS = {SKIP_LISTS: {"skip": "any"}}
+SOURCE_VIEWS = {asset: SOURCE_VIEW_FACETS.get(asset, {}) for asset in assets_of(PER_SOURCE)}
 
 
 def browser_base() -> str | None:

@@ -112,6 +112,18 @@ def test_view_urls_only_when_the_browser_is_configured(monkeypatch):
     assert links.view_url("unknown_asset") is None
 
 
+def test_every_per_source_step_of_the_registry_has_a_source_view(monkeypatch):
+    """The views follow the registry: a per-source step added there gets its link."""
+    from prx_assets.registry import PER_SOURCE, STEPS
+
+    monkeypatch.setenv(links.BROWSER_URL_ENV, "http://ui:8080")
+    per_source = [s.asset for s in STEPS if s.partitioning == PER_SOURCE]
+    assert {"raw_images", "attributes", "image_embeddings"} <= set(per_source)
+    for asset in per_source:
+        assert links.view_url(asset, "web").startswith("http://ui:8080/?source=web"), asset
+    assert links.view_url("subsets", "small") is None  # partitioned by subset: no grid view
+
+
 def test_membership_counts_match_the_ids_over_several_fragments(tmp_path):
     import lance
     import pyarrow as pa

@@ -41,14 +41,19 @@ print("RESULT" + json.dumps({"success": [r.success for r in runs], "nodes": node
 """
 
 
+# Sixteen pictures (every size a few times), each fourth copied under another key.
+PICTURES, COPY_EVERY = 16, 4
+FILES, COPIES = PICTURES + PICTURES // COPY_EVERY, PICTURES // COPY_EVERY
+
+
 def write_corpus(images: Path) -> None:
     images.mkdir()
-    for i in range(64):
+    for i in range(PICTURES):
         width, height = SIZES[i % len(SIZES)]
         data = jpeg_bytes(width, height, i)
         (images / f"{i:03d}.jpg").write_bytes(data)
         (images / f"{i:03d}.txt").write_text(f"A photo of soft coloured shapes, number {i}.")
-        if i % 16 == 0:  # exact copies under another key: duplicates, then skip lists
+        if i % COPY_EVERY == 0:  # exact copies under another key: duplicates, then skip lists
             (images / f"copy{i:03d}.jpg").write_bytes(data)
             (images / f"copy{i:03d}.txt").write_text(f"A copy of picture {i}.")
 
@@ -103,7 +108,8 @@ def assert_same_table(left: Path, right: Path) -> None:
 
 
 def assert_funnel(runs: list, sources: Path, root: Path, capsys) -> None:
-    """68 files, all decodable and kept, 4 planted copies; the summary prints the funnel."""
+    """Every file decodable and kept, the planted copies found; the summary prints the
+    funnel."""
     from prx_assets.definitions import build_defs
     from prx_assets.demo.runner import print_summary
     from prx_assets.stages.report.funnel import source_funnel
@@ -112,8 +118,8 @@ def assert_funnel(runs: list, sources: Path, root: Path, capsys) -> None:
     funnel = source_funnel(root, "web", resources["captioner"].caption_version(),
                            resources["classifier"].classifier_version())
     assert (funnel.raw, funnel.decodable, funnel.kept, funnel.captioned, funnel.labelled,
-            funnel.in_shards, funnel.duplicates) == (68, 68, 68, 68, 68, 68, 4)
-    assert 4 <= funnel.skipped < 68 and funnel.streamed == 68 - funnel.skipped
+            funnel.in_shards, funnel.duplicates) == (FILES,) * 6 + (COPIES,)
+    assert COPIES <= funnel.skipped < FILES and funnel.streamed == FILES - funnel.skipped
     print_summary(runs, sources)
     printed = capsys.readouterr().out
     assert "samples in shards" in printed and f"{funnel.streamed:>9,}" in printed
