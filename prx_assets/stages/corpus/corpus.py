@@ -38,6 +38,7 @@ from prx_assets.engine.batches import arrow_batches, batch_fn
 from prx_assets.models.embeddings import EMBEDDING_DIM
 from prx_assets.stages.attributes.schema import fields as attribute_fields
 from prx_assets.stages.corpus.delta import ROW_ADDRESS, SourceDelta, plan_delta
+from prx_assets.stages.ingest.raw_rows import PROVENANCE_FIELDS
 from prx_assets.storage.filters import all_of, eq_filter, in_filter
 from prx_assets.storage.lance_tables import (
     FragmentPolicy,
@@ -84,15 +85,9 @@ CORPUS_SCHEMA = pa.schema([
     pa.field("attribute_origin", pa.string()),
     *(pa.field(f.name, f.arrow_type) for f in attribute_fields()),
     # Provenance and the training reservation read at ingest (raw_images; docs/rights.md).
-    pa.field("url", pa.string()),
-    pa.field("license", pa.string()),
-    pa.field("license_url", pa.string()),
-    pa.field("attribution", pa.string()),
-    pa.field("reservation", pa.string()),
-    pa.field("reservation_signal", pa.string()),
+    *PROVENANCE_FIELDS,
 ])
-PROVENANCE_COLUMNS = ["url", "license", "license_url", "attribution", "reservation",
-                      "reservation_signal"]
+PROVENANCE_COLUMNS = [f.name for f in PROVENANCE_FIELDS]
 ATTRIBUTE_COLUMNS = [f.name for f in attribute_fields()]
 META_COLUMNS = ["caption", "label", "phash", "embedding", "attribute_origin", *ATTRIBUTE_COLUMNS,
                 *PROVENANCE_COLUMNS]

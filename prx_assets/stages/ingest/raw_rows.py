@@ -16,6 +16,22 @@ UNKNOWN_LICENSE = "unknown"
 
 DEFAULT_MAX_CAPTION_BYTES = 16 << 10  # a source's caption above this is cut (with a note)
 
+# Provenance (docs/rights.md), in raw_images and carried as they are into the corpus.
+PROVENANCE_FIELDS = [
+    # Where the item was fetched from, when the source says (opt-outs by url).
+    pa.field("url", pa.string()),
+    # The sample's own license where its sidecar or row has one, else the source's
+    # `license` in sources.yaml, else "unknown"; its license's URL and the attribution it
+    # asks for where given.
+    pa.field("license", pa.string()),
+    pa.field("license_url", pa.string()),
+    pa.field("attribution", pa.string()),
+    # The training reservation read from the bytes and the sidecar (rights.py): "none",
+    # "prohibited" or "constrained", and what said so.
+    pa.field("reservation", pa.string()),
+    pa.field("reservation_signal", pa.string()),
+]
+
 RAW_IMAGES_SCHEMA = pa.schema(
     [
         pa.field("id", pa.string(), nullable=False),
@@ -30,18 +46,7 @@ RAW_IMAGES_SCHEMA = pa.schema(
         pa.field("original_caption", pa.string()),
         pa.field("status", pa.string(), nullable=False),
         pa.field("error", pa.string()),
-        # Where the item was fetched from, when the source says (opt-outs by url).
-        pa.field("url", pa.string()),
-        # Provenance (docs/rights.md): the sample's own license where its sidecar or row has
-        # one, else the source's `license` in sources.yaml, else "unknown"; its license's
-        # URL and the attribution it asks for where given.
-        pa.field("license", pa.string()),
-        pa.field("license_url", pa.string()),
-        pa.field("attribution", pa.string()),
-        # The training reservation read from the bytes and the sidecar (stages/ingest/
-        # rights.py): "none", "prohibited" or "constrained", and what said so.
-        pa.field("reservation", pa.string()),
-        pa.field("reservation_signal", pa.string()),
+        *PROVENANCE_FIELDS,
         # Change detection (docs/sources.md): the unit the row came from (a file, a tar, a
         # parquet file, a Lance fragment), what the listing said of that unit when it was
         # read (size and mtime, or the Lance version), and, on the unit's last row only, how
