@@ -50,6 +50,7 @@ from urllib.parse import urlencode
 import jinja2
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
@@ -192,15 +193,11 @@ async def opt_out_page(request: Request, state: BrowserState) -> Response:
     session = state.auth.session(request)
     if request.method == "GET":
         return state.render(request, "optout.html", row=row, session=session)
-    form = await request.form()
-    refusal = write_refusal(request, state, str(form.get("token", "")))
-    if refusal is not None:
-        logger.warning(f"opt-out of {row['id']} refused: {refusal.status_code}")
-        return refusal
-    if form.get("confirm") != "yes":
-        return state.error(request, 400, "Not confirmed",
-                           "tick the confirmation box to opt this image out")
-    assert session is not None  # write_refusal refuses a request without one
+    form = await confirmed_form(request, state, "opt this image out")
+    if isinstance(form, Response):
+        logger.warning(f"opt-out of {row['id']} refused: {form.status_code}")
+        return form
+    assert session is not None  # confirmed_form refuses a request without one
     written = await run_in_threadpool(write_request, state.catalog.storage, row["id"],
                                       str(form.get("reference", "")),
                                       requested_by=session.curator, door="browser")
@@ -225,20 +222,30 @@ async def clear_rights_page(request: Request, state: BrowserState) -> Response:
     session = state.auth.session(request)
     if request.method == "GET":
         return state.render(request, "clearrights.html", row=row, session=session)
-    form = await request.form()
-    refusal = write_refusal(request, state, str(form.get("token", "")))
-    if refusal is not None:
-        return refusal
-    if form.get("confirm") != "yes":
-        return state.error(request, 400, "Not confirmed",
-                           "tick the confirmation box to clear this reservation")
-    assert session is not None  # write_refusal refuses a request without one
+    form = await confirmed_form(request, state, "clear this reservation")
+    if isinstance(form, Response):
+        return form
+    assert session is not None  # confirmed_form refuses a request without one
     written = await run_in_threadpool(clear, state.catalog.storage, [row["id"]],
                                       str(form.get("reference", "")), door="browser",
                                       cleared_by=session.curator)
     logger.info(f"rights clearance of {row['id']} by curator {session.curator}: "
                 f"{written.name}")
     return RedirectResponse(f"/sample/{row['id']}?cleared=1", status_code=303)
+
+
+async def confirmed_form(request: Request, state: BrowserState, action: str
+                         ) -> FormData | Response:
+    """A curator's POSTed form when it may write (`write_refusal`) and its confirmation box
+    is ticked; else the response saying why not."""
+    form = await request.form()
+    refusal = write_refusal(request, state, str(form.get("token", "")))
+    if refusal is not None:
+        return refusal
+    if form.get("confirm") != "yes":
+        return state.error(request, 400, "Not confirmed",
+                           f"tick the confirmation box to {action}")
+    return form
 
 
 def write_refusal(request: Request, state: BrowserState, form_token: str) -> Response | None:
