@@ -45,10 +45,8 @@ demo: install
 
 # Lint, layering and types gate the tests: ruff over the repo and the import contracts
 # (lint-imports, [tool.importlinter] in pyproject.toml) first; mypy over the package beside
-# the tests, at the lowest CPU priority: a cold mypy is ~2 min of one core, and at equal
-# priority it took that from the CPU-bound tests (17 min 10 s against 14 min 25 s alone on a
-# fresh clone); niced it runs in the cores' idle moments and the tests' tail. Its findings are
-# printed and fail the target at the end.
+# the tests (a cold mypy takes ~2 min of one core, the tests' long last files leave a core
+# idle), its findings printed and failing the target at the end.
 # Tests run in TEST_WORKERS processes, each test file whole in one (its module fixtures
 # built once); TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
@@ -56,7 +54,7 @@ PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --di
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	@types_log=$$(mktemp); nice -n 19 $(BIN)/mypy >"$$types_log" 2>&1 & types=$$!; \
+	@types_log=$$(mktemp); $(BIN)/mypy >"$$types_log" 2>&1 & types=$$!; \
 	$(PYTEST) $(PYTEST_ARGS); tests_rc=$$?; wait $$types; types_rc=$$?; \
 	echo "mypy:"; cat "$$types_log"; rm -f "$$types_log"; \
 	exit $$(( tests_rc || types_rc ))
