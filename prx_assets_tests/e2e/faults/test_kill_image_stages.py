@@ -1,11 +1,7 @@
 """Faults in the image stages: runs killed mid-ingest (between two chunk commits) and
 mid-image-stage (after a committed chunk), and a Ray worker killed inside an image task.
 
-Everything is real: Dagster runs on an on-disk SQLite instance, embedded Ray, Lance
-tables, MDS trees, and SIGKILL of a run's whole process group. A killed run is armed with one
-of the stages' failpoints (`prx_assets.storage.failpoints`) and killed once its marker file
-says it holds there: no kill waits for a sleep or races the run. The module's corpus
-(faults/conftest.py) is built once; tests leave its store consistent for the next one.
+How every fault test here runs: the package docstring (faults/__init__.py).
 """
 
 from __future__ import annotations
