@@ -17,11 +17,10 @@ keeps production's guided one-word answer.
 Prints and writes to OUT/gpu_bench.json: images/s per GPU for captioning and captions/s per
 GPU for classification (steady state, and each as a ratio to PRX's 20 and 200), the time to
 the first committed result, GPU utilisation and memory, the CPU cores the feed used per GPU
-(`bench.gpu_metrics`), the caption embedder's own rate on its device (the GPU, beside the
-labelling engine), and the releases and hardware a figure depends on (vLLM, torch,
-transformers, CUDA, the driver, the GPU model). `--tiny` swaps in the tiny random Qwen3-VL of
-the tests (transformers backend) and the embedded classifier, since vLLM does not run on a
-CPU: its rates measure the plumbing, a toy model on a CPU, and are set beside no GPU figure.
+and the caption embedder's own rate on its device (`bench.gpu_metrics`), and the releases
+and hardware a figure depends on (vLLM, torch, transformers, CUDA, the driver, the GPU
+model). `--tiny` swaps in the tiny random Qwen3-VL of the tests (transformers backend) and
+the embedded classifier, since vLLM does not run on a CPU: its rates measure the plumbing, a toy model on a CPU, and are set beside no GPU figure.
 Without `--tiny` and without a GPU (or the GPU stack) it exits with status 2 and says why.
 """
 
@@ -48,6 +47,7 @@ from bench.gpu_metrics import (
     GpuSampler,
     StageClock,
     StageCut,
+    embedding_figures,
     gpu_details,
     gpu_figures,
     gpu_inventory,
@@ -447,33 +447,9 @@ def classification_figures(plan: Plan, clock: StageClock, readings: list[GpuRead
         "gpu": gpu_figures(readings, plan.devices, clock.steady_window(),
                            (clock.started, clock.ended)),
         "label_copies": plan.copies, "classifier_version": plan.labeler.version(),
-        "embedding": embedding_figures(plan, tables), **label_rows(tables.labels)}
+        "embedding": embedding_figures(plan.labeler, tables.label_inputs),
+        **label_rows(tables.labels)}
 
-
-# Captions embedded for the embedding's own rate (enough for a steady GPU batch stream).
-EMBEDDING_SAMPLE = 4096
-
-
-def embedding_figures(plan: Plan, tables: Tables) -> dict[str, Any]:
-    """MiniLM's rate alone on the device the labeller embeds on (the GPU under vllm, beside
-    the engine; the CPU in `--tiny`), over the label inputs, after a warm-up batch."""
-    import lance
-
-    from prx_assets.models.embeddings import MiniLMEmbedder
-
-    device = plan.labeler.embedding_device()
-    if not tables.label_inputs.exists():
-        return {"device": device, "captions_per_s": None}
-    captions = lance.dataset(str(tables.label_inputs)).to_table(
-        columns=["caption"], limit=EMBEDDING_SAMPLE).column("caption").to_pylist()
-    embedder = MiniLMEmbedder(threads=None if device == "cuda" else 1, device=device)
-    embedder.embed(captions[:embedder.batch_size])  # kernels compiled, weights resident
-    started = time.perf_counter()
-    embedder.embed(captions)
-    seconds = time.perf_counter() - started
-    return {"device": device, "gpu_share": plan.labeler.embedding_gpus(),
-            "captions": len(captions),
-            "captions_per_s": round(len(captions) / seconds, 1) if seconds else None}
 
 
 def print_summary(result: dict[str, Any]) -> None:
@@ -493,9 +469,8 @@ def print_summary(result: dict[str, Any]) -> None:
     print("gpu        versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()
                                               if k != "gpu_models")
           + f"; GPUs {versions['gpu_models'] or 'none'}")
-    embedding = label["embedding"]
-    print(f"gpu        caption embedding (MiniLM) on {embedding['device']}: "
-          f"{embedding['captions_per_s']} captions/s alone; the labelling stage used "
+    print(f"gpu        caption embedding (MiniLM) on {label['embedding']['device']}: "
+          f"{label['embedding']['captions_per_s']} captions/s alone; labelling used "
           f"{label['feed_cpu_cores_per_gpu']} CPU cores per GPU")
     for name, stage in (("captioning", caption), ("classification", label)):
         gpu = stage["gpu"] or {}

@@ -17,6 +17,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.proc_memory import (
     BUSY,
@@ -346,3 +347,30 @@ class StageClock:
             "cut_at_cap": self.cut,
             "processes_by_group": self.cpu_last.names() if self.cpu_last else {},
         }
+
+
+# Captions embedded for the embedding's own rate (enough for a steady GPU batch stream).
+EMBEDDING_SAMPLE = 4096
+
+
+def embedding_figures(labeler: Any, label_inputs: Path) -> dict[str, Any]:
+    """MiniLM's rate alone on the device the labeller (a `LabelerSpec`) embeds on (the GPU
+    under vllm, beside the engine; the CPU in `--tiny`), over the label inputs, after a
+    warm-up batch."""
+    import lance
+
+    from prx_assets.models.embeddings import MiniLMEmbedder
+
+    device = labeler.embedding_device()
+    if not label_inputs.exists():
+        return {"device": device, "captions_per_s": None}
+    captions = lance.dataset(str(label_inputs)).to_table(
+        columns=["caption"], limit=EMBEDDING_SAMPLE).column("caption").to_pylist()
+    embedder = MiniLMEmbedder(threads=None if device == "cuda" else 1, device=device)
+    embedder.embed(captions[:embedder.batch_size])  # kernels compiled, weights resident
+    started = time.perf_counter()
+    embedder.embed(captions)
+    seconds = time.perf_counter() - started
+    return {"device": device, "gpu_share": labeler.embedding_gpus(),
+            "captions": len(captions),
+            "captions_per_s": round(len(captions) / seconds, 1) if seconds else None}
