@@ -20,7 +20,8 @@ the first committed result, GPU utilisation and memory, the CPU cores the feed u
 and the caption embedder's own rate on its device (`bench.gpu_metrics`), and the releases
 and hardware a figure depends on (vLLM, torch, transformers, CUDA, the driver, the GPU
 model). `--tiny` swaps in the tiny random Qwen3-VL of the tests (transformers backend) and
-the embedded classifier, since vLLM does not run on a CPU: its rates measure the plumbing, a toy model on a CPU, and are set beside no GPU figure.
+the embedded classifier, since vLLM does not run on a CPU: its rates measure the plumbing, a
+toy model on a CPU, and are set beside no GPU figure.
 Without `--tiny` and without a GPU (or the GPU stack) it exits with status 2 and says why.
 """
 
@@ -449,7 +450,6 @@ def classification_figures(plan: Plan, clock: StageClock, readings: list[GpuRead
         "label_copies": plan.copies, "classifier_version": plan.labeler.version(),
         "embedding": embedding_figures(plan.labeler, tables.label_inputs),
         **label_rows(tables.labels)}
-
 
 
 def print_summary(result: dict[str, Any]) -> None:
