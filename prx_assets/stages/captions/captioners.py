@@ -195,10 +195,8 @@ class TransformersCaptioner:
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
         self.processor = AutoProcessor.from_pretrained(spec.model)
         self.processor.tokenizer.padding_side = "left"  # decoder-only batching
-        # ignore: transformers decorates PreTrainedModel.to with functools.wraps, and
-        # typeshed's wraps does not bind `self` on a method (mypy takes the device for it).
         self.model = AutoModelForImageTextToText.from_pretrained(
-            spec.model, dtype=dtype).to(self.device).eval()  # type: ignore[arg-type]
+            spec.model, dtype=dtype).to(self.device).eval()
         self.prompt = spec.prompt()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict:
