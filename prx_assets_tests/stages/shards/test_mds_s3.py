@@ -56,6 +56,18 @@ def _stream_count(remote: str, cache) -> tuple[int, list[str]]:
     return len(ids), ids
 
 
+def _loader_ids(storage: Storage, tmp_path, **options) -> list[str]:
+    """The ids the loader yields from the remote tree; its reader leases released after
+    (their renewing thread would outlive the test and the S3 server)."""
+    dataset = build_dataset(storage.mds_root, 1, 1, weights={"web": 1.0}, shuffle=False,
+                            cache_dir=tmp_path / "loader-cache", **options)
+    try:
+        return [s["id"] for s in dataset]
+    finally:
+        if dataset.reader_leases is not None:
+            dataset.reader_leases.release()
+
+
 def test_tree_on_s3_streams_appends_and_versions_its_skip_lists(ray_session, s3_root, tmp_path,
                                                                monkeypatch):
     storage = Storage(s3_root)
@@ -100,9 +112,7 @@ def test_tree_on_s3_streams_appends_and_versions_its_skip_lists(ray_session, s3_
     assert all(c.ok for c in checks) and not problems, (checks, problems)
 
     # The loader streams the remote tree into its cache and skips the stale sample.
-    loader_ids = [s["id"] for s in build_dataset(storage.mds_root, 1, 1, weights={"web": 1.0},
-                                                 skip_reasons=(), shuffle=False,
-                                                 cache_dir=tmp_path / "loader-cache")]
+    loader_ids = _loader_ids(storage, tmp_path, skip_reasons=())
     expected = {i for i in corpus["images"] if i.startswith("web:1-")} - {gone}
     assert sorted(loader_ids) == sorted(expected)
 
@@ -121,9 +131,7 @@ def test_tree_on_s3_streams_appends_and_versions_its_skip_lists(ray_session, s3_
             ] == [{REASON_STALE: [0]}]
     count, _ = _stream_count(f"{held}/1/64x64", tmp_path / "cache-3")
     assert count == sum(i.startswith("web:1-64x64") for i in corpus["images"])
-    loader_ids = [s["id"] for s in build_dataset(storage.mds_root, 1, 1, weights={"web": 1.0},
-                                                 shuffle=False,
-                                                 cache_dir=tmp_path / "loader-cache")]
+    loader_ids = _loader_ids(storage, tmp_path)
     assert sorted(loader_ids) == sorted(expected - set(dedup))
     # Within the retention window (7 days) every version stays in the bucket.
     assert tree_store(storage, "web").versions() == sorted(
