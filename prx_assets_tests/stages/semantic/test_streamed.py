@@ -30,6 +30,7 @@ from prx_assets.stages.semantic.semdedup_streamed import (
 from prx_assets.stages.semantic.spaces import streamed_concepts
 from prx_assets.stages.semantic.streamed import (
     DEFAULT_SAMPLE_ROWS,
+    Draw,
     Tasks,
     sample,
     space_inputs,
@@ -106,6 +107,18 @@ def test_a_fit_on_a_sample_still_finds_the_planted_groups(tmp_path):
     found, truth = pairs_of(group), data.true_pairs()
     assert len(found & truth) / len(truth) >= 0.95
     assert len(found & truth) / len(found) >= 0.95
+
+
+@pytest.mark.parametrize("size", [1, 37, 100, 250])
+def test_the_draw_keeps_the_rows_of_smallest_key_in_row_order(size):
+    rng = np.random.default_rng(size)
+    keys, vectors = rng.random(240), rng.normal(size=(240, 3)).astype(np.float32)
+    drawn = Draw(size)
+    for start in range(0, 240, 50):  # chunks of rows in order, as the tasks return them
+        piece = slice(start, start + 50)
+        drawn.add(keys[piece], np.arange(240)[piece], vectors[piece])
+    kept = np.sort(np.argsort(keys)[:size])
+    assert np.array_equal(drawn.in_row_order(), vectors[kept])
 
 
 def test_the_sample_is_seeded_bounded_and_whole_when_the_space_fits(tmp_path):
