@@ -207,10 +207,11 @@ def test_an_update_at_a_fixed_fit_equals_a_full_recompute_at_that_fit(tmp_path):
                                  bucket_rows=400, clusters_out=clusters)
     centroids = read_fit(clusters, fit_tag(inputs, config, True, DEFAULT_SAMPLE_ROWS))[0]
 
-    # stock gains near copies of three rows and two new rows alike; web loses two rows in
-    # groups of clusters no new row joins (only a deletion touches those).
+    # stock gains near copies of three rows of planted groups (a new row joins a group and
+    # its members are rewritten) and two new rows alike; web loses two rows in groups of
+    # clusters no new row joins (only a deletion touches those).
     rng = np.random.default_rng(1)
-    originals = rng.choice(1000, size=3, replace=False)
+    originals = rng.choice(np.flatnonzero(data.group >= 0), size=3, replace=False)
     copies = normalise(data.vectors[originals] + rng.normal(size=(3, 16)) * 0.01)
     pair = normalise(np.repeat(rng.normal(size=(1, 16)), 2, axis=0)
                      + rng.normal(size=(2, 16)) * 0.005)
