@@ -48,12 +48,14 @@ from prx_assets.stages.semantic.semdedup import (
 from prx_assets.storage.changes import (
     SCAN_ROWS,
     consumed_at,
+    forget_consumed,
     pinned_changes,
     read_consumed,
     record_consumed,
     rows_with_ids,
     scan_rows_with_ids,
 )
+from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.filters import eq_filter, in_filter
 from prx_assets.storage.lance_tables import commit_fragments, overwrite_rows
 from prx_assets.storage.refs import TableRef
@@ -133,6 +135,10 @@ def streamed_semantic_duplicates(inputs: streamed.SpaceInputs, out: TableRef,
                               on_gpu=gpu_count() > 0 if config.use_gpu is None else config.use_gpu)
     fragments: list = []
     cluster_fragments: list = []
+    if clusters_out is not None:
+        # A kill before both commits are done must not leave the old fit's record over new
+        # rows: the next run then finds no record and runs in full.
+        forget_fit(clusters_out)
     clusters_version = clusters_out.latest_version() if clusters_out else None
     reduce_calls = [(config, applied, phashes, out, clusters_out, *[r[b] for r in routed])
                     for b in range(buckets)]
@@ -144,6 +150,7 @@ def streamed_semantic_duplicates(inputs: streamed.SpaceInputs, out: TableRef,
     if clusters_out is not None:
         commit_fragments(clusters_out, cluster_fragments, clusters_schema(centroids.shape[1]),
                          clusters_version)
+        failpoint("semdedup.clusters_committed")
     result.version = commit_fragments(out, fragments, SEMANTIC_DUPLICATES_SCHEMA, read_version)
     if clusters_out is not None:  # after both commits: an update starts from these
         record_fit(clusters_out, inputs, fit_tag(inputs, config, applied, sample_rows),
@@ -240,6 +247,16 @@ def record_fit(clusters: TableRef, inputs: streamed.SpaceInputs, tag: str,
     for part in inputs.parts:
         record_consumed(clusters, embeddings_name(part.source),
                         consumed_at(part.table.open(), tag))
+
+
+def forget_fit(clusters: TableRef) -> None:
+    """Drop the recorded fit and records (before `clusters` is overwritten by another fit)."""
+    if not clusters.exists():
+        return
+    forget_consumed(clusters)
+    table = clusters.latest().open()
+    if FIT_KEY in table.config():
+        table.delete_config_keys([FIT_KEY])
 
 
 def read_fit(clusters: TableRef, tag: str) -> tuple[np.ndarray, int] | None:
@@ -349,6 +366,9 @@ def incremental_semantic_duplicates(
         merge = merge.when_not_matched_by_source_delete(
             f"cluster IN ({', '.join(str(int(c)) for c in regrouped)})")
     merge.execute(pa.concat_tables([t.cast(SEMANTIC_DUPLICATES_SCHEMA) for t in parts]))
+    # A kill here: the records still hand the next run these changes, and rewriting the
+    # same groups (by id) and inserting the same rows (by id) again leaves no copies.
+    failpoint("semdedup.duplicates_merged")
     merge = (clusters.open().merge_insert("id").when_matched_update_all()
              .when_not_matched_insert_all().when_not_matched_by_source_delete(
                  in_filter("id", gone.to_pylist())))
