@@ -12,7 +12,8 @@ Per size N, on a fresh data root:
 - each step run as its asset runs it (duplicates: the Ray job written through
   `write_dataset_atomically` on the first run, then updated from the changes,
   `dedup.incremental`; semantic_duplicates likewise, updated at its recorded fit after
-  the first run, `semdedup_streamed`; concepts streamed, refitted every run), its
+  the first run, `semdedup_streamed`; concepts streamed, then the new rows assigned to the recorded
+  hierarchy while the drift measure allows, `spaces.incremental_concepts`), its
   seconds, the driver's peak PSS and the Ray workers' (busy and idle workers' PSS, the
   object store apart) sampled from /proc;
 - recall and precision of the planted groups (pairs of rows sharing a group);
@@ -214,15 +215,21 @@ def run_semantic_duplicates(root: Path) -> None:
 
 def run_concepts(root: Path) -> None:
     from prx_assets.stages.semantic.concepts import DEFAULT_SIZES, effective_sizes
-    from prx_assets.stages.semantic.spaces import streamed_concepts
+    from prx_assets.stages.semantic.spaces import (
+        concepts_tag,
+        incremental_concepts,
+        streamed_concepts,
+    )
     from prx_assets.stages.semantic.streamed import Tasks, space_inputs
     from prx_assets.storage.layout import Storage
 
     storage = Storage(str(root))
     inputs = space_inputs(storage, list(SOURCES), ENCODER)
-    streamed_concepts(inputs, storage.table("concepts"), effective_sizes(DEFAULT_SIZES,
-                                                                         inputs.rows),
-                      inputs.rows // 2, 0, Tasks(use_ray=True), sample_rows=SAMPLE_ROWS)
+    sizes = effective_sizes(DEFAULT_SIZES, inputs.rows)
+    tag = concepts_tag(inputs, sizes, 0.5, 0, SAMPLE_ROWS)
+    if incremental_concepts(inputs, storage.table("concepts"), tag, 0) is None:
+        streamed_concepts(inputs, storage.table("concepts"), sizes, inputs.rows // 2, 0,
+                          Tasks(use_ray=True), sample_rows=SAMPLE_ROWS, tag=tag)
 
 
 RUNNERS: dict[str, Callable[[Path], None]] = {
