@@ -336,14 +336,26 @@ def parse_sizes(text: str) -> list[int]:
     return sorted({int(float(part)) for part in text.split(",") if part.strip()})
 
 
-def run(sizes: list[int]) -> list[SizeRun]:
+def measure_fresh(rows: int, work: Path) -> SizeRun:
+    """`measure` in this (fresh) process with its own embedded Ray, after a warm-up."""
     from prx_assets.engine import ray_runtime
 
     ray_runtime.connect(num_cpus=2)
+    measure(1_000, work)  # Ray's workers start here, not in the size's figures
+    return measure(rows, work)
+
+
+def run(sizes: list[int]) -> list[SizeRun]:
+    """Each size in a fresh driver process, as each run of an asset is one: what a size
+    left in a driver (Python's arenas, Lance's and Ray's caches) is not the next size's."""
     work = Path(tempfile.mkdtemp(prefix="prx-global-growth-"))
+    context = multiprocessing.get_context("spawn")
     try:
-        measure(1_000, work)  # Ray's workers start here, not in the first size's figures
-        return [measure(rows, work) for rows in sizes]
+        runs = []
+        for rows in sizes:
+            with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+                runs.append(pool.submit(measure_fresh, rows, work).result())
+        return runs
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

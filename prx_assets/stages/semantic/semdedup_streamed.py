@@ -57,7 +57,7 @@ from prx_assets.storage.changes import (
 )
 from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.filters import eq_filter, in_filter
-from prx_assets.storage.lance_tables import commit_fragments, overwrite_rows
+from prx_assets.storage.lance_tables import append_rows, commit_fragments, overwrite_rows
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import IMAGE_EMBEDDINGS
 
@@ -369,10 +369,13 @@ def incremental_semantic_duplicates(
     # A kill here: the records still hand the next run these changes, and rewriting the
     # same groups (by id) and inserting the same rows (by id) again leaves no copies.
     failpoint("semdedup.duplicates_merged")
-    merge = (clusters.open().merge_insert("id").when_matched_update_all()
-             .when_not_matched_insert_all().when_not_matched_by_source_delete(
-                 in_filter("id", gone.to_pylist())))
-    merge.execute(new_rows)
+    if old is None or old.num_rows == 0:  # only new ids: appended, no join with the table
+        append_rows(clusters, new_rows, new_rows.schema)
+    else:
+        merge = (clusters.open().merge_insert("id").when_matched_update_all()
+                 .when_not_matched_insert_all().when_not_matched_by_source_delete(
+                     in_filter("id", gone.to_pylist())))
+        merge.execute(new_rows)
     record_fit(clusters, inputs, tag, centroids, next_row + len(vectors))
     result.version = out.open().version
     result.removed_by_eps = {config.eps: _removed(out)}
