@@ -227,7 +227,10 @@ def run_concepts(root: Path) -> None:
     inputs = space_inputs(storage, list(SOURCES), ENCODER)
     sizes = effective_sizes(DEFAULT_SIZES, inputs.rows)
     tag = concepts_tag(inputs, sizes, 0.5, 0, SAMPLE_ROWS)
-    if incremental_concepts(inputs, storage.table("concepts"), tag, 0) is None:
+    update = incremental_concepts(inputs, storage.table("concepts"), tag, 0)
+    if update is not None and update.drift is not None:
+        print(f"  concepts update: {update.new_rows:,} rows, drift {update.drift:+.5f}")
+    if update is None:
         streamed_concepts(inputs, storage.table("concepts"), sizes, inputs.rows // 2, 0,
                           Tasks(use_ray=True), sample_rows=SAMPLE_ROWS, tag=tag)
 
