@@ -51,6 +51,7 @@ DEFAULT_SIZES = (2_000, 8_000)  # a smoke run for `make bench`; the note uses 1e
 SOURCES = ("s0", "s1", "s2", "s3")
 DIM = 64
 BLOCK_ROWS = 250_000
+TOPIC_SEED = 7_000  # block k's topics: this + k
 SAMPLE_ROWS = 100_000  # the fit's sample: the same at every size from 10^5 up
 ENCODER = "bench-encoder"
 STEPS = ("duplicates", "semantic_duplicates", "concepts")
@@ -103,9 +104,11 @@ def row_id(source: str, row: int) -> str:
     return f"{source}:{row:011d}"
 
 
-def write_rows(root: Path, start: int, n: int, seed: int) -> np.ndarray:
+def write_rows(root: Path, start: int, n: int, seed: int, topics_of: int | None = None
+               ) -> np.ndarray:
     """Rows [start, start + n) of every table, dealt over the sources; returns each row's
-    planted semantic group (-1: none; numbered from `start`)."""
+    planted semantic group (-1: none; numbered from `start`). Each block of rows has the
+    topics of its own block number, or of block `topics_of` (more of the same content)."""
     from prx_assets.stages.images.stage import PHASH_SCHEMA
     from prx_assets.stages.semantic.embeddings import write_embeddings
     from prx_assets.stages.semantic.synthetic import planted_duplicates
@@ -118,7 +121,8 @@ def write_rows(root: Path, start: int, n: int, seed: int) -> np.ndarray:
     for block, first in enumerate(range(start, start + n, BLOCK_ROWS)):
         size = min(BLOCK_ROWS, start + n - first)
         data = planted_duplicates(size, dim=DIM, topics=max(10, size // 2_000),
-                                  seed=seed * 1000 + block)
+                                  seed=seed * 1000 + block, topic_seed=TOPIC_SEED + (
+                                      first // BLOCK_ROWS if topics_of is None else topics_of))
         groups.append(np.where(data.group >= 0, data.group + first, -1))
         hashes = planted_hashes(size, seed * 1000 + block)
         rows = np.arange(first, first + size)
@@ -280,12 +284,13 @@ def score(run: SizeRun, root: Path, semantic_truth: np.ndarray) -> None:
                                               semantic_truth)
 
 
-def write_apart(root: Path, start: int, n: int, seed: int) -> np.ndarray:
+def write_apart(root: Path, start: int, n: int, seed: int, topics_of: int | None = None
+                ) -> np.ndarray:
     """`write_rows` in a child process: what generating and writing the rows leaves in a
     process (Python's arenas, Lance's caches) is the bench's, not the driver's it measures."""
     context = multiprocessing.get_context("spawn")  # no fork of a process running Ray
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(write_rows, root, start, n, seed).result()
+        return pool.submit(write_rows, root, start, n, seed, topics_of).result()
 
 
 def measure(rows: int, work: Path) -> SizeRun:
@@ -298,7 +303,8 @@ def measure(rows: int, work: Path) -> SizeRun:
               f"{run.steps[name].cpu_s:.1f} cpu s", flush=True)
     score(run, root, truth)
     extra = max(len(SOURCES), rows // 1000)
-    write_apart(root, rows, extra, seed=2)  # 0.1 % more, dealt over the sources
+    # 0.1 % more, dealt over the sources: new samples of the first block's topics
+    write_apart(root, rows, extra, seed=2, topics_of=0)
     for name in STEPS:
         rerun = timed_step(name, root)
         run.steps[name].rerun_s, run.steps[name].rerun_cpu_s = rerun.seconds, rerun.cpu_s
