@@ -347,11 +347,21 @@ def parse_sizes(text: str) -> list[int]:
 
 def measure_fresh(rows: int, work: Path) -> SizeRun:
     """`measure` in this (fresh) process with its own embedded Ray, after a warm-up."""
+    import ray
+
     from prx_assets.engine import ray_runtime
 
-    ray_runtime.connect(num_cpus=2)
+    try:
+        ray_runtime.connect(num_cpus=2)
+    except Exception:  # Ray gives its node a fixed time to start: a loaded machine can pass it
+        ray.shutdown()
+        ray_runtime.connect(num_cpus=2)
     measure(1_000, work)  # Ray's workers start here, not in the size's figures
-    return measure(rows, work)
+    run = measure(rows, work)
+    for name, step in run.steps.items():
+        print(f"  {rows:,} rows: {name} driver {step.driver_kb / 1024:.0f} MB, workers "
+              f"{step.workers_kb / 1024:.0f} MB", flush=True)
+    return run
 
 
 def run(sizes: list[int]) -> list[SizeRun]:
