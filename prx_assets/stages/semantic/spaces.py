@@ -199,7 +199,9 @@ def record_fit(out: TableRef, inputs: streamed.SpaceInputs, tag: str, fit: FitRe
               "parents": [_array(np.asarray(p, np.int64)) for p in fit.parents],
               "sizes": _array(fit.sizes), "kept": _array(fit.kept), "cosine": fit.cosine,
               "first_ids": {str(k): v for k, v in fit.first_ids.items()}}
-    out.latest().open().update_config({FIT_KEY: json.dumps(record)})
+    text, table = json.dumps(record), out.latest().open()
+    if table.config().get(FIT_KEY) != text:  # a run with nothing new commits nothing
+        table.update_config({FIT_KEY: text})
     for part in inputs.parts:
         record_consumed(out, embeddings_name(part.source), consumed_at(part.table.open(), tag))
 
