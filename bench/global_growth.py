@@ -12,7 +12,8 @@ Per size N, on a fresh data root:
 - each step run as its asset runs it (duplicates: the Ray job written through
   `write_dataset_atomically` on the first run, then updated from the changes,
   `dedup.incremental`; semantic_duplicates likewise, updated at its recorded fit after
-  the first run, `semdedup_streamed`; concepts streamed, refitted every run), its
+  the first run, `semdedup_streamed`; concepts streamed, then the new rows assigned to the recorded
+  hierarchy while the drift measure allows, `spaces.incremental_concepts`), its
   seconds, the driver's peak PSS and the Ray workers' (busy and idle workers' PSS, the
   object store apart) sampled from /proc;
 - recall and precision of the planted groups (pairs of rows sharing a group);
@@ -29,11 +30,13 @@ precision >= 0.95, the +0.1 % rerun <= 5 % of the full run.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +51,7 @@ DEFAULT_SIZES = (2_000, 8_000)  # a smoke run for `make bench`; the note uses 1e
 SOURCES = ("s0", "s1", "s2", "s3")
 DIM = 64
 BLOCK_ROWS = 250_000
+TOPIC_SEED = 7_000  # block k's topics: this + k
 SAMPLE_ROWS = 100_000  # the fit's sample: the same at every size from 10^5 up
 ENCODER = "bench-encoder"
 STEPS = ("duplicates", "semantic_duplicates", "concepts")
@@ -100,9 +104,11 @@ def row_id(source: str, row: int) -> str:
     return f"{source}:{row:011d}"
 
 
-def write_rows(root: Path, start: int, n: int, seed: int) -> np.ndarray:
+def write_rows(root: Path, start: int, n: int, seed: int, topics_of: int | None = None
+               ) -> np.ndarray:
     """Rows [start, start + n) of every table, dealt over the sources; returns each row's
-    planted semantic group (-1: none; numbered from `start`)."""
+    planted semantic group (-1: none; numbered from `start`). Each block of rows has the
+    topics of its own block number, or of block `topics_of` (more of the same content)."""
     from prx_assets.stages.images.stage import PHASH_SCHEMA
     from prx_assets.stages.semantic.embeddings import write_embeddings
     from prx_assets.stages.semantic.synthetic import planted_duplicates
@@ -115,7 +121,8 @@ def write_rows(root: Path, start: int, n: int, seed: int) -> np.ndarray:
     for block, first in enumerate(range(start, start + n, BLOCK_ROWS)):
         size = min(BLOCK_ROWS, start + n - first)
         data = planted_duplicates(size, dim=DIM, topics=max(10, size // 2_000),
-                                  seed=seed * 1000 + block)
+                                  seed=seed * 1000 + block, topic_seed=TOPIC_SEED + (
+                                      first // BLOCK_ROWS if topics_of is None else topics_of))
         groups.append(np.where(data.group >= 0, data.group + first, -1))
         hashes = planted_hashes(size, seed * 1000 + block)
         rows = np.arange(first, first + size)
@@ -212,15 +219,24 @@ def run_semantic_duplicates(root: Path) -> None:
 
 def run_concepts(root: Path) -> None:
     from prx_assets.stages.semantic.concepts import DEFAULT_SIZES, effective_sizes
-    from prx_assets.stages.semantic.spaces import streamed_concepts
+    from prx_assets.stages.semantic.spaces import (
+        concepts_tag,
+        incremental_concepts,
+        streamed_concepts,
+    )
     from prx_assets.stages.semantic.streamed import Tasks, space_inputs
     from prx_assets.storage.layout import Storage
 
     storage = Storage(str(root))
     inputs = space_inputs(storage, list(SOURCES), ENCODER)
-    streamed_concepts(inputs, storage.table("concepts"), effective_sizes(DEFAULT_SIZES,
-                                                                         inputs.rows),
-                      inputs.rows // 2, 0, Tasks(use_ray=True), sample_rows=SAMPLE_ROWS)
+    sizes = effective_sizes(DEFAULT_SIZES, inputs.rows)
+    tag = concepts_tag(inputs, sizes, 0.5, 0, SAMPLE_ROWS)
+    update = incremental_concepts(inputs, storage.table("concepts"), tag, 0)
+    if update is not None and update.drift is not None:
+        print(f"  concepts update: {update.new_rows:,} rows, drift {update.drift:+.5f}")
+    if update is None:
+        streamed_concepts(inputs, storage.table("concepts"), sizes, inputs.rows // 2, 0,
+                          Tasks(use_ray=True), sample_rows=SAMPLE_ROWS, tag=tag)
 
 
 RUNNERS: dict[str, Callable[[Path], None]] = {
@@ -268,9 +284,18 @@ def score(run: SizeRun, root: Path, semantic_truth: np.ndarray) -> None:
                                               semantic_truth)
 
 
+def write_apart(root: Path, start: int, n: int, seed: int, topics_of: int | None = None
+                ) -> np.ndarray:
+    """`write_rows` in a child process: what generating and writing the rows leaves in a
+    process (Python's arenas, Lance's caches) is the bench's, not the driver's it measures."""
+    context = multiprocessing.get_context("spawn")  # no fork of a process running Ray
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(write_rows, root, start, n, seed, topics_of).result()
+
+
 def measure(rows: int, work: Path) -> SizeRun:
     root = work / f"n{rows}"
-    truth = write_rows(root, 0, rows, seed=1)
+    truth = write_apart(root, 0, rows, seed=1)
     run = SizeRun(rows)
     for name in STEPS:
         run.steps[name] = timed_step(name, root)
@@ -278,7 +303,8 @@ def measure(rows: int, work: Path) -> SizeRun:
               f"{run.steps[name].cpu_s:.1f} cpu s", flush=True)
     score(run, root, truth)
     extra = max(len(SOURCES), rows // 1000)
-    write_rows(root, rows, extra, seed=2)  # 0.1 % more, dealt over the sources
+    # 0.1 % more, dealt over the sources: new samples of the first block's topics
+    write_apart(root, rows, extra, seed=2, topics_of=0)
     for name in STEPS:
         rerun = timed_step(name, root)
         run.steps[name].rerun_s, run.steps[name].rerun_cpu_s = rerun.seconds, rerun.cpu_s
@@ -319,14 +345,36 @@ def parse_sizes(text: str) -> list[int]:
     return sorted({int(float(part)) for part in text.split(",") if part.strip()})
 
 
-def run(sizes: list[int]) -> list[SizeRun]:
+def measure_fresh(rows: int, work: Path) -> SizeRun:
+    """`measure` in this (fresh) process with its own embedded Ray, after a warm-up."""
+    import ray
+
     from prx_assets.engine import ray_runtime
 
-    ray_runtime.connect(num_cpus=2)
-    work = Path(tempfile.mkdtemp(prefix="prx-global-growth-"))
     try:
-        measure(1_000, work)  # Ray's workers start here, not in the first size's figures
-        return [measure(rows, work) for rows in sizes]
+        ray_runtime.connect(num_cpus=2)
+    except Exception:  # Ray gives its node a fixed time to start: a loaded machine can pass it
+        ray.shutdown()
+        ray_runtime.connect(num_cpus=2)
+    measure(1_000, work)  # Ray's workers start here, not in the size's figures
+    run = measure(rows, work)
+    for name, step in run.steps.items():
+        print(f"  {rows:,} rows: {name} driver {step.driver_kb / 1024:.0f} MB, workers "
+              f"{step.workers_kb / 1024:.0f} MB", flush=True)
+    return run
+
+
+def run(sizes: list[int]) -> list[SizeRun]:
+    """Each size in a fresh driver process, as each run of an asset is one: what a size
+    left in a driver (Python's arenas, Lance's and Ray's caches) is not the next size's."""
+    work = Path(tempfile.mkdtemp(prefix="prx-global-growth-"))
+    context = multiprocessing.get_context("spawn")
+    try:
+        runs = []
+        for rows in sizes:
+            with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+                runs.append(pool.submit(measure_fresh, rows, work).result())
+        return runs
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -40,7 +40,12 @@ from prx_assets.stages.semantic.semdedup_streamed import (
     incremental_semantic_duplicates,
     streamed_semantic_duplicates,
 )
-from prx_assets.stages.semantic.spaces import streamed_concepts
+from prx_assets.stages.semantic.spaces import (
+    DEFAULT_MAX_DRIFT,
+    concepts_tag,
+    incremental_concepts,
+    streamed_concepts,
+)
 from prx_assets.stages.semantic.streamed import (
     DEFAULT_SAMPLE_ROWS,
     IN_PROCESS_ROWS,
@@ -247,6 +252,11 @@ class ConceptsConfig(dg.Config):
     seed: int = 0
     top_clusters: int = 5
     captions_per_cluster: int = 3
+    # New rows are assigned to the recorded hierarchy while their mean cosine to their leaf
+    # falls at most `max_drift` below the fit sample's (the drift measure); `refit` (or more
+    # drift, deleted rows, other settings) fits the hierarchy again.
+    refit: bool = False
+    max_drift: float = DEFAULT_MAX_DRIFT
 
 
 def build_concepts() -> dg.AssetsDefinition:
@@ -264,11 +274,15 @@ def build_concepts() -> dg.AssetsDefinition:
         inputs, recorded = _space(context, store, context.resources.sources.load().names)
         rows = inputs.rows
         sizes = effective_sizes(config.level_sizes, max(rows, 1), config.min_rows_per_leaf)
-        result = streamed_concepts(inputs, store.table(CONCEPTS), sizes,
-                                   round(config.target_share * rows), config.seed,
-                                   Tasks(config.ray_tasks and rows > config.in_process_rows),
-                                   config.captions_per_cluster,
-                                   config.sample_rows)
+        tag = concepts_tag(inputs, sizes, config.target_share, config.seed, config.sample_rows)
+        result = None if config.refit else incremental_concepts(
+            inputs, store.table(CONCEPTS), tag, config.seed, config.max_drift)
+        if result is None:
+            result = streamed_concepts(inputs, store.table(CONCEPTS), sizes,
+                                       round(config.target_share * rows), config.seed,
+                                       Tasks(config.ray_tasks and rows > config.in_process_rows),
+                                       config.captions_per_cluster,
+                                       config.sample_rows, tag=tag)
         if rows == 0:
             return dg.MaterializeResult(metadata={**recorded, "lance_version": result.version,
                                                   "samples": 0})
@@ -278,6 +292,8 @@ def build_concepts() -> dg.AssetsDefinition:
         return dg.MaterializeResult(metadata={
             **recorded, "lance_version": result.version, "samples": rows,
             "fit_sample": result.sample_rows, "ray_nodes": len(result.nodes),
+            "run": result.run, "new_rows": result.new_rows,
+            "drift": round(result.drift, 5) if result.drift is not None else "refit",
             "level_sizes_used": ", ".join(str(k) for k in sizes),
             "levels": ", ".join(str(int((level > 0).sum())) for level in result.sizes),
             "balanced_samples": int(after.sum()),

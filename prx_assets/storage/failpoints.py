@@ -81,6 +81,10 @@ POINTS = {
     "storage.replace_uncommitted": "a replacement of some rows (`replace_where`: a source's "
                                    "corpus rows) with its new files and deletion files "
                                    "written, before its one commit",
+    "semdedup.clusters_committed": "a full SemDeDup run, semantic_clusters committed (its "
+                                   "fit forgotten), semantic_duplicates not yet",
+    "semdedup.duplicates_merged": "a SemDeDup update, semantic_duplicates merged, "
+                                  "semantic_clusters and the fit's record not yet",
     "storage.overwrite_uncommitted": "the driver of a whole-table write "
                                      "(write_dataset_atomically), every fragment written, "
                                      "before the commit",

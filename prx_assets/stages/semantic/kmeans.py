@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 ASSIGN_CHUNK_ROWS = 1 << 16
+ASSIGN_SCORES = 1 << 22  # scores per assignment chunk (16 MB): K grows with the corpus
 DEFAULT_ITERATIONS = 20
 # faiss subsamples to this many points per centroid for training (its own default).
 MAX_POINTS_PER_CENTROID = 256
@@ -72,8 +73,11 @@ def kmeans(vectors: np.ndarray, k: int, seed: int = 0, iterations: int = DEFAULT
 
 
 def assign(vectors: np.ndarray, centroids: np.ndarray,
-           chunk_rows: int = ASSIGN_CHUNK_ROWS) -> np.ndarray:
-    """Each row's nearest centroid by inner product (cosine for unit rows), chunked."""
+           chunk_rows: int | None = None) -> np.ndarray:
+    """Each row's nearest centroid by inner product (cosine for unit rows), chunked: by
+    default at most `ASSIGN_SCORES` scores at a time, whatever the number of centroids."""
+    if chunk_rows is None:
+        chunk_rows = max(256, min(ASSIGN_CHUNK_ROWS, ASSIGN_SCORES // max(1, len(centroids))))
     out = np.empty(len(vectors), np.int64)
     for start in range(0, len(vectors), chunk_rows):
         scores = vectors[start:start + chunk_rows] @ centroids.T

@@ -46,14 +46,18 @@ from prx_assets.stages.semantic.semdedup import (
     union,
 )
 from prx_assets.storage.changes import (
+    SCAN_ROWS,
     consumed_at,
+    forget_consumed,
     pinned_changes,
     read_consumed,
     record_consumed,
     rows_with_ids,
+    scan_rows_with_ids,
 )
+from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.filters import eq_filter, in_filter
-from prx_assets.storage.lance_tables import commit_fragments, overwrite_rows
+from prx_assets.storage.lance_tables import append_rows, commit_fragments, overwrite_rows
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import IMAGE_EMBEDDINGS
 
@@ -131,6 +135,10 @@ def streamed_semantic_duplicates(inputs: streamed.SpaceInputs, out: TableRef,
                               on_gpu=gpu_count() > 0 if config.use_gpu is None else config.use_gpu)
     fragments: list = []
     cluster_fragments: list = []
+    if clusters_out is not None:
+        # A kill before both commits are done must not leave the old fit's record over new
+        # rows: the next run then finds no record and runs in full.
+        forget_fit(clusters_out)
     clusters_version = clusters_out.latest_version() if clusters_out else None
     reduce_calls = [(config, applied, phashes, out, clusters_out, *[r[b] for r in routed])
                     for b in range(buckets)]
@@ -142,6 +150,7 @@ def streamed_semantic_duplicates(inputs: streamed.SpaceInputs, out: TableRef,
     if clusters_out is not None:
         commit_fragments(clusters_out, cluster_fragments, clusters_schema(centroids.shape[1]),
                          clusters_version)
+        failpoint("semdedup.clusters_committed")
     result.version = commit_fragments(out, fragments, SEMANTIC_DUPLICATES_SCHEMA, read_version)
     if clusters_out is not None:  # after both commits: an update starts from these
         record_fit(clusters_out, inputs, fit_tag(inputs, config, applied, sample_rows),
@@ -182,43 +191,10 @@ def routed_rows(routed: streamed.Routed) -> pa.Table:
                      "embedding": vector_column(routed.vectors)})
 
 
-@dataclass(frozen=True)
-class Grown:
-    """Clusters an update only added rows to: their old rows' groups (`old_group`, a group
-    number per row of the bucket, -1 for none) stand, only pairs with a new row are new."""
-
-    clusters: frozenset[int]
-    new: np.ndarray  # bool per row of the bucket
-    old_group: np.ndarray  # int64 per row of the bucket
-
-
-def grow_groups(vectors: np.ndarray, positions: np.ndarray, grown: Grown, eps: float
-                ) -> np.ndarray:
-    """Group labels (each row's group = its smallest position in `positions`) of one
-    cluster that only gained rows: the old groups joined, then every pair with a new row
-    above cosine 1 - eps (a block of new rows x the cluster: O(new x cluster))."""
-    n = positions.size
-    parent = np.arange(n, dtype=np.int64)
-    old = grown.old_group[positions]
-    member = np.flatnonzero(old >= 0)
-    if member.size:
-        _, first, inverse = np.unique(old[member], return_index=True, return_inverse=True)
-        parent = union(parent, member, member[first[inverse]])
-    fresh = np.flatnonzero(grown.new[positions])
-    if fresh.size:
-        similarity = vectors[positions[fresh]] @ vectors[positions].T
-        i, j = np.nonzero(similarity > 1.0 - eps)
-        other = fresh[i] != j
-        parent = union(parent, fresh[i][other], j[other])
-    return roots(parent)
-
-
 def group_bucket(routed: streamed.Routed, config: SemDedupConfig, applied: bool,
-                 phashes: dict[int, TableRef], grown: Grown | None = None
-                 ) -> tuple[pa.Table, dict]:
+                 phashes: dict[int, TableRef]) -> tuple[pa.Table, dict]:
     """The groups of every cluster of `routed` (rows in row order) at every eps and their
-    kept copies (pixels looked up for the members only): the duplicates rows and stats.
-    Clusters of `grown` are grown from their old groups at the acting eps only."""
+    kept copies (pixels looked up for the members only): the duplicates rows and stats."""
     eps_values = config.all_eps()
     acting = eps_values.index(config.eps)
     n = len(routed.rows)
@@ -228,16 +204,6 @@ def group_bucket(routed: streamed.Routed, config: SemDedupConfig, applied: bool,
     clusters = largest = 0
     vectors = routed.vectors if routed.vectors is not None else np.zeros((0, 1), np.float32)
     for cluster, positions in streamed.clusters_of(routed):
-        if grown is not None and cluster in grown.clusters and positions.size <= (
-                config.cluster_cap):
-            labels = grow_groups(vectors, positions, grown, config.eps)
-            # Only the groups a new row joined changed: the others' rows stand as written.
-            changed = np.isin(labels, labels[grown.new[positions]])
-            group[positions] = np.where(changed, positions[labels], positions)
-            cluster_of[positions] = cluster
-            clusters += 1
-            largest = max(largest, int(positions.size))
-            continue
         for rows in split_large(vectors, [positions], config, depth=0):
             labels = cluster_groups(vectors[rows], eps_values, config.block_rows)
             for eps, level in zip(eps_values, labels, strict=True):
@@ -281,6 +247,16 @@ def record_fit(clusters: TableRef, inputs: streamed.SpaceInputs, tag: str,
     for part in inputs.parts:
         record_consumed(clusters, embeddings_name(part.source),
                         consumed_at(part.table.open(), tag))
+
+
+def forget_fit(clusters: TableRef) -> None:
+    """Drop the recorded fit and records (before `clusters` is overwritten by another fit)."""
+    if not clusters.exists():
+        return
+    forget_consumed(clusters)
+    table = clusters.latest().open()
+    if FIT_KEY in table.config():
+        table.delete_config_keys([FIT_KEY])
 
 
 def read_fit(clusters: TableRef, tag: str) -> tuple[np.ndarray, int] | None:
@@ -357,48 +333,186 @@ def incremental_semantic_duplicates(
         record_fit(clusters, inputs, tag, centroids, next_row)
         result.removed_by_eps = {config.eps: _removed(out)}
         return result
-    listed = f"cluster IN ({', '.join(str(int(c)) for c in touched)})"
-    kept_rows = clusters.open().to_table(filter=listed)
-    kept_rows = kept_rows.filter(pc.invert(pc.is_in(kept_rows.column("id"), value_set=gone)))
     new_rows = pa.table({
         "id": added.column("id"), "row": pa.array(np.arange(next_row, next_row + len(vectors)),
                                                   pa.int64()),
         "rank": added.column("rank"), "cluster": pa.array(new_cluster, pa.int32()),
         "embedding": vector_column(vectors)}, schema=clusters_schema(centroids.shape[1]))
-    both = pa.concat_tables([kept_rows.cast(new_rows.schema), new_rows])
-    both = both.take(pc.sort_indices(both, [("row", "ascending")]))
-    grown = _grown(out, both, listed, touched, old, next_row)
-    table, stats = group_bucket(_as_routed(both), config, applied, inputs.phashes_by_rank(),
-                                grown)
-    add_stats(result, stats)
-    result.regrouped_rows = both.num_rows
+    left = set(old.column("cluster").to_pylist()) if old is not None else set()
+    grown = sorted(set(touched.tolist()) - left)
+    matches = _new_matches(clusters, new_rows, vectors, grown, config.eps)
+    # A cluster grown past the cap is split again by a full regroup, as a full run would.
+    oversized = {c for c in grown if matches.sizes.get(c, 0) > config.cluster_cap}
+    regrouped = sorted(left | oversized)
+    parts = []
+    if regrouped:
+        table, stats = _regroup(clusters, out, new_rows, regrouped, gone, config, applied,
+                                inputs.phashes_by_rank())
+        add_stats(result, stats)
+        parts.append(table)
+        result.regrouped_rows += stats["rows"]
+    if len(grown) > len(oversized):
+        table = _joined_groups(out, clusters, new_rows, matches, oversized, config, applied,
+                               inputs.phashes_by_rank())
+        add_stats(result, {"clusters": len(grown) - len(oversized),
+                           "largest_cluster": max(matches.sizes.values(), default=0),
+                           "removed": {}, "largest": largest_groups(table)})
+        parts.append(table)
+        result.regrouped_rows += table.num_rows
     # Rows of regrouped clusters are replaced; a grown cluster's groups only grow or merge,
-    # so its changed groups' rows are all among the new ones (matched by id).
-    regrouped = sorted(set(touched.tolist()) - grown.clusters)
+    # so its changed groups' rows are all among those written (matched by id).
     merge = out.open().merge_insert("id").when_matched_update_all().when_not_matched_insert_all()
     if regrouped:
         merge = merge.when_not_matched_by_source_delete(
             f"cluster IN ({', '.join(str(int(c)) for c in regrouped)})")
-    merge.execute(table.cast(SEMANTIC_DUPLICATES_SCHEMA))
-    merge = (clusters.open().merge_insert("id").when_matched_update_all()
-             .when_not_matched_insert_all().when_not_matched_by_source_delete(
-                 in_filter("id", gone.to_pylist())))
-    merge.execute(new_rows)
+    merge.execute(pa.concat_tables([t.cast(SEMANTIC_DUPLICATES_SCHEMA) for t in parts]))
+    # A kill here: the records still hand the next run these changes, and rewriting the
+    # same groups (by id) and inserting the same rows (by id) again leaves no copies.
+    failpoint("semdedup.duplicates_merged")
+    if old is None or old.num_rows == 0:  # only new ids: appended, no join with the table
+        append_rows(clusters, new_rows, new_rows.schema)
+    else:
+        merge = (clusters.open().merge_insert("id").when_matched_update_all()
+                 .when_not_matched_insert_all().when_not_matched_by_source_delete(
+                     in_filter("id", gone.to_pylist())))
+        merge.execute(new_rows)
     record_fit(clusters, inputs, tag, centroids, next_row + len(vectors))
     result.version = out.open().version
     result.removed_by_eps = {config.eps: _removed(out)}
     return result
 
 
-def _grown(out: TableRef, rows: pa.Table, listed: str, touched: np.ndarray,
-           gone: pa.Table | None, next_row: int) -> Grown:
-    """The touched clusters no row left (only added to), with their rows' old groups."""
-    left = set(gone.column("cluster").to_pylist()) if gone is not None else set()
-    groups = out.open().to_table(columns=["id", "group"], filter=listed)
-    old_group = pc.fill_null(pc.take(groups.column("group"), pc.index_in(
-        rows.column("id"), value_set=groups.column("id"))), -1).to_numpy()
-    return Grown(frozenset(int(c) for c in touched) - left,
-                 rows.column("row").to_numpy() >= next_row, np.asarray(old_group, np.int64))
+def _regroup(clusters: TableRef, out: TableRef, new_rows: pa.Table, regrouped: list[int],
+             gone: pa.Array, config: SemDedupConfig, applied: bool,
+             phashes: dict[int, TableRef]) -> tuple[pa.Table, dict]:
+    """The groups of `regrouped` clusters (rows left them, or they grew past the cap) from
+    all their rows: those kept, read back from `clusters`, and the new ones."""
+    listed = f"cluster IN ({', '.join(str(int(c)) for c in regrouped)})"
+    kept_rows = clusters.open().to_table(filter=listed)
+    kept_rows = kept_rows.filter(pc.invert(pc.is_in(kept_rows.column("id"), value_set=gone)))
+    mine = new_rows.filter(pc.is_in(new_rows.column("cluster"),
+                                    value_set=pa.array(regrouped, pa.int32())))
+    both = pa.concat_tables([kept_rows.cast(new_rows.schema), mine])
+    both = both.take(pc.sort_indices(both, [("row", "ascending")]))
+    table, stats = group_bucket(_as_routed(both), config, applied, phashes)
+    return table, {**stats, "rows": both.num_rows}
+
+
+@dataclass
+class _Matches:
+    """What the new rows of grown clusters are close to: pairs (new row index, old row) and
+    (new, new) above cosine 1 - eps, the old rows' ids, and each grown cluster's size."""
+
+    new: np.ndarray  # int64 index into the new rows
+    old_row: np.ndarray  # int64 row number of the old row matched
+    old_ids: pa.Array
+    new_pairs: tuple[np.ndarray, np.ndarray]
+    sizes: dict[int, int]
+
+
+def _new_matches(clusters: TableRef, new_rows: pa.Table, vectors: np.ndarray,
+                 grown: list[int], eps: float, batch_rows: int = SCAN_ROWS) -> _Matches:
+    """The new rows against the rows of their clusters, by one streamed scan of the grown
+    clusters' vectors (old rows' pairs are unchanged at a fixed fit: only new x cluster is
+    computed, and only the batch in hand is held)."""
+    new_cluster = new_rows.column("cluster").to_numpy()
+    by_cluster = {c: np.flatnonzero(new_cluster == c) for c in grown}
+    sizes = {c: int(rows.size) for c, rows in by_cluster.items()}
+    new_index, old_row, old_ids = [], [], []
+    scanner = clusters.open().scanner(
+        columns=["id", "row", "cluster", "embedding"], batch_size=batch_rows,
+        filter=f"cluster IN ({', '.join(str(c) for c in grown)})" if grown else "FALSE")
+    for batch in scanner.to_batches():
+        cluster = batch.column("cluster").to_numpy()
+        flat = batch.column("embedding")
+        old = flat.flatten().to_numpy(zero_copy_only=False).reshape(len(flat), -1)
+        rows = batch.column("row").to_numpy()
+        routed = streamed.Routed(rows, batch.column("id"), np.zeros(0), cluster, None)
+        for c, positions in streamed.clusters_of(routed):
+            sizes[c] += positions.size
+            fresh = by_cluster[c]
+            i, j = np.nonzero(old[positions] @ vectors[fresh].T > 1.0 - eps)
+            new_index.append(fresh[j])
+            old_row.append(rows[positions[i]])
+            old_ids.append(batch.column("id").take(pa.array(positions[i])))
+    left, right = [], []
+    for fresh in by_cluster.values():
+        i, j = np.nonzero(np.triu(vectors[fresh] @ vectors[fresh].T > 1.0 - eps, k=1))
+        left.append(fresh[i])
+        right.append(fresh[j])
+    empty = np.zeros(0, np.int64)
+    return _Matches(np.concatenate([empty, *new_index]), np.concatenate([empty, *old_row]),
+                    pa.concat_arrays([pa.array([], pa.string()), *old_ids]),
+                    (np.concatenate([empty, *left]), np.concatenate([empty, *right])), sizes)
+
+
+def _joined_groups(out: TableRef, clusters: TableRef, new_rows: pa.Table, matches: _Matches,
+                   skipped: set[int], config: SemDedupConfig, applied: bool,
+                   phashes: dict[int, TableRef]) -> pa.Table:
+    """The groups a new row joined or formed in grown clusters (not `skipped`), with every
+    member and their kept copies: the old groups of the rows matched, merged through the
+    new rows (each group numbered by its smallest row, as a full run numbers it)."""
+    keep = ~np.isin(new_rows.column("cluster").to_numpy(), list(skipped))
+    pick = keep[matches.new]
+    old_ids = matches.old_ids.filter(pa.array(pick))
+    old_row, new_of_old = matches.old_row[pick], matches.new[pick]
+    left, right = matches.new_pairs
+    both_kept = keep[left]
+    left, right = left[both_kept], right[both_kept]
+    first_new = int(new_rows.column("row")[0].as_py()) if new_rows.num_rows else 0
+    # Old groups of the matched rows, then all their members.
+    found = scan_rows_with_ids(out.open(), pc.unique(old_ids), ["id", "group"]) if len(
+        old_ids) else SEMANTIC_DUPLICATES_SCHEMA.empty_table().select(["id", "group"])
+    group_of = dict(zip(found.column("id").to_pylist(), found.column("group").to_pylist(),
+                        strict=True))
+    old_group = np.array([group_of.get(i, r) for i, r in zip(
+        old_ids.to_pylist(), old_row.tolist(), strict=True)], np.int64)
+    # Union-find over row numbers: new rows, old rows matched, old groups (their smallest
+    # row stands for the group).
+    nodes = np.unique(np.concatenate([old_row, old_group, left + first_new,
+                                      right + first_new, new_of_old + first_new]))
+    parent = union(np.arange(nodes.size, dtype=np.int64),
+                   np.searchsorted(nodes, np.concatenate([new_of_old + first_new, old_row,
+                                                          left + first_new])),
+                   np.searchsorted(nodes, np.concatenate([old_row, old_group,
+                                                          right + first_new])))
+    label = nodes[roots(parent)]  # each node's component: its smallest row
+    joined = np.unique(label[nodes >= first_new])
+    label_of = dict(zip(nodes.tolist(), label.tolist(), strict=True))
+    # Members: old groups' members (by group), old rows matched alone, new rows.
+    groups = np.unique(old_group[np.isin(old_group, nodes[np.isin(label, joined)])])
+    members = out.open().to_table(columns=["id", "group"], filter=(
+        f"`group` IN ({', '.join(str(int(g)) for g in groups)})")) if groups.size else None
+    member_ids = pa.concat_arrays([
+        members.column("id").combine_chunks() if members is not None else pa.array(
+            [], pa.string()), old_ids]) if len(old_ids) else pa.array([], pa.string())
+    old = rows_with_ids(clusters.open(), pc.unique(member_ids),
+                        ["id", "row", "rank", "cluster", "embedding"]) if len(
+        member_ids) else new_rows.schema.empty_table()
+    fresh = new_rows.filter(pa.array(np.isin(np.arange(new_rows.num_rows) + first_new,
+                                             nodes)))
+    rows = pa.concat_tables([old.cast(new_rows.schema), fresh])
+    rows = rows.take(pc.sort_indices(rows, [("row", "ascending")]))
+    if members is not None:
+        group_of.update(zip(members.column("id").to_pylist(),
+                            members.column("group").to_pylist(), strict=True))
+    row_numbers = rows.column("row").to_numpy()
+    # A row's node: itself when it is one, else (an unmatched old member) its old group.
+    node = np.array([r if r in label_of else group_of[i] for r, i in zip(
+        row_numbers.tolist(), rows.column("id").to_pylist(), strict=True)], np.int64)
+    component = np.array([label_of[n] for n in node.tolist()], np.int64)
+    chosen = np.isin(component, joined)
+    rows, component, row_numbers = rows.filter(pa.array(chosen)), component[chosen], \
+        row_numbers[chosen]
+    routed = _as_routed(rows)
+    local = np.searchsorted(row_numbers, component)  # the component's smallest row's position
+    pixels = streamed.pixels_of(routed.ids, routed.rank, phashes)
+    assert routed.vectors is not None
+    table = kept_copies(routed.ids, local, pixels, routed.rank, routed.cluster, routed.vectors)
+    table = table.set_column(table.schema.get_field_index("group"),
+                             SEMANTIC_DUPLICATES_SCHEMA.field("group"),
+                             pa.array(row_numbers[table.column("group").to_numpy()], pa.int64()))
+    return reported_only(table) if not applied else table
 
 
 def _as_routed(rows: pa.Table) -> streamed.Routed:

@@ -6,10 +6,24 @@ balanced sample drawn and written by a task of its own.
 A bucket's leaves draw their samples, leaf by leaf, from one generator seeded by (seed,
 bucket): the same draw whichever task or node runs it. A space of one bucket draws from
 `seed` alone, as `concepts.balanced_selection` does (the same sample as the in-memory path).
+
+A full run given a `tag` records its fit in the table's config (`FIT_KEY`): the leaves'
+centroids and parents, each leaf's size and balanced count, and the fit sample's mean
+cosine to its nearest leaf centroid; and, per source, the embeddings version consumed. An
+update (`incremental_concepts`) assigns only the rows written since to the recorded leaves
+and appends their rows, each balanced with its leaf's balanced share (the budgets are
+water-filled again at the next refit). Its drift measure is the fall of the new rows'
+mean cosine to their leaf centroid below the fit's: new rows the leaves describe as well
+as the fit's own (a small fall) change no concept, new content (a large fall: rows far
+from every leaf) needs new leaves. Above `max_drift`, or on deleted or rewritten rows, a
+compaction, other settings, it returns None: the caller refits.
 """
 
 from __future__ import annotations
 
+import base64
+import io
+import json
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,8 +33,22 @@ import pyarrow as pa
 
 from prx_assets.stages.semantic import streamed
 from prx_assets.stages.semantic.concepts import budgets_of, hierarchical_kmeans, level_sizes
-from prx_assets.storage.lance_tables import commit_fragments, overwrite_rows
+from prx_assets.stages.semantic.kmeans import ASSIGN_CHUNK_ROWS, normalise
+from prx_assets.storage.changes import (
+    consumed_at,
+    forget_consumed,
+    pinned_changes,
+    read_consumed,
+    record_consumed,
+    rows_with_ids,
+)
+from prx_assets.storage.filters import eq_filter
+from prx_assets.storage.lance_tables import append_rows, commit_fragments, overwrite_rows
 from prx_assets.storage.refs import TableRef
+from prx_assets.storage.tables import IMAGE_EMBEDDINGS
+
+FIT_KEY = "prx.concepts.fit"
+DEFAULT_MAX_DRIFT = 0.02  # the new rows' mean cosine to their leaf may fall this far
 
 CONCEPTS_SCHEMA = pa.schema([
     pa.field("id", pa.string(), nullable=False),
@@ -41,16 +69,22 @@ class StreamedConcepts:
     first_ids: dict[int, list[str]] = field(default_factory=dict)  # a leaf's first samples
     sample_rows: int = 0
     nodes: set[str] = field(default_factory=set)
+    run: str = "full"
+    drift: float | None = None  # an update's: the fit's mean cosine less the new rows'
+    new_rows: int = 0
 
 
 def streamed_concepts(inputs: streamed.SpaceInputs, out: TableRef, level_counts: Sequence[int],
                       target: int, seed: int, tasks: streamed.Tasks, first_ids: int = 3,
                       sample_rows: int = streamed.DEFAULT_SAMPLE_ROWS,
                       chunk_rows: int = streamed.DEFAULT_CHUNK_ROWS,
-                      bucket_rows: int = streamed.DEFAULT_BUCKET_ROWS) -> StreamedConcepts:
+                      bucket_rows: int = streamed.DEFAULT_BUCKET_ROWS,
+                      tag: str | None = None) -> StreamedConcepts:
     """The `concepts` table of every source's vectors (a row per sample per level) written
-    to `out` as one version; `target` samples balanced over the hierarchy."""
+    to `out` as one version; `target` samples balanced over the hierarchy. With `tag`, the
+    fit is recorded for `incremental_concepts`."""
     rows = inputs.rows
+    forget_fit(out)  # a run killed before its record leaves none: the next one refits
     read_version = out.latest_version()
     if rows == 0:
         return StreamedConcepts(0, overwrite_rows(out, CONCEPTS_SCHEMA.empty_table(),
@@ -74,6 +108,11 @@ def streamed_concepts(inputs: streamed.SpaceInputs, out: TableRef, level_counts:
         tasks.nodes.add(bucket["node"])
     result.version = commit_fragments(out, fragments, CONCEPTS_SCHEMA, read_version)
     result.nodes = set(tasks.nodes)
+    if tag is not None:
+        record_fit(out, inputs, tag, FitRecord(
+            tree.centroids[0], tree.parents, np.asarray(leaf_sizes, np.int64),
+            np.asarray(budgets, np.int64), fit_cosine(fit, tree.centroids[0]),
+            result.first_ids))
     return result
 
 
@@ -107,3 +146,138 @@ def concept_rows(ids: pa.Array, levels: Sequence[np.ndarray], keep: np.ndarray) 
         "cluster": pa.array(np.concatenate(levels).astype(np.int32)),
         "balanced": pa.array(np.tile(keep, len(levels))),
     }, schema=CONCEPTS_SCHEMA)
+
+
+# -- the record of the fit, and the update from what changed ------------------------------
+
+def concepts_tag(inputs: streamed.SpaceInputs, level_counts: Sequence[int], target_share: float,
+                 seed: int, sample_rows: int) -> str:
+    """What decides the concepts besides the rows: the record is kept under it."""
+    return json.dumps({"encoder": inputs.encoder, "levels": [int(k) for k in level_counts],
+                       "target_share": target_share, "seed": seed, "sample_rows": sample_rows,
+                       "sources": [[p.rank, p.source] for p in inputs.parts]}, sort_keys=True)
+
+
+@dataclass
+class FitRecord:
+    leaves: np.ndarray  # (leaves, d) unit centroids
+    parents: list[np.ndarray]
+    sizes: np.ndarray  # rows per leaf
+    kept: np.ndarray  # balanced rows per leaf
+    cosine: float  # the fit sample's mean cosine to its nearest leaf
+    first_ids: dict[int, list[str]]
+
+
+def fit_cosine(vectors: np.ndarray, centroids: np.ndarray,
+               chunk_rows: int = ASSIGN_CHUNK_ROWS) -> float:
+    """Mean cosine of unit rows to their nearest centroid (chunked)."""
+    if len(vectors) == 0:
+        return 1.0
+    total = 0.0
+    for start in range(0, len(vectors), chunk_rows):
+        total += float((vectors[start:start + chunk_rows] @ centroids.T).max(axis=1).sum())
+    return total / len(vectors)
+
+
+def _array(values: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, values)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _unarray(text: str) -> np.ndarray:
+    return np.load(io.BytesIO(base64.b64decode(text)))
+
+
+def embeddings_name(source: str) -> str:
+    return f"{IMAGE_EMBEDDINGS}/{source}"
+
+
+def record_fit(out: TableRef, inputs: streamed.SpaceInputs, tag: str, fit: FitRecord) -> None:
+    """The fit in `out`'s config, then what it consumed of each source."""
+    record = {"tag": tag, "leaves": _array(fit.leaves.astype(np.float32)),
+              "parents": [_array(np.asarray(p, np.int64)) for p in fit.parents],
+              "sizes": _array(fit.sizes), "kept": _array(fit.kept), "cosine": fit.cosine,
+              "first_ids": {str(k): v for k, v in fit.first_ids.items()}}
+    text, table = json.dumps(record), out.latest().open()
+    if table.config().get(FIT_KEY) != text:  # a run with nothing new commits nothing
+        table.update_config({FIT_KEY: text})
+    for part in inputs.parts:
+        record_consumed(out, embeddings_name(part.source), consumed_at(part.table.open(), tag))
+
+
+def read_fit(out: TableRef, tag: str) -> FitRecord | None:
+    if not out.exists():
+        return None
+    text = out.latest().open().config().get(FIT_KEY)
+    record = json.loads(text) if text else None
+    if record is None or record.get("tag") != tag:
+        return None
+    return FitRecord(_unarray(record["leaves"]), [_unarray(p) for p in record["parents"]],
+                     _unarray(record["sizes"]), _unarray(record["kept"]), record["cosine"],
+                     {int(k): v for k, v in record["first_ids"].items()})
+
+
+def forget_fit(out: TableRef) -> None:
+    if not out.exists():
+        return
+    forget_consumed(out)
+    table = out.latest().open()
+    if FIT_KEY in table.config():
+        table.delete_config_keys([FIT_KEY])
+
+
+def _added_rows(inputs: streamed.SpaceInputs, out: TableRef, tag: str) -> pa.Table | None:
+    """(id, embedding) of the rows written since the records; None when rows were deleted
+    or rewritten, or the changes are unknown."""
+    parts = []
+    for part in inputs.parts:
+        since = read_consumed(out, embeddings_name(part.source), tag)
+        if since is None:
+            return None
+        changes = pinned_changes(part.table, since, limit=part.table.open().count_rows())
+        if changes is None or changes.removed is None or len(changes.removed):
+            return None
+        parts.append(part.table.to_table(columns=["id", "embedding"], filter=(
+            f"({eq_filter('encoder', inputs.encoder)}) AND ({changes.added_filter})")))
+    added = pa.concat_tables(parts) if parts else None
+    if added is not None and added.num_rows and rows_with_ids(
+            out.open(), added.column("id").combine_chunks(), ["id"]).num_rows:
+        return None  # rewritten rows (or a killed update's): their old rows would stay
+    return added
+
+
+def incremental_concepts(inputs: streamed.SpaceInputs, out: TableRef, tag: str, seed: int,
+                         max_drift: float = DEFAULT_MAX_DRIFT, max_changed_share: float = 0.1
+                         ) -> StreamedConcepts | None:
+    """`out` updated with the rows written since the record, assigned to the recorded
+    leaves (see the module's text); None when a refit is needed."""
+    fit = read_fit(out, tag)
+    added = _added_rows(inputs, out, tag) if fit is not None else None
+    if fit is None or added is None or added.num_rows > max_changed_share * max(1, inputs.rows):
+        return None
+    result = StreamedConcepts(inputs.rows, out.open().version, run="update", drift=0.0,
+                              new_rows=added.num_rows)
+    if added.num_rows:
+        flat = added.column("embedding").combine_chunks()
+        vectors = normalise(flat.flatten().to_numpy(zero_copy_only=False).reshape(
+            len(flat), flat.type.list_size))
+        scores = vectors @ fit.leaves.T
+        leaf = scores.argmax(axis=1)
+        result.drift = fit.cosine - float(scores.max(axis=1).mean())
+        if result.drift > max_drift:
+            return None
+        share = fit.kept / np.maximum(1, fit.sizes)
+        rng = np.random.default_rng([seed, int(fit.sizes.sum())])
+        keep = rng.random(len(leaf)) < share[leaf]
+        levels = [leaf.astype(np.int64)]
+        for parent in fit.parents:
+            levels.append(parent[levels[-1]])
+        result.version = append_rows(out, concept_rows(added.column("id").combine_chunks(),
+                                                       levels, keep), CONCEPTS_SCHEMA)
+        fit.sizes = fit.sizes + np.bincount(leaf, minlength=len(fit.sizes))
+        fit.kept = fit.kept + np.bincount(leaf[keep], minlength=len(fit.kept))
+    record_fit(out, inputs, tag, fit)
+    result.sizes = level_sizes(fit.sizes, fit.parents)
+    result.budgets, result.first_ids = fit.kept, fit.first_ids
+    return result

@@ -323,16 +323,48 @@ def sample(inputs: SpaceInputs, tasks: Tasks, sample_rows: int, seed: int,
            chunk_rows: int = DEFAULT_CHUNK_ROWS) -> np.ndarray:
     """At most `sample_rows` unit vectors drawn without replacement (seeded), in row
     order: every vector when the space holds no more."""
-    keys = np.zeros(0)
-    rows = np.zeros(0, np.int64)
-    vectors: np.ndarray | None = None
+    drawn = Draw(sample_rows)
     calls = [(c, inputs.encoder, sample_rows, seed) for c in chunks(inputs, chunk_rows)]
-    for k, r, v in tasks.map(sample_chunk, calls):
-        if vectors is None:
-            keys, rows, vectors = k, r, v
+    for keys, rows, vectors in tasks.map(sample_chunk, calls):
+        drawn.add(keys, rows, vectors)
+    return drawn.in_row_order()
+
+
+class Draw:
+    """The rows of smallest key seen so far, at most `size`, in one preallocated buffer:
+    a chunk's rows replace the evicted ones in place (merging by concatenation held the
+    sample three times over)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.filled = 0
+        self.keys = np.zeros(0)
+        self.rows = np.zeros(0, np.int64)
+        self.vectors: np.ndarray | None = None
+
+    def add(self, keys: np.ndarray, rows: np.ndarray, vectors: np.ndarray) -> None:
+        if self.vectors is None:
+            self.keys = np.empty(self.size)
+            self.rows = np.empty(self.size, np.int64)
+            self.vectors = np.empty((self.size, vectors.shape[1]), np.float32)
+        both = np.r_[self.keys[:self.filled], keys]
+        if both.size <= self.size:
+            slots, incoming = np.arange(self.filled, both.size), np.arange(keys.size)
         else:
-            keys, rows, vectors = _smallest(np.r_[keys, k], np.r_[rows, r],
-                                            np.concatenate([vectors, v]), sample_rows)
-    if vectors is None:
-        return np.zeros((0, 1), np.float32)
-    return vectors[np.argsort(rows, kind="stable")]
+            chosen = np.zeros(both.size, bool)
+            chosen[np.argpartition(both, self.size - 1)[:self.size]] = True
+            incoming = np.flatnonzero(chosen[self.filled:])
+            free = np.r_[np.flatnonzero(~chosen[:self.filled]),
+                         np.arange(self.filled, self.size)]
+            slots = free[:incoming.size]
+        self.keys[slots], self.rows[slots] = keys[incoming], rows[incoming]
+        self.vectors[slots] = vectors[incoming]
+        self.filled = min(self.size, both.size)
+
+    def in_row_order(self) -> np.ndarray:
+        if self.vectors is None:
+            return np.zeros((0, 1), np.float32)
+        rows = self.rows[:self.filled]
+        if np.all(rows[1:] > rows[:-1]):  # the chunks' rows in order, none evicted
+            return self.vectors[:self.filled]
+        return self.vectors[np.argsort(rows, kind="stable")]

@@ -38,9 +38,11 @@ def pairs_of(group: np.ndarray) -> set[tuple[int, int]]:
 
 def planted_duplicates(n: int, dim: int = 128, topics: int = 200, copy_share: float = 0.2,
                        max_copies: int = 4, noise: tuple[float, float] = (0.03, 0.22),
-                       seed: int = 0) -> Planted:
+                       seed: int = 0, topic_seed: int | None = None) -> Planted:
     """`n` samples: originals drawn around `topics` centres, a `copy_share` of them with
-    1..max_copies noisy copies (relative noise in `noise`), then all shuffled."""
+    1..max_copies noisy copies (relative noise in `noise`), then all shuffled. The centres
+    are drawn from `topic_seed` when given (more samples of the same topics), else from
+    `seed`."""
     rng = np.random.default_rng(seed)
     originals = n
     copies = np.where(rng.random(originals) < copy_share,
@@ -49,6 +51,8 @@ def planted_duplicates(n: int, dim: int = 128, topics: int = 200, copy_share: fl
     sizes = sizes[:np.searchsorted(np.cumsum(sizes), n, side="right")]
     sizes = np.r_[sizes, np.ones(n - int(sizes.sum()), np.int64)]  # singletons fill up to n
     centres = rng.normal(size=(topics, dim))
+    if topic_seed is not None:
+        centres = np.random.default_rng(topic_seed).normal(size=(topics, dim))
     bases = centres[rng.integers(topics, size=sizes.size)]
     bases += rng.normal(size=(sizes.size, dim)) * 0.9
     bases /= np.linalg.norm(bases, axis=1, keepdims=True)

@@ -30,6 +30,7 @@ from prx_assets.stages.semantic.semdedup_streamed import (
 from prx_assets.stages.semantic.spaces import streamed_concepts
 from prx_assets.stages.semantic.streamed import (
     DEFAULT_SAMPLE_ROWS,
+    Draw,
     Tasks,
     sample,
     space_inputs,
@@ -108,6 +109,18 @@ def test_a_fit_on_a_sample_still_finds_the_planted_groups(tmp_path):
     assert len(found & truth) / len(found) >= 0.95
 
 
+@pytest.mark.parametrize("size", [1, 37, 100, 250])
+def test_the_draw_keeps_the_rows_of_smallest_key_in_row_order(size):
+    rng = np.random.default_rng(size)
+    keys, vectors = rng.random(240), rng.normal(size=(240, 3)).astype(np.float32)
+    drawn = Draw(size)
+    for start in range(0, 240, 50):  # chunks of rows in order, as the tasks return them
+        piece = slice(start, start + 50)
+        drawn.add(keys[piece], np.arange(240)[piece], vectors[piece])
+    kept = np.sort(np.argsort(keys)[:size])
+    assert np.array_equal(drawn.in_row_order(), vectors[kept])
+
+
 def test_the_sample_is_seeded_bounded_and_whole_when_the_space_fits(tmp_path):
     vectors = np.random.default_rng(0).normal(size=(500, 8)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
@@ -183,6 +196,23 @@ def groups_at_fit(ids: pa.Array, vectors: np.ndarray, pixels: np.ndarray, rank: 
     return {r["id"]: (r["kept_id"], r["group_size"], r["cluster"]) for r in table.to_pylist()}
 
 
+def chained(data, centroids: np.ndarray, eps: float) -> np.ndarray:
+    """A vector within eps of one member A of a planted pair (A, B) and beyond eps of B, in
+    A's cluster: it joins B's group only through A (on the arc from B through A)."""
+    cluster = assign(data.vectors, centroids)
+    for group in np.unique(data.group[data.group >= 0]):
+        a, b = np.flatnonzero(data.group == group)[:2]
+        va, vb = data.vectors[a].astype(np.float64), data.vectors[b].astype(np.float64)
+        angle = np.arccos(np.clip(va @ vb, -1, 1))
+        step = np.arccos(1 - eps) - angle / 4
+        away = (va - vb) - ((va - vb) @ va) * va
+        x = np.cos(step) * va + np.sin(step) * away / np.linalg.norm(away)
+        if x @ vb < 1 - eps - 0.01 and x @ va > 1 - eps + 0.005 and assign(
+                x[None].astype(np.float32), centroids)[0] == cluster[a]:
+            return x[None].astype(np.float32)
+    raise AssertionError("no planted pair to chain to")
+
+
 def test_an_update_at_a_fixed_fit_equals_a_full_recompute_at_that_fit(tmp_path):
     data = planted_duplicates(1000, dim=16, topics=10, seed=6)
     storage = write_space(tmp_path, data.vectors, data.pixels)
@@ -194,14 +224,15 @@ def test_an_update_at_a_fixed_fit_equals_a_full_recompute_at_that_fit(tmp_path):
                                  bucket_rows=400, clusters_out=clusters)
     centroids = read_fit(clusters, fit_tag(inputs, config, True, DEFAULT_SAMPLE_ROWS))[0]
 
-    # stock gains near copies of three rows and two new rows alike; web loses two rows in
-    # groups of clusters no new row joins (only a deletion touches those).
+    # stock gains near copies of three rows of planted groups (a new row joins a group and
+    # its members are rewritten) and two new rows alike; web loses two rows in groups of
+    # clusters no new row joins (only a deletion touches those).
     rng = np.random.default_rng(1)
-    originals = rng.choice(1000, size=3, replace=False)
+    originals = rng.choice(np.flatnonzero(data.group >= 0), size=3, replace=False)
     copies = normalise(data.vectors[originals] + rng.normal(size=(3, 16)) * 0.01)
     pair = normalise(np.repeat(rng.normal(size=(1, 16)), 2, axis=0)
                      + rng.normal(size=(2, 16)) * 0.005)
-    new = np.concatenate([copies, pair])
+    new = np.concatenate([copies, pair, chained(data, centroids, config.eps)])
     new_ids = [f"stock:{2000 + i:06d}" for i in range(len(new))]
     write_embeddings(storage.table("image_embeddings", "stock"),
                      [pa.table({"id": new_ids, "embedding": new.tolist()})], ENCODER, [])
@@ -216,7 +247,7 @@ def test_an_update_at_a_fixed_fit_equals_a_full_recompute_at_that_fit(tmp_path):
 
     inputs = space_inputs(storage, list(SOURCES), ENCODER)
     result = incremental_semantic_duplicates(inputs, out, clusters, config)
-    assert result is not None and result.run == "update" and result.changed_rows == 7
+    assert result is not None and result.run == "update" and result.changed_rows == 8
     assert 0 < result.regrouped_rows < inputs.rows / 2
     ids = space_ids(1000).to_pylist()
     alive = [n for n, i in enumerate(ids) if i not in grouped[:2]]
