@@ -23,6 +23,7 @@ finds them done. Anything that empties the downstream table must `forget_consume
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -32,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.storage.filters import in_filter
-from prx_assets.storage.refs import TableRef
+from prx_assets.storage.refs import Location, TableRef
 
 if TYPE_CHECKING:  # the loader plans through this module and must not import Ray
     import ray.data
@@ -242,6 +243,60 @@ def forget_consumed(target: TableRef) -> None:
     keys = [key for key in table.config() if key.startswith(CONFIG_PREFIX)]
     if keys:
         table.delete_config_keys(keys)
+
+
+# --- a large record, beside the table --------------------------------------------------
+
+RECORDS_FOLDER = "_prx_records"  # inside the table's folder; Lance leaves unknown folders be
+
+
+def write_large_record(target: TableRef, key: str, text: str) -> None:
+    """`text` under `key`, in a file beside `target` with only the file's name in its config.
+    Lance reads a table's whole config with every manifest: a fit's arrays there (10⁵
+    centroids at 10⁹ rows, hundreds of MB) would be read by every open of the table. The
+    file is named by its content's hash, never rewritten in place, so the config commit is
+    still the one switch; files of `key` the config no longer names are removed after."""
+    name = f"{key}-{hashlib.sha256(text.encode()).hexdigest()}.json"
+    folder = _records_folder(target)
+    if not (folder / name).exists():
+        (folder / name).write_text(text)
+    table = target.latest().open()
+    if table.config().get(key) != name:  # the same record again commits nothing
+        table.update_config({key: name})
+    _remove_records(folder, key, keep=name)
+
+
+def read_large_record(target: TableRef, key: str) -> str | None:
+    """The text `write_large_record` kept under `key`; None without one, or when its file
+    is gone (a newer record replaced it meanwhile): the caller then starts afresh."""
+    if not target.exists():
+        return None
+    name = target.latest().open().config().get(key)
+    if name is None:
+        return None
+    try:
+        return (_records_folder(target) / name).read_text()
+    except FileNotFoundError:
+        return None
+
+
+def forget_large_record(target: TableRef, key: str) -> None:
+    if not target.exists():
+        return
+    table = target.latest().open()
+    if key in table.config():
+        table.delete_config_keys([key])
+    _remove_records(_records_folder(target), key, keep=None)
+
+
+def _records_folder(target: TableRef) -> Location:
+    return Location(target.uri, target.settings) / RECORDS_FOLDER
+
+
+def _remove_records(folder: Location, key: str, keep: str | None) -> None:
+    for file in folder.files(".json"):
+        if file.name.startswith(f"{key}-") and file.name != keep:
+            file.delete()
 
 
 # --- a stage handed its upstream's changes ------------------------------------------------

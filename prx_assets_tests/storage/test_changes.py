@@ -12,10 +12,13 @@ from prx_assets.storage.changes import (
     changes_since,
     consumed_at,
     forget_consumed,
+    forget_large_record,
     read_consumed,
+    read_large_record,
     record_consumed,
     rows_with_ids,
     scan_rows_with_ids,
+    write_large_record,
 )
 from prx_assets.storage.refs import TableRef
 
@@ -112,6 +115,37 @@ def test_the_record_round_trips_and_is_per_upstream_and_tag(tmp_path):
     assert target.latest_version() == version
     forget_consumed(target)
     assert read_consumed(target, "up", tag="s1") is None
+
+
+def test_a_large_record_lives_beside_the_table_with_only_its_name_in_the_config(tmp_path):
+    target = TableRef.of(tmp_path / "down.lance")
+    lance.write_dataset(rows(["x"]), target.uri)
+    big = "c" * 1_000_000  # a fit's arrays
+    write_large_record(target, "prx.fit", big)
+    assert read_large_record(target, "prx.fit") == big
+    assert len(target.open().config()["prx.fit"]) < 100  # every open reads the config
+    folder = tmp_path / "down.lance" / "_prx_records"
+    version = target.latest_version()
+    write_large_record(target, "prx.fit", big)  # the same record: no commit
+    assert target.latest_version() == version
+
+    write_large_record(target, "prx.fit", "d")
+    assert read_large_record(target, "prx.fit") == "d"
+    assert len(list(folder.iterdir())) == 1  # the replaced record's file is gone
+    assert target.open().to_table().column("id").to_pylist() == ["x"]  # Lance unbothered
+    target.open().cleanup_old_versions(older_than=timedelta(0), delete_unverified=True)
+    assert read_large_record(target, "prx.fit") == "d"  # and its cleanup leaves the file
+    forget_large_record(target, "prx.fit")
+    assert read_large_record(target, "prx.fit") is None and list(folder.iterdir()) == []
+
+
+def test_a_large_record_whose_file_is_gone_reads_as_none(tmp_path):
+    target = TableRef.of(tmp_path / "down.lance")
+    lance.write_dataset(rows(["x"]), target.uri)
+    write_large_record(target, "prx.fit", "e")
+    for file in (tmp_path / "down.lance" / "_prx_records").iterdir():
+        file.unlink()
+    assert read_large_record(target, "prx.fit") is None
 
 
 def test_a_record_rebases_over_writes_and_two_records_race(tmp_path):

@@ -49,11 +49,14 @@ from prx_assets.storage.changes import (
     SCAN_ROWS,
     consumed_at,
     forget_consumed,
+    forget_large_record,
     pinned_changes,
     read_consumed,
+    read_large_record,
     record_consumed,
     rows_with_ids,
     scan_rows_with_ids,
+    write_large_record,
 )
 from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.filters import eq_filter, in_filter
@@ -243,7 +246,7 @@ def record_fit(clusters: TableRef, inputs: streamed.SpaceInputs, tag: str,
     np.save(buffer, centroids.astype(np.float32))
     record = {"tag": tag, "next_row": int(next_row),
               "centroids": base64.b64encode(buffer.getvalue()).decode()}
-    clusters.latest().open().update_config({FIT_KEY: json.dumps(record)})
+    write_large_record(clusters, FIT_KEY, json.dumps(record))
     for part in inputs.parts:
         record_consumed(clusters, embeddings_name(part.source),
                         consumed_at(part.table.open(), tag))
@@ -254,16 +257,12 @@ def forget_fit(clusters: TableRef) -> None:
     if not clusters.exists():
         return
     forget_consumed(clusters)
-    table = clusters.latest().open()
-    if FIT_KEY in table.config():
-        table.delete_config_keys([FIT_KEY])
+    forget_large_record(clusters, FIT_KEY)
 
 
 def read_fit(clusters: TableRef, tag: str) -> tuple[np.ndarray, int] | None:
     """(centroids, next row number) recorded under `tag`; None without one."""
-    if not clusters.exists():
-        return None
-    text = clusters.latest().open().config().get(FIT_KEY)
+    text = read_large_record(clusters, FIT_KEY)
     if text is None:
         return None
     record = json.loads(text)

@@ -37,10 +37,13 @@ from prx_assets.stages.semantic.kmeans import ASSIGN_CHUNK_ROWS, normalise
 from prx_assets.storage.changes import (
     consumed_at,
     forget_consumed,
+    forget_large_record,
     pinned_changes,
     read_consumed,
+    read_large_record,
     record_consumed,
     rows_with_ids,
+    write_large_record,
 )
 from prx_assets.storage.filters import eq_filter
 from prx_assets.storage.lance_tables import append_rows, commit_fragments, overwrite_rows
@@ -199,17 +202,13 @@ def record_fit(out: TableRef, inputs: streamed.SpaceInputs, tag: str, fit: FitRe
               "parents": [_array(np.asarray(p, np.int64)) for p in fit.parents],
               "sizes": _array(fit.sizes), "kept": _array(fit.kept), "cosine": fit.cosine,
               "first_ids": {str(k): v for k, v in fit.first_ids.items()}}
-    text, table = json.dumps(record), out.latest().open()
-    if table.config().get(FIT_KEY) != text:  # a run with nothing new commits nothing
-        table.update_config({FIT_KEY: text})
+    write_large_record(out, FIT_KEY, json.dumps(record))  # the same again commits nothing
     for part in inputs.parts:
         record_consumed(out, embeddings_name(part.source), consumed_at(part.table.open(), tag))
 
 
 def read_fit(out: TableRef, tag: str) -> FitRecord | None:
-    if not out.exists():
-        return None
-    text = out.latest().open().config().get(FIT_KEY)
+    text = read_large_record(out, FIT_KEY)
     record = json.loads(text) if text else None
     if record is None or record.get("tag") != tag:
         return None
@@ -222,9 +221,7 @@ def forget_fit(out: TableRef) -> None:
     if not out.exists():
         return
     forget_consumed(out)
-    table = out.latest().open()
-    if FIT_KEY in table.config():
-        table.delete_config_keys([FIT_KEY])
+    forget_large_record(out, FIT_KEY)
 
 
 def _added_rows(inputs: streamed.SpaceInputs, out: TableRef, tag: str) -> pa.Table | None:
