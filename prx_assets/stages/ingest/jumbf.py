@@ -3,22 +3,21 @@
 
 c2pa-python's reader parses the whole image and manifest (claims, certificates, JSON for
 every assertion); a "do not train" answer needs one small CBOR assertion out of it.
-`training_mining_store` walks the box headers, decodes each manifest's claim and its
+`training_mining_store` walks the box headers, decodes each manifest's
 `*.training-mining` assertions (strict CBOR: `cbor.py`) and returns them in the shape of
 c2pa's JSON, for `rights.training_mining_findings`.
 
 It answers only when it is certain of what it read. Any layout it does not expect — a JPEG
 store split over segments out of order or beside other JUMBF, a second store, a box that
-runs past its parent, an unknown box where a manifest's parts sit, a claim that does not
-decode or that references an assertion the store lacks (or one outside its own manifest),
-a training-mining box the claim does not reference, CBOR outside the strict subset — raises
-`Uncertain`.
+runs past its parent, an unknown box where a manifest's parts sit, two assertions of one
+label, CBOR outside the strict subset — raises `Uncertain`.
 
 Even a certain read only settles a prohibition (`rights.c2pa_findings`): c2pa-python
 refuses manifests for reasons only a full parse sees (a claim field of the wrong type or
 version, a certificate that does not parse), and refusing is a prohibition too, so an
 `allowed`, `constrained` or absent answer here could be laxer than c2pa's; those stores
-are read by c2pa-python exactly as before.
+are read by c2pa-python exactly as before. The claim is not read: a prohibition the store
+holds is honoured whether or not the claim lists it (c2pa shows only the listed ones).
 """
 
 from __future__ import annotations
@@ -33,11 +32,10 @@ TRAINING_MINING_LABELS = ("c2pa.training-mining", "cawg.training-mining")
 # JUMBF description box content types: 4 characters, then the ISO suffix.
 _ISO_SUFFIX = bytes.fromhex("00110010800000aa00389b71")
 STORE, MANIFEST, UPDATE_MANIFEST = (t + _ISO_SUFFIX for t in (b"c2pa", b"c2ma", b"c2um"))
-ASSERTIONS, CLAIM, SIGNATURE = (t + _ISO_SUFFIX for t in (b"c2as", b"c2cl", b"c2cs"))
-CREDENTIALS, DATABOXES = (t + _ISO_SUFFIX for t in (b"c2vc", b"c2db"))
+ASSERTIONS = b"c2as" + _ISO_SUFFIX
 CBOR_CONTENT = b"cbor" + _ISO_SUFFIX
-_MANIFEST_PARTS = {ASSERTIONS, CLAIM, SIGNATURE, CREDENTIALS, DATABOXES}
-_ASSERTIONS_URL = "self#jumbf=c2pa.assertions/"
+# A manifest's parts: assertion store, claim, signature, credential store, databoxes.
+_MANIFEST_PARTS = {t + _ISO_SUFFIX for t in (b"c2as", b"c2cl", b"c2cs", b"c2vc", b"c2db")}
 _JPEG_XT_HEADER = 8  # CI "JP", En (box instance), Z (packet sequence)
 
 
@@ -88,69 +86,43 @@ def training_mining_store(store: bytes) -> dict:
 
 
 def _manifest(store: bytes, start: int, end: int) -> tuple[str, list[dict]]:
+    """A manifest's label and training-mining assertions: its parts must be the known ones,
+    with one assertion store."""
     boxes = _boxes(store, start, end)
-    jumd = _description(store, boxes)
-    if jumd[0] not in (MANIFEST, UPDATE_MANIFEST) or not jumd[1]:
+    manifest_type, label = _description(store, boxes)
+    if manifest_type not in (MANIFEST, UPDATE_MANIFEST) or not label:
         raise Uncertain("a store child that is not a manifest")
-    parts: dict[bytes, list[tuple[int, int]]] = {}
+    assertion_stores = []
     for kind, box_start, box_end in boxes[1:]:
         if kind != b"jumb":
             raise Uncertain(f"a {kind!r} box in a manifest")
         content_type, _ = _description(store, _boxes(store, box_start, box_end))
         if content_type not in _MANIFEST_PARTS:
             raise Uncertain("an unknown part in a manifest")
-        parts.setdefault(content_type, []).append((box_start, box_end))
-    if any(len(parts.get(part, ())) != 1 for part in (ASSERTIONS, CLAIM, SIGNATURE)):
-        raise Uncertain("a manifest without exactly one claim, signature and assertion store")
-    referenced = _claim_references(_cbor_content(store, *parts[CLAIM][0]), jumd[1])
-    return jumd[1], _training_mining(store, *parts[ASSERTIONS][0], referenced)
+        if content_type == ASSERTIONS:
+            assertion_stores.append((box_start, box_end))
+    if len(assertion_stores) != 1:
+        raise Uncertain(f"a manifest with {len(assertion_stores)} assertion stores")
+    return label, _training_mining(store, *assertion_stores[0])
 
 
-def _training_mining(store: bytes, start: int, end: int, referenced: set[str]) -> list[dict]:
-    """The store's training-mining assertions; every label the claim references must be in
-    it, and every training-mining box referenced."""
-    label, children = _superbox(store, b"jumb", start, end, ASSERTIONS)
+def _training_mining(store: bytes, start: int, end: int) -> list[dict]:
+    """The training-mining assertions of an assertion store (CBOR, JSON-like maps)."""
+    _, children = _superbox(store, b"jumb", start, end, ASSERTIONS)
     labels, found = set(), []
     for child_start, child_end in children:
-        boxes = _boxes(store, child_start, child_end)
-        content_type, label = _description(store, boxes)
+        content_type, label = _description(store, _boxes(store, child_start, child_end))
         if label is None or label in labels:
             raise Uncertain("an assertion without a label, or one label twice")
         labels.add(label)
         if label.startswith(TRAINING_MINING_LABELS):
-            if label not in referenced:
-                raise Uncertain(f"{label} in the store but not in the claim")
             if content_type != CBOR_CONTENT:
                 raise Uncertain(f"{label} is not a CBOR assertion")
             data = _cbor_content(store, child_start, child_end)
             if not isinstance(data, dict) or not _json_like(data):
                 raise Uncertain(f"{label} is not a JSON-like map")
             found.append({"label": label, "data": data})
-    if not referenced <= labels:
-        raise Uncertain("the claim references assertions the store lacks")
     return found
-
-
-def _claim_references(claim: object, manifest_label: str) -> set[str]:
-    """Labels of the assertions a claim (v1 `assertions`, v2 created and gathered) lists."""
-    if not isinstance(claim, dict):
-        raise Uncertain("a claim that is not a map")
-    lists = [claim.get(key, []) for key in ("assertions", "created_assertions",
-                                             "gathered_assertions")]
-    absolute = f"self#jumbf=/c2pa/{manifest_label}/c2pa.assertions/"
-    labels = set()
-    for refs in lists:
-        if not isinstance(refs, list):
-            raise Uncertain("a claim's assertion list that is not a list")
-        for ref in refs:
-            url = ref.get("url") if isinstance(ref, dict) else None
-            if not isinstance(url, str):
-                raise Uncertain("an assertion reference without a url")
-            label = url.removeprefix(_ASSERTIONS_URL).removeprefix(absolute)
-            if label == url or "/" in label or not label:
-                raise Uncertain(f"an assertion reference outside the manifest ({url})")
-            labels.add(label)
-    return labels
 
 
 def _json_like(value: object) -> bool:

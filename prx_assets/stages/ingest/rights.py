@@ -154,13 +154,13 @@ def _jpeg_markers(data: bytes) -> Markers:
             continue
         if marker in (0xDA, 0xD9):  # start of scan: no metadata segments past it
             break
-        length = struct.unpack(">H", data[pos + 2:pos + 4])[0]
-        body = data[pos + 4:pos + 2 + length]
-        if marker == 0xE1 and body.startswith(XMP_JPEG_HEADER) and xmp is None:
-            xmp = body[len(XMP_JPEG_HEADER):]
-        elif marker == 0xEB and body[:2] == b"JP":  # APP11: JUMBF (C2PA)
-            jumbf.append(body)
-        pos += 2 + length
+        end = pos + 2 + (data[pos + 2] << 8 | data[pos + 3])
+        # Only the two segments read are copied: the walk is what every JPEG pays.
+        if marker == 0xE1 and xmp is None and data.startswith(XMP_JPEG_HEADER, pos + 4, end):
+            xmp = data[pos + 4 + len(XMP_JPEG_HEADER):end]
+        elif marker == 0xEB and data.startswith(b"JP", pos + 4, end):  # APP11: JUMBF (C2PA)
+            jumbf.append(data[pos + 4:end])
+        pos = end
     return Markers(xmp=xmp, jumbf=tuple(jumbf), mime="image/jpeg")
 
 
