@@ -227,8 +227,10 @@ def provenance_hashes(inputs: SampleInputs, ids: pa.Array, scan: bool) -> np.nda
     all default (no provenance of its own): such a sample keeps the fingerprint it had
     before provenance counted. `scan`: many ids, read by one streamed scan."""
     hashes = np.zeros(len(ids), np.uint64)
-    raw = inputs.raw.open() if inputs.raw is not None and len(ids) else None
-    columns = [c for c in PROVENANCE_COLUMNS if raw is not None and c in raw.schema.names]
+    if inputs.raw is None or not len(ids):
+        return hashes
+    raw = inputs.raw.open()
+    columns = [c for c in PROVENANCE_COLUMNS if c in raw.schema.names]
     if not columns:
         return hashes
     read = scan_rows_with_ids if scan else rows_with_ids
