@@ -5,9 +5,9 @@ with the readers against the same work without them (`read_rights=False`).
 Two sets of real photos (scikit-image's samples at their own sizes, 0.1-2 MP, as JPEG, PNG
 and WebP): `plain`, without XMP or a C2PA manifest (what most of a crawl is: the readers
 cost a walk of the segment headers only), and `mixed`: half of them carrying XMP written by
-exiftool (plus:DataMining in element and attribute form, parsed) and one in ten a C2PA
-manifest signed by c2pa-python (read by c2pa's Rust reader), every one with a crawler's
-`.json` sidecar. The bytes are in memory: reading the file is the same with or without the
+exiftool (plus:DataMining in element and attribute form, parsed) and one in sixteen a C2PA
+"do not train" manifest signed by c2pa-python (read from its JUMBF boxes), every one with a
+crawler's `.json` sidecar. The bytes are in memory: reading the file is the same with or without the
 readers, so leaving it out makes the readers' share larger, not smaller.
 
 Runs alternate (which goes first swaps each round), five each, in this process's CPU

@@ -15,10 +15,10 @@ from prx_assets.defs.resources import (
     SourcesResource,
     StorageResource,
 )
-from prx_assets.stages.opt_outs.guard import pending_opt_outs, recorded_opt_outs
+from prx_assets.stages.opt_outs.guard import pending_opt_outs, pending_rights, recorded_opt_outs
 from prx_assets.stages.opt_outs.opt_outs import ids_for_source
 from prx_assets.stages.opt_outs.resolution import resolve_opt_outs
-from prx_assets.stages.opt_outs.rights import read_rules, withheld_rows
+from prx_assets.stages.opt_outs.rights import read_rules, withheld_ids, withheld_rows
 from prx_assets.stages.report.funnel import source_funnel
 from prx_assets.stages.skip_lists.skip_lists import (
     StreamSkips,
@@ -289,17 +289,24 @@ def opt_outs_applied_check(partitions_def: dg.PartitionsDefinition
                            ) -> dg.AssetChecksDefinition:
     @dg.asset_check(asset=dg.AssetKey(SKIP_LISTS), name="opt_outs_applied",
                     partitions_def=partitions_def, blocking=True,
-                    description="Fails when an opt-out recorded more than `delay_hours` ago "
-                                "is still streamable from the source's current tree (its "
+                    description="Fails when an opt-out recorded more than `delay_hours` ago, "
+                                "or a sample withheld for its rights (docs/rights.md), is "
+                                "still streamable from the source's current tree (its "
                                 "shard's sidecar does not skip it); metadata names the "
-                                "oldest pending one.")
+                                "oldest pending opt-out and the first reserved sample.")
     def opt_outs_applied(context: dg.AssetCheckExecutionContext, config: OptOutsAppliedConfig,
                          storage: StorageResource) -> dg.AssetCheckResult:
         source, store = context.partition_key, storage.get()
         now = datetime.now(UTC)
         pending = pending_opt_outs(store, source, recorded_opt_outs(store),
                                    now - timedelta(hours=config.delay_hours))
-        metadata: dict = {"pending": len(pending), "delay_hours": config.delay_hours}
+        reserved = pending_rights(store, source, withheld_ids(store, [source]))
+        metadata: dict = {"pending": len(pending), "delay_hours": config.delay_hours,
+                          "pending_rights": len(reserved)}
+        if reserved:
+            withheld, place = reserved[0]
+            metadata.update({"first_reserved_id": place.id,
+                             "first_reserved_signal": f"{withheld.status}: {withheld.signal}"})
         if pending:
             oldest = pending[0]
             metadata.update({
@@ -308,12 +315,17 @@ def opt_outs_applied_check(partitions_def: dg.PartitionsDefinition
                 "oldest_pending_requested_at": oldest.opted.requested_at.isoformat(),
                 "oldest_pending_hours": round(
                     (now - oldest.opted.requested_at).total_seconds() / 3600, 2)})
-        return dg.AssetCheckResult(
-            passed=not pending, metadata=metadata,
-            description=(f"{len(pending)} opt-out(s) older than {config.delay_hours} h still "
-                         f"streamable from {source}'s current tree; the oldest: "
-                         f"{pending[0].place.id} ({pending[0].opted.request_id})"
-                         if pending else None))
+        problems = []
+        if pending:
+            problems.append(f"{len(pending)} opt-out(s) older than {config.delay_hours} h "
+                            f"still streamable from {source}'s current tree; the oldest: "
+                            f"{pending[0].place.id} ({pending[0].opted.request_id})")
+        if reserved:
+            problems.append(f"{len(reserved)} sample(s) withheld for their rights still "
+                            f"streamable from {source}'s current tree; the first: "
+                            f"{reserved[0][1].id} ({reserved[0][0].status})")
+        return dg.AssetCheckResult(passed=not problems, metadata=metadata,
+                                   description="; ".join(problems) or None)
 
     return opt_outs_applied
 

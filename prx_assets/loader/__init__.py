@@ -103,16 +103,26 @@ def opt_out_guard(storage: Storage, leaves: list[Leaf]) -> OptOutGuard:
     """The opt-outs recorded now and the samples withheld for their rights, placed in the
     leaves just planned (one per stream)."""
     sources = {leaf.source for leaf in leaves}
-    opted = set(recorded_opt_outs(storage)) | set(withheld_ids(storage, sources))
-    if not opted:
+    opted = set(recorded_opt_outs(storage))
+    withheld = set(withheld_ids(storage, sources)) - opted
+    if not opted and not withheld:
         return OptOutGuard()
+    return OptOutGuard(ids=frozenset(opted), per_stream=_placed(storage, leaves, opted),
+                       rights_ids=frozenset(withheld),
+                       rights_per_stream=_placed(storage, leaves, withheld))
+
+
+def _placed(storage: Storage, leaves: list[Leaf], ids: set[str]
+            ) -> tuple[dict[str, list[int]], ...]:
+    """Per leaf (stream), the shard-local indices of `ids` by shard file name."""
+    if not ids:
+        return ()
     per_leaf: dict[tuple[str, str], dict[str, list[int]]] = {}
-    for source in sources:
-        for place in places(storage, source, opted):
+    for source in {leaf.source for leaf in leaves}:
+        for place in places(storage, source, ids):
             shards = per_leaf.setdefault((source, place.leaf), {})
             shards.setdefault(place.shard, []).append(place.sample_index)
-    return OptOutGuard(ids=frozenset(opted), per_stream=tuple(
-        per_leaf.get((leaf.source, _leaf_name(leaf)), {}) for leaf in leaves))
+    return tuple(per_leaf.get((leaf.source, _leaf_name(leaf)), {}) for leaf in leaves)
 
 
 def _leaf_name(leaf: Leaf) -> str:

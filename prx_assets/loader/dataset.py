@@ -57,10 +57,13 @@ class OptOutGuard:
     """Opt-outs the loader drops whatever the sidecars say (a missing or stale sidecar
     must not leak one): per stream, the shard-local indices of the opted-out samples by
     shard file name, and every opted-out id, checked again on each sample yielded in case
-    the mapping that placed them is older than the tree."""
+    the mapping that placed them is older than the tree. The samples withheld for their
+    rights (and not opted out) are held apart, `rights_*`, to be counted apart."""
 
     ids: frozenset[str] = frozenset()
     per_stream: tuple[Mapping[str, Sequence[int]], ...] = ()
+    rights_ids: frozenset[str] = frozenset()
+    rights_per_stream: tuple[Mapping[str, Sequence[int]], ...] = ()
 
 
 class SkipListMismatch(ValueError):
@@ -97,9 +100,12 @@ class SkipListStreamingDataset(StreamingDataset):
         self.opt_outs = opt_outs or OptOutGuard()
         wanted = None if skip_reasons is None else frozenset(skip_reasons) | {REASON_STALE}
         self.skipped, found = self._read_skip_lists(wanted)
-        # Opted-out samples no sidecar skipped: the guard skips them (counted, for a check).
-        self.opt_outs_guarded = self._apply_opt_out_guard()
-        self.opt_outs_dropped = 0  # yielded samples the guard caught by id (stale mapping)
+        # Opted-out and withheld samples no sidecar skipped: the guard skips them (counted,
+        # for a check; a sample both opted out and withheld counts as an opt-out).
+        self.opt_outs_guarded = self._apply_opt_out_guard(self.opt_outs.per_stream)
+        self.rights_guarded = self._apply_opt_out_guard(self.opt_outs.rights_per_stream)
+        # Yielded samples the guard caught by id (a mapping older than the tree).
+        self.opt_outs_dropped = self.rights_dropped = 0
         self.skip_reasons: list[str] = sorted(
             {r for r in found if applies_by_default(r)} if wanted is None
             else {r for r in wanted if r != REASON_STALE or r in found})
@@ -141,14 +147,15 @@ class SkipListStreamingDataset(StreamingDataset):
                     skipped[offset + local] = True
         return skipped, found
 
-    def _apply_opt_out_guard(self) -> int:
-        """Mark the guard's opted-out samples skipped; how many no sidecar had skipped."""
-        if not self.opt_outs.per_stream:
+    def _apply_opt_out_guard(self, per_stream: Sequence[Mapping[str, Sequence[int]]]) -> int:
+        """Mark the guard's samples (`per_stream`) skipped; how many no sidecar (or earlier
+        call) had skipped."""
+        if not per_stream:
             return 0
         newly = 0
         for shard_id, shard in enumerate(self.joint_shards):
             stream = int(self.stream_per_shard[shard_id])
-            indices = self.opt_outs.per_stream[stream].get(shard.raw_data.basename)
+            indices = per_stream[stream].get(shard.raw_data.basename)
             if not indices:
                 continue
             local = np.asarray([i for i in indices if 0 <= i < shard.samples], np.int64)
@@ -199,15 +206,17 @@ class SkipListStreamingDataset(StreamingDataset):
     # ----------------------------------------------------------------------- reading
     def __iter__(self) -> Iterator[dict[str, Any]]:
         samples = self._samples()
-        if not self.opt_outs.ids:
+        if not (self.opt_outs.ids or self.opt_outs.rights_ids):
             yield from samples
             return
-        opted = self.opt_outs.ids
-        for sample in samples:
-            if sample["id"] in opted:  # only where the mapping was older than the tree
+        opted, withheld = self.opt_outs.ids, self.opt_outs.rights_ids
+        for sample in samples:  # caught here only where the mapping was older than the tree
+            if sample["id"] in opted:
                 self.opt_outs_dropped += 1
-                continue
-            yield sample
+            elif sample["id"] in withheld:
+                self.rights_dropped += 1
+            else:
+                yield sample
 
     def _samples(self) -> Iterator[dict[str, Any]]:
         if not self._local_uncompressed():

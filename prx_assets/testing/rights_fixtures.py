@@ -141,30 +141,33 @@ def signing_chain() -> tuple[bytes, bytes]:
     return chain, private
 
 
-def sign_training_mining(data: bytes, mime: str, uses: Mapping[str, str],
-                         label: str = "cawg.training-mining") -> bytes:
+def sign_training_mining(data: bytes, mime: str, uses: Mapping[str, str] | None,
+                         label: str = "cawg.training-mining",
+                         ingredient: bytes | None = None) -> bytes:
     """`data` with an embedded C2PA manifest whose `label` assertion gives each entry
-    (`ai_training`, `ai_generative_training`, ...) its `use`."""
+    (`ai_training`, `ai_generative_training`, ...) its `use` (`uses=None`: no such
+    assertion); with `ingredient` (a signed image of the same type) as its parent, whose
+    manifest the store then holds too."""
     import c2pa
 
     prefix = label.split(".")[0]
-    manifest = {
-        "claim_generator_info": [{"name": "prx-assets tests", "version": "1"}],
-        "title": "reserved",
-        "assertions": [
-            {"label": "c2pa.actions", "data": {"actions": [{
-                "action": "c2pa.created",
-                "digitalSourceType": "http://cv.iptc.org/newscodes/digitalsourcetype/"
-                                     "digitalCapture"}]}},
-            {"label": label, "data": {"entries": {
-                f"{prefix}.{entry}": {"use": use} for entry, use in uses.items()}}},
-        ],
-    }
+    assertions: list[dict] = [{"label": "c2pa.actions", "data": {"actions": [{
+        "action": "c2pa.created",
+        "digitalSourceType": "http://cv.iptc.org/newscodes/digitalsourcetype/digitalCapture",
+    }]}}]
+    if uses is not None:
+        assertions.append({"label": label, "data": {"entries": {
+            f"{prefix}.{entry}": {"use": use} for entry, use in uses.items()}}})
+    manifest = {"claim_generator_info": [{"name": "prx-assets tests", "version": "1"}],
+                "title": "reserved", "assertions": assertions}
     chain, key = signing_chain()
     signer = c2pa.Signer.from_info(c2pa.C2paSignerInfo(
         alg=b"es256", sign_cert=chain, private_key=key, ta_url=None))
     out = io.BytesIO()
     with c2pa.Builder(manifest) as builder:
+        if ingredient is not None:
+            builder.add_ingredient({"title": "parent", "relationship": "parentOf"}, mime,
+                                   io.BytesIO(ingredient))
         builder.sign(signer, mime, io.BytesIO(data), out)
     return out.getvalue()
 

@@ -118,10 +118,25 @@ def test_opt_outs_applied_blocks_while_an_old_opt_out_streams(ray_session, data_
     old, fresh = raw["web"]["u1.jpg"]["id"], raw["web"]["p3.jpg"]["id"]
     _request(data_root, "old.jsonl", old, landed_hours_ago=2)
     _request(data_root, "fresh.jsonl", fresh)
+    reserved = raw["web"]["p1.jpg"]["id"]  # a "do not train" read at ingest
+    Storage(str(data_root)).table("raw_images", "web").open().update(
+        {"reservation": "'prohibited'", "reservation_signal": "'tdmrep=tdm-reservation=1'"},
+        where=f"id = '{reserved}'")
     job = defs.resolve_job_def("skip_lists_job")
     applied = job.execute_in_process(partition_key="web", instance=instance)
     assert applied.success and _check(applied).passed
     assert _check(applied).metadata["pending"].value == 0
+    assert _check(applied).metadata["pending_rights"].value == 0
+
+    # Skip lists without the rights list: the reserved sample streams, the check fails.
+    unreserved = job.execute_in_process(
+        partition_key="web", instance=instance, raise_on_error=False,
+        run_config={"ops": {"skip_lists": {"config": {"rights": False}}}})
+    check = _check(unreserved)
+    assert not unreserved.success and not check.passed
+    assert (check.metadata["pending"].value, check.metadata["pending_rights"].value) == (0, 1)
+    assert check.metadata["first_reserved_id"].value == reserved
+    assert "prohibited: tdmrep" in check.metadata["first_reserved_signal"].value
 
     # Skip lists that leave the opt-outs out: the 2-hour-old one is streamable (the check
     # fails and, blocking, fails the run); the fresh one is within the delay.

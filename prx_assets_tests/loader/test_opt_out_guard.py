@@ -81,6 +81,7 @@ def test_a_mapping_older_than_the_tree_still_drops_by_id(tree):
                             decode_images=False)
     got = [sample["id"] for sample in dataset]
     assert ids[2] not in got and dataset.opt_outs_dropped == 1
+    assert dataset.rights_dropped == 0
 
 
 def test_a_request_dropped_after_the_tables_resolution_still_blocks_its_id(tree):
@@ -117,3 +118,11 @@ def test_a_reserved_sample_without_its_sidecar_is_not_streamed(tree):
     clear(Storage(root), [ids[1], ids[2]], "terms read", door="cli")
     assert sorted(streamed(root)) == [i for i in ids if i not in (ids[1], ids[5])]
     assert {ids[1], ids[5]} <= set(streamed(root, guard_opt_outs=False))
+    # Counted apart: withheld for their rights, and opted out (a sample both is an opt-out).
+    dataset = build_dataset(root / "mds", 1, 1, weights={"web": 1.0}, shuffle=False,
+                            decode_images=False)
+    assert (dataset.opt_outs_guarded, dataset.rights_guarded) == (0, 2)
+    opt_out(root, "r.jsonl", ids[1])
+    dataset = build_dataset(root / "mds", 1, 1, weights={"web": 1.0}, shuffle=False,
+                            decode_images=False)
+    assert (dataset.opt_outs_guarded, dataset.rights_guarded) == (1, 1)

@@ -7,7 +7,8 @@ Signals (docs/rights.md has each value and what the pipeline does with it):
   `rdf:Description`, in a JPEG APP1 segment, a PNG `iTXt` chunk (`XML:com.adobe.xmp`) or
   WebP's `XMP ` chunk;
 - C2PA manifests (JPEG APP11, PNG `caBX`, WebP `C2PA`) with a `c2pa.training-mining` or
-  `cawg.training-mining` assertion, read with c2pa-python;
+  `cawg.training-mining` assertion, read from the JUMBF boxes directly (`jumbf.py`), or with
+  c2pa-python where the direct read is not certain;
 - the sidecar's `X-Robots-Tag` (`noai`, `noimageai`) and TDMRep `tdm-reservation`;
 - a list of domains or URL prefixes (`DomainList`, applied to the row's `url`).
 
@@ -32,6 +33,9 @@ from typing import Any
 from urllib.parse import urlsplit
 from xml.etree import ElementTree
 
+from prx_assets.stages.ingest import jumbf
+from prx_assets.stages.ingest.jumbf import TRAINING_MINING_LABELS
+
 NONE, CONSTRAINED, PROHIBITED = "none", "constrained", "prohibited"
 _RANK = {NONE: 0, CONSTRAINED: 1, PROHIBITED: 2}
 
@@ -54,7 +58,6 @@ DATA_MINING = {
     "DMI-PROHIBITED-SEELINKEDRIGHTSEXPR": CONSTRAINED,
 }
 # C2PA / CAWG training-and-mining entries that concern training (inference does not).
-TRAINING_MINING_LABELS = ("c2pa.training-mining", "cawg.training-mining")
 TRAINING_USES = ("ai_generative_training", "ai_training", "data_mining")
 C2PA_USE = {"allowed": NONE, "notAllowed": PROHIBITED, "constrained": CONSTRAINED}
 ROBOTS_RESERVED = frozenset({"noai", "noimageai"})
@@ -96,11 +99,12 @@ class Reservation:
 
 @dataclass(frozen=True)
 class Markers:
-    """Where metadata sits in the container: the XMP packet (bytes), whether a C2PA manifest
-    store (JUMBF) is embedded, and the MIME type c2pa-python reads it as."""
+    """Where metadata sits in the container: the XMP packet (bytes), the segments or chunks
+    that hold a C2PA manifest store (JUMBF: JPEG APP11 segments, a PNG `caBX` or WebP `C2PA`
+    chunk; empty without one), and the MIME type c2pa-python reads it as."""
 
     xmp: bytes | None = None
-    jumbf: bool = False
+    jumbf: tuple[bytes, ...] = ()
     mime: str | None = None
 
 
@@ -113,7 +117,7 @@ def read_reservation(data: bytes | None, sidecar: Mapping[str, object] | None = 
         if markers.xmp is not None:
             findings += xmp_findings(markers.xmp)
         if markers.jumbf:
-            findings += c2pa_findings(data, markers.mime or "image/jpeg")
+            findings += c2pa_findings(data, markers.mime or "image/jpeg", markers.jumbf)
     if sidecar:
         findings += sidecar_findings(sidecar)
     if url and domains:
@@ -138,7 +142,8 @@ def find_markers(data: bytes) -> Markers:
 
 
 def _jpeg_markers(data: bytes) -> Markers:
-    xmp, jumbf, pos = None, False, 2
+    xmp, pos = None, 2
+    jumbf: list[bytes] = []
     while pos + 4 <= len(data) and data[pos] == 0xFF:
         marker = data[pos + 1]
         if marker == 0xFF:  # fill byte
@@ -149,18 +154,19 @@ def _jpeg_markers(data: bytes) -> Markers:
             continue
         if marker in (0xDA, 0xD9):  # start of scan: no metadata segments past it
             break
-        length = struct.unpack(">H", data[pos + 2:pos + 4])[0]
-        body = data[pos + 4:pos + 2 + length]
-        if marker == 0xE1 and body.startswith(XMP_JPEG_HEADER) and xmp is None:
-            xmp = body[len(XMP_JPEG_HEADER):]
-        elif marker == 0xEB and body[:2] == b"JP":  # APP11: JUMBF (C2PA)
-            jumbf = True
-        pos += 2 + length
-    return Markers(xmp=xmp, jumbf=jumbf, mime="image/jpeg")
+        end = pos + 2 + (data[pos + 2] << 8 | data[pos + 3])
+        # Only the two segments read are copied: the walk is what every JPEG pays.
+        if marker == 0xE1 and xmp is None and data.startswith(XMP_JPEG_HEADER, pos + 4, end):
+            xmp = data[pos + 4 + len(XMP_JPEG_HEADER):end]
+        elif marker == 0xEB and data.startswith(b"JP", pos + 4, end):  # APP11: JUMBF (C2PA)
+            jumbf.append(data[pos + 4:end])
+        pos = end
+    return Markers(xmp=xmp, jumbf=tuple(jumbf), mime="image/jpeg")
 
 
 def _png_markers(data: bytes) -> Markers:
-    xmp, jumbf, pos = None, False, 8
+    xmp, pos = None, 8
+    jumbf: list[bytes] = []
     while pos + 8 <= len(data):
         length, kind = struct.unpack(">I4s", data[pos:pos + 8])
         if kind == b"iTXt" and xmp is None:
@@ -168,11 +174,11 @@ def _png_markers(data: bytes) -> Markers:
             if body.startswith(XMP_PNG_KEYWORD + b"\x00"):
                 xmp = _itxt_text(body)
         elif kind == b"caBX":
-            jumbf = True
+            jumbf.append(data[pos + 8:pos + 8 + length])
         elif kind == b"IEND":
             break
         pos += 12 + length
-    return Markers(xmp=xmp, jumbf=jumbf, mime="image/png")
+    return Markers(xmp=xmp, jumbf=tuple(jumbf), mime="image/png")
 
 
 def _itxt_text(body: bytes) -> bytes:
@@ -184,15 +190,16 @@ def _itxt_text(body: bytes) -> bytes:
 
 
 def _webp_markers(data: bytes) -> Markers:
-    xmp, jumbf, pos = None, False, 12
+    xmp, pos = None, 12
+    jumbf: list[bytes] = []
     while pos + 8 <= len(data):
         kind, length = struct.unpack("<4sI", data[pos:pos + 8])
         if kind == b"XMP ":
             xmp = data[pos + 8:pos + 8 + length]
         elif kind == b"C2PA":
-            jumbf = True
+            jumbf.append(data[pos + 8:pos + 8 + length])
         pos += 8 + length + (length & 1)
-    return Markers(xmp=xmp, jumbf=jumbf, mime="image/webp")
+    return Markers(xmp=xmp, jumbf=tuple(jumbf), mime="image/webp")
 
 
 # ------------------------------------------------------------------ XMP
@@ -247,9 +254,31 @@ def _data_mining_finding(value: str) -> Finding:
 
 # ------------------------------------------------------------------ C2PA
 
-def c2pa_findings(data: bytes, mime: str) -> list[Finding]:
+def c2pa_findings(data: bytes, mime: str, parts: tuple[bytes, ...] = ()) -> list[Finding]:
     """The training-mining entries of every manifest in the store (the active one and its
-    ingredients'); a store that cannot be read is a prohibition with its error."""
+    ingredients'); a store that c2pa-python cannot read is a prohibition with its error.
+
+    A prohibition read from the store's `parts` directly (`jumbf.py`, ~0.1 ms) is final:
+    c2pa-python would find the same or refuse the manifest, a prohibition either way. Any
+    other answer, and a direct read that is not certain, goes to c2pa-python (~1-4 ms)."""
+    if parts:
+        try:
+            findings = training_mining_findings(direct_store(parts, mime))
+        except jumbf.Uncertain:
+            findings = []
+        if any(f.status == PROHIBITED for f in findings):
+            return findings
+    return _c2pa_python_findings(data, mime)
+
+
+def direct_store(parts: tuple[bytes, ...], mime: str) -> dict:
+    """The training-mining assertions of the store the segments or chunks hold, in c2pa's
+    JSON shape; `jumbf.Uncertain` where the direct read cannot be sure."""
+    store = jumbf.jpeg_store(parts) if mime == "image/jpeg" else jumbf.single_store(parts)
+    return jumbf.training_mining_store(store)
+
+
+def _c2pa_python_findings(data: bytes, mime: str) -> list[Finding]:
     try:
         import c2pa
     except ImportError:
@@ -261,7 +290,26 @@ def c2pa_findings(data: bytes, mime: str) -> list[Finding]:
     except Exception as exc:  # c2pa raises its own error types for every kind of damage
         return [Finding("c2pa", f"unreadable manifest ({type(exc).__name__}: "
                                 f"{str(exc)[:200]})", PROHIBITED)]
+    failures = load_failures(store)
+    if failures:
+        return [Finding("c2pa", f"unreadable manifest ({'; '.join(failures)[:200]})",
+                        PROHIBITED)]
     return training_mining_findings(store)
+
+
+def load_failures(store: Mapping) -> list[str]:
+    """What c2pa could not load. It raises on a damaged store, but a manifest whose
+    assertion does not decode it leaves out of `manifests` and names only in the validation
+    failures (which, verification being off, are load failures): read as unreadable, or
+    a damaged manifest would pass for one without a reservation."""
+    results = store.get("validation_results") or {}
+    deltas = [results.get("activeManifest") or {}]
+    deltas += [d.get("validationDeltas") or {} for d in results.get("ingredientDeltas") or []]
+    failures = [f"{f.get('code')}: {f.get('explanation')}" for delta in deltas
+                for f in delta.get("failure") or []]
+    if not failures and store.get("active_manifest") not in (store.get("manifests") or {}):
+        failures.append("the active manifest did not load")
+    return failures
 
 
 @functools.cache

@@ -4,7 +4,8 @@ which of them a reader could still stream.
 The sidecars (`skip_lists`) are the fast path; this module is the defence behind them. The
 training loader drops every recorded opt-out it finds in the trees it opens even when a
 sidecar is missing or stale, and the `opt_outs_applied` check names the opt-outs that the
-sidecars of the current tree do not skip yet. "Recorded" means every request file in
+sidecars of the current tree do not skip yet, and the samples withheld for their rights
+(`rights.withheld_ids`) that they do not skip as `rights`. "Recorded" means every request file in
 `Storage.opt_outs_dir` (the browser, the CLI and file drops all write one), as
 `resolve_opt_outs` gives it to every reader: from the audited `opt_outs` table, and a
 request the table does not hold yet resolved on the fly (so it blocks its id all the same).
@@ -12,7 +13,7 @@ request the table does not hold yet resolved on the fly (so it blocks its id all
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -20,9 +21,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.stages.opt_outs.resolution import resolve_opt_outs
+from prx_assets.stages.opt_outs.rights import Withheld
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.refs import Location
-from prx_assets.storage.sidecars import REASON_OPTOUT, read_sidecar, sidecar_name
+from prx_assets.storage.sidecars import REASON_OPTOUT, REASON_RIGHTS, read_sidecar, sidecar_name
 from prx_assets.storage.tables import MDS_SAMPLES
 from prx_assets.storage.trees import tree_store
 
@@ -113,17 +115,34 @@ def pending_opt_outs(storage: Storage, source: str, opted: dict[str, OptedOut],
     """Opt-outs recorded before `recorded_before` that a reader of the source's current
     tree would still stream (no `optout` entry in their shard's sidecar), oldest first."""
     due = [o.id for o in opted.values() if o.requested_at <= recorded_before]
-    located = places(storage, source, due)
+    pending = [Pending(opted[place.id], place)
+               for place in unskipped(storage, source, due, REASON_OPTOUT)]
+    return sorted(pending, key=lambda p: (p.opted.requested_at, p.place.id))
+
+
+def pending_rights(storage: Storage, source: str, withheld: Mapping[str, Withheld]
+                   ) -> list[tuple[Withheld, Place]]:
+    """Samples withheld for their rights (`rights.withheld_ids`) that a reader of the
+    source's current tree would still stream (no `rights` entry in their shard's sidecar),
+    by id."""
+    found = unskipped(storage, source, withheld, REASON_RIGHTS)
+    return sorted(((withheld[p.id], p) for p in found), key=lambda pair: pair[1].id)
+
+
+def unskipped(storage: Storage, source: str, ids: Iterable[str], reason: str) -> list[Place]:
+    """The places of `ids` in the source's current tree whose shard's sidecar does not
+    list them under `reason`."""
+    located = places(storage, source, ids)
     if not located:
         return []
     tree = tree_store(storage, source).current_tree()
     sidecars: dict[tuple[str, str], set[int]] = {}
-    pending = []
+    found = []
     for place in located:
         key = (place.leaf, place.shard)
         if key not in sidecars:
             lists = read_sidecar(tree / place.leaf / sidecar_name(place.shard))
-            sidecars[key] = set(lists.get(REASON_OPTOUT, ()))
+            sidecars[key] = set(lists.get(reason, ()))
         if place.sample_index not in sidecars[key]:
-            pending.append(Pending(opted[place.id], place))
-    return sorted(pending, key=lambda p: (p.opted.requested_at, p.place.id))
+            found.append(place)
+    return found

@@ -36,7 +36,7 @@ from prx_assets.storage.changes import (
     rows_with_ids,
 )
 from prx_assets.storage.refs import Location, TableRef
-from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS
+from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS, RAW_IMAGES
 
 # Rows written to one input since the tree above which comparing every id costs less
 # than looking each one up (~5 µs an id looked up against ~1 µs an id compared in full).
@@ -45,7 +45,13 @@ NO_CHANGE_RECORD = "unchanged.json"  # in the source's trees folder: {"tree", "c
 
 
 def input_tables(inputs: SampleInputs) -> dict[str, TableRef]:
-    return {BUCKETED_IMAGES: inputs.bucketed, CAPTIONS: inputs.captions}
+    """The tables whose rows make a sample: its image, its caption and, where the source
+    has one, its raw_images row (the provenance the sample carries; a tree recorded before
+    it counted is compared in full once)."""
+    tables = {BUCKETED_IMAGES: inputs.bucketed, CAPTIONS: inputs.captions}
+    if inputs.raw is not None:
+        tables[RAW_IMAGES] = inputs.raw
+    return tables
 
 
 def consumed_inputs(inputs: SampleInputs) -> dict[str, str] | None:

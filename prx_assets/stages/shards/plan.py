@@ -55,6 +55,9 @@ PROVENANCE_COLUMNS = ("url", "license", "license_url", "attribution")
 FINGERPRINT_IMAGE_COLUMNS = ["tier", "width", "height", "original_width", "original_height",
                              "phash", "pixels"]
 FINGERPRINT_CAPTION_COLUMNS = ["created_at", "n_words"]
+# ...and the sample's provenance as the MDS sample holds it (raw_images' PROVENANCE_COLUMNS,
+# the source's license where the row has none): a re-ingest that changes a licence or an
+# attribution alone rewrites the sample. See `provenance_hashes`.
 
 KEPT = "status = 'ok'"  # the bucketed rows a tree holds (with a usable caption)
 DEFAULT_SIZE_LIMIT = 128 << 20  # ~128 MB shards, the design's size
@@ -185,8 +188,9 @@ def plan_samples(inputs: SampleInputs, ids: pa.Array | None = None, where: str |
     left_out["no_caption"] = pc.sum(missing).as_py() or 0
     joined = joined.filter(pc.invert(missing))
     parts = [*FINGERPRINT_IMAGE_COLUMNS, *(f"caption_{c}" for c in FINGERPRINT_CAPTION_COLUMNS)]
-    joined = joined.append_column("fingerprint", sample_fingerprints(
-        joined, [c for c in parts if c in joined.column_names]))
+    fingerprints = sample_fingerprints(joined, [c for c in parts if c in joined.column_names])
+    joined = joined.append_column("fingerprint", mix_provenance(
+        fingerprints, provenance_hashes(inputs, joined["id"].combine_chunks(), ids is None)))
     order = [("tier", "ascending"), ("width", "ascending"), ("height", "ascending"),
              ("id", "ascending")]
     plan = joined.select(["id", "tier", "width", "height", "image_row", "caption_row",
@@ -214,6 +218,68 @@ def sample_fingerprints(table: pa.Table, columns: list[str]) -> pa.Array:
             values = pc.fill_null(column.cast(pa.int64()), 0).to_numpy().astype(np.uint64)
             mixed = (mixed ^ values) * np.uint64(0x9E3779B97F4A7C15)
             mixed ^= mixed >> np.uint64(31)
+    return pa.array(mixed.view(np.int64), pa.int64())
+
+
+def provenance_hashes(inputs: SampleInputs, ids: pa.Array, scan: bool) -> np.ndarray:
+    """Per id (in `ids`' order), a 64-bit hash of the provenance its MDS sample gets (url,
+    license or the source's, license_url, attribution: `parts._sample`), 0 where that is
+    all default (no provenance of its own): such a sample keeps the fingerprint it had
+    before provenance counted. `scan`: many ids, read by one streamed scan."""
+    hashes = np.zeros(len(ids), np.uint64)
+    if inputs.raw is None or not len(ids):
+        return hashes
+    raw = inputs.raw.open()
+    columns = [c for c in PROVENANCE_COLUMNS if c in raw.schema.names]
+    if not columns:
+        return hashes
+    read = scan_rows_with_ids if scan else rows_with_ids
+    rows = read(raw, ids, ["id", *columns])
+    values = [pc.fill_null(rows[c].cast(pa.string()), "") if c in columns
+              else pa.array([""] * rows.num_rows, pa.string()) for c in PROVENANCE_COLUMNS]
+    at = PROVENANCE_COLUMNS.index("license")  # the source's license is the default
+    values[at] = pc.if_else(pc.equal(values[at], inputs.license), "", values[at])
+    joined = pc.binary_join_element_wise(*values, "\x1f")
+    default = pc.equal(pc.binary_length(joined), len(values) - 1)  # separators only
+    # raw_images holds one row per id (ingest deletes a key's rows before appending).
+    where = pc.index_in(ids, value_set=rows["id"].combine_chunks())
+    found = pc.is_valid(where).to_numpy(zero_copy_only=False)
+    row_hashes = np.where(default.to_numpy(zero_copy_only=False), np.uint64(0),
+                          string_hashes(joined))
+    hashes[found] = row_hashes[pc.drop_null(where).to_numpy()]
+    return hashes
+
+
+def string_hashes(strings: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A stable 64-bit hash of each string (polynomial over its bytes, vectorised; the same
+    value on every run and version, unlike Python's `hash`), 0 for the empty string."""
+    array = strings.combine_chunks() if isinstance(strings, pa.ChunkedArray) else strings
+    array = pa.concat_arrays([array.cast(pa.large_binary())])  # offset 0
+    offsets = np.frombuffer(array.buffers()[1], np.int64)[:len(array) + 1]
+    lengths = np.diff(offsets)
+    out = np.zeros(len(array), np.uint64)
+    if offsets[-1] == offsets[0]:
+        return out
+    data = np.frombuffer(array.buffers()[2], np.uint8)[offsets[0]:offsets[-1]]
+    rows = np.repeat(np.arange(len(array)), lengths)
+    position = (np.arange(len(data)) - (offsets[:-1] - offsets[0])[rows]).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        terms = (data.astype(np.uint64) + np.uint64(1)) * np.power(
+            np.uint64(0x100000001B3), position)
+        nonempty = lengths > 0
+        out[nonempty] = np.add.reduceat(terms, (offsets[:-1] - offsets[0])[nonempty])
+        out[nonempty] ^= lengths[nonempty].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    return out
+
+
+def mix_provenance(fingerprints: pa.Array, hashes: np.ndarray) -> pa.Array:
+    """`fingerprints` with each non-zero provenance hash mixed in (as `sample_fingerprints`
+    mixes a column); a zero leaves the fingerprint as it was."""
+    mixed = fingerprints.to_numpy(zero_copy_only=False).view(np.uint64).copy()
+    with np.errstate(over="ignore"):
+        withp = (mixed ^ hashes) * np.uint64(0x9E3779B97F4A7C15)
+        withp ^= withp >> np.uint64(31)
+    mixed = np.where(hashes != 0, withp, mixed)
     return pa.array(mixed.view(np.int64), pa.int64())
 
 

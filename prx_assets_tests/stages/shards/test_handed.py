@@ -3,17 +3,21 @@ inputs wrote or deleted since (the record in the tree's manifest), and leaves th
 tree a run comparing every id would: the mapping holds exactly the planned samples with
 their fingerprints. A compaction of an input, or a rewrite's tree, means a full compare."""
 
+import dataclasses
 from datetime import UTC, datetime
 
 import pyarrow as pa
 
 from prx_assets.stages.captions.captions import CAPTIONS_SCHEMA
+from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
 from prx_assets.stages.shards import mds, plan, verify
 from prx_assets.stages.shards.handed import consumed_inputs
 from prx_assets.storage import trees
+from prx_assets.storage.filters import in_filter
 from prx_assets.storage.key_index import KeyIndexPolicy, key_index_stats
 from prx_assets.storage.lance_tables import append_rows
 from prx_assets.storage.layout import Storage
+from prx_assets.storage.tables import RAW_IMAGES
 from prx_assets.testing.mds_corpus import (
     ACTIVE,
     NEW_ID,
@@ -175,3 +179,51 @@ def test_a_run_that_finds_nothing_to_change_is_not_handed_the_same_changes_again
     assert grown.compared_ids == 1 and grown.changed
     assert_tree_matches_inputs(data_root, grown)
     assert write(data_root).compared_ids == 0
+
+
+def _write_provenance(data_root, provenance: dict[str, dict]) -> None:
+    """raw_images rows with the ids' provenance, replacing their rows before (as ingest
+    does: delete, then append)."""
+    table = Storage(str(data_root)).table(RAW_IMAGES, "web")
+    if table.exists():
+        table.open().delete(in_filter("id", list(provenance)))
+    rows = [{"id": sample_id, "source": "web", "source_key": sample_id, "status": "ok", **p}
+            for sample_id, p in provenance.items()]
+    append_rows(table, pa.Table.from_pylist(rows, schema=RAW_IMAGES_SCHEMA), RAW_IMAGES_SCHEMA)
+
+
+def _with_raw(data_root) -> plan.SampleInputs:
+    return dataclasses.replace(inputs_for(data_root, "web"), license="cc0",
+                               raw=Storage(str(data_root)).table(RAW_IMAGES, "web"))
+
+
+def test_a_change_of_provenance_alone_is_handed_and_rewrites_the_sample(data_root):
+    ids = sorted(build_corpus(data_root, "web", per_shape=2)["images"])
+    _write_provenance(data_root, {i: {"license": "cc-by-4.0", "attribution": "A. Maker"}
+                                  for i in ids})
+    mds.write_mds_tree(_with_raw(data_root), data_root, "web", OPTIONS)
+    before = mapped(data_root)
+
+    _write_provenance(data_root, {ids[0]: {"license": "cc-by-4.0", "attribution": "B. Maker"}})
+    report = mds.write_mds_tree(_with_raw(data_root), data_root, "web", OPTIONS)
+    assert report.compared_ids == 1 and report.processed == 1 and report.changed
+    after = mapped(data_root)
+    assert after[ids[0]] != before[ids[0]]
+    assert {i: after[i] for i in ids[1:]} == {i: before[i] for i in ids[1:]}
+    full, _ = plan.plan_samples(_with_raw(data_root).pinned())  # a full compare agrees
+    assert dict(zip(full["id"].to_pylist(), full["fingerprint"].to_pylist(),
+                    strict=True)) == after
+
+
+def test_a_sample_without_provenance_of_its_own_keeps_its_fingerprint(data_root):
+    ids = sorted(build_corpus(data_root, "web", per_shape=1)["images"])
+    without, _ = plan.plan_samples(inputs_for(data_root, "web").pinned())
+    # The source's license, nothing else: what the sample carried before provenance counted.
+    _write_provenance(data_root, {i: {"license": "cc0"} for i in ids})
+    default, _ = plan.plan_samples(_with_raw(data_root).pinned())
+    assert default["fingerprint"].to_pylist() == without["fingerprint"].to_pylist()
+    _write_provenance(data_root, {ids[0]: {"license": "cc0", "url": "https://a.example/1"}})
+    changed, _ = plan.plan_samples(_with_raw(data_root).pinned())
+    differs = [a != b for a, b in zip(changed["fingerprint"].to_pylist(),
+                                      without["fingerprint"].to_pylist(), strict=True)]
+    assert sum(differs) == 1 and changed["id"][differs.index(True)].as_py() == ids[0]
