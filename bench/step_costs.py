@@ -176,7 +176,8 @@ def kernels(sources_file: Path) -> dict:
                 writer.write({"image": row["image"], "caption": "a caption", "id": row["id"],
                               "source": SOURCE, "width": row["width"], "height": row["height"],
                               "original_width": row["width"],
-                              "original_height": row["height"], "license": "unknown"})
+                              "original_height": row["height"], "license": "unknown",
+                              "url": "", "license_url": "", "attribution": ""})
     shutil.rmtree(out, ignore_errors=True)
     mds = {"wall_s": (time.perf_counter() - wall) / 2, "cpu_s": time.process_time() - cpu}
     return {"raw_images": ingest, "mds_shards": mds}
