@@ -21,20 +21,32 @@ def shard_files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.glob("shard.*"))}
 
 
-@pytest.mark.parametrize("size_limit", [None, 1 << 10, 300])
-def test_shards_and_entries_are_mdswriters_byte_for_byte(tmp_path: Path, size_limit):
-    rows = samples(12)  # at 300 bytes, the larger samples are each over the limit
-    with MDSWriter(out=str(tmp_path / "theirs"), columns=MDS_COLUMNS, size_limit=size_limit,
+def write_both(folder: Path, rows: list[dict], size_limit: int | None) -> tuple[list, list]:
+    with MDSWriter(out=str(folder / "theirs"), columns=MDS_COLUMNS, size_limit=size_limit,
                    compression=None) as theirs:
         for row in rows:
             theirs.write(row)
-    with shard_writer(Location.of(tmp_path / "ours"), MDS_COLUMNS, size_limit) as ours:
+    with shard_writer(Location.of(folder / "ours"), MDS_COLUMNS, size_limit) as ours:
         for row in rows:
             ours.write(row)
-    expected = shard_files(tmp_path / "theirs")
-    assert len(expected) > (1 if size_limit else 0)
-    assert shard_files(tmp_path / "ours") == expected
-    assert ours.shards == theirs.shards
+    return theirs.shards, ours.shards
+
+
+def test_shards_and_entries_are_mdswriters_byte_for_byte(tmp_path: Path):
+    rows = samples(12)
+    sizer = ShardWriter(Location.of(tmp_path), MDS_COLUMNS, None)
+    # The size of a shard of the first five samples as MDSWriter counts it: at that limit
+    # they fit, a byte under it the fifth starts the next shard.
+    five = 8 + len(sizer.config_data) + sum(len(sizer.encode(row)) + 4 for row in rows[:5])
+    # No limit; a limit under a single sample (MDSWriter then writes an empty shard first).
+    for size_limit in [None, five, five - 1, 300]:
+        folder = tmp_path / str(size_limit)
+        theirs, ours = write_both(folder, rows, size_limit)
+        assert shard_files(folder / "ours") == shard_files(folder / "theirs"), size_limit
+        assert ours == theirs
+        if size_limit == five:
+            assert theirs[0]["samples"] == 5
+    assert len(theirs) > 1
 
 
 def test_a_value_of_the_wrong_type_is_refused(tmp_path: Path):
