@@ -65,10 +65,11 @@ class ShardWriter:
         if size_limit is not None and not 0 <= size_limit < 2**32:
             raise ValueError(f"size_limit must be in [0, 2**32), not {size_limit}")
         self.out = out
+        self.size_limit = size_limit or None
         self.names = sorted(columns)
         self.encoders = [ENCODINGS[columns[name]] for name in self.names]
         self.config = {"version": MDS_VERSION, "format": "mds", "compression": None,
-                       "hashes": [], "size_limit": size_limit or None,
+                       "hashes": [], "size_limit": self.size_limit,
                        "column_names": self.names,
                        "column_encodings": [columns[name] for name in self.names],
                        "column_sizes": [size for _, size in self.encoders]}
@@ -94,8 +95,7 @@ class ShardWriter:
     def write(self, sample: dict[str, Any]) -> None:
         encoded = self.encode(sample)
         size = len(encoded) + SAMPLE_OVERHEAD
-        limit = self.config["size_limit"]
-        if limit and limit < self._size + size:
+        if self.size_limit and self.size_limit < self._size + size:
             self.flush()
         self._samples.append(encoded)
         self._size += size
