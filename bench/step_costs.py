@@ -4,12 +4,14 @@
 The scale bench (bench/scale.py) times each step of the whole graph against its kernel;
 this one looks inside the two steps whose fixed cost dominates at a few thousand images.
 In a fresh child process on a fresh data root and instance (as bench.scale runs the
-graph), `source_job` runs `raw_images`, then `bucketed_images` and `captions` (untimed:
+graph), `source_job` runs `raw_images`, then the image stage and `captions` (untimed:
 `mds_shards` reads them), then `mds_shards`. Per profiled step: the Dagster step's wall
-(STEP_START to STEP_SUCCESS), the driver's CPU and the whole process tree's CPU (Ray
-workers included, from /proc), and a cProfile of the driver (wall clock) summarised by
-the project's functions the step's seconds went to; the profiles are kept under
-bench/out/step_costs_<step>.prof for `python -m pstats`.
+(STEP_START to STEP_SUCCESS), and around the step's run (its asset checks included, e.g.
+`leaves_stream`'s spawned StreamingDataset process) the driver's CPU and the whole process
+tree's CPU (Ray workers and daemons included, from /proc), and a cProfile of the driver
+(wall clock) summarised by the project's functions the seconds went to; the profiles are
+kept under bench/out/step_costs_<step>.prof for `python -m pstats`. On a loaded machine
+compare the CPU columns and the same-run ratios, not walls across runs.
 
 The kernels, in the same child after the steps (same machine load): ingest's read + header
 probe + sha256 of every file, and the MDS write of the kept samples from the bucketed
