@@ -6,12 +6,13 @@ root and Dagster instance.
 
 1. Throughput and overhead. Baseline: the same per-image kernels the stages call (ingest's
    read + header probe + sha256, the image stage's decode/filter/bucket/Lanczos/Q92/phash,
-   the embedded classifier on the captions, the MDS write of the kept samples and the
-   corpus thumbnail) run alone in a plain 2-process pool over the same files, i.e. the same
-   parallelism as the embedded Ray on this 2-core machine. Per run: end to end (the child
-   process's wall) / the kernels' pool wall, target <= 1.25 (stretch 1.10), and a table of
-   each stage's Dagster step seconds (STEP_START to STEP_SUCCESS in the run's event log)
-   against its kernel seconds, target <= 1.25; checks, global jobs and Ray start apart.
+   the embedded classifier and the caption-derived attributes (attributes' default backend)
+   on the captions, the MDS write of the kept samples and the corpus thumbnail) run alone
+   in a plain 2-process pool over the same files, i.e. the same parallelism as the
+   embedded Ray on this 2-core machine. Per run: end to end (the child process's wall) /
+   the kernels' pool wall, target <= 1.25 (stretch 1.10), and a table of each stage's
+   Dagster step seconds (STEP_START to STEP_SUCCESS in the run's event log) against its
+   kernel seconds, target <= 1.25; checks, global jobs and Ray start apart.
 2. Memory. Peak RSS, PSS and USS of the whole process tree (driver, GCS, raylet, Ray
    workers, spawned helpers), sampled every 0.5 s from /proc, and the PSS split by process
    kind at the peak (bench/proc_memory.py); ratios between consecutive runs (10k/2k and
@@ -47,9 +48,12 @@ from bench.scale_corpus import corpus_profile, generate_corpus, image_path, link
 RUN_DIR = OUT / "scale_run"
 SOURCE_NAMES = {"small": "scale_small", "mid": "scale_mid", "full": "scale_full"}
 # Each stage's Dagster step and the kernel the baseline times for it (None: `original`
-# captions are a join, no kernel); the other steps are checks and global jobs.
+# captions are a join, no kernel); the other steps are checks and global jobs. The
+# semantic steps (image_embeddings, semantic duplicates, concepts) are not in this graph:
+# materialize_all runs them only when asked (`semantic=True`), as `make demo` does not.
 STAGE_KERNELS = {"raw_images": "ingest", "image_stage": "image", "captions": None,
-                 "caption_labels": "labels", "mds_shards": "mds", "corpus": "thumbnail"}
+                 "caption_labels": "labels", "attributes": "attributes", "mds_shards": "mds",
+                 "corpus": "thumbnail"}
 STEP_TARGET = 1.25  # every step / its kernels
 END_TO_END_TARGET, END_TO_END_STRETCH = 1.25, 1.10  # child process wall / kernels' pool wall
 MEMORY_TARGET = 1.3  # peak PSS of the tree, larger run / smaller run
@@ -177,6 +181,7 @@ _worker: dict = {}
 def _kernel_worker_init(out_dir: str) -> None:
     from prx_assets.engine.ray_runtime import return_freed_memory
     from prx_assets.models.embeddings import MiniLMEmbedder
+    from prx_assets.stages.attributes.caption_derived import CaptionAttributer
     from prx_assets.stages.labels.labels import load_embedded_classifier
 
     # The allocator settings the pipeline's Ray workers run with (ray_runtime.MALLOC_ENV):
@@ -184,7 +189,11 @@ def _kernel_worker_init(out_dir: str) -> None:
     # kernel's speed, not the pipeline's.
     return_freed_memory()
     started, cpu_started = time.perf_counter(), time.process_time()
-    _worker.update(embedder=MiniLMEmbedder(threads=1), classifier=load_embedded_classifier(),
+    embedder = MiniLMEmbedder(threads=1)
+    # attributes' configured default (caption-derived, MiniLM on the CPU): it embeds the
+    # captions itself, as the stage's actors do.
+    _worker.update(embedder=embedder, classifier=load_embedded_classifier(),
+                   attributer=CaptionAttributer(embedder=embedder),
                    out=Path(out_dir) / str(os.getpid()), chunks=0)
     _worker["load_s"] = time.perf_counter() - started
     _worker["load_cpu_s"] = time.process_time() - cpu_started
@@ -221,6 +230,8 @@ def kernel_chunk(job: tuple[str, list[str]]) -> dict:
     t0 = time.perf_counter()
     captions = [row["original_caption"] or "" for row, _ in kept]
     _worker["classifier"].scores(_worker["embedder"].embed(captions))
+    t_labels = time.perf_counter()
+    _worker["attributer"].records(captions)
     t1 = time.perf_counter()
     out = _worker["out"] / f"chunk{_worker['chunks']:05d}"
     _worker["chunks"] += 1
@@ -230,13 +241,15 @@ def kernel_chunk(job: tuple[str, list[str]]) -> dict:
             writer.write({"image": result.image, "caption": caption, "id": row["id"],
                           "source": row["source"], "width": result.width,
                           "height": result.height, "original_width": result.original_width,
-                          "original_height": result.original_height, "license": "unknown"})
+                          "original_height": result.original_height, "license": "unknown",
+                          "url": "", "license_url": "", "attribution": ""})
     t2 = time.perf_counter()
     for _, result in kept:
         thumbnail(result.image)
     t3 = time.perf_counter()
     shutil.rmtree(out, ignore_errors=True)
-    seconds.update(labels=t1 - t0, mds=t2 - t1, thumbnail=t3 - t2)
+    seconds.update(labels=t_labels - t0, attributes=t1 - t_labels, mds=t2 - t1,
+                   thumbnail=t3 - t2)
     # The model load is counted once per worker, with its first chunk.
     load_s, _worker["load_s"] = _worker.get("load_s", 0.0), 0.0
     load_cpu_s, _worker["load_cpu_s"] = _worker.get("load_cpu_s", 0.0), 0.0

@@ -18,8 +18,9 @@ wrote. The pattern, shared by every such stage:
    up to date after each commit, so a chunk's cost grows with the chunk, not with the
    table (a target keyed on several columns looks its rows up itself, appends those
    absent and merges the rest: `upsert_looked_up`);
-4. merge the key index, **compact** the small fragments the chunks left (the index is
-   remapped onto them) and **clean up** old versions;
+4. merge the key index, **compact** the small fragments the chunks left once they are more
+   than a healthy table holds (`lance_tables.needs_compaction`; the index is remapped onto
+   them) and **clean up** old versions;
 5. **report** what was done (`ChunkedRun`), with a callback after each commit for progress
    and for the stage's own counts.
 
@@ -49,6 +50,7 @@ from prx_assets.storage.lance_tables import (
     append_new,
     cleanup,
     compact,
+    needs_compaction,
     upsert,
 )
 from prx_assets.storage.refs import TableRef
@@ -153,8 +155,9 @@ def run_chunked(pending: ray.data.Dataset | None,
     each chunk is committed; whatever it raises stops the run with the commits so far kept.
     `new_rows` says the stage's rows are new as of a target version: they are appended
     while no other writer commits (then merged). After each commit the key index is kept
-    up to date; after the last chunk, a run of more than one commit compacts the target,
-    merges its key index and cleans up its old versions.
+    up to date; after the last chunk, a run of more than one commit merges the target's key
+    index, compacts it if it holds more fragments than a healthy table, and cleans up its
+    old versions.
     """
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be at least 1, not {chunk_rows}")
@@ -181,7 +184,8 @@ def run_chunked(pending: ray.data.Dataset | None,
                                                         writer.session):
         run.index_updates += 1
     if run.commits > 1:
-        run.compacted_from = compact(target.table, target.fragments)
+        if needs_compaction(target.table, target.fragments, writer.session):
+            run.compacted_from = compact(target.table, target.fragments)
         cleanup(target.open(), target.fragments)
     run.lance_version = target.version()
     run.seconds = time.perf_counter() - started

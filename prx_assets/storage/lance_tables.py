@@ -15,6 +15,7 @@ go with every Lance call and into the Ray tasks that write fragments.
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -269,6 +270,26 @@ def compact(table: TableRef, policy: FragmentPolicy, session: lance.Session | No
         max_bytes_per_file=policy.target_bytes,
     )
     return len(fragments)
+
+
+def allowed_fragments(dataset: lance.LanceDataset, policy: FragmentPolicy, slack: int = 1
+                      ) -> int:
+    """The fragments a healthy table holds: what a compaction leaves (~ceil(bytes / target),
+    ~ceil(rows / max_rows), at least one) plus `slack` (the `fragments_healthy` check's
+    bound)."""
+    by_bytes = math.ceil(data_bytes(dataset) / policy.target_bytes)
+    by_rows = math.ceil(dataset.count_rows() / policy.max_rows)
+    return max(1, by_bytes, by_rows) + slack
+
+
+def needs_compaction(table: TableRef, policy: FragmentPolicy,
+                     session: lance.Session | None = None) -> bool:
+    """Whether the table holds more fragments than a healthy one (`allowed_fragments`):
+    only then does a run compact. A run of a few chunks leaves a fragment or two a healthy
+    table allows, and compacting them rewrote every row the run wrote (a first ingest of
+    2,000 images: its 400 MB of image bytes written twice)."""
+    dataset = table.latest().open(session)
+    return len(dataset.get_fragments()) > allowed_fragments(dataset, policy)
 
 
 def target_rows(dataset: lance.LanceDataset, policy: FragmentPolicy) -> int:

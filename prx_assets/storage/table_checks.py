@@ -4,14 +4,13 @@ Tables are `TableRef`s: local or on an object store, with their settings."""
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from prx_assets.storage.lance_tables import FragmentPolicy
+from prx_assets.storage.lance_tables import FragmentPolicy, allowed_fragments
 from prx_assets.storage.reads import data_bytes
 from prx_assets.storage.refs import TableRef
 
@@ -83,9 +82,5 @@ def fragment_health(ref: TableRef, policy: FragmentPolicy, slack: int = 1) -> Fr
     """After compaction a table needs ~ceil(bytes/target) fragments; more means it is
     fragmenting (scans slow down 4-8x with many small fragments)."""
     table = ref.open()
-    total = data_bytes(table)
-    rows = table.count_rows()
-    by_bytes = math.ceil(total / policy.target_bytes)
-    by_rows = math.ceil(rows / policy.max_rows)
-    return FragmentHealth(len(table.get_fragments()), total, rows,
-                          allowed=max(1, by_bytes, by_rows) + slack)
+    return FragmentHealth(len(table.get_fragments()), data_bytes(table), table.count_rows(),
+                          allowed=allowed_fragments(table, policy, slack))

@@ -1,10 +1,11 @@
 """Writing parts: consecutive id-sorted rows of one leaf, fetched by Lance row id and written
-with mosaicml-streaming's `MDSWriter`, one Ray task per few parts.
+as MDS shards (`shard_writer`, the bytes of mosaicml-streaming's `MDSWriter` without its
+torch import; compressed shards through `MDSWriter` itself), one Ray task per few parts.
 
-A part on an object store is written into a local temporary folder, and each shard is
-uploaded through the part's `Location` (an S3 client built from the handle's settings) and
-removed as soon as it is finished: local disk holds about one shard, and no credential goes
-into the environment of the task (MDSWriter's own uploader would read them from there).
+A part on an object store is written shard by shard through the part's `Location` (an S3
+client built from the handle's settings): no credential goes into the environment of the
+task (MDSWriter's own uploader would read them from there); compressed shards go through a
+local temporary folder, about one shard at a time (`part_writer`).
 """
 
 from __future__ import annotations
@@ -12,23 +13,31 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
+import lance
 import numpy as np
 import pyarrow as pa
 import ray
 
 from prx_assets.engine.progress import StageProgress
-from prx_assets.stages.shards.plan import PROVENANCE_COLUMNS, SampleInputs, WriteOptions
+from prx_assets.stages.shards.plan import (
+    MDS_COLUMNS,
+    PROVENANCE_COLUMNS,
+    SampleInputs,
+    WriteOptions,
+)
+from prx_assets.stages.shards.shard_writer import shard_writer
 from prx_assets.storage.failpoints import failpoint
 from prx_assets.storage.filters import in_filter
-from prx_assets.storage.refs import Location, TableRef
+from prx_assets.storage.refs import Location
 
 IMAGE_COLUMNS = ["id", "source", "image", "width", "height", "original_width", "original_height"]
 TAKE_ROWS = 64  # rows fetched from Lance per read inside a task (bounded memory)
-# A task starts a worker that imports streaming (and torch): below this many rows per task,
-# splitting a source's parts over more CPUs costs more than it saves.
-MIN_ROWS_PER_TASK = 10_000
+# Below this many rows per task, splitting a source's parts over more CPUs costs more than it
+# saves (a task's start; its worker imports no torch since `shard_writer`: 10,000 before).
+MIN_ROWS_PER_TASK = 1_000
 
 
 @dataclass(frozen=True)
@@ -55,27 +64,53 @@ def part_specs(leaf_rows: pa.Table, leaf_dir: Location, rows_per_part: int) -> l
     return specs
 
 
-def write_part(spec: PartSpec, inputs: SampleInputs, options: WriteOptions) -> list[dict]:
-    """Write one part (in a Ray task, or in this process); returns its shard entries."""
-    # Imported here: streaming pulls in torch and transformers (~5 s), which the driver of
-    # a run that writes its parts in Ray tasks never needs.
-    from prx_assets.stages.shards.part_writer import part_writer
+@dataclass
+class OpenedInputs:
+    """A task's inputs, each opened once for all its parts (an open reads the manifest: a
+    few ms each, which per part and per read of provenance added up to a second at 2,000
+    samples)."""
 
-    bucketed, captions = inputs.bucketed.open(), inputs.captions.open()
-    with part_writer(spec.out, options) as writer:
+    bucketed: lance.LanceDataset
+    captions: lance.LanceDataset
+    raw: lance.LanceDataset | None
+    provenance: list[str]  # the provenance columns the raw table has
+
+    @classmethod
+    def of(cls, inputs: SampleInputs) -> OpenedInputs:
+        raw = inputs.raw.open() if inputs.raw is not None else None
+        columns = [c for c in PROVENANCE_COLUMNS if raw is not None and c in raw.schema.names]
+        return cls(inputs.bucketed.open(), inputs.captions.open(), raw, columns)
+
+
+def write_part(spec: PartSpec, inputs: SampleInputs, options: WriteOptions,
+               opened: OpenedInputs | None = None) -> list[dict]:
+    """Write one part (in a Ray task, or in this process); returns its shard entries."""
+    opened = opened or OpenedInputs.of(inputs)
+    with _writer(spec.out, options) as writer:
         for start in range(0, len(spec.ids), TAKE_ROWS):
             stop = start + TAKE_ROWS
-            images = _rows_by_id(bucketed._take_rows(spec.image_rows[start:stop].tolist(),
-                                                     columns=IMAGE_COLUMNS))
-            texts = _rows_by_id(captions._take_rows(spec.caption_rows[start:stop].tolist(),
-                                                    columns=["id", "caption"]))
+            images = _rows_by_id(opened.bucketed._take_rows(
+                spec.image_rows[start:stop].tolist(), columns=IMAGE_COLUMNS))
+            texts = _rows_by_id(opened.captions._take_rows(
+                spec.caption_rows[start:stop].tolist(), columns=["id", "caption"]))
             ids = _as_strings(spec.ids[start:stop])
-            origins = provenance_by_id(inputs.raw, ids)
+            origins = provenance_by_id(opened, ids)
             for sample_id in ids:
                 writer.write(_sample(images[sample_id], texts[sample_id]["caption"],
                                      inputs.license, origins.get(sample_id)))
             failpoint("mds.write_part")
     return json.loads(json.dumps(writer.shards))
+
+
+def _writer(out: Location, options: WriteOptions) -> AbstractContextManager:
+    """The torch-free writer (`shard_writer`); streaming's for compressed shards."""
+    if options.compression:
+        # Imported here: streaming pulls in torch and transformers (~6 s of CPU), which
+        # only a run writing compressed shards pays.
+        from prx_assets.stages.shards.part_writer import part_writer
+
+        return part_writer(out, options)
+    return shard_writer(out, MDS_COLUMNS, options.size_limit)
 
 
 def _as_strings(ids: pa.Array | list[str]) -> list[str]:
@@ -86,16 +121,12 @@ def _rows_by_id(table: pa.Table) -> dict[str, dict]:
     return {row["id"]: row for row in table.to_pylist()}
 
 
-def provenance_by_id(raw: TableRef | None, ids: list[str]) -> dict[str, dict]:
+def provenance_by_id(opened: OpenedInputs, ids: list[str]) -> dict[str, dict]:
     """The provenance columns of `ids` in raw_images (one indexed `id IN` read of a few
     dozen ids); {} without the table or for a table of an older schema."""
-    if raw is None or not ids:
+    if opened.raw is None or not opened.provenance or not ids:
         return {}
-    table = raw.open()
-    columns = [c for c in PROVENANCE_COLUMNS if c in table.schema.names]
-    if not columns:
-        return {}
-    rows = table.to_table(columns=["id", *columns], filter=in_filter("id", ids))
+    rows = opened.raw.to_table(columns=["id", *opened.provenance], filter=in_filter("id", ids))
     return _rows_by_id(rows)
 
 
@@ -111,7 +142,8 @@ def _sample(row: dict, caption: str, license: str, origin: dict | None = None) -
 
 def write_parts(specs: list[PartSpec], inputs: SampleInputs, options: WriteOptions
                 ) -> list[list[dict]]:
-    return [write_part(spec, inputs, options) for spec in specs]
+    opened = OpenedInputs.of(inputs)
+    return [write_part(spec, inputs, options, opened) for spec in specs]
 
 
 _write_parts_task = ray.remote(num_cpus=1)(write_parts)
@@ -125,9 +157,9 @@ def run_parts(specs: list[PartSpec], inputs: SampleInputs, options: WriteOptions
     progress = StageProgress(stage, sum(len(spec.ids) for spec in specs), log,
                              unit="samples")
     if not options.parallel:
-        results = []
+        results, opened = [], OpenedInputs.of(inputs)
         for spec in specs:
-            results.append(write_part(spec, inputs, options))
+            results.append(write_part(spec, inputs, options, opened))
             progress.advance(len(spec.ids))
         progress.finish()
         return results
