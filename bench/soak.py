@@ -35,6 +35,7 @@ import io
 import os
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -68,6 +69,8 @@ class Soak:
     runs: int = 0
     faults: int = 0
     failed_runs: int = 0
+    retries: int = 0
+    cycle_seconds: list[float] = field(default_factory=list)
     files_made: int = 0
 
     def __post_init__(self) -> None:
@@ -91,6 +94,24 @@ class Soak:
             self.add_image()
         os.environ.update(PRX_DATA_ROOT=str(self.data_root), PRX_SOURCES=str(self.sources),
                           DAGSTER_HOME=str(self.home), **CANARIES)
+        self.start_factory()
+
+    def start_factory(self) -> None:
+        """One Ray for the whole soak (embedded, the credentials withheld from it), the code
+        location's definitions and the instance, loaded once: the plain runs execute in this
+        process, as `dagster.materialize` in a script does, each a real run of the instance
+        on the shared Ray (its workers warm from run to run, as on a cluster); the runs that
+        are killed or run beside another are processes of their own that join this Ray."""
+        import ray
+
+        from prx_assets.definitions import build_defs
+        from prx_assets.engine import ray_runtime
+        from prx_assets.testing.fault_runs import open_instance
+
+        ray_runtime.connect()
+        self.ray_address = ray.get_runtime_context().gcs_address
+        self.defs = build_defs(self.sources)
+        self.instance = open_instance(self.home)
 
     # ------------------------------------------------------------------ source changes
     def add_image(self, name: str | None = None) -> str:
@@ -162,10 +183,24 @@ class Soak:
         self.note(f"opt-out {chosen} (cli)")
 
     # ------------------------------------------------------------------ runs
+    def run_here(self, job: str, partition: str | None) -> bool:
+        """One run of `job` in this process (its partition tagged as a sensor's run is)."""
+        from prx_assets.testing.fault_runs import job_subset
+
+        self.runs += 1
+        result = job_subset(self.defs, job, []).execute_in_process(
+            partition_key=partition, instance=self.instance, raise_on_error=False,
+            tags={"prx/trigger": "soak", "prx/trigger_reason": f"seed {self.seed}"})
+        self.count_retries(result.run_id)
+        if not result.success:
+            self.failed_runs += 1
+        return result.success
+
     def start(self, job: str, partition: str | None, failpoint: str | None = None):
         from prx_assets.testing.fault_runs import RunProcess, RunSpec
 
-        spec = RunSpec(self.sources, job, partition, self.home, self.data_root)
+        spec = RunSpec(self.sources, job, partition, self.home, self.data_root,
+                       ray_address=self.ray_address)
         if failpoint:
             spec.arm(failpoint, self.logs)
         self.runs += 1
@@ -173,17 +208,25 @@ class Soak:
 
     def finish(self, run) -> bool:
         result = run.wait(RUN_TIMEOUT_S)
+        self.count_retries(run.spec.run_id)
         if not result["success"]:
             self.failed_runs += 1
             self.note(f"  {run.spec.job} failed (log {run.log.name})")
         return bool(result["success"])
 
+    def count_retries(self, run_id: str) -> None:
+        """Steps Dagster ran again (`RetryRequested`: a transient failure) in the run."""
+        from dagster import DagsterEventType
+
+        records = self.instance.get_records_for_run(
+            run_id, of_type=DagsterEventType.STEP_UP_FOR_RETRY).records
+        if records:
+            self.retries += len(records)
+            self.note(f"  {len(records)} step retr{'y' if len(records) == 1 else 'ies'} in run "
+                      f"{run_id[:8]}")
+
     def killed_run(self) -> None:
-        from prx_assets.testing.fault_runs import (
-            mark_killed_run_failed,
-            open_instance,
-            wait_for_failpoint,
-        )
+        from prx_assets.testing.fault_runs import mark_killed_run_failed, wait_for_failpoint
 
         point = self.rng.choice(FAILPOINTS)
         run = self.start("source_job", SOURCE, point)
@@ -195,8 +238,7 @@ class Soak:
             return
         run.kill()
         self.faults += 1
-        with open_instance(self.home) as instance:
-            mark_killed_run_failed(instance, run.spec.run_id)
+        mark_killed_run_failed(self.instance, run.spec.run_id)
         self.note(f"source_job SIGKILLed at {point}")
 
     def two_at_once(self) -> None:
@@ -209,25 +251,30 @@ class Soak:
     def plain_runs(self) -> None:
         for job, partition in (("source_job", SOURCE), ("dedup_job", None),
                                ("skip_lists_job", SOURCE)):
-            if not self.finish(self.start(job, partition)):
-                raise self.violation(f"{job} failed on a plain run (log in {self.logs})")
+            if not self.run_here(job, partition):
+                raise self.violation(f"{job} failed on a plain run (its events in the "
+                                     f"instance at {self.home})")
         self.note("source_job, dedup_job, skip_lists_job")
 
     # ------------------------------------------------------------------ one cycle
     def cycle(self, number: int) -> None:
         self.number = number
+        started = time.perf_counter()
         self.note(f"-- cycle {number}")
         self.change_source()
         if self.rng.random() < 0.5:
             self.opt_out()
         lease = self.hold_tree()
-        kind = self.rng.choice(["plain", "twice", "kill"])
+        # Mostly plain cycles (runs in this process, seconds); the others start processes.
+        kind = self.rng.choices(["plain", "twice", "kill"], weights=[5, 2, 3])[0]
         if kind == "twice":
             self.two_at_once()
         elif kind == "kill":
             self.killed_run()
         self.plain_runs()
         self.check(lease)
+        self.cycle_seconds.append(time.perf_counter() - started)
+        self.note(f"cycle {number}: {self.cycle_seconds[-1]:.1f} s")
 
     def hold_tree(self):
         from prx_assets.loader.streams import hold_trees
@@ -326,15 +373,22 @@ class Soak:
                          "schedule so far:\n   " + "\n   ".join(self.schedule))
 
 
-def soak(cycles: int, seed: int, root: Path) -> Soak:
-    """Run `cycles` cycles of the seed's schedule under `root`; raises Violation."""
-    state = Soak(root, seed)
+def soak(state: Soak, cycles: int) -> Soak:
+    """Run `cycles` cycles of the seed's schedule; raises Violation."""
     state.setup()
     state.note("initial source_job, dedup_job, skip_lists_job")
     state.plain_runs()
     for number in range(1, cycles + 1):
         state.cycle(number)
     return state
+
+
+def summary(state: Soak) -> str:
+    seconds = sorted(state.cycle_seconds) or [0.0]
+    return (f"seed {state.seed}: {len(state.cycle_seconds)} cycle(s) done, {state.runs} runs "
+            f"started, {state.failed_runs} failed, {state.faults} faults injected, "
+            f"{state.retries} step retries; cycle median {statistics.median(seconds):.1f} s, "
+            f"max {seconds[-1]:.1f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,15 +399,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv if argv is not None else [])
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="prx-soak-"))
     started = time.perf_counter()
+    state = Soak(root, args.seed)
     try:
-        state = soak(args.cycles, args.seed, root)
+        soak(state, args.cycles)
     except Violation as violation:
         print(f"VIOLATION {violation}", file=sys.stderr)
+        print(summary(state), flush=True)
         return 1
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"seed {args.seed}: {args.cycles} cycle(s), no violation")
+    print(summary(state) + ", no violation", flush=True)
     report([Figure("soak", "cycles without violation", args.cycles, "cycles asked",
                    args.cycles, "cycles"),
             Figure("soak", "runs started", state.runs, "cycles x 3", 3 * args.cycles, "runs"),
