@@ -523,14 +523,16 @@ def inode_bytes(folders: list[Path]) -> dict[tuple[int, int], int]:
 
 
 def ray_workers() -> list[tuple[int, str]]:
-    """(pid, title) of this machine's Ray worker processes (`ray::...`)."""
+    """(pid, title) of the Ray worker processes (`ray::...`) of this process's embedded Ray
+    (its raylet's children): the soak's, not another Ray on the machine."""
     import psutil
 
     found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        cmdline = proc.info.get("cmdline") or []
-        if cmdline and cmdline[0].startswith("ray::"):
-            found.append((proc.info["pid"], cmdline[0]))
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            cmdline = proc.cmdline()
+            if cmdline and cmdline[0].startswith("ray::"):
+                found.append((proc.pid, cmdline[0]))
     return found
 
 
