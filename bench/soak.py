@@ -101,6 +101,7 @@ class Soak:
         self.home = self.root / "home"
         self.logs = self.root / "logs"
         self.captioner_file: Path | None = None
+        self.leased: dict[str, set[str]] = {}  # source -> tree versions a reader leased
         self.servers: list = []
 
     # ------------------------------------------------------------------ setup
@@ -355,11 +356,10 @@ class Soak:
     def check(self, lease) -> None:
         from prx_assets.stages.shards import verify
 
-        leased = {}
         if lease is not None:
             source, tree, _ = lease
             self.check_leased_tree(tree)
-            leased[source] = tree.name
+            self.leased.setdefault(source, set()).add(tree.name)
         for source in self.sources:
             checks, problems = verify.verify_tree(self.data_root, source.name)
             if problems or not all(c.ok for c in checks):
@@ -369,7 +369,8 @@ class Soak:
             self.check_tree_model(source)
             for guarded in (True, False):
                 self.check_loader(source, guarded)
-            self.check_disk(source.name, leased.get(source.name))
+            self.leased.setdefault(source.name, set())
+            self.check_disk(source.name)
         if lease is not None:
             lease[2].release()
         self.check_no_credentials()
@@ -457,21 +458,28 @@ class Soak:
                                  f"caption than the active captioner's, e.g. {wrong[0]}: "
                                  f"{streamed[wrong[0]]!r} for {captions[wrong[0]]!r}")
 
-    def check_disk(self, source: str, leased: str | None) -> None:
-        """Retention ran (0 days): the tree versions on disk hold at most DISK_SLACK times
-        the bytes of the live ones (the current tree and a leased one; files a version
+    def check_disk(self, source: str) -> None:
+        """Retention ran (0 days, at every publish): the only tree versions left are the
+        current one and ones a reader leased (kept until a publish after the lease ends),
+        and they hold at most DISK_SLACK times the bytes of the live ones (files a version
         carried from another are hard links, counted once)."""
         from prx_assets.storage.trees import source_trees
 
         store = source_trees(self.data_root / "mds", source)
-        live = {store.current_version(), leased} - {None}
+        current = store.current_version()
+        kept = sorted({p.name for p in store.trees_dir.path.iterdir() if p.is_dir()}
+                      - {current} - self.leased[source])
+        if kept:
+            raise self.violation(f"{source}: tree versions {kept} outlived retention (0 days): "
+                                 f"neither current ({current}) nor ever leased")
+        live = [store.tree(v).path for v in {current} | self.leased[source]
+                if store.tree(v).path.exists()]
         total = sum(inode_bytes([store.trees_dir.path]).values())
-        live_bytes = sum(inode_bytes([store.tree(v).path for v in live]).values())
+        live_bytes = sum(inode_bytes(live).values())
         if total > DISK_SLACK * live_bytes:
             raise self.violation(
                 f"{source}: its tree versions take {total:,} bytes on disk, more than "
-                f"{DISK_SLACK}x the {live_bytes:,} of the live ones {sorted(live)} "
-                f"(versions there: {sorted(store.trees_dir.path.iterdir())})")
+                f"{DISK_SLACK}x the {live_bytes:,} of the live ones")
 
     def check_no_credentials(self) -> None:
         needles = [value.encode() for value in CANARIES.values()]
