@@ -93,6 +93,7 @@ class Soak:
     retries: int = 0
     cycle_seconds: list[float] = field(default_factory=list)
     captioner_version: int = 0  # 0: the sources' own captions
+    kinds: dict[str, int] = field(default_factory=lambda: dict(KINDS))  # draw weights
     number: int = 0
 
     def __post_init__(self) -> None:
@@ -322,7 +323,7 @@ class Soak:
             if opted_in:
                 touched.add(opted_in)
         lease = self.hold_tree()
-        kind = self.rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
+        kind = self.rng.choices(list(self.kinds), weights=list(self.kinds.values()))[0]
         one = self.rng.choice(sorted(changed))
         if kind == "twice":
             self.at_once([one, one])
@@ -568,10 +569,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, default=DEFAULT_CYCLES)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--dir", help="work folder (default: a temporary one, removed after)")
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help=f"the cycle kinds drawn from (default all: {','.join(KINDS)}); "
+                             "another list is another schedule")
     args = parser.parse_args(argv if argv is not None else [])
+    unknown = set(args.kinds.split(",")) - set(KINDS)
+    if unknown:
+        parser.error(f"unknown cycle kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="prx-soak-"))
     started = time.perf_counter()
-    state = Soak(root, args.seed)
+    state = Soak(root, args.seed, kinds={k: KINDS[k] for k in args.kinds.split(",")})
     try:
         soak(state, args.cycles)
     except Violation as violation:
