@@ -434,6 +434,9 @@ class Soak:
                                     decode_images=False, guard_opt_outs=guarded)
             try:
                 seen = [(sample["id"], sample["caption"]) for sample in dataset]
+            except Exception as exc:  # a trainer's fresh loader must never error
+                raise self.violation(f"{source.name} tier {tier}: a fresh loader ({how} its "
+                                     f"guard) failed: {type(exc).__name__}: {exc}") from exc
             finally:
                 dataset.reader_leases.release()
                 del dataset
