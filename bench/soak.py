@@ -1,30 +1,43 @@
 """A seeded fault soak: a random schedule of source changes, hostile files, opt-outs, runs,
-kills and a reader, with an invariant checker after every cycle.
+kills, a captioner change and a reader, with an invariant checker after every cycle.
 
     python -m bench.soak --cycles N --seed S [--dir DIR]
 
-One folder source (`web`, generated JPEGs with caption sidecars) on local disk, a Dagster
-instance of its own, every run a real Dagster run in its own process group (as `dagster
-dev` starts them: `testing.fault_runs`). Each cycle, drawn from the seed:
+Three sources on local disk (`bench/soak_sources.py`: a folder of JPEGs with caption files,
+a folder of WebDataset tars, a folder of Parquet files), a Dagster instance of its own and
+one Ray for the whole soak. Plain runs execute in this process, as `dagster.materialize`
+in a script does (real runs of the instance, on the shared Ray); a run that is killed or
+runs beside another is a process of its own (`testing.fault_runs`) joining that Ray. Each
+cycle, drawn from the seed:
 
-- the folder changes: files added, removed, replaced (same name, other bytes), hostile
-  files (empty, truncated, not an image) added or removed;
-- an opt-out of a published sample through the CLI (`prx-assets opt-out`);
-- the runs: source_job, dedup_job and skip_lists_job in turn, and one of: a plain run, two
-  source_job runs of the partition at once (as a sensor and a person start them), or a
-  source_job armed at a random failpoint and SIGKILLed there (then the plain runs);
-- a trainer's reader lease on the current tree, taken before the runs and checked after.
+- one or two sources change: files added, removed, replaced, swapped (same name, other
+  bytes); the folder also gets hostile files (empty, truncated, not an image, a PNG header
+  claiming 2³¹ pixels a side) added or removed;
+- an opt-out of a published sample through the CLI (`prx-assets opt-out`) or a request
+  file dropped in the opt-out folder (`source_key` of the sample);
+- a trainer's reader lease on a tree, taken before the runs and checked after;
+- one of: nothing more; two source_job runs of one partition at once; source_job runs of
+  two partitions at once; a source_job SIGKILLed at a random failpoint; a source_job
+  SIGKILLed at a random time; a captioner version change (an OpenAI-compatible local
+  server answering one caption per version: every sample is captioned again);
+- then, as the sensors would start them: source_job of each changed source, dedup_job,
+  skip_lists_job of each source touched (changed or opted out).
 
-The invariants, after every cycle (`check`): the published tree is whole (every indexed
-shard present with its size, the mapping naming only versions the tree holds: `verify`);
-the tree held by the reader lease is whole too; no table holds a key twice; a fresh loader
-never yields an opted-out sample nor one sample twice in an epoch, with and without the
-loader's own opt-out guard (the sidecars alone); no credential value set in the runs'
-environment appears in any file under the data root or the Dagster instance.
+The invariants, after every cycle (`check`), for every source: the published tree is whole
+(every indexed shard present with its size, the mapping naming only versions the tree
+holds); the tree held by the reader lease is whole too; no table holds a key twice; the
+tree holds exactly the model's samples (every image the source holds now, by id, none
+else) and, streamed by a fresh loader of every tier, exactly those minus the opted-out,
+each with the caption of the active captioner, none twice in an epoch, with and without
+the loader's own opt-out guard (the sidecars alone); the tree versions on disk take at
+most 1.2x the live ones (current and leased; retention is 0 days in the soak); no
+credential value set in the soak's environment appears in any file under the data root,
+the Dagster instance or the run logs, nor in the environment of any Ray worker.
 
 A violation prints the seed, the cycle, the schedule so far and the invariant, and the run
 exits 1. Everything random comes from `--seed`: the same seed replays the same schedule
-(run times and the machine's load aside). `main()` (bench/run_all.py) runs a short soak.
+(the machine's timing aside: which step a random-time kill lands in). `main()`
+(bench/run_all.py) runs a short soak.
 """
 
 from __future__ import annotations
@@ -32,9 +45,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -42,15 +57,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common import Figure, report
+from bench.soak_sources import ModelSource, make_sources
 
-SOURCE = "web"
 FAILPOINTS = ("ingest.expand_units", "ingest.chunk_committed", "images.chunk_committed",
               "captions.chunk_committed", "mds.before_mapping_commit", "mds.before_publish")
 CANARIES = {"OPENAI_API_KEY": "sk-soak-canary-openai-0123456789",
             "AWS_SECRET_ACCESS_KEY": "soak-canary-aws-secret-0123456789"}
 KEYS = {"raw_images": ["id"], "bucketed_images": ["id"], "phashes": ["id"],
         "mds_samples": ["id"], "captions": ["id", "caption_version"]}
+# Superseded trees go at the next publish (unless a reader holds them): the disk check.
+SOURCE_RUN_CONFIG = {"ops": {"mds_shards": {"config": {"retention_days": 0}}}}
+DISK_SLACK = 1.2
 RUN_TIMEOUT_S = 900
+RANDOM_KILL_S = (1.0, 30.0)  # a random-time kill lands this long after the run started
+# Draw weights: mostly plain cycles (runs in this process); the others start processes.
+KINDS = {"plain": 8, "twice": 2, "partitions": 2, "kill": 3, "kill_random": 2,
+         "captioner": 1}
 DEFAULT_CYCLES = 3  # bench/run_all.py: a few minutes
 
 
@@ -68,104 +90,151 @@ class Soak:
     runs: int = 0
     faults: int = 0
     failed_runs: int = 0
-    files_made: int = 0
+    retries: int = 0
+    cycle_seconds: list[float] = field(default_factory=list)
+    captioner_version: int = 0  # 0: the sources' own captions
+    kinds: dict[str, int] = field(default_factory=lambda: dict(KINDS))  # draw weights
+    number: int = 0
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
-        self.folder = self.root / "sources" / SOURCE
         self.data_root = self.root / "data"
         self.home = self.root / "home"
         self.logs = self.root / "logs"
+        self.captioner_file: Path | None = None
+        self.leased: dict[str, set[str]] = {}  # source -> tree versions a reader leased
+        self.servers: list = []
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         from prx_assets.testing.fault_runs import write_instance_config
-        from prx_assets.testing.sources import folder_source, write_sources
+        from prx_assets.testing.sources import write_sources
 
-        for folder in (self.folder, self.data_root, self.logs):
+        for folder in (self.data_root, self.logs):
             folder.mkdir(parents=True, exist_ok=True)
         write_instance_config(self.home)
-        self.sources = write_sources(self.root / "sources.yaml",
-                                     [folder_source(SOURCE, self.folder)])
-        for _ in range(8):
-            self.add_image()
-        os.environ.update(PRX_DATA_ROOT=str(self.data_root), PRX_SOURCES=str(self.sources),
+        self.sources = make_sources(self.root, self.rng)
+        self.by_name = {s.name: s for s in self.sources}
+        self.sources_file = write_sources(self.root / "sources.yaml",
+                                          [s.entry() for s in self.sources])
+        os.environ.update(PRX_DATA_ROOT=str(self.data_root), PRX_SOURCES=str(self.sources_file),
                           DAGSTER_HOME=str(self.home), **CANARIES)
+        self.start_factory()
+
+    def start_factory(self) -> None:
+        """One Ray for the whole soak (embedded, the credentials withheld from it), the code
+        location's definitions and the instance, loaded once: the plain runs execute in this
+        process, each a real run of the instance on the shared Ray (its workers warm from
+        run to run, as on a cluster); the runs that are killed or run beside another are
+        processes of their own that join this Ray."""
+        import ray
+
+        from prx_assets.engine import ray_runtime
+        from prx_assets.testing.fault_runs import open_instance
+
+        ray_runtime.connect()
+        self.ray_address = ray.get_runtime_context().gcs_address
+        self.load_defs()
+        self.instance = open_instance(self.home)
+
+    def load_defs(self) -> None:
+        from prx_assets.definitions import build_defs
+
+        self.defs = build_defs(self.sources_file, self.captioner_file)
 
     # ------------------------------------------------------------------ source changes
-    def add_image(self, name: str | None = None) -> str:
-        from prx_assets.testing.images import jpeg_bytes
-
-        self.files_made += 1
-        name = name or f"img{self.files_made:04d}.jpg"
-        # Tier 512 at least (a smaller image is `too_small`): every image reaches the tree.
-        width, height = self.rng.choice([(512, 384), (640, 480), (600, 600), (480, 640)])
-        (self.folder / name).write_bytes(jpeg_bytes(width, height, self.rng.randrange(10**6)))
-        (self.folder / name).with_suffix(".txt").write_text(
-            f"a generated test pattern number {self.rng.randrange(10**6)}")
-        return name
-
-    def images(self) -> list[str]:
-        return sorted(p.name for p in self.folder.glob("img*.jpg"))
-
-    def change_source(self) -> None:
-        for _ in range(self.rng.randint(1, 3)):
-            action = self.rng.choice(["add", "add", "remove", "replace", "hostile",
-                                      "unhostile"])
-            images, hostile = self.images(), sorted(self.folder.glob("bad*"))
-            if action == "add" or (action in ("remove", "replace") and len(images) < 4):
-                self.note(f"add {self.add_image()}")
-            elif action == "remove":
-                name = self.rng.choice(images)
-                (self.folder / name).unlink()
-                (self.folder / name).with_suffix(".txt").unlink(missing_ok=True)
-                self.note(f"remove {name}")
-            elif action == "replace":
-                self.note(f"replace {self.add_image(self.rng.choice(images))}")
-            elif action == "hostile" or not hostile:
-                self.note(f"hostile {self.add_hostile()}")
-            else:
-                victim = self.rng.choice(hostile)
-                victim.unlink()
-                self.note(f"remove hostile {victim.name}")
-
-    def add_hostile(self) -> str:
-        from prx_assets.testing.images import jpeg_bytes
-
-        kind = self.rng.choice(["empty", "truncated", "text", "png_header"])
-        name = f"bad{self.rng.randrange(10**6):06d}-{kind}.jpg"
-        data = {"empty": b"", "truncated": jpeg_bytes(300, 300, 1)[:200],
-                "text": b"this is not an image\n" * 10,
-                "png_header": b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x7f\xff\xff\xff"
-                              b"\x7f\xff\xff\xff\x08\x02\x00\x00\x00"}[kind]
-        (self.folder / name).write_bytes(data)
-        return name
+    def change_sources(self) -> set[str]:
+        changed = self.rng.sample(self.sources, self.rng.choice([1, 1, 1, 2]))
+        for source in changed:
+            for _ in range(self.rng.randint(1, 2)):
+                self.note(f"{source.name}: {source.change()}")
+        return {s.name for s in changed}
 
     # ------------------------------------------------------------------ opt-outs
-    def opt_out(self) -> None:
-        from prx_assets import cli
+    def opt_out(self) -> str | None:
+        """An opt-out of a published sample, through the CLI or a dropped file; returns
+        the source it is in."""
         from prx_assets.storage.layout import Storage
         from prx_assets.storage.tables import MDS_SAMPLES
 
-        mapping = Storage(self.data_root).table(MDS_SAMPLES, SOURCE)
+        source = self.rng.choice(self.sources)
+        mapping = Storage(self.data_root).table(MDS_SAMPLES, source.name)
         if not mapping.exists():
-            return
+            return None
         ids = sorted(set(mapping.to_table(columns=["id"])["id"].to_pylist()) - self.opted)
         if not ids:
-            return
+            return None
         chosen = self.rng.choice(ids)
-        with contextlib.redirect_stdout(io.StringIO()):
-            status = cli.main(["opt-out", chosen, "--reason", f"soak {self.seed}"])
-        if status != 0:
-            raise self.violation("the CLI refused an opt-out of a published sample")
+        if self.rng.random() < 0.5:
+            with contextlib.redirect_stdout(io.StringIO()):
+                status = cli_main(["opt-out", chosen, "--reason", f"soak {self.seed}"])
+            if status != 0:
+                raise self.violation("the CLI refused an opt-out of a published sample")
+            door = "cli"
+        else:
+            door = self.drop_request(source, chosen)
         self.opted.add(chosen)
-        self.note(f"opt-out {chosen} (cli)")
+        self.note(f"opt-out {chosen} ({door})")
+        return source.name
+
+    def drop_request(self, source: ModelSource, sample_id: str) -> str:
+        """A request file dropped in the folder (the file door), naming the sample by its
+        key in its source."""
+        keys = {sid: key for unit in source.units.values() for key in unit
+                for sid in [_sample_id(source.name, key)]}
+        if sample_id not in keys:  # published, but gone from the source since: by id
+            record = {"key_type": "id", "value": sample_id}
+        else:
+            record = {"key_type": "source_key", "value": keys[sample_id],
+                      "source": source.name}
+        folder = self.data_root / "opt_outs"
+        folder.mkdir(exist_ok=True)
+        name = f"dropped-{self.number:05d}-{self.rng.randrange(10**6):06d}.jsonl"
+        (folder / name).write_text(json.dumps({
+            **record, "timestamp": "2026-01-01T00:00:00Z",
+            "reference": f"soak {self.seed}"}) + "\n")
+        return f"file {name}"
+
+    # ------------------------------------------------------------------ captioner
+    def change_captioner(self) -> None:
+        """A new captioner version: a local OpenAI-compatible server answering one caption,
+        named by the version; every sample is captioned again and its trees rebuilt."""
+        from prx_assets.testing.fault_runs import CaptionServer
+
+        self.captioner_version += 1
+        server = CaptionServer(self.model_caption())
+        self.servers.append(server)
+        self.captioner_file = self.root / "captioner.yaml"
+        self.captioner_file.write_text(
+            f"backend: openai\nmodel: soak-captioner-v{self.captioner_version}\n"
+            f"endpoint: {server.url}\n")
+        self.load_defs()
+        self.note(f"captioner version {self.captioner_version} (soak-captioner)")
+
+    def model_caption(self) -> str:
+        return f"A soak caption of captioner version {self.captioner_version}."
 
     # ------------------------------------------------------------------ runs
+    def run_here(self, job: str, partition: str | None) -> bool:
+        """One run of `job` in this process, tagged as a sensor's run is."""
+        from prx_assets.testing.fault_runs import job_subset
+
+        self.runs += 1
+        result = job_subset(self.defs, job, []).execute_in_process(
+            partition_key=partition, instance=self.instance, raise_on_error=False,
+            run_config=SOURCE_RUN_CONFIG if job == "source_job" else None,
+            tags={"prx/trigger": "soak", "prx/trigger_reason": f"seed {self.seed}"})
+        self.count_retries(result.run_id)
+        if not result.success:
+            self.failed_runs += 1
+        return result.success
+
     def start(self, job: str, partition: str | None, failpoint: str | None = None):
         from prx_assets.testing.fault_runs import RunProcess, RunSpec
 
-        spec = RunSpec(self.sources, job, partition, self.home, self.data_root)
+        spec = RunSpec(self.sources_file, job, partition, self.home, self.data_root,
+                       captioner=self.captioner_file, ray_address=self.ray_address,
+                       run_config=SOURCE_RUN_CONFIG if job == "source_job" else None)
         if failpoint:
             spec.arm(failpoint, self.logs)
         self.runs += 1
@@ -173,92 +242,141 @@ class Soak:
 
     def finish(self, run) -> bool:
         result = run.wait(RUN_TIMEOUT_S)
+        self.count_retries(run.spec.run_id)
         if not result["success"]:
             self.failed_runs += 1
-            self.note(f"  {run.spec.job} failed (log {run.log.name})")
+            self.note(f"  {run.spec.job}[{run.spec.partition}] failed (log {run.log.name})")
         return bool(result["success"])
 
-    def killed_run(self) -> None:
-        from prx_assets.testing.fault_runs import (
-            mark_killed_run_failed,
-            open_instance,
-            wait_for_failpoint,
-        )
+    def count_retries(self, run_id: str) -> None:
+        """Steps Dagster ran again (`RetryRequested`: a transient failure) in the run."""
+        from dagster import DagsterEventType
+
+        records = self.instance.get_records_for_run(
+            run_id, of_type=DagsterEventType.STEP_UP_FOR_RETRY).records
+        if records:
+            self.retries += len(records)
+            self.note(f"  {len(records)} step retr{'y' if len(records) == 1 else 'ies'} in run "
+                      f"{run_id[:8]}")
+
+    def killed(self, run, how: str) -> None:
+        from prx_assets.testing.fault_runs import mark_killed_run_failed
+
+        run.kill()
+        self.faults += 1
+        mark_killed_run_failed(self.instance, run.spec.run_id)
+        self.note(f"source_job[{run.spec.partition}] SIGKILLed {how}")
+
+    def kill_at_failpoint(self, source: str) -> None:
+        from prx_assets.testing.fault_runs import wait_for_failpoint
 
         point = self.rng.choice(FAILPOINTS)
-        run = self.start("source_job", SOURCE, point)
+        run = self.start("source_job", source, point)
         try:
             wait_for_failpoint(run)
         except AssertionError:  # the run passed nowhere near it (nothing to do there)
-            self.note(f"source_job armed at {point}: ended without reaching it")
+            self.note(f"source_job[{source}] armed at {point}: ended without reaching it")
             self.finish(run)
             return
-        run.kill()
-        self.faults += 1
-        with open_instance(self.home) as instance:
-            mark_killed_run_failed(instance, run.spec.run_id)
-        self.note(f"source_job SIGKILLed at {point}")
+        self.killed(run, f"at {point}")
 
-    def two_at_once(self) -> None:
-        first, second = self.start("source_job", SOURCE), self.start("source_job", SOURCE)
-        both = [self.finish(first), self.finish(second)]
-        self.note(f"two source_job runs at once: {both}")
-        if not any(both):
+    def kill_at_random(self, source: str) -> None:
+        delay = round(self.rng.uniform(*RANDOM_KILL_S), 1)
+        run = self.start("source_job", source)
+        try:
+            run.process.wait(timeout=delay)
+        except Exception:  # still running: the kill lands wherever it is
+            self.killed(run, f"{delay} s after its start")
+            return
+        self.note(f"source_job[{source}] ended before its kill at {delay} s")
+        self.finish(run)
+
+    def at_once(self, partitions: list[str]) -> None:
+        runs = [self.start("source_job", p) for p in partitions]
+        done = [self.finish(run) for run in runs]
+        self.note(f"source_job runs at once {partitions}: {done}")
+        if len(set(partitions)) == 1 and not any(done):
             raise self.violation("two runs of one partition: neither succeeded")
+        if len(set(partitions)) > 1 and not all(done):
+            raise self.violation("runs of different partitions at once: one failed")
 
-    def plain_runs(self) -> None:
-        for job, partition in (("source_job", SOURCE), ("dedup_job", None),
-                               ("skip_lists_job", SOURCE)):
-            if not self.finish(self.start(job, partition)):
-                raise self.violation(f"{job} failed on a plain run (log in {self.logs})")
-        self.note("source_job, dedup_job, skip_lists_job")
+    def plain_runs(self, changed: set[str], touched: set[str]) -> None:
+        """What the sensors start: each changed source's source_job, then the duplicates
+        and opt-out audit, then each touched source's skip lists."""
+        plan = [("source_job", s) for s in sorted(changed)] + [("dedup_job", None)] + \
+            [("skip_lists_job", s) for s in sorted(touched)]
+        for job, partition in plan:
+            if not self.run_here(job, partition):
+                raise self.violation(f"{job}[{partition}] failed on a plain run (its events in "
+                                     f"the instance at {self.home})")
+        self.note(", ".join(f"{job}[{p}]" if p else job for job, p in plan))
 
     # ------------------------------------------------------------------ one cycle
     def cycle(self, number: int) -> None:
         self.number = number
+        started = time.perf_counter()
         self.note(f"-- cycle {number}")
-        self.change_source()
+        changed = self.change_sources()
+        touched = set(changed)
         if self.rng.random() < 0.5:
-            self.opt_out()
+            opted_in = self.opt_out()
+            if opted_in:
+                touched.add(opted_in)
         lease = self.hold_tree()
-        kind = self.rng.choice(["plain", "twice", "kill"])
+        kind = self.rng.choices(list(self.kinds), weights=list(self.kinds.values()))[0]
+        one = self.rng.choice(sorted(changed))
         if kind == "twice":
-            self.two_at_once()
+            self.at_once([one, one])
+        elif kind == "partitions":
+            self.at_once(sorted(self.rng.sample(sorted(self.by_name), 2)))
         elif kind == "kill":
-            self.killed_run()
-        self.plain_runs()
+            self.kill_at_failpoint(one)
+        elif kind == "kill_random":
+            self.kill_at_random(one)
+        elif kind == "captioner":
+            self.change_captioner()
+            changed = touched = set(self.by_name)
+        self.plain_runs(changed, touched)
         self.check(lease)
+        self.cycle_seconds.append(time.perf_counter() - started)
+        self.note(f"cycle {number}: {self.cycle_seconds[-1]:.1f} s")
 
     def hold_tree(self):
+        """A trainer's reader lease on one source's current tree, held across the runs."""
         from prx_assets.loader.streams import hold_trees
         from prx_assets.storage.trees import source_trees
 
-        if source_trees(self.data_root / "mds", SOURCE).current_version() is None:
+        source = self.rng.choice(self.sources).name
+        if source_trees(self.data_root / "mds", source).current_version() is None:
             return None
-        trees, keeper = hold_trees(self.data_root / "mds", {SOURCE: 1.0})
-        self.note(f"reader lease on tree {trees[SOURCE].name}")
-        return trees[SOURCE], keeper
+        trees, keeper = hold_trees(self.data_root / "mds", {source: 1.0})
+        self.note(f"reader lease on {source} tree {trees[source].name}")
+        return source, trees[source], keeper
 
     # ------------------------------------------------------------------ invariants
     def check(self, lease) -> None:
         from prx_assets.stages.shards import verify
 
-        checks, problems = verify.verify_tree(self.data_root, SOURCE)
-        if problems or not all(c.ok for c in checks):
-            raise self.violation(f"the current tree is not whole: {problems} "
-                                 f"{[c for c in checks if not c.ok]}")
         if lease is not None:
-            tree, keeper = lease
+            source, tree, _ = lease
             self.check_leased_tree(tree)
-            keeper.release()
-        self.check_unique_keys()
-        for guarded in (True, False):
-            self.check_loader(guarded)
+            self.leased.setdefault(source, set()).add(tree.name)
+        for source in self.sources:
+            checks, problems = verify.verify_tree(self.data_root, source.name)
+            if problems or not all(c.ok for c in checks):
+                raise self.violation(f"{source.name}: the current tree is not whole: "
+                                     f"{problems} {[c for c in checks if not c.ok]}")
+            self.check_unique_keys(source.name)
+            self.check_tree_model(source)
+            for guarded in (True, False):
+                self.check_loader(source, guarded)
+            self.leased.setdefault(source.name, set())
+            self.check_disk(source.name)
+        if lease is not None:
+            lease[2].release()
         self.check_no_credentials()
 
     def check_leased_tree(self, tree) -> None:
-        import json
-
         from prx_assets.storage.trees import leaf_names
 
         for leaf in leaf_names(tree):
@@ -267,7 +385,7 @@ class Soak:
                 if not path.exists() or path.stat().st_size != shard["raw_data"]["bytes"]:
                     raise self.violation(f"tree {tree.name} under a reader lease lost {path}")
 
-    def check_unique_keys(self) -> None:
+    def check_unique_keys(self, source: str) -> None:
         import pyarrow.compute as pc
 
         from prx_assets.storage.keyed_writes import key_strings
@@ -275,36 +393,97 @@ class Soak:
 
         storage = Storage(self.data_root)
         for table, keys in KEYS.items():
-            ref = storage.table(table, SOURCE)
+            ref = storage.table(table, source)
             if not ref.exists():
                 continue
             rows = ref.to_table(columns=keys)
             strings = key_strings(rows, keys)
             if pc.count_distinct(strings).as_py() != rows.num_rows:
-                raise self.violation(f"{table} holds a key twice")
+                raise self.violation(f"{table}[{source}] holds a key twice")
 
-    def check_loader(self, guarded: bool) -> None:
+    def check_tree_model(self, source: ModelSource) -> None:
+        """The tree's mapping names exactly the model's samples: every image the source
+        holds now (its runs succeeded), and nothing it no longer holds."""
+        from prx_assets.storage.layout import Storage
+        from prx_assets.storage.tables import MDS_SAMPLES
+
+        mapped = set(Storage(self.data_root).table(MDS_SAMPLES, source.name)
+                     .to_table(columns=["id"])["id"].to_pylist())
+        expected = set(source.expected())
+        if mapped != expected:
+            raise self.violation(
+                f"{source.name}: the tree's samples differ from the source's: missing "
+                f"{sorted(expected - mapped)[:5]}, not in the source "
+                f"{sorted(mapped - expected)[:5]}")
+
+    def check_loader(self, source: ModelSource, guarded: bool) -> None:
+        """A fresh loader of every tier streams the model's samples less the opted-out,
+        each once, each with the active captioner's caption."""
         from prx_assets.loader import build_dataset
         from prx_assets.storage.trees import leaf_names, source_trees
         from prx_assets.testing.shared_memory import release_shared_memory
 
-        tree = source_trees(self.data_root / "mds", SOURCE).current_tree()
+        tree = source_trees(self.data_root / "mds", source.name).current_tree()
+        expected = source.expected()
+        streamed: dict[str, str] = {}
+        how = "with" if guarded else "without"
         for tier in sorted({int(name.split("/")[0]) for name in leaf_names(tree)}):
             release_shared_memory(self.root)
-            dataset = build_dataset(self.data_root / "mds", tier, 1, weights={SOURCE: 1.0},
-                                    shuffle=False, guard_opt_outs=guarded)
+            dataset = build_dataset(self.data_root / "mds", tier, 1,
+                                    weights={source.name: 1.0}, shuffle=False,
+                                    decode_images=False, guard_opt_outs=guarded)
             try:
-                seen = [sample["id"] for sample in dataset]
+                seen = [(sample["id"], sample["caption"]) for sample in dataset]
+            except Exception as exc:  # a trainer's fresh loader must never error
+                raise self.violation(f"{source.name} tier {tier}: a fresh loader ({how} its "
+                                     f"guard) failed: {type(exc).__name__}: {exc}") from exc
             finally:
                 dataset.reader_leases.release()
                 del dataset
                 release_shared_memory(self.root)
-            if len(seen) != len(set(seen)):
-                raise self.violation(f"tier {tier}: a sample twice in one epoch")
-            if self.opted & set(seen):
-                raise self.violation(f"tier {tier}: opted-out {sorted(self.opted & set(seen))} "
-                                     f"streamed ({'with' if guarded else 'without'} the "
-                                     "loader's guard)")
+            ids = [i for i, _ in seen]
+            if len(ids) != len(set(ids)):
+                raise self.violation(f"{source.name} tier {tier}: a sample twice in one epoch")
+            streamed.update(seen)
+        if self.opted & set(streamed):
+            raise self.violation(f"{source.name}: opted-out {sorted(self.opted & set(streamed))}"
+                                 f" streamed ({how} the loader's guard)")
+        wanted = set(expected) - self.opted
+        if set(streamed) != wanted:
+            raise self.violation(
+                f"{source.name}: a loader ({how} its guard) streams other samples than the "
+                f"source's kept ones: missing {sorted(wanted - set(streamed))[:5]}, extra "
+                f"{sorted(set(streamed) - wanted)[:5]}")
+        captions = {i: self.model_caption() if self.captioner_version else expected[i]
+                    for i in streamed}
+        wrong = sorted(i for i, text in streamed.items() if text != captions[i])
+        if wrong:
+            raise self.violation(f"{source.name}: {len(wrong)} sample(s) streamed with another "
+                                 f"caption than the active captioner's, e.g. {wrong[0]}: "
+                                 f"{streamed[wrong[0]]!r} for {captions[wrong[0]]!r}")
+
+    def check_disk(self, source: str) -> None:
+        """Retention ran (0 days, at every publish): the only tree versions left are the
+        current one and ones a reader leased (kept until a publish after the lease ends),
+        and they hold at most DISK_SLACK times the bytes of the live ones (files a version
+        carried from another are hard links, counted once)."""
+        from prx_assets.storage.trees import source_trees
+
+        store = source_trees(self.data_root / "mds", source)
+        current = store.current_version()
+        kept = sorted({p.name for p in store.trees_dir.path.iterdir() if p.is_dir()}
+                      - {current} - self.leased[source])
+        if kept:
+            raise self.violation(f"{source}: tree versions {kept} outlived retention (0 days): "
+                                 f"neither current ({current}) nor ever leased")
+        live = [store.tree(v).path for v in {current} | self.leased[source]
+                if store.tree(v).path.exists()]
+        total = sum(inode_bytes([store.trees_dir.path]).values())
+        live_bytes = sum(inode_bytes(live).values())
+        if total > DISK_SLACK * live_bytes:
+            raise self.violation(
+                f"{source}: its tree versions take {total:,} bytes on disk, more than "
+                f"{DISK_SLACK}x the {live_bytes:,} of the live ones")
 
     def check_no_credentials(self) -> None:
         needles = [value.encode() for value in CANARIES.values()]
@@ -312,9 +491,14 @@ class Soak:
             for path in top.rglob("*"):
                 if path.is_file() and not path.is_symlink():
                     data = path.read_bytes()
-                    found = [n for n in needles if n in data]
-                    if found:
+                    if any(n in data for n in needles):
                         raise self.violation(f"a credential value in {path}")
+        for pid, title in ray_workers():
+            with contextlib.suppress(OSError):
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+                if any(n in environ for n in needles):
+                    raise self.violation(f"a credential value in the environment of Ray "
+                                         f"worker {pid} ({title})")
 
     # ------------------------------------------------------------------ reporting
     def note(self, line: str) -> None:
@@ -322,19 +506,65 @@ class Soak:
         print(f"   {line}", flush=True)
 
     def violation(self, invariant: str) -> Violation:
-        return Violation(f"seed {self.seed}, cycle {getattr(self, 'number', 0)}: {invariant}\n"
+        return Violation(f"seed {self.seed}, cycle {self.number}: {invariant}\n"
                          "schedule so far:\n   " + "\n   ".join(self.schedule))
 
 
-def soak(cycles: int, seed: int, root: Path) -> Soak:
-    """Run `cycles` cycles of the seed's schedule under `root`; raises Violation."""
-    state = Soak(root, seed)
+def cli_main(argv: list[str]) -> int:
+    from prx_assets import cli
+
+    return cli.main(argv)
+
+
+def _sample_id(source: str, key: str) -> str:
+    from prx_assets.stages.ingest.ids import sample_id
+
+    return sample_id(source, key)
+
+
+def inode_bytes(folders: list[Path]) -> dict[tuple[int, int], int]:
+    """Bytes of every file under the folders, each inode once (hard links shared)."""
+    found: dict[tuple[int, int], int] = {}
+    for folder in folders:
+        for path in folder.rglob("*"):
+            with contextlib.suppress(FileNotFoundError):
+                stat = path.lstat()
+                if path.is_file() and not path.is_symlink():
+                    found[(stat.st_dev, stat.st_ino)] = stat.st_size
+    return found
+
+
+def ray_workers() -> list[tuple[int, str]]:
+    """(pid, title) of the Ray worker processes (`ray::...`) of this process's embedded Ray
+    (its raylet's children): the soak's, not another Ray on the machine."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            cmdline = proc.cmdline()
+            if cmdline and cmdline[0].startswith("ray::"):
+                found.append((proc.pid, cmdline[0]))
+    return found
+
+
+def soak(state: Soak, cycles: int) -> Soak:
+    """Run `cycles` cycles of the seed's schedule; raises Violation."""
     state.setup()
-    state.note("initial source_job, dedup_job, skip_lists_job")
-    state.plain_runs()
+    everything = {s.name for s in state.sources}
+    state.note("initial runs")
+    state.plain_runs(everything, everything)
     for number in range(1, cycles + 1):
         state.cycle(number)
     return state
+
+
+def summary(state: Soak) -> str:
+    seconds = sorted(state.cycle_seconds) or [0.0]
+    return (f"seed {state.seed}: {len(state.cycle_seconds)} cycle(s) done, {state.runs} runs "
+            f"started, {state.failed_runs} failed, {state.faults} faults injected (SIGKILL), "
+            f"{state.retries} step retries; cycle median {statistics.median(seconds):.1f} s, "
+            f"max {seconds[-1]:.1f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,24 +572,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, default=DEFAULT_CYCLES)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--dir", help="work folder (default: a temporary one, removed after)")
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help=f"the cycle kinds drawn from (default all: {','.join(KINDS)}); "
+                             "another list is another schedule")
     args = parser.parse_args(argv if argv is not None else [])
+    unknown = set(args.kinds.split(",")) - set(KINDS)
+    if unknown:
+        parser.error(f"unknown cycle kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="prx-soak-"))
     started = time.perf_counter()
+    state = Soak(root, args.seed, kinds={k: KINDS[k] for k in args.kinds.split(",")})
     try:
-        state = soak(args.cycles, args.seed, root)
+        soak(state, args.cycles)
     except Violation as violation:
-        print(f"VIOLATION {violation}", file=sys.stderr)
+        print(f"VIOLATION {violation}", file=sys.stderr, flush=True)
+        print(summary(state), flush=True)
         return 1
     finally:
+        for server in state.servers:
+            server.close()
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"seed {args.seed}: {args.cycles} cycle(s), no violation")
+    print(summary(state) + ", no violation", flush=True)
     report([Figure("soak", "cycles without violation", args.cycles, "cycles asked",
                    args.cycles, "cycles"),
-            Figure("soak", "runs started", state.runs, "cycles x 3", 3 * args.cycles, "runs"),
+            Figure("soak", "runs started", state.runs, "cycles", args.cycles, "runs"),
             Figure("soak", "faults injected (SIGKILL)", state.faults, "cycles", args.cycles,
                    "kills"),
+            Figure("soak", "step retries", state.retries, "runs", state.runs, "retries"),
             Figure("soak", "runs failed", state.failed_runs, "runs", state.runs, "runs"),
+            Figure("soak", "median cycle", round(statistics.median(state.cycle_seconds or [0]),
+                                                 1), "cycles", args.cycles, "s"),
             Figure("soak", "wall time", round(time.perf_counter() - started), "cycles",
                    args.cycles, "s")], "soak")
     return 0

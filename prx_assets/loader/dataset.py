@@ -205,6 +205,8 @@ class SkipListStreamingDataset(StreamingDataset):
 
     # ----------------------------------------------------------------------- reading
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self.skipped.all():  # every sample skipped (removed, opted out): an empty epoch,
+            return  # where streaming's partitioning of no samples divides by zero
         samples = self._samples()
         if not (self.opt_outs.ids or self.opt_outs.rights_ids):
             yield from samples

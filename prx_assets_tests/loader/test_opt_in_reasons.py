@@ -54,3 +54,17 @@ def test_balance_and_ablations_apply_only_when_named(tree):
                             skip_reasons=["semdedup", "no_blue"])
     assert ablated.skip_reasons == ["no_blue", "semdedup"]
     assert int(ablated.skipped.sum()) == 3
+
+
+def test_a_tier_whose_every_sample_is_skipped_streams_an_empty_epoch(tree):
+    """Found by the soak (seed 202, cycle 2: a tar removed, the samples of a tier all stale):
+    a fresh loader raised ZeroDivisionError in streaming's partitioning of no samples."""
+    root = tree.parent
+    for row in Storage(root).table("mds_samples", "alpha").to_table().to_pylist():
+        path = sidecar_path(trees.current_tree(root / "mds", "alpha") / row["leaf"] / row["shard"])
+        lists = json.loads(path.read_text())["lists"] if path.exists() else {}
+        lists.setdefault("semdedup", []).append(row["sample_index"])
+        path.write_text(json.dumps({"version": 1, "lists": lists}))
+    dataset = build_dataset(tree, 1, 1, weights={"alpha": 1.0}, shuffle=False)
+    assert bool(dataset.skipped.all())
+    assert list(dataset) == []

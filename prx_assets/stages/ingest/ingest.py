@@ -158,6 +158,18 @@ class IngestPlan:
             return self.pending_rows if self.pending_units else None
         return ray.data.from_arrow_refs(self.blocks) if self.blocks else None
 
+    def signatures(self, units: list[str]) -> dict[str, str]:
+        """unit -> signature in the listing, of those of `units` it holds."""
+        if self.listed is not None:
+            return {u: self.listed[u] for u in units if u in self.listed}
+        wanted = pa.array(units, pa.string())
+        found: dict[str, str] = {}
+        for block in ray.get(self.blocks):  # only for the rare chunk with a rival
+            block = block.filter(pc.is_in(block.column("unit"), wanted))
+            found.update(zip(block.column("unit").to_pylist(),
+                             block.column("unit_signature").to_pylist(), strict=True))
+        return found
+
     def stale_ids(self, target: CommitTarget) -> list[str]:
         if self.listed is not None:
             return stale_ids(target, self.listed)
@@ -243,17 +255,22 @@ def expand_units(units: pa.Table, spec: SourceSpec, location: SourceLocation | s
         failpoint("ingest.expand_units")
 
 
-def rows_to_commit(chunk: pa.Table) -> pa.Table:
+def rows_to_commit(chunk: pa.Table, committed: CommittedRivals | None = None) -> pa.Table:
     """A chunk as it is merge-inserted: without the node column, and with one row per id
     (a merge-insert refuses two source rows for one key). A key found in two units of a
     source keeps the row of the unit first by name (whatever order Ray read them in); each
     other one becomes a `duplicate_key` row of its own unit naming both units (before, the
-    unit read later won silently). Units in different chunks are not compared."""
+    unit read later won silently). With `committed`, the units of earlier chunks and runs
+    are compared too (`CommittedRivals`)."""
     if NODE_COLUMN in chunk.column_names:
         chunk = chunk.drop_columns([NODE_COLUMN])
     ids = chunk.column("id")
-    if pc.count_distinct(ids).as_py() == chunk.num_rows:
-        return chunk
+    if pc.count_distinct(ids).as_py() != chunk.num_rows:
+        chunk = _first_unit_per_key(chunk)
+    return committed.resolve(chunk) if committed is not None else chunk
+
+
+def _first_unit_per_key(chunk: pa.Table) -> pa.Table:
     rows = chunk.to_pylist()
     kept: dict[str, str] = {}  # id -> the unit whose row is kept: the first by name
     for row in rows:
@@ -263,6 +280,49 @@ def rows_to_commit(chunk: pa.Table) -> pa.Table:
         if (row.get("unit") or "") != kept[row["id"]]:
             _mark_duplicate(row, kept[row["id"]])
     return pa.Table.from_pylist(rows, schema=chunk.schema)
+
+
+@dataclass
+class CommittedRivals:
+    """A chunk's keys against the rows already committed: a row of the same id from
+    another unit that the listing still holds under its committed signature is a rival
+    (a unit re-read, or one gone from the listing, is not: its rows are replaced or
+    removed by this run). The unit first by name keeps the key, as within a chunk: a
+    chunk's row of a later unit becomes its `duplicate_key` row; a committed row of a
+    later unit is rewritten as one, in the same commit, so that unit still counts as read
+    whole. One lookup of the chunk's ids per chunk (a filter on the key index)."""
+
+    target: CommitTarget
+    signature_of: Callable[[list[str]], dict[str, str]]  # units -> listed signature
+
+    def resolve(self, chunk: pa.Table) -> pa.Table:
+        if self.target.version() is None or chunk.num_rows == 0:
+            return chunk
+        ids = chunk.column("id").to_pylist()
+        found = self.target.open().to_table(columns=["id", *UNIT_KEYS],
+                                            filter=in_filter("id", ids))
+        units = dict(zip(chunk.column("id").to_pylist(), chunk.column("unit").to_pylist(),
+                         strict=True))
+        others = [(i, u, s) for i, u, s in zip(found["id"].to_pylist(),
+                                               found["unit"].to_pylist(),
+                                               found["unit_signature"].to_pylist(), strict=True)
+                  if u != units[i]]
+        listed = self.signature_of(sorted({u for _, u, _ in others})) if others else {}
+        rivals = {i: u for i, u, s in others if listed.get(u) == s}
+        if not rivals:
+            return chunk
+        rows = chunk.to_pylist()
+        for row in rows:
+            if row["id"] in rivals and rivals[row["id"]] < (row.get("unit") or ""):
+                _mark_duplicate(row, rivals[row["id"]])
+        beaten = {row["id"]: row["unit"] for row in rows
+                  if row["id"] in rivals and row["status"] != readers.STATUS_DUPLICATE_KEY}
+        if beaten:
+            for old in self.target.open().to_table(filter=in_filter("id", list(beaten))
+                                                   ).to_pylist():
+                _mark_duplicate(old, beaten[old["id"]])
+                rows.append({name: old.get(name) for name in chunk.schema.names})
+        return pa.Table.from_pylist(rows, schema=chunk.schema)
 
 
 def _mark_duplicate(row: dict, first_unit: str) -> None:
@@ -394,9 +454,11 @@ def ingest_source(spec: SourceSpec, uri: str | Path | SourceLocation, target: Co
             on_chunk(chunk, run)
 
     pending = plan.pending()
+    rivals = CommittedRivals(target, plan.signatures)
     report.commits = run_chunked(
         pending, lambda units: read_units(units, spec, plan.location, options, node_column=True),
-        target, options.chunk_rows, to_commit=rows_to_commit, on_chunk=committed)
+        target, options.chunk_rows, to_commit=lambda chunk: rows_to_commit(chunk, rivals),
+        on_chunk=committed)
     report.rows_removed = delete_stale_rows(target, plan, RemovalLimit(
         options.max_removed_share, options.removal_floor_rows))
     table = target.open() if target.version() is not None else None

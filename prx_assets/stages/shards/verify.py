@@ -45,6 +45,7 @@ from prx_assets.storage.trees import (
     tree_store,
 )
 
+PRELOAD_MODULE = "prx_assets.stages.shards.streaming_preload"
 CHILD_EXIT_WAIT_S = 60  # how long a child that answered may take to exit before it is killed
 
 
@@ -150,15 +151,21 @@ def _fetch_index(leaf: Location, folder: Path) -> Path:
 def streamed_counts(leaves: list[str]) -> list[int]:
     """Samples per local leaf as one plain StreamingDataset (a stream per leaf) sees them.
 
-    Runs in a spawned process: every StreamingDataset registers shared-memory objects that
+    Runs in a process of its own: every StreamingDataset registers shared-memory objects that
     later datasets in the same process keep open (thousands of descriptors after a few dozen
-    leaves), so a long-lived process such as a Dagster run must not create them itself.
+    leaves), so a long-lived process such as a Dagster run must not create them itself. The
+    process is forked from a fork server that imported this module and streaming's classes
+    once (`shards/streaming_preload.py`): a second check in one process starts in
+    milliseconds, not the seconds a fresh interpreter took to import them (a script or the
+    soak running many runs in one process); the first costs what a spawned child did.
 
     A Pool is not used: leaving it terminates its worker with SIGTERM, which the worker may
     ignore once streaming is imported, and `terminate()` then waits for it forever. The child
     sends its answer down a pipe and exits on its own; one that lingers after answering is
     killed."""
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    # Effective only before this process's fork server starts (the first check starts it).
+    context.set_forkserver_preload([PRELOAD_MODULE])
     receive, send = context.Pipe(duplex=False)
     child = context.Process(target=_send_streamed_counts, args=(leaves, send), daemon=True)
     child.start()

@@ -344,3 +344,45 @@ def test_a_key_in_two_units_is_a_duplicate_key_row_naming_both(ray_session, tmp_
     assert duplicate["status"] == "duplicate_key" and duplicate["image"] is None
     assert "'a.parquet'" in duplicate["error"] and "'b.parquet'" in duplicate["error"]
     assert ingest(spec, table).rows_processed == 0  # each unit counts as read whole
+
+
+def _parquet_units(root: Path, units: dict[str, int]) -> SourceSpec:
+    """Parquet files each holding the key `x` (`units`: file name -> image shade)."""
+    root.mkdir(exist_ok=True)
+    for name, shade in units.items():
+        pq.write_table(pa.table({"k": ["x"], "image": [jpeg_bytes(400, 300, shade)]}),
+                       root / name)
+    return SourceSpec(name="pq", kind="parquet", uri=str(root), key_column="k")
+
+
+def _assert_kept_by(table: Path, kept: str, duplicate: str) -> None:
+    got = {r["source_key"]: r for r in rows(table)}
+    assert sorted(got) == sorted(["x", f"{duplicate}#x"])
+    assert got["x"]["status"] == "ok" and got["x"]["unit"] == kept
+    row = got[f"{duplicate}#x"]
+    assert row["status"] == "duplicate_key" and row["image"] is None
+    assert f"'{kept}'" in row["error"] and f"'{duplicate}'" in row["error"]
+
+
+def test_a_key_in_two_units_of_different_chunks_is_a_duplicate_key_row(ray_session, tmp_path):
+    """One row a chunk: the units are never in one chunk. Before, the chunk committed later
+    replaced the other unit's row silently (one row, no duplicate_key)."""
+    spec = _parquet_units(tmp_path / "source", {"a.parquet": 1, "b.parquet": 2})
+    table = tmp_path / "raw.lance"
+    assert ingest(spec, table, chunk_rows=1).rows == 2
+    _assert_kept_by(table, "a.parquet", "b.parquet")
+    assert ingest(spec, table, chunk_rows=1).rows_processed == 0  # both read whole
+
+
+def test_a_unit_added_later_with_a_committed_key_is_compared_with_it(ray_session, tmp_path):
+    """A unit arriving in a later run: first by name, it takes the key and the committed
+    row becomes its unit's duplicate_key row; later by name, its own row is the duplicate."""
+    root = tmp_path / "source"
+    table = tmp_path / "raw.lance"
+    ingest(_parquet_units(root, {"b.parquet": 2}), table)
+    assert ingest(_parquet_units(root, {"a.parquet": 1}), table).rows == 2
+    _assert_kept_by(table, "a.parquet", "b.parquet")
+    assert ingest(_parquet_units(root, {"c.parquet": 3}), table).rows == 3
+    got = {r["source_key"]: r for r in rows(table)}
+    assert got["x"]["unit"] == "a.parquet" and got["c.parquet#x"]["status"] == "duplicate_key"
+    assert ingest(_parquet_units(root, {}), table).rows_processed == 0
