@@ -6,8 +6,11 @@ skipped sample is never yielded, every rank still gets the same number of full b
 the order is a pure function of (seed, epoch, skip lists): determinism and mid-epoch resume
 work as in the base class. Each stream's kept samples are trimmed (a seeded choice) to a
 multiple of the global batch, so no batch is padded with -1 and no sample repeats to fill
-one. The skip reasons and a digest of the skipped set travel in the state dict; resuming
-with other lists is refused.
+one. A stream left without a whole global batch (a leaf whose every sample is skipped, or
+too few kept) gives no batch: streaming's own per-stream batching divides by zero on an empty
+stream and refuses a short one, so the epoch is made over the other streams (`BATCHING`),
+in the order it would have had without them. The skip reasons and a digest of the skipped
+set travel in the state dict; resuming with other lists is refused.
 
 Local, uncompressed shards (what mds_shards writes) are read straight from memory-mapped
 files in this worker's sample order: the base class's download and ready threads, its
@@ -30,7 +33,10 @@ from typing import Any, cast
 import numpy as np
 from numpy.typing import NDArray
 from streaming import StreamingDataset
+from streaming.base.batching import batching_methods
+from streaming.base.batching.per_stream import generate_work_per_stream_batching
 from streaming.base.format.base.reader import JointReader
+from streaming.base.world import World
 
 from prx_assets.storage.leases import ReaderLeaseKeeper
 from prx_assets.storage.refs import Location
@@ -50,6 +56,7 @@ OPEN_SHARDS = 64  # memory maps kept open per worker (least recently used closed
 LOCAL_PREDOWNLOAD = 1 << 20
 STATE_REASONS = "prx_skip_reasons"
 STATE_DIGEST = "prx_skip_digest"
+BATCHING = "prx_per_stream_whole_batches"  # registered with streaming below
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,7 @@ class SkipListStreamingDataset(StreamingDataset):
         super().__init__(streams=streams, batch_size=batch_size, batching_method="per_stream",
                          shuffle=shuffle, shuffle_seed=shuffle_seed, predownload=predownload,
                          **kwargs)
+        self.batching_method = BATCHING  # per-stream, over the streams that fill a batch
         self.decode_images = decode_images
         self.opt_outs = opt_outs or OptOutGuard()
         wanted = None if skip_reasons is None else frozenset(skip_reasons) | {REASON_STALE}
@@ -272,6 +280,41 @@ class SkipListStreamingDataset(StreamingDataset):
                 f"(digest {obj.get(STATE_DIGEST)} -> {self.skip_digest}); the sample order "
                 "would differ, refusing to resume mid-epoch")
         super().load_state_dict(obj)
+
+
+class _StreamsWithBatches:
+    """The dataset as streaming's per-stream batching sees it, less the streams that fill no
+    global batch once their skipped samples are dropped; each stream resampled once."""
+
+    def __init__(self, dataset: StreamingDataset, epoch: int) -> None:
+        resampled = [dataset.resample_streams(epoch, i) for i in range(dataset.num_streams)]
+        kept = [i for i, (_, sample_ids) in enumerate(resampled) if len(sample_ids)]
+        self._dataset = dataset
+        self.streams = [dataset.streams[i] for i in kept]
+        self._resampled = [resampled[i] for i in kept]
+
+    def resample_streams(self, epoch: int, stream_id: int
+                         ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        return self._resampled[stream_id]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dataset, name)
+
+
+def per_stream_whole_batches(dataset: StreamingDataset, world: World, epoch: int,
+                             sample_in_epoch: int) -> NDArray[np.int64]:
+    """streaming's per-stream batching over the streams that fill a global batch. Streams
+    with no batch add nothing to its order (their batch count is 0), so the others' batches
+    come in the order they would have with them."""
+    view = _StreamsWithBatches(dataset, epoch)
+    if not view.streams:  # no batch at all: the empty epoch, in the shape streaming expects
+        return np.full((world.num_nodes, world.ranks_per_node, world.workers_per_rank, 0,
+                        int(dataset.batch_size or 1)), -1, np.int64)
+    return generate_work_per_stream_batching(cast("StreamingDataset", view), world, epoch,
+                                             sample_in_epoch)
+
+
+batching_methods[BATCHING] = per_stream_whole_batches
 
 
 def _drop(units: NDArray[np.int64], sample_ids: NDArray[np.int64], keep: NDArray[np.bool_]

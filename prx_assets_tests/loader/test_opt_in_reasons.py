@@ -68,3 +68,33 @@ def test_a_tier_whose_every_sample_is_skipped_streams_an_empty_epoch(tree):
     dataset = build_dataset(tree, 1, 1, weights={"alpha": 1.0}, shuffle=False)
     assert bool(dataset.skipped.all())
     assert list(dataset) == []
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_a_leaf_whose_every_sample_is_skipped_leaves_the_others_streaming(tmp_path, batch_size):
+    """Found by the soak (seed 202 cycle 2, seed 12 cycle 1): with one leaf of a tier all
+    skipped, streaming's per-stream batching divided by zero and a trainer crashed. The other
+    leaf streams whole, each kept sample once, as many as len() says."""
+    release_shared_memory(tmp_path)
+    root = tmp_path / "data"
+    build_corpus(root, "alpha", per_shape=6, shapes=((1, 48, 48), (1, 64, 48)), uncaptioned=0)
+    mds.write_mds_tree(inputs_for(root, "alpha"), root, "alpha",
+                       plan.WriteOptions(parallel=False))
+    rows = Storage(root).table("mds_samples", "alpha").to_table().to_pylist()
+    gone = min(row["leaf"] for row in rows)
+    by_shard: dict = {}
+    for row in rows:
+        if row["leaf"] == gone:
+            by_shard.setdefault(row["shard"], []).append(row["sample_index"])
+    for shard, indices in by_shard.items():
+        path = sidecar_path(trees.current_tree(root / "mds", "alpha") / gone / shard)
+        path.write_text(json.dumps({"version": 1, "lists": {"semdedup": sorted(indices)}}))
+    dataset = build_dataset(root / "mds", 1, batch_size, weights={"alpha": 1.0},
+                            shuffle=True)
+    ids = [sample["id"] for sample in dataset]
+    expected = sorted(row["id"] for row in rows if row["leaf"] != gone)
+    assert len(ids) == len(dataset) == len(expected) - len(expected) % batch_size
+    assert len(set(ids)) == len(ids) and set(ids) <= set(expected)
+    dataset.reader_leases.release()
+    gc.collect()
+    release_shared_memory(tmp_path)
