@@ -57,7 +57,9 @@ def close_scanned_prefixes(own_prefix: int | None) -> int:
 
     own = None if own_prefix is None else f"{own_prefix:06}_"
     closed = 0
-    for handle in [o for o in gc.get_objects() if isinstance(o, SharedMemory)]:
+    # `type(o) is`, not isinstance: isinstance reads `__class__`, which some objects (torch's
+    # deprecated `reduce_op`) answer with a warning.
+    for handle in [o for o in gc.get_objects() if type(o) is SharedMemory]:
         if handle.created_shms or not handle.opened_shms:
             continue
         if own is not None and any(s.name.lstrip("/").startswith(own)

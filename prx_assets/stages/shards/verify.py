@@ -23,6 +23,7 @@ import importlib.metadata
 import importlib.util
 import json
 import multiprocessing
+import os
 import sys
 import tempfile
 import types
@@ -45,7 +46,6 @@ from prx_assets.storage.trees import (
     tree_store,
 )
 
-PRELOAD_MODULE = "prx_assets.stages.shards.streaming_preload"
 CHILD_EXIT_WAIT_S = 60  # how long a child that answered may take to exit before it is killed
 
 
@@ -154,20 +154,19 @@ def streamed_counts(leaves: list[str]) -> list[int]:
     Runs in a process of its own: every StreamingDataset registers shared-memory objects that
     later datasets in the same process keep open (thousands of descriptors after a few dozen
     leaves), so a long-lived process such as a Dagster run must not create them itself. The
-    process is forked from a fork server that imported this module and streaming's classes
-    once (`shards/streaming_preload.py`): a second check in one process starts in
-    milliseconds, not the seconds a fresh interpreter took to import them (a script or the
-    soak running many runs in one process); the first costs what a spawned child did.
+    child is spawned, not forked from a fork server that imported streaming once (tried:
+    a server keeps the state of the moment it started, and a check whose process had
+    changed its environment since failed in the full test run; the spawn costs seconds).
 
     A Pool is not used: leaving it terminates its worker with SIGTERM, which the worker may
     ignore once streaming is imported, and `terminate()` then waits for it forever. The child
     sends its answer down a pipe and exits on its own; one that lingers after answering is
     killed."""
-    context = multiprocessing.get_context("forkserver")
-    # Effective only before this process's fork server starts (the first check starts it).
-    context.set_forkserver_preload([PRELOAD_MODULE])
+    context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_send_streamed_counts, args=(leaves, send), daemon=True)
+    # The caller's environment as it is now, whatever the start method passes on.
+    child = context.Process(target=_send_streamed_counts, args=(leaves, send, dict(os.environ)),
+                            daemon=True)
     child.start()
     send.close()
     try:
@@ -187,7 +186,10 @@ def streamed_counts(leaves: list[str]) -> list[int]:
     return answer
 
 
-def _send_streamed_counts(leaves: list[str], send: Connection) -> None:
+def _send_streamed_counts(leaves: list[str], send: Connection, environ: dict[str, str]
+                          ) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     try:
         answer: object = _streamed_counts(leaves)
     except BaseException as exc:  # sent back and raised in the caller, with its message
