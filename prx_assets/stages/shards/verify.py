@@ -23,7 +23,6 @@ import importlib.metadata
 import importlib.util
 import json
 import multiprocessing
-import os
 import sys
 import tempfile
 import types
@@ -164,9 +163,7 @@ def streamed_counts(leaves: list[str]) -> list[int]:
     killed."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
-    # The caller's environment as it is now, whatever the start method passes on.
-    child = context.Process(target=_send_streamed_counts, args=(leaves, send, dict(os.environ)),
-                            daemon=True)
+    child = context.Process(target=_send_streamed_counts, args=(leaves, send), daemon=True)
     child.start()
     send.close()
     try:
@@ -186,10 +183,7 @@ def streamed_counts(leaves: list[str]) -> list[int]:
     return answer
 
 
-def _send_streamed_counts(leaves: list[str], send: Connection, environ: dict[str, str]
-                          ) -> None:
-    os.environ.clear()
-    os.environ.update(environ)
+def _send_streamed_counts(leaves: list[str], send: Connection) -> None:
     try:
         answer: object = _streamed_counts(leaves)
     except BaseException as exc:  # sent back and raised in the caller, with its message
