@@ -2,22 +2,15 @@
 was claimed between streaming's scan and its create builds again on the next prefix."""
 
 import os
-from pathlib import Path
 
 import pytest
-from streaming import MDSWriter, StreamingDataset
+from streaming import StreamingDataset
 
 from prx_assets.engine.shm_prefix import claiming_prefix
-from prx_assets.stages.shards import verify
+from prx_assets.stages.shards import stream_counter
+from prx_assets.testing.mds_corpus import write_leaf
 
 pytestmark = pytest.mark.usefixtures("fresh_shared_memory")
-
-
-def write_leaf(folder: Path, samples: int) -> str:
-    with MDSWriter(out=str(folder), columns={"id": "str"}) as writer:
-        for n in range(samples):
-            writer.write({"id": f"s{n}"})
-    return str(folder)
 
 
 def test_the_race_fails_a_plain_dataset(tmp_path, claimed_meanwhile):
@@ -37,7 +30,7 @@ def test_a_dataset_that_lost_the_race_claims_the_next_prefix(tmp_path, claimed_m
 
 def test_the_tree_check_counts_after_losing_the_race(tmp_path, claimed_meanwhile):
     leaves = [write_leaf(tmp_path / "a", 2), write_leaf(tmp_path / "b", 5)]
-    assert verify._streamed_counts(leaves) == [2, 5]
+    assert stream_counter.count_in_this_process(leaves) == [2, 5]
     assert len(claimed_meanwhile) == 1
 
 

@@ -18,20 +18,14 @@ or deleted from. Shard files and sizes are checked for every leaf on every run.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import importlib.metadata
-import importlib.util
 import json
-import multiprocessing
-import sys
 import tempfile
-import types
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 
-from prx_assets.engine.shm_prefix import claiming_prefix
 from prx_assets.stages.shards.mapping import MAPPED_LEAVES, mapped_leaves
+from prx_assets.stages.shards.stream_counter import streamed_counts
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.refs import Location
 from prx_assets.storage.sidecars import REASON_STALE, SIDECAR_SUFFIX, read_sidecar
@@ -44,8 +38,6 @@ from prx_assets.storage.trees import (
     shard_problems,
     tree_store,
 )
-
-CHILD_EXIT_WAIT_S = 60  # how long a child that answered may take to exit before it is killed
 
 
 @dataclass(frozen=True)
@@ -145,75 +137,3 @@ def _fetch_index(leaf: Location, folder: Path) -> Path:
     folder.mkdir(parents=True)
     (folder / INDEX).write_bytes((leaf / INDEX).read_bytes())
     return folder
-
-
-def streamed_counts(leaves: list[str]) -> list[int]:
-    """Samples per local leaf as one plain StreamingDataset (a stream per leaf) sees them.
-
-    Runs in a process of its own: every StreamingDataset registers shared-memory objects that
-    later datasets in the same process keep open (thousands of descriptors after a few dozen
-    leaves), so a long-lived process such as a Dagster run must not create them itself. The
-    child is spawned, not forked from a fork server that imported streaming once (tried:
-    a server keeps the state of the moment it started, and a check whose process had
-    changed its environment since failed in the full test run; the spawn costs seconds).
-
-    A Pool is not used: leaving it terminates its worker with SIGTERM, which the worker may
-    ignore once streaming is imported, and `terminate()` then waits for it forever. The child
-    sends its answer down a pipe and exits on its own; one that lingers after answering is
-    killed."""
-    context = multiprocessing.get_context("spawn")
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_send_streamed_counts, args=(leaves, send), daemon=True)
-    child.start()
-    send.close()
-    try:
-        answer = receive.recv()
-    except EOFError:
-        child.join()
-        raise RuntimeError("the StreamingDataset check process died before answering "
-                           f"(exit code {child.exitcode})") from None
-    finally:
-        receive.close()
-        child.join(timeout=CHILD_EXIT_WAIT_S)
-        if child.is_alive():
-            child.kill()
-            child.join()
-    if isinstance(answer, BaseException):
-        raise answer
-    return answer
-
-
-def _send_streamed_counts(leaves: list[str], send: Connection) -> None:
-    try:
-        answer: object = _streamed_counts(leaves)
-    except BaseException as exc:  # sent back and raised in the caller, with its message
-        answer = exc
-    send.send(answer)
-    send.close()
-
-
-def _streamed_counts(leaves: list[str]) -> list[int]:
-    Stream, StreamingDataset = streaming_dataset_classes()
-    dataset = claiming_prefix(lambda: StreamingDataset(
-        streams=[Stream(local=leaf) for leaf in leaves], batch_size=1, shuffle=False))
-    return [int(n) for n in dataset.samples_per_stream]
-
-
-def streaming_dataset_classes() -> tuple[type, type]:
-    """streaming's `Stream` and `StreamingDataset`, from their own modules (the same classes
-    `from streaming import ...` gives) without running the package's `__init__`s: those
-    import its text and vision datasets, hence transformers and sklearn (~6 s of CPU of a
-    check's ~8.5 s). Only for the check's own short-lived child process: the package
-    modules it registers are bare. Imported whole where streaming already is."""
-    if "streaming" not in sys.modules:
-        spec = importlib.util.find_spec("streaming")
-        if spec is not None and spec.submodule_search_locations:
-            for name, folders in (("streaming", list(spec.submodule_search_locations)),
-                                  ("streaming.base", [f"{folder}/base" for folder
-                                                      in spec.submodule_search_locations])):
-                package = types.ModuleType(name)
-                package.__path__ = folders
-                sys.modules[name] = package
-    stream = importlib.import_module("streaming.base.stream")
-    dataset = importlib.import_module("streaming.base.dataset")
-    return stream.Stream, dataset.StreamingDataset

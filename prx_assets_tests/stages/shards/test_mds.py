@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 from streaming import Stream
 
-from prx_assets.stages.shards import mds, parts, plan, verify
+from prx_assets.stages.shards import mds, parts, plan
 from prx_assets.stages.shards.card import CARD_JSON, CARD_MD
 from prx_assets.stages.shards.mapping import MDS_SAMPLES_SCHEMA
 from prx_assets.storage import trees
@@ -208,13 +208,3 @@ def test_every_cpu_gets_a_task_when_the_parts_are_small():
     assert len(parts.task_groups(specs, parts.rows_per_task(specs, 50_000, cpus=2))) == 2
     # A small source stays one task: a worker's imports cost more than a split saves.
     assert parts.rows_per_task(specs[:1], rows_per_part=50_000, cpus=8) == n
-
-
-def test_streamed_counts_answer_from_a_child_that_exits_and_errors_come_back(ray_session,
-                                                                            data_root):
-    build_corpus(data_root, "web", per_shape=3)
-    report = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", SMALL)
-    leaves = [str(leaf) for leaf in trees.tree_leaves(report.path)]
-    assert verify.streamed_counts(leaves) == [trees.leaf_samples(leaf) for leaf in leaves]
-    with pytest.raises(Exception, match="no-such-leaf"):
-        verify.streamed_counts([str(data_root / "no-such-leaf")])

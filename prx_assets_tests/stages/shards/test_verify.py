@@ -79,8 +79,8 @@ def test_counts_kept_under_another_streaming_release_are_not_trusted(data_root, 
 
 
 def test_the_check_child_gets_streamings_classes_without_transformers():
-    code = ("import sys; from prx_assets.stages.shards import verify; "
-            "stream, dataset = verify.streaming_dataset_classes(); "
+    code = ("import sys; from prx_assets.stages.shards import stream_counter; "
+            "stream, dataset = stream_counter.streaming_dataset_classes(); "
             "print(dataset.__module__, stream.__module__, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
