@@ -162,10 +162,10 @@ def count_in_this_process(leaves: list[str]) -> list[int]:
         return [int(n) for n in dataset.samples_per_stream]
     finally:
         del dataset
-        release_shared_memory()
+        release_own_segments()
 
 
-def release_shared_memory() -> None:
+def release_own_segments() -> None:
     """Unlink and close every segment streaming's handles in this process hold (the child's
     datasets are gone by then); one whose buffer is still in use is left to the child's exit."""
     from streaming.base.shared.memory import SharedMemory

@@ -27,6 +27,7 @@ def test_one_child_answers_counts_errors_and_the_environment_of_each_call(
         counter, leaves, tmp_path, monkeypatch):
     assert counter.counts(leaves) == [2, 5]
     child = counter.pid
+    descriptors = len(os.listdir(f"/proc/{child}/fd"))
     with pytest.raises(Exception, match="no-such-leaf"):
         counter.counts([str(tmp_path / "no-such-leaf")])
     # streaming reads its world from the environment: the caller's, as it is at each call.
@@ -36,6 +37,8 @@ def test_one_child_answers_counts_errors_and_the_environment_of_each_call(
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert counter.counts(leaves[1:]) == [5]
     assert counter.pid == child
+    # Each dataset's shared memory is released after its count, not at the child's exit.
+    assert len(os.listdir(f"/proc/{child}/fd")) == descriptors
 
 
 def test_a_killed_child_is_replaced_and_a_worn_one_retired(counter, leaves, monkeypatch):
