@@ -67,6 +67,9 @@ ROBOTS_RESERVED = frozenset({"noai", "noimageai"})
 XMP_JPEG_HEADER = b"http://ns.adobe.com/xap/1.0/\x00"
 XMP_PNG_KEYWORD = b"XML:com.adobe.xmp"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# A JPEG segment's marker and length; a PNG chunk's length and type; a WebP chunk's.
+_JPEG_SEGMENT, _PNG_CHUNK, _WEBP_CHUNK = (struct.Struct(">BBH"), struct.Struct(">I4s"),
+                                          struct.Struct("<4sI"))
 
 
 @dataclass(frozen=True)
@@ -91,10 +94,14 @@ class Reservation:
 
     @property
     def status(self) -> str:
+        if not self.findings:  # most samples: no signal at all
+            return NONE
         return max((f.status for f in self.findings), key=_RANK.__getitem__, default=NONE)
 
     @property
     def signal(self) -> str | None:
+        if not self.findings:
+            return None
         reserving = [str(f) for f in self.findings if f.status != NONE]
         return "; ".join(reserving) or None
 
@@ -144,10 +151,12 @@ def find_markers(data: bytes) -> Markers:
 
 
 def _jpeg_markers(data: bytes) -> Markers:
-    xmp, pos = None, 2
+    xmp, pos, size = None, 2, len(data)
     jumbf: list[bytes] = []
-    while pos + 4 <= len(data) and data[pos] == 0xFF:
-        marker = data[pos + 1]
+    while pos + 4 <= size:
+        fill, marker, length = _JPEG_SEGMENT.unpack_from(data, pos)
+        if fill != 0xFF:
+            break
         if marker == 0xFF:  # fill byte
             pos += 1
             continue
@@ -156,7 +165,7 @@ def _jpeg_markers(data: bytes) -> Markers:
             continue
         if marker in (0xDA, 0xD9):  # start of scan: no metadata segments past it
             break
-        end = pos + 2 + (data[pos + 2] << 8 | data[pos + 3])
+        end = pos + 2 + length
         # Only the two segments read are copied: the walk is what every JPEG pays.
         if marker == 0xE1 and xmp is None and data.startswith(XMP_JPEG_HEADER, pos + 4, end):
             xmp = data[pos + 4 + len(XMP_JPEG_HEADER):end]
@@ -170,7 +179,7 @@ def _png_markers(data: bytes) -> Markers:
     xmp, pos = None, 8
     jumbf: list[bytes] = []
     while pos + 8 <= len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        length, kind = _PNG_CHUNK.unpack_from(data, pos)
         if kind == b"iTXt" and xmp is None:
             body = data[pos + 8:pos + 8 + length]
             if body.startswith(XMP_PNG_KEYWORD + b"\x00"):
@@ -195,7 +204,7 @@ def _webp_markers(data: bytes) -> Markers:
     xmp, pos = None, 12
     jumbf: list[bytes] = []
     while pos + 8 <= len(data):
-        kind, length = struct.unpack("<4sI", data[pos:pos + 8])
+        kind, length = _WEBP_CHUNK.unpack_from(data, pos)
         if kind == b"XMP ":
             xmp = data[pos + 8:pos + 8 + length]
         elif kind == b"C2PA":
@@ -206,21 +215,36 @@ def _webp_markers(data: bytes) -> Markers:
 
 # ------------------------------------------------------------------ XMP
 
+# Packets up to this size have their findings kept (`_remembered_findings`): a batch
+# stamped by one tool repeats its packet byte for byte. At most 256 x 16 KiB a process.
+_REMEMBERED_BODY_BYTES = 16 << 10
+
+
 def xmp_findings(packet: bytes) -> list[Finding]:
     """plus:DataMining of an XMP packet; none when the packet does not name it (no signal),
-    a prohibition with the error when it does and cannot be parsed.
-
-    A packet that says it once, in the element or the attribute form, with a value from
-    the vocabulary, is read by `plain_data_mining` (~3 µs: expat checks it is well-formed
-    and every prefix bound, without building a tree); any other packet is parsed whole
-    (ElementTree, ~10-45 µs), which also gives a malformed packet its error."""
+    a prohibition with the error when it does and cannot be parsed."""
     if b"DataMining" not in packet:
         return []
     body = packet_body(packet)
+    if len(body) > _REMEMBERED_BODY_BYTES:
+        return list(_body_findings(body))
+    return list(_remembered_findings(body))
+
+
+def _body_findings(body: bytes) -> tuple[Finding, ...]:
+    """A packet that says it once, in the element or the attribute form, with a value from
+    the vocabulary, is read by `plain_data_mining` (expat checks it is well-formed and
+    every prefix bound, without building a tree); any other packet is parsed whole
+    (ElementTree), which also gives a malformed packet its error."""
     term = plain_data_mining(body)
     if term is not None:
-        return [Finding("xmp", f"plus:DataMining={term}", DATA_MINING[term])]
-    return parsed_xmp_findings(body)
+        return (Finding("xmp", f"plus:DataMining={term}", DATA_MINING[term]),)
+    return tuple(parsed_xmp_findings(body))
+
+
+# The findings are the body's alone (the same bytes, the same findings), so a packet seen
+# again costs a hash of its bytes.
+_remembered_findings = functools.lru_cache(maxsize=256)(_body_findings)
 
 
 def parsed_xmp_findings(body: bytes) -> list[Finding]:
@@ -424,6 +448,9 @@ def training_mining_findings(store: Mapping) -> list[Finding]:
 
 def sidecar_findings(sidecar: Mapping[str, object]) -> list[Finding]:
     """`X-Robots-Tag` and TDMRep values a crawler kept beside the image."""
+    names = "\n".join(map(str, sidecar)).lower()
+    if "robots" not in names and "tdm" not in names:  # most sidecars: neither (cheap)
+        return []
     fields = {str(k).lower().replace("_", "-"): v for k, v in sidecar.items()}
     findings = []
     robots = fields.get("x-robots-tag")

@@ -165,6 +165,19 @@ def test_the_plain_path_agrees_with_the_full_parse_on_every_seed():
         assert xmp_findings(packet) == parsed_xmp_findings(packet_body(packet))
 
 
+def test_a_packet_seen_again_reads_as_the_first_time():
+    # Findings are kept per packet: the caller's list is its own, a malformed packet stays
+    # reserved, and a packet past the kept size is read the same.
+    packet = SEED_PACKETS[1]
+    xmp_findings(packet).clear()
+    assert xmp_findings(packet) == parsed_xmp_findings(packet_body(packet)) != []
+    broken = packet.replace(b"</rdf:RDF>", b"</rdf:RDX>")
+    assert xmp_findings(broken) == xmp_findings(broken) == parsed_xmp_findings(
+        packet_body(broken))
+    padded = packet.replace(b"<rdf:Description", b" " * (20 << 10) + b"<rdf:Description")
+    assert xmp_findings(padded) == parsed_xmp_findings(packet_body(padded))
+
+
 def test_the_plain_path_is_never_laxer_than_the_full_parse_on_mutants():
     """Differential: 2,000 seeded mutants of the seed packets. Wherever the plain path
     answers, the full parse gives the same finding (a malformed mutant gets its error)."""
