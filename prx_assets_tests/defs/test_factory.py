@@ -124,6 +124,15 @@ def test_a_raw_images_update_is_carried_downstream_by_automation(source):
         skip = dg.evaluate_automation_conditions(defs=defs, instance=instance,
                                                  cursor=dedup.cursor)
         assert automated(skip) == {"skip_lists": {"web"}}
+        instance.report_runless_asset_event(dg.AssetMaterialization("skip_lists", partition="web"))
+        # Everything built, then raw_images alone changes (a re-ingest whose only news is
+        # provenance, say): the chain runs again up to the tree, whose incremental build
+        # then compares raw_images (the automation cannot know what changed).
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization("raw_images", partition="web"))
+        again = dg.evaluate_automation_conditions(defs=defs, instance=instance,
+                                                  cursor=skip.cursor)
+        assert automated(again) == {name: {"web"} for name in PER_SOURCE_CHAIN}
 
 
 

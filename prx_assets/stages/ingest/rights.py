@@ -13,7 +13,8 @@ Signals (docs/rights.md has each value and what the pipeline does with it):
 - a list of domains or URL prefixes (`DomainList`, applied to the row's `url`).
 
 Cost: a file without XMP or JUMBF pays a walk of its container's segment headers only
-(`find_markers`); an XMP packet is parsed only when it names `DataMining`.
+(`find_markers`); an XMP packet is read only when it names `DataMining`, and parsed whole
+only when it does not say it in one of the plain forms (`xmp_findings`).
 
 Fail closed: a signal that is present but cannot be read (a malformed packet, a corrupt
 manifest, c2pa-python missing) is a prohibition, with the error in the signal text.
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 from xml.etree import ElementTree
+from xml.parsers import expat
 
 from prx_assets.stages.ingest import jumbf
 from prx_assets.stages.ingest.jumbf import TRAINING_MINING_LABELS
@@ -65,6 +67,9 @@ ROBOTS_RESERVED = frozenset({"noai", "noimageai"})
 XMP_JPEG_HEADER = b"http://ns.adobe.com/xap/1.0/\x00"
 XMP_PNG_KEYWORD = b"XML:com.adobe.xmp"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# A JPEG segment's marker and length; a PNG chunk's length and type; a WebP chunk's.
+_JPEG_SEGMENT, _PNG_CHUNK, _WEBP_CHUNK = (struct.Struct(">BBH"), struct.Struct(">I4s"),
+                                          struct.Struct("<4sI"))
 
 
 @dataclass(frozen=True)
@@ -89,10 +94,14 @@ class Reservation:
 
     @property
     def status(self) -> str:
+        if not self.findings:  # most samples: no signal at all
+            return NONE
         return max((f.status for f in self.findings), key=_RANK.__getitem__, default=NONE)
 
     @property
     def signal(self) -> str | None:
+        if not self.findings:
+            return None
         reserving = [str(f) for f in self.findings if f.status != NONE]
         return "; ".join(reserving) or None
 
@@ -142,10 +151,12 @@ def find_markers(data: bytes) -> Markers:
 
 
 def _jpeg_markers(data: bytes) -> Markers:
-    xmp, pos = None, 2
+    xmp, pos, size = None, 2, len(data)
     jumbf: list[bytes] = []
-    while pos + 4 <= len(data) and data[pos] == 0xFF:
-        marker = data[pos + 1]
+    while pos + 4 <= size:
+        fill, marker, length = _JPEG_SEGMENT.unpack_from(data, pos)
+        if fill != 0xFF:
+            break
         if marker == 0xFF:  # fill byte
             pos += 1
             continue
@@ -154,7 +165,7 @@ def _jpeg_markers(data: bytes) -> Markers:
             continue
         if marker in (0xDA, 0xD9):  # start of scan: no metadata segments past it
             break
-        end = pos + 2 + (data[pos + 2] << 8 | data[pos + 3])
+        end = pos + 2 + length
         # Only the two segments read are copied: the walk is what every JPEG pays.
         if marker == 0xE1 and xmp is None and data.startswith(XMP_JPEG_HEADER, pos + 4, end):
             xmp = data[pos + 4 + len(XMP_JPEG_HEADER):end]
@@ -168,7 +179,7 @@ def _png_markers(data: bytes) -> Markers:
     xmp, pos = None, 8
     jumbf: list[bytes] = []
     while pos + 8 <= len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        length, kind = _PNG_CHUNK.unpack_from(data, pos)
         if kind == b"iTXt" and xmp is None:
             body = data[pos + 8:pos + 8 + length]
             if body.startswith(XMP_PNG_KEYWORD + b"\x00"):
@@ -193,7 +204,7 @@ def _webp_markers(data: bytes) -> Markers:
     xmp, pos = None, 12
     jumbf: list[bytes] = []
     while pos + 8 <= len(data):
-        kind, length = struct.unpack("<4sI", data[pos:pos + 8])
+        kind, length = _WEBP_CHUNK.unpack_from(data, pos)
         if kind == b"XMP ":
             xmp = data[pos + 8:pos + 8 + length]
         elif kind == b"C2PA":
@@ -204,13 +215,43 @@ def _webp_markers(data: bytes) -> Markers:
 
 # ------------------------------------------------------------------ XMP
 
+# Packets up to this size have their findings kept (`_remembered_findings`): a batch
+# stamped by one tool repeats its packet byte for byte. At most 256 x 16 KiB a process.
+_REMEMBERED_BODY_BYTES = 16 << 10
+
+
 def xmp_findings(packet: bytes) -> list[Finding]:
     """plus:DataMining of an XMP packet; none when the packet does not name it (no signal),
     a prohibition with the error when it does and cannot be parsed."""
     if b"DataMining" not in packet:
         return []
+    body = packet_body(packet)
+    if len(body) > _REMEMBERED_BODY_BYTES:
+        return list(_body_findings(body))
+    return list(_remembered_findings(body))
+
+
+def _body_findings(body: bytes) -> tuple[Finding, ...]:
+    """A packet that says it once, in the element or the attribute form, with a value from
+    the vocabulary, is read by `plain_data_mining` (expat checks it is well-formed and
+    every prefix bound, without building a tree); any other packet is parsed whole
+    (ElementTree), which also gives a malformed packet its error."""
+    term = plain_data_mining(body)
+    if term is not None:
+        return (Finding("xmp", f"plus:DataMining={term}", DATA_MINING[term]),)
+    return tuple(parsed_xmp_findings(body))
+
+
+# The findings are the body's alone (the same bytes, the same findings), so a packet seen
+# again costs a hash of its bytes.
+_remembered_findings = functools.lru_cache(maxsize=256)(_body_findings)
+
+
+def parsed_xmp_findings(body: bytes) -> list[Finding]:
+    """plus:DataMining of the `<x:xmpmeta>` element, parsed whole: the reference reading
+    `plain_data_mining` must agree with."""
     try:
-        root = ElementTree.fromstring(_strip_packet_wrapper(packet))
+        root = ElementTree.fromstring(body)
     except ElementTree.ParseError as exc:
         return [Finding("xmp", f"unreadable packet ({exc})", PROHIBITED)]
     values = list(_data_mining_values(root))
@@ -220,7 +261,70 @@ def xmp_findings(packet: bytes) -> list[Finding]:
     return [_data_mining_finding(value) for value in values]
 
 
-def _strip_packet_wrapper(packet: bytes) -> bytes:
+# The plain forms exiftool and Adobe's XMP toolkit write (the prefixes bound as below).
+_PLUS_ELEMENT_OPEN, _PLUS_ELEMENT_CLOSE = b"<plus:DataMining>", b"</plus:DataMining>"
+_PLUS_ATTRIBUTE = re.compile(
+    rb"<rdf:Description(?:\s+[^\s=<>/]+\s*=\s*(?:'[^']*'|\"[^\"]*\"))*"
+    rb"\s+plus:DataMining\s*=\s*(?:'([^']*)'|\"([^\"]*)\")")
+_PLUS_BINDING = (b"xmlns:plus", PLUS_NS.encode())
+_RDF_BINDING = (b"xmlns:rdf", RDF_NS.encode())
+
+
+def plain_data_mining(body: bytes) -> str | None:
+    """The PLUS term of a packet that is certainly well-formed and names plus:DataMining
+    exactly once, as `<plus:DataMining>value</plus:DataMining>` or as an attribute of
+    `rdf:Description`, with a value from the vocabulary; None wherever it is not sure
+    (the caller then parses the packet whole)."""
+    if b"<!" in body or b"<?" in body:
+        return None  # comments, CDATA, a DTD, processing instructions: `<` can hide there
+    value = _plain_value(body)
+    if value is None:
+        return None
+    term = value.decode("utf-8", "replace").strip().removeprefix(PLUS_VOCAB)
+    if term not in DATA_MINING or not _well_formed(body):
+        return None
+    return term
+
+
+def _only_bound_to(body: bytes, declaration: bytes, uri: bytes) -> bool:
+    """Every `xmlns:prefix` in the packet binds the prefix to `uri` (written plainly)."""
+    return body.count(declaration) == (body.count(declaration + b"='" + uri + b"'")
+                                       + body.count(declaration + b'="' + uri + b'"'))
+
+
+def _plain_value(body: bytes) -> bytes | None:
+    """The raw value of the one plus:DataMining property, in either plain form. Without
+    comments, CDATA and PIs, every `<` of a well-formed packet starts a tag, so the
+    element found is an element and the attribute an attribute of the tag it is in. A
+    value with markup or an entity in it is no vocabulary term: the caller is not sure."""
+    occurrences = body.count(b"DataMining")
+    if not _only_bound_to(body, *_PLUS_BINDING):
+        return None
+    if occurrences == 2:  # the element form: its start and end tags
+        start = body.find(_PLUS_ELEMENT_OPEN) + len(_PLUS_ELEMENT_OPEN)
+        end = body.find(_PLUS_ELEMENT_CLOSE, start)
+        if start < len(_PLUS_ELEMENT_OPEN) or end < 0:
+            return None
+        return body[start:end]  # markup or an entity in it: no vocabulary term, not sure
+    if occurrences == 1:  # the attribute form, in the tag around the one occurrence
+        tag = body.rfind(b"<", 0, body.find(b"DataMining"))
+        match = _PLUS_ATTRIBUTE.match(body, tag) if tag >= 0 else None
+        if match is None or not _only_bound_to(body, *_RDF_BINDING):
+            return None
+        return match.group(1) if match.group(1) is not None else match.group(2)
+    return None
+
+
+def _well_formed(body: bytes) -> bool:
+    """What ElementTree would accept: well-formed, every prefix bound (expat, no tree)."""
+    try:
+        expat.ParserCreate(None, "}").Parse(body, True)
+    except expat.ExpatError:
+        return False
+    return True
+
+
+def packet_body(packet: bytes) -> bytes:
     """The `<x:xmpmeta>` (or bare `<rdf:RDF>`) element without the `<?xpacket?>` lines and
     padding around it."""
     start = packet.find(b"<x:xmpmeta")
@@ -344,6 +448,9 @@ def training_mining_findings(store: Mapping) -> list[Finding]:
 
 def sidecar_findings(sidecar: Mapping[str, object]) -> list[Finding]:
     """`X-Robots-Tag` and TDMRep values a crawler kept beside the image."""
+    names = "\n".join(map(str, sidecar)).lower()
+    if "robots" not in names and "tdm" not in names:  # most sidecars: neither (cheap)
+        return []
     fields = {str(k).lower().replace("_", "-"): v for k, v in sidecar.items()}
     findings = []
     robots = fields.get("x-robots-tag")

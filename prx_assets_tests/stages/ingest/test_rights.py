@@ -4,6 +4,7 @@ sidecar headers and the domain list, and the damaged variants (fail closed)."""
 from __future__ import annotations
 
 import itertools
+import random
 from pathlib import Path
 
 import pytest
@@ -12,11 +13,19 @@ from prx_assets.stages.ingest.rights import (
     CONSTRAINED,
     DATA_MINING,
     NONE,
+    PLUS_NS,
+    PLUS_VOCAB,
     PROHIBITED,
+    RDF_NS,
+    Finding,
     find_markers,
+    packet_body,
     parse_domain_list,
+    parsed_xmp_findings,
+    plain_data_mining,
     read_reservation,
     sidecar_findings,
+    xmp_findings,
 )
 from prx_assets.testing import rights_fixtures as rf
 
@@ -40,6 +49,10 @@ def test_every_data_mining_value_in_every_format_and_form(xmp_images):
         assert reservation.status == DATA_MINING[fixture.value], fixture
         if reservation.status != NONE:
             assert reservation.signal == f"xmp=plus:DataMining={fixture.value}", fixture
+        # What exiftool writes takes the plain path, and the full parse agrees with it.
+        body = packet_body(find_markers(data).xmp or b"")
+        assert plain_data_mining(body) == fixture.value, fixture
+        assert xmp_findings(body) == parsed_xmp_findings(body), fixture
 
 
 @needs_exiftool
@@ -78,6 +91,112 @@ def test_a_packet_without_data_mining_is_no_signal(tmp_path: Path):
     data = path.read_bytes()
     assert find_markers(data).xmp is not None
     assert read_reservation(data).status == NONE
+
+
+# Packets as exiftool and others write them (the plain forms, and forms only the full parse
+# reads), for the differential test of the plain path against the full parse.
+_WRAP = ("<?xpacket begin='\ufeff' id='W5M0MpCehiHzreSzNTczkc9d'?>\n"
+         "<x:xmpmeta xmlns:x='adobe:ns:meta/' x:xmptk='Image::ExifTool 12.57'>\n"
+         f"<rdf:RDF xmlns:rdf='{RDF_NS}'>\n{{}}\n</rdf:RDF>\n</x:xmpmeta>\n"
+         + " " * 40 + "\n<?xpacket end='w'?>")
+_DESCRIPTION = f" <rdf:Description rdf:about=''\n  xmlns:plus='{PLUS_NS}'{{}}"
+SEED_PACKETS = [_WRAP.format(body).encode() for body in [
+    _DESCRIPTION.format(f">\n  <plus:DataMining>{PLUS_VOCAB}DMI-ALLOWED</plus:DataMining>\n"
+                        " </rdf:Description>"),
+    _DESCRIPTION.format(f"\n  plus:DataMining='{PLUS_VOCAB}DMI-PROHIBITED-SEECONSTRAINT'/>"),
+    _DESCRIPTION.format(' plus:DataMining="DMI-UNSPECIFIED" xmlns:dc="http://purl.org/dc/'
+                        'elements/1.1/">\n  <dc:creator><rdf:Seq><rdf:li>A. B.</rdf:li>'
+                        '</rdf:Seq></dc:creator>\n </rdf:Description>'),
+    _DESCRIPTION.format(f"><plus:DataMining rdf:resource='{PLUS_VOCAB}DMI-ALLOWED'/>"
+                        "</rdf:Description>"),
+    _DESCRIPTION.format(f"><plus:DataMining><rdf:Alt><rdf:li xml:lang='x-default'>"
+                        f"{PLUS_VOCAB}DMI-ALLOWED</rdf:li></rdf:Alt></plus:DataMining>"
+                        "</rdf:Description>"),
+    _DESCRIPTION.format("><!-- <plus:DataMining>DMI-PROHIBITED</plus:DataMining> -->"
+                        "<plus:DataMining>DMI-ALLOWED</plus:DataMining></rdf:Description>"),
+    _DESCRIPTION.format("><plus:DataMining><![CDATA[DMI-ALLOWED]]></plus:DataMining>"
+                        "</rdf:Description>"),
+    _DESCRIPTION.format(" plus:DataMining='DMI-PROHIBITED'><plus:DataMining>DMI-ALLOWED"
+                        "</plus:DataMining></rdf:Description>"),
+    _DESCRIPTION.format("><!-- <plus:DataMining>DMI-ALLOWED</plus:DataMining> -->"
+                        "</rdf:Description>"),
+    _DESCRIPTION.format("/><?pi <rdf:Description plus:DataMining='DMI-ALLOWED'/>?>"),
+    _DESCRIPTION.format(" xmlns:dc='http://purl.org/dc/elements/1.1/'><dc:title><![CDATA["
+                        "<rdf:Description plus:DataMining='DMI-ALLOWED'/>]]></dc:title>"
+                        "</rdf:Description>"),
+    f" <rdf:Description xmlns:p='{PLUS_NS}' p:DataMining='DMI-ALLOWED'/>\n"
+    f" <rdf:Description xmlns:plus='{PLUS_NS}' plus:DataMining='DMI-PROHIBITED'/>",
+]]
+# Pieces a mutation inserts: XML's significant characters and the tokens the plain path
+# keys on, so that mutants hit its every guard.
+_PIECES = [b"<", b">", b"/", b"'", b'"', b"=", b"&", b"&amp;", b"&x;", b"!", b"?", b" ", b"\n",
+           b"-", b":", b"]]>", b"<!--", b"-->", b"<![CDATA[", b"<?pi ?>", b"\xff", b"\x01",
+           b"plus", b"rdf", b"DataMining", b"plus:DataMining", b"<plus:DataMining>",
+           b"</plus:DataMining>", b"xmlns:plus", f"xmlns:plus='{PLUS_NS}'".encode(),
+           b"xmlns:plus='http://example.org/'", b"xmlns:rdf='http://example.org/'",
+           f" plus:DataMining='{PLUS_VOCAB}DMI-ALLOWED'".encode(), b"DMI-ALLOWED",
+           b"<rdf:Description>", b"</rdf:Description>", b"<rdf:Description ", b" x='1'",
+           b" rdf:about=''", b"xmlns='" + PLUS_NS.encode() + b"'"]
+
+
+def _mutant(packet: bytes, rng: random.Random) -> bytes:
+    """`packet` with one or two random edits (one mostly): a piece inserted or swapped in,
+    a span deleted or doubled."""
+    for _ in range(rng.choice((1, 1, 1, 2))):
+        at = rng.randrange(len(packet))
+        span = rng.randint(1, 12)
+        edit = rng.randrange(4)
+        if edit == 0:
+            packet = packet[:at] + rng.choice(_PIECES) + packet[at:]
+        elif edit == 1:
+            packet = packet[:at] + rng.choice(_PIECES) + packet[at + span:]
+        elif edit == 2:
+            packet = packet[:at] + packet[at + span:]
+        else:
+            packet = packet[:at + span] + packet[at:]
+    return packet
+
+
+def test_the_plain_path_agrees_with_the_full_parse_on_every_seed():
+    plain = [plain_data_mining(packet_body(p)) for p in SEED_PACKETS]
+    assert plain[:3] == ["DMI-ALLOWED", "DMI-PROHIBITED-SEECONSTRAINT", "DMI-UNSPECIFIED"]
+    assert plain[3:] == [None] * (len(SEED_PACKETS) - 3)  # the full parse reads these
+    for packet in SEED_PACKETS:
+        assert xmp_findings(packet) == parsed_xmp_findings(packet_body(packet))
+
+
+def test_a_packet_seen_again_reads_as_the_first_time():
+    # Findings are kept per packet: the caller's list is its own, a malformed packet stays
+    # reserved, and a packet past the kept size is read the same.
+    packet = SEED_PACKETS[1]
+    xmp_findings(packet).clear()
+    assert xmp_findings(packet) == parsed_xmp_findings(packet_body(packet)) != []
+    broken = packet.replace(b"</rdf:RDF>", b"</rdf:RDX>")
+    assert xmp_findings(broken) == xmp_findings(broken) == parsed_xmp_findings(
+        packet_body(broken))
+    padded = packet.replace(b"<rdf:Description", b" " * (20 << 10) + b"<rdf:Description")
+    assert xmp_findings(padded) == parsed_xmp_findings(packet_body(padded))
+
+
+def test_the_plain_path_is_never_laxer_than_the_full_parse_on_mutants():
+    """Differential: 2,000 seeded mutants of the seed packets. Wherever the plain path
+    answers, the full parse gives the same finding (a malformed mutant gets its error)."""
+    rng = random.Random(46)
+    answered, malformed = 0, 0
+    for n in range(2000):
+        packet = _mutant(SEED_PACKETS[n % len(SEED_PACKETS)], rng)
+        body = packet_body(packet)
+        parsed = parsed_xmp_findings(body)
+        malformed += "unreadable packet" in parsed[0].value if parsed else 0
+        term = plain_data_mining(body)
+        if term is not None:
+            answered += 1
+            assert parsed == [Finding("xmp", f"plus:DataMining={term}", DATA_MINING[term])], \
+                packet
+        if b"DataMining" in packet:
+            assert xmp_findings(packet) == parsed, packet
+    # The mutants reach both sides: the plain path answers, and the parser refuses.
+    assert answered > 150 and malformed > 400, (answered, malformed)
 
 
 @pytest.fixture(scope="module")
