@@ -1,21 +1,23 @@
 """A seeded fault soak: a random schedule of source changes, hostile files, opt-outs, runs,
 kills, a captioner change and a reader, with an invariant checker after every cycle.
 
-    python -m bench.soak --cycles N --seed S [--dir DIR]
+    python -m bench.soak --cycles N --seed S [--dir DIR] [--sources web,tars,pq]
+        [--kinds plain:8,captioner:1,...] [--no-asset-checks]
 
-Three sources on local disk (`bench/soak_sources.py`: a folder of JPEGs with caption files,
-a folder of WebDataset tars, a folder of Parquet files), a Dagster instance of its own and
-one Ray for the whole soak. Plain runs execute in this process, as `dagster.materialize`
-in a script does (real runs of the instance, on the shared Ray); a run that is killed or
-runs beside another is a process of its own (`testing.fault_runs`) joining that Ray. Each
-cycle, drawn from the seed:
+Three sources (or those `--sources` names) on local disk (`bench/soak_sources.py`: a folder
+of JPEGs with caption files, a folder of WebDataset tars, a folder of Parquet files), a
+Dagster instance of its own and one Ray for the whole soak. Plain runs execute in this
+process, as `dagster.materialize` in a script does (real runs of the instance, on the
+shared Ray); a run that is killed or runs beside another is a process of its own
+(`testing.fault_runs`) joining that Ray. Each cycle, drawn from the seed:
 
 - one or two sources change: files added, removed, replaced, swapped (same name, other
   bytes); the folder also gets hostile files (empty, truncated, not an image, a PNG header
   claiming 2³¹ pixels a side) added or removed;
 - an opt-out of a published sample through the CLI (`prx-assets opt-out`) or a request
   file dropped in the opt-out folder (`source_key` of the sample);
-- a trainer's reader lease on a tree, taken before the runs and checked after;
+- a trainer streaming one tier of a source's tree (its loader's reader lease holding it)
+  epoch after epoch in a thread, throughout the runs;
 - one of: nothing more; two source_job runs of one partition at once; source_job runs of
   two partitions at once; a source_job SIGKILLed at a random failpoint; a source_job
   SIGKILLed at a random time; a captioner version change (an OpenAI-compatible local
@@ -25,9 +27,11 @@ cycle, drawn from the seed:
 
 The invariants, after every cycle (`check`), for every source: the published tree is whole
 (every indexed shard present with its size, the mapping naming only versions the tree
-holds); the tree held by the reader lease is whole too; no table holds a key twice; the
+holds); the trainer never errored, saw no sample twice in an epoch and the same samples
+every epoch, and its leased tree is whole after the runs; no table holds a key twice; the
 tree holds exactly the model's samples (every image the source holds now, by id, none
-else) and, streamed by a fresh loader of every tier, exactly those minus the opted-out,
+else) and, streamed by a fresh loader of every tier, exactly those minus the opted-out and
+those whose active caption the labels stage's classifier labels `text` or `nsfw`,
 each with the caption of the active captioner, none twice in an epoch, with and without
 the loader's own opt-out guard (the sidecars alone); the tree versions on disk take at
 most 1.2x the live ones (current and leased; retention is 0 days in the soak); no
@@ -700,6 +704,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"VIOLATION {violation}", file=sys.stderr, flush=True)
         print(summary(state), flush=True)
         return 1
+    except KeyboardInterrupt:  # a long soak stopped by hand: its figures so far
+        print(summary(state) + ", interrupted", flush=True)
+        return 130
     finally:
         for server in state.servers:
             server.close()
