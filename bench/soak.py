@@ -684,7 +684,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the sources (default all: {','.join(SOURCE_CLASSES)}); another "
                              "list is another schedule")
     args = parser.parse_args(argv if argv is not None else [])
-    weights = dict(kind_weight(item) for item in args.kinds.split(","))
+    try:
+        weights = dict(kind_weight(item) for item in args.kinds.split(","))
+    except ValueError:
+        parser.error(f"--kinds {args.kinds}: each `kind` or `kind:weight` (a whole number)")
     kinds, names = list(weights), args.sources.split(",")
     for what, asked, known in (("cycle kinds", kinds, KINDS), ("sources", names, SOURCE_CLASSES)):
         if set(asked) - set(known):

@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 
-from bench.soak import Soak, soak
+from bench.soak import Soak, main, soak
 
 # `python -m bench.soak --cycles 5 --seed 47 --sources web --kinds plain:3,captioner:1
 # --no-asset-checks` replays it. Seed 47 draws two captioner changes (cycle 1: a caption the
@@ -35,3 +35,12 @@ def test_five_cycles_of_a_fixed_seed_keep_every_invariant(tmp_path, ray_session,
                 server.close()
     assert len(state.cycle_seconds) == CYCLES and state.failed_runs == 0
     assert state.captioner_version == 2 and state.opted, "\n".join(state.schedule)
+
+
+def test_the_cycle_kinds_and_sources_asked_are_checked_before_anything_starts(tmp_path, capsys):
+    for argv in (["--kinds", "plain,partitions", "--sources", "web"],  # needs two sources
+                 ["--kinds", "plain:2,nap"], ["--kinds", "plain:x"], ["--sources", "web,ftp"]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--dir", str(tmp_path)])
+    assert "needs two sources" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
