@@ -1,21 +1,23 @@
 """A seeded fault soak: a random schedule of source changes, hostile files, opt-outs, runs,
 kills, a captioner change and a reader, with an invariant checker after every cycle.
 
-    python -m bench.soak --cycles N --seed S [--dir DIR]
+    python -m bench.soak --cycles N --seed S [--dir DIR] [--sources web,tars,pq]
+        [--kinds plain:8,captioner:1,...] [--no-asset-checks]
 
-Three sources on local disk (`bench/soak_sources.py`: a folder of JPEGs with caption files,
-a folder of WebDataset tars, a folder of Parquet files), a Dagster instance of its own and
-one Ray for the whole soak. Plain runs execute in this process, as `dagster.materialize`
-in a script does (real runs of the instance, on the shared Ray); a run that is killed or
-runs beside another is a process of its own (`testing.fault_runs`) joining that Ray. Each
-cycle, drawn from the seed:
+Three sources (or those `--sources` names) on local disk (`bench/soak_sources.py`: a folder
+of JPEGs with caption files, a folder of WebDataset tars, a folder of Parquet files), a
+Dagster instance of its own and one Ray for the whole soak. Plain runs execute in this
+process, as `dagster.materialize` in a script does (real runs of the instance, on the
+shared Ray); a run that is killed or runs beside another is a process of its own
+(`testing.fault_runs`) joining that Ray. Each cycle, drawn from the seed:
 
 - one or two sources change: files added, removed, replaced, swapped (same name, other
   bytes); the folder also gets hostile files (empty, truncated, not an image, a PNG header
   claiming 2³¹ pixels a side) added or removed;
 - an opt-out of a published sample through the CLI (`prx-assets opt-out`) or a request
   file dropped in the opt-out folder (`source_key` of the sample);
-- a trainer's reader lease on a tree, taken before the runs and checked after;
+- a trainer streaming one tier of a source's tree (its loader's reader lease holding it)
+  epoch after epoch in a thread, throughout the runs;
 - one of: nothing more; two source_job runs of one partition at once; source_job runs of
   two partitions at once; a source_job SIGKILLed at a random failpoint; a source_job
   SIGKILLed at a random time; a captioner version change (an OpenAI-compatible local
@@ -25,9 +27,11 @@ cycle, drawn from the seed:
 
 The invariants, after every cycle (`check`), for every source: the published tree is whole
 (every indexed shard present with its size, the mapping naming only versions the tree
-holds); the tree held by the reader lease is whole too; no table holds a key twice; the
+holds); the trainer never errored, saw no sample twice in an epoch and the same samples
+every epoch, and its leased tree is whole after the runs; no table holds a key twice; the
 tree holds exactly the model's samples (every image the source holds now, by id, none
-else) and, streamed by a fresh loader of every tier, exactly those minus the opted-out,
+else) and, streamed by a fresh loader of every tier, exactly those minus the opted-out and
+those whose active caption the labels stage's classifier labels `text` or `nsfw`,
 each with the caption of the active captioner, none twice in an epoch, with and without
 the loader's own opt-out guard (the sidecars alone); the tree versions on disk take at
 most 1.2x the live ones (current and leased; retention is 0 days in the soak); no
@@ -57,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common import Figure, report
-from bench.soak_sources import ModelSource, make_sources
+from bench.soak_sources import SOURCE_CLASSES, ModelSource, make_sources
 
 FAILPOINTS = ("ingest.expand_units", "ingest.chunk_committed", "images.chunk_committed",
               "captions.chunk_committed", "mds.before_mapping_commit", "mds.before_publish")
@@ -73,6 +77,8 @@ RANDOM_KILL_S = (1.0, 30.0)  # a random-time kill lands this long after the run 
 # Draw weights: mostly plain cycles (runs in this process); the others start processes.
 KINDS = {"plain": 8, "twice": 2, "partitions": 2, "kill": 3, "kill_random": 2,
          "captioner": 1}
+CAPTIONER_CAPTIONS = ("A photograph of a red kite over a green hill, captioner version {}.",
+                      "A soak caption of captioner version {}.")
 DEFAULT_CYCLES = 3  # bench/run_all.py: a few minutes
 
 
@@ -94,6 +100,10 @@ class Soak:
     cycle_seconds: list[float] = field(default_factory=list)
     captioner_version: int = 0  # 0: the sources' own captions
     kinds: dict[str, int] = field(default_factory=lambda: dict(KINDS))  # draw weights
+    source_names: tuple[str, ...] = tuple(SOURCE_CLASSES)
+    # The runs' asset checks (Dagster's, not the soak's invariants): off, a plain cycle of
+    # one source takes about half the time (the leaves_stream check starts a process).
+    asset_checks: bool = True
     number: int = 0
 
     def __post_init__(self) -> None:
@@ -104,6 +114,7 @@ class Soak:
         self.captioner_file: Path | None = None
         self.leased: dict[str, set[str]] = {}  # source -> tree versions a reader leased
         self.servers: list = []
+        self.labels: dict[str, str] = {}  # caption -> the embedded classifier's label
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -113,7 +124,7 @@ class Soak:
         for folder in (self.data_root, self.logs):
             folder.mkdir(parents=True, exist_ok=True)
         write_instance_config(self.home)
-        self.sources = make_sources(self.root, self.rng)
+        self.sources = make_sources(self.root, self.rng, self.source_names)
         self.by_name = {s.name: s for s in self.sources}
         self.sources_file = write_sources(self.root / "sources.yaml",
                                           [s.entry() for s in self.sources])
@@ -144,7 +155,8 @@ class Soak:
 
     # ------------------------------------------------------------------ source changes
     def change_sources(self) -> set[str]:
-        changed = self.rng.sample(self.sources, self.rng.choice([1, 1, 1, 2]))
+        changed = self.rng.sample(self.sources,
+                                  min(self.rng.choice([1, 1, 1, 2]), len(self.sources)))
         for source in changed:
             for _ in range(self.rng.randint(1, 2)):
                 self.note(f"{source.name}: {source.change()}")
@@ -212,7 +224,9 @@ class Soak:
         self.note(f"captioner version {self.captioner_version} (soak-captioner)")
 
     def model_caption(self) -> str:
-        return f"A soak caption of captioner version {self.captioner_version}."
+        """Odd versions: a caption the labels stage calls `text` (every sample skipped, as
+        skip_lists does by default); even ones: a `visual` caption, streamed."""
+        return CAPTIONER_CAPTIONS[self.captioner_version % 2].format(self.captioner_version)
 
     # ------------------------------------------------------------------ runs
     def run_here(self, job: str, partition: str | None) -> bool:
@@ -220,7 +234,7 @@ class Soak:
         from prx_assets.testing.fault_runs import job_subset
 
         self.runs += 1
-        result = job_subset(self.defs, job, []).execute_in_process(
+        result = job_subset(self.defs, job, [], self.asset_checks).execute_in_process(
             partition_key=partition, instance=self.instance, raise_on_error=False,
             run_config=SOURCE_RUN_CONFIG if job == "source_job" else None,
             tags={"prx/trigger": "soak", "prx/trigger_reason": f"seed {self.seed}"})
@@ -233,12 +247,18 @@ class Soak:
         from prx_assets.testing.fault_runs import RunProcess, RunSpec
 
         spec = RunSpec(self.sources_file, job, partition, self.home, self.data_root,
+                       assets=() if self.asset_checks else self.job_assets(job),
                        captioner=self.captioner_file, ray_address=self.ray_address,
                        run_config=SOURCE_RUN_CONFIG if job == "source_job" else None)
         if failpoint:
             spec.arm(failpoint, self.logs)
         self.runs += 1
         return RunProcess(spec, self.logs)
+
+    def job_assets(self, job: str) -> tuple[str, ...]:
+        """The job's assets by name (a run of them all is the job less its checks)."""
+        keys = self.defs.resolve_job_def(job).asset_layer.selected_asset_keys
+        return tuple(sorted(key.to_user_string() for key in keys))
 
     def finish(self, run) -> bool:
         result = run.wait(RUN_TIMEOUT_S)
@@ -322,7 +342,7 @@ class Soak:
             opted_in = self.opt_out()
             if opted_in:
                 touched.add(opted_in)
-        lease = self.hold_tree()
+        trainer = self.start_trainer()
         kind = self.rng.choices(list(self.kinds), weights=list(self.kinds.values()))[0]
         one = self.rng.choice(sorted(changed))
         if kind == "twice":
@@ -337,30 +357,33 @@ class Soak:
             self.change_captioner()
             changed = touched = set(self.by_name)
         self.plain_runs(changed, touched)
-        self.check(lease)
+        self.check(trainer)
         self.cycle_seconds.append(time.perf_counter() - started)
         self.note(f"cycle {number}: {self.cycle_seconds[-1]:.1f} s")
 
-    def hold_tree(self):
-        """A trainer's reader lease on one source's current tree, held across the runs."""
-        from prx_assets.loader.streams import hold_trees
-        from prx_assets.storage.trees import source_trees
+    def start_trainer(self) -> Trainer | None:
+        """A trainer streaming one tier of one source's current tree, epoch after epoch,
+        throughout the cycle's runs (its loader's reader lease holding the tree)."""
+        from prx_assets.storage.trees import leaf_names, source_trees
 
         source = self.rng.choice(self.sources).name
-        if source_trees(self.data_root / "mds", source).current_version() is None:
+        store = source_trees(self.data_root / "mds", source)
+        if store.current_version() is None:
             return None
-        trees, keeper = hold_trees(self.data_root / "mds", {source: 1.0})
-        self.note(f"reader lease on {source} tree {trees[source].name}")
-        return source, trees[source], keeper
+        tree = store.current_tree()  # no run is going: the tree the loader leases
+        tier = self.rng.choice(sorted({int(name.split("/")[0]) for name in leaf_names(tree)}))
+        trainer = Trainer(self.data_root, source, tier, tree)
+        self.note(f"trainer streaming {source} tier {tier} of tree {tree.name} (reader lease)")
+        return trainer
 
     # ------------------------------------------------------------------ invariants
-    def check(self, lease) -> None:
+    def check(self, trainer: Trainer | None) -> None:
         from prx_assets.stages.shards import verify
 
-        if lease is not None:
-            source, tree, _ = lease
-            self.check_leased_tree(tree)
-            self.leased.setdefault(source, set()).add(tree.name)
+        if trainer is not None:
+            self.check_trainer(trainer)
+            self.check_leased_tree(trainer.tree)
+            self.leased.setdefault(trainer.source, set()).add(trainer.tree.name)
         for source in self.sources:
             checks, problems = verify.verify_tree(self.data_root, source.name)
             if problems or not all(c.ok for c in checks):
@@ -372,9 +395,26 @@ class Soak:
                 self.check_loader(source, guarded)
             self.leased.setdefault(source.name, set())
             self.check_disk(source.name)
-        if lease is not None:
-            lease[2].release()
+        if trainer is not None:
+            trainer.leases.release()
         self.check_no_credentials()
+
+    def check_trainer(self, trainer: Trainer) -> None:
+        """The trainer streamed throughout the runs without an error, no sample twice in an
+        epoch, every epoch the same samples (its tree, leased, does not change)."""
+        epochs = trainer.stop()
+        name = f"the trainer on {trainer.source} tier {trainer.tier} (tree {trainer.tree.name})"
+        if trainer.error is not None:
+            raise self.violation(f"{name} failed after {len(epochs)} epoch(s): "
+                                 f"{type(trainer.error).__name__}: {trainer.error}")
+        for number, ids in enumerate(epochs):
+            if len(ids) != len(set(ids)):
+                raise self.violation(f"{name}: a sample twice in epoch {number}")
+            if set(ids) != set(epochs[0]):
+                raise self.violation(f"{name}: epoch {number} streamed other samples than "
+                                     f"epoch 0: {sorted(set(ids) ^ set(epochs[0]))[:5]}")
+        self.note(f"trainer: {len(epochs)} epoch(s) of {len(epochs[0]) if epochs else 0} "
+                  "sample(s)")
 
     def check_leased_tree(self, tree) -> None:
         from prx_assets.storage.trees import leaf_names
@@ -448,19 +488,35 @@ class Soak:
         if self.opted & set(streamed):
             raise self.violation(f"{source.name}: opted-out {sorted(self.opted & set(streamed))}"
                                  f" streamed ({how} the loader's guard)")
-        wanted = set(expected) - self.opted
+        captions = {i: self.model_caption() if self.captioner_version else text
+                    for i, text in expected.items()}
+        wanted = set(expected) - self.opted - self.label_skipped(captions)
         if set(streamed) != wanted:
             raise self.violation(
                 f"{source.name}: a loader ({how} its guard) streams other samples than the "
                 f"source's kept ones: missing {sorted(wanted - set(streamed))[:5]}, extra "
                 f"{sorted(set(streamed) - wanted)[:5]}")
-        captions = {i: self.model_caption() if self.captioner_version else expected[i]
-                    for i in streamed}
         wrong = sorted(i for i, text in streamed.items() if text != captions[i])
         if wrong:
             raise self.violation(f"{source.name}: {len(wrong)} sample(s) streamed with another "
                                  f"caption than the active captioner's, e.g. {wrong[0]}: "
                                  f"{streamed[wrong[0]]!r} for {captions[wrong[0]]!r}")
+
+    def label_skipped(self, captions: dict[str, str]) -> set[str]:
+        """The ids whose caption (id -> caption) the labels stage's classifier gives a label
+        skip_lists skips by default (`text`, `nsfw`): in the tree, never streamed."""
+        import pyarrow as pa
+
+        from prx_assets.defs.skip_lists import SkipListsConfig
+        from prx_assets.stages.labels.labels import EmbeddedLabeler
+
+        new = sorted(set(captions.values()) - set(self.labels))
+        if new:
+            rows = pa.table({"id": new, "caption": new, "caption_version": ["soak"] * len(new)})
+            labelled = EmbeddedLabeler("soak")(rows)
+            self.labels.update(zip(new, labelled.column("label").to_pylist(), strict=True))
+        skipped = set(SkipListsConfig().skip_labels)
+        return {i for i, text in captions.items() if self.labels[text] in skipped}
 
     def check_disk(self, source: str) -> None:
         """Retention ran (0 days, at every publish): the only tree versions left are the
@@ -508,6 +564,51 @@ class Soak:
     def violation(self, invariant: str) -> Violation:
         return Violation(f"seed {self.seed}, cycle {self.number}: {invariant}\n"
                          "schedule so far:\n   " + "\n   ".join(self.schedule))
+
+
+class Trainer:
+    """A fresh loader of one tier of one source, streamed epoch after epoch in a thread of
+    its own until `stop()`: a training run beside the factory. Its reader lease (the
+    loader's) outlives `stop()` until `leases.release()`."""
+
+    PAUSE_S = 1.0  # between epochs: a few-sample epoch would otherwise spin a core
+
+    def __init__(self, data_root: Path, source: str, tier: int, tree) -> None:
+        import threading
+
+        from prx_assets.loader import build_dataset
+
+        self.source, self.tier, self.tree = source, tier, tree
+        self.dataset = build_dataset(data_root / "mds", tier, 1, weights={source: 1.0},
+                                     shuffle=False, decode_images=False)
+        self.leases = self.dataset.reader_leases
+        self.epochs: list[list[str]] = []
+        self.error: BaseException | None = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.stream, name="soak-trainer", daemon=True)
+        self.thread.start()
+
+    def stream(self) -> None:
+        try:
+            while True:
+                self.epochs.append([sample["id"] for sample in self.dataset])
+                if self.stopping.wait(self.PAUSE_S):
+                    return
+        except Exception as exc:  # a trainer must never error: the check reports it
+            self.error = exc
+
+    def stop(self) -> list[list[str]]:
+        """The epochs streamed (at least one: the epoch under way is finished)."""
+        self.stopping.set()
+        self.thread.join()
+        del self.dataset
+        return self.epochs
+
+
+def kind_weight(item: str) -> tuple[str, int]:
+    """`kind` or `kind:weight` (0: the kind's default weight)."""
+    kind, _, weight = item.partition(":")
+    return kind, int(weight or 0)
 
 
 def cli_main(argv: list[str]) -> int:
@@ -573,21 +674,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--dir", help="work folder (default: a temporary one, removed after)")
     parser.add_argument("--kinds", default=",".join(KINDS),
-                        help=f"the cycle kinds drawn from (default all: {','.join(KINDS)}); "
-                             "another list is another schedule")
+                        help=f"the cycle kinds drawn from, `kind` or `kind:weight` (default "
+                             f"all: {','.join(f'{k}:{w}' for k, w in KINDS.items())}); another "
+                             "list is another schedule")
+    parser.add_argument("--no-asset-checks", action="store_true",
+                        help="runs without their asset checks (the soak's invariants are "
+                             "checked all the same): cycles about twice as fast")
+    parser.add_argument("--sources", default=",".join(SOURCE_CLASSES),
+                        help=f"the sources (default all: {','.join(SOURCE_CLASSES)}); another "
+                             "list is another schedule")
     args = parser.parse_args(argv if argv is not None else [])
-    unknown = set(args.kinds.split(",")) - set(KINDS)
-    if unknown:
-        parser.error(f"unknown cycle kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+    try:
+        weights = dict(kind_weight(item) for item in args.kinds.split(","))
+    except ValueError:
+        parser.error(f"--kinds {args.kinds}: each `kind` or `kind:weight` (a whole number)")
+    kinds, names = list(weights), args.sources.split(",")
+    for what, asked, known in (("cycle kinds", kinds, KINDS), ("sources", names, SOURCE_CLASSES)):
+        if set(asked) - set(known):
+            parser.error(f"unknown {what} {sorted(set(asked) - set(known))}; known: "
+                         f"{', '.join(known)}")
+    if len(set(names)) < 2 and "partitions" in kinds:
+        if args.kinds != parser.get_default("kinds"):
+            parser.error("the cycle kind `partitions` needs two sources")
+        kinds.remove("partitions")
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="prx-soak-"))
     started = time.perf_counter()
-    state = Soak(root, args.seed, kinds={k: KINDS[k] for k in args.kinds.split(",")})
+    state = Soak(root, args.seed, kinds={k: weights[k] or KINDS[k] for k in kinds},
+                 source_names=tuple(names), asset_checks=not args.no_asset_checks)
     try:
         soak(state, args.cycles)
     except Violation as violation:
         print(f"VIOLATION {violation}", file=sys.stderr, flush=True)
         print(summary(state), flush=True)
         return 1
+    except KeyboardInterrupt:  # a long soak stopped by hand: its figures so far
+        print(summary(state) + ", interrupted", flush=True)
+        return 130
     finally:
         for server in state.servers:
             server.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import random
 import tarfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -203,13 +204,18 @@ class ParquetSource(ModelSource):
         return name
 
 
-SOURCE_KINDS = (FolderSource, TarSource, ParquetSource)
+SOURCE_CLASSES: dict[str, type[ModelSource]] = {"web": FolderSource, "tars": TarSource,
+                                                "pq": ParquetSource}
 
 
-def make_sources(root: Path, rng: random.Random) -> list[ModelSource]:
-    """The three sources under `root/sources`, each with a few samples to start."""
+def make_sources(root: Path, rng: random.Random, names: Iterable[str] = tuple(SOURCE_CLASSES)
+                 ) -> list[ModelSource]:
+    """The named sources (default all three) under `root/sources`, each with a few samples
+    to start."""
     made = []
-    for cls, name in zip(SOURCE_KINDS, ("web", "tars", "pq"), strict=True):
+    for name, cls in SOURCE_CLASSES.items():
+        if name not in names:
+            continue
         source = cls(name, root / "sources" / name, rng)
         source.folder.mkdir(parents=True, exist_ok=True)
         for _ in range(3):

@@ -275,16 +275,16 @@ def store_state(data_root: Path, sources: list[str], versions: dict | None = Non
 
 # ------------------------------------------------------------------------------ the run itself
 
-def job_subset(defs, job: str, assets: list[str]):
-    """The job, or only the named assets of it without their checks (checks cost a Ray
-    shuffle each and are tested elsewhere)."""
+def job_subset(defs, job: str, assets: list[str], checks: bool = True):
+    """The job, or only the named assets of it (all of them with `checks=False`) without
+    their checks (checks cost a Ray shuffle or a process each and are tested elsewhere)."""
     import dagster as dg
 
     job_def = defs.resolve_job_def(job)
-    if not assets:
+    if not assets and checks:
         return job_def
-    return job_def.get_subset(asset_selection={dg.AssetKey(a) for a in assets},
-                              asset_check_selection=set())
+    keys = {dg.AssetKey(a) for a in assets} or set(job_def.asset_layer.selected_asset_keys)
+    return job_def.get_subset(asset_selection=keys, asset_check_selection=set())
 
 
 def run_in_process(defs, job: str, partition: str | None, instance, assets=(),

@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 from prx_assets.stages.shards.card import write_source_card
@@ -33,6 +34,7 @@ from prx_assets.storage.key_index import KeyIndexPolicy, refresh_key_index
 from prx_assets.storage.lance_tables import FragmentPolicy, cleanup, compact, small_fragments
 from prx_assets.storage.refs import Location, TableRef
 from prx_assets.storage.trees import (
+    DEFAULT_RETENTION,
     TREE_MANIFEST,
     TreeStore,
     leaf_key,
@@ -207,10 +209,7 @@ def publish(build: Build, final: Location, mapping_version: int, left_out: Count
     build.store.publish(build.version, expected=build.base_tree)
     if maintain_mapping(build.mapping, build.options.mapping_index):
         mapping_version = build.mapping.latest_version() or mapping_version
-    removed = build.store.prune(build.options.retention)
-    if removed:
-        build.log(f"{build.source}: removed {len(removed)} tree(s) past retention that no "
-                  f"reader holds: {', '.join(removed)}")
+    prune(build.store, build.options.retention, build.log)
     build.log(f"{build.source}: tree {build.version} is current "
               f"({sum(leaf.samples for leaf in leaves):,} live samples, "
               f"{sum(leaf.shards for leaf in leaves)} shards; processed={counts.processed}, "
@@ -219,6 +218,14 @@ def publish(build: Build, final: Location, mapping_version: int, left_out: Count
                       mapping=build.mapping.at(mapping_version), left_out=left_out,
                       leaves=leaves, processed=counts.processed, reused=counts.reused,
                       removed=counts.removed, appended=counts.appended)
+
+
+def prune(store: TreeStore, retention: timedelta, log: Callable[[str], None]) -> None:
+    """Retention after a publish: superseded trees past it that no reader holds go."""
+    removed = store.prune(retention)
+    if removed:
+        log(f"{store.source}: removed {len(removed)} tree(s) past retention that no reader "
+            f"holds: {', '.join(removed)}")
 
 
 def maintain_mapping(mapping: TableRef, index: KeyIndexPolicy) -> bool:
@@ -259,8 +266,10 @@ def unchanged_report(build: Build, current: str, left_out: Counter) -> TreeRepor
 def finish_interrupted_publish(store: TreeStore, mapping: TableRef,
                                log: Callable[[str], None] = logger.info) -> None:
     """A run killed after its mapping commit but before publishing left a complete version
-    the mapping already describes: publish it (roll forward). Any other unpublished version
-    (killed before its mapping commit) is deleted."""
+    the mapping already describes: publish it and apply the retention it was built with, as
+    its own publish would have (roll forward: else the tree it supersedes outlives its
+    retention until some later build publishes). Any other unpublished version (killed
+    before its mapping commit) is deleted."""
     current = store.current_version()
     newer = [v for v in store.versions() if current is None or v > current]
     keep: frozenset[str] = frozenset()
@@ -272,6 +281,9 @@ def finish_interrupted_publish(store: TreeStore, mapping: TableRef,
                 "(a killed run); publishing it now")
             store.publish(newer[-1], expected=current)
             keep = frozenset({newer[-1]})
+            retention = manifest.get("retention_s")
+            prune(store, DEFAULT_RETENTION if retention is None
+                  else timedelta(seconds=float(retention)), log)
     store.remove_unpublished(keep)
 
 

@@ -2,10 +2,11 @@
 shards hard-linked), superseded ones skipped as `stale`, nothing new when nothing changed,
 and a SIGKILL mid-append (failpoint `mds.write_part`) leaving the previous tree current."""
 
+import dataclasses
 import gc
 import json
 import os
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -187,6 +188,29 @@ def test_a_kill_between_mapping_commit_and_publish_is_rolled_forward(data_root, 
     assert NEW_ID in {r["id"] for r in mapping(data_root)}
     checks, problems = verify.verify_tree(data_root, "web")
     assert all(c.ok for c in checks) and not problems
+
+
+def test_a_rolled_forward_publish_applies_the_retention_it_was_built_with(data_root,
+                                                                        monkeypatch):
+    """Found by the soak (seed 101, cycle 2: a run SIGKILLed at `mds.before_publish`, rolled
+    forward by the next run, which had nothing new to build): the tree the rolled-forward
+    version superseded outlived its retention (0 days here) until a later build."""
+    options = dataclasses.replace(OPTIONS, retention=timedelta(0))
+    build_corpus(data_root, "web", per_shape=2)
+    first = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", options)
+    add_sample(data_root, NEW_ID)
+
+    def killed(self, version, expected):
+        raise KeyboardInterrupt("killed before publishing")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trees.TreeStore, "publish", killed)
+        with pytest.raises(KeyboardInterrupt):
+            mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", options)
+    rerun = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", options)
+    assert not rerun.changed
+    store = trees.source_trees(data_root, "web")
+    assert store.versions() == [store.current_version()] != [first.tree_version]
 
 
 def test_mds_uri_prints_the_resolved_current_tree(data_root, capsys):
