@@ -472,7 +472,8 @@ class CoreShare:
 
     def row(self) -> dict[str, float]:
         per_s = 1 / self.seconds if self.seconds else 0.0
-        return {"seconds": self.seconds, "tree_cores": self.tree_cpu_s * per_s,
+        return {"seconds": self.seconds, "tree_cpu_s": self.tree_cpu_s,
+                "tree_cores": self.tree_cpu_s * per_s,
                 "both_busy": self.both_busy_s * per_s, "driver_cores": self.driver_cpu_s * per_s,
                 "others_cores": self.others_cpu_s * per_s}
 
@@ -504,14 +505,15 @@ def print_core_profile(run: PipelineRun) -> None:
     profile = run.child.get("core_profile", {})
     print(f"scale: cores per step, {run.images:,} images (tree sampled every 0.5 s; both busy "
           f"= the tree used >= {BOTH_BUSY_CORES} cores; others = the rest of the machine)")
-    print(f"  {'step':<32} {'wall s':>7} {'cores':>6} {'both busy':>9} {'driver':>7} "
-          f"{'others':>7}")
+    print(f"  {'step':<32} {'wall s':>7} {'CPU s':>7} {'cores':>6} {'both busy':>9} "
+          f"{'driver':>7} {'others':>7}")
     ordered = sorted(profile.items(), key=lambda kv: (kv[0].startswith("("), -kv[1]["seconds"]))
     for step, row in ordered:
         if row["seconds"] < 0.5 and not step.startswith("("):
             continue
-        print(f"  {step:<32} {row['seconds']:7.1f} {row['tree_cores']:6.2f} "
-              f"{row['both_busy']:8.0%} {row['driver_cores']:7.2f} {row['others_cores']:7.2f}")
+        print(f"  {step:<32} {row['seconds']:7.1f} {row['tree_cpu_s']:7.1f} "
+              f"{row['tree_cores']:6.2f} {row['both_busy']:8.0%} {row['driver_cores']:7.2f} "
+              f"{row['others_cores']:7.2f}")
 
 
 def run_figures(run: PipelineRun, kernels: KernelRun) -> list[Figure]:
