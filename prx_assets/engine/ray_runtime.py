@@ -88,7 +88,11 @@ def start_ray_data() -> threading.Thread:
 
 def _run_one_row() -> None:
     try:
-        ray.data.range(1).map_batches(_same, batch_format="pyarrow").take_all()
+        # No CPU asked (the rows are made here, the map needs none): a stage's pool may
+        # hold every CPU by the time this runs, and Ray Data warns of a task that cannot
+        # be scheduled.
+        ray.data.from_items([{"id": 0}]).map_batches(_same, batch_format="pyarrow",
+                                                     num_cpus=0).take_all()
     except Exception:  # a warm-up only: the stages meet and report Ray's errors
         logging.getLogger(__name__).debug("Ray Data's background start failed", exc_info=True)
 

@@ -73,11 +73,11 @@ def test_ray_data_starts_on_a_thread_of_its_own_and_leaves_its_failures_to_the_s
 
     ran_on = []
 
-    def no_cluster(rows: int):
+    def no_cluster(rows: list):
         ran_on.append(threading.current_thread())
         raise RuntimeError("no cluster")
 
-    monkeypatch.setattr(ray.data, "range", no_cluster)
+    monkeypatch.setattr(ray.data, "from_items", no_cluster)
     thread = ray_runtime.start_ray_data()
     thread.join()
     assert ran_on == [thread] and thread is not threading.main_thread()
