@@ -35,6 +35,22 @@ class TreeSample:
     cpu_s: float = 0.0  # CPU seconds of the live processes and the children they reaped
     by_name: dict[str, int] = field(default_factory=dict)  # PSS kB per process name
     by_kind: dict[str, int] = field(default_factory=dict)  # PSS kB per process kind
+    cpu_by_pid: dict[int, tuple[str, float]] = field(default_factory=dict)  # (kind, CPU s)
+
+
+@dataclass
+class CoreUse:
+    """The tree's CPU over one sampling interval: what the cores did from `start` to `end`
+    (wall clock, comparable with Dagster's event timestamps)."""
+
+    start: float
+    end: float
+    by_kind: dict[str, float]  # CPU seconds per process kind in the interval
+    machine_busy_s: float  # CPU seconds the whole machine spent busy (other helpers too)
+
+    @property
+    def tree_cores(self) -> float:
+        return sum(self.by_kind.values()) / (self.end - self.start)
 
 
 @dataclass
@@ -156,7 +172,9 @@ def sample_tree(root: int) -> TreeSample:
         sample.pss_kb += pss
         sample.uss_kb += uss
         sample.processes += 1
-        sample.cpu_s += cpu_seconds(pid)
+        cpu = cpu_seconds(pid)
+        sample.cpu_s += cpu
+        sample.cpu_by_pid[pid] = (kind, cpu)
         sample.by_name[name] += pss
     sample.by_name = dict(sample.by_name)
     return sample
@@ -183,17 +201,44 @@ class BackgroundSampler:
         raise NotImplementedError
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of the machine has spent busy since boot (/proc/stat)."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return (sum(ticks[:8]) - idle) / CLOCK_TICKS
+
+
+def core_use(previous: TreeSample, current: TreeSample, start: float, end: float,
+             machine_busy_s: float) -> CoreUse:
+    """What each kind of process used between two samples: each live process's CPU delta
+    under its current kind (a worker turns busy or idle between samples); a process born
+    in the interval counts whole, the reaped ones through their parent's children time."""
+    by_kind: dict[str, float] = dict.fromkeys(KINDS, 0.0)
+    for pid, (kind, cpu) in current.cpu_by_pid.items():
+        before = previous.cpu_by_pid.get(pid, (kind, 0.0))[1]
+        by_kind[kind] += max(0.0, cpu - before)
+    return CoreUse(start, end, by_kind, machine_busy_s)
+
+
 class TreeMemoryMonitor(BackgroundSampler):
-    """Samples the tree under `root` every `interval` seconds on a thread until stopped."""
+    """Samples the tree under `root` every `interval` seconds on a thread until stopped;
+    besides the peaks, `timeline` holds what the cores did between consecutive samples."""
 
     def __init__(self, root: int, interval: float = 0.5, dump: Path | None = None):
         super().__init__(interval)
         self.root, self.peaks, self.dump = root, Peaks(), dump
+        self.timeline: list[CoreUse] = []
 
     def _run(self) -> None:
+        previous, previous_at, previous_busy = None, 0.0, 0.0
         while not self._stop.is_set():
             started = time.perf_counter()
-            self.peaks.update(sample_tree(self.root))
+            sample, at, busy = sample_tree(self.root), time.time(), machine_busy_seconds()
+            if previous is not None:
+                self.timeline.append(core_use(previous, sample, previous_at, at,
+                                              busy - previous_busy))
+            previous, previous_at, previous_busy = sample, at, busy
+            self.peaks.update(sample)
             if self.dump is not None:  # the peaks so far survive a run that is cut short
                 self.dump.write_text(json.dumps(asdict(self.peaks)))
             self._stop.wait(max(0.0, self.interval - (time.perf_counter() - started)))

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.common import OUT, Figure, cpu_count, report
-from bench.proc_memory import Peaks, TreeMemoryMonitor
+from bench.proc_memory import DRIVER, CoreUse, Peaks, TreeMemoryMonitor
 from bench.scale_corpus import corpus_profile, generate_corpus, image_path, link_subset
 
 RUN_DIR = OUT / "scale_run"
@@ -83,6 +83,7 @@ class PipelineRun:
     seconds: float  # the child process, start to exit (imports, Ray start, every job)
     peaks: Peaks
     child: dict = field(default_factory=dict)  # what the child measured (see child_main)
+    timeline: list[CoreUse] = field(default_factory=list)  # the tree's cores, sampled
 
 
 def write_sources(path: Path, name: str, folder: Path) -> Path:
@@ -117,7 +118,8 @@ def run_pipeline(sources_file: Path, data_root: Path, images: int) -> PipelineRu
     if code != 0 or not result.exists():
         tail = (data_root / "child.log").read_text()[-3000:]
         raise RuntimeError(f"pipeline child failed ({code}):\n{tail}")
-    return PipelineRun(images, seconds, monitor.peaks, json.loads(result.read_text()))
+    return PipelineRun(images, seconds, monitor.peaks, json.loads(result.read_text()),
+                       monitor.timeline)
 
 
 def child_main(sources_file: str, result_path: str) -> int:
@@ -140,6 +142,7 @@ def child_main(sources_file: str, result_path: str) -> int:
         "failed": [r.source for r in runs if not r.success],
         "checks": {k: v for r in runs for k, v in r.checks.items()},
         "steps": step_seconds(instance, [r.run_id for r in runs]),
+        "step_windows": step_windows(instance, [r.run_id for r in runs]),
         "run_seconds": run_seconds(instance, [r.run_id for r in runs]),
     }, indent=2))
     return 0
@@ -160,6 +163,23 @@ def step_seconds(instance, run_ids: list[str]) -> dict[str, float]:
             elif entry.step_key in starts:
                 totals[entry.step_key] += entry.timestamp - starts.pop(entry.step_key)
     return dict(totals)
+
+
+def step_windows(instance, run_ids: list[str]) -> dict[str, list[tuple[float, float]]]:
+    """(start, end) wall-clock timestamps of each step key's executions, over the runs."""
+    from dagster import DagsterEventType
+
+    kinds = {DagsterEventType.STEP_START, DagsterEventType.STEP_SUCCESS,
+             DagsterEventType.STEP_FAILURE}
+    windows: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for run_id in run_ids:
+        starts = {}
+        for entry in instance.all_logs(run_id, of_type=kinds):
+            if entry.dagster_event.event_type == DagsterEventType.STEP_START:
+                starts[entry.step_key] = entry.timestamp
+            elif entry.step_key in starts:
+                windows[entry.step_key].append((starts.pop(entry.step_key), entry.timestamp))
+    return dict(windows)
 
 
 def run_seconds(instance, run_ids: list[str]) -> dict[str, float]:
@@ -423,6 +443,79 @@ def print_memory(run: PipelineRun) -> None:
           + ", ".join(f"{name} {kb / 1024:.0f}" for name, kb in top) + " MB")
 
 
+# A sampling interval counts as "both cores busy" when the run's process tree used at
+# least this many cores in it (sampled every 0.5 s, a core is rarely used to 100 %).
+BOTH_BUSY_CORES = 1.5
+
+
+@dataclass
+class CoreShare:
+    """What the cores did during one step (or outside every step): seconds sampled, the
+    tree's mean cores, the share of the time with both busy, the driver's mean cores and
+    the mean cores the rest of the machine used meanwhile (other processes: the load)."""
+
+    seconds: float = 0.0
+    tree_cpu_s: float = 0.0
+    both_busy_s: float = 0.0
+    driver_cpu_s: float = 0.0
+    others_cpu_s: float = 0.0
+
+    def add(self, use: CoreUse, share: float) -> None:
+        """`share` of the interval `use` (its overlap with the step)."""
+        seconds = share * (use.end - use.start)
+        tree = share * sum(use.by_kind.values())
+        self.seconds += seconds
+        self.tree_cpu_s += tree
+        self.both_busy_s += seconds if use.tree_cores >= BOTH_BUSY_CORES else 0.0
+        self.driver_cpu_s += share * use.by_kind[DRIVER]
+        self.others_cpu_s += max(0.0, share * use.machine_busy_s - tree)
+
+    def row(self) -> dict[str, float]:
+        per_s = 1 / self.seconds if self.seconds else 0.0
+        return {"seconds": self.seconds, "tree_cpu_s": self.tree_cpu_s,
+                "tree_cores": self.tree_cpu_s * per_s,
+                "both_busy": self.both_busy_s * per_s, "driver_cores": self.driver_cpu_s * per_s,
+                "others_cores": self.others_cpu_s * per_s}
+
+
+def core_profile(timeline: list[CoreUse], windows: dict[str, list[list[float]]]
+                 ) -> dict[str, dict[str, float]]:
+    """Per step (and `(outside steps)`: imports, Ray start, run set-up, `(whole run)`):
+    the cores the tree used, from the sampled timeline split over the steps' windows."""
+    shares: dict[str, CoreShare] = defaultdict(CoreShare)
+    for use in timeline:
+        length = use.end - use.start
+        if length <= 0:
+            continue
+        covered = 0.0
+        for step, spans in windows.items():
+            overlap = sum(max(0.0, min(use.end, end) - max(use.start, start))
+                          for start, end in spans)
+            if overlap:
+                shares[step].add(use, overlap / length)
+                covered += overlap
+        if covered < length:
+            shares["(outside steps)"].add(use, (length - covered) / length)
+        shares["(whole run)"].add(use, 1.0)
+    return {step: share.row() for step, share in shares.items()}
+
+
+def print_core_profile(run: PipelineRun) -> None:
+    """The per-step core-utilisation table: what holds one core idle, and where."""
+    profile = run.child.get("core_profile", {})
+    print(f"scale: cores per step, {run.images:,} images (tree sampled every 0.5 s; both busy "
+          f"= the tree used >= {BOTH_BUSY_CORES} cores; others = the rest of the machine)")
+    print(f"  {'step':<32} {'wall s':>7} {'CPU s':>7} {'cores':>6} {'both busy':>9} "
+          f"{'driver':>7} {'others':>7}")
+    ordered = sorted(profile.items(), key=lambda kv: (kv[0].startswith("("), -kv[1]["seconds"]))
+    for step, row in ordered:
+        if row["seconds"] < 0.5 and not step.startswith("("):
+            continue
+        print(f"  {step:<32} {row['seconds']:7.1f} {row['tree_cpu_s']:7.1f} "
+              f"{row['tree_cores']:6.2f} {row['both_busy']:8.0%} {row['driver_cores']:7.2f} "
+              f"{row['others_cores']:7.2f}")
+
+
 def run_figures(run: PipelineRun, kernels: KernelRun) -> list[Figure]:
     """End to end and CPU against the kernels, for one run (ratio = the issue's ratio)."""
     return [Figure("scale", f"{run.images} img end to end s", run.seconds,
@@ -517,6 +610,8 @@ def main() -> list[Figure]:
         last = label == list(sizes)[-1]
         run = measure_run(label, corpus, images, keep_root=last)
         runs[label] = run
+        run.child["core_profile"] = core_profile(run.timeline, run.child["step_windows"])
+        print_core_profile(run)
         print_memory(run)
         details["runs"][label] = run_details(run, None)
         if last:

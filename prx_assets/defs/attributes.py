@@ -33,7 +33,7 @@ class AttributerResource(dg.ConfigurableResource):
     model: str = ""  # transformers: a local folder; vllm: a HF id (default Qwen3-VL-8B)
     schema_version: str = SCHEMA_VERSION
     batch_size: int = 32
-    actors: int = 1
+    actors: int = 0  # 0: caption, one per `threads_per_actor` CPUs; transformers, one
     threads_per_actor: int = 1
     vllm_concurrency: int = 1
     vllm_retries: int = 2

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import pyarrow as pa
+import ray
 import ray.data
 
 
@@ -41,3 +42,27 @@ def batch_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` as a `map_batches` function: Ray's type for one takes the batch alone, which
     rejects a function that also takes the `fn_args` / `fn_kwargs` the call passes it."""
     return fn
+
+
+# Rows one actor should have ahead of it before a model pool starts at full size: below,
+# a second model load (torch import and MiniLM, ~8 s) costs more than it saves.
+ROWS_PER_ACTOR = 500
+
+
+def pool_size(actors: int, threads_per_actor: int, cpus: float) -> int:
+    """Actors for a model pool: `actors`, or with 0 one per `threads_per_actor` CPUs of the
+    cluster (a single actor left a 2-CPU node half idle for the whole stage)."""
+    if actors > 0:
+        return actors
+    return max(1, int(cpus // max(1, threads_per_actor)))
+
+
+def actor_pool(actors: int, threads_per_actor: int, pending: int | None = None
+               ) -> ray.data.ActorPoolStrategy:
+    """A pool of up to `pool_size` actors, starting at full size when `pending` rows give
+    each of them ROWS_PER_ACTOR (grown one at a time by Ray Data, the second actor of a
+    2-CPU node loaded its model a third of the way into the stage), else from one actor,
+    growing while rows are queued (a small source loads one model)."""
+    size = pool_size(actors, threads_per_actor, ray.cluster_resources().get("CPU", 1))
+    initial = size if pending and pending >= size * ROWS_PER_ACTOR else 1
+    return ray.data.ActorPoolStrategy(min_size=1, max_size=size, initial_size=initial)

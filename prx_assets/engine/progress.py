@@ -43,6 +43,9 @@ def quiet_ray_data() -> None:
         logging.WARNING)
     # "Data sink LanceOverwrite finished. N rows ..." at INFO: the commit's line says so.
     logging.getLogger("ray.data.dataset").setLevel(logging.WARNING)
+    # "<dataset> registers for logging while another dataset ... is also logging" at INFO:
+    # two datasets at once are expected (Ray Data's background start beside a first stage).
+    logging.getLogger("ray.data._internal.logging").setLevel(logging.WARNING)
 
 
 def _duration(seconds: float) -> str:

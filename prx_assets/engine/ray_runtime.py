@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -63,7 +64,41 @@ def connect(address: str | None = None, num_cpus: int | None = None,
                 runtime_env=runtime_env,
             )
     configure_ray_data()
+    start_ray_data()
     return True
+
+
+# The thread starting Ray Data in the background (`start_ray_data`), until it is joined.
+_ray_data_start: threading.Thread | None = None
+
+
+def start_ray_data() -> threading.Thread:
+    """Ray Data's first execution in a process waits for its own actors (stats, autoscaling
+    coordinator, locations) and a worker to start: 3-10 s alone on 2 cores, 30 s loaded,
+    paid inside the run's first stage. A one-row dataset run on a daemon thread starts them
+    while the caller goes on (building the Dagster definitions, listing the first source);
+    every later dataset of the process finds them. Failures are the first stage's to meet:
+    this thread ignores them."""
+    global _ray_data_start
+    _ray_data_start = threading.Thread(target=_run_one_row, name="ray-data-start",
+                                       daemon=True)
+    _ray_data_start.start()
+    return _ray_data_start
+
+
+def _run_one_row() -> None:
+    try:
+        # No CPU asked (the rows are made here, the map needs none): a stage's pool may
+        # hold every CPU by the time this runs, and Ray Data warns of a task that cannot
+        # be scheduled.
+        ray.data.from_items([{"id": 0}]).map_batches(_same, batch_format="pyarrow",
+                                                     num_cpus=0).take_all()
+    except Exception:  # a warm-up only: the stages meet and report Ray's errors
+        logging.getLogger(__name__).debug("Ray Data's background start failed", exc_info=True)
+
+
+def _same(batch):
+    return batch
 
 
 @contextmanager
@@ -124,5 +159,9 @@ def _is_local(address: str) -> bool:
 
 
 def disconnect() -> None:
+    global _ray_data_start
+    if _ray_data_start is not None:  # not shut down under the background start
+        _ray_data_start.join()
+        _ray_data_start = None
     if ray.is_initialized():
         ray.shutdown()

@@ -18,12 +18,13 @@ from bench.proc_memory import (
     KINDS,
     OTHER,
     SHARED,
+    CoreUse,
     descendants,
     process_kind,
     process_memory,
     sample_tree,
 )
-from bench.scale import KernelRun, run_sizes
+from bench.scale import KernelRun, core_profile, run_sizes
 
 # A child that maps 16 MiB of POSIX shared memory, touches it, and waits for stdin to close.
 SHM_CHILD = """
@@ -120,3 +121,23 @@ def test_kernel_runs_add_up_as_one_pool():
     # One pool start and one set of model loads, the first segment's.
     assert both.seconds == 36.0 and both.cpu_seconds == 36.0
     assert (both.startup_s, both.load_cpu_s, both.model_load_s) == (8.0, 5.0, 3.0)
+
+
+def _core_use(start: float, end: float, driver: float, workers: float, machine: float
+              ) -> CoreUse:
+    return CoreUse(start, end, {**dict.fromkeys(KINDS, 0.0), DRIVER: driver, BUSY: workers},
+                   machine)
+
+
+def test_the_core_profile_splits_each_sample_over_the_steps_it_overlaps():
+    """Per step: the tree's cores, the share with both busy, the driver's cores and the
+    rest of the machine's, from the samples that overlap it (in proportion)."""
+    timeline = [_core_use(0, 1, 0.2, 1.7, 2.0), _core_use(1, 2, 0.5, 0.0, 1.5)]
+    profile = core_profile(timeline, {"a": [[0, 1]], "b": [[1, 1.5]]})
+    assert profile["a"]["tree_cores"] == pytest.approx(1.9)
+    assert profile["a"]["both_busy"] == 1.0
+    assert (profile["b"]["seconds"], profile["b"]["both_busy"]) == (0.5, 0.0)
+    assert profile["b"]["driver_cores"] == pytest.approx(0.5)
+    assert profile["b"]["others_cores"] == pytest.approx(1.0)  # 1.5 machine - 0.5 tree
+    assert profile["(outside steps)"]["seconds"] == pytest.approx(0.5)
+    assert profile["(whole run)"]["tree_cpu_s"] == pytest.approx(2.4)

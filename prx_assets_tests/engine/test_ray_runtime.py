@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 from prx_assets.engine.ray_runtime import (
     MALLOC_ENV,
     OBJECT_STORE_FLOOR,
@@ -55,3 +57,27 @@ def test_workers_do_not_inherit_the_drivers_credentials(ray_session):
     seen = ray.get(worker_environment.remote())
     assert not set(held) & set(seen)
     assert seen["HF_HUB_OFFLINE"] and "PATH" in seen  # what workers need still reaches them
+
+
+# An exception the thread let through would be this warning (pytest's thread hook).
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_ray_data_starts_on_a_thread_of_its_own_and_leaves_its_failures_to_the_stages(
+        monkeypatch):
+    """Ray Data's first run (its actors and a worker starting, seconds) goes on beside the
+    caller, not in the first stage; a failure there is the stages' to meet, not a crash."""
+    import threading
+
+    import ray.data
+
+    from prx_assets.engine import ray_runtime
+
+    ran_on = []
+
+    def no_cluster(rows: list):
+        ran_on.append(threading.current_thread())
+        raise RuntimeError("no cluster")
+
+    monkeypatch.setattr(ray.data, "from_items", no_cluster)
+    thread = ray_runtime.start_ray_data()
+    thread.join()
+    assert ran_on == [thread] and thread is not threading.main_thread()

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
-from prx_assets.engine.batches import IN_PROCESS_ROWS, batch_fn, in_this_process
+from prx_assets.engine.batches import IN_PROCESS_ROWS, actor_pool, batch_fn, in_this_process
 from prx_assets.engine.stage import (
     Coverage,
     Pending,
@@ -75,7 +75,9 @@ class AttributerSpec:
     model: str = ""  # transformers: a local folder; vllm: see `vllm`
     schema_version: str = SCHEMA_VERSION
     batch_size: int = 32
-    actors: int = 1
+    # The most actors; 0: the caption backend one per `threads_per_actor` CPUs of the
+    # cluster (as labels), a local model one.
+    actors: int = 0
     threads_per_actor: int = 1
     # At most this many captions are tagged in the run's process by the caption backend.
     in_process_rows: int = IN_PROCESS_ROWS
@@ -210,8 +212,12 @@ def attribute_stage(pending: ray.data.Dataset, spec: AttributerSpec,
         stage = CaptionAttributeStage(version, spec.schema_version, spec.threads_per_actor)
         return in_this_process(pending, stage, spec.batch_size,
                                attributes_schema(spec.schema_version))
-    pool = {"batch_format": "pyarrow", "batch_size": spec.batch_size,
-            "compute": ray.data.ActorPoolStrategy(size=max(1, spec.actors)),
+    # The caption backend in the caption labeller's pool (one actor had the other core
+    # idle for the whole stage); a local VLM is one actor unless asked (each holds a model).
+    compute = (actor_pool(spec.actors, spec.threads_per_actor, rows)
+               if spec.backend == "caption"
+               else ray.data.ActorPoolStrategy(size=max(1, spec.actors)))
+    pool = {"batch_format": "pyarrow", "batch_size": spec.batch_size, "compute": compute,
             "num_cpus": spec.threads_per_actor}
     if spec.backend == "caption":
         return pending.map_batches(CaptionAttributeStage, fn_constructor_kwargs={

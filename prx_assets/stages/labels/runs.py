@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
+from prx_assets.engine import batches
 from prx_assets.engine.batches import IN_PROCESS_ROWS, in_this_process
 from prx_assets.engine.chunked import keep_ids
 from prx_assets.engine.id_sets import IdSet
@@ -220,26 +221,17 @@ class EmbeddedLabelStage(EmbeddedLabeler):
 
 
 def pool_size(spec: LabelerSpec, cpus: float) -> int:
-    """Actors for the pool: `spec.actors`, or with 0 one per `threads_per_actor` CPUs of the
-    cluster (a single actor left a 2-CPU node half idle for the whole stage)."""
-    if spec.actors > 0:
-        return spec.actors
-    return max(1, int(cpus // max(1, spec.threads_per_actor)))
+    """Actors for the labeller's pool (`engine.batches.pool_size`)."""
+    return batches.pool_size(spec.actors, spec.threads_per_actor, cpus)
 
 
-# Captions one actor should have ahead of it before the pool starts at full size: below,
-# a second model load (torch import and MiniLM, ~8 s) costs more than it saves.
-CAPTIONS_PER_ACTOR = 500
+# Captions one actor should have ahead of it before the pool starts at full size.
+CAPTIONS_PER_ACTOR = batches.ROWS_PER_ACTOR
 
 
 def actor_pool(spec: LabelerSpec, pending: int | None = None) -> ray.data.ActorPoolStrategy:
-    """A pool of up to `pool_size` actors, starting at full size when `pending` captions
-    give each of them CAPTIONS_PER_ACTOR (grown one at a time by Ray Data, the second
-    actor of a 2-CPU node loaded its model a third of the way into the stage), else from
-    one actor, growing while captions are queued (a small source loads one model)."""
-    size = pool_size(spec, ray.cluster_resources().get("CPU", 1))
-    initial = size if pending and pending >= size * CAPTIONS_PER_ACTOR else 1
-    return ray.data.ActorPoolStrategy(min_size=1, max_size=size, initial_size=initial)
+    """The labeller's pool for `pending` captions (`engine.batches.actor_pool`)."""
+    return batches.actor_pool(spec.actors, spec.threads_per_actor, pending)
 
 
 class _PoolArgs(TypedDict):

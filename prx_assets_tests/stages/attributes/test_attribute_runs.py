@@ -57,3 +57,23 @@ def test_a_run_with_the_record_of_the_captions_tags_only_what_changed(
     records = attributes.latest().to_table().to_pylist()
     assert len(records) == len(rows) + 1 == len({r["id"] for r in records})
     assert tag_source(captions, attributes, "v1", CAPTION_FILTER, spec).to_do == 0
+
+
+def test_caption_records_are_tagged_by_a_pool_as_large_as_the_labellers(ray_session):
+    """The plan Ray Data runs (built, not executed): the caption backend in as many actors
+    as the cluster has CPUs (one left a core idle for the whole stage), a local model in
+    one actor unless told (each holds its weights)."""
+    import ray
+    import ray.data
+
+    from prx_assets.stages.attributes.runs import attribute_stage
+
+    rows = ray.data.from_items([{"id": "a", "caption_version": "v1", "caption": "A barn."}])
+    cpus = int(ray.cluster_resources()["CPU"])
+    caption = attribute_stage(rows, AttributerSpec(), rows=1000)._logical_plan.dag.compute
+    assert (caption.min_size, caption.max_size) == (1, cpus)
+    local = attribute_stage(rows, AttributerSpec(backend="transformers", model="/weights"),
+                            rows=1000)._logical_plan.dag.compute
+    assert local.min_size == local.max_size == 1
+    assert attribute_stage(rows, AttributerSpec(actors=3), rows=1000) \
+        ._logical_plan.dag.compute.max_size == 3
