@@ -134,7 +134,7 @@ def automate(spec: dg.AssetSpec) -> dg.AssetSpec:
     """Materialise when an upstream partition was updated or the partition is missing,
     once no upstream is missing or running (`eager`), the upstreams of NOT_AWAITED (and
     GROUP_STEPS for skip_lists) aside."""
-    ignored = NOT_AWAITED
+    ignored: dg.AssetSelection = NOT_AWAITED
     if spec.key == dg.AssetKey(SKIP_LISTS):
         ignored = ignored | dg.AssetSelection.assets(*GROUP_STEPS)
     return spec.replace_attributes(
@@ -146,8 +146,11 @@ def skip_lists_due(changed_at: Mapping[str, int], applied: Mapping[str, int | No
     """The configured sources whose group rows changed (at `changed_at[source]`, a version
     of the global table) after the version their latest skip lists read (`applied`; None:
     never read), in configuration order."""
-    return [source for source in sources if source in changed_at
-            and (applied.get(source) is None or applied[source] < changed_at[source])]
+    def due(source: str) -> bool:
+        read = applied.get(source)
+        return source in changed_at and (read is None or read < changed_at[source])
+
+    return [source for source in sources if due(source)]
 
 
 def group_change_requests(instance: dg.DagsterInstance, changed_at: Mapping[str, Mapping[str, int]],

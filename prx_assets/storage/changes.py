@@ -233,8 +233,9 @@ def update_config(target: TableRef, entries: dict[str, str]) -> None:
         config = table.config()
         if all(config.get(key) == text for key, text in entries.items()):
             return
+        update: dict[str, str | None] = dict(entries)
         try:
-            table.update_config(entries)
+            table.update_config(update)
             return
         except OSError as exc:
             if "Incompatible transaction" not in str(exc) or attempt == RECORD_TRIES - 1:

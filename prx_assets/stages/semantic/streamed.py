@@ -24,7 +24,7 @@ import math
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import pyarrow as pa
@@ -43,7 +43,7 @@ DEFAULT_BUCKET_ROWS = 1 << 18  # rows one per-cluster task receives, on average
 IN_PROCESS_ROWS = 20_000  # a smaller space runs in the driver: Ray's task start costs more
 # Over the cluster's nodes, as Ray Data spreads its tasks (Ray's default keeps tasks on the
 # driver's node until it is busy: a global step would use one node of an idle cluster).
-SPREAD = "SPREAD"
+SPREAD: Final = "SPREAD"
 MAX_IN_FLIGHT = 8  # reduce tasks submitted ahead of the results read
 LOOKUP_IDS = 4096  # ids per IN filter of the pixel lookup
 
