@@ -26,6 +26,7 @@ from prx_assets.stages.dedup.incremental import (
     incremental_duplicates,
     record_inputs,
 )
+from prx_assets.storage.changes import groups_changed_at, record_groups_changed
 from prx_assets.storage.lance_tables import describe_write
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import DUPLICATES, PHASHES
@@ -81,20 +82,31 @@ def build_duplicates() -> dg.AssetsDefinition:
             metadata: dict[str, Any] = {
                 **table_metadata(written, describe_write(written.open())), **recorded,
                 "run": "incremental", "hashes_rechecked": update.hashes,
-                "changed_rows": update.changed_rows, **_summary_metadata(written, totals)}
+                "changed_rows": update.changed_rows,
+                "sources_changed": ", ".join(update.sources_changed) or "none",
+                **_groups_metadata(target), **_summary_metadata(written, totals)}
             # Written already: the IO manager writes nothing for None.
             return dg.Output(None, metadata=metadata)
         context.log.info(f"grouping {sum(totals.values()):,} hashes from {len(inputs)} source(s)")
 
         def after_write(table: TableRef) -> dict:
+            # A full run cannot tell whose groups changed: every source's skip lists are due.
+            record_groups_changed(table, [i.source for i in inputs], table.open().version)
             record_inputs(table, inputs)  # what the next run's update starts from
-            return {"run": "full", **_summary_metadata(table, totals)}
+            return {"run": "full", "sources_changed": "all", **_groups_metadata(table),
+                    **_summary_metadata(table, totals)}
 
         return dg.Output(LanceTableOutput(
             duplicates_dataset(inputs, config.rows_per_bucket), DUPLICATES_SCHEMA,
             metadata=recorded, after_write=after_write))
 
     return duplicates
+
+
+def _groups_metadata(table: TableRef) -> dict:
+    """Per source, the version at which its group rows last changed (its skip lists are
+    due until they read at least that version)."""
+    return {"groups_changed_at": dg.MetadataValue.json(groups_changed_at(table))}
 
 
 def _summary_metadata(table: TableRef, totals: dict[str, int]) -> dict:

@@ -9,6 +9,11 @@ loads) starts them all; each can also be switched on alone in the UI (docs/facto
 Automatic runs go through the instance's run queue like any other, so the concurrency
 limits of dagster.yaml and the `gpu` pool hold for them.
 
+A global step's change does not start every source's `skip_lists`: its table records, per
+source, the version at which that source's group rows last changed, and the group change
+sensor requests the skip lists of only the sources whose change their last run has not read
+(a new tar that joins no other source's group starts its own skip lists only).
+
 Also here: the freshness policies of `mds_shards` and `skip_lists` (a source whose tree
 stopped updating shows in the UI's asset health) and the run-failure sensor, which logs
 one line per failed run naming the failing step and its cause.
@@ -17,17 +22,22 @@ one line per failed run naming the failing step and its cause.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from datetime import timedelta
 
 import dagster as dg
 
+from prx_assets.defs.metadata import recorded_input_version
+from prx_assets.defs.resources import StorageResource
 from prx_assets.registry import automated
 from prx_assets.stages.ingest.readers import ListingError, SourceNotFoundError
 from prx_assets.stages.ingest.sources import SourcesConfig, SourceSpec
 from prx_assets.stages.ingest.watch import ListingDigest, change_reason, listing_digest
+from prx_assets.storage.changes import groups_changed_at
 from prx_assets.storage.object_store import ObjectStoreError
 from prx_assets.storage.tables import (
     CONCEPTS,
+    DUPLICATES,
     MDS_SHARDS,
     OPT_OUTS,
     RAW_IMAGES,
@@ -113,13 +123,72 @@ def build_source_sensor(spec: SourceSpec, location: str) -> dg.SensorDefinition:
 # skip_lists runs it affects) and the semantic tables (optional to skip_lists; concepts run
 # by hand, semantic_duplicates is automated once image_embeddings exist for every source).
 NOT_AWAITED = dg.AssetSelection.assets(OPT_OUTS, SEMANTIC_DUPLICATES, CONCEPTS)
+# Global steps whose tables record, per source, when its group rows last changed
+# (`storage.changes.record_groups_changed`): skip_lists ignores their updates (one would
+# start every source) and the group change sensor starts the sources that changed.
+GROUP_STEPS = (DUPLICATES,)
+GROUP_SENSOR = "group_change_sensor"
 
 
 def automate(spec: dg.AssetSpec) -> dg.AssetSpec:
     """Materialise when an upstream partition was updated or the partition is missing,
-    once no upstream is missing or running (`eager`), the upstreams of NOT_AWAITED aside."""
+    once no upstream is missing or running (`eager`), the upstreams of NOT_AWAITED (and
+    GROUP_STEPS for skip_lists) aside."""
+    ignored: dg.AssetSelection = NOT_AWAITED
+    if spec.key == dg.AssetKey(SKIP_LISTS):
+        ignored = ignored | dg.AssetSelection.assets(*GROUP_STEPS)
     return spec.replace_attributes(
-        automation_condition=dg.AutomationCondition.eager().ignore(NOT_AWAITED))
+        automation_condition=dg.AutomationCondition.eager().ignore(ignored))
+
+
+def skip_lists_due(changed_at: Mapping[str, int], applied: Mapping[str, int | None],
+                   sources: list[str]) -> list[str]:
+    """The configured sources whose group rows changed (at `changed_at[source]`, a version
+    of the global table) after the version their latest skip lists read (`applied`; None:
+    never read), in configuration order."""
+    def due(source: str) -> bool:
+        read = applied.get(source)
+        return source in changed_at and (read is None or read < changed_at[source])
+
+    return [source for source in sources if due(source)]
+
+
+def group_change_requests(instance: dg.DagsterInstance, changed_at: Mapping[str, Mapping[str, int]],
+                          sources: list[str]) -> list[dg.RunRequest]:
+    """One skip_lists run per source due for any of GROUP_STEPS (`changed_at`: step ->
+    source -> version); its run key names the versions, so one change requests one run."""
+    due: dict[str, list[str]] = {}
+    for step, versions in changed_at.items():
+        applied = {source: recorded_input_version(instance, SKIP_LISTS, source, step)
+                   for source in sources if source in versions}
+        for source in skip_lists_due(versions, applied, sources):
+            due.setdefault(source, []).append(f"{step}@{versions[source]}")
+    return [dg.RunRequest(run_key=f"groups:{source}:{','.join(steps)}", partition_key=source,
+                          asset_selection=[dg.AssetKey(SKIP_LISTS)],
+                          tags={TRIGGER_TAG: GROUP_SENSOR,
+                                REASON_TAG: f"groups changed: {', '.join(steps)}"})
+            for source, steps in due.items()]
+
+
+def build_group_change_sensor(sources: SourcesConfig) -> dg.SensorDefinition:
+    names = sources.names
+
+    @dg.sensor(
+        name=GROUP_SENSOR, target=dg.AssetSelection.assets(SKIP_LISTS),
+        minimum_interval_seconds=30, default_status=_status(),
+        description="Reads, per source, the version at which the global duplicates last "
+                    "changed its group rows, and requests the skip_lists run of each source "
+                    "whose latest skip lists read an older version (only those sources).")
+    def group_change_sensor(context: dg.SensorEvaluationContext, storage: StorageResource
+                            ) -> dg.SensorResult | dg.SkipReason:
+        store = storage.get()
+        changed_at = {step: groups_changed_at(store.table(step)) for step in GROUP_STEPS}
+        requests = group_change_requests(context.instance, changed_at, names)
+        if not requests:
+            return dg.SkipReason("every source's skip lists read its latest group changes")
+        return dg.SensorResult(run_requests=requests)
+
+    return group_change_sensor
 
 
 def automation_sensor() -> dg.AutomationConditionSensorDefinition:
@@ -172,4 +241,5 @@ def run_failure_reporter(context: dg.RunFailureSensorContext) -> None:
 def factory_defs(sources: SourcesConfig) -> dg.Definitions:
     return dg.Definitions(
         sensors=[*(build_source_sensor(spec, sources.location_of(spec.name))
-                   for spec in sources.sources), automation_sensor(), run_failure_reporter])
+                   for spec in sources.sources), automation_sensor(),
+                 build_group_change_sensor(sources), run_failure_reporter])

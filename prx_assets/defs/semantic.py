@@ -47,6 +47,8 @@ from prx_assets.stages.semantic.spaces import (
     streamed_concepts,
 )
 from prx_assets.stages.semantic.streamed import (
+    DEFAULT_BUCKET_ROWS,
+    DEFAULT_CHUNK_ROWS,
     DEFAULT_SAMPLE_ROWS,
     IN_PROCESS_ROWS,
     SpaceInputs,
@@ -151,6 +153,9 @@ class SemanticDuplicatesConfig(dg.Config):
     ray_tasks: bool = True  # assignment and clusters in Ray tasks (False: in this process)
     # A space this small runs in this process: Ray's per-task start costs more than it.
     in_process_rows: int = IN_PROCESS_ROWS
+    # Rows one assignment task reads, and rows one per-cluster task receives on average.
+    chunk_rows: int = DEFAULT_CHUNK_ROWS
+    bucket_rows: int = DEFAULT_BUCKET_ROWS
     seed: int = 0
     # A run after a full one assigns the rows written since to the recorded centroids and
     # regroups only their clusters; `refit` (or more than `max_changed_share` of the rows
@@ -203,7 +208,8 @@ def build_semantic_duplicates() -> dg.AssetsDefinition:
             result = streamed_semantic_duplicates(
                 inputs, out, settings,
                 Tasks(config.ray_tasks and inputs.rows > config.in_process_rows), applied,
-                config.sample_rows, clusters_out=clusters)
+                config.sample_rows, config.chunk_rows, config.bucket_rows,
+                clusters_out=clusters)
         removed = result.removed_by_eps[config.eps]
         return dg.MaterializeResult(metadata={
             **recorded, "lance_version": result.version, "embeddings": result.rows,
@@ -249,6 +255,8 @@ class ConceptsConfig(dg.Config):
     sample_rows: int = DEFAULT_SAMPLE_ROWS
     ray_tasks: bool = True  # assignment and sampling in Ray tasks (False: in this process)
     in_process_rows: int = IN_PROCESS_ROWS  # as SemanticDuplicatesConfig's
+    chunk_rows: int = DEFAULT_CHUNK_ROWS  # as SemanticDuplicatesConfig's
+    bucket_rows: int = DEFAULT_BUCKET_ROWS
     seed: int = 0
     top_clusters: int = 5
     captions_per_cluster: int = 3
@@ -282,7 +290,8 @@ def build_concepts() -> dg.AssetsDefinition:
                                        round(config.target_share * rows), config.seed,
                                        Tasks(config.ray_tasks and rows > config.in_process_rows),
                                        config.captions_per_cluster,
-                                       config.sample_rows, tag=tag)
+                                       config.sample_rows, config.chunk_rows,
+                                       config.bucket_rows, tag=tag)
         if rows == 0:
             return dg.MaterializeResult(metadata={**recorded, "lance_version": result.version,
                                                   "samples": 0})

@@ -90,12 +90,13 @@ def demo_jobs(semantic: bool) -> list[Job]:
 
 
 def materialize_all(sources_file: Path, instance: dg.DagsterInstance | None = None,
-                    corpus_run_config: dict | None = None, semantic: bool = False
-                    ) -> list[PartitionRun]:
+                    corpus_run_config: dict | None = None, semantic: bool = False,
+                    job_run_configs: dict[str, dict] | None = None) -> list[PartitionRun]:
     """Every asset for every source, job by job in the registry's order: source_job per
     source (with `corpus_run_config`), then (with `semantic`) each source's embeddings and
     the semantic duplicates and concepts, dedup across sources, each source's skip lists,
-    the corpus table and the first subset."""
+    the corpus table and the first subset. `job_run_configs`: other jobs' run config, by
+    job name."""
     instance = instance or dg.DagsterInstance.get()
     defs = build_defs(sources_file)
     ray_runtime.connect()  # one Ray for all partitions; resources reuse it
@@ -103,7 +104,8 @@ def materialize_all(sources_file: Path, instance: dg.DagsterInstance | None = No
     runs: list[PartitionRun] = []
     for job in demo_jobs(semantic):
         for label, partition in _partitions(job, sources, sources_file, runs):
-            config = corpus_run_config if job.name == "source_job" else None
+            config = (corpus_run_config if job.name == "source_job"
+                      else (job_run_configs or {}).get(job.name))
             runs.append(_partition_run(label, _run(defs.resolve_job_def(job.name), instance,
                                                    config, partition_key=partition)))
     return runs

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -221,13 +222,20 @@ def record_consumed(target: TableRef, upstream: str, consumed: Consumed) -> None
     updates of two runs conflict in Lance: the loser re-reads the latest and retries (a
     record a concurrent run left is as true as ours). The same record again commits
     nothing: a run with nothing to do leaves the table's version where it was."""
-    key, text = config_key(upstream), consumed.to_json()
+    update_config(target, {config_key(upstream): consumed.to_json()})
+
+
+def update_config(target: TableRef, entries: dict[str, str]) -> None:
+    """Set `entries` in `target`'s Lance config in one commit, none if they are set already.
+    Config updates of two runs conflict in Lance: the loser re-reads the latest and retries."""
     for attempt in range(RECORD_TRIES):
         table = target.latest().open()
-        if table.config().get(key) == text:
+        config = table.config()
+        if all(config.get(key) == text for key, text in entries.items()):
             return
+        update: dict[str, str | None] = dict(entries)
         try:
-            table.update_config({key: text})
+            table.update_config(update)
             return
         except OSError as exc:
             if "Incompatible transaction" not in str(exc) or attempt == RECORD_TRIES - 1:
@@ -243,6 +251,31 @@ def forget_consumed(target: TableRef) -> None:
     keys = [key for key in table.config() if key.startswith(CONFIG_PREFIX)]
     if keys:
         table.delete_config_keys(keys)
+
+
+# --- per source, when its rows of a global table last changed --------------------------
+
+GROUPS_PREFIX = "prx.groups_changed."
+
+
+def record_groups_changed(target: TableRef, sources: Iterable[str], version: int) -> None:
+    """Record that the rows of `sources` in `target` (a global table of groups across
+    sources) changed at `version`: the per-source signal that starts those sources' skip
+    lists, and only theirs (`defs/factory`). Kept in the table's config, beside the records
+    of what it consumed, so a run killed after its commit still hands it on."""
+    entries = {f"{GROUPS_PREFIX}{source}": str(int(version)) for source in sources}
+    if entries:
+        update_config(target, entries)
+
+
+def groups_changed_at(target: TableRef) -> dict[str, int]:
+    """Per source, the version of `target` at which its rows last changed (none recorded:
+    absent)."""
+    if not target.exists():
+        return {}
+    config = target.latest().open().config()
+    return {key[len(GROUPS_PREFIX):]: int(text) for key, text in config.items()
+            if key.startswith(GROUPS_PREFIX)}
 
 
 # --- a large record, beside the table --------------------------------------------------

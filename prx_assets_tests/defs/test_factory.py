@@ -11,8 +11,20 @@ import dagster as dg
 import pytest
 
 from prx_assets.definitions import build_defs
-from prx_assets.defs.factory import AUTOMATED, REASON_TAG, TRIGGER_TAG, sensor_name
+from prx_assets.defs.factory import (
+    AUTOMATED,
+    GROUP_SENSOR,
+    REASON_TAG,
+    TRIGGER_TAG,
+    sensor_name,
+    skip_lists_due,
+)
+from prx_assets.defs.resources import StorageResource
+from prx_assets.stages.dedup.dedup import DUPLICATES_SCHEMA
 from prx_assets.stages.ingest import readers
+from prx_assets.storage.changes import record_groups_changed
+from prx_assets.storage.lance_tables import overwrite_rows
+from prx_assets.storage.layout import Storage
 from prx_assets.testing.sources import write_sources
 
 
@@ -111,28 +123,65 @@ def test_a_raw_images_update_is_carried_downstream_by_automation(source):
             dg.AssetMaterialization("raw_images", partition="web"))
         after = dg.evaluate_automation_conditions(defs=defs, instance=instance,
                                                   cursor=first.cursor)
-        # The per-source chain in one tick: an asset whose upstream is requested in the same
-        # tick counts that upstream as coming.
-        assert automated(after) == {name: {"web"} for name in PER_SOURCE_CHAIN}
-        for name in PER_SOURCE_CHAIN:
+        # The per-source chain in one tick, skip lists included: an asset whose upstream is
+        # requested in the same tick counts that upstream as coming.
+        assert automated(after) == {name: {"web"} for name in (*PER_SOURCE_CHAIN, "skip_lists")}
+        for name in (*PER_SOURCE_CHAIN, "skip_lists"):
             instance.report_runless_asset_event(dg.AssetMaterialization(name, partition="web"))
-        # Then the global duplicates (over every source's phashes), then the skip lists.
+        # Then the global duplicates (over every source's phashes).
         dedup = dg.evaluate_automation_conditions(defs=defs, instance=instance,
                                                   cursor=after.cursor)
         assert automated(dedup) == {"duplicates": {None}}
+        # Its update starts no skip lists by itself: the group change sensor starts those of
+        # the sources whose groups it changed (test_group_change_sensor_...).
         instance.report_runless_asset_event(dg.AssetMaterialization("duplicates"))
         skip = dg.evaluate_automation_conditions(defs=defs, instance=instance,
                                                  cursor=dedup.cursor)
-        assert automated(skip) == {"skip_lists": {"web"}}
-        instance.report_runless_asset_event(dg.AssetMaterialization("skip_lists", partition="web"))
+        assert automated(skip) == {}
         # Everything built, then raw_images alone changes (a re-ingest whose only news is
-        # provenance, say): the chain runs again up to the tree, whose incremental build
-        # then compares raw_images (the automation cannot know what changed).
+        # provenance, say): the chain runs again up to the tree and its skip lists; the
+        # tree's incremental build then compares raw_images (the automation cannot know
+        # what changed).
         instance.report_runless_asset_event(
             dg.AssetMaterialization("raw_images", partition="web"))
         again = dg.evaluate_automation_conditions(defs=defs, instance=instance,
                                                   cursor=skip.cursor)
-        assert automated(again) == {name: {"web"} for name in PER_SOURCE_CHAIN}
+        assert automated(again) == {name: {"web"} for name in (*PER_SOURCE_CHAIN, "skip_lists")}
+
+
+def test_skip_lists_are_due_where_groups_changed_after_the_version_they_read():
+    changed_at = {"web": 5, "stock": 9, "books": 9}
+    applied = {"web": 7, "stock": 8, "books": None}
+    assert skip_lists_due(changed_at, applied, ["web", "stock", "books", "gone"]) == [
+        "stock", "books"]
+    assert skip_lists_due(changed_at, {**applied, "stock": 9, "books": 12},
+                          ["web", "stock", "books"]) == []
+    assert skip_lists_due({}, {}, ["web"]) == []  # a step that records no change
+
+
+def test_group_change_sensor_requests_the_skip_lists_of_changed_sources_only(
+        source, tmp_path):
+    """A new tar that joins no group of another source records no change for it (stage
+    test: test_an_update_records_the_sources_whose_groups_changed_and_only_those): its
+    skip lists are not requested; the sources whose groups changed are, once."""
+    _, defs = source
+    table = Storage(tmp_path / "data").table("duplicates")
+    overwrite_rows(table, DUPLICATES_SCHEMA.empty_table(), DUPLICATES_SCHEMA)
+    sensor = defs.get_sensor_def(GROUP_SENSOR)
+    resources = {"storage": StorageResource(root=str(tmp_path / "data"))}
+    with dg.instance_for_test() as instance:
+        def tick():
+            return sensor(dg.build_sensor_context(instance=instance, resources=resources))
+
+        assert isinstance(tick(), dg.SkipReason)  # no change recorded
+        record_groups_changed(table, ["web", "gone"], 4)
+        (request,) = tick().run_requests
+        assert request.partition_key == "web" and request.run_key == "groups:web:duplicates@4"
+        assert request.asset_selection == [dg.AssetKey("skip_lists")]
+        assert request.tags[TRIGGER_TAG] == GROUP_SENSOR
+        instance.report_runless_asset_event(dg.AssetMaterialization(
+            "skip_lists", partition="web", metadata={"input_version/duplicates": 4}))
+        assert isinstance(tick(), dg.SkipReason)  # read it already
 
 
 

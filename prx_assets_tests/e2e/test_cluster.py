@@ -21,6 +21,19 @@ pytestmark = pytest.mark.e2e  # whole-graph runs and runs in subprocesses
 
 # One file per ingest task, so a small corpus still gives both nodes work.
 RUN_CONFIG = {"ops": {"raw_images": {"config": {"files_per_task": 1}}}}
+# The semantic steps in small pieces too: in Ray tasks (not in the driver, as a space this
+# small otherwise is) over chunks and buckets of 4 rows.
+SPACE_TASKS = {"in_process_rows": 0, "chunk_rows": 4, "bucket_rows": 4}
+JOB_CONFIGS = {"semantic_job": {"ops": {"semantic_duplicates": {"config": SPACE_TASKS},
+                                        "concepts": {"config": SPACE_TASKS}}},
+               # The balanced sample is drawn over the rows in the embeddings' stored order,
+               # which follows where their tasks wrote (SPACE_ORDERED): left out of the
+               # sidecars, which are compared byte for byte.
+               "skip_lists_job": {"ops": {"skip_lists": {"config": {"balance": False}}}}}
+# Tables whose row numbers (the semantic space's order) or balanced sample follow the
+# embeddings' stored order, not their content: the same ids are compared, not the rows.
+SPACE_ORDERED = {"lance/concepts.lance", "lance/semantic_clusters.lance",
+                 "lance/semantic_duplicates.lance"}
 SIZES = [(480, 360), (360, 480), (640, 360), (512, 512), (900, 600), (400, 700)]
 # Columns that record when or where a row was written, not what it holds.
 # Times of writing, and what is derived from them: the MDS fingerprint mixes in the caption
@@ -34,7 +47,8 @@ import json, sys
 from pathlib import Path
 import dagster as dg
 from prx_assets.demo.runner import materialize_all
-runs = materialize_all(Path(sys.argv[1]), dg.DagsterInstance.ephemeral(), json.loads(sys.argv[2]))
+runs = materialize_all(Path(sys.argv[1]), dg.DagsterInstance.ephemeral(), json.loads(sys.argv[2]),
+                       semantic=True, job_run_configs=json.loads(sys.argv[3]))
 nodes = {name: meta["ray_nodes"] for run in runs for name, meta in run.metadata.items()
          if "ray_nodes" in meta}
 print("RESULT" + json.dumps({"success": [r.success for r in runs], "nodes": nodes}))
@@ -72,7 +86,8 @@ def cluster(s3_server, tmp_path_factory):
 
 def run_on_cluster(cluster: TwoNodeCluster, sources: Path, data_root: Path) -> dict:
     env = {**cluster.driver_env(), "PRX_DATA_ROOT": str(data_root)}
-    out = subprocess.run([sys.executable, "-c", DRIVER, str(sources), json.dumps(RUN_CONFIG)],
+    out = subprocess.run([sys.executable, "-c", DRIVER, str(sources), json.dumps(RUN_CONFIG),
+                          json.dumps(JOB_CONFIGS)],
                          env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
     assert lines, out.stdout[-3000:] + out.stderr[-3000:]
@@ -83,7 +98,8 @@ def run_embedded(sources: Path, data_root: Path, monkeypatch: pytest.MonkeyPatch
     from prx_assets.demo.runner import materialize_all
 
     monkeypatch.setenv("PRX_DATA_ROOT", str(data_root))
-    runs = materialize_all(sources, dg.DagsterInstance.ephemeral(), RUN_CONFIG)
+    runs = materialize_all(sources, dg.DagsterInstance.ephemeral(), RUN_CONFIG, semantic=True,
+                           job_run_configs=JOB_CONFIGS)
     assert all(run.success for run in runs), [(r.source, r.checks) for r in runs]
     return runs
 
@@ -146,11 +162,15 @@ def test_whole_graph_on_a_two_node_cluster_matches_embedded(
     cluster_root, embedded_root = tmp_path / "cluster", tmp_path / "embedded"
 
     result = run_on_cluster(cluster[0], sources, cluster_root)
-    assert result["success"] == [True] * 4  # corpus, dedup, skip lists, corpus table
-    # Ingest and the image stage ran tasks on both nodes (the driver records the node of
-    # every written block).
-    assert result["nodes"]["raw_images"] == 2 and result["nodes"]["bucketed_images"] == 2
-    # The global steps record where their tasks ran too (this corpus: one dedup bucket).
+    # corpus, embeddings, semantic steps, dedup, skip lists, corpus table
+    assert result["success"] == [True] * 6
+    # Ingest, the image stage and the semantic steps ran tasks on both nodes (the driver
+    # records the node of every written block, the semantic steps each task's node).
+    for step in ("raw_images", "bucketed_images", "semantic_duplicates", "concepts"):
+        assert result["nodes"][step] == 2, (step, result["nodes"])
+    # Dedup records where its groups were formed, but Ray Data's sort-based groupby runs
+    # one reduce task per input block (`num_partitions` is for the hash shuffle): one
+    # fragment of 20 phashes here, one task; ~10^3 at 10^9 rows.
     assert result["nodes"]["duplicates"] >= 1
 
     runs = run_embedded(sources, embedded_root, monkeypatch)
@@ -160,8 +180,14 @@ def test_whole_graph_on_a_two_node_cluster_matches_embedded(
     assert tables == lance_tables(cluster_root)
     assert {"lance/raw_images/web.lance", "lance/mds_samples/web.lance",
             "lance/duplicates.lance", "lance/corpus.lance"} <= set(tables)
+    assert set(tables) >= SPACE_ORDERED
     for name in tables:
-        assert_same_table(cluster_root / name, embedded_root / name)
+        if name in SPACE_ORDERED:
+            ids = [table_contents(root / name).column("id") for root in (cluster_root,
+                                                                          embedded_root)]
+            assert ids[0].equals(ids[1]), name
+        else:
+            assert_same_table(cluster_root / name, embedded_root / name)
 
     cluster_tree, embedded_tree = tree_files(cluster_root, "web"), tree_files(embedded_root, "web")
     assert sorted(cluster_tree) == sorted(embedded_tree)

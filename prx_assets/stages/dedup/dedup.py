@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 import ray.data
 from ray.data.context import ShuffleStrategy
 
+from prx_assets.storage.lance_tables import tag_with_node
 from prx_assets.storage.layout import Storage, as_storage
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import PHASHES
@@ -127,7 +128,9 @@ def _candidates(batch: pa.Table, rank: int, buckets: int) -> pa.Table:
 
 
 def _group_bucket(batch: pa.Table) -> pa.Table:
-    return group_candidates(batch.drop_columns(["bucket"]))
+    """One bucket's groups, tagged with the node that grouped them (the asset's `ray_nodes`
+    records where the grouping ran, not only where the rows were written)."""
+    return tag_with_node(group_candidates(batch.drop_columns(["bucket"])))
 
 
 def bucket_count(rows: int, rows_per_bucket: int = DEFAULT_ROWS_PER_BUCKET) -> int:

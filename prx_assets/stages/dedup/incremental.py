@@ -11,6 +11,11 @@ with one streamed scan of the `phash` column per source, the hashes' groups are 
 the same function as the full job's buckets (`dedup.group_candidates`), and the table is
 updated in one commit: the touched hashes' rows replaced, every other row kept.
 
+Per source, the table's config also records the version at which its group rows last
+changed (`storage.changes.record_groups_changed`): an update names only the sources with a
+group row added, removed or altered (`sources_changed`), a full run every source. The
+factory starts the skip lists of exactly those sources (`defs/factory`).
+
 A full run (the Ray job) is needed, and `incremental_duplicates` says so by returning None,
 when there is no record, the sources or their order changed, a source's table was
 compacted (which ids left is then unknown), or more than `max_changed_share` of the rows
@@ -31,6 +36,7 @@ from prx_assets.stages.dedup.dedup import (
     NOT_FLAT,
     HashInput,
     group_candidates,
+    source_of,
 )
 from prx_assets.storage.changes import (
     SCAN_ROWS,
@@ -38,6 +44,7 @@ from prx_assets.storage.changes import (
     pinned_changes,
     read_consumed,
     record_consumed,
+    record_groups_changed,
     rows_with_ids,
 )
 from prx_assets.storage.refs import TableRef
@@ -54,6 +61,7 @@ class IncrementalDuplicates:
     changed_rows: int  # hashed rows written or deleted since the record
     hashes: int  # hashes whose groups were recomputed
     rows_rewritten: int  # group rows written for them
+    sources_changed: tuple[str, ...] = ()  # those with a group row added, altered or removed
 
 
 def sources_tag(inputs: list[HashInput]) -> str:
@@ -103,9 +111,18 @@ def incremental_duplicates(inputs: list[HashInput], target: TableRef,
     hashes = touched_hashes(target, added, touched_ids)
     members = candidates_with_hashes(inputs, hashes)
     groups = group_candidates(members)
+    changed_sources = sources_changed(rows_of_hashes(target, hashes), groups)
+    # Announced before the commit, as the version it will have (this record's commit, then
+    # the replace): a kill between the two leaves those sources due, never a change
+    # unannounced (a rerun finds the groups already replaced, and nothing changed).
+    announced = target.open().version + 2
+    record_groups_changed(target, changed_sources, announced)
     version = replace_groups(target, hashes, groups)
+    if version != announced:  # another commit came between: announce the real one
+        record_groups_changed(target, changed_sources, version)
     record_inputs(target, inputs)
-    return IncrementalDuplicates(version, changed, len(hashes), groups.num_rows)
+    return IncrementalDuplicates(version, changed, len(hashes), groups.num_rows,
+                                 tuple(changed_sources))
 
 
 def touched_hashes(target: TableRef, added: list[pa.Table], ids: list[pa.Array]
@@ -142,14 +159,35 @@ def candidates_with_hashes(inputs: list[HashInput], hashes: np.ndarray,
     return pa.concat_tables(parts) if parts else CANDIDATE_SCHEMA.empty_table()
 
 
+def rows_of_hashes(target: TableRef, hashes: np.ndarray) -> pa.Table:
+    """`target`'s rows of `hashes` (their groups before an update)."""
+    if hashes.size == 0:
+        return DUPLICATES_SCHEMA.empty_table()
+    return target.open().to_table(columns=DUPLICATES_SCHEMA.names,
+                                  filter=f"phash IN ({_listed(hashes)})")
+
+
+def sources_changed(before: pa.Table, after: pa.Table) -> list[str]:
+    """The sources with a row in only one of `before` and `after` (the rows of the same
+    hashes before and after an update): a member added, removed, or its group's size or
+    kept copy changed. A new row that joins no group changes no source."""
+    def rows(table: pa.Table) -> set[tuple]:
+        return {tuple(r.values()) for r in table.select(DUPLICATES_SCHEMA.names).to_pylist()}
+
+    return sorted({source_of(row[0]) for row in rows(before) ^ rows(after)})
+
+
+def _listed(hashes: np.ndarray) -> str:
+    return ", ".join(str(int(h)) for h in hashes)
+
+
 def replace_groups(target: TableRef, hashes: np.ndarray, groups: pa.Table) -> int:
     """One commit: the rows of `hashes` in `target` become `groups` (matched ids updated,
     new ones inserted, the rest of those hashes deleted); other rows stay."""
     dataset = target.open()
     if hashes.size == 0:
         return dataset.version
-    listed = ", ".join(str(int(h)) for h in hashes)
     merge = (dataset.merge_insert("id").when_matched_update_all().when_not_matched_insert_all()
-             .when_not_matched_by_source_delete(f"phash IN ({listed})"))
+             .when_not_matched_by_source_delete(f"phash IN ({_listed(hashes)})"))
     merge.execute(groups.cast(DUPLICATES_SCHEMA))
     return target.open().version

@@ -24,7 +24,7 @@ import math
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import pyarrow as pa
@@ -41,6 +41,9 @@ DEFAULT_SAMPLE_ROWS = 1 << 20  # the fit's input: 2^20 768-d vectors are 3 GB
 DEFAULT_CHUNK_ROWS = 1 << 18  # rows one assignment task reads
 DEFAULT_BUCKET_ROWS = 1 << 18  # rows one per-cluster task receives, on average
 IN_PROCESS_ROWS = 20_000  # a smaller space runs in the driver: Ray's task start costs more
+# Over the cluster's nodes, as Ray Data spreads its tasks (Ray's default keeps tasks on the
+# driver's node until it is busy: a global step would use one node of an idle cluster).
+SPREAD: Final = "SPREAD"
 MAX_IN_FLIGHT = 8  # reduce tasks submitted ahead of the results read
 LOOKUP_IDS = 4096  # ids per IN filter of the pixel lookup
 
@@ -281,7 +284,7 @@ class Tasks:
             return
         import ray
 
-        task = ray.remote(num_cpus=1)(fn)
+        task = ray.remote(num_cpus=1, scheduling_strategy=SPREAD)(fn)
         pending: list[Any] = []
         for args in calls:
             pending.append(task.remote(*args))
@@ -305,7 +308,8 @@ class Tasks:
             return total, outputs
         import ray
 
-        task = ray.remote(num_cpus=1)(fn).options(num_returns=buckets + 2)
+        task = ray.remote(num_cpus=1, scheduling_strategy=SPREAD)(fn).options(
+            num_returns=buckets + 2)
         refs = [task.remote(*args) for args in calls]
         for ref in refs:
             summary, node = ray.get(ref[:2])

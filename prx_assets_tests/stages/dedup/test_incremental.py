@@ -14,8 +14,10 @@ from prx_assets.stages.dedup.incremental import (
     candidates_with_hashes,
     incremental_duplicates,
     record_inputs,
+    sources_changed,
 )
 from prx_assets.stages.images.stage import PHASH_SCHEMA
+from prx_assets.storage.changes import groups_changed_at
 from prx_assets.storage.lance_tables import append_rows, overwrite_rows, upsert
 from prx_assets.storage.layout import Storage
 
@@ -104,3 +106,42 @@ def test_without_a_record_or_with_the_sources_reordered_a_full_run_is_needed(tmp
     append_rows(storage.table("phashes", "web"), hash_rows("web", list(range(10, 40)), 50),
                 PHASH_SCHEMA)
     assert incremental_duplicates(hash_inputs(storage, SOURCES)[0], target) is None
+
+
+def test_an_update_records_the_sources_whose_groups_changed_and_only_those(tmp_path):
+    """The per-source signal the factory starts skip lists by: a new row joining no group
+    changes no source; one copying another source's image changes both."""
+    storage = Storage(tmp_path)
+    for k, source in enumerate(SOURCES):
+        append_rows(storage.table("phashes", source),
+                    hash_rows(source, [100 + k, 200 + k, 7, 7]), PHASH_SCHEMA)
+    target = storage.table("duplicates")
+    inputs, _ = hash_inputs(storage, SOURCES)
+    overwrite_rows(target, full_recompute(storage), DUPLICATES_SCHEMA)
+    record_inputs(target, inputs)
+    assert groups_changed_at(target) == {}
+
+    append_rows(storage.table("phashes", "web"), hash_rows("web", [555], start=10),
+                PHASH_SCHEMA)
+    alone = incremental_duplicates(hash_inputs(storage, SOURCES)[0], target)
+    assert alone is not None and alone.sources_changed == ()
+    assert groups_changed_at(target) == {}
+
+    append_rows(storage.table("phashes", "web"), hash_rows("web", [201], start=20),
+                PHASH_SCHEMA)
+    copy = incremental_duplicates(hash_inputs(storage, SOURCES)[0], target)
+    assert copy is not None and copy.sources_changed == ("stock", "web")
+    assert groups_changed_at(target) == {"stock": copy.version, "web": copy.version}
+    assert as_set(target.open().to_table()) == as_set(full_recompute(storage))
+
+
+def test_sources_changed_compares_the_rows_of_each_source():
+    row = {"id": "web:1", "kept_id": "web:1", "phash": 7, "group_size": 2}
+    before = pa.Table.from_pylist([row, {**row, "id": "stock:1"}], DUPLICATES_SCHEMA)
+    grown = pa.Table.from_pylist([{**row, "group_size": 3}, {**row, "id": "stock:1",
+                                                              "group_size": 3},
+                                  {**row, "id": "books:1", "group_size": 3}],
+                                 DUPLICATES_SCHEMA)
+    assert sources_changed(before, before) == []
+    assert sources_changed(before, grown) == ["books", "stock", "web"]
+    assert sources_changed(before, before.slice(0, 1)) == ["stock"]
