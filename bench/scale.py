@@ -150,19 +150,8 @@ def child_main(sources_file: str, result_path: str) -> int:
 
 def step_seconds(instance, run_ids: list[str]) -> dict[str, float]:
     """Seconds per step key, STEP_START to STEP_SUCCESS/FAILURE, summed over the runs."""
-    from dagster import DagsterEventType
-
-    kinds = {DagsterEventType.STEP_START, DagsterEventType.STEP_SUCCESS,
-             DagsterEventType.STEP_FAILURE}
-    totals: dict[str, float] = defaultdict(float)
-    for run_id in run_ids:
-        starts = {}
-        for entry in instance.all_logs(run_id, of_type=kinds):
-            if entry.dagster_event.event_type == DagsterEventType.STEP_START:
-                starts[entry.step_key] = entry.timestamp
-            elif entry.step_key in starts:
-                totals[entry.step_key] += entry.timestamp - starts.pop(entry.step_key)
-    return dict(totals)
+    return {key: sum(end - start for start, end in spans)
+            for key, spans in step_windows(instance, run_ids).items()}
 
 
 def step_windows(instance, run_ids: list[str]) -> dict[str, list[tuple[float, float]]]:

@@ -169,18 +169,22 @@ def test_a_kill_mid_append_leaves_the_previous_tree_and_the_rerun_has_no_duplica
     assert all(c.ok for c in checks) and not problems
 
 
-def test_a_kill_between_mapping_commit_and_publish_is_rolled_forward(data_root, monkeypatch):
-    build_corpus(data_root, "web", per_shape=3)
-    first = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
-    add_sample(data_root, NEW_ID)
-
+def build_killed_before_publish(data_root, monkeypatch, options) -> None:
+    """An MDS build killed after its mapping commit, before its tree is published."""
     def killed(self, version, expected):
         raise KeyboardInterrupt("killed before publishing")
 
     with monkeypatch.context() as patch:
         patch.setattr(trees.TreeStore, "publish", killed)
         with pytest.raises(KeyboardInterrupt):
-            mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+            mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", options)
+
+
+def test_a_kill_between_mapping_commit_and_publish_is_rolled_forward(data_root, monkeypatch):
+    build_corpus(data_root, "web", per_shape=3)
+    first = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
+    add_sample(data_root, NEW_ID)
+    build_killed_before_publish(data_root, monkeypatch, OPTIONS)
     assert trees.current_tree(data_root, "web") == first.path  # the mapping is ahead
     rerun = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", OPTIONS)
     assert not rerun.changed  # the interrupted version was published, nothing left to do
@@ -199,14 +203,7 @@ def test_a_rolled_forward_publish_applies_the_retention_it_was_built_with(data_r
     build_corpus(data_root, "web", per_shape=2)
     first = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", options)
     add_sample(data_root, NEW_ID)
-
-    def killed(self, version, expected):
-        raise KeyboardInterrupt("killed before publishing")
-
-    with monkeypatch.context() as patch:
-        patch.setattr(trees.TreeStore, "publish", killed)
-        with pytest.raises(KeyboardInterrupt):
-            mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", options)
+    build_killed_before_publish(data_root, monkeypatch, options)
     rerun = mds.write_mds_tree(inputs_for(data_root, "web"), data_root, "web", options)
     assert not rerun.changed
     store = trees.source_trees(data_root, "web")
