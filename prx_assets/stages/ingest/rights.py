@@ -26,8 +26,6 @@ import functools
 import io
 import json
 import re
-import struct
-import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +35,7 @@ from xml.parsers import expat
 
 from prx_assets.stages.ingest import jumbf
 from prx_assets.stages.ingest.jumbf import TRAINING_MINING_LABELS
+from prx_assets.stages.ingest.markers import find_markers
 
 NONE, CONSTRAINED, PROHIBITED = "none", "constrained", "prohibited"
 _RANK = {NONE: 0, CONSTRAINED: 1, PROHIBITED: 2}
@@ -64,12 +63,6 @@ TRAINING_USES = ("ai_generative_training", "ai_training", "data_mining")
 C2PA_USE = {"allowed": NONE, "notAllowed": PROHIBITED, "constrained": CONSTRAINED}
 ROBOTS_RESERVED = frozenset({"noai", "noimageai"})
 
-XMP_JPEG_HEADER = b"http://ns.adobe.com/xap/1.0/\x00"
-XMP_PNG_KEYWORD = b"XML:com.adobe.xmp"
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-# A JPEG segment's marker and length; a PNG chunk's length and type; a WebP chunk's.
-_JPEG_SEGMENT, _PNG_CHUNK, _WEBP_CHUNK = (struct.Struct(">BBH"), struct.Struct(">I4s"),
-                                          struct.Struct("<4sI"))
 
 
 @dataclass(frozen=True)
@@ -106,17 +99,6 @@ class Reservation:
         return "; ".join(reserving) or None
 
 
-@dataclass(frozen=True)
-class Markers:
-    """Where metadata sits in the container: the XMP packet (bytes), the segments or chunks
-    that hold a C2PA manifest store (JUMBF: JPEG APP11 segments, a PNG `caBX` or WebP `C2PA`
-    chunk; empty without one), and the MIME type c2pa-python reads it as."""
-
-    xmp: bytes | None = None
-    jumbf: tuple[bytes, ...] = ()
-    mime: str | None = None
-
-
 def read_reservation(data: bytes | None, sidecar: Mapping[str, object] | None = None,
                      url: str | None = None, domains: DomainList | None = None) -> Reservation:
     """Every signal the bytes, the sidecar and the url carry about training on the image."""
@@ -132,85 +114,6 @@ def read_reservation(data: bytes | None, sidecar: Mapping[str, object] | None = 
     if url and domains:
         findings += domains.findings(url)
     return Reservation(tuple(findings))
-
-
-# ------------------------------------------------------------------ the marker scan
-
-def find_markers(data: bytes) -> Markers:
-    """Walk the container's segment or chunk headers (no pixel data read)."""
-    try:
-        if data[:2] == b"\xff\xd8":
-            return _jpeg_markers(data)
-        if data[:8] == PNG_SIGNATURE:
-            return _png_markers(data)
-        if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-            return _webp_markers(data)
-    except (struct.error, IndexError, zlib.error):
-        return Markers()  # a broken container: the probe rejects the image
-    return Markers()
-
-
-def _jpeg_markers(data: bytes) -> Markers:
-    xmp, pos, size = None, 2, len(data)
-    jumbf: list[bytes] = []
-    while pos + 4 <= size:
-        fill, marker, length = _JPEG_SEGMENT.unpack_from(data, pos)
-        if fill != 0xFF:
-            break
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
-            pos += 2
-            continue
-        if marker in (0xDA, 0xD9):  # start of scan: no metadata segments past it
-            break
-        end = pos + 2 + length
-        # Only the two segments read are copied: the walk is what every JPEG pays.
-        if marker == 0xE1 and xmp is None and data.startswith(XMP_JPEG_HEADER, pos + 4, end):
-            xmp = data[pos + 4 + len(XMP_JPEG_HEADER):end]
-        elif marker == 0xEB and data.startswith(b"JP", pos + 4, end):  # APP11: JUMBF (C2PA)
-            jumbf.append(data[pos + 4:end])
-        pos = end
-    return Markers(xmp=xmp, jumbf=tuple(jumbf), mime="image/jpeg")
-
-
-def _png_markers(data: bytes) -> Markers:
-    xmp, pos = None, 8
-    jumbf: list[bytes] = []
-    while pos + 8 <= len(data):
-        length, kind = _PNG_CHUNK.unpack_from(data, pos)
-        if kind == b"iTXt" and xmp is None:
-            body = data[pos + 8:pos + 8 + length]
-            if body.startswith(XMP_PNG_KEYWORD + b"\x00"):
-                xmp = _itxt_text(body)
-        elif kind == b"caBX":
-            jumbf.append(data[pos + 8:pos + 8 + length])
-        elif kind == b"IEND":
-            break
-        pos += 12 + length
-    return Markers(xmp=xmp, jumbf=tuple(jumbf), mime="image/png")
-
-
-def _itxt_text(body: bytes) -> bytes:
-    """keyword NUL, compression flag, method, language NUL, translated keyword NUL, text."""
-    rest = body[len(XMP_PNG_KEYWORD) + 1:]
-    compressed = rest[0] == 1
-    text = rest[2:].split(b"\x00", 2)[2]
-    return zlib.decompress(text) if compressed else text
-
-
-def _webp_markers(data: bytes) -> Markers:
-    xmp, pos = None, 12
-    jumbf: list[bytes] = []
-    while pos + 8 <= len(data):
-        kind, length = _WEBP_CHUNK.unpack_from(data, pos)
-        if kind == b"XMP ":
-            xmp = data[pos + 8:pos + 8 + length]
-        elif kind == b"C2PA":
-            jumbf.append(data[pos + 8:pos + 8 + length])
-        pos += 8 + length + (length & 1)
-    return Markers(xmp=xmp, jumbf=tuple(jumbf), mime="image/webp")
 
 
 # ------------------------------------------------------------------ XMP

@@ -9,7 +9,8 @@ import struct
 import pytest
 
 from prx_assets.stages.ingest import jumbf, rights
-from prx_assets.stages.ingest.rights import PROHIBITED, find_markers, read_reservation
+from prx_assets.stages.ingest.markers import find_markers
+from prx_assets.stages.ingest.rights import PROHIBITED, read_reservation
 from prx_assets.testing import rights_fixtures as rf
 
 pytest.importorskip("c2pa")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from prx_assets.stages.ingest.markers import find_markers
 from prx_assets.stages.ingest.rights import (
     CONSTRAINED,
     DATA_MINING,
@@ -18,7 +19,6 @@ from prx_assets.stages.ingest.rights import (
     PROHIBITED,
     RDF_NS,
     Finding,
-    find_markers,
     packet_body,
     parse_domain_list,
     parsed_xmp_findings,
