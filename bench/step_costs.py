@@ -31,8 +31,9 @@ import time
 from pathlib import Path
 
 from bench.common import OUT, cpu_count
+from bench.core_profile import step_seconds
 from bench.proc_memory import sample_tree
-from bench.scale import DAGSTER_YAML, KERNEL_CHUNK, step_seconds, write_sources
+from bench.scale import DAGSTER_YAML, KERNEL_CHUNK, write_sources
 from bench.scale_corpus import generate_corpus, link_subset
 
 RUN_DIR = OUT / "step_costs"

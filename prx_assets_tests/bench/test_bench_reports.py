@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from bench.captions import phases
+from bench.core_profile import core_profile
 from bench.proc_memory import (
     BUSY,
     CONTROL,
@@ -24,7 +25,7 @@ from bench.proc_memory import (
     process_memory,
     sample_tree,
 )
-from bench.scale import KernelRun, core_profile, run_sizes
+from bench.scale import KernelRun, run_sizes
 
 # A child that maps 16 MiB of POSIX shared memory, touches it, and waits for stdin to close.
 SHM_CHILD = """
