@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common import Figure, report
+from bench.soak_probes import Trainer, inode_bytes, ray_workers
 from bench.soak_sources import SOURCE_CLASSES, ModelSource, make_sources
 
 FAILPOINTS = ("ingest.expand_units", "ingest.chunk_committed", "images.chunk_committed",
@@ -403,16 +404,9 @@ class Soak:
         """The trainer streamed throughout the runs without an error, no sample twice in an
         epoch, every epoch the same samples (its tree, leased, does not change)."""
         epochs = trainer.stop()
-        name = f"the trainer on {trainer.source} tier {trainer.tier} (tree {trainer.tree.name})"
-        if trainer.error is not None:
-            raise self.violation(f"{name} failed after {len(epochs)} epoch(s): "
-                                 f"{type(trainer.error).__name__}: {trainer.error}")
-        for number, ids in enumerate(epochs):
-            if len(ids) != len(set(ids)):
-                raise self.violation(f"{name}: a sample twice in epoch {number}")
-            if set(ids) != set(epochs[0]):
-                raise self.violation(f"{name}: epoch {number} streamed other samples than "
-                                     f"epoch 0: {sorted(set(ids) ^ set(epochs[0]))[:5]}")
+        problem = trainer.problem(epochs)
+        if problem:
+            raise self.violation(problem)
         self.note(f"trainer: {len(epochs)} epoch(s) of {len(epochs[0]) if epochs else 0} "
                   "sample(s)")
 
@@ -566,45 +560,6 @@ class Soak:
                          "schedule so far:\n   " + "\n   ".join(self.schedule))
 
 
-class Trainer:
-    """A fresh loader of one tier of one source, streamed epoch after epoch in a thread of
-    its own until `stop()`: a training run beside the factory. Its reader lease (the
-    loader's) outlives `stop()` until `leases.release()`."""
-
-    PAUSE_S = 1.0  # between epochs: a few-sample epoch would otherwise spin a core
-
-    def __init__(self, data_root: Path, source: str, tier: int, tree) -> None:
-        import threading
-
-        from prx_assets.loader import build_dataset
-
-        self.source, self.tier, self.tree = source, tier, tree
-        self.dataset = build_dataset(data_root / "mds", tier, 1, weights={source: 1.0},
-                                     shuffle=False, decode_images=False)
-        self.leases = self.dataset.reader_leases
-        self.epochs: list[list[str]] = []
-        self.error: BaseException | None = None
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self.stream, name="soak-trainer", daemon=True)
-        self.thread.start()
-
-    def stream(self) -> None:
-        try:
-            while True:
-                self.epochs.append([sample["id"] for sample in self.dataset])
-                if self.stopping.wait(self.PAUSE_S):
-                    return
-        except Exception as exc:  # a trainer must never error: the check reports it
-            self.error = exc
-
-    def stop(self) -> list[list[str]]:
-        """The epochs streamed (at least one: the epoch under way is finished)."""
-        self.stopping.set()
-        self.thread.join()
-        del self.dataset
-        return self.epochs
-
-
 def kind_weight(item: str) -> tuple[str, int]:
     """`kind` or `kind:weight` (0: the kind's default weight)."""
     kind, _, weight = item.partition(":")
@@ -621,32 +576,6 @@ def _sample_id(source: str, key: str) -> str:
     from prx_assets.stages.ingest.ids import sample_id
 
     return sample_id(source, key)
-
-
-def inode_bytes(folders: list[Path]) -> dict[tuple[int, int], int]:
-    """Bytes of every file under the folders, each inode once (hard links shared)."""
-    found: dict[tuple[int, int], int] = {}
-    for folder in folders:
-        for path in folder.rglob("*"):
-            with contextlib.suppress(FileNotFoundError):
-                stat = path.lstat()
-                if path.is_file() and not path.is_symlink():
-                    found[(stat.st_dev, stat.st_ino)] = stat.st_size
-    return found
-
-
-def ray_workers() -> list[tuple[int, str]]:
-    """(pid, title) of the Ray worker processes (`ray::...`) of this process's embedded Ray
-    (its raylet's children): the soak's, not another Ray on the machine."""
-    import psutil
-
-    found = []
-    for proc in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            cmdline = proc.cmdline()
-            if cmdline and cmdline[0].startswith("ray::"):
-                found.append((proc.pid, cmdline[0]))
-    return found
 
 
 def soak(state: Soak, cycles: int) -> Soak:
