@@ -23,7 +23,7 @@ CYCLES = 5
 
 
 @pytest.mark.e2e  # the per-source graph, run after run
-@pytest.mark.soak  # alone: `make test-soak`
+@pytest.mark.soak  # minutes of CPU: `make test-soak`
 def test_five_cycles_of_a_fixed_seed_keep_every_invariant(tmp_path, ray_session,
                                                          fresh_shared_memory):
     state = Soak(tmp_path, SEED, kinds={"plain": 3, "captioner": 1}, source_names=("web",),
