@@ -14,6 +14,7 @@ import datetime
 import io
 import shutil
 import subprocess
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -67,16 +68,23 @@ def write_data_mining(folder: Path, cases: list[tuple[str, str, str]], size: int
     return made
 
 
-def tag_files(folder: Path, files: list[tuple[Path, str, str]]) -> None:
+def tag_files(folder: Path, files: list[tuple[Path, str, str]],
+              document_ids: bool = False) -> None:
     """Write plus:DataMining (a PLUS term) into each file in place, in the element or the
-    attribute form: one exiftool process for all of them."""
+    attribute form: one exiftool process for all of them. With `document_ids`, each file
+    also gets its own xmpMM:DocumentID, InstanceID and OriginalDocumentID, as editors
+    stamp them: no two packets are alike, as in a crawl."""
     config = folder / "plus.config"
     config.write_text(PLUS_CONFIG)
     args: list[str] = []
     for path, form, value in files:
         args += (["-api", "Compact=Shorthand"] if form == "attribute" else [])
-        args += ["-q", "-overwrite_original", f"-XMP-plus:DataMining={PLUS_VOCAB}{value}",
-                 str(path), "-execute"]
+        args += ["-q", "-overwrite_original", f"-XMP-plus:DataMining={PLUS_VOCAB}{value}"]
+        if document_ids:
+            args += [f"-XMP-xmpMM:{name}=xmp.{kind}:{uuid.uuid4()}" for name, kind in
+                     (("DocumentID", "did"), ("InstanceID", "iid"),
+                      ("OriginalDocumentID", "did"))]
+        args += [str(path), "-execute"]
     argfile = folder / "args.txt"
     argfile.write_text("\n".join(args) + "\n")
     subprocess.run(["exiftool", "-config", str(config), "-@", str(argfile)], check=True,

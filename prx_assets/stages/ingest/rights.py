@@ -150,6 +150,11 @@ def _body_findings(body: bytes) -> tuple[Finding, ...]:
 _remembered_findings = functools.lru_cache(maxsize=256)(_body_findings)
 
 
+def forget_findings() -> None:
+    """Forget the findings kept per packet (the bench reads every packet as the first time)."""
+    _remembered_findings.cache_clear()
+
+
 def parsed_xmp_findings(body: bytes) -> list[Finding]:
     """plus:DataMining of the `<x:xmpmeta>` element, parsed whole: the reference reading
     `plain_data_mining` must agree with."""
