@@ -23,7 +23,7 @@ holds is honoured whether or not the claim lists it (c2pa shows only the listed 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from prx_assets.stages.ingest import cbor
 
@@ -43,7 +43,7 @@ class Uncertain(Exception):
     """The direct read cannot say with certainty what the store holds."""
 
 
-def jpeg_store(segments: Sequence[bytes]) -> bytes:
+def jpeg_store(segments: Sequence[bytes | memoryview]) -> bytes:
     """The store from a JPEG's APP11 segments (ISO 19566-5 JPEG XT boxes): the first holds
     the box from its LBox on; each next one repeats LBox and TBox, then continues it."""
     first = segments[0]
@@ -60,11 +60,11 @@ def jpeg_store(segments: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
-def single_store(chunks: Sequence[bytes]) -> bytes:
+def single_store(chunks: Sequence[bytes | memoryview]) -> bytes:
     """The store from a PNG `caBX` or WebP `C2PA` chunk: exactly one (c2pa refuses two)."""
     if len(chunks) != 1:
         raise Uncertain(f"{len(chunks)} manifest store chunks")
-    return chunks[0]
+    return bytes(chunks[0])
 
 
 def training_mining_store(store: bytes) -> dict:
@@ -136,20 +136,22 @@ def _json_like(value: object) -> bool:
 
 # ------------------------------------------------------------------ boxes
 
-def _boxes(data: bytes, start: int, end: int) -> list[tuple[bytes, int, int]]:
-    """(type, payload start, payload end) of each box filling data[start:end] exactly."""
-    return list(_walk(data, start, end))
+_BOX_HEADER = struct.Struct(">I4s")
 
 
-def _walk(data: bytes, pos: int, end: int) -> Iterator[tuple[bytes, int, int]]:
+def _boxes(data: bytes, pos: int, end: int) -> list[tuple[bytes, int, int]]:
+    """(type, payload start, payload end) of each box filling data[pos:end] exactly."""
+    boxes = []
+    unpack = _BOX_HEADER.unpack_from
     while pos < end:
         if pos + 8 > end:
             raise Uncertain("a box header past its parent's end")
-        length, kind = struct.unpack_from(">I4s", data, pos)
+        length, kind = unpack(data, pos)
         if length < 8 or pos + length > end:  # 0 (to the end) and 1 (XLBox): not written
             raise Uncertain(f"a {kind!r} box of length {length} at {pos}")
-        yield kind, pos + 8, pos + length
+        boxes.append((kind, pos + 8, pos + length))
         pos += length
+    return boxes
 
 
 def _superbox(data: bytes, kind: bytes, start: int, end: int,

@@ -113,8 +113,9 @@ def raw_row(source: str, item: FoundItem, max_pixels: int = DEFAULT_MAX_PIXELS,
         row["image"] = item.data  # original bytes, untouched
         if read_rights:
             reservation = read_reservation(item.data, item.meta)
-            row.update(reservation=reservation.status,
-                       reservation_signal=reservation.signal)
+            if reservation.findings:  # else it stays `none`, without a signal
+                row.update(reservation=reservation.status,
+                           reservation_signal=reservation.signal)
     if cut_note and row["error"] is None:
         row["error"] = cut_note
     return row

@@ -78,6 +78,11 @@ class Finding:
         return f"{self.signal}={self.value}"
 
 
+# What a PLUS term says, as the plain reading finds it in most packets (built once).
+_TERM_FINDINGS = {term: Finding("xmp", f"plus:DataMining={term}", status)
+                  for term, status in DATA_MINING.items()}
+
+
 @dataclass(frozen=True)
 class Reservation:
     """A sample's reservation: the strictest status of its findings (`none` without any),
@@ -89,6 +94,8 @@ class Reservation:
     def status(self) -> str:
         if not self.findings:  # most samples: no signal at all
             return NONE
+        if len(self.findings) == 1:  # most of the rest: one
+            return self.findings[0].status
         return max((f.status for f in self.findings), key=_RANK.__getitem__, default=NONE)
 
     @property
@@ -97,6 +104,10 @@ class Reservation:
             return None
         reserving = [str(f) for f in self.findings if f.status != NONE]
         return "; ".join(reserving) or None
+
+
+# What most samples have: no signal (shared, not built per sample).
+NO_RESERVATION = Reservation()
 
 
 def read_reservation(data: bytes | None, sidecar: Mapping[str, object] | None = None,
@@ -113,7 +124,7 @@ def read_reservation(data: bytes | None, sidecar: Mapping[str, object] | None = 
         findings += sidecar_findings(sidecar)
     if url and domains:
         findings += domains.findings(url)
-    return Reservation(tuple(findings))
+    return Reservation(tuple(findings)) if findings else NO_RESERVATION
 
 
 # ------------------------------------------------------------------ XMP
@@ -141,7 +152,7 @@ def _body_findings(body: bytes) -> tuple[Finding, ...]:
     (ElementTree), which also gives a malformed packet its error."""
     term = plain_data_mining(body)
     if term is not None:
-        return (Finding("xmp", f"plus:DataMining={term}", DATA_MINING[term]),)
+        return (_TERM_FINDINGS[term],)
     return tuple(parsed_xmp_findings(body))
 
 
@@ -174,8 +185,16 @@ _PLUS_ELEMENT_OPEN, _PLUS_ELEMENT_CLOSE = b"<plus:DataMining>", b"</plus:DataMin
 _PLUS_ATTRIBUTE = re.compile(
     rb"<rdf:Description(?:\s+[^\s=<>/]+\s*=\s*(?:'[^']*'|\"[^\"]*\"))*"
     rb"\s+plus:DataMining\s*=\s*(?:'([^']*)'|\"([^\"]*)\")")
-_PLUS_BINDING = (b"xmlns:plus", PLUS_NS.encode())
-_RDF_BINDING = (b"xmlns:rdf", RDF_NS.encode())
+
+
+def _binding(prefix: bytes, uri: str) -> tuple[bytes, bytes, bytes]:
+    """`xmlns:prefix`, and its declaration binding `uri` in either quote."""
+    declaration = b"xmlns:" + prefix
+    return (declaration, declaration + b"='" + uri.encode() + b"'",
+            declaration + b'="' + uri.encode() + b'"')
+
+
+_PLUS_BINDING, _RDF_BINDING = _binding(b"plus", PLUS_NS), _binding(b"rdf", RDF_NS)
 
 
 def plain_data_mining(body: bytes) -> str | None:
@@ -194,10 +213,10 @@ def plain_data_mining(body: bytes) -> str | None:
     return term
 
 
-def _only_bound_to(body: bytes, declaration: bytes, uri: bytes) -> bool:
-    """Every `xmlns:prefix` in the packet binds the prefix to `uri` (written plainly)."""
-    return body.count(declaration) == (body.count(declaration + b"='" + uri + b"'")
-                                       + body.count(declaration + b'="' + uri + b'"'))
+def _only_bound_to(body: bytes, declaration: bytes, single: bytes, double: bytes) -> bool:
+    """Every `xmlns:prefix` in the packet binds the prefix to the one URI (written
+    plainly, in `single` or `double` quotes: `_binding`)."""
+    return body.count(declaration) == body.count(single) + body.count(double)
 
 
 def _plain_value(body: bytes) -> bytes | None:
@@ -257,16 +276,17 @@ def _data_mining_values(root: ElementTree.Element) -> Iterable[str]:
 
 def _data_mining_finding(value: str) -> Finding:
     term = value.removeprefix(PLUS_VOCAB)
-    status = DATA_MINING.get(term)
-    if status is None:  # a value outside the vocabulary: read as the strictest
+    finding = _TERM_FINDINGS.get(term)
+    if finding is None:  # a value outside the vocabulary: read as the strictest
         return Finding("xmp", f"plus:DataMining={value} (not in the PLUS vocabulary)",
                        PROHIBITED)
-    return Finding("xmp", f"plus:DataMining={term}", status)
+    return finding
 
 
 # ------------------------------------------------------------------ C2PA
 
-def c2pa_findings(data: bytes, mime: str, parts: tuple[bytes, ...] = ()) -> list[Finding]:
+def c2pa_findings(data: bytes, mime: str, parts: tuple[bytes | memoryview, ...] = ()
+                  ) -> list[Finding]:
     """The training-mining entries of every manifest in the store (the active one and its
     ingredients'); a store that c2pa-python cannot read is a prohibition with its error.
 
@@ -283,7 +303,7 @@ def c2pa_findings(data: bytes, mime: str, parts: tuple[bytes, ...] = ()) -> list
     return _c2pa_python_findings(data, mime)
 
 
-def direct_store(parts: tuple[bytes, ...], mime: str) -> dict:
+def direct_store(parts: tuple[bytes | memoryview, ...], mime: str) -> dict:
     """The training-mining assertions of the store the segments or chunks hold, in c2pa's
     JSON shape; `jumbf.Uncertain` where the direct read cannot be sure."""
     store = jumbf.jpeg_store(parts) if mime == "image/jpeg" else jumbf.single_store(parts)
