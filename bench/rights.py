@@ -114,7 +114,8 @@ class Cost:
 
 
 def paired_costs(items: list[FoundItem], pairs: int) -> Cost:
-    one_pass(items, True), one_pass(items, False)  # warm: imports, caches, c2pa's context
+    for read_rights in (True, False):  # warm: imports, caches, c2pa's context
+        one_pass(items, read_rights)
     costs, with_seconds, without_seconds = [], [], []
     for n in range(pairs):
         seconds = {}
