@@ -73,6 +73,7 @@ KEYS = {"raw_images": ["id"], "bucketed_images": ["id"], "phashes": ["id"],
 # Superseded trees go at the next publish (unless a reader holds them): the disk check.
 SOURCE_RUN_CONFIG = {"ops": {"mds_shards": {"config": {"retention_days": 0}}}}
 DISK_SLACK = 1.2
+CURATOR_TOKEN = "soak-curator-token-0123456789"  # the browser door's curator
 RUN_TIMEOUT_S = 900
 RANDOM_KILL_S = (1.0, 30.0)  # a random-time kill lands this long after the run started
 # Draw weights: mostly plain cycles (runs in this process); the others start processes.
@@ -165,8 +166,8 @@ class Soak:
 
     # ------------------------------------------------------------------ opt-outs
     def opt_out(self) -> str | None:
-        """An opt-out of a published sample, through the CLI or a dropped file; returns
-        the source it is in."""
+        """An opt-out of a published sample, through the CLI, a dropped file or the
+        browser; returns the source it is in."""
         from prx_assets.storage.layout import Storage
         from prx_assets.storage.tables import MDS_SAMPLES
 
@@ -178,14 +179,17 @@ class Soak:
         if not ids:
             return None
         chosen = self.rng.choice(ids)
-        if self.rng.random() < 0.5:
+        door_draw = self.rng.random()
+        if door_draw < 0.5:
             with contextlib.redirect_stdout(io.StringIO()):
                 status = cli_main(["opt-out", chosen, "--reason", f"soak {self.seed}"])
             if status != 0:
                 raise self.violation("the CLI refused an opt-out of a published sample")
             door = "cli"
-        else:
+        elif door_draw < 0.75:
             door = self.drop_request(source, chosen)
+        else:
+            door = self.browser_request(chosen)
         self.opted.add(chosen)
         self.note(f"opt-out {chosen} ({door})")
         return source.name
@@ -207,6 +211,28 @@ class Soak:
             **record, "timestamp": "2026-01-01T00:00:00Z",
             "reference": f"soak {self.seed}"}) + "\n")
         return f"file {name}"
+
+    def browser_request(self, sample_id: str) -> str:
+        """The curator's door over HTTP, as a browser reaches it: the corpus browser served
+        on a free port, a curator logged in, the confirmation page's form token, the form
+        posted (the browser tests drive the same page in Chromium). The page finds the
+        sample in the `corpus` table, so its job runs first, as a person would have."""
+        from prx_assets.browser.app import create_app
+        from prx_assets.browser.auth import BrowserAuth, Curators
+        from prx_assets.testing.served_app import HttpClient, ServedApp
+
+        if not self.run_here("corpus_table_job", None):
+            raise self.violation("corpus_table_job failed on a plain run")
+        auth = BrowserAuth.shared(Curators.parse(f"soak {CURATOR_TOKEN}"),
+                                  self.home / "browser.sqlite")
+        app = create_app(self.data_root, auth, table_ttl_s=0)
+        with ServedApp(self.data_root, app) as served:
+            client = HttpClient(served.url, sample_id, reference=f"soak {self.seed}")
+            logged_in = client.login(CURATOR_TOKEN)
+            status = client.opt_out(client.form_token()) if logged_in == 303 else logged_in
+        if status != 303:  # the form's answer: back to the sample page
+            raise self.violation(f"the browser refused an opt-out of {sample_id}: {status}")
+        return "browser"
 
     # ------------------------------------------------------------------ captioner
     def change_captioner(self) -> None:
@@ -536,7 +562,7 @@ class Soak:
                 f"{DISK_SLACK}x the {live_bytes:,} of the live ones")
 
     def check_no_credentials(self) -> None:
-        needles = [value.encode() for value in CANARIES.values()]
+        needles = [value.encode() for value in (*CANARIES.values(), CURATOR_TOKEN)]
         for top in (self.data_root, self.home, self.logs):
             for path in top.rglob("*"):
                 if path.is_file() and not path.is_symlink():

@@ -3,7 +3,6 @@ small real corpora built on disk (real photos from scikit-image plus generated i
 
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 
@@ -59,8 +58,7 @@ def fresh_shared_memory(tmp_path_factory: pytest.TempPathFactory):
 
     release_shared_memory(tmp_path_factory.getbasetemp())
     yield
-    gc.collect()
-    release_shared_memory(tmp_path_factory.getbasetemp())
+    release_shared_memory(tmp_path_factory.getbasetemp())  # collects first when it frees
 
 
 # Folders whose tests build and open MDS trees: each of their tests gets `fresh_shared_memory`.

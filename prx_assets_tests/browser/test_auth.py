@@ -4,11 +4,8 @@ nothing. `browse` refuses a non-loopback bind without curator tokens."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import logging
-import re
-from urllib.parse import urlencode, urlsplit
 
 import pyarrow as pa
 import pytest
@@ -17,52 +14,21 @@ from prx_assets.browser.app import UnsafeBind, check_bind, create_app
 from prx_assets.browser.auth import BrowserAuth, Curators, RateLimit, Sessions
 from prx_assets.storage.lance_tables import overwrite_rows
 from prx_assets.storage.layout import Storage
-from prx_assets.testing.served_app import ServedApp
+from prx_assets.testing.served_app import HttpClient, ServedApp
 
 TOKEN = "alice-token-0123456789abcdef"
 SAMPLE = "web:0123456789abcdef"
 WRITES_PER_MINUTE = 3
 
 
-class Client:
-    """A bare HTTP client: no redirects followed, cookies kept by hand, headers as given."""
+class Client(HttpClient):
+    """The shared client on this file's sample, reference and curator token."""
 
     def __init__(self, url: str, origin: str | None = None):
-        self.netloc = urlsplit(url).netloc
-        self.origin = origin if origin is not None else url
-        self.cookie = ""
-
-    def request(self, method: str, path: str, form: dict | None = None,
-                origin: str | None = "default") -> tuple[int, dict, str]:
-        connection = http.client.HTTPConnection(self.netloc, timeout=30)
-        headers = {"Cookie": self.cookie} if self.cookie else {}
-        body = None
-        if form is not None:
-            body = urlencode(form)
-            headers["Content-Type"] = "application/x-www-form-urlencoded"
-        sent_origin = self.origin if origin == "default" else origin
-        if sent_origin:
-            headers["Origin"] = sent_origin
-        connection.request(method, path, body=body, headers=headers)
-        response = connection.getresponse()
-        text = response.read().decode()
-        found = {k.lower(): v for k, v in response.getheaders()}
-        connection.close()
-        if "set-cookie" in found:
-            self.cookie = found["set-cookie"].split(";", 1)[0]
-        return response.status, found, text
+        super().__init__(url, SAMPLE, origin, reference="ticket-9")
 
     def login(self, token: str = TOKEN, origin: str | None = "default") -> int:
-        return self.request("POST", "/login", {"token": token, "next": "/"}, origin)[0]
-
-    def form_token(self) -> str:
-        _, _, page = self.request("GET", f"/sample/{SAMPLE}/opt-out")
-        return re.search(r'name="token" value="([^"]+)"', page).group(1)
-
-    def opt_out(self, token: str, origin: str | None = "default") -> int:
-        return self.request("POST", f"/sample/{SAMPLE}/opt-out",
-                            {"token": token, "confirm": "yes", "reference": "ticket-9"},
-                            origin)[0]
+        return super().login(token, origin)
 
 
 @pytest.fixture()
