@@ -316,7 +316,8 @@ def apart(fn: Callable[..., T], *args: object) -> T:
         return pool.submit(fn, *args).result()
 
 
-def measure(rows: int, work: Path, progress: Path | None = None) -> SizeRun:
+def measure(rows: int, work: Path, progress: Path | None = None,
+            steps: tuple[str, ...] = STEPS) -> SizeRun:
     """The size's figures, each printed (and saved to `progress`) as soon as it is
     measured: a run stopped in a later phase still has them."""
     root = work / f"n{rows}"
@@ -325,7 +326,7 @@ def measure(rows: int, work: Path, progress: Path | None = None) -> SizeRun:
     scorers: dict[str, Callable[[], tuple[float, float]]] = {
         "duplicates": lambda: apart(score_duplicates, root, rows),
         "semantic_duplicates": lambda: apart(score_semantic, root, rows, truth)}
-    for name in STEPS:
+    for name in steps:
         step = run.steps[name] = timed_step(name, root)
         print(f"  {rows:,} rows: {name} {step.seconds:.1f} s, {step.cpu_s:.1f} cpu s, "
               f"driver {step.driver_kb / 1024:.0f} MB (peak at {step.peak_at or '-'}), "
@@ -338,7 +339,7 @@ def measure(rows: int, work: Path, progress: Path | None = None) -> SizeRun:
     extra = max(len(SOURCES), rows // 1000)
     # 0.1 % more, dealt over the sources: new samples of the first block's topics
     apart(write_rows, root, rows, extra, 2, 0)
-    for name in STEPS:
+    for name in steps:
         rerun = timed_step(name, root)
         run.steps[name].rerun_s, run.steps[name].rerun_cpu_s = rerun.seconds, rerun.cpu_s
         print(f"  {rows:,} rows +0.1 %: {name} {rerun.seconds:.1f} s", flush=True)
@@ -394,21 +395,25 @@ def parse_sizes(text: str) -> list[int]:
     return sorted({int(float(part)) for part in text.split(",") if part.strip()})
 
 
-def measure_fresh(rows: int, work: Path, progress: Path) -> None:
+def measure_fresh(rows: int, work: Path, progress: Path, steps: tuple[str, ...] = STEPS
+                  ) -> None:
     """`measure` in this (fresh) process with its own embedded Ray, after a warm-up; its
     figures go to `progress` as they are measured."""
     import ray
 
     from prx_assets.engine import ray_runtime
 
+    # The watchdog's SIGINT stops it (Ray shut down on the way out), even where the shell
+    # started the bench in the background with SIGINT ignored (Python then keeps ignoring).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         ray_runtime.connect(num_cpus=2)
     except Exception:  # Ray gives its node a fixed time to start: a loaded machine can pass it
         ray.shutdown()
         ray_runtime.connect(num_cpus=2)
     try:
-        measure(1_000, work)  # Ray's workers start here, not in the size's figures
-        measure(rows, work, progress)
+        measure(1_000, work, steps=steps)  # Ray's workers start here, not in the figures
+        measure(rows, work, progress, steps)
     finally:
         ray.shutdown()
 
@@ -427,18 +432,20 @@ def stop_tree(process: multiprocessing.process.BaseProcess, grace_s: float = 60.
     pids = descendants(process.pid or 0)
     os.kill(process.pid or 0, signal.SIGINT)
     process.join(grace_s)
+    pids += descendants(process.pid or 0) if process.is_alive() else []  # started since
     for pid in reversed(pids):  # the Ray processes it started outlive a killed driver
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     process.join()
 
 
-def watched(rows: int, work: Path, min_available_gib: float) -> tuple[SizeRun | None, str]:
+def watched(rows: int, work: Path, min_available_gib: float, steps: tuple[str, ...] = STEPS
+            ) -> tuple[SizeRun | None, str]:
     """One size in a fresh driver process, stopped if the machine's available memory falls
     under `min_available_gib`: (what it measured, why it stopped or "")."""
     progress = work / f"progress-{rows}.json"
     context = multiprocessing.get_context("spawn")  # no fork of a process running Ray
-    process = context.Process(target=measure_fresh, args=(rows, work, progress))
+    process = context.Process(target=measure_fresh, args=(rows, work, progress, steps))
     process.start()
     stopped = ""
     while process.is_alive():
@@ -453,7 +460,8 @@ def watched(rows: int, work: Path, min_available_gib: float) -> tuple[SizeRun | 
     return load_progress(progress), stopped
 
 
-def run(sizes: list[int], min_available_gib: float = 0.0) -> list[SizeRun]:
+def run(sizes: list[int], min_available_gib: float = 0.0, steps: tuple[str, ...] = STEPS
+        ) -> list[SizeRun]:
     """Each size in a fresh driver process, as each run of an asset is one: what a size
     left in a driver (Python's arenas, Lance's and Ray's caches) is not the next size's.
     The report holds what a stopped size measured."""
@@ -461,7 +469,7 @@ def run(sizes: list[int], min_available_gib: float = 0.0) -> list[SizeRun]:
     runs: list[SizeRun] = []
     try:
         for rows in sizes:
-            measured, stopped = watched(rows, work, min_available_gib)
+            measured, stopped = watched(rows, work, min_available_gib, steps)
             if measured is not None:
                 runs.append(measured)
             if stopped:
@@ -481,8 +489,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-available-gb", type=float, default=2.0,
                         help="stop a size when the machine's available memory falls under "
                              "this (GiB); what it measured is still reported")
+    parser.add_argument("--steps", default=",".join(STEPS),
+                        help="the steps to run, of " + ", ".join(STEPS))
     args = parser.parse_args(argv if argv is not None else [])
-    run(parse_sizes(args.sizes), args.min_available_gb)
+    steps = tuple(n for n in STEPS if n in args.steps.split(","))
+    run(parse_sizes(args.sizes), args.min_available_gb, steps)
 
 
 if __name__ == "__main__":
