@@ -30,22 +30,29 @@ precision >= 0.95, the +0.1 % rerun <= 5 % of the full run.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import multiprocessing
 import os
 import shutil
+import signal
+import sys
 import tempfile
+import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from bench.common import Figure, report
-from bench.proc_memory import BUSY, DRIVER, IDLE, BackgroundSampler, sample_tree
+from bench.proc_memory import BUSY, DRIVER, IDLE, BackgroundSampler, descendants, sample_tree
 
 DEFAULT_SIZES = (2_000, 8_000)  # a smoke run for `make bench`; the note uses 1e5,1e6,1e7
 SOURCES = ("s0", "s1", "s2", "s3")
@@ -55,14 +62,18 @@ TOPIC_SEED = 7_000  # block k's topics: this + k
 SAMPLE_ROWS = 100_000  # the fit's sample: the same at every size from 10^5 up
 ENCODER = "bench-encoder"
 STEPS = ("duplicates", "semantic_duplicates", "concepts")
+T = TypeVar("T")
 
 
 class StepPeak(BackgroundSampler):
-    """Peak PSS of this process (the driver) and of its Ray workers, from /proc."""
+    """Peak PSS of this process (the driver) and of its Ray workers, from /proc, and where
+    the driver's code was at its peak (the main thread's innermost project frames)."""
 
     def __init__(self, interval: float = 0.2):
         super().__init__(interval)
         self.driver_kb = self.workers_kb = 0
+        self.peak_at = ""
+        self._main = threading.main_thread().ident
         self.cpu_start = self.cpu_s = 0.0
 
     def __enter__(self):
@@ -76,10 +87,18 @@ class StepPeak(BackgroundSampler):
     def _run(self) -> None:
         while not self._stop.is_set():
             sample = sample_tree(os.getpid())
-            self.driver_kb = max(self.driver_kb, sample.by_kind.get(DRIVER, 0))
+            driver = sample.by_kind.get(DRIVER, 0)
+            if driver > self.driver_kb:
+                self.driver_kb, self.peak_at = driver, self._main_frames()
             workers = sample.by_kind.get(BUSY, 0) + sample.by_kind.get(IDLE, 0)
             self.workers_kb = max(self.workers_kb, workers)
             self._stop.wait(self.interval)
+
+    def _main_frames(self, depth: int = 3) -> str:
+        frame = sys._current_frames().get(self._main or 0)
+        frames = [f"{Path(f.filename).stem}:{f.lineno}" for f in traceback.extract_stack(frame)
+                  if "/prx_assets/" in f.filename] if frame is not None else []
+        return " < ".join(reversed(frames[-depth:]))
 
 
 @dataclass
@@ -92,6 +111,7 @@ class StepRun:
     precision: float | None = None
     rerun_s: float = 0.0
     rerun_cpu_s: float = 0.0
+    peak_at: str = ""  # the driver's code at its peak PSS
 
 
 @dataclass
@@ -254,16 +274,16 @@ def timed_step(name: str, root: Path) -> StepRun:
         started = time.perf_counter()
         RUNNERS[name](root)
         seconds = time.perf_counter() - started
-    return StepRun(seconds, peak.cpu_s, peak.driver_kb, peak.workers_kb)
+    return StepRun(seconds, peak.cpu_s, peak.driver_kb, peak.workers_kb, peak_at=peak.peak_at)
 
 
-def score(run: SizeRun, root: Path, semantic_truth: np.ndarray) -> None:
+def score_duplicates(root: Path, n: int) -> tuple[float, float]:
+    """Recall and precision of `duplicates` against the planted exact groups (the rows of
+    equal hashes, read back from phashes)."""
     from prx_assets.storage.layout import Storage
 
     storage = Storage(str(root))
-    n = run.rows
     dups = storage.table("duplicates").open().to_table(columns=["id", "phash"])
-    # The planted exact groups are the rows of equal hashes, read back from phashes.
     truth = np.full(n, -1, np.int64)
     hashes = [storage.table("phashes", s).open().to_table(columns=["id", "phash"])
               for s in SOURCES]
@@ -276,41 +296,68 @@ def score(run: SizeRun, root: Path, semantic_truth: np.ndarray) -> None:
     predicted = np.full(n, -1, np.int64)
     if dups.num_rows:
         predicted[rows_of(dups.column("id"))] = found
-    step = run.steps["duplicates"]
-    step.recall, step.precision = pair_scores(predicted, truth)
-    semantic = storage.table("semantic_duplicates").open().to_table(columns=["id", "group"])
-    step = run.steps["semantic_duplicates"]
-    step.recall, step.precision = pair_scores(predicted_groups(semantic, "group", n),
-                                              semantic_truth)
+    return pair_scores(predicted, truth)
 
 
-def write_apart(root: Path, start: int, n: int, seed: int, topics_of: int | None = None
-                ) -> np.ndarray:
-    """`write_rows` in a child process: what generating and writing the rows leaves in a
-    process (Python's arenas, Lance's caches) is the bench's, not the driver's it measures."""
+def score_semantic(root: Path, n: int, truth: np.ndarray) -> tuple[float, float]:
+    from prx_assets.storage.layout import Storage
+
+    semantic = Storage(str(root)).table("semantic_duplicates").open().to_table(
+        columns=["id", "group"])
+    return pair_scores(predicted_groups(semantic, "group", n), truth)
+
+
+def apart(fn: Callable[..., T], *args: object) -> T:
+    """fn(*args) in a child process: what generating and writing the rows, or scoring them
+    (10^7 ids read back), leaves in a process (Python's arenas, Lance's caches) is the
+    bench's, not the driver's it measures."""
     context = multiprocessing.get_context("spawn")  # no fork of a process running Ray
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(write_rows, root, start, n, seed, topics_of).result()
+        return pool.submit(fn, *args).result()
 
 
-def measure(rows: int, work: Path) -> SizeRun:
+def measure(rows: int, work: Path, progress: Path | None = None,
+            steps: tuple[str, ...] = STEPS) -> SizeRun:
+    """The size's figures, each printed (and saved to `progress`) as soon as it is
+    measured: a run stopped in a later phase still has them."""
     root = work / f"n{rows}"
-    truth = write_apart(root, 0, rows, seed=1)
+    truth = apart(write_rows, root, 0, rows, 1)
     run = SizeRun(rows)
-    for name in STEPS:
-        run.steps[name] = timed_step(name, root)
-        print(f"  {rows:,} rows: {name} {run.steps[name].seconds:.1f} s, "
-              f"{run.steps[name].cpu_s:.1f} cpu s", flush=True)
-    score(run, root, truth)
+    scorers: dict[str, Callable[[], tuple[float, float]]] = {
+        "duplicates": lambda: apart(score_duplicates, root, rows),
+        "semantic_duplicates": lambda: apart(score_semantic, root, rows, truth)}
+    for name in steps:
+        step = run.steps[name] = timed_step(name, root)
+        print(f"  {rows:,} rows: {name} {step.seconds:.1f} s, {step.cpu_s:.1f} cpu s, "
+              f"driver {step.driver_kb / 1024:.0f} MB (peak at {step.peak_at or '-'}), "
+              f"workers {step.workers_kb / 1024:.0f} MB", flush=True)
+        if name in scorers:
+            step.recall, step.precision = scorers[name]()
+            print(f"  {rows:,} rows: {name} recall {100 * step.recall:.1f} %, precision "
+                  f"{100 * step.precision:.1f} %", flush=True)
+        save_progress(run, progress)
     extra = max(len(SOURCES), rows // 1000)
     # 0.1 % more, dealt over the sources: new samples of the first block's topics
-    write_apart(root, rows, extra, seed=2, topics_of=0)
-    for name in STEPS:
+    apart(write_rows, root, rows, extra, 2, 0)
+    for name in steps:
         rerun = timed_step(name, root)
         run.steps[name].rerun_s, run.steps[name].rerun_cpu_s = rerun.seconds, rerun.cpu_s
         print(f"  {rows:,} rows +0.1 %: {name} {rerun.seconds:.1f} s", flush=True)
+        save_progress(run, progress)
     shutil.rmtree(root, ignore_errors=True)
     return run
+
+
+def save_progress(run: SizeRun, path: Path | None) -> None:
+    if path is not None:
+        path.write_text(json.dumps(asdict(run)))
+
+
+def load_progress(path: Path) -> SizeRun | None:
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    return SizeRun(data["rows"], {k: StepRun(**v) for k, v in data["steps"].items()})
 
 
 def figures(runs: list[SizeRun]) -> list[Figure]:
@@ -319,6 +366,8 @@ def figures(runs: list[SizeRun]) -> list[Figure]:
     for run in runs:
         at = f"{run.rows:.0e}".replace("+0", "")
         for name in STEPS:
+            if name not in run.steps or name not in base.steps:
+                continue  # stopped before this step
             step, first = run.steps[name], base.steps[name]
             label = name.replace("semantic_duplicates", "semdedup")
             out.append(Figure("global", f"{label} s/row ×, {at}", step.seconds / run.rows,
@@ -329,10 +378,11 @@ def figures(runs: list[SizeRun]) -> list[Figure]:
                               f"at {base.rows:,}", first.driver_kb / 1024, "MB"))
             out.append(Figure("global", f"{label} workers MB, {at}", step.workers_kb / 1024,
                               f"at {base.rows:,}", first.workers_kb / 1024, "MB"))
-            out.append(Figure("global", f"{label} +0.1 % rerun, {at}", step.rerun_s,
-                              "full run", step.seconds, "s"))
-            out.append(Figure("global", f"{label} +0.1 % cpu, {at}", step.rerun_cpu_s,
-                              "full run", step.cpu_s, "cpu s"))
+            if step.rerun_s:
+                out.append(Figure("global", f"{label} +0.1 % rerun, {at}", step.rerun_s,
+                                  "full run", step.seconds, "s"))
+                out.append(Figure("global", f"{label} +0.1 % cpu, {at}", step.rerun_cpu_s,
+                                  "full run", step.cpu_s, "cpu s"))
             if step.recall is not None and step.precision is not None:
                 out.append(Figure("global", f"{label} recall, {at}", 100 * step.recall,
                                   "target", 95.0, "%"))
@@ -345,45 +395,105 @@ def parse_sizes(text: str) -> list[int]:
     return sorted({int(float(part)) for part in text.split(",") if part.strip()})
 
 
-def measure_fresh(rows: int, work: Path) -> SizeRun:
-    """`measure` in this (fresh) process with its own embedded Ray, after a warm-up."""
+def measure_fresh(rows: int, work: Path, progress: Path, steps: tuple[str, ...] = STEPS
+                  ) -> None:
+    """`measure` in this (fresh) process with its own embedded Ray, after a warm-up; its
+    figures go to `progress` as they are measured."""
     import ray
 
     from prx_assets.engine import ray_runtime
 
+    # The watchdog's SIGINT stops it (Ray shut down on the way out), even where the shell
+    # started the bench in the background with SIGINT ignored (Python then keeps ignoring).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         ray_runtime.connect(num_cpus=2)
     except Exception:  # Ray gives its node a fixed time to start: a loaded machine can pass it
         ray.shutdown()
         ray_runtime.connect(num_cpus=2)
-    measure(1_000, work)  # Ray's workers start here, not in the size's figures
-    run = measure(rows, work)
-    for name, step in run.steps.items():
-        print(f"  {rows:,} rows: {name} driver {step.driver_kb / 1024:.0f} MB, workers "
-              f"{step.workers_kb / 1024:.0f} MB", flush=True)
-    return run
-
-
-def run(sizes: list[int]) -> list[SizeRun]:
-    """Each size in a fresh driver process, as each run of an asset is one: what a size
-    left in a driver (Python's arenas, Lance's and Ray's caches) is not the next size's."""
-    work = Path(tempfile.mkdtemp(prefix="prx-global-growth-"))
-    context = multiprocessing.get_context("spawn")
     try:
-        runs = []
+        measure(1_000, work, steps=steps)  # Ray's workers start here, not in the figures
+        measure(rows, work, progress, steps)
+    finally:
+        ray.shutdown()
+
+
+def available_gib() -> float:
+    """MemAvailable of the machine, GiB."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return float("inf")
+
+
+def stop_tree(process: multiprocessing.process.BaseProcess, grace_s: float = 60.0) -> None:
+    """SIGINT to the size's driver (Ray shuts its processes down on the way out), then
+    SIGKILL to what is left of its process tree."""
+    pids = descendants(process.pid or 0)
+    os.kill(process.pid or 0, signal.SIGINT)
+    process.join(grace_s)
+    pids += descendants(process.pid or 0) if process.is_alive() else []  # started since
+    for pid in reversed(pids):  # the Ray processes it started outlive a killed driver
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.join()
+
+
+def watched(rows: int, work: Path, min_available_gib: float, steps: tuple[str, ...] = STEPS
+            ) -> tuple[SizeRun | None, str]:
+    """One size in a fresh driver process, stopped if the machine's available memory falls
+    under `min_available_gib`: (what it measured, why it stopped or "")."""
+    progress = work / f"progress-{rows}.json"
+    context = multiprocessing.get_context("spawn")  # no fork of a process running Ray
+    process = context.Process(target=measure_fresh, args=(rows, work, progress, steps))
+    process.start()
+    stopped = ""
+    while process.is_alive():
+        process.join(1.0)
+        available = available_gib()
+        if process.is_alive() and available < min_available_gib:
+            stopped = f"stopped by the memory watchdog: {available:.1f} GiB available"
+            print(f"  {rows:,} rows: {stopped}", flush=True)
+            stop_tree(process)
+    if process.exitcode and not stopped:
+        stopped = f"its driver exited with {process.exitcode}"
+    return load_progress(progress), stopped
+
+
+def run(sizes: list[int], min_available_gib: float = 0.0, steps: tuple[str, ...] = STEPS
+        ) -> list[SizeRun]:
+    """Each size in a fresh driver process, as each run of an asset is one: what a size
+    left in a driver (Python's arenas, Lance's and Ray's caches) is not the next size's.
+    The report holds what a stopped size measured."""
+    work = Path(tempfile.mkdtemp(prefix="prx-global-growth-"))
+    runs: list[SizeRun] = []
+    try:
         for rows in sizes:
-            with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-                runs.append(pool.submit(measure_fresh, rows, work).result())
+            measured, stopped = watched(rows, work, min_available_gib, steps)
+            if measured is not None:
+                runs.append(measured)
+            if stopped:
+                print(f"global_growth: {rows:,} rows {stopped}; larger sizes not run",
+                      flush=True)
+                break
         return runs
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if runs:
+            report(figures(runs), "global_growth")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)))
+    parser.add_argument("--min-available-gb", type=float, default=2.0,
+                        help="stop a size when the machine's available memory falls under "
+                             "this (GiB); what it measured is still reported")
+    parser.add_argument("--steps", default=",".join(STEPS),
+                        help="the steps to run, of " + ", ".join(STEPS))
     args = parser.parse_args(argv if argv is not None else [])
-    report(figures(run(parse_sizes(args.sizes))), "global_growth")
+    steps = tuple(n for n in STEPS if n in args.steps.split(","))
+    run(parse_sizes(args.sizes), args.min_available_gb, steps)
 
 
 if __name__ == "__main__":

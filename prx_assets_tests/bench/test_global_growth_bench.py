@@ -3,7 +3,18 @@
 import numpy as np
 import pyarrow as pa
 
-from bench.global_growth import pair_scores, parse_sizes, row_id, rows_of
+from bench.global_growth import (
+    STEPS,
+    SizeRun,
+    StepRun,
+    figures,
+    load_progress,
+    pair_scores,
+    parse_sizes,
+    row_id,
+    rows_of,
+    save_progress,
+)
 
 
 def test_pair_scores_count_pairs_of_rows_sharing_a_group():
@@ -19,3 +30,20 @@ def test_ids_name_their_rows_and_sizes_parse():
     ids = pa.array([row_id("s2", 12), row_id("s0", 0), row_id("s3", 10**9)])
     assert rows_of(ids).tolist() == [12, 0, 10**9]
     assert parse_sizes("1e5,1e6, 2000") == [2000, 100_000, 1_000_000]
+
+
+def test_a_size_stopped_after_its_first_step_still_reports_it(tmp_path):
+    # What a size measured is saved as it goes; a watchdog stopping the size's driver
+    # before the others leaves the first step's figures, recall and precision included.
+    stopped = SizeRun(10**7, {"duplicates": StepRun(100.0, 25.0, 349 << 10, 970 << 10,
+                                                     recall=1.0, precision=0.99)})
+    save_progress(stopped, tmp_path / "progress.json")
+    loaded = load_progress(tmp_path / "progress.json")
+    assert loaded == stopped and load_progress(tmp_path / "none.json") is None
+    base = SizeRun(10**5, {name: StepRun(1.0, 1.0, 100 << 10, 200 << 10, rerun_s=0.01)
+                           for name in STEPS})
+    names = {f.metric for f in figures([base, loaded])}
+    assert {"duplicates recall, 1e7", "duplicates precision, 1e7",
+            "duplicates driver MB, 1e7"} <= names
+    assert not any(n.startswith(("semdedup", "concepts")) and n.endswith("1e7") for n in names)
+    assert "duplicates +0.1 % rerun, 1e7" not in names  # not reached

@@ -128,9 +128,10 @@ def streamed_semantic_duplicates(inputs: streamed.SpaceInputs, out: TableRef,
     fit = streamed.sample(inputs, tasks, sample_rows, config.seed, chunk_rows)
     centroids = kmeans(fit, config.cluster_count(rows), config.seed,
                        use_gpu=config.use_gpu).centroids
-    buckets = streamed.bucket_count(rows, bucket_rows)
-    calls = [(c, inputs.encoder, tasks.put(centroids), buckets, True)
-             for c in streamed.chunks(inputs, chunk_rows)]
+    chunks = streamed.chunks(inputs, chunk_rows)
+    buckets = streamed.routed_buckets(inputs, chunks, bucket_rows, centroids.shape[1])
+    shared = tasks.put(centroids)  # once: a copy per chunk grew with the chunks
+    calls = [(c, inputs.encoder, shared, buckets, True) for c in chunks]
     _, routed = tasks.scatter(streamed.route_chunk, calls, buckets)
     phashes = inputs.phashes_by_rank()
     result = StreamedSemDedup(rows, 0, removed_by_eps=dict.fromkeys(eps_values, 0),

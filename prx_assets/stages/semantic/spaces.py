@@ -94,16 +94,18 @@ def streamed_concepts(inputs: streamed.SpaceInputs, out: TableRef, level_counts:
                                                   CONCEPTS_SCHEMA))
     fit = streamed.sample(inputs, tasks, sample_rows, seed, chunk_rows)
     tree = hierarchical_kmeans(fit, level_counts, seed)
-    buckets = streamed.bucket_count(rows, bucket_rows)
-    calls = [(c, inputs.encoder, tasks.put(tree.centroids[0]), buckets, False)
-             for c in streamed.chunks(inputs, chunk_rows)]
+    chunks = streamed.chunks(inputs, chunk_rows)
+    buckets = streamed.routed_buckets(inputs, chunks, bucket_rows)
+    leaves = tasks.put(tree.centroids[0])  # once: a copy per chunk grew with the chunks
+    calls = [(c, inputs.encoder, leaves, buckets, False) for c in chunks]
     leaf_sizes, routed = tasks.scatter(streamed.route_chunk, calls, buckets)
     budgets = budgets_of(leaf_sizes, tree.parents, target)
     result = StreamedConcepts(rows, 0, level_sizes(leaf_sizes, tree.parents), budgets,
                               sample_rows=len(fit))
     fragments: list = []
     seeds = [seed] if buckets == 1 else [[seed, b] for b in range(buckets)]
-    reduce_calls = [(tasks.put(budgets), tree.parents, seeds[b], first_ids, out,
+    shared_budgets = tasks.put(budgets)
+    reduce_calls = [(shared_budgets, tree.parents, seeds[b], first_ids, out,
                      *[r[b] for r in routed]) for b in range(buckets)]
     for bucket in tasks.map(concepts_bucket, reduce_calls):
         fragments.extend(pickle.loads(f) for f in bucket["fragments"])

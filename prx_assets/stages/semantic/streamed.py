@@ -45,6 +45,13 @@ IN_PROCESS_ROWS = 20_000  # a smaller space runs in the driver: Ray's task start
 # driver's node until it is busy: a global step would use one node of an idle cluster).
 SPREAD: Final = "SPREAD"
 MAX_IN_FLIGHT = 8  # reduce tasks submitted ahead of the results read
+# Ray returns a task's results under 100 KiB in its reply, into the caller's own memory
+# (`max_direct_call_object_size`): a chunk's share of a bucket that small stays in the
+# driver until its reduce ran. At 10^7 rows in 62,500-row chunks and 39 buckets, the
+# concepts' shares (no vectors) were ~58 KB each: 360 MB of routed rows in the driver.
+RAY_INLINE_BYTES = 100 * 1024
+INLINED_BUDGET = 64 << 20  # routed bytes a space may leave in the driver
+ROUTED_ROW_BYTES = 32  # a routed row without its vector: numbers, and an id of ~16 bytes
 LOOKUP_IDS = 4096  # ids per IN filter of the pixel lookup
 
 
@@ -319,8 +326,24 @@ class Tasks:
         return total, outputs
 
 
-def bucket_count(rows: int, bucket_rows: int = DEFAULT_BUCKET_ROWS) -> int:
-    return max(1, math.ceil(rows / max(1, bucket_rows)))
+def bucket_count(rows: int, bucket_rows: int = DEFAULT_BUCKET_ROWS,
+                 chunk_rows: int | None = None, row_bytes: int = ROUTED_ROW_BYTES) -> int:
+    """Buckets of about `bucket_rows` rows; given the chunks' mean rows, fewer where a
+    chunk's share of a bucket would fall under Ray's inline size (twice it, for margin)
+    on a space whose routed rows are more than `INLINED_BUDGET`."""
+    buckets = max(1, math.ceil(rows / max(1, bucket_rows)))
+    if chunk_rows is None or rows * row_bytes <= INLINED_BUDGET:
+        return buckets
+    return max(1, min(buckets, chunk_rows * row_bytes // (2 * RAY_INLINE_BYTES)))
+
+
+def routed_buckets(inputs: SpaceInputs, chunk_list: Sequence[Chunk], bucket_rows: int,
+                   dim: int | None = None) -> int:
+    """`bucket_count` for routing `chunk_list`, its rows with their `dim`-d vectors or
+    without (None)."""
+    rows = inputs.rows
+    row_bytes = ROUTED_ROW_BYTES + (4 * dim if dim else 0)
+    return bucket_count(rows, bucket_rows, rows // max(1, len(chunk_list)), row_bytes)
 
 
 def sample(inputs: SpaceInputs, tasks: Tasks, sample_rows: int, seed: int,

@@ -30,8 +30,11 @@ from prx_assets.stages.semantic.semdedup_streamed import (
 from prx_assets.stages.semantic.spaces import streamed_concepts
 from prx_assets.stages.semantic.streamed import (
     DEFAULT_SAMPLE_ROWS,
+    RAY_INLINE_BYTES,
+    ROUTED_ROW_BYTES,
     Draw,
     Tasks,
+    bucket_count,
     sample,
     space_inputs,
 )
@@ -119,6 +122,19 @@ def test_the_draw_keeps_the_rows_of_smallest_key_in_row_order(size):
         drawn.add(keys[piece], np.arange(240)[piece], vectors[piece])
     kept = np.sort(np.argsort(keys)[:size])
     assert np.array_equal(drawn.in_row_order(), vectors[kept])
+    assert drawn.vectors is not None and len(drawn.vectors) == drawn.keys.size == size
+
+
+def test_a_chunks_share_of_a_bucket_is_not_left_in_the_drivers_memory():
+    # Shares under Ray's inline size are returned into the driver: past the budget, fewer
+    # buckets keep every share of a mean chunk at twice that size.
+    rows, chunk_rows, bucket_rows = 10**7, 62_500, 1 << 18
+    buckets = bucket_count(rows, bucket_rows, chunk_rows, ROUTED_ROW_BYTES)
+    assert 1 < buckets < bucket_count(rows, bucket_rows)
+    assert chunk_rows * ROUTED_ROW_BYTES / buckets >= 2 * RAY_INLINE_BYTES
+    # Shares with 64-d vectors are large enough already; a small space keeps its buckets.
+    assert bucket_count(rows, bucket_rows, chunk_rows, ROUTED_ROW_BYTES + 4 * 64) == 39
+    assert bucket_count(1200, 300, 97, ROUTED_ROW_BYTES) == 4
 
 
 def test_the_sample_is_seeded_bounded_and_whole_when_the_space_fits(tmp_path):
