@@ -94,6 +94,16 @@ class NewRows:
     version: int | None
 
 
+@dataclass(frozen=True)
+class AbsentRows:
+    """A chunk's rows to commit whose keys the stage looked up itself (`to_commit`): none
+    was in the target at `version`, so they are appended without a merge's lookup (ingest:
+    every chunk of a new source, every new file of a known one)."""
+
+    rows: pa.Table
+    version: int
+
+
 @dataclass
 class ChunkedRun:
     """What one chunked run did; updated after every commit, so a callback sees it grow."""
@@ -144,15 +154,17 @@ ChunkCallback = Callable[[pa.Table, ChunkedRun], None]
 def run_chunked(pending: ray.data.Dataset | None,
                 stage: Callable[[ray.data.Dataset], ray.data.Dataset],
                 target: CommitTarget, chunk_rows: int, *,
-                to_commit: Callable[[pa.Table], pa.Table] | None = None,
+                to_commit: Callable[[pa.Table], pa.Table | AbsentRows] | None = None,
                 on_chunk: ChunkCallback | None = None,
                 new_rows: NewRows | None = None) -> ChunkedRun:
     """Run `stage` over `pending` and commit its output to `target` chunk by chunk.
 
     `pending=None` means nothing to do: the stage is not even built (no actor pool starts,
     no model loads). `to_commit` picks the rows of a chunk to write (default: all), e.g. to
-    leave failed rows out so the next run retries them. `on_chunk(chunk, run)` runs after
-    each chunk is committed; whatever it raises stops the run with the commits so far kept.
+    leave failed rows out so the next run retries them; rows it returns as `AbsentRows` are
+    appended (no merge) while the target is still at the version they were absent from.
+    `on_chunk(chunk, run)` runs after each chunk is committed; whatever it raises stops the
+    run with the commits so far kept.
     `new_rows` says the stage's rows are new as of a target version: they are appended
     while no other writer commits (then merged). After each commit the key index is kept
     up to date; after the last chunk, a run of more than one commit merges the target's key
@@ -167,9 +179,11 @@ def run_chunked(pending: ray.data.Dataset | None,
     started = time.perf_counter()
     writer = _ChunkWriter(target, new_rows)
     for chunk in arrow_batches(stage(pending), batch_size=chunk_rows):
-        rows = to_commit(chunk) if to_commit else chunk
+        picked = to_commit(chunk) if to_commit else chunk
+        absent_at = picked.version if isinstance(picked, AbsentRows) else None
+        rows = picked.rows if isinstance(picked, AbsentRows) else picked
         if rows.num_rows:
-            run.lance_version = writer.commit(rows, run)
+            run.lance_version = writer.commit(rows, run, absent_at)
             run.commits += 1
         run.chunks += 1
         run.rows += chunk.num_rows
@@ -206,7 +220,9 @@ class _ChunkWriter:
         self.session = lance.Session(index_cache_size_bytes=WRITER_INDEX_CACHE_BYTES,
                                      metadata_cache_size_bytes=WRITER_METADATA_CACHE_BYTES)
 
-    def commit(self, rows: pa.Table, run: ChunkedRun) -> int:
+    def commit(self, rows: pa.Table, run: ChunkedRun, absent_at: int | None = None) -> int:
+        """Commit one chunk; `absent_at`: a version at which none of its keys was in the
+        target (the stage looked them up), so it is appended like known-new rows."""
         target = self.target
         if self.appending and self.key is not None:
             version, clean = append_new(target.table, rows, target.schema,
@@ -215,6 +231,12 @@ class _ChunkWriter:
             # Each clean append came straight after the last: the next chunk's rows are
             # still absent. After another writer's commit, merge.
             self.appending, self.known_at = clean, version
+        elif absent_at is not None and absent_at == target.version():
+            # A writer that committed since the lookup may hold some of these keys:
+            # `append_new` then finds and drops the copies, as for known-new rows.
+            version, clean = append_new(target.table, rows, target.schema,
+                                        list(target.keys), absent_at, self.session)
+            run.appended += rows.num_rows if clean else 0
         else:
             version = upsert_looked_up(target.table, rows, target.schema, list(target.keys),
                                        self.session)

@@ -235,13 +235,15 @@ class Location:
     def read_text(self) -> str:
         return self.read_bytes().decode()
 
-    def write_text(self, text: str) -> None:
+    def write_text(self, text: str, durable: bool = True) -> None:
         """Readers see the old file or the new one whole: locally a temporary file,
         flushed to disk, renamed over the name, and the folder flushed (so a commit a
-        file records survives a crash); on S3 one PUT (visible whole or not at all)."""
-        self.write_bytes(text.encode())
+        file records survives a crash); on S3 one PUT (visible whole or not at all).
+        `durable=False`: locally not flushed, for a file of a folder published later
+        whose publisher flushes it first (`sync_paths`)."""
+        self.write_bytes(text.encode(), durable)
 
-    def write_bytes(self, data: bytes) -> None:
+    def write_bytes(self, data: bytes, durable: bool = True) -> None:
         if not self.is_local:
             fs, path = self.filesystem()
             with fs.open_output_stream(path) as stream:
@@ -253,13 +255,15 @@ class Location:
         try:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
+                if durable:
+                    handle.flush()
+                    os.fsync(handle.fileno())
             os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        sync_folder(target.parent)
+        if durable:
+            sync_folder(target.parent)
 
     def files(self, suffix: str = "") -> list[Location]:
         """Files directly in this folder whose names end with `suffix`, sorted; [] when the
@@ -328,8 +332,29 @@ def as_location(where: Location | str | PurePath) -> Location:
 
 def sync_folder(folder: Path | str) -> None:
     """Flush a folder's entries to disk, so a rename into it survives a crash."""
-    fd = os.open(folder, os.O_RDONLY)
+    _flush(folder)
+
+
+def _flush(path: Path | str) -> None:
+    """fsync a file's bytes or a folder's entries (opened read-only: Linux flushes all the
+    same)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+SYNC_THREADS = 16  # concurrent flushes: the file system commits them together
+
+
+def sync_paths(files: list[Path]) -> None:
+    """Flush `files`, then the folders holding them, to disk: one pass, many flushes in
+    flight at once (ext4 commits concurrent ones in one journal commit, where one after
+    another each waits for its own: 48 index files of a 2,000-image tree, 0.8 s)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    folders = sorted({path.parent for path in files})
+    with ThreadPoolExecutor(SYNC_THREADS) as pool:
+        list(pool.map(_flush, files))
+        list(pool.map(_flush, folders))

@@ -37,7 +37,7 @@ from pathlib import Path, PurePath
 
 from prx_assets.storage.layout import MDS_DIR, Storage, as_storage
 from prx_assets.storage.leases import ReaderLease, held_versions, lease_file, take_reader_lease
-from prx_assets.storage.refs import Location, as_location
+from prx_assets.storage.refs import Location, as_location, sync_folder, sync_paths
 
 logger = logging.getLogger(__name__)
 
@@ -199,10 +199,17 @@ class TreeStore:
         src.delete()
 
     def finish(self, version: str) -> Location:
-        """A built version made complete (its manifest already inside): renamed locally."""
+        """A built version made complete (its manifest already inside): renamed locally.
+
+        The order a crash relies on: the leaves' indexes (written unflushed, `write_index`)
+        reach the disk with their folders, then the rename, then the trees folder; the
+        publish that names the version comes after (`publish`)."""
         final = self.tree(version)
         if self.is_local:
-            os.rename(self.staging(version).path, final.path)
+            staged = self.staging(version).path
+            sync_paths(sorted(staged.glob(f"*/*/{INDEX}")))
+            os.rename(staged, final.path)
+            sync_folder(self.trees_dir.path)
         return final
 
     def publish(self, version: str, expected: str | None) -> None:

@@ -32,3 +32,24 @@ def test_tree_resolution_and_sidecars_import_neither_ray_nor_streaming(module):
 
 def test_the_loader_does_not_import_ray():
     assert "ray" not in _heavy_imports("prx_assets.loader")
+
+
+def test_a_finished_version_has_its_indexes_on_disk_before_its_rename(tmp_path, monkeypatch):
+    from prx_assets.storage.refs import Location
+    from prx_assets.storage.trees import INDEX, TreeStore
+
+    store = TreeStore(Location(str(tmp_path / "mds")), "src")
+    staged = store.staging("v1").path
+    for leaf in ("512/512x512", "1024/1024x1024"):
+        (staged / leaf).mkdir(parents=True)
+        (staged / leaf / INDEX).write_text("{}")
+    events: list[str] = []
+    fsync, rename = os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(os.readlink(f"/proc/self/fd/{fd}")),
+                                                 fsync(fd))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append("rename"), rename(a, b))[1])
+    store.finish("v1")
+    flushed = set(events[:events.index("rename")])
+    for leaf in ("512/512x512", "1024/1024x1024"):
+        assert {str(staged / leaf / INDEX), str(staged / leaf)} <= flushed
+    assert events[events.index("rename") + 1:] == [str(store.trees_dir.path)]

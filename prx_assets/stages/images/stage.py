@@ -60,6 +60,7 @@ from prx_assets.storage.lance_tables import (
     upsert,
 )
 from prx_assets.storage.refs import TableRef
+from prx_assets.storage.tables import image_bytes_field
 
 # Bump when the stage's output for the same raw bytes and settings changes (a new resize,
 # encoder or hash): every bucketed row then reads as stale and is redone.
@@ -74,7 +75,7 @@ BUCKETED_SCHEMA = pa.schema([
     pa.field("height", pa.int32()),
     pa.field("original_width", pa.int32()),
     pa.field("original_height", pa.int32()),
-    pa.field("image", pa.large_binary()),
+    image_bytes_field(),
     pa.field("error", pa.string()),
     # The hash columns ride along from the same decode; `phashes` projects them.
     pa.field("phash", pa.int64()),

@@ -34,9 +34,10 @@ import ray
 import ray.data
 from ray.data.aggregate import Count, Max
 
-from prx_assets.engine.batches import arrow_batches
+from prx_assets.engine.batches import PutTable, arrow_batches, dataset_of, put_table
 from prx_assets.engine.chunked import (
     BROADCAST_IDS,
+    AbsentRows,
     ChunkedReport,
     ChunkedRun,
     CommitTarget,
@@ -149,14 +150,14 @@ class IngestPlan:
     location: SourceLocation
     units_listed: int = 0
     pending_units: int = 0
-    blocks: list = field(default_factory=list)  # ObjectRefs of pa.Tables (UNIT_FIELDS)
+    blocks: list[PutTable] = field(default_factory=list)  # pa.Tables of UNIT_FIELDS
     listed: dict[str, str] | None = None  # driver comparison: unit -> signature now
     pending_rows: ray.data.Dataset | None = None  # Ray comparison: units left to read
 
     def pending(self) -> ray.data.Dataset | None:
         if self.listed is None:
             return self.pending_rows if self.pending_units else None
-        return ray.data.from_arrow_refs(self.blocks) if self.blocks else None
+        return dataset_of(self.blocks) if self.blocks else None
 
     def signatures(self, units: list[str]) -> dict[str, str]:
         """unit -> signature in the listing, of those of `units` it holds."""
@@ -164,7 +165,7 @@ class IngestPlan:
             return {u: self.listed[u] for u in units if u in self.listed}
         wanted = pa.array(units, pa.string())
         found: dict[str, str] = {}
-        for block in ray.get(self.blocks):  # only for the rare chunk with a rival
+        for block in ray.get([b.ref for b in self.blocks]):  # only for a chunk with a rival
             block = block.filter(pc.is_in(block.column("unit"), wanted))
             found.update(zip(block.column("unit").to_pylist(),
                              block.column("unit_signature").to_pylist(), strict=True))
@@ -173,7 +174,7 @@ class IngestPlan:
     def stale_ids(self, target: CommitTarget) -> list[str]:
         if self.listed is not None:
             return stale_ids(target, self.listed)
-        return stale_ids_joined(target, ray.data.from_arrow_refs(self.blocks),
+        return stale_ids_joined(target, dataset_of(self.blocks),
                                 self.units_listed)
 
 
@@ -207,7 +208,7 @@ def plan_ingest_joined(spec: SourceSpec, uri: str | Path | SourceLocation,
     plan = plan_ingest(spec, uri, done={}, block_units=block_units, keep_listing=False)
     if not plan.blocks:
         return plan
-    listed = ray.data.from_arrow_refs(plan.blocks)
+    listed = dataset_of(plan.blocks)
     # ignore: Ray annotates `on` as Tuple[str] (one column), though a join takes several.
     pending = listed.join(completed_pairs(target), join_type="left_anti",
                           on=UNIT_KEYS,  # type: ignore[arg-type]
@@ -229,10 +230,10 @@ def _complete_only(groups: pa.Table) -> pa.Table:
     return complete.select(list(UNIT_KEYS))
 
 
-def _put_block(units: list[tuple[str, str]]) -> ray.ObjectRef:
+def _put_block(units: list[tuple[str, str]]) -> PutTable:
     names, signatures = zip(*units, strict=True)
-    return ray.put(pa.table([pa.array(names, pa.string()), pa.array(signatures, pa.string())],
-                            schema=UNIT_FIELDS))
+    return put_table(pa.table([pa.array(names, pa.string()),
+                               pa.array(signatures, pa.string())], schema=UNIT_FIELDS))
 
 
 # ------------------------------------------------------------------ reading units (Ray tasks)
@@ -255,13 +256,15 @@ def expand_units(units: pa.Table, spec: SourceSpec, location: SourceLocation | s
         failpoint("ingest.expand_units")
 
 
-def rows_to_commit(chunk: pa.Table, committed: CommittedRivals | None = None) -> pa.Table:
+def rows_to_commit(chunk: pa.Table, committed: CommittedRivals | None = None
+                   ) -> pa.Table | AbsentRows:
     """A chunk as it is merge-inserted: without the node column, and with one row per id
     (a merge-insert refuses two source rows for one key). A key found in two units of a
     source keeps the row of the unit first by name (whatever order Ray read them in); each
     other one becomes a `duplicate_key` row of its own unit naming both units (before, the
     unit read later won silently). With `committed`, the units of earlier chunks and runs
-    are compared too (`CommittedRivals`)."""
+    are compared too (`CommittedRivals`), and a chunk none of whose ids is committed yet
+    comes back as `AbsentRows` (appended, not merged)."""
     if NODE_COLUMN in chunk.column_names:
         chunk = chunk.drop_columns([NODE_COLUMN])
     ids = chunk.column("id")
@@ -290,17 +293,20 @@ class CommittedRivals:
     removed by this run). The unit first by name keeps the key, as within a chunk: a
     chunk's row of a later unit becomes its `duplicate_key` row; a committed row of a
     later unit is rewritten as one, in the same commit, so that unit still counts as read
-    whole. One lookup of the chunk's ids per chunk (a filter on the key index)."""
+    whole. One lookup of the chunk's ids per chunk (a filter on the key index); a chunk it
+    finds none of (new files) is `AbsentRows`: appended, no merge looks them up again."""
 
     target: CommitTarget
     signature_of: Callable[[list[str]], dict[str, str]]  # units -> listed signature
 
-    def resolve(self, chunk: pa.Table) -> pa.Table:
+    def resolve(self, chunk: pa.Table) -> pa.Table | AbsentRows:
         if self.target.version() is None or chunk.num_rows == 0:
             return chunk
         ids = chunk.column("id").to_pylist()
-        found = self.target.open().to_table(columns=["id", *UNIT_KEYS],
-                                            filter=in_filter("id", ids))
+        committed = self.target.open()
+        found = committed.to_table(columns=["id", *UNIT_KEYS], filter=in_filter("id", ids))
+        if found.num_rows == 0:
+            return AbsentRows(chunk, committed.version)
         units = dict(zip(chunk.column("id").to_pylist(), chunk.column("unit").to_pylist(),
                          strict=True))
         others = [(i, u, s) for i, u, s in zip(found["id"].to_pylist(),

@@ -11,6 +11,7 @@ import pyarrow as pa
 from prx_assets.stages.ingest.ids import sample_id
 from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS, STATUS_OK, probe_image, sha256_hex
 from prx_assets.stages.ingest.rights import NONE, read_reservation
+from prx_assets.storage.tables import image_bytes_field
 
 UNKNOWN_LICENSE = "unknown"
 
@@ -37,7 +38,7 @@ RAW_IMAGES_SCHEMA = pa.schema(
         pa.field("id", pa.string(), nullable=False),
         pa.field("source", pa.string(), nullable=False),
         pa.field("source_key", pa.string(), nullable=False),
-        pa.field("image", pa.large_binary()),
+        image_bytes_field(),
         pa.field("format", pa.string()),
         pa.field("width", pa.int32()),
         pa.field("height", pa.int32()),

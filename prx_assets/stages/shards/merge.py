@@ -33,9 +33,12 @@ StaleCounts = dict[tuple[str, str], int]  # stale samples per (leaf, shard)
 
 
 def write_index(leaf_dir: Location, shards: list[dict]) -> None:
-    """The leaf's index, written only once every shard it lists is present and whole."""
+    """The leaf's index, written only once every shard it lists is present and whole; in a
+    staged version, flushed to disk with the others when the version is finished
+    (`TreeStore.finish`), not one by one."""
     check_shards(leaf_dir, shards)
-    (leaf_dir / INDEX).write_text(json.dumps({"version": 2, "shards": shards}, sort_keys=True))
+    (leaf_dir / INDEX).write_text(json.dumps({"version": 2, "shards": shards}, sort_keys=True),
+                                  durable=False)
 
 
 def merge_leaf(store: TreeStore, leaf_dir: Location, parts: list[tuple[PartSpec, list[dict]]],

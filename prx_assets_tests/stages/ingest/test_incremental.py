@@ -386,3 +386,17 @@ def test_a_unit_added_later_with_a_committed_key_is_compared_with_it(ray_session
     got = {r["source_key"]: r for r in rows(table)}
     assert got["x"]["unit"] == "a.parquet" and got["c.parquet#x"]["status"] == "duplicate_key"
     assert ingest(_parquet_units(root, {}), table).rows_processed == 0
+
+
+def test_new_files_are_appended_and_a_rewritten_one_merged(ray_session, tmp_path):
+    """A chunk none of whose ids is committed is appended (no merge looks them up again);
+    a chunk holding a committed id merges, so that id stays one row."""
+    spec = folder_source(tmp_path / "source")
+    table = tmp_path / "raw.lance"
+    first = ingest(spec, table, chunk_rows=2)
+    # The first chunk creates the table; the two after it are appended.
+    assert (first.commits.commits, first.commits.appended) == (3, N - 2)
+    (Path(spec.uri) / "01.jpg").write_bytes(jpeg_bytes(420, 300, 77))
+    rerun = ingest(spec, table, chunk_rows=2)
+    assert (rerun.units_read, rerun.commits.commits, rerun.commits.appended) == (1, 1, 0)
+    assert_equals_full_rebuild(spec, table, tmp_path)

@@ -76,7 +76,7 @@ def test_units_reach_ray_in_bounded_blocks_without_a_manifest(ray_session, small
 
     spec = SourceSpec(name="web", kind="image_folder", uri=str(small_folder))
     plan = plan_ingest(spec, small_folder, done={}, block_units=3)
-    blocks = [ray.get(ref) for ref in plan.blocks]
+    blocks = [ray.get(block.ref) for block in plan.blocks]
     assert [b.num_rows for b in blocks] == [3, 3, 2] and plan.pending_units == 8
     assert [unit for b in blocks for unit in b.column("unit").to_pylist()] == list(plan.listed)
     done = dict(list(plan.listed.items())[:5])  # already committed under these signatures
