@@ -1,7 +1,7 @@
 """A seeded fault soak: a random schedule of source changes, hostile files, opt-outs, runs,
 kills, a captioner change and a reader, with an invariant checker after every cycle.
 
-    python -m bench.soak --cycles N --seed S [--dir DIR] [--sources web,tars,pq]
+    python -m bench.soak --cycles N --seed S [--s3] [--dir DIR] [--sources web,tars,pq]
         [--kinds plain:8,captioner:1,...] [--no-asset-checks]
 
 Three sources (or those `--sources` names) on local disk (`bench/soak_sources.py`: a folder
@@ -38,6 +38,17 @@ most 1.2x the live ones (current and leased; retention is 0 days in the soak); n
 credential value set in the soak's environment appears in any file under the data root,
 the Dagster instance or the run logs, nor in the environment of any Ray worker.
 
+`--s3`: the data root (tables, trees, opt-out folder, leases) in a bucket of the S3 test
+server the tests use (`testing.s3_server`: SeaweedFS on 127.0.0.1, started under the work
+folder; or the one `AWS_ENDPOINT_URL` names when that is a loopback address, with the
+credentials of the environment), the standard AWS variables pointing at it as the `s3`
+tests set them. The sources, the Dagster instance and the logs stay on local disk (as in
+the S3 graph test's runs, the sources are read where they are). Every invariant reads
+through the storage layer: the same checks on object listings and objects (the disk check
+counts every object: S3 has no hard links, a carried shard is a copy), the loaders stream
+into a cache under the work folder, and the credentials scanned for are the server's
+access key and secret (which must not be canaries there) beside the OpenAI canary.
+
 A violation prints the seed, the cycle, the schedule so far and the invariant, and the run
 exits 1. Everything random comes from `--seed`: the same seed replays the same schedule
 (the machine's timing aside: which step a random-time kill lands in). `main()`
@@ -61,13 +72,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common import Figure, report
-from bench.soak_probes import Trainer, inode_bytes, ray_workers
+from bench.soak_probes import (
+    Trainer,
+    inode_bytes,
+    listed_versions,
+    ray_workers,
+    version_bytes,
+)
 from bench.soak_sources import SOURCE_CLASSES, ModelSource, make_sources
 
 FAILPOINTS = ("ingest.expand_units", "ingest.chunk_committed", "images.chunk_committed",
               "captions.chunk_committed", "mds.before_mapping_commit", "mds.before_publish")
 CANARIES = {"OPENAI_API_KEY": "sk-soak-canary-openai-0123456789",
             "AWS_SECRET_ACCESS_KEY": "soak-canary-aws-secret-0123456789"}
+# On S3 the AWS variables are the server's real credentials: scanned for instead of canaries.
+S3_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+S3_BUCKET = "prx-soak"
 KEYS = {"raw_images": ["id"], "bucketed_images": ["id"], "phashes": ["id"],
         "mds_samples": ["id"], "captions": ["id", "caption_version"]}
 # Superseded trees go at the next publish (unless a reader holds them): the disk check.
@@ -107,10 +127,17 @@ class Soak:
     # one source takes about half the time (the leaves_stream check starts a process).
     asset_checks: bool = True
     number: int = 0
+    # An `s3://` data root (the AWS variables of the environment reach it): `--s3`.
+    s3_root: str | None = None
 
     def __post_init__(self) -> None:
+        from prx_assets.storage.layout import Storage
+
         self.rng = random.Random(self.seed)
-        self.data_root = self.root / "data"
+        self.data_root = self.root / "data"  # local mode's data root
+        self.storage = Storage(self.s3_root or str(self.data_root))
+        # Where loaders stream a bucket's shards to (None: local trees are read in place).
+        self.cache_dir = self.root / "cache" if self.s3_root else None
         self.home = self.root / "home"
         self.logs = self.root / "logs"
         self.captioner_file: Path | None = None
@@ -123,16 +150,29 @@ class Soak:
         from prx_assets.testing.fault_runs import write_instance_config
         from prx_assets.testing.sources import write_sources
 
-        for folder in (self.data_root, self.logs):
-            folder.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.storage.location().make_dirs()
         write_instance_config(self.home)
         self.sources = make_sources(self.root, self.rng, self.source_names)
         self.by_name = {s.name: s for s in self.sources}
         self.sources_file = write_sources(self.root / "sources.yaml",
                                           [s.entry() for s in self.sources])
-        os.environ.update(PRX_DATA_ROOT=str(self.data_root), PRX_SOURCES=str(self.sources_file),
-                          DAGSTER_HOME=str(self.home), **CANARIES)
+        canaries = {name: value for name, value in CANARIES.items()
+                    if not (self.s3_root and name in S3_CREDENTIALS)}
+        os.environ.update(PRX_DATA_ROOT=self.storage.root, PRX_SOURCES=str(self.sources_file),
+                          DAGSTER_HOME=str(self.home), **canaries)
+        self.storage.check_reachable()
         self.start_factory()
+
+    def secrets(self) -> list[str]:
+        """The credential values no table, log, metadata value or Ray worker may hold: the
+        browser door's curator token, the canaries, and on S3 the server's credentials in
+        their place."""
+        found = [CURATOR_TOKEN] + [value for name, value in CANARIES.items()
+                                   if not (self.s3_root and name in S3_CREDENTIALS)]
+        if self.s3_root:
+            found += [os.environ[name] for name in S3_CREDENTIALS if os.environ.get(name)]
+        return found
 
     def start_factory(self) -> None:
         """One Ray for the whole soak (embedded, the credentials withheld from it), the code
@@ -168,11 +208,10 @@ class Soak:
     def opt_out(self) -> str | None:
         """An opt-out of a published sample, through the CLI, a dropped file or the
         browser; returns the source it is in."""
-        from prx_assets.storage.layout import Storage
         from prx_assets.storage.tables import MDS_SAMPLES
 
         source = self.rng.choice(self.sources)
-        mapping = Storage(self.data_root).table(MDS_SAMPLES, source.name)
+        mapping = self.storage.table(MDS_SAMPLES, source.name)
         if not mapping.exists():
             return None
         ids = sorted(set(mapping.to_table(columns=["id"])["id"].to_pylist()) - self.opted)
@@ -204,10 +243,8 @@ class Soak:
         else:
             record = {"key_type": "source_key", "value": keys[sample_id],
                       "source": source.name}
-        folder = self.data_root / "opt_outs"
-        folder.mkdir(exist_ok=True)
         name = f"dropped-{self.number:05d}-{self.rng.randrange(10**6):06d}.jsonl"
-        (folder / name).write_text(json.dumps({
+        (self.storage.opt_outs_dir / name).write_text(json.dumps({
             **record, "timestamp": "2026-01-01T00:00:00Z",
             "reference": f"soak {self.seed}"}) + "\n")
         return f"file {name}"
@@ -225,7 +262,7 @@ class Soak:
             raise self.violation("corpus_table_job failed on a plain run")
         auth = BrowserAuth.shared(Curators.parse(f"soak {CURATOR_TOKEN}"),
                                   self.home / "browser.sqlite")
-        app = create_app(self.data_root, auth, table_ttl_s=0)
+        app = create_app(self.storage, auth, table_ttl_s=0)
         with ServedApp(self.data_root, app) as served:
             client = HttpClient(served.url, sample_id, reference=f"soak {self.seed}")
             logged_in = client.login(CURATOR_TOKEN)
@@ -273,7 +310,7 @@ class Soak:
     def start(self, job: str, partition: str | None, failpoint: str | None = None):
         from prx_assets.testing.fault_runs import RunProcess, RunSpec
 
-        spec = RunSpec(self.sources_file, job, partition, self.home, self.data_root,
+        spec = RunSpec(self.sources_file, job, partition, self.home, self.storage.root,
                        assets=() if self.asset_checks else self.job_assets(job),
                        captioner=self.captioner_file, ray_address=self.ray_address,
                        run_config=SOURCE_RUN_CONFIG if job == "source_job" else None)
@@ -394,12 +431,12 @@ class Soak:
         from prx_assets.storage.trees import leaf_names, source_trees
 
         source = self.rng.choice(self.sources).name
-        store = source_trees(self.data_root / "mds", source)
+        store = source_trees(self.storage.mds_root, source)
         if store.current_version() is None:
             return None
         tree = store.current_tree()  # no run is going: the tree the loader leases
         tier = self.rng.choice(sorted({int(name.split("/")[0]) for name in leaf_names(tree)}))
-        trainer = Trainer(self.data_root, source, tier, tree)
+        trainer = Trainer(self.storage.mds_root, source, tier, tree, self.cache_dir)
         self.note(f"trainer streaming {source} tier {tier} of tree {tree.name} (reader lease)")
         return trainer
 
@@ -412,7 +449,7 @@ class Soak:
             self.check_leased_tree(trainer.tree)
             self.leased.setdefault(trainer.source, set()).add(trainer.tree.name)
         for source in self.sources:
-            checks, problems = verify.verify_tree(self.data_root, source.name)
+            checks, problems = verify.verify_tree(self.storage, source.name)
             if problems or not all(c.ok for c in checks):
                 raise self.violation(f"{source.name}: the current tree is not whole: "
                                      f"{problems} {[c for c in checks if not c.ok]}")
@@ -437,23 +474,23 @@ class Soak:
                   "sample(s)")
 
     def check_leased_tree(self, tree) -> None:
-        from prx_assets.storage.trees import leaf_names
+        """Every shard the leased tree's indexes list is still there, of its size (and
+        hash, where an index records one)."""
+        from prx_assets.storage.trees import leaf_names, read_index, shard_problems
 
         for leaf in leaf_names(tree):
-            for shard in json.loads((tree / leaf / "index.json").read_text())["shards"]:
-                path = (tree / leaf / shard["raw_data"]["basename"]).path
-                if not path.exists() or path.stat().st_size != shard["raw_data"]["bytes"]:
-                    raise self.violation(f"tree {tree.name} under a reader lease lost {path}")
+            problems = shard_problems(tree / leaf, read_index(tree / leaf))
+            if problems:
+                raise self.violation(f"tree {tree.name} under a reader lease lost shards: "
+                                     f"{problems[:5]}")
 
     def check_unique_keys(self, source: str) -> None:
         import pyarrow.compute as pc
 
         from prx_assets.storage.keyed_writes import key_strings
-        from prx_assets.storage.layout import Storage
 
-        storage = Storage(self.data_root)
         for table, keys in KEYS.items():
-            ref = storage.table(table, source)
+            ref = self.storage.table(table, source)
             if not ref.exists():
                 continue
             rows = ref.to_table(columns=keys)
@@ -464,10 +501,9 @@ class Soak:
     def check_tree_model(self, source: ModelSource) -> None:
         """The tree's mapping names exactly the model's samples: every image the source
         holds now (its runs succeeded), and nothing it no longer holds."""
-        from prx_assets.storage.layout import Storage
         from prx_assets.storage.tables import MDS_SAMPLES
 
-        mapped = set(Storage(self.data_root).table(MDS_SAMPLES, source.name)
+        mapped = set(self.storage.table(MDS_SAMPLES, source.name)
                      .to_table(columns=["id"])["id"].to_pylist())
         expected = set(source.expected())
         if mapped != expected:
@@ -483,15 +519,16 @@ class Soak:
         from prx_assets.storage.trees import leaf_names, source_trees
         from prx_assets.testing.shared_memory import release_shared_memory
 
-        tree = source_trees(self.data_root / "mds", source.name).current_tree()
+        tree = source_trees(self.storage.mds_root, source.name).current_tree()
         expected = source.expected()
         streamed: dict[str, str] = {}
         how = "with" if guarded else "without"
         for tier in sorted({int(name.split("/")[0]) for name in leaf_names(tree)}):
             release_shared_memory(self.root)
-            dataset = build_dataset(self.data_root / "mds", tier, 1,
+            dataset = build_dataset(self.storage.mds_root, tier, 1,
                                     weights={source.name: 1.0}, shuffle=False,
-                                    decode_images=False, guard_opt_outs=guarded)
+                                    decode_images=False, guard_opt_outs=guarded,
+                                    cache_dir=self.cache_dir)
             try:
                 seen = [(sample["id"], sample["caption"]) for sample in dataset]
             except Exception as exc:  # a trainer's fresh loader must never error
@@ -542,33 +579,48 @@ class Soak:
         """Retention ran (0 days, at every publish): the only tree versions left are the
         current one and ones a reader leased (kept until a publish after the lease ends),
         and they hold at most DISK_SLACK times the bytes of the live ones (files a version
-        carried from another are hard links, counted once)."""
+        carried from another are hard links, counted once; in a bucket every object counts,
+        from one listing of the trees' prefix)."""
         from prx_assets.storage.trees import source_trees
 
-        store = source_trees(self.data_root / "mds", source)
+        store = source_trees(self.storage.mds_root, source)
         current = store.current_version()
-        kept = sorted({p.name for p in store.trees_dir.path.iterdir() if p.is_dir()}
-                      - {current} - self.leased[source])
+        live_versions = {current} | self.leased[source]
+        if store.is_local:
+            stored = set(store.trees_dir.folders())
+        else:  # versions by their objects: a store may list an emptied prefix a while
+            sizes = store.trees_dir.files_below()
+            stored = listed_versions(sizes)
+        kept = sorted(stored - live_versions)
         if kept:
             raise self.violation(f"{source}: tree versions {kept} outlived retention (0 days): "
                                  f"neither current ({current}) nor ever leased")
-        live = [store.tree(v).path for v in {current} | self.leased[source]
-                if store.tree(v).path.exists()]
-        total = sum(inode_bytes([store.trees_dir.path]).values())
-        live_bytes = sum(inode_bytes(live).values())
+        if store.is_local:
+            live = [store.tree(v).path for v in live_versions if store.tree(v).path.exists()]
+            total = sum(inode_bytes([store.trees_dir.path]).values())
+            live_bytes = sum(inode_bytes(live).values())
+        else:
+            total, live_bytes = version_bytes(sizes, live_versions)
         if total > DISK_SLACK * live_bytes:
             raise self.violation(
                 f"{source}: its tree versions take {total:,} bytes on disk, more than "
                 f"{DISK_SLACK}x the {live_bytes:,} of the live ones")
 
     def check_no_credentials(self) -> None:
-        needles = [value.encode() for value in (*CANARIES.values(), CURATOR_TOKEN)]
-        for top in (self.data_root, self.home, self.logs):
+        needles = [value.encode() for value in self.secrets()]
+        local = [self.home, self.logs] + ([self.data_root] if self.storage.is_local else [])
+        for top in local:
             for path in top.rglob("*"):
                 if path.is_file() and not path.is_symlink():
                     data = path.read_bytes()
                     if any(n in data for n in needles):
                         raise self.violation(f"a credential value in {path}")
+        if not self.storage.is_local:  # every object under the data root in the bucket
+            root = self.storage.location()
+            for name in root.files_below():
+                with contextlib.suppress(FileNotFoundError):  # a lease let go meanwhile
+                    if any(n in (root / name).read_bytes() for n in needles):
+                        raise self.violation(f"a credential value in {root / name}")
         for pid, title in ray_workers():
             with contextlib.suppress(OSError):
                 environ = Path(f"/proc/{pid}/environ").read_bytes()
@@ -615,6 +667,24 @@ def soak(state: Soak, cycles: int) -> Soak:
     return state
 
 
+def run_soak(state: Soak, cycles: int) -> int:
+    """`soak` with its outcome printed: 0, 1 on a violation, 130 when stopped by hand;
+    the caption servers closed after."""
+    try:
+        soak(state, cycles)
+    except Violation as violation:
+        print(f"VIOLATION {violation}", file=sys.stderr, flush=True)
+        print(summary(state), flush=True)
+        return 1
+    except KeyboardInterrupt:  # a long soak stopped by hand: its figures so far
+        print(summary(state) + ", interrupted", flush=True)
+        return 130
+    finally:
+        for server in state.servers:
+            server.close()
+    return 0
+
+
 def summary(state: Soak) -> str:
     seconds = sorted(state.cycle_seconds) or [0.0]
     return (f"seed {state.seed}: {len(state.cycle_seconds)} cycle(s) done, {state.runs} runs "
@@ -623,11 +693,45 @@ def summary(state: Soak) -> str:
             f"max {seconds[-1]:.1f} s")
 
 
+@contextlib.contextmanager
+def s3_data_root(work: Path, seed: int):
+    """An `s3://` data root of its own in a bucket of the S3 test server, the standard AWS
+    variables pointing at it: the server `AWS_ENDPOINT_URL` names when that is on this
+    machine (its credentials those of the environment), else one started under `work` and
+    stopped on the way out."""
+    import uuid
+    from urllib.parse import urlparse
+
+    from prx_assets.testing.s3_server import S3Server, start_seaweedfs
+
+    endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+    server: S3Server | None = None
+    if urlparse(endpoint).hostname in ("127.0.0.1", "localhost"):
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=endpoint)
+        with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+            client.create_bucket(Bucket=S3_BUCKET)
+    else:
+        server = start_seaweedfs(work / "s3-server")
+        server.create_bucket(S3_BUCKET)
+        os.environ.update(server.env())
+    try:
+        yield f"s3://{S3_BUCKET}/soak-{seed}-{uuid.uuid4().hex[:8]}"
+    finally:
+        if server is not None:
+            server.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cycles", type=int, default=DEFAULT_CYCLES)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--dir", help="work folder (default: a temporary one, removed after)")
+    parser.add_argument("--s3", action="store_true",
+                        help="the data root in a bucket of the S3 test server (SeaweedFS on "
+                             "127.0.0.1: started in the work folder, or the one a loopback "
+                             "AWS_ENDPOINT_URL names); sources and instance stay local")
     parser.add_argument("--kinds", default=",".join(KINDS),
                         help=f"the cycle kinds drawn from, `kind` or `kind:weight` (default "
                              f"all: {','.join(f'{k}:{w}' for k, w in KINDS.items())}); another "
@@ -654,22 +758,18 @@ def main(argv: list[str] | None = None) -> int:
         kinds.remove("partitions")
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="prx-soak-"))
     started = time.perf_counter()
-    state = Soak(root, args.seed, kinds={k: weights[k] or KINDS[k] for k in kinds},
-                 source_names=tuple(names), asset_checks=not args.no_asset_checks)
     try:
-        soak(state, args.cycles)
-    except Violation as violation:
-        print(f"VIOLATION {violation}", file=sys.stderr, flush=True)
-        print(summary(state), flush=True)
-        return 1
-    except KeyboardInterrupt:  # a long soak stopped by hand: its figures so far
-        print(summary(state) + ", interrupted", flush=True)
-        return 130
+        with contextlib.ExitStack() as stack:
+            s3_root = stack.enter_context(s3_data_root(root, args.seed)) if args.s3 else None
+            state = Soak(root, args.seed, kinds={k: weights[k] or KINDS[k] for k in kinds},
+                         source_names=tuple(names), asset_checks=not args.no_asset_checks,
+                         s3_root=s3_root)
+            status = run_soak(state, args.cycles)
     finally:
-        for server in state.servers:
-            server.close()
-        if not args.dir:
+        if not args.dir:  # after the S3 server under it stopped
             shutil.rmtree(root, ignore_errors=True)
+    if status:
+        return status
     print(summary(state) + ", no violation", flush=True)
     report([Figure("soak", "cycles without violation", args.cycles, "cycles asked",
                    args.cycles, "cycles"),
@@ -681,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
             Figure("soak", "median cycle", round(statistics.median(state.cycle_seconds or [0]),
                                                  1), "cycles", args.cycles, "s"),
             Figure("soak", "wall time", round(time.perf_counter() - started), "cycles",
-                   args.cycles, "s")], "soak")
+                   args.cycles, "s")], "soak-s3" if args.s3 else "soak")
     return 0
 
 

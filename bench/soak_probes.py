@@ -1,9 +1,11 @@
 """What the soak watches beside its runs: a trainer streaming a tree under a reader lease,
-the bytes on disk (each inode once), and the Ray workers of its embedded Ray."""
+the bytes on disk (each inode once) or in the bucket (each object), and the Ray workers of
+its embedded Ray."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 
@@ -14,14 +16,15 @@ class Trainer:
 
     PAUSE_S = 1.0  # between epochs: a few-sample epoch would otherwise spin a core
 
-    def __init__(self, data_root: Path, source: str, tier: int, tree) -> None:
+    def __init__(self, mds_root, source: str, tier: int, tree,
+                 cache_dir: Path | None = None) -> None:
         import threading
 
         from prx_assets.loader import build_dataset
 
         self.source, self.tier, self.tree = source, tier, tree
-        self.dataset = build_dataset(data_root / "mds", tier, 1, weights={source: 1.0},
-                                     shuffle=False, decode_images=False)
+        self.dataset = build_dataset(mds_root, tier, 1, weights={source: 1.0},
+                                     shuffle=False, decode_images=False, cache_dir=cache_dir)
         self.leases = self.dataset.reader_leases
         self.epochs: list[list[str]] = []
         self.error: BaseException | None = None
@@ -71,6 +74,22 @@ def inode_bytes(folders: list[Path]) -> dict[tuple[int, int], int]:
                 if path.is_file() and not path.is_symlink():
                     found[(stat.st_dev, stat.st_ino)] = stat.st_size
     return found
+
+
+def version_bytes(sizes: Mapping[str, int], live: Iterable[str]) -> tuple[int, int]:
+    """(all bytes, bytes of the `live` versions) of a source's trees folder in a bucket,
+    listed as path -> size (`<version>/<tier>/<W>x<H>/<file>`, and the folder's own files):
+    S3 has no hard links, a file carried into a version is a copy of its own, so every
+    object counts."""
+    live = set(live)
+    return (sum(sizes.values()),
+            sum(size for path, size in sizes.items() if path.split("/", 1)[0] in live))
+
+
+def listed_versions(sizes: Mapping[str, int]) -> set[str]:
+    """The versions (first folders) that hold a file in a trees folder's listing (path ->
+    size): the versions a bucket stores, whatever empty prefixes it still lists."""
+    return {path.split("/", 1)[0] for path in sizes if "/" in path}
 
 
 def ray_workers() -> list[tuple[int, str]]:

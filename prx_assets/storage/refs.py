@@ -11,6 +11,7 @@ table's version), and `StoreSettings` masks its secrets.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Mapping
@@ -286,6 +287,18 @@ class Location:
         return {info.base_name: int(info.size or 0) for info in infos
                 if info.type == pafs.FileType.File}
 
+    def files_below(self) -> dict[str, int]:
+        """Path relative to this folder (`/`-joined) -> size of every file below it, at any
+        depth (one recursive listing: on S3 a flat listing of the prefix); {} when the
+        folder does not exist."""
+        import pyarrow.fs as pafs
+
+        fs, path = self.filesystem()
+        infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+        start = len(path.rstrip("/")) + 1
+        return {info.path[start:]: int(info.size or 0) for info in infos
+                if info.type == pafs.FileType.File}
+
     def folders(self) -> list[str]:
         """Names of the folders (prefixes) directly in this one, sorted."""
         import pyarrow.fs as pafs
@@ -317,7 +330,10 @@ class Location:
         if kind == pafs.FileType.File:
             fs.delete_file(path_in)
         elif kind == pafs.FileType.Directory:
-            fs.delete_dir(path_in)
+            # Some S3-compatible stores (SeaweedFS) list an emptied nested folder for a
+            # minute or more after its objects went: nothing is under it, it is absent.
+            with contextlib.suppress(FileNotFoundError):
+                fs.delete_dir(path_in)
 
     def copy_to(self, target: Location) -> None:
         """A server-side copy on S3 (no bytes through this process); a copy locally."""

@@ -63,7 +63,7 @@ class RunSpec:
     job: str
     partition: str | None
     home: Path
-    data_root: Path
+    data_root: Path | str  # a local folder or an s3:// root
     assets: tuple[str, ...] = ()
     captioner: Path | None = None
     run_config: dict | None = None

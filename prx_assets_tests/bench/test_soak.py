@@ -38,6 +38,25 @@ def test_five_cycles_of_a_fixed_seed_keep_every_invariant(tmp_path, ray_session,
     assert state.captioner_version == 2 and state.opted, "\n".join(state.schedule)
 
 
+@pytest.mark.e2e
+@pytest.mark.soak  # `make test-soak`, with the five cycles above
+def test_two_cycles_with_the_data_root_in_a_bucket_keep_every_invariant(
+        tmp_path, s3_server, s3_root, ray_session, fresh_shared_memory):
+    """`--s3`: the same invariants read through the storage layer from the S3 test server
+    (trees and tables in the bucket, nothing under the local data root), the server's own
+    credentials among the values scanned for."""
+    from prx_assets.testing.s3_runs import keys_under
+
+    state = Soak(tmp_path, SEED, kinds={"plain": 1}, source_names=("web",),
+                 asset_checks=False, s3_root=s3_root)
+    with mock.patch.dict(os.environ):
+        soak(state, 2)
+    assert len(state.cycle_seconds) == 2 and state.failed_runs == 0, "\n".join(state.schedule)
+    assert s3_server.secret_key in state.secrets() and s3_server.access_key in state.secrets()
+    assert "mds/web.current.json" in keys_under(s3_server, s3_root)
+    assert not state.data_root.exists()
+
+
 def test_the_cycle_kinds_and_sources_asked_are_checked_before_anything_starts(tmp_path, capsys):
     for argv in (["--kinds", "plain,partitions", "--sources", "web"],  # needs two sources
                  ["--kinds", "plain:2,nap"], ["--kinds", "plain:x"], ["--sources", "web,ftp"]):

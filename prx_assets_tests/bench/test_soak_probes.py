@@ -1,0 +1,26 @@
+"""The soak's disk measure in a bucket: every object counts, the live versions' apart."""
+
+from __future__ import annotations
+
+from bench.soak_probes import listed_versions, version_bytes
+
+
+def test_every_object_counts_and_only_the_live_versions_are_live():
+    sizes = {"v1/512/640x480/shard.00000.mds": 100, "v1/512/640x480/index.json": 5,
+             "v2/512/640x480/shard.00000.mds": 100,  # carried: a copy, not a link
+             "v2/512/640x480/index.json": 5, "v3/256/320x240/shard.00000.mds": 40,
+             "mapped_leaves.json": 7}  # the folder's own file: never live
+    assert version_bytes(sizes, {"v2"}) == (257, 105)
+    assert version_bytes(sizes, ["v1", "v3"]) == (257, 145)
+    assert version_bytes(sizes, set()) == (257, 0)
+
+
+def test_a_version_is_the_first_part_of_the_path_not_a_prefix_of_it():
+    sizes = {"v1/a.mds": 10, "v10/a.mds": 20, "v1.partial/a.mds": 30}
+    assert version_bytes(sizes, {"v1"}) == (60, 10)
+
+
+def test_the_versions_listed_are_those_holding_a_file_not_the_folders_own_files():
+    assert listed_versions({"v1/512/640x480/a.mds": 1, "v2/tree.json": 2,
+                            "mapped_leaves.json": 3}) == {"v1", "v2"}
+    assert listed_versions({}) == set()
