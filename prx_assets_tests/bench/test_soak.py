@@ -22,8 +22,7 @@ SEED = 47
 CYCLES = 5
 
 
-@pytest.mark.e2e  # the per-source graph, run after run
-@pytest.mark.soak  # minutes of CPU: `make test-soak`
+@pytest.mark.e2e  # the per-source graph, run after run: in `make test` and `make test-soak`
 def test_five_cycles_of_a_fixed_seed_keep_every_invariant(tmp_path, ray_session,
                                                          fresh_shared_memory):
     state = Soak(tmp_path, SEED, kinds={"plain": 3, "captioner": 1}, source_names=("web",),
@@ -39,7 +38,7 @@ def test_five_cycles_of_a_fixed_seed_keep_every_invariant(tmp_path, ray_session,
 
 
 @pytest.mark.e2e
-@pytest.mark.soak  # `make test-soak`, with the five cycles above
+@pytest.mark.soak  # minutes of CPU with the S3 server's start: `make test-soak` only
 def test_two_cycles_with_the_data_root_in_a_bucket_keep_every_invariant(
         tmp_path, s3_server, s3_root, ray_session, fresh_shared_memory):
     """`--s3`: the same invariants read through the storage layer from the S3 test server
