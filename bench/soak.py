@@ -72,13 +72,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common import Figure, report
-from bench.soak_probes import (
-    Trainer,
-    inode_bytes,
-    listed_versions,
-    ray_workers,
-    version_bytes,
-)
+from bench.soak_checks import check_cycle
+from bench.soak_probes import Trainer
 from bench.soak_sources import SOURCE_CLASSES, ModelSource, make_sources
 
 FAILPOINTS = ("ingest.expand_units", "ingest.chunk_committed", "images.chunk_committed",
@@ -88,11 +83,8 @@ CANARIES = {"OPENAI_API_KEY": "sk-soak-canary-openai-0123456789",
 # On S3 the AWS variables are the server's real credentials: scanned for instead of canaries.
 S3_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 S3_BUCKET = "prx-soak"
-KEYS = {"raw_images": ["id"], "bucketed_images": ["id"], "phashes": ["id"],
-        "mds_samples": ["id"], "captions": ["id", "caption_version"]}
 # Superseded trees go at the next publish (unless a reader holds them): the disk check.
 SOURCE_RUN_CONFIG = {"ops": {"mds_shards": {"config": {"retention_days": 0}}}}
-DISK_SLACK = 1.2
 CURATOR_TOKEN = "soak-curator-token-0123456789"  # the browser door's curator
 RUN_TIMEOUT_S = 900
 RANDOM_KILL_S = (1.0, 30.0)  # a random-time kill lands this long after the run started
@@ -421,7 +413,7 @@ class Soak:
             self.change_captioner()
             changed = touched = set(self.by_name)
         self.plain_runs(changed, touched)
-        self.check(trainer)
+        check_cycle(self, trainer)
         self.cycle_seconds.append(time.perf_counter() - started)
         self.note(f"cycle {number}: {self.cycle_seconds[-1]:.1f} s")
 
@@ -439,194 +431,6 @@ class Soak:
         trainer = Trainer(self.storage.mds_root, source, tier, tree, self.cache_dir)
         self.note(f"trainer streaming {source} tier {tier} of tree {tree.name} (reader lease)")
         return trainer
-
-    # ------------------------------------------------------------------ invariants
-    def check(self, trainer: Trainer | None) -> None:
-        from prx_assets.stages.shards import verify
-
-        if trainer is not None:
-            self.check_trainer(trainer)
-            self.check_leased_tree(trainer.tree)
-            self.leased.setdefault(trainer.source, set()).add(trainer.tree.name)
-        for source in self.sources:
-            checks, problems = verify.verify_tree(self.storage, source.name)
-            if problems or not all(c.ok for c in checks):
-                raise self.violation(f"{source.name}: the current tree is not whole: "
-                                     f"{problems} {[c for c in checks if not c.ok]}")
-            self.check_unique_keys(source.name)
-            self.check_tree_model(source)
-            for guarded in (True, False):
-                self.check_loader(source, guarded)
-            self.leased.setdefault(source.name, set())
-            self.check_disk(source.name)
-        if trainer is not None:
-            trainer.leases.release()
-        self.check_no_credentials()
-
-    def check_trainer(self, trainer: Trainer) -> None:
-        """The trainer streamed throughout the runs without an error, no sample twice in an
-        epoch, every epoch the same samples (its tree, leased, does not change)."""
-        epochs = trainer.stop()
-        problem = trainer.problem(epochs)
-        if problem:
-            raise self.violation(problem)
-        self.note(f"trainer: {len(epochs)} epoch(s) of {len(epochs[0]) if epochs else 0} "
-                  "sample(s)")
-
-    def check_leased_tree(self, tree) -> None:
-        """Every shard the leased tree's indexes list is still there, of its size (and
-        hash, where an index records one)."""
-        from prx_assets.storage.trees import leaf_names, read_index, shard_problems
-
-        for leaf in leaf_names(tree):
-            problems = shard_problems(tree / leaf, read_index(tree / leaf))
-            if problems:
-                raise self.violation(f"tree {tree.name} under a reader lease lost shards: "
-                                     f"{problems[:5]}")
-
-    def check_unique_keys(self, source: str) -> None:
-        import pyarrow.compute as pc
-
-        from prx_assets.storage.keyed_writes import key_strings
-
-        for table, keys in KEYS.items():
-            ref = self.storage.table(table, source)
-            if not ref.exists():
-                continue
-            rows = ref.to_table(columns=keys)
-            strings = key_strings(rows, keys)
-            if pc.count_distinct(strings).as_py() != rows.num_rows:
-                raise self.violation(f"{table}[{source}] holds a key twice")
-
-    def check_tree_model(self, source: ModelSource) -> None:
-        """The tree's mapping names exactly the model's samples: every image the source
-        holds now (its runs succeeded), and nothing it no longer holds."""
-        from prx_assets.storage.tables import MDS_SAMPLES
-
-        mapped = set(self.storage.table(MDS_SAMPLES, source.name)
-                     .to_table(columns=["id"])["id"].to_pylist())
-        expected = set(source.expected())
-        if mapped != expected:
-            raise self.violation(
-                f"{source.name}: the tree's samples differ from the source's: missing "
-                f"{sorted(expected - mapped)[:5]}, not in the source "
-                f"{sorted(mapped - expected)[:5]}")
-
-    def check_loader(self, source: ModelSource, guarded: bool) -> None:
-        """A fresh loader of every tier streams the model's samples less the opted-out,
-        each once, each with the active captioner's caption."""
-        from prx_assets.loader import build_dataset
-        from prx_assets.storage.trees import leaf_names, source_trees
-        from prx_assets.testing.shared_memory import release_shared_memory
-
-        tree = source_trees(self.storage.mds_root, source.name).current_tree()
-        expected = source.expected()
-        streamed: dict[str, str] = {}
-        how = "with" if guarded else "without"
-        for tier in sorted({int(name.split("/")[0]) for name in leaf_names(tree)}):
-            release_shared_memory(self.root)
-            dataset = build_dataset(self.storage.mds_root, tier, 1,
-                                    weights={source.name: 1.0}, shuffle=False,
-                                    decode_images=False, guard_opt_outs=guarded,
-                                    cache_dir=self.cache_dir)
-            try:
-                seen = [(sample["id"], sample["caption"]) for sample in dataset]
-            except Exception as exc:  # a trainer's fresh loader must never error
-                raise self.violation(f"{source.name} tier {tier}: a fresh loader ({how} its "
-                                     f"guard) failed: {type(exc).__name__}: {exc}") from exc
-            finally:
-                dataset.reader_leases.release()
-                del dataset
-                release_shared_memory(self.root)
-            ids = [i for i, _ in seen]
-            if len(ids) != len(set(ids)):
-                raise self.violation(f"{source.name} tier {tier}: a sample twice in one epoch")
-            streamed.update(seen)
-        if self.opted & set(streamed):
-            raise self.violation(f"{source.name}: opted-out {sorted(self.opted & set(streamed))}"
-                                 f" streamed ({how} the loader's guard)")
-        captions = {i: self.model_caption() if self.captioner_version else text
-                    for i, text in expected.items()}
-        wanted = set(expected) - self.opted - self.label_skipped(captions)
-        if set(streamed) != wanted:
-            raise self.violation(
-                f"{source.name}: a loader ({how} its guard) streams other samples than the "
-                f"source's kept ones: missing {sorted(wanted - set(streamed))[:5]}, extra "
-                f"{sorted(set(streamed) - wanted)[:5]}")
-        wrong = sorted(i for i, text in streamed.items() if text != captions[i])
-        if wrong:
-            raise self.violation(f"{source.name}: {len(wrong)} sample(s) streamed with another "
-                                 f"caption than the active captioner's, e.g. {wrong[0]}: "
-                                 f"{streamed[wrong[0]]!r} for {captions[wrong[0]]!r}")
-
-    def label_skipped(self, captions: dict[str, str]) -> set[str]:
-        """The ids whose caption (id -> caption) the labels stage's classifier gives a label
-        skip_lists skips by default (`text`, `nsfw`): in the tree, never streamed."""
-        import pyarrow as pa
-
-        from prx_assets.defs.skip_lists import SkipListsConfig
-        from prx_assets.stages.labels.labels import EmbeddedLabeler
-
-        new = sorted(set(captions.values()) - set(self.labels))
-        if new:
-            rows = pa.table({"id": new, "caption": new, "caption_version": ["soak"] * len(new)})
-            labelled = EmbeddedLabeler("soak")(rows)
-            self.labels.update(zip(new, labelled.column("label").to_pylist(), strict=True))
-        skipped = set(SkipListsConfig().skip_labels)
-        return {i for i, text in captions.items() if self.labels[text] in skipped}
-
-    def check_disk(self, source: str) -> None:
-        """Retention ran (0 days, at every publish): the only tree versions left are the
-        current one and ones a reader leased (kept until a publish after the lease ends),
-        and they hold at most DISK_SLACK times the bytes of the live ones (files a version
-        carried from another are hard links, counted once; in a bucket every object counts,
-        from one listing of the trees' prefix)."""
-        from prx_assets.storage.trees import source_trees
-
-        store = source_trees(self.storage.mds_root, source)
-        current = store.current_version()
-        live_versions = {current} | self.leased[source]
-        if store.is_local:
-            stored = set(store.trees_dir.folders())
-        else:  # versions by their objects: a store may list an emptied prefix a while
-            sizes = store.trees_dir.files_below()
-            stored = listed_versions(sizes)
-        kept = sorted(stored - live_versions)
-        if kept:
-            raise self.violation(f"{source}: tree versions {kept} outlived retention (0 days): "
-                                 f"neither current ({current}) nor ever leased")
-        if store.is_local:
-            live = [store.tree(v).path for v in live_versions if store.tree(v).path.exists()]
-            total = sum(inode_bytes([store.trees_dir.path]).values())
-            live_bytes = sum(inode_bytes(live).values())
-        else:
-            total, live_bytes = version_bytes(sizes, live_versions)
-        if total > DISK_SLACK * live_bytes:
-            raise self.violation(
-                f"{source}: its tree versions take {total:,} bytes on disk, more than "
-                f"{DISK_SLACK}x the {live_bytes:,} of the live ones")
-
-    def check_no_credentials(self) -> None:
-        needles = [value.encode() for value in self.secrets()]
-        local = [self.home, self.logs] + ([self.data_root] if self.storage.is_local else [])
-        for top in local:
-            for path in top.rglob("*"):
-                if path.is_file() and not path.is_symlink():
-                    data = path.read_bytes()
-                    if any(n in data for n in needles):
-                        raise self.violation(f"a credential value in {path}")
-        if not self.storage.is_local:  # every object under the data root in the bucket
-            root = self.storage.location()
-            for name in root.files_below():
-                with contextlib.suppress(FileNotFoundError):  # a lease let go meanwhile
-                    if any(n in (root / name).read_bytes() for n in needles):
-                        raise self.violation(f"a credential value in {root / name}")
-        for pid, title in ray_workers():
-            with contextlib.suppress(OSError):
-                environ = Path(f"/proc/{pid}/environ").read_bytes()
-                if any(n in environ for n in needles):
-                    raise self.violation(f"a credential value in the environment of Ray "
-                                         f"worker {pid} ({title})")
 
     # ------------------------------------------------------------------ reporting
     def note(self, line: str) -> None:
