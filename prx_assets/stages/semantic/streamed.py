@@ -20,11 +20,12 @@ driver as one version (`storage.lance_tables.commit_fragments`).
 
 from __future__ import annotations
 
+import itertools
 import math
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -41,9 +42,6 @@ DEFAULT_SAMPLE_ROWS = 1 << 20  # the fit's input: 2^20 768-d vectors are 3 GB
 DEFAULT_CHUNK_ROWS = 1 << 18  # rows one assignment task reads
 DEFAULT_BUCKET_ROWS = 1 << 18  # rows one per-cluster task receives, on average
 IN_PROCESS_ROWS = 20_000  # a smaller space runs in the driver: Ray's task start costs more
-# Over the cluster's nodes, as Ray Data spreads its tasks (Ray's default keeps tasks on the
-# driver's node until it is busy: a global step would use one node of an idle cluster).
-SPREAD: Final = "SPREAD"
 MAX_IN_FLIGHT = 8  # reduce tasks submitted ahead of the results read
 # Ray returns a task's results under 100 KiB in its reply, into the caller's own memory
 # (`max_direct_call_object_size`): a chunk's share of a bucket that small stays in the
@@ -291,10 +289,11 @@ class Tasks:
             return
         import ray
 
-        task = ray.remote(num_cpus=1, scheduling_strategy=SPREAD)(fn)
+        task = ray.remote(num_cpus=1)(fn)
+        turns = node_turns()
         pending: list[Any] = []
         for args in calls:
-            pending.append(task.remote(*args))
+            pending.append(task.options(scheduling_strategy=next(turns)).remote(*args))
             if len(pending) >= self.max_in_flight:
                 yield ray.get(pending.pop(0))
         for ref in pending:
@@ -315,15 +314,32 @@ class Tasks:
             return total, outputs
         import ray
 
-        task = ray.remote(num_cpus=1, scheduling_strategy=SPREAD)(fn).options(
-            num_returns=buckets + 2)
-        refs = [task.remote(*args) for args in calls]
+        task = ray.remote(num_cpus=1)(fn)
+        turns = node_turns()
+        refs = [task.options(num_returns=buckets + 2, scheduling_strategy=next(turns))
+                .remote(*args) for args in calls]
         for ref in refs:
             summary, node = ray.get(ref[:2])
             total = total + summary
             self.nodes.add(node)
             outputs.append(ref[2:])
         return total, outputs
+
+
+def node_turns() -> Iterator[Any]:
+    """Scheduling strategies that hand the tasks to the cluster's nodes with CPUs in turn.
+    Ray's default keeps tasks on the driver's node until it is busy, and its SPREAD skips a
+    node whose CPUs are taken at that instant (an earlier step's actors not yet gone): a
+    global step could run on one node of an idle cluster. Soft: a node that left hands its
+    task to another."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted(node["NodeID"] for node in ray.nodes()
+                   if node.get("Alive") and node.get("Resources", {}).get("CPU", 0) > 0)
+    if not nodes:
+        return itertools.repeat("DEFAULT")
+    return itertools.cycle([NodeAffinitySchedulingStrategy(node, soft=True) for node in nodes])
 
 
 def bucket_count(rows: int, bucket_rows: int = DEFAULT_BUCKET_ROWS,
