@@ -30,7 +30,6 @@ precision >= 0.95, the +0.1 % rerun <= 5 % of the full run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import multiprocessing
 import os
@@ -52,7 +51,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from bench.common import Figure, report
-from bench.proc_memory import BUSY, DRIVER, IDLE, BackgroundSampler, descendants, sample_tree
+from bench.proc_memory import (
+    BUSY,
+    DRIVER,
+    IDLE,
+    BackgroundSampler,
+    available_gib,
+    sample_tree,
+    stop_tree,
+)
 
 DEFAULT_SIZES = (2_000, 8_000)  # a smoke run for `make bench`; the note uses 1e5,1e6,1e7
 SOURCES = ("s0", "s1", "s2", "s3")
@@ -416,27 +423,6 @@ def measure_fresh(rows: int, work: Path, progress: Path, steps: tuple[str, ...] 
         measure(rows, work, progress, steps)
     finally:
         ray.shutdown()
-
-
-def available_gib() -> float:
-    """MemAvailable of the machine, GiB."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 2**20
-    return float("inf")
-
-
-def stop_tree(process: multiprocessing.process.BaseProcess, grace_s: float = 60.0) -> None:
-    """SIGINT to the size's driver (Ray shuts its processes down on the way out), then
-    SIGKILL to what is left of its process tree."""
-    pids = descendants(process.pid or 0)
-    os.kill(process.pid or 0, signal.SIGINT)
-    process.join(grace_s)
-    pids += descendants(process.pid or 0) if process.is_alive() else []  # started since
-    for pid in reversed(pids):  # the Ray processes it started outlive a killed driver
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    process.join()
 
 
 def watched(rows: int, work: Path, min_available_gib: float, steps: tuple[str, ...] = STEPS

@@ -15,8 +15,11 @@ kinds sum to the tree's PSS).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections import defaultdict
@@ -96,6 +99,27 @@ def descendants(root: int) -> list[int]:
         found.append(pid)
         stack.extend(tree.get(pid, []))
     return found
+
+
+def available_gib() -> float:
+    """MemAvailable of the machine, GiB."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return float("inf")
+
+
+def stop_tree(process: multiprocessing.process.BaseProcess, grace_s: float = 60.0) -> None:
+    """SIGINT to the size's driver (Ray shuts its processes down on the way out), then
+    SIGKILL to what is left of its process tree."""
+    pids = descendants(process.pid or 0)
+    os.kill(process.pid or 0, signal.SIGINT)
+    process.join(grace_s)
+    pids += descendants(process.pid or 0) if process.is_alive() else []  # started since
+    for pid in reversed(pids):  # the Ray processes it started outlive a killed driver
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.join()
 
 
 def cpu_seconds(pid: int) -> float:
