@@ -131,6 +131,12 @@ NATIVE_NOTICES = (
                 rb"in the object store and max_restarts > 0"),
      "ray: actor pools log an ERROR-level notice about restarting actors (ray#53727); "
      "it is about Ray Data's own arguments, shown once here"),
+    # The raylet repeats this every 10 s while its disk is past a share of its capacity
+    # (local_fs_capacity_threshold, 0.95): on a big, shared disk that is still many GB free.
+    (re.compile(rb"file_system_monitor\.cc:\d+: (?P<path>\S+) is over (?P<share>\d+)% full, "
+                rb"available space: (?P<free>[\d.]+) GB; capacity: (?P<capacity>[\d.]+) GB"),
+     "ray: the disk of {path} is over {share}% full ({free} GB free of {capacity}); "
+     "objects Ray must spill will fail. Said once"),
 )
 
 
@@ -169,13 +175,16 @@ class NoticeFilter:
         os.dup2(self._saved, 2)  # our own pipe end closes; inherited ones live on
 
     def filtered(self, line: bytes) -> bytes:
-        """What to write for one line: the line, its note the first time, or nothing."""
+        """What to write for one line: the line, its note the first time (with what the
+        pattern's named groups caught), or nothing."""
         for pattern, note in self.notices:
-            if pattern.search(line):
+            match = pattern.search(line)
+            if match:
                 if note in self.said:
                     return b""
                 self.said.add(note)
-                return note.encode() + b"\n"
+                caught = {k: v.decode(errors="replace") for k, v in match.groupdict().items()}
+                return clip(note.format(**caught)).encode() + b"\n"
         return line
 
     def _forward(self, read_end: int, out: int) -> None:

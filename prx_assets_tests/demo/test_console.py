@@ -129,3 +129,19 @@ def test_rays_native_actor_notice_is_said_once_and_other_stderr_lines_pass(capfd
     assert all(len(line) <= MAX_WIDTH for line in err)
     os.write(2, RAY_NOTICE)  # after the demo, stderr is the process's own again
     assert "core_worker.cc" in capfd.readouterr().err
+
+
+RAY_DISK_WARNING = (b"\x1b[33m(raylet)\x1b[0m [2026-12-06 19:23:26,026 E 30760 30771] (raylet) "
+                    b"file_system_monitor.cc:116: /tmp/ray/session_2026-12-06_19-23-14_731711_"
+                    b"30653 is over 95% full, available space: 12.1898 GB; capacity: 251.972 GB."
+                    b" Object creation will fail if spilling is required.\n")
+
+
+def test_rays_disk_warning_is_said_once_in_short_words_with_its_figures(capfd):
+    with NoticeFilter():
+        os.write(2, RAY_DISK_WARNING)
+        os.write(2, RAY_DISK_WARNING.replace(b"12.1898", b"12.1855"))
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 1 and len(err[0]) <= MAX_WIDTH
+    assert "over 95% full (12.1898 GB free of 251.972)" in err[0]
+    assert "/tmp/ray/session_2026-12-06_19-23-14_731711_30653" in err[0]
