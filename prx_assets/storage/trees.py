@@ -201,13 +201,16 @@ class TreeStore:
     def finish(self, version: str) -> Location:
         """A built version made complete (its manifest already inside): renamed locally.
 
-        The order a crash relies on: the leaves' indexes (written unflushed, `write_index`)
-        reach the disk with their folders, then the rename, then the trees folder; the
-        publish that names the version comes after (`publish`)."""
+        The order a crash relies on: every file and folder of the version (shards written
+        plainly by the part tasks, sidecars, the leaves' indexes written unflushed by
+        `write_index`) reaches the disk with its folder, then the rename, then the trees folder; the
+        publish that names the version comes after (`publish`). A power loss after a
+        rename whose shards were still in the page cache would publish zero-filled shards;
+        carried shards (hard links of a flushed tree) cost a syscall each, no write."""
         final = self.tree(version)
         if self.is_local:
             staged = self.staging(version).path
-            sync_paths(sorted(staged.glob(f"*/*/{INDEX}")))
+            sync_paths(sorted(staged.rglob("*")))  # files and folders, each with its parent
             os.rename(staged, final.path)
             sync_folder(self.trees_dir.path)
         return final

@@ -34,15 +34,19 @@ def test_the_loader_does_not_import_ray():
     assert "ray" not in _heavy_imports("prx_assets.loader")
 
 
-def test_a_finished_version_has_its_indexes_on_disk_before_its_rename(tmp_path, monkeypatch):
+def test_a_finished_version_has_its_files_on_disk_before_its_rename(tmp_path, monkeypatch):
+    """Indexes, shards (written plainly by the part tasks), sidecars and the folders holding
+    them are flushed before the rename that completes the version."""
     from prx_assets.storage.refs import Location
     from prx_assets.storage.trees import INDEX, TreeStore
 
     store = TreeStore(Location(str(tmp_path / "mds")), "src")
     staged = store.staging("v1").path
+    leaf_files = (INDEX, "shard.00000.mds", "shard.00000.skip.json")
     for leaf in ("512/512x512", "1024/1024x1024"):
         (staged / leaf).mkdir(parents=True)
-        (staged / leaf / INDEX).write_text("{}")
+        for name in leaf_files:
+            (staged / leaf / name).write_text("{}")
     events: list[str] = []
     fsync, rename = os.fsync, os.rename
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(os.readlink(f"/proc/self/fd/{fd}")),
@@ -51,5 +55,6 @@ def test_a_finished_version_has_its_indexes_on_disk_before_its_rename(tmp_path, 
     store.finish("v1")
     flushed = set(events[:events.index("rename")])
     for leaf in ("512/512x512", "1024/1024x1024"):
-        assert {str(staged / leaf / INDEX), str(staged / leaf)} <= flushed
+        assert {str(staged / leaf / name) for name in leaf_files} <= flushed
+        assert {str(staged / leaf), str(staged / leaf.split("/")[0]), str(staged)} <= flushed
     assert events[events.index("rename") + 1:] == [str(store.trees_dir.path)]
