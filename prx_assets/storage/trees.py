@@ -205,12 +205,11 @@ class TreeStore:
         plainly by the part tasks, sidecars, the leaves' indexes written unflushed by
         `write_index`) reaches the disk with its folder, then the rename, then the trees folder; the
         publish that names the version comes after (`publish`). A power loss after a
-        rename whose shards were still in the page cache would publish zero-filled shards;
-        carried shards (hard links of a flushed tree) cost a syscall each, no write."""
+        rename whose shards were still in the page cache would publish zero-filled shards."""
         final = self.tree(version)
         if self.is_local:
             staged = self.staging(version).path
-            sync_paths(sorted(staged.rglob("*")))  # files and folders, each with its parent
+            sync_paths(_written_here(staged))
             os.rename(staged, final.path)
             sync_folder(self.trees_dir.path)
         return final
@@ -411,3 +410,11 @@ def check_shards(leaf: Location, entries: list[dict]) -> None:
     problems = shard_problems(leaf, entries)
     if problems:
         raise RuntimeError(f"not indexing {leaf}: {'; '.join(problems[:5])}")
+
+
+def _written_here(staged: Path) -> list[Path]:
+    """The folders of a staged version and the files written into it: a carried shard (a
+    hard link of a published, flushed tree: more than one link) needs only its folder
+    flushed (5,000 of them flushed one by one: 0.19 s here; a 10⁸-sample tree has ~10⁵)."""
+    return sorted(path for path in staged.rglob("*")
+                  if path.is_dir() or path.stat().st_nlink == 1)

@@ -47,6 +47,9 @@ def test_a_finished_version_has_its_files_on_disk_before_its_rename(tmp_path, mo
         (staged / leaf).mkdir(parents=True)
         for name in leaf_files:
             (staged / leaf / name).write_text("{}")
+    published = tmp_path / "published.mds"  # a flushed tree's shard, carried by a hard link
+    published.write_text("{}")
+    os.link(published, staged / "512/512x512/shard.00001.mds")
     events: list[str] = []
     fsync, rename = os.fsync, os.rename
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(os.readlink(f"/proc/self/fd/{fd}")),
@@ -57,4 +60,5 @@ def test_a_finished_version_has_its_files_on_disk_before_its_rename(tmp_path, mo
     for leaf in ("512/512x512", "1024/1024x1024"):
         assert {str(staged / leaf / name) for name in leaf_files} <= flushed
         assert {str(staged / leaf), str(staged / leaf.split("/")[0]), str(staged)} <= flushed
+    assert str(staged / "512/512x512/shard.00001.mds") not in flushed
     assert events[events.index("rename") + 1:] == [str(store.trees_dir.path)]
