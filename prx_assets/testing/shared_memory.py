@@ -32,10 +32,29 @@ def release_shared_memory(under: Path | str) -> list[int]:
         return []  # nothing to free: spare the collection (~0.5 s in a test worker's heap)
     gc.collect()  # this process's dropped datasets free their own segments first
     freed = _prefixes_under(root)
-    for prefix in freed:
-        for name in SHM_TO_CLEAN:
-            _unlink(f"{prefix:06}_{name}")
+    names = {f"{prefix:06}_{name}" for prefix in freed for name in SHM_TO_CLEAN}
+    for name in sorted(names):
+        _unlink(name)
+    _forget_created(names)
     return freed
+
+
+def _forget_created(names: set[str]) -> None:
+    """This process's streaming handles of the segments just unlinked no longer unlink them
+    at cleanup: they live on (atexit holds them), and a later cleanup (`stream_counter.
+    release_own_segments`, or the process's exit) would unlink whatever another dataset or
+    process has created under the name since. They still close their mappings."""
+    from multiprocessing import resource_tracker
+
+    from streaming.base.shared.memory import SharedMemory
+
+    for handle in [o for o in gc.get_objects() if type(o) is SharedMemory]:
+        gone = [shm for shm in handle.created_shms if shm.name.lstrip("/") in names]
+        if gone:
+            handle.created_shms = [shm for shm in handle.created_shms if shm not in gone]
+            handle.opened_shms += gone
+            for shm in gone:  # nor the resource tracker, at this process's exit
+                resource_tracker.unregister(f"/{shm.name}", "shared_memory")  # as registered
 
 
 def _prefixes_under(root: Path) -> list[int]:

@@ -36,3 +36,23 @@ def test_only_prefixes_whose_folders_lie_under_the_folder_are_freed(tmp_path):
     assert theirs[0]["id"] == "only"  # still reads its own shared state
     assert release_shared_memory(tmp_path / "nobody") == []
     del mine, theirs
+
+
+def test_a_freed_name_taken_again_is_not_unlinked_by_the_old_handles(tmp_path):
+    """The datasets' handles outlive the release (atexit holds them): their cleanup must not
+    unlink a segment created under the same name afterwards (another process's)."""
+    from multiprocessing import shared_memory
+
+    from prx_assets.stages.shards.stream_counter import release_own_segments
+
+    mine = leaf_dataset(tmp_path / "mine" / "leaf")
+    prefix = mine._shm_prefix_int
+    assert release_shared_memory(tmp_path / "mine") == [prefix]
+    theirs = shared_memory.SharedMemory(f"{prefix:06}_locals", create=True, size=8)
+    try:
+        release_own_segments()
+        assert f"{prefix:06}_locals" in os.listdir(SHM_FOLDER)
+    finally:
+        theirs.close()
+        theirs.unlink()
+    del mine
