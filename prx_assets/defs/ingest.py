@@ -18,7 +18,6 @@ from prx_assets.engine.progress import StageProgress
 from prx_assets.stages.ingest.ingest import (
     IngestOptions,
     IngestReport,
-    RemovalLimitError,
     ingest_source,
 )
 from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS
@@ -28,6 +27,7 @@ from prx_assets.stages.ingest.readers import (
     ListingError,
     SourceNotFoundError,
 )
+from prx_assets.stages.ingest.removals import RemovalLimitError
 from prx_assets.stages.opt_outs.rights import reservation_counts
 from prx_assets.storage.lance_tables import FragmentPolicy, WriteReport, describe_write
 from prx_assets.storage.object_store import ObjectStoreError

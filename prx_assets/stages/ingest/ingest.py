@@ -18,7 +18,7 @@
 Deletes act only on a complete listing: a folder or prefix that cannot be listed fails the
 run before anything is written (`readers.ListingError`), and a run that would delete more
 than `IngestOptions.max_removed_share` of the table stops before its delete
-(`RemovalLimitError`).
+(`removals.RemovalLimitError`).
 """
 
 from __future__ import annotations
@@ -34,10 +34,9 @@ import ray
 import ray.data
 from ray.data.aggregate import Count, Max
 
-from prx_assets.engine.batches import PutTable, arrow_batches, dataset_of, put_table
+from prx_assets.engine.batches import PutTable, dataset_of, put_table
 from prx_assets.engine.chunked import (
     BROADCAST_IDS,
-    AbsentRows,
     ChunkedReport,
     ChunkedRun,
     CommitTarget,
@@ -46,25 +45,32 @@ from prx_assets.engine.chunked import (
 )
 from prx_assets.engine.stage import NODE_COLUMN, with_node_column
 from prx_assets.stages.ingest import readers
-from prx_assets.stages.ingest.ids import sample_id
+from prx_assets.stages.ingest.duplicate_keys import CommittedRivals, rows_to_commit
 from prx_assets.stages.ingest.location import SourceLocation
 from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS
 from prx_assets.stages.ingest.raw_rows import (
     DEFAULT_MAX_CAPTION_BYTES,
     RAW_IMAGES_SCHEMA,
     UNIT_COLUMNS,
+    UNIT_KEYS,
     FoundItem,
     raw_row,
     rows_to_tables,
 )
+from prx_assets.stages.ingest.removals import (
+    MAX_REMOVED_SHARE,
+    REMOVAL_FLOOR_ROWS,
+    RemovalLimit,
+    delete_stale_rows,
+    stale_ids,
+    stale_ids_joined,
+)
 from prx_assets.stages.ingest.sources import SourceSpec
 from prx_assets.storage.failpoints import failpoint
-from prx_assets.storage.filters import in_filter
 from prx_assets.storage.lance_tables import create_empty, overwrite_rows, tag_with_node
 
 # Units per in-memory block handed to Ray (a block is a few hundred KB of paths).
 UNIT_BLOCK = 10_000
-UNIT_KEYS = ("unit", "unit_signature")
 # Up to this many rows the comparison runs on the driver (as engine.chunked broadcasts up to
 # a million ids); past it, in Ray hash joins.
 DRIVER_COMPARE_ROWS = BROADCAST_IDS
@@ -78,20 +84,13 @@ class IngestOptions:
     max_caption_bytes: int = DEFAULT_MAX_CAPTION_BYTES
     units_per_task: int = 64  # files per task for image folders; tars/parquet go one by one
     chunk_rows: int = 1024  # rows per merge-insert commit
-    # A run that would delete more than this share of the table's rows stops instead: a
-    # source half gone is more often a mount or a bucket policy gone wrong than a curation.
-    max_removed_share: float = 0.10
-    # ...except that a run may always remove this many rows: a handful of files deleted from
-    # a small source is a curation, and a share of a tiny table says little.
-    removal_floor_rows: int = 100
+    # A run that would delete more than this share of the table's rows stops instead,
+    # unless it deletes at most the floor's rows (`removals`).
+    max_removed_share: float = MAX_REMOVED_SHARE
+    removal_floor_rows: int = REMOVAL_FLOOR_ROWS
     # Read the training reservations (stages/ingest/rights.py); off only for the bench's
     # baseline: rows then say "none" whatever the images carry.
     read_rights: bool = True
-
-
-class RemovalLimitError(RuntimeError):
-    """The run would remove more of the source's rows than its configured share allows;
-    nothing was removed (the rows it read are committed)."""
 
 
 # ------------------------------------------------------------------ listing and comparing
@@ -256,92 +255,6 @@ def expand_units(units: pa.Table, spec: SourceSpec, location: SourceLocation | s
         failpoint("ingest.expand_units")
 
 
-def rows_to_commit(chunk: pa.Table, committed: CommittedRivals | None = None
-                   ) -> pa.Table | AbsentRows:
-    """A chunk as it is merge-inserted: without the node column, and with one row per id
-    (a merge-insert refuses two source rows for one key). A key found in two units of a
-    source keeps the row of the unit first by name (whatever order Ray read them in); each
-    other one becomes a `duplicate_key` row of its own unit naming both units (before, the
-    unit read later won silently). With `committed`, the units of earlier chunks and runs
-    are compared too (`CommittedRivals`), and a chunk none of whose ids is committed yet
-    comes back as `AbsentRows` (appended, not merged)."""
-    if NODE_COLUMN in chunk.column_names:
-        chunk = chunk.drop_columns([NODE_COLUMN])
-    ids = chunk.column("id")
-    if pc.count_distinct(ids).as_py() != chunk.num_rows:
-        chunk = _first_unit_per_key(chunk)
-    return committed.resolve(chunk) if committed is not None else chunk
-
-
-def _first_unit_per_key(chunk: pa.Table) -> pa.Table:
-    rows = chunk.to_pylist()
-    kept: dict[str, str] = {}  # id -> the unit whose row is kept: the first by name
-    for row in rows:
-        unit = row.get("unit") or ""
-        kept[row["id"]] = min(unit, kept.get(row["id"], unit))
-    for row in rows:  # a unit repeats no key (`_unit_rows`): a repeat is another unit's
-        if (row.get("unit") or "") != kept[row["id"]]:
-            _mark_duplicate(row, kept[row["id"]])
-    return pa.Table.from_pylist(rows, schema=chunk.schema)
-
-
-@dataclass
-class CommittedRivals:
-    """A chunk's keys against the rows already committed: a row of the same id from
-    another unit that the listing still holds under its committed signature is a rival
-    (a unit re-read, or one gone from the listing, is not: its rows are replaced or
-    removed by this run). The unit first by name keeps the key, as within a chunk: a
-    chunk's row of a later unit becomes its `duplicate_key` row; a committed row of a
-    later unit is rewritten as one, in the same commit, so that unit still counts as read
-    whole. One lookup of the chunk's ids per chunk (a filter on the key index); a chunk it
-    finds none of (new files) is `AbsentRows`: appended, no merge looks them up again."""
-
-    target: CommitTarget
-    signature_of: Callable[[list[str]], dict[str, str]]  # units -> listed signature
-
-    def resolve(self, chunk: pa.Table) -> pa.Table | AbsentRows:
-        if self.target.version() is None or chunk.num_rows == 0:
-            return chunk
-        ids = chunk.column("id").to_pylist()
-        committed = self.target.open()
-        found = committed.to_table(columns=["id", *UNIT_KEYS], filter=in_filter("id", ids))
-        if found.num_rows == 0:
-            return AbsentRows(chunk, committed.version)
-        units = dict(zip(chunk.column("id").to_pylist(), chunk.column("unit").to_pylist(),
-                         strict=True))
-        others = [(i, u, s) for i, u, s in zip(found["id"].to_pylist(),
-                                               found["unit"].to_pylist(),
-                                               found["unit_signature"].to_pylist(), strict=True)
-                  if u != units[i]]
-        listed = self.signature_of(sorted({u for _, u, _ in others})) if others else {}
-        rivals = {i: u for i, u, s in others if listed.get(u) == s}
-        if not rivals:
-            return chunk
-        rows = chunk.to_pylist()
-        for row in rows:
-            if row["id"] in rivals and rivals[row["id"]] < (row.get("unit") or ""):
-                _mark_duplicate(row, rivals[row["id"]])
-        beaten = {row["id"]: row["unit"] for row in rows
-                  if row["id"] in rivals and row["status"] != readers.STATUS_DUPLICATE_KEY}
-        if beaten:
-            for old in self.target.open().to_table(filter=in_filter("id", list(beaten))
-                                                   ).to_pylist():
-                _mark_duplicate(old, beaten[old["id"]])
-                rows.append({name: old.get(name) for name in chunk.schema.names})
-        return pa.Table.from_pylist(rows, schema=chunk.schema)
-
-
-def _mark_duplicate(row: dict, first_unit: str) -> None:
-    """`row`, whose key an earlier unit of the chunk holds, as a `duplicate_key` row of its
-    own unit (its unit and signature kept, so the unit still counts as read whole)."""
-    key, unit = row["source_key"], row.get("unit") or ""
-    row.update(id=sample_id(row["source"], f"{unit}#{key}"), source_key=f"{unit}#{key}",
-               image=None, format=None, width=None, height=None,
-               status=readers.STATUS_DUPLICATE_KEY,
-               error=f"key {key!r} of unit {unit!r} is also in unit {first_unit!r}: keys must "
-                     "be unique in a source; the first unit's row is kept")
-
-
 def _unit_rows(spec: SourceSpec, location: SourceLocation, unit: str,
                signature: str | None, options: IngestOptions) -> Iterator[dict]:
     """The unit's rows, each naming its unit and signature; the last one also says how
@@ -474,65 +387,3 @@ def ingest_source(spec: SourceSpec, uri: str | Path | SourceLocation, target: Co
     report.commits.lance_version = table.version
     report.rows = table.count_rows()
     return report
-
-
-def stale_ids(target: CommitTarget, listed: dict[str, str]) -> list[str]:
-    """Ids of rows whose (unit, signature) the listing no longer has."""
-    if target.version() is None:
-        return []
-    units = pa.array(list(listed), pa.string())
-    signatures = pa.array(list(listed.values()), pa.string())
-    stale: list[str] = []
-    for batch in target.open().to_batches(columns=["id", "unit", "unit_signature"],
-                                          batch_size=65536):
-        listed_signature = pc.take(signatures, pc.index_in(batch.column("unit"), units))
-        current = pc.fill_null(pc.equal(listed_signature, batch.column("unit_signature")),
-                               False)
-        stale.extend(batch.column("id").filter(pc.invert(current)).to_pylist())
-    return stale
-
-
-def stale_ids_joined(target: CommitTarget, listed: ray.data.Dataset, n_listed: int
-                     ) -> list[str]:
-    """`stale_ids` for a big table: the table's (unit, signature) anti-joined in Ray with
-    the listing; only the stale ids come back to the driver."""
-    if target.version() is None:
-        return []
-    rows = target.table.latest().read(columns=["id", *UNIT_KEYS])
-    # ignore: Ray annotates `on` as Tuple[str] (one column), though a join takes several.
-    stale = rows.join(listed, join_type="left_anti", on=UNIT_KEYS,  # type: ignore[arg-type]
-                      num_partitions=hash_partitions(max(n_listed, target.open().count_rows())))
-    # A join's output may hold large_string: read the ids whatever their string type.
-    return [id_ for batch in arrow_batches(stale.select_columns(["id"]))
-            for id_ in batch.column("id").to_pylist()]
-
-
-@dataclass(frozen=True)
-class RemovalLimit:
-    """How many rows one run may delete: up to `floor_rows`, or up to `share` of the table."""
-
-    share: float = IngestOptions.max_removed_share
-    floor_rows: int = IngestOptions.removal_floor_rows
-
-    def allows(self, removed: int, rows: int) -> bool:
-        return removed <= max(self.floor_rows, self.share * rows)
-
-
-def delete_stale_rows(target: CommitTarget, plan: IngestPlan,
-                      limit: RemovalLimit = RemovalLimit()) -> int:
-    """Delete rows the source no longer holds, in one commit; returns how many. More than
-    the limit allows raises `RemovalLimitError` and deletes none."""
-    ids = plan.stale_ids(target)
-    if not ids:
-        return 0
-    table = target.open()
-    rows = table.count_rows()
-    if not limit.allows(len(ids), rows):
-        raise RemovalLimitError(
-            f"{target.table}: this run would remove {len(ids):,} of {rows:,} rows "
-            f"({len(ids) / rows:.0%}), more than the allowed {limit.share:.0%} "
-            f"({plan.units_listed:,} unit(s) listed at {plan.location.uri}); nothing was "
-            "removed. If the files are really gone, rerun with a higher `max_removed_share` "
-            "(1.0 allows any removal).")
-    table.delete(in_filter("id", ids))
-    return len(ids)

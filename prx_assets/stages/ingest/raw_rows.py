@@ -60,6 +60,7 @@ RAW_IMAGES_SCHEMA = pa.schema(
 )
 # The columns change detection reads back from a committed table.
 UNIT_COLUMNS = ("unit", "unit_signature", "unit_items")
+UNIT_KEYS = UNIT_COLUMNS[:2]  # a unit as the listing names it: which file, which version of it
 
 
 @dataclass(frozen=True)

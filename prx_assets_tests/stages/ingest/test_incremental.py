@@ -19,10 +19,10 @@ from prx_assets.stages.ingest import readers
 from prx_assets.stages.ingest.ingest import (
     IngestOptions,
     IngestReport,
-    RemovalLimitError,
     ingest_source,
 )
 from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
+from prx_assets.stages.ingest.removals import RemovalLimitError
 from prx_assets.stages.ingest.sources import SourceSpec
 from prx_assets.storage.lance_tables import FragmentPolicy
 from prx_assets.storage.refs import TableRef
