@@ -30,7 +30,7 @@ import dagster as dg
 from prx_assets.defs.metadata import recorded_input_version
 from prx_assets.defs.resources import StorageResource
 from prx_assets.registry import automated
-from prx_assets.stages.ingest.readers import ListingError, SourceNotFoundError
+from prx_assets.stages.ingest.listing import ListingError, SourceNotFoundError
 from prx_assets.stages.ingest.sources import SourcesConfig, SourceSpec
 from prx_assets.stages.ingest.watch import ListingDigest, change_reason, listing_digest
 from prx_assets.storage.changes import groups_changed_at

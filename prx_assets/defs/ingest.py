@@ -20,13 +20,10 @@ from prx_assets.stages.ingest.ingest import (
     IngestReport,
     ingest_source,
 )
+from prx_assets.stages.ingest.listing import ListingError, SourceNotFoundError
 from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS
 from prx_assets.stages.ingest.raw_rows import DEFAULT_MAX_CAPTION_BYTES, RAW_IMAGES_SCHEMA
-from prx_assets.stages.ingest.readers import (
-    DEFAULT_MAX_FILE_BYTES,
-    ListingError,
-    SourceNotFoundError,
-)
+from prx_assets.stages.ingest.readers import DEFAULT_MAX_FILE_BYTES
 from prx_assets.stages.ingest.removals import RemovalLimitError
 from prx_assets.stages.opt_outs.rights import reservation_counts
 from prx_assets.storage.lance_tables import FragmentPolicy, WriteReport, describe_write

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from bench.soak_sources import make_sources
-from prx_assets.stages.ingest import readers
+from prx_assets.stages.ingest import listing
 from prx_assets.stages.ingest.ingest import IngestOptions, _unit_rows
 from prx_assets.stages.ingest.probe import STATUS_OK
 from prx_assets.stages.ingest.sources import load_sources
@@ -16,9 +16,9 @@ from prx_assets.testing.sources import write_sources
 
 def _read(sources_file, name: str) -> dict[str, str]:
     spec = load_sources(sources_file).get(name)
-    location = readers.resolve_location(spec, spec.uri)
+    location = listing.resolve_location(spec, spec.uri)
     return {row["id"]: row["original_caption"]
-            for unit, signature in readers.list_unit_entries(spec, location)
+            for unit, signature in listing.list_unit_entries(spec, location)
             for row in _unit_rows(spec, location, unit, signature, IngestOptions())
             if row["status"] == STATUS_OK}
 

@@ -16,7 +16,7 @@
    file (only identifiable once the unit's surviving rows carry its new signature).
 
 Deletes act only on a complete listing: a folder or prefix that cannot be listed fails the
-run before anything is written (`readers.ListingError`), and a run that would delete more
+run before anything is written (`listing.ListingError`), and a run that would delete more
 than `IngestOptions.max_removed_share` of the table stops before its delete
 (`removals.RemovalLimitError`).
 """
@@ -46,6 +46,7 @@ from prx_assets.engine.chunked import (
 from prx_assets.engine.stage import NODE_COLUMN, with_node_column
 from prx_assets.stages.ingest import readers
 from prx_assets.stages.ingest.duplicate_keys import CommittedRivals, rows_to_commit
+from prx_assets.stages.ingest.listing import list_source, resolve_location
 from prx_assets.stages.ingest.location import SourceLocation
 from prx_assets.stages.ingest.probe import DEFAULT_MAX_PIXELS
 from prx_assets.stages.ingest.raw_rows import (
@@ -94,13 +95,6 @@ class IngestOptions:
 
 
 # ------------------------------------------------------------------ listing and comparing
-
-def list_source(spec: SourceSpec, location: SourceLocation) -> Iterator[tuple[str, str]]:
-    """(unit, signature) of every unit of the source, streaming."""
-    if spec.kind == "lance":
-        return readers.lance_unit_entries(spec, location)
-    return readers.list_unit_entries(spec, location)
-
 
 def completed_units(target: CommitTarget) -> dict[str, str]:
     """unit -> signature of every unit whose rows are all committed under that signature.
@@ -181,7 +175,7 @@ def plan_ingest(spec: SourceSpec, uri: str | Path | SourceLocation, done: dict[s
                 block_units: int = UNIT_BLOCK, keep_listing: bool = True) -> IngestPlan:
     """List the source and queue, in blocks, every unit whose listed signature is not
     done (with `keep_listing=False`, every unit, and no dict of them on the driver)."""
-    plan = IngestPlan(readers.resolve_location(spec, uri), listed={} if keep_listing else None)
+    plan = IngestPlan(resolve_location(spec, uri), listed={} if keep_listing else None)
     block: list[tuple[str, str]] = []
     for unit, signature in list_source(spec, plan.location):
         plan.units_listed += 1

@@ -20,9 +20,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from prx_assets.stages.ingest.ingest import list_source
+from prx_assets.stages.ingest.listing import list_source, resolve_location
 from prx_assets.stages.ingest.location import SourceLocation
-from prx_assets.stages.ingest.readers import resolve_location
 from prx_assets.stages.ingest.sources import SourceSpec
 
 
@@ -46,7 +45,7 @@ class ListingDigest:
 
 def listing_digest(spec: SourceSpec, uri: str | Path | SourceLocation) -> ListingDigest:
     """Digest the source's listing, streaming (nothing per unit is held). Raises what the
-    listing raises (`readers.ListingError`, `readers.SourceNotFoundError`): an incomplete
+    listing raises (`listing.ListingError`, `listing.SourceNotFoundError`): an incomplete
     listing must not pass for a changed source."""
     digest = hashlib.blake2b(digest_size=16)
     units = 0

@@ -12,7 +12,7 @@ import lance
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from prx_assets.stages.ingest import readers
+from prx_assets.stages.ingest import listing
 from prx_assets.stages.ingest.ingest import IngestOptions, expand_units
 from prx_assets.stages.ingest.raw_rows import FoundItem, raw_row
 from prx_assets.stages.ingest.sources import SourceSpec
@@ -26,9 +26,9 @@ def spec(kind: str, uri: Path, **kwargs) -> SourceSpec:
 
 def rows_of(s: SourceSpec, root: Path, options: IngestOptions | None = None) -> list[dict]:
     """Every raw row of the source, as the ingest's Ray stage builds them (in-process)."""
-    units = list(readers.list_units(s, root)) if s.kind != "lance" else [
-        unit for unit, _ in readers.lance_unit_entries(s, readers._location(root))]
-    signatures = ([sig for _, sig in readers.lance_unit_entries(s, readers._location(root))]
+    units = list(listing.list_units(s, root)) if s.kind != "lance" else [
+        unit for unit, _ in listing.lance_unit_entries(s, listing.source_location(root))]
+    signatures = ([sig for _, sig in listing.lance_unit_entries(s, listing.source_location(root))]
                   if s.kind == "lance" else [None] * len(units))
     block = pa.table({"unit": units, "unit_signature": pa.array(signatures, pa.string())})
     tables = expand_units(block, s, str(root), options or IngestOptions())

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from prx_assets.engine.chunked import CommitTarget
-from prx_assets.stages.ingest import readers
+from prx_assets.stages.ingest import listing, readers
 from prx_assets.stages.ingest.ingest import (
     IngestOptions,
     IngestReport,
@@ -152,7 +152,7 @@ def test_a_listing_that_fails_part_way_removes_no_row(ray_session, tmp_path, mon
 
     monkeypatch.setattr(readers.os, "scandir", refusing)
     (Path(spec.uri) / "added.jpg").write_bytes(jpeg_bytes(420, 300, 77))
-    with pytest.raises(readers.ListingError, match=rf"{nested}.*Permission denied"):
+    with pytest.raises(listing.ListingError, match=rf"{nested}.*Permission denied"):
         ingest(spec, table, max_removed_share=1.0)
     assert rows(table) == before and lance.dataset(str(table)).version == version
 

@@ -6,8 +6,8 @@ import pytest
 
 from prx_assets.stages.ingest.ids import sample_id
 from prx_assets.stages.ingest.ingest import IngestOptions, build_raw_dataset, plan_ingest
+from prx_assets.stages.ingest.listing import SourceNotFoundError
 from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA
-from prx_assets.stages.ingest.readers import SourceNotFoundError
 from prx_assets.stages.ingest.sources import SourceSpec
 from prx_assets.storage.lance_tables import FragmentPolicy, write_dataset_atomically
 from prx_assets.storage.refs import TableRef

@@ -1,74 +1,21 @@
 import json
-import os
 import tarfile
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from prx_assets.stages.ingest import readers
+from prx_assets.stages.ingest import listing, readers
 from prx_assets.stages.ingest.location import SourceLocation
 from prx_assets.stages.ingest.raw_rows import RAW_IMAGES_SCHEMA, raw_row
 from prx_assets.stages.ingest.sources import SourceSpec
-from prx_assets.storage.object_store import StoreSettings
 from prx_assets.testing.images import jpeg_bytes
 from prx_assets.testing.tars import add_member
 
 
 def spec(kind: str, **kwargs) -> SourceSpec:
     return SourceSpec(name="src", kind=kind, uri="unused", **kwargs)
-
-
-def test_image_folder_listing_is_recursive_sorted_and_filtered(small_folder: Path):
-    units = list(readers.list_units(spec("image_folder"), small_folder))
-    assert units == ["a/b/two.png", "a/one.jpg", "anim.png", "cut.jpg", "dangling.jpg",
-                     "empty.jpg", "notes.jpg", "three.webp"]
-
-
-def _unlistable(monkeypatch, folder: Path) -> None:
-    """os.scandir refuses `folder` as it would without permission (tests run as root, so a
-    chmod would not stop them)."""
-    scandir = os.scandir
-
-    def refusing(path):
-        if Path(path) == folder:
-            raise PermissionError(13, "Permission denied", str(path))
-        return scandir(path)
-
-    monkeypatch.setattr(readers.os, "scandir", refusing)
-
-
-def test_unlistable_folder_fails_the_listing_naming_it(small_folder: Path, monkeypatch):
-    _unlistable(monkeypatch, small_folder / "a" / "b")
-    with pytest.raises(readers.ListingError, match=r"folder .*/a/b.*PermissionError"):
-        list(readers.list_units(spec("image_folder"), small_folder))
-
-
-def test_unlistable_source_root_fails_the_listing(small_folder: Path, monkeypatch):
-    _unlistable(monkeypatch, small_folder)
-    with pytest.raises(readers.ListingError, match="Permission denied"):
-        list(readers.list_units(spec("image_folder"), small_folder))
-
-
-def test_an_object_store_list_error_fails_the_listing_naming_the_prefix(
-        small_folder: Path, monkeypatch):
-    """The object-store walk, over a local file system whose listing of one prefix fails as
-    an S3 ListObjects error would (an OSError from pyarrow)."""
-
-    class FailingListing:
-        def get_file_info(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
-            if selector.base_dir.endswith("/a/b"):
-                raise OSError("When listing objects under key 'a/b': AWS Error SLOW_DOWN")
-            return pafs.LocalFileSystem().get_file_info(selector)
-
-    monkeypatch.setattr(SourceLocation, "filesystem",
-                        lambda self: (FailingListing(), str(small_folder)))
-    # The object-store walk names paths `bucket/prefix`: here the folder's absolute path.
-    location = SourceLocation(f"s3://{small_folder}", settings=StoreSettings.resolve("s3://b/p"))
-    with pytest.raises(readers.ListingError, match=r"prefix s3://.*/a/b/.*SLOW_DOWN"):
-        list(readers.list_unit_entries(spec("image_folder"), location))
 
 
 def test_image_file_reader_keeps_bytes_and_sidecar_caption(small_folder: Path):
@@ -83,11 +30,6 @@ def test_unreadable_files_are_recorded(small_folder: Path):
     big = readers.read_image_file(spec("image_folder"), small_folder, "a/one.jpg",
                                   max_file_bytes=10)
     assert big.status == "file_too_large" and big.data is None
-
-
-def test_missing_source_path_names_source_and_path(tmp_path: Path):
-    with pytest.raises(readers.SourceNotFoundError, match=r"source 'src'.*nowhere"):
-        list(readers.list_units(spec("image_folder"), tmp_path / "nowhere"))
 
 
 def make_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
@@ -221,7 +163,6 @@ def test_object_store_sources_list_with_signatures_and_stream(s3_server, s3_root
     """An image folder (with a caption file) and a Lance table in the bucket: the listing
     walks prefixes like folders, signatures change with a new PUT of a caption, and the
     readers stream bytes through the resolved options."""
-    from prx_assets.stages.ingest.location import SourceLocation
     from prx_assets.storage.lance_tables import overwrite_rows
 
     bucket, prefix = s3_root.partition("://")[2].split("/", 1)
@@ -230,13 +171,13 @@ def test_object_store_sources_list_with_signatures_and_stream(s3_server, s3_root
     for key, body in (("imgs/a/one.jpg", img), ("imgs/a/one.txt", b"a caption"),
                       ("imgs/two.png", img), ("imgs/readme.md", b"not listed")):
         client.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=body)
-    folder = readers.resolve_location(spec("image_folder"), f"{s3_root}/imgs")
-    entries = dict(readers.list_unit_entries(spec("image_folder"), folder))
+    folder = listing.resolve_location(spec("image_folder"), f"{s3_root}/imgs")
+    entries = dict(listing.list_unit_entries(spec("image_folder"), folder))
     assert list(entries) == ["a/one.jpg", "two.png"]
     item = readers.read_image_file(spec("image_folder"), folder, "a/one.jpg")
     assert item.data == img and item.caption == "a caption"
     client.put_object(Bucket=bucket, Key=f"{prefix}/imgs/a/one.txt", Body=b"a longer caption")
-    again = dict(readers.list_unit_entries(spec("image_folder"), folder))
+    again = dict(listing.list_unit_entries(spec("image_folder"), folder))
     assert again["a/one.jpg"] != entries["a/one.jpg"] and again["two.png"] == entries["two.png"]
 
     table_uri = f"{s3_root}/src.lance"
@@ -244,10 +185,10 @@ def test_object_store_sources_list_with_signatures_and_stream(s3_server, s3_root
     overwrite_rows(location.as_table(), pa.table({"key": ["k1", "k2"], "image": [img, img]}),
                    pa.schema([("key", pa.string()), ("image", pa.binary())]))
     lance_spec = spec("lance", key_column="key")
-    units = list(readers.lance_unit_entries(lance_spec, readers.resolve_location(lance_spec,
+    units = list(listing.lance_unit_entries(lance_spec, listing.resolve_location(lance_spec,
                                                                                  table_uri)))
     assert [signature for _, signature in units] == ["v1"]
     items = list(readers.read_lance_fragment(lance_spec, location, *units[0]))
     assert [(i.key, i.data == img) for i in items] == [("k1", True), ("k2", True)]
-    with pytest.raises(readers.SourceNotFoundError, match="nothing at"):
-        readers.resolve_location(spec("webdataset"), f"{s3_root}/no-such-prefix")
+    with pytest.raises(listing.SourceNotFoundError, match="nothing at"):
+        listing.resolve_location(spec("webdataset"), f"{s3_root}/no-such-prefix")
