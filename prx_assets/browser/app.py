@@ -24,10 +24,11 @@ Views (each a few bounded Lance queries, see `queries`):
                               `bucketed_images`), with caching headers
     /favicon.ico              the icon (an SVG), so no page logs a 404
 
-Each view is a handler function of the request and the app's `BrowserState` (its tables,
-opt-out tokens and templates); `ROUTES` maps the URLs to them and `create_app` binds them
-to one state. Path parameters are sample ids, validated and looked up in tables; nothing
-from a request is joined into a file path. Templates autoescape everything.
+Each view is a handler function of the request and the app's `BrowserState` (`state`: its
+tables, who may write, templates): the reading pages here, the curators' log-in and writes
+in `curation`, the image bytes in `images`; `ROUTES` maps the URLs to them and
+`create_app` binds them to one state. Path parameters are sample ids, validated and looked
+up in tables; nothing from a request is joined into a file path. Templates autoescape everything.
 
 Handlers are plain functions, which Starlette runs in its thread pool: Lance queries block
 (and release the GIL), so the thumbnails of one page are read in parallel rather than one
@@ -36,88 +37,53 @@ after another on the event loop. The opt-out handler is async only to read its f
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import logging
 import os
 from collections.abc import Awaitable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlencode
 
-import jinja2
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.responses import RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from prx_assets.browser import concepts, duplicates, queries, rejects
 from prx_assets.browser.auth import (
     AUTH_DB,
-    SESSION_COOKIE,
     BrowserAuth,
     Curators,
     is_loopback,
-    same_origin,
 )
 from prx_assets.browser.cards import published, tree_card
-from prx_assets.browser.catalog import TABLE_TTL_S, BadQuery, Catalog, NotFound
+from prx_assets.browser.catalog import TABLE_TTL_S, BadQuery, NotFound
+from prx_assets.browser.curation import (
+    clear_rights_page,
+    login_page,
+    logout,
+    opt_out_page,
+)
 from prx_assets.browser.facets import MAX_CLUSTER, MAX_CONCEPT_LEVEL, Query
+from prx_assets.browser.images import (
+    favicon,
+    image_jpeg,
+    original_jpeg,
+    reject_jpeg,
+    thumbnail_jpeg,
+)
 from prx_assets.browser.links import dagster_home_instance, dagster_url, run_url
-from prx_assets.stages.ingest.rights import CONSTRAINED
-from prx_assets.stages.opt_outs.requests import files_requesting, write_request
-from prx_assets.stages.opt_outs.rights import clear
+from prx_assets.browser.state import HERE, BrowserState
+from prx_assets.stages.opt_outs.requests import files_requesting
 from prx_assets.storage.layout import Storage
 from prx_assets.storage.tables import BUCKETED_IMAGES, CAPTIONS
 
-HERE = Path(__file__).parent
-# Immutable per corpus version: the ETag names the version, so a rebuilt corpus is refetched.
-THUMB_CACHE = "public, max-age=86400"
-IMAGE_CACHE = "public, max-age=3600"
-ORIGINAL_PX = 1024  # the original beside the bucketed crop, at most this on its longest side
 # Paths a visitor reaches without a session where reading needs one (a non-loopback bind).
 OPEN_PATHS = ("/login", "/static/", "/favicon.ico")
-logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class BrowserState:
-    """What every handler reads: the tables, who may write, the templates."""
-
-    catalog: Catalog
-    auth: BrowserAuth
-    templates: jinja2.Environment
-    private_reads: bool = False  # reading too needs a session (a non-loopback bind)
-    dagster: Any = None  # the Dagster instance for exact run links (`serve` opens it)
-
-    @classmethod
-    def create(cls, storage: Storage | str | Path, auth: BrowserAuth | None = None,
-               private_reads: bool = False, dagster: Any = None,
-               table_ttl_s: float = TABLE_TTL_S) -> BrowserState:
-        templates = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
-                                       autoescape=True, undefined=jinja2.StrictUndefined)
-        templates.globals["urlencode"] = urlencode
-        return cls(Catalog(storage, table_ttl_s), auth or BrowserAuth(), templates,
-                   private_reads, dagster)
-
-    def render(self, request: Request, template: str, status: int = 200, **context: Any
-               ) -> HTMLResponse:
-        html = self.templates.get_template(template).render(request=request, **context)
-        return HTMLResponse(html, status_code=status)
-
-    def error(self, request: Request, status: int, title: str, message: str) -> HTMLResponse:
-        return self.render(request, "error.html", status=status, title=title, message=message)
-
-    def not_found(self, request: Request, message: str) -> HTMLResponse:
-        return self.error(request, 404, "Not found", message)
 
 
 # -------------------------------------------------------------------------------- pages
@@ -180,138 +146,6 @@ def sample_run_url(found: queries.Sample, instance: Any) -> str:
     return dagster_url(BUCKETED_IMAGES, source)
 
 
-async def opt_out_page(request: Request, state: BrowserState) -> Response:
-    """GET: the confirmation page (a log-in link without a session). POST: when
-    `write_refusal` finds nothing wrong and the box is ticked, one new request file under
-    the curator's name, then back to the sample page."""
-    try:
-        row = await run_in_threadpool(queries.corpus_row, state.catalog,
-                                      request.path_params["sample_id"],
-                                      ["id", "source", "caption"])
-    except NotFound as err:
-        return state.not_found(request, str(err))
-    session = state.auth.session(request)
-    if request.method == "GET":
-        return state.render(request, "optout.html", row=row, session=session)
-    form = await confirmed_form(request, state, "opt this image out")
-    if isinstance(form, Response):
-        logger.warning(f"opt-out of {row['id']} refused: {form.status_code}")
-        return form
-    assert session is not None  # confirmed_form refuses a request without one
-    written = await run_in_threadpool(write_request, state.catalog.storage, row["id"],
-                                      str(form.get("reference", "")),
-                                      requested_by=session.curator, door="browser")
-    logger.info(f"opt-out of {row['id']} by curator {session.curator}: {written.name}")
-    return RedirectResponse(f"/sample/{row['id']}?opted=1", status_code=303)
-
-
-async def clear_rights_page(request: Request, state: BrowserState) -> Response:
-    """A curator's clearance of a constrained training reservation (docs/rights.md),
-    through the opt-out door's checks: GET the confirmation page, POST one new clearance
-    file under the curator's name. A prohibition cannot be cleared."""
-    try:
-        row = await run_in_threadpool(queries.corpus_row, state.catalog,
-                                      request.path_params["sample_id"],
-                                      ["id", "source", "caption", "reservation"])
-    except NotFound as err:
-        return state.not_found(request, str(err))
-    if row.get("reservation") != CONSTRAINED:
-        return state.error(request, 409, "Nothing to clear",
-                           f"{row['id']} has reservation {row.get('reservation') or 'none'}: "
-                           "only a constrained one can be cleared")
-    session = state.auth.session(request)
-    if request.method == "GET":
-        return state.render(request, "clearrights.html", row=row, session=session)
-    form = await confirmed_form(request, state, "clear this reservation")
-    if isinstance(form, Response):
-        return form
-    assert session is not None  # confirmed_form refuses a request without one
-    written = await run_in_threadpool(clear, state.catalog.storage, [row["id"]],
-                                      str(form.get("reference", "")), door="browser",
-                                      cleared_by=session.curator)
-    logger.info(f"rights clearance of {row['id']} by curator {session.curator}: "
-                f"{written.name}")
-    return RedirectResponse(f"/sample/{row['id']}?cleared=1", status_code=303)
-
-
-async def confirmed_form(request: Request, state: BrowserState, action: str
-                         ) -> FormData | Response:
-    """A curator's POSTed form when it may write (`write_refusal`) and its confirmation box
-    is ticked; else the response saying why not."""
-    form = await request.form()
-    refusal = write_refusal(request, state, str(form.get("token", "")))
-    if refusal is not None:
-        return refusal
-    if form.get("confirm") != "yes":
-        return state.error(request, 400, "Not confirmed",
-                           f"tick the confirmation box to {action}")
-    return form
-
-
-def write_refusal(request: Request, state: BrowserState, form_token: str) -> Response | None:
-    """Why this write may not happen (a response saying so), None when it may: a curator's
-    session, this server's origin, the session's form token, the curator's rate limit."""
-    auth = state.auth
-    if not auth.configured:
-        return state.error(request, 403, "Writing is off", "this browser was started "
-                           "without curator tokens (PRX_CURATOR_TOKENS): it only reads")
-    session = auth.session(request)
-    if session is None:
-        return state.error(request, 401, "Log in", "writing needs a curator: log in first")
-    if not same_origin(request):
-        return state.error(request, 403, "Forbidden", "the request does not come from a "
-                           "page of this server")
-    if not hmac.compare_digest(session.form_token, form_token):
-        return state.error(request, 403, "Forbidden", "the form's token is missing or "
-                           "wrong: open the page again and retry")
-    if not auth.writes.allow(session.curator):
-        return state.error(request, 429, "Too many requests",
-                           f"{session.curator}: rate limit of {auth.writes.limit} writes per "
-                           f"{auth.writes.window_s:.0f} s reached; retry later")
-    return None
-
-
-async def login_page(request: Request, state: BrowserState) -> Response:
-    """GET: the form. POST (same origin, within the client's log-in limit): a session
-    cookie for the token's curator, then on to `next` (a local path)."""
-    target = _local_path(request.query_params.get("next", "/"))
-    if request.method == "GET":
-        return state.render(request, "login.html", next=target, message="")
-    form = await request.form()
-    target = _local_path(str(form.get("next", "/")))
-    if not state.auth.configured:
-        return state.error(request, 403, "Writing is off", "no curator tokens configured")
-    if not same_origin(request):
-        return state.error(request, 403, "Forbidden", "the log-in does not come from a "
-                           "page of this server")
-    client = request.client.host if request.client else "unknown"
-    if not state.auth.logins.allow(client):
-        return state.error(request, 429, "Too many requests", "too many log-in attempts; "
-                           "retry later")
-    curator = state.auth.curators.who(str(form.get("token", ""))) \
-        if state.auth.curators else None
-    if curator is None:
-        logger.warning(f"failed curator log-in from {client}")
-        return state.render(request, "login.html", status=401, next=target,
-                            message="unknown token")
-    logger.info(f"curator {curator} logged in from {client}")
-    response = RedirectResponse(target, status_code=303)
-    response.set_cookie(**state.auth.cookie(state.auth.sessions.start(curator)))
-    return response
-
-
-def logout(request: Request, state: BrowserState) -> Response:
-    state.auth.sessions.end(request.cookies.get(SESSION_COOKIE))
-    response = RedirectResponse("/", status_code=303)
-    response.delete_cookie(SESSION_COOKIE, path="/")
-    return response
-
-
-def _local_path(target: str) -> str:
-    """`target` if it is a path on this server (no scheme, host or `//`), else `/`."""
-    return target if target.startswith("/") and not target.startswith("//") else "/"
-
-
 def duplicates_page(request: Request, state: BrowserState) -> Response:
     page_text = request.query_params.get("page", "0")
     if not page_text.isdigit() or int(page_text) > 100_000:
@@ -351,59 +185,6 @@ def random_sample(request: Request, state: BrowserState) -> Response:
     except NotFound as err:
         return state.not_found(request, str(err))
     return RedirectResponse(f"/sample/{sample_id}", status_code=303)
-
-
-# -------------------------------------------------------------------------------- images
-
-def thumbnail_jpeg(request: Request, state: BrowserState) -> Response:
-    try:
-        data, version = queries.thumbnail(state.catalog, request.path_params["sample_id"])
-    except NotFound:
-        raise HTTPException(404) from None
-    return _jpeg(request, data, version, THUMB_CACHE)
-
-
-def image_jpeg(request: Request, state: BrowserState) -> Response:
-    try:
-        data, version = queries.full_image(state.catalog, request.path_params["sample_id"])
-    except NotFound:
-        raise HTTPException(404) from None
-    return _jpeg(request, data, version, IMAGE_CACHE)
-
-
-def reject_jpeg(request: Request, state: BrowserState) -> Response:
-    try:
-        data, version = rejects.reject_thumbnail(state.catalog,
-                                                 request.path_params["sample_id"])
-    except NotFound:
-        raise HTTPException(404) from None
-    return _jpeg(request, data, version, IMAGE_CACHE)
-
-
-def original_jpeg(request: Request, state: BrowserState) -> Response:
-    """The sample's original (its raw bytes, before the crop to its bucket), downscaled."""
-    try:
-        data, version = rejects.raw_preview(state.catalog, request.path_params["sample_id"],
-                                            ORIGINAL_PX)
-    except NotFound:
-        raise HTTPException(404) from None
-    return _jpeg(request, data, version, IMAGE_CACHE)
-
-
-def _jpeg(request: Request, data: bytes, version: int, cache: str) -> Response:
-    """The bytes with an ETag of the sample and table version; 304 when the client has it."""
-    etag = '"' + hashlib.sha256(f"{request.path_params['sample_id']}@{version}".encode()
-                                ).hexdigest()[:24] + '"'
-    headers = {"ETag": etag, "Cache-Control": cache}
-    if request.headers.get("if-none-match") == etag:
-        return Response(status_code=304, headers=headers)
-    return Response(data, media_type="image/jpeg", headers=headers)
-
-
-def favicon(request: Request, state: BrowserState) -> Response:
-    """The icon pages link to, also where browsers look for it unasked (no 404 logged)."""
-    return Response((HERE / "static" / "favicon.svg").read_bytes(), media_type="image/svg+xml",
-                    headers={"Cache-Control": THUMB_CACHE})
 
 
 async def http_error(request: Request, exc: Exception, state: BrowserState) -> Response:
