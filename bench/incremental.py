@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from bench.common import OUT, Figure, generated_jpegs, report
+from bench.core_profile import step_seconds
 from bench.proc_memory import BackgroundSampler, cpu_seconds
 
 DEFAULT_IMAGES = 200  # a smoke run; the issue's figures use --images 2000
@@ -122,21 +123,6 @@ def image_config(settings: dict, chunk_rows: int | None = None) -> dict:
 
 # ----------------------------------------------------------------------------- measuring
 
-def step_seconds(instance, run_id: str) -> dict[str, float]:
-    """Seconds per step, STEP_START to its end (or to the run's last event if killed)."""
-    from dagster import DagsterEventType
-
-    kinds = {DagsterEventType.STEP_START, DagsterEventType.STEP_SUCCESS,
-             DagsterEventType.STEP_FAILURE}
-    starts, seconds = {}, {}
-    for entry in instance.all_logs(run_id, of_type=kinds):
-        if entry.dagster_event.event_type == DagsterEventType.STEP_START:
-            starts[entry.step_key] = entry.timestamp
-        elif entry.step_key in starts:
-            seconds[entry.step_key] = entry.timestamp - starts.pop(entry.step_key)
-    return seconds
-
-
 def run_wall(instance, run_id: str) -> float:
     logs = instance.all_logs(run_id)
     return logs[-1].timestamp - logs[0].timestamp if logs else 0.0
@@ -201,7 +187,7 @@ class Runner:
             raise_on_error=False)
         if not result.success:
             raise RuntimeError(f"run {result.run_id} failed")
-        steps = step_seconds(self.instance, result.run_id)
+        steps = step_seconds(self.instance, [result.run_id])
         wall = run_wall(self.instance, result.run_id)
         return {"steps": steps, "wall": wall, "outside_steps": wall - sum(steps.values()),
                 "call_s": time.perf_counter() - started, "meta": materialized(result)}
@@ -262,7 +248,7 @@ def child_run(setup: Setup, instance, settings: dict, chunk_rows: int | None = N
     if "SUCCESS True" not in output:
         raise RuntimeError(f"child run {run_id} failed:\n{output[-3000:]}")
     processed = _bucketed_processed(instance, run_id)
-    return {"run_id": run_id, "image_stage_s": step_seconds(instance, run_id)["image_stage"],
+    return {"run_id": run_id, "image_stage_s": step_seconds(instance, [run_id])["image_stage"],
             "processed": processed}
 
 
