@@ -34,7 +34,12 @@ import ray.data
 from prx_assets.engine.chunked import ChunkedReport, ChunkedRun, CommitTarget, NewRows, run_chunked
 from prx_assets.storage.changes import consumed_at, record_consumed
 from prx_assets.storage.failpoints import failpoint
-from prx_assets.storage.lance_tables import FragmentPolicy, add_missing_columns, create_empty
+from prx_assets.storage.lance_tables import (
+    FragmentPolicy,
+    add_missing_columns,
+    adopt_encodings,
+    create_empty,
+)
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.table_stats import value_counts
 
@@ -74,9 +79,10 @@ class TableSpec:
 
     def ensure(self, table: TableRef) -> int:
         """An empty table where none is yet, so downstream readers and checks find one; an
-        older table gets the nullable columns the schema has grown since."""
+        older table gets the nullable columns the schema has grown since, and its encoding
+        hints."""
         version = create_empty(table, self.schema)
-        if add_missing_columns(table, self.schema):
+        if add_missing_columns(table, self.schema) + adopt_encodings(table, self.schema):
             return table.open().version
         return version
 

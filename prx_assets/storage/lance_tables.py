@@ -129,6 +129,30 @@ def add_missing_columns(table: TableRef, schema: pa.Schema) -> list[str]:
     return [f.name for f in missing]
 
 
+ENCODING_HINT = b"lance-encoding:"  # the prefix of Lance's per-field encoding metadata
+
+
+def adopt_encodings(table: TableRef, schema: pa.Schema) -> list[str]:
+    """Give an existing table's columns the Lance encoding hints `schema`'s fields carry
+    and the table's lack (a metadata-only commit, which concurrent writers rebase over):
+    Lance encodes by the table's own field metadata, so rows written to a table made
+    before a hint (e.g. `tables.image_bytes_field`: image bytes uncompressed) would keep
+    the old encoding; from this commit on, new fragments and compactions use the new
+    one. Returns the columns changed."""
+    current = table.open().schema
+    updates = {}
+    for wanted in schema:
+        hints = {k: v for k, v in (wanted.metadata or {}).items() if k.startswith(ENCODING_HINT)}
+        if not hints or wanted.name not in current.names:
+            continue
+        have = current.field(wanted.name).metadata or {}
+        if any(have.get(k) != v for k, v in hints.items()):
+            updates[wanted.name] = {k.decode(): v.decode() for k, v in hints.items()}
+    if updates:
+        table.open().update_field_metadata(updates)
+    return sorted(updates)
+
+
 class LanceOverwriteSink(Datasink[dict]):
     """Writes fragments from Ray tasks, then commits them as one Overwrite on the driver."""
 

@@ -9,6 +9,7 @@ import ray.data
 from prx_assets.storage.lance_tables import (
     FragmentPolicy,
     add_missing_columns,
+    adopt_encodings,
     compact,
     write_dataset_atomically,
 )
@@ -150,3 +151,35 @@ def test_a_table_made_before_a_nullable_column_gets_it_and_takes_merges_with_it(
     assert add_missing_columns(ref, new) == []  # once only
     with pytest.raises(ValueError, match="non-null"):
         add_missing_columns(ref, new.append(pa.field("must", pa.int8(), nullable=False)))
+
+
+def test_a_table_made_before_an_encoding_hint_writes_new_rows_with_it(tmp_path):
+    """Lance encodes by the table's field metadata, not the written rows': rows of an
+    uncompressed image column appended to a table made before the hint came out compressed.
+    After `adopt_encodings`, they are stored as they are; a second call changes nothing."""
+    from prx_assets.storage.tables import image_bytes_field
+
+    table = TableRef.of(tmp_path / "raw.lance")
+    hinted = pa.schema([pa.field("id", pa.string()), image_bytes_field()])
+    rng = np.random.default_rng(0)
+
+    def rows(start: int) -> pa.Table:  # bytes a general-purpose compressor shrinks ~3x
+        return pa.table({"id": [str(i) for i in range(start, start + 10)],
+                         "image": [rng.integers(0, 4, 50_000, dtype=np.uint8).tobytes()
+                                   for _ in range(10)]}, schema=hinted)
+
+    def newest_fragment_bytes() -> int:
+        fragment = table.open().get_fragments()[-1]
+        return sum((tmp_path / "raw.lance" / "data" / f.path).stat().st_size
+                   for f in fragment.data_files())
+
+    lance.write_dataset(rows(0).cast(pa.schema([pa.field("id", pa.string()),
+                                                pa.field("image", pa.large_binary())])),
+                        table.uri)  # the table as made before the hint
+    lance.write_dataset(rows(10), table.uri, mode="append")
+    assert newest_fragment_bytes() < 250_000  # compressed, whatever the rows said
+    assert adopt_encodings(table, hinted) == ["image"]
+    lance.write_dataset(rows(20), table.uri, mode="append")
+    assert newest_fragment_bytes() >= 500_000  # stored as they are
+    assert adopt_encodings(table, hinted) == []
+    assert table.open().count_rows() == 30

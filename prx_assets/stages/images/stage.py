@@ -53,6 +53,7 @@ from prx_assets.storage.filters import sql_string
 from prx_assets.storage.key_index import maintain_key_index, refresh_key_index
 from prx_assets.storage.lance_tables import (
     FragmentPolicy,
+    adopt_encodings,
     cleanup,
     compact,
     overwrite_rows,
@@ -237,6 +238,7 @@ def ensure_table(target: TableRef, schema: pa.Schema, replace: bool = False) -> 
     replaced by an empty one. Returns whether it replaced a table."""
     existed = target.exists()
     if existed and not replace and set(schema.names) <= set(target.latest().open().schema.names):
+        adopt_encodings(target, schema)
         return False
     forget_consumed(target)  # first: a kill between the two must not leave a record
     overwrite_rows(target, schema.empty_table(), schema)

@@ -68,7 +68,12 @@ from prx_assets.stages.ingest.removals import (
 )
 from prx_assets.stages.ingest.sources import SourceSpec
 from prx_assets.storage.failpoints import failpoint
-from prx_assets.storage.lance_tables import create_empty, overwrite_rows, tag_with_node
+from prx_assets.storage.lance_tables import (
+    adopt_encodings,
+    create_empty,
+    overwrite_rows,
+    tag_with_node,
+)
 
 # Units per in-memory block handed to Ray (a block is a few hundred KB of paths).
 UNIT_BLOCK = 10_000
@@ -354,6 +359,8 @@ def ingest_source(spec: SourceSpec, uri: str | Path | SourceLocation, target: Co
         log(f"{target.table}: rebuilding in full once, {reason} (change detection needs them)")
         reset_table(target)
         report.rebuilt_because = reason
+    elif target.version() is not None:
+        adopt_encodings(target.table, RAW_IMAGES_SCHEMA)
     rows_before = target.open().count_rows() if target.version() is not None else 0
     plan = (plan_ingest(spec, uri, completed_units(target))
             if rows_before <= DRIVER_COMPARE_ROWS else plan_ingest_joined(spec, uri, target))
