@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import random
 import shutil
@@ -73,8 +72,9 @@ from pathlib import Path
 
 from bench.common import Figure, report
 from bench.soak_checks import check_cycle
+from bench.soak_doors import CURATOR_TOKEN, browser_request, drop_request, s3_data_root
 from bench.soak_probes import Trainer
-from bench.soak_sources import SOURCE_CLASSES, ModelSource, make_sources
+from bench.soak_sources import SOURCE_CLASSES, make_sources
 
 FAILPOINTS = ("ingest.expand_units", "ingest.chunk_committed", "images.chunk_committed",
               "captions.chunk_committed", "mds.before_mapping_commit", "mds.before_publish")
@@ -82,10 +82,8 @@ CANARIES = {"OPENAI_API_KEY": "sk-soak-canary-openai-0123456789",
             "AWS_SECRET_ACCESS_KEY": "soak-canary-aws-secret-0123456789"}
 # On S3 the AWS variables are the server's real credentials: scanned for instead of canaries.
 S3_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-S3_BUCKET = "prx-soak"
 # Superseded trees go at the next publish (unless a reader holds them): the disk check.
 SOURCE_RUN_CONFIG = {"ops": {"mds_shards": {"config": {"retention_days": 0}}}}
-CURATOR_TOKEN = "soak-curator-token-0123456789"  # the browser door's curator
 RUN_TIMEOUT_S = 900
 RANDOM_KILL_S = (1.0, 30.0)  # a random-time kill lands this long after the run started
 # Draw weights: mostly plain cycles (runs in this process); the others start processes.
@@ -218,50 +216,12 @@ class Soak:
                 raise self.violation("the CLI refused an opt-out of a published sample")
             door = "cli"
         elif door_draw < 0.75:
-            door = self.drop_request(source, chosen)
+            door = drop_request(self, source, chosen)
         else:
-            door = self.browser_request(chosen)
+            door = browser_request(self, chosen)
         self.opted.add(chosen)
         self.note(f"opt-out {chosen} ({door})")
         return source.name
-
-    def drop_request(self, source: ModelSource, sample_id: str) -> str:
-        """A request file dropped in the folder (the file door), naming the sample by its
-        key in its source."""
-        keys = {sid: key for unit in source.units.values() for key in unit
-                for sid in [_sample_id(source.name, key)]}
-        if sample_id not in keys:  # published, but gone from the source since: by id
-            record = {"key_type": "id", "value": sample_id}
-        else:
-            record = {"key_type": "source_key", "value": keys[sample_id],
-                      "source": source.name}
-        name = f"dropped-{self.number:05d}-{self.rng.randrange(10**6):06d}.jsonl"
-        (self.storage.opt_outs_dir / name).write_text(json.dumps({
-            **record, "timestamp": "2026-01-01T00:00:00Z",
-            "reference": f"soak {self.seed}"}) + "\n")
-        return f"file {name}"
-
-    def browser_request(self, sample_id: str) -> str:
-        """The curator's door over HTTP, as a browser reaches it: the corpus browser served
-        on a free port, a curator logged in, the confirmation page's form token, the form
-        posted (the browser tests drive the same page in Chromium). The page finds the
-        sample in the `corpus` table, so its job runs first, as a person would have."""
-        from prx_assets.browser.app import create_app
-        from prx_assets.browser.auth import BrowserAuth, Curators
-        from prx_assets.testing.served_app import HttpClient, ServedApp
-
-        if not self.run_here("corpus_table_job", None):
-            raise self.violation("corpus_table_job failed on a plain run")
-        auth = BrowserAuth.shared(Curators.parse(f"soak {CURATOR_TOKEN}"),
-                                  self.home / "browser.sqlite")
-        app = create_app(self.storage, auth, table_ttl_s=0)
-        with ServedApp(self.data_root, app) as served:
-            client = HttpClient(served.url, sample_id, reference=f"soak {self.seed}")
-            logged_in = client.login(CURATOR_TOKEN)
-            status = client.opt_out(client.form_token()) if logged_in == 303 else logged_in
-        if status != 303:  # the form's answer: back to the sample page
-            raise self.violation(f"the browser refused an opt-out of {sample_id}: {status}")
-        return "browser"
 
     # ------------------------------------------------------------------ captioner
     def change_captioner(self) -> None:
@@ -454,12 +414,6 @@ def cli_main(argv: list[str]) -> int:
     return cli.main(argv)
 
 
-def _sample_id(source: str, key: str) -> str:
-    from prx_assets.stages.ingest.ids import sample_id
-
-    return sample_id(source, key)
-
-
 def soak(state: Soak, cycles: int) -> Soak:
     """Run `cycles` cycles of the seed's schedule; raises Violation."""
     state.setup()
@@ -495,36 +449,6 @@ def summary(state: Soak) -> str:
             f"started, {state.failed_runs} failed, {state.faults} faults injected (SIGKILL), "
             f"{state.retries} step retries; cycle median {statistics.median(seconds):.1f} s, "
             f"max {seconds[-1]:.1f} s")
-
-
-@contextlib.contextmanager
-def s3_data_root(work: Path, seed: int):
-    """An `s3://` data root of its own in a bucket of the S3 test server, the standard AWS
-    variables pointing at it: the server `AWS_ENDPOINT_URL` names when that is on this
-    machine (its credentials those of the environment), else one started under `work` and
-    stopped on the way out."""
-    import uuid
-    from urllib.parse import urlparse
-
-    from prx_assets.testing.s3_server import S3Server, start_seaweedfs
-
-    endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
-    server: S3Server | None = None
-    if urlparse(endpoint).hostname in ("127.0.0.1", "localhost"):
-        import boto3
-
-        client = boto3.client("s3", endpoint_url=endpoint)
-        with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
-            client.create_bucket(Bucket=S3_BUCKET)
-    else:
-        server = start_seaweedfs(work / "s3-server")
-        server.create_bucket(S3_BUCKET)
-        os.environ.update(server.env())
-    try:
-        yield f"s3://{S3_BUCKET}/soak-{seed}-{uuid.uuid4().hex[:8]}"
-    finally:
-        if server is not None:
-            server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
