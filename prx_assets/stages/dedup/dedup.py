@@ -48,6 +48,10 @@ CANDIDATE_SCHEMA = pa.schema([
 ])
 NOT_FLAT = "phash IS NOT NULL AND (flat IS NULL OR flat = false)"
 DEFAULT_ROWS_PER_BUCKET = 2_000_000  # ~150 MB of candidates per grouping task
+# Rows one read task reads (~40 MB of candidates). Ray Data's executor runs in the driver
+# and holds state per block: reading each Lance fragment as its own block (160 at 10^7 rows
+# in the bench's 62,500-row fragments) grew the driver by ~40 MB.
+DEFAULT_ROWS_PER_READ = 1 << 20
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: spreads structured phash bits
 
 
@@ -137,10 +141,15 @@ def bucket_count(rows: int, rows_per_bucket: int = DEFAULT_ROWS_PER_BUCKET) -> i
     return max(1, math.ceil(rows / rows_per_bucket))
 
 
+def read_tasks(rows: int, rows_per_read: int = DEFAULT_ROWS_PER_READ) -> int:
+    """Read tasks (so blocks) for a table of `rows`: about `rows_per_read` rows each."""
+    return max(1, math.ceil(rows / rows_per_read))
+
+
 def duplicates_dataset(inputs: list[HashInput],
                        rows_per_bucket: int = DEFAULT_ROWS_PER_BUCKET,
                        shuffle: ShuffleStrategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED,
-                       ) -> ray.data.Dataset:
+                       rows_per_read: int = DEFAULT_ROWS_PER_READ) -> ray.data.Dataset:
     """The lazy Ray job: read non-flat hashes of every source, shuffle by hash bucket,
     group each bucket.
 
@@ -148,14 +157,17 @@ def duplicates_dataset(inputs: list[HashInput],
     machine Ray 2.60's actor-based hash shuffle spent ~25 s starting its aggregators for
     a few thousand rows, the sort-based one 0.3 s. Either way a bucket lands whole in one
     task, and buckets are drawn from a hash of the phash.
+
+    The rows are counted from the tables' manifests, flat ones included: counting the
+    non-flat ones scanned every table in the driver (+40-70 MB of Lance's buffers at 10^7
+    rows), and the count only sizes the buckets.
     """
     datasets = []
-    total = 0
+    rows = {item.source: item.open().count_rows() for item in inputs}
+    buckets = bucket_count(sum(rows.values()), rows_per_bucket)
     for item in inputs:
-        total += item.open().count_rows(filter=NOT_FLAT)
-    buckets = bucket_count(total, rows_per_bucket)
-    for item in inputs:
-        ds = item.table.read(columns=["id", "phash", "pixels"], filter=NOT_FLAT)
+        ds = item.table.read(columns=["id", "phash", "pixels"], filter=NOT_FLAT,
+                             override_num_blocks=read_tasks(rows[item.source], rows_per_read))
         datasets.append(ds.map_batches(
             functools.partial(_candidates, rank=item.rank, buckets=buckets),
             batch_format="pyarrow", batch_size=65_536))

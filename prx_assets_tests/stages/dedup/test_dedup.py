@@ -62,6 +62,29 @@ def test_partitioned_ray_job_equals_single_process(ray_session, tmp_path):
     assert all(r["id"] in flat_ids for r in got)  # flat images never appear
 
 
+def test_the_job_reads_blocks_of_many_fragments_and_counts_from_the_manifest(
+        ray_session, tmp_path, monkeypatch):
+    """The driver holds Ray Data's state per block, and a filtered count is a scan in the
+    driver: 600 rows in 6 fragments are read as 3 blocks of <= 250 rows, counted unfiltered."""
+    import ray.data
+
+    rows = [{"id": f"web:{i:04d}", "phash": i % 50, "pixels": 1, "flat": False}
+            for i in range(600)]
+    uri = tmp_path / "web.lance"
+    lance.write_dataset(pa.Table.from_pylist(rows, schema=PHASH_SCHEMA), str(uri),
+                        max_rows_per_file=100)
+    assert len(lance.dataset(str(uri)).get_fragments()) == 6
+    filters, blocks = [], []
+    count_rows, read_lance = lance.LanceDataset.count_rows, ray.data.read_lance
+    monkeypatch.setattr(lance.LanceDataset, "count_rows", lambda self, filter=None, **kw: (
+        filters.append(filter), count_rows(self, filter, **kw))[1])
+    monkeypatch.setattr(ray.data, "read_lance", lambda *a, **kw: (
+        blocks.append(kw.get("override_num_blocks")), read_lance(*a, **kw))[1])
+    duplicates_dataset([HashInput("web", 0, TableRef.of(uri, version=1))], rows_per_read=250)
+    assert blocks == [3]
+    assert filters and not any(filters)
+
+
 def test_buckets_spread_structured_hashes():
     hashes = np.arange(0, 64_000, 64, dtype=np.int64)  # low bits all zero
     counts = np.bincount(bucket_of(hashes, 8), minlength=8)
