@@ -36,6 +36,7 @@ from prx_assets.stages.dedup.dedup import (
     NOT_FLAT,
     HashInput,
     group_candidates,
+    sources_of,
 )
 from prx_assets.storage.changes import (
     config_key,
@@ -181,8 +182,7 @@ def sources_changed(before: pa.Table, after: pa.Table) -> list[str]:
                              after.select(names).cast(DUPLICATES_SCHEMA)])
     counts = both.group_by(names).aggregate([([], "count_all")])
     once = counts.filter(pc.equal(counts.column("count_all"), 1)).column("id")
-    prefixes = pc.list_element(pc.split_pattern(once, ":", max_splits=1), 0)
-    return sorted(pc.unique(prefixes).to_pylist())
+    return sorted(pc.unique(sources_of(once)).to_pylist())
 
 
 def _listed(hashes: np.ndarray) -> str:

@@ -3,12 +3,14 @@ import numpy as np
 import pyarrow as pa
 
 from prx_assets.stages.dedup.dedup import (
+    DUPLICATES_SCHEMA,
     HashInput,
     bucket_of,
     duplicates_dataset,
     group_candidates,
     near_duplicate_shares,
     reference_duplicates,
+    summarise,
 )
 from prx_assets.stages.images.stage import PHASH_SCHEMA
 from prx_assets.storage.refs import TableRef
@@ -96,3 +98,23 @@ def test_near_duplicate_shares_ignore_exact_copies():
     corpus = [np.array([0b1111, 0b1110, 0b0000_1111_0000], dtype=np.int64)]
     shares = near_duplicate_shares(iter(corpus), base, max_distance=2)
     assert shares == {1: 0.5, 2: 0.5}
+
+
+def test_summary_counts_removed_copies_per_source_and_the_largest_groups_across_batches(
+        tmp_path):
+    rows = [{"id": "web:1", "phash": 1, "pixels": 9, "rank": 0},
+            {"id": "art:1", "phash": 1, "pixels": 1, "rank": 1},
+            {"id": "art:2", "phash": 1, "pixels": 1, "rank": 1},
+            {"id": "art:3", "phash": -2, "pixels": 5, "rank": 1},
+            {"id": "web:2", "phash": -2, "pixels": 1, "rank": 0},
+            {"id": "web:3", "phash": 3, "pixels": 1, "rank": 0},
+            {"id": "web:4", "phash": 3, "pixels": 1, "rank": 0}]
+    uri = tmp_path / "duplicates.lance"
+    lance.write_dataset(group_candidates(pa.Table.from_pylist(rows)).cast(DUPLICATES_SCHEMA),
+                        str(uri))
+    summary = summarise(TableRef.of(uri), {"web": 4, "art": 3}, top=2, batch_rows=2)
+    assert summary.groups == 3
+    assert summary.removed_per_source == {"art": 2, "web": 2}
+    assert summary.largest == [
+        {"phash": "0000000000000001", "group_size": 3, "kept_id": "web:1"},
+        {"phash": "fffffffffffffffe", "group_size": 2, "kept_id": "art:3"}]
