@@ -48,6 +48,10 @@ CANDIDATE_SCHEMA = pa.schema([
 ])
 NOT_FLAT = "phash IS NOT NULL AND (flat IS NULL OR flat = false)"
 DEFAULT_ROWS_PER_BUCKET = 2_000_000  # ~150 MB of candidates per grouping task
+# Rows one read task reads (~40 MB of candidates). Ray Data's executor runs in the driver
+# and holds state per block: reading each Lance fragment as its own block (160 at 10^7 rows
+# in the bench's 62,500-row fragments) grew the driver by ~40 MB.
+DEFAULT_ROWS_PER_READ = 1 << 20
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: spreads structured phash bits
 
 
@@ -137,10 +141,15 @@ def bucket_count(rows: int, rows_per_bucket: int = DEFAULT_ROWS_PER_BUCKET) -> i
     return max(1, math.ceil(rows / rows_per_bucket))
 
 
+def read_tasks(rows: int, rows_per_read: int = DEFAULT_ROWS_PER_READ) -> int:
+    """Read tasks (so blocks) for a table of `rows`: about `rows_per_read` rows each."""
+    return max(1, math.ceil(rows / rows_per_read))
+
+
 def duplicates_dataset(inputs: list[HashInput],
                        rows_per_bucket: int = DEFAULT_ROWS_PER_BUCKET,
                        shuffle: ShuffleStrategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED,
-                       ) -> ray.data.Dataset:
+                       rows_per_read: int = DEFAULT_ROWS_PER_READ) -> ray.data.Dataset:
     """The lazy Ray job: read non-flat hashes of every source, shuffle by hash bucket,
     group each bucket.
 
@@ -148,14 +157,17 @@ def duplicates_dataset(inputs: list[HashInput],
     machine Ray 2.60's actor-based hash shuffle spent ~25 s starting its aggregators for
     a few thousand rows, the sort-based one 0.3 s. Either way a bucket lands whole in one
     task, and buckets are drawn from a hash of the phash.
+
+    The rows are counted from the tables' manifests, flat ones included: counting the
+    non-flat ones scanned every table in the driver (+40-70 MB of Lance's buffers at 10^7
+    rows), and the count only sizes the buckets.
     """
     datasets = []
-    total = 0
+    rows = {item.source: item.open().count_rows() for item in inputs}
+    buckets = bucket_count(sum(rows.values()), rows_per_bucket)
     for item in inputs:
-        total += item.open().count_rows(filter=NOT_FLAT)
-    buckets = bucket_count(total, rows_per_bucket)
-    for item in inputs:
-        ds = item.table.read(columns=["id", "phash", "pixels"], filter=NOT_FLAT)
+        ds = item.table.read(columns=["id", "phash", "pixels"], filter=NOT_FLAT,
+                             override_num_blocks=read_tasks(rows[item.source], rows_per_read))
         datasets.append(ds.map_batches(
             functools.partial(_candidates, rank=item.rank, buckets=buckets),
             batch_format="pyarrow", batch_size=65_536))
@@ -177,29 +189,32 @@ class DuplicateSummary:
     largest: list[dict] = field(default_factory=list)
 
 
-def source_of(sample_id: str) -> str:
-    """Ids are `<source>:<hash>` (core.ids.sample_id)."""
-    return sample_id.split(":", 1)[0]
+def sources_of(ids: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """The source of every id: ids are `<source>:<hash>` (core.ids.sample_id)."""
+    return pc.list_element(pc.split_pattern(ids, ":", max_splits=1), 0)
 
 
 def summarise(duplicates: TableRef, rows_per_source: dict[str, int], top: int = 10,
               batch_rows: int = 1 << 20) -> DuplicateSummary:
-    """Removed copies per source and the largest groups, streamed in bounded batches."""
+    """Removed copies per source and the largest groups, streamed in bounded batches and
+    counted in Arrow (Python objects of a 2^20-row batch were ~250 MB in the driver)."""
     summary = DuplicateSummary(rows_per_source=rows_per_source)
     largest: list[tuple[int, int, str]] = []
     scanner = duplicates.open().scanner(
         columns=["id", "kept_id", "phash", "group_size"], batch_size=batch_rows)
     for batch in scanner.to_batches():
-        ids = batch.column("id").to_pylist()
-        kept = batch.column("kept_id").to_pylist()
-        sizes = batch.column("group_size").to_pylist()
-        hashes = batch.column("phash").to_pylist()
-        for sample_id, kept_id, size, phash in zip(ids, kept, sizes, hashes, strict=True):
-            if sample_id == kept_id:
-                summary.groups += 1
-                largest.append((size, phash, kept_id))
-            else:
-                summary.removed_per_source[source_of(sample_id)] += 1
+        kept = pc.equal(batch.column("id"), batch.column("kept_id"))
+        removed = pc.value_counts(sources_of(batch.column("id").filter(pc.invert(kept))))
+        for source, count in zip(removed.field("values").to_pylist(),
+                                 removed.field("counts").to_pylist(), strict=True):
+            summary.removed_per_source[source] += count
+        groups = pa.Table.from_batches([batch]).filter(kept)
+        summary.groups += groups.num_rows
+        biggest = groups.take(pc.sort_indices(groups, sort_keys=[
+            ("group_size", "descending"), ("kept_id", "ascending")])[:top])
+        largest += zip(biggest.column("group_size").to_pylist(),
+                       biggest.column("phash").to_pylist(),
+                       biggest.column("kept_id").to_pylist(), strict=True)
         largest = sorted(largest, key=lambda g: (-g[0], g[2]))[:top]
     summary.largest = [{"phash": f"{p & 0xFFFFFFFFFFFFFFFF:016x}", "group_size": s,
                         "kept_id": k} for s, p, k in largest]

@@ -36,21 +36,22 @@ from prx_assets.stages.dedup.dedup import (
     NOT_FLAT,
     HashInput,
     group_candidates,
-    source_of,
+    sources_of,
 )
 from prx_assets.storage.changes import (
-    SCAN_ROWS,
+    config_key,
     consumed_at,
     pinned_changes,
     read_consumed,
-    record_consumed,
     record_groups_changed,
     rows_with_ids,
+    update_config,
 )
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import PHASHES
 
 DEFAULT_MAX_CHANGED_SHARE = 0.1
+HASHES_PER_SCAN = 1 << 15  # literals in one scan's filter (each scan reads the phash column)
 
 
 @dataclass
@@ -74,10 +75,11 @@ def upstream_name(source: str) -> str:
 
 
 def record_inputs(target: TableRef, inputs: list[HashInput]) -> None:
-    """Record that `target` holds the groups of every input at its pinned version."""
+    """Record that `target` holds the groups of every input at its pinned version, in one
+    commit (one per source cost ~40 ms each of an update)."""
     tag = sources_tag(inputs)
-    for item in inputs:
-        record_consumed(target, upstream_name(item.source), consumed_at(item.open(), tag))
+    update_config(target, {config_key(upstream_name(item.source)):
+                           consumed_at(item.open(), tag).to_json() for item in inputs})
 
 
 def incremental_duplicates(inputs: list[HashInput], target: TableRef,
@@ -138,18 +140,19 @@ def touched_hashes(target: TableRef, added: list[pa.Table], ids: list[pa.Array]
 
 
 def candidates_with_hashes(inputs: list[HashInput], hashes: np.ndarray,
-                           batch_rows: int = SCAN_ROWS) -> pa.Table:
-    """Every non-flat row of every source whose hash is one of `hashes` (CANDIDATE_SCHEMA),
-    by one streamed scan of each source: memory is the hashes, one batch and the matches."""
-    if hashes.size == 0:
-        return CANDIDATE_SCHEMA.empty_table()
-    value_set = pa.array(hashes, pa.int64())
+                           hashes_per_scan: int = HASHES_PER_SCAN) -> pa.Table:
+    """Every non-flat row of every source whose hash is one of `hashes` (CANDIDATE_SCHEMA).
+
+    The hashes go to Lance as the scan's filter: it reads the `phash` column and only the
+    matching rows' ids and pixels. Filtering batches here decoded every row's id first
+    (at 10^7 rows 1.8 s of a 2.6 s update; the pushed filter ~2.5x less)."""
     parts = []
     for item in inputs:
-        scanner = item.open().scanner(columns=["id", "phash", "pixels"], filter=NOT_FLAT,
-                                      batch_size=batch_rows)
-        for batch in scanner.to_batches():
-            found = batch.filter(pc.is_in(batch.column("phash"), value_set=value_set))
+        dataset = item.open()
+        for start in range(0, hashes.size, hashes_per_scan):
+            listed = _listed(hashes[start:start + hashes_per_scan])
+            found = dataset.to_table(columns=["id", "phash", "pixels"],
+                                     filter=f"({NOT_FLAT}) AND phash IN ({listed})")
             if found.num_rows:
                 parts.append(pa.table({
                     "id": found.column("id"), "phash": found.column("phash"),
@@ -170,11 +173,16 @@ def rows_of_hashes(target: TableRef, hashes: np.ndarray) -> pa.Table:
 def sources_changed(before: pa.Table, after: pa.Table) -> list[str]:
     """The sources with a row in only one of `before` and `after` (the rows of the same
     hashes before and after an update): a member added, removed, or its group's size or
-    kept copy changed. A new row that joins no group changes no source."""
-    def rows(table: pa.Table) -> set[tuple]:
-        return {tuple(r.values()) for r in table.select(DUPLICATES_SCHEMA.names).to_pylist()}
+    kept copy changed. A new row that joins no group changes no source.
 
-    return sorted({source_of(row[0]) for row in rows(before) ^ rows(after)})
+    Counted in Arrow (each table holds an id once, so a row seen once is in one table
+    only): Python tuples of every row took 0.25 s of a 10^7-row update."""
+    names = DUPLICATES_SCHEMA.names
+    both = pa.concat_tables([before.select(names).cast(DUPLICATES_SCHEMA),
+                             after.select(names).cast(DUPLICATES_SCHEMA)])
+    counts = both.group_by(names).aggregate([([], "count_all")])
+    once = counts.filter(pc.equal(counts.column("count_all"), 1)).column("id")
+    return sorted(pc.unique(sources_of(once)).to_pylist())
 
 
 def _listed(hashes: np.ndarray) -> str:

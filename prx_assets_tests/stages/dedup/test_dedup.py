@@ -3,12 +3,14 @@ import numpy as np
 import pyarrow as pa
 
 from prx_assets.stages.dedup.dedup import (
+    DUPLICATES_SCHEMA,
     HashInput,
     bucket_of,
     duplicates_dataset,
     group_candidates,
     near_duplicate_shares,
     reference_duplicates,
+    summarise,
 )
 from prx_assets.stages.images.stage import PHASH_SCHEMA
 from prx_assets.storage.refs import TableRef
@@ -62,6 +64,29 @@ def test_partitioned_ray_job_equals_single_process(ray_session, tmp_path):
     assert all(r["id"] in flat_ids for r in got)  # flat images never appear
 
 
+def test_the_job_reads_blocks_of_many_fragments_and_counts_from_the_manifest(
+        ray_session, tmp_path, monkeypatch):
+    """The driver holds Ray Data's state per block, and a filtered count is a scan in the
+    driver: 600 rows in 6 fragments are read as 3 blocks of <= 250 rows, counted unfiltered."""
+    import ray.data
+
+    rows = [{"id": f"web:{i:04d}", "phash": i % 50, "pixels": 1, "flat": False}
+            for i in range(600)]
+    uri = tmp_path / "web.lance"
+    lance.write_dataset(pa.Table.from_pylist(rows, schema=PHASH_SCHEMA), str(uri),
+                        max_rows_per_file=100)
+    assert len(lance.dataset(str(uri)).get_fragments()) == 6
+    filters, blocks = [], []
+    count_rows, read_lance = lance.LanceDataset.count_rows, ray.data.read_lance
+    monkeypatch.setattr(lance.LanceDataset, "count_rows", lambda self, filter=None, **kw: (
+        filters.append(filter), count_rows(self, filter, **kw))[1])
+    monkeypatch.setattr(ray.data, "read_lance", lambda *a, **kw: (
+        blocks.append(kw.get("override_num_blocks")), read_lance(*a, **kw))[1])
+    duplicates_dataset([HashInput("web", 0, TableRef.of(uri, version=1))], rows_per_read=250)
+    assert blocks == [3]
+    assert filters and not any(filters)
+
+
 def test_buckets_spread_structured_hashes():
     hashes = np.arange(0, 64_000, 64, dtype=np.int64)  # low bits all zero
     counts = np.bincount(bucket_of(hashes, 8), minlength=8)
@@ -73,3 +98,23 @@ def test_near_duplicate_shares_ignore_exact_copies():
     corpus = [np.array([0b1111, 0b1110, 0b0000_1111_0000], dtype=np.int64)]
     shares = near_duplicate_shares(iter(corpus), base, max_distance=2)
     assert shares == {1: 0.5, 2: 0.5}
+
+
+def test_summary_counts_removed_copies_per_source_and_the_largest_groups_across_batches(
+        tmp_path):
+    rows = [{"id": "web:1", "phash": 1, "pixels": 9, "rank": 0},
+            {"id": "art:1", "phash": 1, "pixels": 1, "rank": 1},
+            {"id": "art:2", "phash": 1, "pixels": 1, "rank": 1},
+            {"id": "art:3", "phash": -2, "pixels": 5, "rank": 1},
+            {"id": "web:2", "phash": -2, "pixels": 1, "rank": 0},
+            {"id": "web:3", "phash": 3, "pixels": 1, "rank": 0},
+            {"id": "web:4", "phash": 3, "pixels": 1, "rank": 0}]
+    uri = tmp_path / "duplicates.lance"
+    lance.write_dataset(group_candidates(pa.Table.from_pylist(rows)).cast(DUPLICATES_SCHEMA),
+                        str(uri))
+    summary = summarise(TableRef.of(uri), {"web": 4, "art": 3}, top=2, batch_rows=2)
+    assert summary.groups == 3
+    assert summary.removed_per_source == {"art": 2, "web": 2}
+    assert summary.largest == [
+        {"phash": "0000000000000001", "group_size": 3, "kept_id": "web:1"},
+        {"phash": "fffffffffffffffe", "group_size": 2, "kept_id": "art:3"}]

@@ -145,3 +145,37 @@ def test_sources_changed_compares_the_rows_of_each_source():
     assert sources_changed(before, before) == []
     assert sources_changed(before, grown) == ["books", "stock", "web"]
     assert sources_changed(before, before.slice(0, 1)) == ["stock"]
+
+
+def test_the_touched_hashes_are_found_by_lance_in_scans_of_a_bounded_filter(
+        tmp_path, monkeypatch):
+    """The hashes go into the scan's filter (Lance reads ids and pixels of the matches
+    only), at most `hashes_per_scan` of them a scan; the rows found are the same."""
+    import lance
+
+    storage = Storage(tmp_path)
+    for k, source in enumerate(SOURCES):
+        append_rows(storage.table("phashes", source),
+                    hash_rows(source, [1, 2, 3, 10 + k], flat=2), PHASH_SCHEMA)
+    inputs, _ = hash_inputs(storage, SOURCES)
+    filters = []
+    to_table = lance.LanceDataset.to_table
+    monkeypatch.setattr(lance.LanceDataset, "to_table", lambda self, *a, **kw: (
+        filters.append(kw.get("filter")), to_table(self, *a, **kw))[1])
+    found = candidates_with_hashes(inputs, np.array([1, 3, 11, 99]), hashes_per_scan=3)
+    assert sorted(zip(found.column("id").to_pylist(), found.column("rank").to_pylist(),
+                      strict=True)) == [("books:0000", 2), ("stock:0000", 1),
+                                        ("stock:0003", 1), ("web:0000", 0)]
+    assert len(filters) == 2 * len(SOURCES)  # 4 hashes, 3 a scan: two scans a source
+    assert all("phash IN (1, 3, 11)" in f or "phash IN (99)" in f for f in filters)
+
+
+def test_the_inputs_are_recorded_in_one_commit(tmp_path):
+    storage = Storage(tmp_path)
+    for source in SOURCES:
+        append_rows(storage.table("phashes", source), hash_rows(source, [1, 2]), PHASH_SCHEMA)
+    target = storage.table("duplicates")
+    overwrite_rows(target, DUPLICATES_SCHEMA.empty_table(), DUPLICATES_SCHEMA)
+    before = target.latest_version()
+    record_inputs(target, hash_inputs(storage, SOURCES)[0])
+    assert target.latest_version() == before + 1
