@@ -51,7 +51,7 @@ def meeting_assets(timeout: float):
     return [left, right], [left_is_one]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def instance():
     with dg.instance_for_test() as instance:  # SQLite storage, as a local run has
         yield instance
