@@ -271,8 +271,14 @@ def execute_in_process(job: dg.JobDefinition, instance: dg.DagsterInstance,
                        run_config: dict | None = None, partition_key: str | None = None,
                        raise_on_error: bool = True, tags: dict[str, str] | None = None
                        ) -> dg.ExecuteInProcessResult:
-    """`job.execute_in_process`, with the job's own executor: Dagster's swaps in its serial
-    in-process executor, and the demo and the benches should run what the daemon runs."""
+    """`job.execute_in_process`, with the job's own executor where it is this module's:
+    Dagster's swaps in its serial in-process executor, and the demo and the benches should
+    run what the daemon runs. A job on another executor (Dagster's default, which starts
+    processes) runs as `job.execute_in_process` runs it."""
+    if job.executor_def is not in_process_concurrent_executor:
+        return job.execute_in_process(run_config=run_config, instance=instance,
+                                      partition_key=partition_key,
+                                      raise_on_error=raise_on_error, tags=tags)
     from dagster._core.definitions.job_base import InMemoryJob
     from dagster._core.execution.execute_in_process import (
         core_execute_in_process,
