@@ -181,6 +181,9 @@ def _run_steps(job_context: PlanExecutionContext, active: ActiveExecution,
                max_concurrent: int) -> Iterator[DagsterEvent]:
     inbox: queue.SimpleQueue[DagsterEvent | StepFinished] = queue.SimpleQueue()
     running: dict[str, StepThread] = {}
+    # A step's retry, applied once its thread has ended: applied at once, a retry without a
+    # wait would start the step again while the first attempt's thread still runs.
+    retries: dict[str, DagsterEvent] = {}
     interrupted = False
     try:
         while running or not active.is_complete:  # a step's end may carry its error
@@ -205,9 +208,14 @@ def _run_steps(job_context: PlanExecutionContext, active: ActiveExecution,
                 continue
             if isinstance(item, DagsterEvent):
                 yield item
-                active.handle_event(item)
+                if item.is_step_up_for_retry:
+                    retries[item.step_key] = item
+                else:
+                    active.handle_event(item)
                 continue
             running.pop(item.step_key).join()
+            if item.step_key in retries:
+                active.handle_event(retries.pop(item.step_key))
             if item.error is not None and not (
                     interrupted and isinstance(item.error, DagsterExecutionInterruptedError)):
                 raise item.error

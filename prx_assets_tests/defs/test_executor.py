@@ -139,6 +139,22 @@ def test_a_retried_step_runs_again_beside_the_others(instance):
             if e.event_type_value == "STEP_UP_FOR_RETRY"} == {"flaky", "requested"}
 
 
+def test_a_step_retried_at_once_waits_for_its_first_attempt_to_end(instance):
+    """A retry without a wait is ready as soon as its event arrives, while the first
+    attempt's thread is still finishing: the second attempt must not start before that."""
+    attempts = []
+
+    @dg.asset(retry_policy=dg.RetryPolicy(max_retries=1))
+    def alone(context: dg.AssetExecutionContext) -> int:
+        attempts.append(context.retry_number)
+        if context.retry_number == 0:
+            raise RuntimeError("transient")
+        return 1
+
+    result = run([alone], instance)
+    assert result.success and attempts == [0, 1]
+
+
 def test_raise_on_error_raises_the_steps_error(instance):
     @dg.asset
     def broken() -> int:
