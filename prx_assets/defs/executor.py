@@ -34,7 +34,7 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -91,8 +91,11 @@ def default_max_concurrent() -> int:
 def in_process_concurrent_executor(init_context: dg.InitExecutorContext) -> Executor:
     """Every step in the run's process, ready steps together in threads (module doc)."""
     config = init_context.executor_config
-    retries = RetryMode.from_config(config["retries"])  # type: ignore[arg-type]
-    limit = config.get("max_concurrent") or default_max_concurrent()
+    retries_config, limit = config["retries"], config.get("max_concurrent")
+    assert isinstance(retries_config, Mapping)  # a selector, {"enabled": {}} by default
+    retries = RetryMode.from_config(retries_config) or RetryMode.ENABLED
+    if not isinstance(limit, int) or limit < 1:
+        limit = default_max_concurrent()
     if limit <= 1:
         return InProcessExecutor(retries=retries)
     return ConcurrentInProcessExecutor(retries, limit)
@@ -208,7 +211,7 @@ def _run_steps(job_context: PlanExecutionContext, active: ActiveExecution,
                 continue
             if isinstance(item, DagsterEvent):
                 yield item
-                if item.is_step_up_for_retry:
+                if item.is_step_up_for_retry and item.step_key is not None:
                     retries[item.step_key] = item
                 else:
                     active.handle_event(item)
