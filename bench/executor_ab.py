@@ -7,7 +7,8 @@ time for the concurrent runs (default the executor's default).
 
 Per run: the child's wall, the materialize part of it, the tree's CPU seconds, the share of
 the run with both cores busy, the tree's mean cores, the other processes' mean cores (the
-machine's load) and the load average at the start. CPU time and the both-busy share are
+machine's load), the load average at the start, the steps' seconds and how many of them ran
+beside another step, and the tree's peak PSS. CPU time and the both-busy share are
 steadier than wall on a shared machine. Written to bench/out/executor_ab.json.
 """
 
@@ -38,6 +39,7 @@ class Trial:
     success: bool
     steps_s: float  # the steps' seconds summed over every job's runs
     overlap_s: float  # of those, seconds during which another step of the run also ran
+    peak_pss_mb: float  # the process tree's, at its peak
 
 
 def trial(setting: str, limit: int, images: int) -> Trial:
@@ -54,7 +56,8 @@ def trial(setting: str, limit: int, images: int) -> Trial:
     steps_s = sum(end - start for start, end in spans)
     return Trial(setting, limit, run.seconds, run.child["materialize_s"], run.peaks.cpu_s,
                  whole["both_busy"], whole["tree_cores"], whole["others_cores"], load,
-                 run.child["success"], steps_s, steps_s - covered_seconds(spans))
+                 run.child["success"], steps_s, steps_s - covered_seconds(spans),
+                 run.peaks.pss_kb / 1024)
 
 
 def covered_seconds(spans: list[list[float]]) -> float:
@@ -86,7 +89,8 @@ def _line(t: Trial) -> str:
             f"materialize {t.materialize_s:6.1f} s, CPU {t.cpu_s:6.1f} s, both busy "
             f"{t.both_busy:5.1%}, tree {t.tree_cores:4.2f} cores, others "
             f"{t.others_cores:4.2f} cores, load {t.load_at_start:4.1f}; steps "
-            f"{t.steps_s:6.1f} s, overlapping {t.overlap_s:5.1f} s"
+            f"{t.steps_s:6.1f} s, overlapping {t.overlap_s:5.1f} s; peak PSS "
+            f"{t.peak_pss_mb:,.0f} MB"
             f"{'' if t.success else ', FAILED'}")
 
 
