@@ -17,6 +17,7 @@ from prx_assets.defs.attributes import AttributerResource, attribute_defs
 from prx_assets.defs.captions import caption_defs
 from prx_assets.defs.corpus import corpus_defs
 from prx_assets.defs.dedup import dedup_defs
+from prx_assets.defs.executor import in_process_concurrent_executor
 from prx_assets.defs.factory import FRESH_ASSETS, automate, factory_defs, fresh
 from prx_assets.defs.images import image_defs
 from prx_assets.defs.ingest import ingest_defs
@@ -81,7 +82,9 @@ def build_defs(sources_file: Path | None = None, captioner_file: Path | None = N
         # and a process per step re-imported the package and started Ray again for each
         # asset and check (a 3-file raw_images run from the UI: 2 min 50 s, each of its three
         # checks 30-40 s of start-up for well under 1 s of work). Pools still apply per op.
-        executor=dg.in_process_executor,
+        # Steps that do not depend on each other run at the same time, in threads of the
+        # run's process (defs/executor.py; `max_concurrent: 1` runs them one at a time).
+        executor=in_process_concurrent_executor,
         resources={
             "storage": storage,
             "ray_cluster": RayResource(),

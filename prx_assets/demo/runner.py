@@ -11,6 +11,7 @@ import dagster as dg
 import pyarrow.compute as pc
 
 from prx_assets.definitions import build_defs, default_subsets_file
+from prx_assets.defs.executor import execute_in_process
 from prx_assets.defs.report import tag_run_with_warnings
 from prx_assets.demo.console import short_console_logger, wrap
 from prx_assets.engine import ray_runtime
@@ -68,10 +69,11 @@ def with_console_level(run_config: dict | None, level: str = CONSOLE_LEVEL) -> d
 
 def _run(job, instance: dg.DagsterInstance, run_config: dict | None = None,
          **kwargs) -> dg.ExecuteInProcessResult:
-    """The job in this process, its console one short line per event (demo.console)."""
+    """The job in this process with its own executor (as the daemon runs it), its console
+    one short line per event (demo.console)."""
     job = job.with_logger_defs({"console": short_console_logger})
-    result = job.execute_in_process(instance=instance, run_config=with_console_level(run_config),
-                                    raise_on_error=False, **kwargs)
+    result = execute_in_process(job, instance, run_config=with_console_level(run_config),
+                                raise_on_error=False, **kwargs)
     # What the check_warnings_tag sensor does under `make ui`: the Runs page shows it.
     tag_run_with_warnings(instance, result.run_id)
     return result

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,10 +38,21 @@ def model_fingerprint() -> str:
     return hashlib.sha256(f"{MODEL_ID}:{weights.stat().st_size}".encode()).hexdigest()[:12]
 
 
-@functools.cache
+# Held while a MiniLM loads: steps of a run run in threads of one process (the jobs'
+# executor, defs/executor.py), and transformers' lazy modules fail to import in two threads
+# at once (`caption_labels` beside `attributes` on a few rows, both in the run's process).
+_LOADING = threading.RLock()
+
+
 def shared_embedder(threads: int | None = None, device: str = "cpu") -> MiniLMEmbedder:
     """One MiniLM per process (thread count and device): the stages that embed captions in
     the run's own process (attributes, caption_labels on a few rows) load it once per run."""
+    with _LOADING:
+        return _cached_embedder(threads, device)
+
+
+@functools.cache
+def _cached_embedder(threads: int | None, device: str) -> MiniLMEmbedder:
     return MiniLMEmbedder(threads=threads, device=device)
 
 
@@ -49,6 +61,10 @@ class MiniLMEmbedder:
     CUDA GPU (float16 weights and activations, pooled and normalised in float32)."""
 
     def __init__(self, threads: int | None = None, device: str = "cpu"):
+        with _LOADING:
+            self._load(threads, device)
+
+    def _load(self, threads: int | None, device: str) -> None:
         import torch
         from transformers import AutoModel, AutoTokenizer
 

@@ -48,7 +48,7 @@ def test_a_dagster_command_from_another_folder_records_its_run_in_dagster_home(t
 def test_every_job_runs_its_steps_in_the_run_process(tmp_path):
     """Runs launched by the daemon (UI, sensors, automation) use the job's executor: one
     process per run, not a process per asset and check (each re-importing the package and
-    starting Ray)."""
+    starting Ray); independent steps at the same time in its threads (defs/executor.py)."""
     from prx_assets.definitions import build_defs
     from prx_assets.testing.sources import write_sources
 
@@ -58,4 +58,4 @@ def test_every_job_runs_its_steps_in_the_run_process(tmp_path):
     jobs = [*defs.resolve_all_job_defs(), defs.resolve_implicit_global_asset_job_def()]
     assert {"source_job", "__ASSET_JOB"} <= {job.name for job in jobs}
     assert {job.name: job.executor_def.name for job in jobs} == \
-        {job.name: "in_process" for job in jobs}
+        {job.name: "in_process_concurrent" for job in jobs}

@@ -1,0 +1,196 @@
+"""The concurrent in-process executor: independent steps of a run at the same time, with
+Dagster's failure, skip, retry and check semantics, every event in the instance."""
+
+import os
+import signal
+import threading
+import time
+
+import dagster as dg
+import pytest
+
+from prx_assets.defs.executor import (
+    MAX_CONCURRENT_ENV,
+    default_max_concurrent,
+    execute_in_process,
+    in_process_concurrent_executor,
+)
+
+# Long enough for two threads to meet on a loaded machine; a barrier that cannot be met
+# (steps one after another) fails at its timeout whatever it is.
+MEET_S = 30.0
+
+
+def run(assets, instance, max_concurrent=None, checks=(), raise_on_error=False):
+    config = {"execution": {"config": {"max_concurrent": max_concurrent}}} \
+        if max_concurrent else {}
+    defs = dg.Definitions(assets=assets, asset_checks=list(checks), jobs=[
+        dg.define_asset_job("job", executor_def=in_process_concurrent_executor)])
+    return execute_in_process(defs.resolve_job_def("job"), instance, run_config=config,
+                              raise_on_error=raise_on_error)
+
+
+def meeting_assets(timeout: float):
+    """Two independent assets that finish only if both run at once, and a check on one."""
+    barrier = threading.Barrier(2, timeout=timeout)
+
+    @dg.asset
+    def left() -> int:
+        barrier.wait()
+        return 1
+
+    @dg.asset
+    def right() -> int:
+        barrier.wait()
+        return 2
+
+    @dg.asset_check(asset=left)
+    def left_is_one(left: int) -> dg.AssetCheckResult:
+        return dg.AssetCheckResult(passed=left == 1)
+
+    return [left, right], [left_is_one]
+
+
+@pytest.fixture(scope="module")
+def instance():
+    with dg.instance_for_test() as instance:  # SQLite storage, as a local run has
+        yield instance
+
+
+def test_independent_steps_run_at_the_same_time(instance):
+    assets, checks = meeting_assets(MEET_S)
+    result = run(assets, instance, checks=checks)
+    assert result.success
+    assert [e.passed for e in result.get_asset_check_evaluations()] == [True]
+
+
+def test_max_concurrent_one_runs_steps_one_after_another(instance):
+    assets, checks = meeting_assets(0.2)  # never met: the first step fails at its timeout
+    result = run(assets, instance, max_concurrent=1, checks=checks)
+    assert not result.success
+    assert len(result.get_step_failure_events()) == 2  # the second met a broken barrier
+
+
+def test_every_event_lands_in_the_instance(instance):
+    assets, checks = meeting_assets(MEET_S)
+    result = run(assets, instance, checks=checks)
+    stored = [record.dagster_event for record in instance.all_logs(result.run_id)
+              if record.dagster_event is not None  # less what the run's creation logs
+              and not record.dagster_event.event_type_value.endswith("_PLANNED")]
+    assert sorted((e.event_type_value, e.step_key) for e in stored) == \
+        sorted((e.event_type_value, e.step_key) for e in result.all_events)
+    assert {e.step_key for e in stored if e.event_type_value == "STEP_SUCCESS"} == \
+        {"left", "right", "left_left_is_one"}
+    for key in ("left", "right"):
+        assert instance.get_latest_materialization_event(dg.AssetKey(key)) is not None
+
+
+def test_a_failure_skips_its_dependents_only(instance):
+    @dg.asset
+    def broken() -> int:
+        raise ValueError("broken")
+
+    @dg.asset
+    def after_broken(broken: int) -> int:
+        return broken
+
+    @dg.asset
+    def fine() -> int:
+        return 1
+
+    @dg.asset
+    def after_fine(fine: int) -> int:
+        return fine + 1
+
+    result = run([broken, after_broken, fine, after_fine], instance)
+    assert not result.success
+    assert [e.step_key for e in result.get_step_failure_events()] == ["broken"]
+    assert {e.step_key for e in result.all_events if e.is_step_start} == \
+        {"broken", "fine", "after_fine"}
+    assert {e.asset_key.to_user_string() for e in result.get_asset_materialization_events()} \
+        == {"fine", "after_fine"}
+
+
+def test_a_retried_step_runs_again_beside_the_others(instance):
+    attempts = []
+
+    @dg.asset(retry_policy=dg.RetryPolicy(max_retries=2))
+    def flaky(context: dg.AssetExecutionContext) -> int:
+        attempts.append(context.retry_number)
+        if context.retry_number == 0:
+            raise RuntimeError("transient")
+        return 1
+
+    @dg.asset
+    def requested(context: dg.AssetExecutionContext) -> int:
+        if context.retry_number == 0:
+            raise dg.RetryRequested(max_retries=1)
+        return 2
+
+    @dg.asset
+    def downstream(flaky: int, requested: int) -> int:
+        return flaky + requested
+
+    result = run([flaky, requested, downstream], instance)
+    assert result.success
+    assert attempts == [0, 1]
+    assert result.output_for_node("downstream") == 3
+    assert {e.step_key for e in result.all_events
+            if e.event_type_value == "STEP_UP_FOR_RETRY"} == {"flaky", "requested"}
+
+
+def test_a_step_retried_at_once_waits_for_its_first_attempt_to_end(instance):
+    """A retry without a wait is ready as soon as its event arrives, while the first
+    attempt's thread is still finishing: the second attempt must not start before that."""
+    attempts = []
+
+    @dg.asset(retry_policy=dg.RetryPolicy(max_retries=1))
+    def alone(context: dg.AssetExecutionContext) -> int:
+        attempts.append(context.retry_number)
+        if context.retry_number == 0:
+            raise RuntimeError("transient")
+        return 1
+
+    result = run([alone], instance)
+    assert result.success and attempts == [0, 1]
+
+
+def test_raise_on_error_raises_the_steps_error(instance):
+    @dg.asset
+    def broken() -> int:
+        raise ValueError("broken on purpose")
+
+    with pytest.raises(ValueError, match="broken on purpose"):
+        run([broken], instance, raise_on_error=True)
+
+
+def test_termination_interrupts_the_running_steps(instance):
+    """SIGINT reaches the run's thread; the running step meets the interrupt in its own
+    thread (it would otherwise wait out its loop and succeed) and its dependent never runs."""
+    stopped = threading.Event()
+
+    @dg.asset
+    def long_step() -> int:
+        os.kill(os.getpid(), signal.SIGINT)  # Dagster's handler turns it into a request
+        try:
+            for _ in range(int(MEET_S / 0.01)):
+                time.sleep(0.01)
+        except BaseException:
+            stopped.set()
+            raise
+        return 1
+
+    @dg.asset
+    def after(long_step: int) -> int:
+        return long_step
+
+    result = run([long_step, after], instance)
+    assert stopped.is_set() and not result.success
+    assert "after" not in {e.step_key for e in result.all_events if e.is_step_start}
+
+
+def test_the_default_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv(MAX_CONCURRENT_ENV, "3")
+    assert default_max_concurrent() == 3
+    monkeypatch.delenv(MAX_CONCURRENT_ENV)
+    assert default_max_concurrent() == 2
