@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 DEFAULT_EPS = 0.05  # cosine > 0.95: re-encodes, crops and edits of one image, not look-alikes
 REPORT_EPS = (0.01, 0.02, 0.05, 0.1)
 DEFAULT_CLUSTER_ROWS = 5_000  # K = rows / this (NeMo's default K=50,000 for ~100M)
+# The fit's rows per centroid, at least (faiss's own cap on what it trains on: 256).
+DEFAULT_FIT_ROWS_PER_CENTROID = 256
 DEFAULT_CLUSTER_CAP = 50_000  # ~10 GB of float32 similarities at 512 rows per block
 DEFAULT_BLOCK_ROWS = 512
 MAX_SPLIT_DEPTH = 3
@@ -57,6 +59,7 @@ class SemDedupConfig:
     eps: float = DEFAULT_EPS
     clusters: int = 0  # K; 0: rows / cluster_rows
     cluster_rows: int = DEFAULT_CLUSTER_ROWS
+    fit_rows_per_centroid: int = DEFAULT_FIT_ROWS_PER_CENTROID  # the streamed fit's sample
     cluster_cap: int = DEFAULT_CLUSTER_CAP
     block_rows: int = DEFAULT_BLOCK_ROWS
     report_eps: tuple[float, ...] = REPORT_EPS

@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 
 from prx_assets.stages.semantic import streamed
 from prx_assets.stages.semantic.embeddings import vector_column
-from prx_assets.stages.semantic.kmeans import assign, gpu_count, kmeans, normalise
+from prx_assets.stages.semantic.kmeans import assign, kmeans, normalise
 from prx_assets.stages.semantic.semdedup import (
     SEMANTIC_DUPLICATES_SCHEMA,
     SemDedupConfig,
@@ -64,6 +64,7 @@ from prx_assets.storage.lance_tables import append_rows, commit_fragments, overw
 from prx_assets.storage.refs import TableRef
 from prx_assets.storage.tables import IMAGE_EMBEDDINGS
 
+MAX_FIT_ROWS = streamed.DEFAULT_SAMPLE_ROWS  # a fit grown with K stops there
 FIT_KEY = "prx.semdedup.fit"  # semantic_clusters' config: the fit the rows were assigned by
 
 
@@ -125,9 +126,10 @@ def streamed_semantic_duplicates(inputs: streamed.SpaceInputs, out: TableRef,
         version = overwrite_rows(out, SEMANTIC_DUPLICATES_SCHEMA.empty_table(),
                                  SEMANTIC_DUPLICATES_SCHEMA)
         return StreamedSemDedup(0, version, removed_by_eps=dict.fromkeys(eps_values, 0))
-    fit = streamed.sample(inputs, tasks, sample_rows, config.seed, chunk_rows)
-    centroids = kmeans(fit, config.cluster_count(rows), config.seed,
-                       use_gpu=config.use_gpu).centroids
+    held = streamed.fit_resources(config.use_gpu) if tasks.use_ray else {}
+    centroids, fitted, on_gpu = tasks.call(
+        fit_centroids, (inputs, config, fit_rows(rows, config, sample_rows), chunk_rows,
+                        tasks.use_ray, held.get("num_cpus", 0)), **held)
     chunks = streamed.chunks(inputs, chunk_rows)
     buckets = streamed.routed_buckets(inputs, chunks, bucket_rows, centroids.shape[1])
     shared = tasks.put(centroids)  # once: a copy per chunk grew with the chunks
@@ -135,8 +137,7 @@ def streamed_semantic_duplicates(inputs: streamed.SpaceInputs, out: TableRef,
     _, routed = tasks.scatter(streamed.route_chunk, calls, buckets)
     phashes = inputs.phashes_by_rank()
     result = StreamedSemDedup(rows, 0, removed_by_eps=dict.fromkeys(eps_values, 0),
-                              sample_rows=len(fit),
-                              on_gpu=gpu_count() > 0 if config.use_gpu is None else config.use_gpu)
+                              sample_rows=fitted, on_gpu=on_gpu)
     fragments: list = []
     cluster_fragments: list = []
     if clusters_out is not None:
@@ -161,6 +162,31 @@ def streamed_semantic_duplicates(inputs: streamed.SpaceInputs, out: TableRef,
                    centroids, rows)
     result.nodes = set(tasks.nodes)
     return result
+
+
+def fit_rows(rows: int, config: SemDedupConfig, sample_rows: int) -> int:
+    """The fit's sample: `sample_rows`, or `config.fit_rows_per_centroid` rows per centroid
+    where that is more (up to `MAX_FIT_ROWS`). K grows with the rows: on a fixed sample of
+    10^5, K = 2,000 at 10^7 saw 50 rows a centroid and left 9 % of the planted pairs in
+    two clusters, never compared (256 a centroid: 5 %; docs/growth.md)."""
+    grown = config.fit_rows_per_centroid * config.cluster_count(rows)
+    return max(sample_rows, min(grown, MAX_FIT_ROWS))
+
+
+def fit_centroids(inputs: streamed.SpaceInputs, config: SemDedupConfig, sample_rows: int,
+                  chunk_rows: int, use_ray: bool, cpus: int = 0
+                  ) -> tuple[np.ndarray, int, bool]:
+    """(centroids, rows fitted on, on a GPU): the sample, drawn by tasks of its own, and
+    the k-means; run as a task, so the sample (it grows with K) never sits in the driver."""
+    if cpus:  # a Ray worker starts with one OpenMP thread whatever its task reserved
+        import faiss
+
+        faiss.omp_set_num_threads(cpus)
+    fit = streamed.sample(inputs, streamed.Tasks(use_ray), sample_rows, config.seed,
+                          chunk_rows)
+    result = kmeans(fit, config.cluster_count(inputs.rows), config.seed,
+                    use_gpu=config.use_gpu)
+    return result.centroids, len(fit), result.on_gpu
 
 
 def add_stats(result: StreamedSemDedup, bucket: dict) -> None:

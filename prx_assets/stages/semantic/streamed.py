@@ -42,6 +42,7 @@ DEFAULT_SAMPLE_ROWS = 1 << 20  # the fit's input: 2^20 768-d vectors are 3 GB
 DEFAULT_CHUNK_ROWS = 1 << 18  # rows one assignment task reads
 DEFAULT_BUCKET_ROWS = 1 << 18  # rows one per-cluster task receives, on average
 IN_PROCESS_ROWS = 20_000  # a smaller space runs in the driver: Ray's task start costs more
+FIT_CPUS = 4  # the k-means fit's task: faiss's threads
 MAX_IN_FLIGHT = 8  # reduce tasks submitted ahead of the results read
 # Ray returns a task's results under 100 KiB in its reply, into the caller's own memory
 # (`max_direct_call_object_size`): a chunk's share of a bucket that small stays in the
@@ -299,6 +300,15 @@ class Tasks:
         for ref in pending:
             yield ray.get(ref)
 
+    def call(self, fn: Callable[..., Any], args: tuple, num_cpus: int = 1, num_gpus: int = 0
+             ) -> Any:
+        """fn(*args) as one task holding `num_cpus` and `num_gpus` (under Ray)."""
+        if not self.use_ray:
+            return fn(*args)
+        import ray
+
+        return ray.get(ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(fn).remote(*args))
+
     def scatter(self, fn: Callable[..., list[Any]], calls: Sequence[tuple], buckets: int
                 ) -> tuple[Any, list[list[Any]]]:
         """fn(*args) -> [summary, node, bucket 0, ..., bucket B-1] per call: the sum of the
@@ -340,6 +350,17 @@ def node_turns() -> Iterator[Any]:
     if not nodes:
         return itertools.repeat("DEFAULT")
     return itertools.cycle([NodeAffinitySchedulingStrategy(node, soft=True) for node in nodes])
+
+
+def fit_resources(use_gpu: bool | None) -> dict[str, int]:
+    """What the k-means fit's task holds: up to `FIT_CPUS` CPUs (no more than a node has),
+    and a GPU where asked or, by default, where the cluster has one."""
+    import ray
+
+    nodes = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+    cpus = min(FIT_CPUS, max((int(r.get("CPU", 0)) for r in nodes), default=1))
+    gpus = bool(use_gpu) or (use_gpu is None and any(r.get("GPU", 0) >= 1 for r in nodes))
+    return {"num_cpus": max(1, cpus), "num_gpus": int(gpus)}
 
 
 def bucket_count(rows: int, bucket_rows: int = DEFAULT_BUCKET_ROWS,

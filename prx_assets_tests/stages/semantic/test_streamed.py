@@ -22,6 +22,8 @@ from prx_assets.stages.semantic.semdedup import (
     semantic_duplicates,
 )
 from prx_assets.stages.semantic.semdedup_streamed import (
+    MAX_FIT_ROWS,
+    fit_rows,
     fit_tag,
     incremental_semantic_duplicates,
     read_fit,
@@ -99,9 +101,9 @@ def test_a_fit_on_a_sample_still_finds_the_planted_groups(tmp_path):
     storage = write_space(tmp_path, data.vectors)
     inputs = space_inputs(storage, list(SOURCES), ENCODER)
     out = storage.table("semantic_duplicates")
-    result = streamed_semantic_duplicates(inputs, out, SemDedupConfig(cluster_rows=300),
-                                          Tasks(use_ray=False), sample_rows=600,
-                                          chunk_rows=500, bucket_rows=1000)
+    config = SemDedupConfig(cluster_rows=300, fit_rows_per_centroid=60)
+    result = streamed_semantic_duplicates(inputs, out, config, Tasks(use_ray=False),
+                                          sample_rows=600, chunk_rows=500, bucket_rows=1000)
     assert result.sample_rows == 600
     table = out.open().to_table()
     index = {i: n for n, i in enumerate(space_ids(3000).to_pylist())}
@@ -110,6 +112,19 @@ def test_a_fit_on_a_sample_still_finds_the_planted_groups(tmp_path):
     found, truth = pairs_of(group), data.true_pairs()
     assert len(found & truth) / len(truth) >= 0.95
     assert len(found & truth) / len(found) >= 0.95
+
+
+def test_the_fit_grows_with_the_clusters_up_to_its_bound(tmp_path):
+    data = planted_duplicates(1200, dim=16, topics=12, seed=3)
+    inputs = space_inputs(write_space(tmp_path, data.vectors), list(SOURCES), ENCODER)
+    config = SemDedupConfig(cluster_rows=100, fit_rows_per_centroid=70)  # K = 12
+    out = Storage(tmp_path).table("semantic_duplicates")
+    result = streamed_semantic_duplicates(inputs, out, config, Tasks(use_ray=False),
+                                          sample_rows=300, chunk_rows=400)
+    assert result.sample_rows == 12 * 70  # not the 300 asked for: 25 rows a centroid
+    assert fit_rows(10**9, config, 300) == MAX_FIT_ROWS
+    assert fit_rows(1200, SemDedupConfig(cluster_rows=100, fit_rows_per_centroid=10),
+                    300) == 300
 
 
 @pytest.mark.parametrize("size", [1, 37, 100, 250])
