@@ -4,6 +4,8 @@ as JPEG with an ETag of the sample and table version and caching headers."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from functools import partial
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -20,38 +22,32 @@ ORIGINAL_PX = 1024  # the original beside the bucketed crop, at most this on its
 
 
 def thumbnail_jpeg(request: Request, state: BrowserState) -> Response:
-    try:
-        data, version = queries.thumbnail(state.catalog, request.path_params["sample_id"])
-    except NotFound:
-        raise HTTPException(404) from None
-    return _jpeg(request, data, version, THUMB_CACHE)
+    return _served(request, partial(queries.thumbnail, state.catalog), THUMB_CACHE)
 
 
 def image_jpeg(request: Request, state: BrowserState) -> Response:
-    try:
-        data, version = queries.full_image(state.catalog, request.path_params["sample_id"])
-    except NotFound:
-        raise HTTPException(404) from None
-    return _jpeg(request, data, version, IMAGE_CACHE)
+    return _served(request, partial(queries.full_image, state.catalog), IMAGE_CACHE)
 
 
 def reject_jpeg(request: Request, state: BrowserState) -> Response:
-    try:
-        data, version = rejects.reject_thumbnail(state.catalog,
-                                                 request.path_params["sample_id"])
-    except NotFound:
-        raise HTTPException(404) from None
-    return _jpeg(request, data, version, IMAGE_CACHE)
+    return _served(request, partial(rejects.reject_thumbnail, state.catalog), IMAGE_CACHE)
 
 
 def original_jpeg(request: Request, state: BrowserState) -> Response:
     """The sample's original (its raw bytes, before the crop to its bucket), downscaled."""
+    return _served(request, lambda sample_id: rejects.raw_preview(state.catalog, sample_id,
+                                                                  ORIGINAL_PX), IMAGE_CACHE)
+
+
+def _served(request: Request, read: Callable[[str], tuple[bytes, int]], cache: str
+            ) -> Response:
+    """The JPEG `read` finds for the path's sample id (bytes and table version); 404 when
+    it finds none."""
     try:
-        data, version = rejects.raw_preview(state.catalog, request.path_params["sample_id"],
-                                            ORIGINAL_PX)
+        data, version = read(request.path_params["sample_id"])
     except NotFound:
         raise HTTPException(404) from None
-    return _jpeg(request, data, version, IMAGE_CACHE)
+    return _jpeg(request, data, version, cache)
 
 
 def _jpeg(request: Request, data: bytes, version: int, cache: str) -> Response:
