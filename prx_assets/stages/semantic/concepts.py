@@ -10,8 +10,10 @@ Balancing is the paper's hierarchical sampling: a budget of `target` samples is 
 over the top level's clusters as evenly as their sizes allow (water-filling: a small
 cluster gives all it has, the rest is shared among the larger ones), and each cluster's
 share is spread over its children the same way, down to the leaves; a leaf keeps its share
-of samples, drawn at random (seeded). Every non-empty leaf keeps at least one sample. The
-result is non-destructive: the unselected samples become the `balance` skip reason.
+of samples, drawn at random (seeded): its samples of smallest key, a seeded hash of each
+id in the streamed step (`keys.id_keys`), so the draw does not follow the stored order.
+Every non-empty leaf keeps at least one sample. The result is non-destructive: the
+unselected samples become the `balance` skip reason.
 """
 
 from __future__ import annotations
@@ -138,17 +140,18 @@ def budgets_of(leaf_sizes: np.ndarray, parents: Sequence[np.ndarray], target: in
     return budgets
 
 
-def balanced_selection(tree: ConceptTree, target: int, seed: int = 0) -> np.ndarray:
-    """A keep mask over the samples: each leaf's budget drawn at random (seeded)."""
+def balanced_selection(tree: ConceptTree, target: int, seed: int = 0,
+                       keys: np.ndarray | None = None) -> np.ndarray:
+    """A keep mask over the samples: each leaf's budget of its samples of smallest key
+    (`keys`, one per sample; by default a seeded random draw)."""
     budgets = leaf_budgets(tree, target)
-    rng = np.random.default_rng(seed)
+    if keys is None:
+        keys = np.random.default_rng(seed).random(len(tree.leaves))
     keep = np.zeros(len(tree.leaves), bool)
-    order = np.argsort(tree.leaves, kind="stable")
+    order = np.lexsort((keys, tree.leaves))  # by leaf, then by key within it
     bounds = np.r_[0, np.cumsum(tree.sizes(1))]
     for leaf, budget in enumerate(budgets):
-        members = order[bounds[leaf]:bounds[leaf + 1]]
-        if budget and members.size:
-            keep[rng.choice(members, size=int(budget), replace=False)] = True
+        keep[order[bounds[leaf]:bounds[leaf] + int(budget)]] = True
     return keep
 
 

@@ -28,7 +28,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prx_assets.stages.dedup.dedup import group_candidates
-from prx_assets.stages.semantic.kmeans import gpu_count, kmeans, normalise
+from prx_assets.stages.semantic.keys import key_order
+from prx_assets.stages.semantic.kmeans import assign, gpu_count, kmeans, normalise
 
 if TYPE_CHECKING:
     import ray
@@ -81,11 +82,15 @@ class SemDedupConfig:
         return sorted({self.eps, *self.report_eps})
 
 
-def partition(vectors: np.ndarray, config: SemDedupConfig) -> list[np.ndarray]:
+def partition(vectors: np.ndarray, config: SemDedupConfig,
+              fit_order: np.ndarray | None = None) -> list[np.ndarray]:
     """Row numbers per cluster (non-empty ones), every cluster at most `cluster_cap` rows
-    unless k-means cannot split it further (then it is compared whole)."""
-    first = kmeans(vectors, config.cluster_count(len(vectors)), config.seed, use_gpu=config.use_gpu)
-    return split_large(vectors, _members(first.assignment), config, depth=0)
+    unless k-means cannot split it further (then it is compared whole). The k-means is fitted
+    on the rows in `fit_order` (the streamed path's: by key, `keys.key_order`)."""
+    fit = vectors if fit_order is None else vectors[fit_order]
+    first = kmeans(fit, config.cluster_count(len(vectors)), config.seed, use_gpu=config.use_gpu)
+    assignment = first.assignment if fit_order is None else assign(vectors, first.centroids)
+    return split_large(vectors, _members(assignment), config, depth=0)
 
 
 def _members(assignment: np.ndarray) -> list[np.ndarray]:
@@ -236,7 +241,7 @@ def semantic_duplicates(ids: pa.Array, vectors: np.ndarray, pixels: np.ndarray,
     vectors = normalise(vectors)
     eps_values = config.all_eps()
     acting = eps_values.index(config.eps)
-    clusters = partition(vectors, config) if len(vectors) else []
+    clusters = partition(vectors, config, key_order(ids, config.seed)) if len(vectors) else []
     group = np.arange(len(vectors), dtype=np.int64)
     cluster_of = np.zeros(len(vectors), np.int32)
     removed = dict.fromkeys(eps_values, 0)

@@ -3,9 +3,10 @@ vector assigned to its leaf in a task per chunk (`streamed.route_chunk`), the le
 budgets water-filled on the driver from their sizes alone, and each bucket of leaves'
 balanced sample drawn and written by a task of its own.
 
-A bucket's leaves draw their samples, leaf by leaf, from one generator seeded by (seed,
-bucket): the same draw whichever task or node runs it. A space of one bucket draws from
-`seed` alone, as `concepts.balanced_selection` does (the same sample as the in-memory path).
+A leaf keeps, as its balanced sample, its rows of smallest key (a seeded hash of the id,
+`keys.id_keys`), and shows its rows of smallest key first: the same draw whichever task,
+node or bucket runs it and whatever order the embeddings are stored in (the in-memory
+`concepts.balanced_selection` given the same keys draws the same sample).
 
 A full run given a `tag` records its fit in the table's config (`FIT_KEY`): the leaves'
 centroids and parents, each leaf's size and balanced count, and the fit sample's mean
@@ -33,6 +34,7 @@ import pyarrow as pa
 
 from prx_assets.stages.semantic import streamed
 from prx_assets.stages.semantic.concepts import budgets_of, hierarchical_kmeans, level_sizes
+from prx_assets.stages.semantic.keys import id_keys, unit_draws
 from prx_assets.stages.semantic.kmeans import ASSIGN_CHUNK_ROWS, normalise
 from prx_assets.storage.changes import (
     consumed_at,
@@ -103,9 +105,8 @@ def streamed_concepts(inputs: streamed.SpaceInputs, out: TableRef, level_counts:
     result = StreamedConcepts(rows, 0, level_sizes(leaf_sizes, tree.parents), budgets,
                               sample_rows=len(fit))
     fragments: list = []
-    seeds = [seed] if buckets == 1 else [[seed, b] for b in range(buckets)]
     shared_budgets = tasks.put(budgets)
-    reduce_calls = [(shared_budgets, tree.parents, seeds[b], first_ids, out,
+    reduce_calls = [(shared_budgets, tree.parents, seed, first_ids, out,
                      *[r[b] for r in routed]) for b in range(buckets)]
     for bucket in tasks.map(concepts_bucket, reduce_calls):
         fragments.extend(pickle.loads(f) for f in bucket["fragments"])
@@ -121,19 +122,18 @@ def streamed_concepts(inputs: streamed.SpaceInputs, out: TableRef, level_counts:
     return result
 
 
-def concepts_bucket(budgets: np.ndarray, parents: list[np.ndarray], seed: int | list[int],
+def concepts_bucket(budgets: np.ndarray, parents: list[np.ndarray], seed: int,
                     first_ids: int, out: TableRef, *parts: streamed.Routed) -> dict:
     """One bucket of leaves (a task): each leaf's balanced sample, and a row per sample per
     level written as fragments of `out`."""
     routed = streamed.merge_routed(parts)
+    keys = id_keys(routed.ids, seed)
     keep = np.zeros(len(routed.rows), bool)
     firsts: dict[int, list[str]] = {}
-    rng = np.random.default_rng(seed)
     for leaf, positions in streamed.clusters_of(routed):
-        budget = int(budgets[leaf])
-        if budget:
-            keep[rng.choice(positions, size=min(budget, positions.size), replace=False)] = True
-        firsts[leaf] = routed.ids.take(pa.array(positions[:first_ids])).to_pylist()
+        by_key = positions[np.argsort(keys[positions], kind="stable")]
+        keep[by_key[:int(budgets[leaf])]] = True
+        firsts[leaf] = routed.ids.take(pa.array(by_key[:first_ids])).to_pylist()
     levels = [routed.cluster.astype(np.int64)]
     for parent in parents:
         levels.append(parent[levels[-1]])
@@ -267,8 +267,7 @@ def incremental_concepts(inputs: streamed.SpaceInputs, out: TableRef, tag: str, 
         if result.drift > max_drift:
             return None
         share = fit.kept / np.maximum(1, fit.sizes)
-        rng = np.random.default_rng([seed, int(fit.sizes.sum())])
-        keep = rng.random(len(leaf)) < share[leaf]
+        keep = unit_draws(id_keys(added.column("id"), seed)) < share[leaf]
         levels = [leaf.astype(np.int64)]
         for parent in fit.parents:
             levels.append(parent[levels[-1]])

@@ -5,9 +5,11 @@ a streamed assignment and a shuffle by cluster, in Ray tasks.
    policy's pixels) and counts each fragment's rows of the encoder: a row's number in the
    space is its position in the sources' order, as if every table were concatenated.
 2. `sample` draws a seeded sample of at most `sample_rows` vectors (each task keeps its
-   chunk's rows of smallest random key, the driver merges them): the fit's input. When the
-   space is no larger than the sample, the sample is every vector in row order, so the
-   fit is the one the in-memory path (`semdedup.semantic_duplicates`) makes.
+   chunk's rows of smallest key, a seeded hash of the id: `keys.id_keys`; the driver
+   merges them), in key order: the fit's input, the same whatever order the tables store
+   their rows in. When the space is no larger than the sample, the sample is every vector
+   in key order, so the fit is the one the in-memory path (`semdedup.semantic_duplicates`)
+   makes.
 3. `scatter` assigns every vector to its nearest centroid in one task per chunk of rows
    and sends each cluster's rows to one of `buckets` outputs (cluster mod buckets);
    `reduce_buckets` runs one task per bucket over the rows the chunks sent it (Ray's
@@ -31,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prx_assets.stages.semantic.keys import id_keys
 from prx_assets.stages.semantic.kmeans import assign, normalise
 from prx_assets.storage.filters import eq_filter, in_filter
 from prx_assets.storage.lance_tables import write_task_fragments
@@ -163,11 +166,11 @@ def node_id() -> str:
 
 def sample_chunk(chunk: Chunk, encoder: str, sample_rows: int, seed: int
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(keys, row numbers, vectors) of the chunk's `sample_rows` rows of smallest random
-    key (seeded by the chunk's first row number: the same sample whatever runs it)."""
-    _, vectors = read_chunk(chunk, encoder)
+    """(keys, row numbers, vectors) of the chunk's `sample_rows` rows of smallest key (a
+    seeded hash of the id: the same sample whatever runs it, and wherever a row is stored)."""
+    ids, vectors = read_chunk(chunk, encoder)
     assert vectors is not None
-    keys = np.random.default_rng([seed, chunk.offset]).random(chunk.rows)
+    keys = id_keys(ids, seed)
     rows = np.arange(chunk.offset, chunk.offset + chunk.rows, dtype=np.int64)
     return _smallest(keys, rows, vectors, sample_rows)
 
@@ -385,13 +388,13 @@ def routed_buckets(inputs: SpaceInputs, chunk_list: Sequence[Chunk], bucket_rows
 
 def sample(inputs: SpaceInputs, tasks: Tasks, sample_rows: int, seed: int,
            chunk_rows: int = DEFAULT_CHUNK_ROWS) -> np.ndarray:
-    """At most `sample_rows` unit vectors drawn without replacement (seeded), in row
+    """At most `sample_rows` unit vectors drawn without replacement (seeded), in key
     order: every vector when the space holds no more."""
     drawn = Draw(sample_rows)
     calls = [(c, inputs.encoder, sample_rows, seed) for c in chunks(inputs, chunk_rows)]
     for keys, rows, vectors in tasks.map(sample_chunk, calls):
         drawn.add(keys, rows, vectors)
-    return drawn.in_row_order()
+    return drawn.in_key_order()
 
 
 class Draw:
@@ -402,13 +405,13 @@ class Draw:
     def __init__(self, size: int):
         self.size = size
         self.filled = 0
-        self.keys = np.zeros(0)
+        self.keys = np.zeros(0, np.uint64)
         self.rows = np.zeros(0, np.int64)
         self.vectors: np.ndarray | None = None
 
     def add(self, keys: np.ndarray, rows: np.ndarray, vectors: np.ndarray) -> None:
         if self.vectors is None:
-            self.keys = np.empty(self.size)
+            self.keys = np.empty(self.size, np.uint64)
             self.rows = np.empty(self.size, np.int64)
             self.vectors = np.empty((self.size, vectors.shape[1]), np.float32)
         both = np.r_[self.keys[:self.filled], keys]
@@ -425,10 +428,8 @@ class Draw:
         self.vectors[slots] = vectors[incoming]
         self.filled = min(self.size, both.size)
 
-    def in_row_order(self) -> np.ndarray:
+    def in_key_order(self) -> np.ndarray:
+        """The vectors drawn, by key (ties, equal ids only, by row number)."""
         if self.vectors is None:
             return np.zeros((0, 1), np.float32)
-        rows = self.rows[:self.filled]
-        if np.all(rows[1:] > rows[:-1]):  # the chunks' rows in order, none evicted
-            return self.vectors[:self.filled]
-        return self.vectors[np.argsort(rows, kind="stable")]
+        return self.vectors[np.lexsort((self.rows[:self.filled], self.keys[:self.filled]))]

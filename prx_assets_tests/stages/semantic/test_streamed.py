@@ -14,6 +14,7 @@ from prx_assets.stages.semantic.concepts import (
     leaf_budgets,
 )
 from prx_assets.stages.semantic.embeddings import write_embeddings
+from prx_assets.stages.semantic.keys import id_keys, key_order
 from prx_assets.stages.semantic.kmeans import assign, normalise
 from prx_assets.stages.semantic.semdedup import (
     SemDedupConfig,
@@ -48,12 +49,16 @@ ENCODER = "enc"
 SOURCES = ("web", "stock")
 
 
-def write_space(root, vectors: np.ndarray, pixels: np.ndarray | None = None) -> Storage:
+def write_space(root, vectors: np.ndarray, pixels: np.ndarray | None = None,
+                order: np.ndarray | None = None) -> Storage:
     """The vectors split over two sources (each in three appends: several fragments), with
-    a phashes table of their pixels."""
+    a phashes table of their pixels; each source's rows stored as they come in `order`."""
     storage = Storage(root)
+    rank = np.empty(len(vectors), np.int64)
+    rank[np.arange(len(vectors)) if order is None else order] = np.arange(len(vectors))
     halves = np.array_split(np.arange(len(vectors)), 2)
     for source, rows in zip(SOURCES, halves, strict=True):
+        rows = rows[np.argsort(rank[rows])]
         ids = [f"{source}:{i:06d}" for i in rows]
         for piece in np.array_split(np.arange(rows.size), 3):
             batch = pa.table({"id": [ids[i] for i in piece],
@@ -128,15 +133,16 @@ def test_the_fit_grows_with_the_clusters_up_to_its_bound(tmp_path):
 
 
 @pytest.mark.parametrize("size", [1, 37, 100, 250])
-def test_the_draw_keeps_the_rows_of_smallest_key_in_row_order(size):
+def test_the_draw_keeps_the_rows_of_smallest_key_in_key_order(size):
     rng = np.random.default_rng(size)
-    keys, vectors = rng.random(240), rng.normal(size=(240, 3)).astype(np.float32)
+    keys = rng.integers(0, 2**64, 240, dtype=np.uint64)
+    vectors = rng.normal(size=(240, 3)).astype(np.float32)
     drawn = Draw(size)
     for start in range(0, 240, 50):  # chunks of rows in order, as the tasks return them
         piece = slice(start, start + 50)
         drawn.add(keys[piece], np.arange(240)[piece], vectors[piece])
-    kept = np.sort(np.argsort(keys)[:size])
-    assert np.array_equal(drawn.in_row_order(), vectors[kept])
+    kept = np.argsort(keys)[:size]
+    assert np.array_equal(drawn.in_key_order(), vectors[kept])
     assert drawn.vectors is not None and len(drawn.vectors) == drawn.keys.size == size
 
 
@@ -157,11 +163,32 @@ def test_the_sample_is_seeded_bounded_and_whole_when_the_space_fits(tmp_path):
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     inputs = space_inputs(write_space(tmp_path, vectors), list(SOURCES), ENCODER)
     tasks = Tasks(use_ray=False)
-    assert np.allclose(sample(inputs, tasks, 500, 0, chunk_rows=64), vectors, atol=1e-6)
+    whole = vectors[key_order(space_ids(500), 0)]
+    assert np.allclose(sample(inputs, tasks, 500, 0, chunk_rows=64), whole, atol=1e-6)
     drawn = sample(inputs, tasks, 100, 7, chunk_rows=64)
     assert drawn.shape == (100, 8)
     assert np.array_equal(drawn, sample(inputs, tasks, 100, 7, chunk_rows=64))
     assert not np.array_equal(drawn, sample(inputs, tasks, 100, 8, chunk_rows=64))
+    assert np.array_equal(drawn, sample(inputs, tasks, 100, 7, chunk_rows=37))
+
+
+def test_the_semantic_steps_draw_the_same_whatever_order_the_rows_are_stored_in(tmp_path):
+    # Ray Data stores a table's rows in the order its tasks finish: two runs over the same
+    # images can store them in two orders. The sample, the fit and the balanced picks
+    # follow the ids, not the stored order.
+    vectors, _ = long_tailed_mixture(topics=10, largest=120, dim=8, seed=2)
+    tables = []
+    for n, order in enumerate((np.arange(len(vectors)),
+                               np.random.default_rng(1).permutation(len(vectors)))):
+        storage = write_space(tmp_path / str(n), vectors, order=order)
+        inputs = space_inputs(storage, list(SOURCES), ENCODER)
+        streamed_concepts(inputs, storage.table("concepts"), (6, 2), 40, 0,
+                          Tasks(use_ray=False), sample_rows=150, chunk_rows=50,
+                          bucket_rows=100)
+        tables.append(storage.table("concepts").open().to_table().sort_by(
+            [("level", "ascending"), ("id", "ascending")]))
+    assert tables[0].equals(tables[1])
+    assert tables[0].filter(pa.compute.field("balanced")).num_rows >= 40
 
 
 def test_streamed_concepts_match_the_in_memory_hierarchy_and_budgets(tmp_path):
@@ -172,25 +199,30 @@ def test_streamed_concepts_match_the_in_memory_hierarchy_and_budgets(tmp_path):
     target = len(vectors) // 3
     result = streamed_concepts(inputs, out, (12, 3), target, 0, Tasks(use_ray=False),
                                chunk_rows=111, bucket_rows=len(vectors))
-    tree = hierarchical_kmeans(vectors, (12, 3), 0)
+    ids = space_ids(len(vectors))
+    order = key_order(ids, 0)  # the whole space is the fit's sample, in key order
+    tree = hierarchical_kmeans(vectors[order], (12, 3), 0)
     assert np.array_equal(result.sizes[0], tree.sizes(1))
     assert np.array_equal(result.budgets, leaf_budgets(tree, target))
     table = out.open().to_table()
     leaves = table.filter(pa.compute.equal(table.column("level"), 1))
-    index = {i: n for n, i in enumerate(space_ids(len(vectors)).to_pylist())}
+    index = {i: n for n, i in enumerate(ids.take(pa.array(order)).to_pylist())}
     rows = np.array([index[i] for i in leaves.column("id").to_pylist()])
     assert np.array_equal(leaves.column("cluster").to_numpy(), tree.leaves[rows])
     kept = leaves.column("balanced").to_numpy(zero_copy_only=False)
-    # One bucket: the in-memory path's very sample.
-    assert np.array_equal(kept, balanced_selection(tree, target)[rows])
+    # The in-memory path's very sample, given the same keys.
+    keys = id_keys(ids, 0)[order]
+    assert np.array_equal(kept, balanced_selection(tree, target, keys=keys)[rows])
     kept_per_leaf = np.bincount(tree.leaves[rows][kept], minlength=12)
     assert np.array_equal(kept_per_leaf, result.budgets)
     top = table.filter(pa.compute.equal(table.column("level"), 2))
     assert top.num_rows == len(vectors)
+    one_bucket = set(leaves.filter(leaves.column("balanced")).column("id").to_pylist())
     several = streamed_concepts(inputs, out, (12, 3), target, 0, Tasks(use_ray=False),
                                 chunk_rows=111, bucket_rows=400)
     balanced = out.open().to_table(filter="level = 1 AND balanced")
     assert balanced.num_rows == several.budgets.sum() == result.budgets.sum()
+    assert set(balanced.column("id").to_pylist()) == one_bucket  # the buckets draw alike
     assert result.first_ids and all(len(v) <= 3 for v in result.first_ids.values())
 
 
