@@ -238,10 +238,8 @@ def run_duplicates(root: Path) -> None:
 def run_semantic_duplicates(root: Path) -> None:
     """As the asset runs it: updated at the recorded fit when it can, else a full run."""
     from prx_assets.stages.semantic.semdedup import SemDedupConfig
-    from prx_assets.stages.semantic.semdedup_streamed import (
-        incremental_semantic_duplicates,
-        streamed_semantic_duplicates,
-    )
+    from prx_assets.stages.semantic.semdedup_streamed import streamed_semantic_duplicates
+    from prx_assets.stages.semantic.semdedup_update import incremental_semantic_duplicates
     from prx_assets.stages.semantic.streamed import Tasks, space_inputs
     from prx_assets.storage.layout import Storage
 

@@ -36,10 +36,8 @@ from prx_assets.stages.semantic.semdedup import (
     REPORT_EPS,
     SemDedupConfig,
 )
-from prx_assets.stages.semantic.semdedup_streamed import (
-    incremental_semantic_duplicates,
-    streamed_semantic_duplicates,
-)
+from prx_assets.stages.semantic.semdedup_streamed import streamed_semantic_duplicates
+from prx_assets.stages.semantic.semdedup_update import incremental_semantic_duplicates
 from prx_assets.stages.semantic.spaces import (
     DEFAULT_MAX_DRIFT,
     concepts_tag,

@@ -11,10 +11,10 @@ from prx_assets.stages.semantic.embeddings import write_embeddings
 from prx_assets.stages.semantic.semdedup import SemDedupConfig
 from prx_assets.stages.semantic.semdedup_streamed import (
     fit_tag,
-    incremental_semantic_duplicates,
     read_fit,
     streamed_semantic_duplicates,
 )
+from prx_assets.stages.semantic.semdedup_update import incremental_semantic_duplicates
 from prx_assets.stages.semantic.streamed import DEFAULT_SAMPLE_ROWS, Tasks, space_inputs
 from prx_assets.stages.semantic.synthetic import planted_duplicates
 from prx_assets.storage.layout import Storage

@@ -26,10 +26,10 @@ from prx_assets.stages.semantic.semdedup_streamed import (
     MAX_FIT_ROWS,
     fit_rows,
     fit_tag,
-    incremental_semantic_duplicates,
     read_fit,
     streamed_semantic_duplicates,
 )
+from prx_assets.stages.semantic.semdedup_update import incremental_semantic_duplicates
 from prx_assets.stages.semantic.spaces import streamed_concepts
 from prx_assets.stages.semantic.streamed import (
     DEFAULT_SAMPLE_ROWS,
