@@ -73,7 +73,7 @@ from pathlib import Path
 from bench.common import Figure, report
 from bench.soak_checks import check_cycle
 from bench.soak_doors import CURATOR_TOKEN, browser_request, drop_request, s3_data_root
-from bench.soak_probes import Trainer
+from bench.soak_probes import Trainer, failure_cause
 from bench.soak_sources import SOURCE_CLASSES, make_sources
 
 FAILPOINTS = ("ingest.expand_units", "ingest.chunk_committed", "images.chunk_committed",
@@ -281,7 +281,9 @@ class Soak:
         self.count_retries(run.spec.run_id)
         if not result["success"]:
             self.failed_runs += 1
-            self.note(f"  {run.spec.job}[{run.spec.partition}] failed (log {run.log.name})")
+            cause = failure_cause(self.instance, run.spec.run_id) or "no step failed"
+            self.note(f"  {run.spec.job}[{run.spec.partition}] failed: {cause} "
+                      f"(log {run.log.name})")
         return bool(result["success"])
 
     def count_retries(self, run_id: str) -> None:

@@ -104,3 +104,20 @@ def ray_workers() -> list[tuple[int, str]]:
             if cmdline and cmdline[0].startswith("ray::"):
                 found.append((proc.pid, cmdline[0]))
     return found
+
+
+def failure_cause(instance, run_id: str) -> str:
+    """The first failed step of a run and the first line of the error it raised (Dagster's
+    wrapper left out; "" when no step failed: a run killed before any did)."""
+    from dagster import DagsterEventType
+
+    records = instance.get_records_for_run(run_id, of_type=DagsterEventType.STEP_FAILURE).records
+    for record in records:
+        event = record.event_log_entry.dagster_event
+        error = event.step_failure_data.error if event and event.step_failure_data else None
+        while error is not None and error.cause is not None:  # the step's own error
+            error = error.cause
+        if event is not None and error is not None:
+            lines = (error.message or "").strip().splitlines() or [error.cls_name]
+            return f"{event.step_key}: {lines[0][:200]}"
+    return ""

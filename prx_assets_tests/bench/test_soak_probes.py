@@ -24,3 +24,24 @@ def test_the_versions_listed_are_those_holding_a_file_not_the_folders_own_files(
     assert listed_versions({"v1/512/640x480/a.mds": 1, "v2/tree.json": 2,
                             "mapped_leaves.json": 3}) == {"v1", "v2"}
     assert listed_versions({}) == set()
+
+
+def test_a_failed_runs_cause_is_its_first_failed_step_and_error_line():
+    import dagster as dg
+
+    from bench.soak_probes import failure_cause
+
+    @dg.asset
+    def fine() -> int:
+        return 1
+
+    @dg.asset
+    def broken(fine: int) -> int:
+        raise RuntimeError(f"lease held by another run\nsecond line {fine}")
+
+    with dg.instance_for_test() as instance:
+        failed = dg.materialize([fine, broken], instance=instance, raise_on_error=False)
+        assert failure_cause(instance, failed.run_id).startswith(
+            "broken: RuntimeError: lease held by another run")
+        passed = dg.materialize([fine], instance=instance)
+        assert failure_cause(instance, passed.run_id) == ""
