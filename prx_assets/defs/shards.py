@@ -142,7 +142,7 @@ def mds_tree_check(partitions_def: dg.PartitionsDefinition) -> dg.AssetChecksDef
                                 "many samples as the mapping table says.")
     def leaves_stream(context: dg.AssetCheckExecutionContext,
                       storage: StorageResource) -> dg.AssetCheckResult:
-        checks, problems = verify_tree(storage.get(), context.partition_key)
+        checks, problems = verify_tree(storage.get(), context.partition_key, context.log.info)
         bad = [c.leaf for c in checks if not c.ok]
         table = dg.MetadataValue.table(
             [dg.TableRecord({"leaf": c.leaf, "streamed": c.streamed, "mapped": c.mapped})

@@ -20,24 +20,31 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import tempfile
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from prx_assets.stages.shards.mapping import MAPPED_LEAVES, mapped_leaves
 from prx_assets.stages.shards.stream_counter import streamed_counts
 from prx_assets.storage.layout import Storage, as_storage
+from prx_assets.storage.leases import READER_TTL_S, ReaderLeaseKeeper, tree_lease
 from prx_assets.storage.refs import Location
 from prx_assets.storage.sidecars import REASON_STALE, SIDECAR_SUFFIX, read_sidecar
 from prx_assets.storage.tables import MDS_SAMPLES
 from prx_assets.storage.trees import (
     INDEX,
     TreeStore,
+    hold_tree,
     leaf_names,
     lineage,
     shard_problems,
     tree_store,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,14 +59,54 @@ class LeafCheck:
         return self.streamed == self.mapped + self.stale
 
 
-def verify_tree(storage: Storage | str | Path, source: str) -> tuple[list[LeafCheck], list[str]]:
+def verify_tree(storage: Storage | str | Path, source: str,
+                log: Callable[[str], None] = logger.info) -> tuple[list[LeafCheck], list[str]]:
     """Count every leaf of the current tree as `streaming.StreamingDataset` does and compare
     with the mapping table plus the stale samples of its sidecars; also report mapping rows
     of a version the tree does not hold and shards the indexes list that are missing or of
-    another size."""
+    another size.
+
+    The tree, the mapping and the sidecars are read under the source's tree lease, so no
+    build, skip-list update or rewrite commits between those reads (a mapping read after
+    another run's commit disagrees with the tree read before it), and the tree is held by a
+    reader lease until its leaves are counted: another run's publish prunes superseded trees
+    (the soak, retention 0, seed 307: a concurrent run's prune removed the tree mid-check and
+    its stale samples read as none, failing the check)."""
     storage = as_storage(storage)
     store = tree_store(storage, source)
-    tree = store.current_tree()
+    with tree_lease(store.data_root, source, log=log):
+        tree, reader = hold_tree(store, READER_TTL_S)
+        keeper = ReaderLeaseKeeper([reader])  # renewed while a large tree is counted
+        try:
+            snapshot = _snapshot(storage, store, source, tree)
+        except BaseException:
+            keeper.release()
+            raise
+    try:
+        streamed = counts_by_index(store, [tree / leaf for leaf in snapshot.leaves],
+                                   snapshot.indexes)
+    finally:
+        keeper.release()
+    mapped = snapshot.mapped
+    checks = [LeafCheck(leaf, count, mapped.pop(leaf, 0), stale)
+              for leaf, count, stale in zip(snapshot.leaves, streamed, snapshot.stale,
+                                            strict=True)]
+    checks += [LeafCheck(name, 0, n) for name, n in sorted(mapped.items())]  # no such leaf
+    return checks, snapshot.problems
+
+
+@dataclass
+class _Snapshot:
+    """What the check compares, read while no tree writer can commit."""
+
+    leaves: list[str]
+    indexes: list[bytes]
+    stale: list[int]
+    mapped: Counter
+    problems: list[str]
+
+
+def _snapshot(storage: Storage, store: TreeStore, source: str, tree: Location) -> _Snapshot:
     version = tree.name
     held = set(lineage(store.manifest(version) or {}, version))
     mapped, versions = mapped_leaves(storage.table(MDS_SAMPLES, source),
@@ -72,12 +119,8 @@ def verify_tree(storage: Storage | str | Path, source: str) -> tuple[list[LeafCh
     # when a trainer reaches it, so the files are checked against the index here.
     problems += [problem for leaf, index in zip(leaves, indexes, strict=True)
                  for problem in shard_problems(tree / leaf, json.loads(index)["shards"])]
-    streamed = counts_by_index(store, [tree / leaf for leaf in leaves], indexes)
-    checks = [LeafCheck(leaf, count, mapped.pop(leaf, 0), stale_in_leaf(tree / leaf))
-              for leaf, count in zip(leaves, streamed, strict=True)]
-    checks += [LeafCheck(name, 0, n) for name, n in sorted(mapped.items())]  # no such leaf
-    return checks, problems
-
+    stale = [stale_in_leaf(tree / leaf) for leaf in leaves]
+    return _Snapshot(leaves, indexes, stale, mapped, problems)
 
 VERIFIED_LEAVES = "verified_leaves.json"  # in the source's trees folder
 
