@@ -335,6 +335,10 @@ class Soak:
         self.note(f"source_job runs at once {partitions}: {done}")
         if len(set(partitions)) == 1 and not any(done):
             raise self.violation("two runs of one partition: neither succeeded")
+        for run, ok in zip(runs, done, strict=True):  # a loser may only have waited too long
+            cause = "" if ok else failure_cause(self.instance, run.spec.run_id)
+            if cause and "LeaseHeldError" not in cause:
+                raise self.violation(f"a run beside another failed: {cause}")
         if len(set(partitions)) > 1 and not all(done):
             raise self.violation("runs of different partitions at once: one failed")
 
