@@ -202,8 +202,10 @@ def plain_data_mining(body: bytes) -> str | None:
     exactly once, as `<plus:DataMining>value</plus:DataMining>` or as an attribute of
     `rdf:Description`, with a value from the vocabulary; None wherever it is not sure
     (the caller then parses the packet whole)."""
-    if b"<!" in body or b"<?" in body:
-        return None  # comments, CDATA, a DTD, processing instructions: `<` can hide there
+    # Comments, CDATA, a DTD, processing instructions: `<` can hide there. A byte test
+    # first (memchr): a 2-byte search of the whole packet costs 5x more, for each of two.
+    if (_BANG in body and b"<!" in body) or (_QUESTION in body and b"<?" in body):
+        return None
     value = _plain_value(body)
     if value is None:
         return None
@@ -213,9 +215,17 @@ def plain_data_mining(body: bytes) -> str | None:
     return term
 
 
+_BANG, _QUESTION = ord("!"), ord("?")
+
+
 def _only_bound_to(body: bytes, declaration: bytes, single: bytes, double: bytes) -> bool:
     """Every `xmlns:prefix` in the packet binds the prefix to the one URI (written
     plainly, in `single` or `double` quotes: `_binding`)."""
+    at = body.find(declaration)
+    if at < 0:
+        return True
+    if body.find(declaration, at + len(declaration)) < 0:  # most packets: one declaration
+        return body.startswith(single, at) or body.startswith(double, at)
     return body.count(declaration) == body.count(single) + body.count(double)
 
 
@@ -376,10 +386,10 @@ def training_mining_findings(store: Mapping) -> list[Finding]:
 
 def sidecar_findings(sidecar: Mapping[str, object]) -> list[Finding]:
     """`X-Robots-Tag` and TDMRep values a crawler kept beside the image."""
-    names = "\n".join(map(str, sidecar)).lower()
-    if "robots" not in names and "tdm" not in names:  # most sidecars: neither (cheap)
+    keys = _reserving_keys(tuple(sidecar))
+    if not keys:  # most sidecars: neither
         return []
-    fields = {str(k).lower().replace("_", "-"): v for k, v in sidecar.items()}
+    fields = {name: sidecar[key] for key, name in keys}  # a later spelling wins, as before
     findings = []
     robots = fields.get("x-robots-tag")
     if robots:
@@ -399,6 +409,17 @@ def sidecar_findings(sidecar: Mapping[str, object]) -> list[Finding]:
         else:
             findings.append(Finding("tdmrep", "tdm-reservation=1", PROHIBITED))
     return findings
+
+
+_SIDECAR_FIELDS = frozenset({"x-robots-tag", "tdm-reservation", "tdm-policy"})
+
+
+@functools.lru_cache(maxsize=64)
+def _reserving_keys(keys: tuple) -> tuple[tuple[Any, str], ...]:
+    """The sidecar keys that name a reservation field (any case, `_` for `-`), each with
+    that field's name. Kept per key set: a crawl's sidecars share a handful of them."""
+    named = ((key, str(key).lower().replace("_", "-")) for key in keys)
+    return tuple((key, name) for key, name in named if name in _SIDECAR_FIELDS)
 
 
 @dataclass(frozen=True)

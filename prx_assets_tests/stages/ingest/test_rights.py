@@ -136,7 +136,10 @@ _PIECES = [b"<", b">", b"/", b"'", b'"', b"=", b"&", b"&amp;", b"&x;", b"!", b"?
            b"xmlns:plus='http://example.org/'", b"xmlns:rdf='http://example.org/'",
            f" plus:DataMining='{PLUS_VOCAB}DMI-ALLOWED'".encode(), b"DMI-ALLOWED",
            b"<rdf:Description>", b"</rdf:Description>", b"<rdf:Description ", b" x='1'",
-           b" rdf:about=''", b"xmlns='" + PLUS_NS.encode() + b"'"]
+           b" rdf:about=''", b"xmlns='" + PLUS_NS.encode() + b"'",
+           # Namespace errors a parse without namespace processing would let through.
+           b"<u:x/>", b" u:y='1'", b" plus:x='1' p2:x='2' xmlns:p2='" + PLUS_NS.encode() + b"'",
+           b"xmlns:plus=''", b"</rdf:Description><rdf:Description>"]
 
 
 def _mutant(packet: bytes, rng: random.Random) -> bytes:
@@ -176,6 +179,30 @@ def test_a_packet_seen_again_reads_as_the_first_time():
         packet_body(broken))
     padded = packet.replace(b"<rdf:Description", b" " * (20 << 10) + b"<rdf:Description")
     assert xmp_findings(padded) == parsed_xmp_findings(packet_body(padded))
+
+
+# Well-formed XML whose namespaces are wrong (the full parse refuses each): an unbound
+# prefix elsewhere in the packet, plus bound on a sibling only, one attribute twice once
+# its prefixes are expanded, a prefix undeclared. Expat without namespace processing
+# accepts all four; the plain path must not answer for any.
+_ALLOWED = "<plus:DataMining>DMI-ALLOWED</plus:DataMining>"
+NAMESPACE_ERRORS = [_WRAP.format(body).encode() for body in [
+    _DESCRIPTION.format(f"><dc:title>a</dc:title>{_ALLOWED}</rdf:Description>"),
+    f" <rdf:Description xmlns:plus='{PLUS_NS}'/>\n"
+    f" <rdf:Description>{_ALLOWED}</rdf:Description>",
+    _DESCRIPTION.format(f" xmlns:p='{PLUS_NS}' plus:x='1' p:x='2'>{_ALLOWED}"
+                        "</rdf:Description>"),
+    _DESCRIPTION.format(f"><rdf:li xmlns:plus=''/>{_ALLOWED}</rdf:Description>"),
+]]
+
+
+def test_a_namespace_error_is_reserved_as_the_full_parse_reserves_it():
+    for packet in NAMESPACE_ERRORS:
+        body = packet_body(packet)
+        parsed = parsed_xmp_findings(body)
+        assert "unreadable packet" in parsed[0].value, packet
+        assert plain_data_mining(body) is None, packet
+        assert xmp_findings(packet) == parsed
 
 
 def test_the_plain_path_is_never_laxer_than_the_full_parse_on_mutants():
