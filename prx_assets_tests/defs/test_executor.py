@@ -111,15 +111,22 @@ def test_a_failure_skips_its_dependents_only(instance):
         == {"fine", "after_fine"}
 
 
-def test_a_retried_step_runs_again_beside_the_others(instance):
-    attempts = []
+def failing_once(name: str, attempts: list[int], max_retries: int) -> dg.AssetsDefinition:
+    """An asset whose first attempt fails (a transient error its retry policy retries)."""
 
-    @dg.asset(retry_policy=dg.RetryPolicy(max_retries=2))
-    def flaky(context: dg.AssetExecutionContext) -> int:
+    @dg.asset(name=name, retry_policy=dg.RetryPolicy(max_retries=max_retries))
+    def failing(context: dg.AssetExecutionContext) -> int:
         attempts.append(context.retry_number)
         if context.retry_number == 0:
             raise RuntimeError("transient")
         return 1
+
+    return failing
+
+
+def test_a_retried_step_runs_again_beside_the_others(instance):
+    attempts: list[int] = []
+    flaky = failing_once("flaky", attempts, max_retries=2)
 
     @dg.asset
     def requested(context: dg.AssetExecutionContext) -> int:
@@ -142,16 +149,8 @@ def test_a_retried_step_runs_again_beside_the_others(instance):
 def test_a_step_retried_at_once_waits_for_its_first_attempt_to_end(instance):
     """A retry without a wait is ready as soon as its event arrives, while the first
     attempt's thread is still finishing: the second attempt must not start before that."""
-    attempts = []
-
-    @dg.asset(retry_policy=dg.RetryPolicy(max_retries=1))
-    def alone(context: dg.AssetExecutionContext) -> int:
-        attempts.append(context.retry_number)
-        if context.retry_number == 0:
-            raise RuntimeError("transient")
-        return 1
-
-    result = run([alone], instance)
+    attempts: list[int] = []
+    result = run([failing_once("alone", attempts, max_retries=1)], instance)
     assert result.success and attempts == [0, 1]
 
 
