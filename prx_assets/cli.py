@@ -30,7 +30,12 @@ def _demo(args: argparse.Namespace) -> int:
     for note in quiet_third_party():  # before Lance or Ray are imported
         print(note)
     with NoticeFilter():
-        return _demo_runs(args)
+        try:
+            return _demo_runs(args)
+        finally:  # Ray's processes print through the driver until Ray stops: inside the filter
+            from prx_assets.engine import ray_runtime
+
+            ray_runtime.disconnect()
 
 
 def _demo_runs(args: argparse.Namespace) -> int:

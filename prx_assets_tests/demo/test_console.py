@@ -145,3 +145,21 @@ def test_rays_disk_warning_is_said_once_in_short_words_with_its_figures(capfd):
     assert len(err) == 1 and len(err[0]) <= MAX_WIDTH
     assert "over 95% full (12.1898 GB free of 251.972)" in err[0]
     assert "/tmp/ray/session_2026-12-06_19-23-14_731711_30653" in err[0]
+
+
+def test_the_demo_stops_ray_while_its_stderr_is_still_filtered(monkeypatch):
+    # Ray's processes print through the driver (the raylet's disk warning, every 10 s) until
+    # Ray stops: stopped after the filter, a warning in between reached the terminal whole
+    # (test_demo_output on a loaded machine).
+    import argparse
+    import stat
+
+    from prx_assets import cli
+    from prx_assets.engine import ray_runtime
+
+    filtered_at_stop = []
+    monkeypatch.setattr(cli, "_demo_runs", lambda args: 0)
+    monkeypatch.setattr(ray_runtime, "disconnect", lambda: filtered_at_stop.append(
+        stat.S_ISFIFO(os.fstat(2).st_mode)))
+    assert cli._demo(argparse.Namespace()) == 0
+    assert filtered_at_stop == [True]

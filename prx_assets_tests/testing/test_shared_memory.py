@@ -17,22 +17,26 @@ def leaf_dataset(folder: Path) -> StreamingDataset:
     return StreamingDataset(local=str(folder), batch_size=1, shuffle=False)
 
 
-def segments(prefix: int) -> set[str]:
-    return {name for name in os.listdir(SHM_FOLDER) if name.startswith(f"{prefix:06}_")}
+def segments(prefix: int) -> set[tuple[str, int]]:
+    """(name, inode) of the prefix's segments: a name freed can be taken again at once by
+    another process (streaming hands the lowest free prefix to the next dataset on the
+    machine, another test worker's included), so a segment is known by its inode."""
+    return {(entry.name, entry.inode()) for entry in os.scandir(SHM_FOLDER)
+            if entry.name.startswith(f"{prefix:06}_")}
 
 
 def test_only_prefixes_whose_folders_lie_under_the_folder_are_freed(tmp_path):
     mine = leaf_dataset(tmp_path / "mine" / "leaf")
     theirs = leaf_dataset(tmp_path / "theirs" / "leaf")
-    before = set(os.listdir(SHM_FOLDER))
-    assert segments(mine._shm_prefix_int) and segments(theirs._shm_prefix_int)
+    mine_before, theirs_before = segments(mine._shm_prefix_int), segments(theirs._shm_prefix_int)
+    assert mine_before and theirs_before
 
     assert release_shared_memory(tmp_path / "mine") == [mine._shm_prefix_int]
 
-    assert not segments(mine._shm_prefix_int)
-    # Nothing else unlinked, nothing created (streaming's own cleaner probes by creating).
-    assert set(os.listdir(SHM_FOLDER)) == {
-        name for name in before if not name.startswith(f"{mine._shm_prefix_int:06}_")}
+    assert not mine_before & segments(mine._shm_prefix_int)
+    # Another prefix's segments neither unlinked nor made again (streaming's own cleaner
+    # probes by creating).
+    assert segments(theirs._shm_prefix_int) == theirs_before
     assert theirs[0]["id"] == "only"  # still reads its own shared state
     assert release_shared_memory(tmp_path / "nobody") == []
     del mine, theirs
