@@ -73,7 +73,7 @@ from pathlib import Path
 from bench.common import Figure, report
 from bench.soak_checks import check_cycle
 from bench.soak_doors import CURATOR_TOKEN, browser_request, drop_request, s3_data_root
-from bench.soak_probes import Trainer, failure_cause
+from bench.soak_probes import Trainer, failure_cause, step_retries
 from bench.soak_sources import SOURCE_CLASSES, make_sources
 
 FAILPOINTS = ("ingest.expand_units", "ingest.chunk_committed", "images.chunk_committed",
@@ -287,15 +287,10 @@ class Soak:
         return bool(result["success"])
 
     def count_retries(self, run_id: str) -> None:
-        """Steps Dagster ran again (`RetryRequested`: a transient failure) in the run."""
-        from dagster import DagsterEventType
-
-        records = self.instance.get_records_for_run(
-            run_id, of_type=DagsterEventType.STEP_UP_FOR_RETRY).records
-        if records:
-            self.retries += len(records)
-            self.note(f"  {len(records)} step retr{'y' if len(records) == 1 else 'ies'} in run "
-                      f"{run_id[:8]}")
+        retries = step_retries(self.instance, run_id)
+        if retries:
+            self.retries += retries
+            self.note(f"  {retries} step retr{'y' if retries == 1 else 'ies'} in run {run_id[:8]}")
 
     def killed(self, run, how: str) -> None:
         from prx_assets.testing.fault_runs import mark_killed_run_failed

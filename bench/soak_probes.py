@@ -106,6 +106,14 @@ def ray_workers() -> list[tuple[int, str]]:
     return found
 
 
+def step_retries(instance, run_id: str) -> int:
+    """Steps Dagster ran again in a run (`RetryRequested`: a transient failure)."""
+    from dagster import DagsterEventType
+
+    return len(instance.get_records_for_run(
+        run_id, of_type=DagsterEventType.STEP_UP_FOR_RETRY).records)
+
+
 def failure_cause(instance, run_id: str) -> str:
     """The first failed step of a run and the first line of the error it raised (Dagster's
     wrapper left out; "" when no step failed: a run killed before any did)."""

@@ -45,3 +45,18 @@ def test_a_failed_runs_cause_is_its_first_failed_step_and_error_line():
             "broken: RuntimeError: lease held by another run")
         passed = dg.materialize([fine], instance=instance)
         assert failure_cause(instance, passed.run_id) == ""
+
+
+def test_a_runs_step_retries_are_counted():
+    import dagster as dg
+
+    from bench.soak_probes import step_retries
+
+    @dg.asset
+    def transient(context: dg.AssetExecutionContext) -> int:
+        if context.retry_number == 0:
+            raise dg.RetryRequested(max_retries=1)
+        return 1
+
+    with dg.instance_for_test() as instance:
+        assert step_retries(instance, dg.materialize([transient], instance=instance).run_id) == 1

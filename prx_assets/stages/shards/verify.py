@@ -74,19 +74,17 @@ def verify_tree(storage: Storage | str | Path, source: str,
     its stale samples read as none, failing the check)."""
     storage = as_storage(storage)
     store = tree_store(storage, source)
-    with tree_lease(store.data_root, source, log=log):
-        tree, reader = hold_tree(store, READER_TTL_S)
-        keeper = ReaderLeaseKeeper([reader])  # renewed while a large tree is counted
-        try:
-            snapshot = _snapshot(storage, store, source, tree)
-        except BaseException:
-            keeper.release()
-            raise
+    keeper: ReaderLeaseKeeper | None = None
     try:
+        with tree_lease(store.data_root, source, log=log):
+            tree, reader = hold_tree(store, READER_TTL_S)
+            keeper = ReaderLeaseKeeper([reader])  # renewed while a large tree is counted
+            snapshot = _snapshot(storage, store, source, tree)
         streamed = counts_by_index(store, [tree / leaf for leaf in snapshot.leaves],
                                    snapshot.indexes)
     finally:
-        keeper.release()
+        if keeper is not None:
+            keeper.release()
     mapped = snapshot.mapped
     checks = [LeafCheck(leaf, count, mapped.pop(leaf, 0), stale)
               for leaf, count, stale in zip(snapshot.leaves, streamed, snapshot.stale,
