@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 import pickle
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +54,8 @@ MAX_IN_FLIGHT = 8  # reduce tasks submitted ahead of the results read
 RAY_INLINE_BYTES = 100 * 1024
 INLINED_BUDGET = 64 << 20  # routed bytes a space may leave in the driver
 ROUTED_ROW_BYTES = 32  # a routed row without its vector: numbers, and an id of ~16 bytes
-LOOKUP_IDS = 4096  # ids per IN filter of the pixel lookup
+LOOKUP_IDS = 4096  # up to this many ids, the pixel lookup is one IN filter; past it a scan
+SCAN_ROWS = 1 << 18  # rows per batch of that scan
 
 
 @dataclass(frozen=True)
@@ -241,24 +242,38 @@ def clusters_of(routed: Routed) -> Iterator[tuple[int, np.ndarray]]:
 
 
 def pixels_of(ids: pa.Array, rank: np.ndarray, phashes: dict[int, TableRef]) -> np.ndarray:
-    """Each id's pixels from its source's phashes (0 where it has none), looked up by id
-    (the phashes' key index serves the IN filter)."""
+    """Each id's pixels from its source's phashes (0 where it has none)."""
     out = np.zeros(len(ids), np.int64)
     for source_rank in np.unique(rank).tolist():
         table = phashes.get(int(source_rank))
         if table is None:
             continue
         positions = np.flatnonzero(rank == source_rank)
-        wanted = ids.take(pa.array(positions))
-        dataset = table.open()
-        found: dict[str, int] = {}
-        for start in range(0, len(wanted), LOOKUP_IDS):
-            piece = wanted.slice(start, LOOKUP_IDS).to_pylist()
-            rows = dataset.to_table(columns=["id", "pixels"], filter=in_filter("id", piece))
-            found.update(zip(rows.column("id").to_pylist(),
-                             pc.fill_null(rows.column("pixels"), 0).to_pylist(), strict=True))
-        out[positions] = [found.get(i, 0) for i in wanted.to_pylist()]
+        out[positions] = lookup_pixels(table, ids.take(pa.array(positions)))
     return out
+
+
+def lookup_pixels(table: TableRef, wanted: pa.Array) -> np.ndarray:
+    """Each wanted id's pixels in `table` (0 where absent or null): up to `LOOKUP_IDS` ids
+    through one IN filter (the key index serves it), more in one scan of the id and pixels
+    columns joined here. A bucket's ids are spread over the whole table, and Lance reads
+    about the whole columns for each IN filter of spread ids (4,096 of 2.5·10^6: as long as
+    the scan), so filters of `LOOKUP_IDS` made the lookup grow with the table's rows times
+    the ids' (docs/growth.md)."""
+    unique = pc.unique(wanted)
+    pixels = np.zeros(len(unique), np.int64)
+    dataset = table.open()
+    if len(unique) <= LOOKUP_IDS:
+        batches: Iterable[pa.RecordBatch | pa.Table] = [dataset.to_table(
+            columns=["id", "pixels"], filter=in_filter("id", unique.to_pylist()))]
+    else:
+        batches = dataset.to_batches(columns=["id", "pixels"], batch_size=SCAN_ROWS)
+    for batch in batches:
+        where = pc.index_in(batch.column("id"), value_set=unique)
+        hit = where.is_valid()
+        pixels[pc.filter(where, hit).to_numpy()] = pc.fill_null(
+            pc.filter(batch.column("pixels"), hit), 0).to_numpy()
+    return pixels[pc.index_in(wanted, value_set=unique).to_numpy()]
 
 
 def write_rows(table: TableRef, rows: pa.Table, schema: pa.Schema) -> list[bytes]:

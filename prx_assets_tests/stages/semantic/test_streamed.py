@@ -7,6 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from prx_assets.stages.semantic import streamed
 from prx_assets.stages.semantic.concepts import (
     balanced_selection,
     budgets_of,
@@ -329,3 +330,29 @@ def test_an_update_at_a_fixed_fit_equals_a_full_recompute_at_that_fit(tmp_path):
                                             out, clusters, config)
     assert again is not None and again.regrouped_rows == 0
     assert again.removed_by_eps[config.eps] == sum(1 for i, (k, _, _) in got.items() if i != k)
+
+
+@pytest.mark.parametrize("lookup_ids", [4, 4096])
+def test_the_pixel_lookup_finds_each_id_and_reads_a_big_set_in_one_scan(tmp_path, monkeypatch,
+                                                                      lookup_ids):
+    """Past `LOOKUP_IDS` distinct ids the pixels come from one scan, not an IN filter per
+    batch (each read about the whole table); the same answers either way: duplicates, a
+    missing id and a null pixels count included."""
+    table = Storage(tmp_path).table("phashes", "web")
+    ids = [f"web:{i:04d}" for i in range(300)]
+    pixels = pa.array([None if i == 7 else 1000 + i for i in range(300)], pa.int64())
+    overwrite_rows(table, pa.table({"id": ids, "pixels": pixels}),
+                   pa.schema([("id", pa.string()), ("pixels", pa.int64())]))
+    filters: list[int] = []
+    real_filter = streamed.in_filter
+
+    def counted(column, values):
+        filters.append(len(values))
+        return real_filter(column, values)
+
+    monkeypatch.setattr(streamed, "in_filter", counted)
+    monkeypatch.setattr(streamed, "LOOKUP_IDS", lookup_ids)
+    wanted = pa.array(["web:0299", "web:0007", "web:9999", "web:0003", "web:0299", "web:0100"])
+    got = streamed.pixels_of(wanted, np.zeros(len(wanted), np.int32), {0: table})
+    assert got.tolist() == [1299, 0, 0, 1003, 1299, 1100]
+    assert filters == ([] if lookup_ids < 5 else [5])
