@@ -57,3 +57,33 @@ def test_the_planted_groups_stay_out_of_the_measured_driver(tmp_path):
     assert write_sources(tmp_path, 40) is None
     groups = np.load(truth_path(tmp_path))
     assert groups.shape == (40,) and (groups >= 0).any()
+
+
+def test_the_step_peak_leaves_its_own_sampling_out_and_backs_off(monkeypatch):
+    """The sampler's reads of /proc cost CPU in the measured process (0.2 s a sample at
+    10^7 rows): left out of the step's CPU, and at most SAMPLER_SHARE of a core."""
+    import time
+
+    from bench import global_growth
+    from bench.proc_memory import KINDS, TreeSample
+
+    def burn(seconds: float) -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < seconds:
+            pass
+
+    def costly_sample(root: int) -> TreeSample:
+        burn(0.02)
+        return TreeSample(by_name={}, by_kind=dict.fromkeys(KINDS, 0),
+                          cpu_s=time.process_time())
+
+    monkeypatch.setattr(global_growth, "sample_tree", costly_sample)
+    with global_growth.StepPeak(interval=0.001) as peak:
+        started, main = time.perf_counter(), time.thread_time()
+        burn(0.4)
+        main = time.thread_time() - main
+    elapsed = time.perf_counter() - started
+    assert peak.own_cpu_s > 0
+    # What is left: the main thread's burn and the closing sample's (in the main thread).
+    assert abs(peak.cpu_s - main - 0.02) < 0.015
+    assert peak.own_cpu_s <= global_growth.SAMPLER_SHARE * elapsed + 0.05
