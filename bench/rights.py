@@ -20,21 +20,26 @@ confidence interval of the median (order statistics: no assumption about the spr
 Target: ≤ 5 % slower.
 
 That denominator is only part of an ingest's work for a row, so the same sets are measured
-at the ingest's level too: each set written as one WebDataset shard (`<key>.<ext>` and
-`<key>.json`, as a crawler writes them; every sample of both sets has its `.json`), and a
-pass is what an ingest task and its driver do for that shard: read it from disk
+at the ingest's level too: each set, made one commit's worth of rows (21 times over: 1,008
+rows, the ingest's `chunk_rows` being 1,024; the mixed set's copies each with its own XMP
+packets and C2PA manifests, so that no read is served from the findings kept per packet),
+written as one WebDataset shard (`<key>.<ext>` and `<key>.json`, as a crawler writes them;
+every sample of both sets has its `.json`). A pass is what an ingest task and its driver do
+for that shard: read it from disk
 (`readers.read_tar`, through the ingest's `_unit_rows`), build the rows, convert them to
 Arrow (`rows_to_tables`, RAW_IMAGES_SCHEMA) and commit them into a fresh `raw_images`
 table the way `ingest_source` commits its chunks (`engine.chunked.commit_chunks`, with
 `rows_to_commit` and its `CommittedRivals`). Nothing else: no listing, no Ray. Paired as
 above, in this process's CPU seconds (Lance writes on its own threads), the table removed
-between passes outside the timing (`PRX_BENCH_RIGHTS_INGEST_PAIRS`).
+between passes outside the timing (`PRX_BENCH_RIGHTS_INGEST_PAIRS`). A pass of one set's
+48 rows would be one commit per 48 rows, whose fixed cost (≈ 5 ms of CPU) an ingest pays
+once per 1,024: a denominator padded by ≈ 14 %.
 
-With `PRX_BENCH_RIGHTS_E2E_RUNS` (0 by default: minutes, and noisy), a secondary check:
-`ingest_source` end to end on local Ray (2 CPUs) over one shard of the mixed set made
-`E2E_COPIES` times (more XMP packets than the findings cache holds, so no read is served
-from it), readers on and off alternating, in wall seconds and the CPU seconds of this
-process and every process under it (Ray's workers).
+With `PRX_BENCH_RIGHTS_E2E_RUNS` (0 by default: it starts Ray, and is noisy), a secondary
+check: `ingest_source` end to end on local Ray (2 CPUs) over the mixed shard above (its
+441 XMP packets are more than the 256 a worker keeps findings for, so that a run read in
+the same worker as the last reads them again), readers on and off alternating, in wall
+seconds and the CPU seconds of this process and every process under it (Ray's workers).
 """
 
 from __future__ import annotations
@@ -77,9 +82,8 @@ PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "camera", "immunohistochem
           "hubble_deep_field", "retina", "brick", "moon", "cat", "colorwheel")
 FORMATS = ("jpeg", "jpeg", "png", "webp")  # JPEG most of a crawl
 PAIRS = int(os.environ.get("PRX_BENCH_RIGHTS_PAIRS", "300"))  # ≈ 8 s a set
-INGEST_PAIRS = int(os.environ.get("PRX_BENCH_RIGHTS_INGEST_PAIRS", "100"))
+INGEST_PAIRS = int(os.environ.get("PRX_BENCH_RIGHTS_INGEST_PAIRS", "20"))  # ≈ 30 s a set
 E2E_RUNS = int(os.environ.get("PRX_BENCH_RIGHTS_E2E_RUNS", "0"))  # runs each way
-E2E_COPIES = 14  # the mixed set 14 times: 672 rows, ≈ 290 packets (the cache keeps 256)
 SIGNATURE = "bench"  # the shard's unit signature (a listing's size and mtime)
 
 
@@ -183,28 +187,32 @@ def chunked(tables: Iterable[pa.Table], rows: int) -> Iterator[pa.Table]:
         yield pa.concat_tables(pending)
 
 
-def ingest_once(shard: Path, table: Path, read_rights: bool) -> tuple[float, ChunkedRun]:
+def ingest_once(shard: Path, table: Path, read_rights: bool
+                ) -> tuple[float, float, ChunkedRun]:
     """Process CPU seconds of one ingest of `shard` into a fresh `raw_images` table at
-    `table` (and what the commits did): the tar read from disk, the rows built and made
-    Arrow, the chunks committed as `ingest_source` commits them."""
+    `table`, of them in user mode, and what the commits did: the tar read from disk, the
+    rows built and made Arrow, the chunks committed as `ingest_source` commits them."""
     rights.forget_findings()
     spec, options = shard_spec(shard.parent), IngestOptions(read_rights=read_rights)
     location = SourceLocation.of(shard.parent)
     target = raw_images_target(table)
     rivals = CommittedRivals(target, lambda units: dict.fromkeys(units, SIGNATURE))
-    start = time.process_time()
+    start, user = time.process_time(), os.times().user
     rows = _unit_rows(spec, location, shard.name, SIGNATURE, options)
     run = commit_chunks(chunked(rows_to_tables(rows), options.chunk_rows), target,
                         to_commit=lambda chunk: rows_to_commit(chunk, rivals))
-    return time.process_time() - start, run
+    return time.process_time() - start, os.times().user - user, run
 
 
-def ingest_pass(shard: Path, table: Path, read_rights: bool) -> float:
-    """`ingest_once`'s seconds; the table removed after, outside the timing."""
-    seconds, run = ingest_once(shard, table, read_rights)
+def ingest_pass(shard: Path, table: Path, read_rights: bool,
+                user: dict[bool, list[float]]) -> float:
+    """`ingest_once`'s seconds (its user-mode seconds added to `user`); the table removed
+    after, outside the timing."""
+    seconds, user_seconds, run = ingest_once(shard, table, read_rights)
     shutil.rmtree(table)
     if run.committed == 0:
         raise RuntimeError(f"the ingest of {shard} committed nothing")
+    user[read_rights].append(user_seconds)
     return seconds
 
 
@@ -215,6 +223,11 @@ class Cost:
     costs: list[float]
     with_seconds: float
     without_seconds: float
+
+    @classmethod
+    def of_pairs(cls, with_seconds: list[float], without_seconds: list[float]) -> Cost:
+        return cls([w / wo - 1 for w, wo in zip(with_seconds, without_seconds, strict=True)],
+                   statistics.median(with_seconds), statistics.median(without_seconds))
 
     def quantile(self, q: float) -> float:
         ordered = sorted(self.costs)
@@ -233,15 +246,11 @@ def paired_costs(one: Callable[[bool], float], pairs: int) -> Cost:
     each way (imports, caches, c2pa's context)."""
     for read_rights in (True, False):
         one(read_rights)
-    costs, with_seconds, without_seconds = [], [], []
+    seconds: dict[bool, list[float]] = {True: [], False: []}
     for n in range(pairs):
-        seconds = {}
         for flag in ((False, True) if n % 2 == 0 else (True, False)):
-            seconds[flag] = one(flag)
-        costs.append(seconds[True] / seconds[False] - 1)
-        with_seconds.append(seconds[True])
-        without_seconds.append(seconds[False])
-    return Cost(costs, statistics.median(with_seconds), statistics.median(without_seconds))
+            seconds[flag].append(one(flag))
+    return Cost.of_pairs(seconds[True], seconds[False])
 
 
 def describe(cost: Cost, rows: int) -> str:
@@ -265,15 +274,22 @@ def bench_set(name: str, items: list[FoundItem], pairs: int = PAIRS) -> Cost:
 
 def bench_ingest(name: str, items: list[FoundItem], work: Path,
                  pairs: int = INGEST_PAIRS) -> Cost:
-    """The set's shard read, made rows and committed to Lance, readers on against off."""
+    """The set's shard read, made rows and committed to Lance, readers on against off; in
+    process CPU time, and in its user-mode part alone (the kernel's share, the pages the
+    reads and writes touch, is the same work both ways but the noisiest; without it the
+    readers' share is the larger)."""
     folder = work / f"shard-{name}"
     folder.mkdir()
     shard = write_shard(folder / f"{name}.tar", items)
     load = os.getloadavg()[0]
-    cost = paired_costs(lambda flag: ingest_pass(shard, work / f"{name}.lance", flag), pairs)
+    user: dict[bool, list[float]] = {True: [], False: []}
+    cost = paired_costs(lambda flag: ingest_pass(shard, work / f"{name}.lance", flag, user),
+                        pairs)
+    user_cost = Cost.of_pairs(user[True][1:], user[False][1:])  # the warm passes left out
     print(f"rights readers, ingest (shard -> rows -> Lance), {name} photos ({len(items)} "
           f"rows, {shard.stat().st_size / 1e6:.1f} MB shard), {pairs} pairs, load {load:.1f} "
-          f"-> {os.getloadavg()[0]:.1f}: {describe(cost, len(items))}")
+          f"-> {os.getloadavg()[0]:.1f}: {describe(cost, len(items))}; in user time alone: "
+          f"{describe(user_cost, len(items))}")
     return cost
 
 
@@ -311,10 +327,9 @@ def e2e_runs(folder: Path, work: Path, runs: int) -> dict[bool, list[tuple[float
     return results
 
 
-def bench_e2e(plain: list[FoundItem], work: Path, runs: int = E2E_RUNS) -> None:
+def bench_e2e(items: list[FoundItem], work: Path, runs: int = E2E_RUNS) -> None:
     folder = work / "shard-e2e"
     folder.mkdir()
-    items = mixed_set(work, plain, E2E_COPIES)
     write_shard(folder / "mixed.tar", items)
     load = os.getloadavg()[0]
     results = e2e_runs(folder, work, runs)
@@ -344,13 +359,16 @@ def main() -> None:
             figures.append(Figure("ingest", f"rows/CPU-s, rights, {name}",
                                   len(items) / cost.with_seconds, "ingest rows without readers",
                                   len(items) / cost.without_seconds, "row/s"))
-        for name, items in sets.items():
+        copies = IngestOptions().chunk_rows // len(sets["plain"])  # one commit's rows
+        chunk_sets = {"plain": sets["plain"] * copies,
+                      "mixed": mixed_set(work, sets["plain"], copies)}
+        for name, items in chunk_sets.items():
             cost = bench_ingest(name, items, work)
             figures.append(Figure("ingest", f"shard->Lance rows/CPU-s, rights, {name}",
                                   len(items) / cost.with_seconds, "the same without readers",
                                   len(items) / cost.without_seconds, "row/s"))
         if E2E_RUNS:
-            bench_e2e(sets["plain"], work)
+            bench_e2e(chunk_sets["mixed"], work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(figures, "rights")

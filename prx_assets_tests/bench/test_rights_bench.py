@@ -43,8 +43,8 @@ def test_an_ingest_pass_commits_every_row_with_its_reservation_or_none_without_r
     tables = {}
     for read_rights in (True, False):
         table = tmp_path / f"{read_rights}.lance"
-        seconds, run = ingest_once(shard, table, read_rights)
-        assert seconds > 0 and run.committed == len(samples)
+        seconds, user, run = ingest_once(shard, table, read_rights)
+        assert seconds > 0 and user >= 0 and run.committed == len(samples)
         tables[read_rights] = lance.dataset(str(table)).to_table().sort_by("source_key")
     assert tables[True].column("reservation").to_pylist() == [s.status for s in samples]
     assert set(tables[False].column("reservation").to_pylist()) == {"none"}
