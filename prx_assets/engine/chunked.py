@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
@@ -173,12 +173,23 @@ def run_chunked(pending: ray.data.Dataset | None,
     """
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be at least 1, not {chunk_rows}")
-    run = ChunkedRun(lance_version=target.version())
     if pending is None:
-        return run
+        return ChunkedRun(lance_version=target.version())
+    return commit_chunks(arrow_batches(stage(pending), batch_size=chunk_rows), target,
+                         to_commit=to_commit, on_chunk=on_chunk, new_rows=new_rows)
+
+
+def commit_chunks(chunks: Iterable[pa.Table], target: CommitTarget, *,
+                  to_commit: Callable[[pa.Table], pa.Table | AbsentRows] | None = None,
+                  on_chunk: ChunkCallback | None = None,
+                  new_rows: NewRows | None = None) -> ChunkedRun:
+    """`run_chunked`'s commits: each of `chunks` committed to `target` as it comes, then the
+    key index refreshed, the fragments compacted and old versions cleaned up. Public for
+    what commits chunks it made without Ray (`bench.rights`: an ingest's write path)."""
+    run = ChunkedRun(lance_version=target.version())
     started = time.perf_counter()
     writer = _ChunkWriter(target, new_rows)
-    for chunk in arrow_batches(stage(pending), batch_size=chunk_rows):
+    for chunk in chunks:
         picked = to_commit(chunk) if to_commit else chunk
         absent_at = picked.version if isinstance(picked, AbsentRows) else None
         rows = picked.rows if isinstance(picked, AbsentRows) else picked
