@@ -39,6 +39,7 @@ class TreeSample:
     by_name: dict[str, int] = field(default_factory=dict)  # PSS kB per process name
     by_kind: dict[str, int] = field(default_factory=dict)  # PSS kB per process kind
     cpu_by_pid: dict[int, tuple[str, float]] = field(default_factory=dict)  # (kind, CPU s)
+    task_of_pid: dict[int, str] = field(default_factory=dict)  # a busy worker's task title
 
 
 @dataclass
@@ -50,6 +51,9 @@ class CoreUse:
     end: float
     by_kind: dict[str, float]  # CPU seconds per process kind in the interval
     machine_busy_s: float  # CPU seconds the whole machine spent busy (other helpers too)
+    # CPU seconds per busy worker's task title (`ray::MapBatches(bucket_batch)`): which Ray
+    # work held the cores in the interval.
+    by_task: dict[str, float] = field(default_factory=dict)
 
     @property
     def tree_cores(self) -> float:
@@ -160,6 +164,15 @@ def process_kind(pid: int, root: int, name: str, cmdline: str) -> str:
     return OTHER
 
 
+# A task title past this many characters is cut (an actor's title names its whole chain).
+TASK_TITLE_CHARS = 80
+
+
+def task_title(cmdline: str) -> str:
+    """A busy worker's title (`ray::<task or actor>`, Ray's process title), cut short."""
+    return cmdline.split(" ", 1)[0][:TASK_TITLE_CHARS]
+
+
 def command_line(pid: int) -> str:
     try:
         return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(
@@ -189,7 +202,8 @@ def sample_tree(root: int) -> TreeSample:
         if memory is None:
             continue
         name, rss, pss, uss, shmem = memory
-        kind = process_kind(pid, root, name, command_line(pid))
+        cmdline = command_line(pid)
+        kind = process_kind(pid, root, name, cmdline)
         sample.by_kind[kind] += pss - shmem
         sample.by_kind[SHARED] += shmem
         sample.rss_kb += rss
@@ -199,6 +213,8 @@ def sample_tree(root: int) -> TreeSample:
         cpu = cpu_seconds(pid)
         sample.cpu_s += cpu
         sample.cpu_by_pid[pid] = (kind, cpu)
+        if kind == BUSY:
+            sample.task_of_pid[pid] = task_title(cmdline)
         sample.by_name[name] += pss
     sample.by_name = dict(sample.by_name)
     return sample
@@ -238,10 +254,14 @@ def core_use(previous: TreeSample, current: TreeSample, start: float, end: float
     under its current kind (a worker turns busy or idle between samples); a process born
     in the interval counts whole, the reaped ones through their parent's children time."""
     by_kind: dict[str, float] = dict.fromkeys(KINDS, 0.0)
+    by_task: dict[str, float] = defaultdict(float)
     for pid, (kind, cpu) in current.cpu_by_pid.items():
         before = previous.cpu_by_pid.get(pid, (kind, 0.0))[1]
-        by_kind[kind] += max(0.0, cpu - before)
-    return CoreUse(start, end, by_kind, machine_busy_s)
+        used = max(0.0, cpu - before)
+        by_kind[kind] += used
+        if pid in current.task_of_pid and used:
+            by_task[current.task_of_pid[pid]] += used
+    return CoreUse(start, end, by_kind, machine_busy_s, dict(by_task))
 
 
 class TreeMemoryMonitor(BackgroundSampler):

@@ -478,6 +478,15 @@ def run_details(run: PipelineRun, kernels: KernelRun | None) -> dict:
     return details
 
 
+def save_timeline(label: str, run: PipelineRun) -> Path:
+    """The run's sampled cores (each interval's CPU by process kind and by busy task) and
+    its steps' windows, for a look at what held the cores when (`bench.core_timeline`)."""
+    path = OUT / f"scale_timeline_{label}.json"
+    path.write_text(json.dumps({"images": run.images, "step_windows": run.child["step_windows"],
+                                "timeline": [asdict(use) for use in run.timeline]}))
+    return path
+
+
 def save_details(details: dict) -> None:
     """Everything measured so far (rewritten after each step: a killed run keeps its part)."""
     (OUT / "scale_details.json").write_text(json.dumps(details, indent=2))
@@ -521,6 +530,7 @@ def main() -> list[Figure]:
         run = measure_run(label, corpus, images, keep_root=last)
         runs[label] = run
         run.child["core_profile"] = core_profile(run.timeline, run.child["step_windows"])
+        save_timeline(label, run)
         print_core_profile(run)
         print_memory(run)
         details["runs"][label] = run_details(run, None)

@@ -17,8 +17,12 @@ thread started with a copy of the run thread's context variables, and its events
 to the run's thread through a queue, in order per step. Events reach the instance where
 they are made (SQLite storage serialises its writes under a lock).
 
-`max_concurrent` 1 (run config `execution: {config: {max_concurrent: 1}}`, or
-PRX_MAX_CONCURRENT_STEPS=1) is Dagster's serial in-process executor, unchanged.
+`max_concurrent` counts the steps that materialise assets; asset checks run beside them,
+outside the limit, as soon as they are ready: a check reads what its asset wrote (a few
+seconds at most, in the run's process), and counted, a long one (`jpeg_fidelity`, 9 s of
+the driver's CPU) held one of the two slots while the next stages waited, the second core
+idle (docs/scale.md). `max_concurrent` 1 (run config `execution: {config: {max_concurrent:
+1}}`, or PRX_MAX_CONCURRENT_STEPS=1) is Dagster's serial in-process executor, unchanged.
 
 A run's termination (SIGINT, SIGTERM) reaches the run's thread: it launches no more steps
 and raises DagsterExecutionInterruptedError in each running step's thread, as the serial
@@ -28,6 +32,7 @@ write) meets it when it returns to Python.
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import ctypes
 import os
@@ -59,6 +64,7 @@ from dagster._core.execution.plan.execute_plan import (
 )
 from dagster._core.execution.plan.instance_concurrency_context import InstanceConcurrencyContext
 from dagster._core.execution.plan.plan import ExecutionPlan
+from dagster._core.execution.plan.step import ExecutionStep
 from dagster._core.execution.retries import RetryMode, get_retries_config
 from dagster._core.executor.base import Executor
 from dagster._core.executor.in_process import InProcessExecutor
@@ -143,8 +149,9 @@ def concurrent_plan_iterator(job_context: PlanExecutionContext, execution_plan: 
     with ExitStack() as stack:
         slots = stack.enter_context(
             InstanceConcurrencyContext(job_context.instance, job_context.dagster_run))
+        # No limit inside: `_run_steps` holds ready asset steps back past `max_concurrent`.
         active = stack.enter_context(ActiveExecution(
-            execution_plan, retry_mode=job_context.retry_mode, max_concurrent=max_concurrent,
+            execution_plan, retry_mode=job_context.retry_mode,
             instance_concurrency_context=slots,
             step_dependency_config=job_context.step_dependency_config))
         yield from _captured_logs(job_context, execution_plan,
@@ -180,10 +187,19 @@ class StepFinished:
     error: BaseException | None
 
 
+def is_check_step(step: ExecutionStep) -> bool:
+    """A step that only evaluates asset checks (no asset output)."""
+    outputs = list(step.step_outputs)
+    return bool(outputs) and all(output.properties.asset_check_key is not None
+                                 and not output.properties.is_asset for output in outputs)
+
+
 def _run_steps(job_context: PlanExecutionContext, active: ActiveExecution,
                max_concurrent: int) -> Iterator[DagsterEvent]:
     inbox: queue.SimpleQueue[DagsterEvent | StepFinished] = queue.SimpleQueue()
     running: dict[str, StepThread] = {}
+    # Asset steps ready but held back while `max_concurrent` of them run, in Dagster's order.
+    held: collections.deque[ExecutionStep] = collections.deque()
     # A step's retry, applied once its thread has ended: applied at once, a retry without a
     # wait would start the step again while the first attempt's thread still runs.
     retries: dict[str, DagsterEvent] = {}
@@ -196,7 +212,15 @@ def _run_steps(job_context: PlanExecutionContext, active: ActiveExecution,
                 for thread in running.values():
                     thread.interrupt()
             if not interrupted:
-                for step in active.get_steps_to_execute(limit=max_concurrent - len(running)):
+                for step in active.get_steps_to_execute():
+                    if is_check_step(step):
+                        running[step.key] = StepThread(
+                            job_context.for_step(step, active.get_known_state()), inbox.put)
+                    else:
+                        held.append(step)
+                while held and sum(not is_check_step(t.step_context.step)
+                                   for t in running.values()) < max_concurrent:
+                    step = held.popleft()
                     running[step.key] = StepThread(
                         job_context.for_step(step, active.get_known_state()), inbox.put)
             yield from active.concurrency_event_iterator(job_context)

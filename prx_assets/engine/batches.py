@@ -9,7 +9,9 @@ what Ray does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -83,8 +85,33 @@ def batch_fn(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # Rows one actor should have ahead of it before a model pool starts at full size: below,
-# a second model load (torch import and MiniLM, ~8 s) costs more than it saves.
+# a second model load (torch import and MiniLM, ~6 s of CPU) costs more than it saves.
 ROWS_PER_ACTOR = 500
+
+# Model pools of this process's steps running now (`model_step`): a run's `caption_labels`
+# and `attributes` run at the same time, and each sized for the whole node, their four
+# actors loaded four models on two CPUs (two at a time) for work two could do.
+_model_steps = 0
+_model_steps_lock = threading.Lock()
+
+
+@contextmanager
+def model_step() -> Iterator[None]:
+    """The block is a step running a model pool: pools sized meanwhile (`actor_pool`) share
+    the cluster's CPUs with it."""
+    global _model_steps
+    with _model_steps_lock:
+        _model_steps += 1
+    try:
+        yield
+    finally:
+        with _model_steps_lock:
+            _model_steps -= 1
+
+
+def model_steps() -> int:
+    """Model steps of this process running now (at least 1: the caller's)."""
+    return max(1, _model_steps)
 
 
 def pool_size(actors: int, threads_per_actor: int, cpus: float) -> int:
@@ -97,10 +124,17 @@ def pool_size(actors: int, threads_per_actor: int, cpus: float) -> int:
 
 def actor_pool(actors: int, threads_per_actor: int, pending: int | None = None
                ) -> ray.data.ActorPoolStrategy:
-    """A pool of up to `pool_size` actors, starting at full size when `pending` rows give
-    each of them ROWS_PER_ACTOR (grown one at a time by Ray Data, the second actor of a
-    2-CPU node loaded its model a third of the way into the stage), else from one actor,
-    growing while rows are queued (a small source loads one model)."""
-    size = pool_size(actors, threads_per_actor, ray.cluster_resources().get("CPU", 1))
+    """A pool of up to `pool_size` actors. Sized by the cluster (`actors` 0) with `pending`
+    rows known: one actor per ROWS_PER_ACTOR rows, at most the CPUs' share of each model
+    step running now (`model_step`), all started at once (grown one at a time by Ray Data,
+    the second actor of a 2-CPU node loaded its model a third of the way into the stage;
+    grown past the work, it loaded a model for a few batches). Otherwise from one actor,
+    growing while rows are queued up to `pool_size`."""
+    cpus = ray.cluster_resources().get("CPU", 1)
+    if actors == 0 and pending is not None:
+        size = min(pool_size(0, threads_per_actor, cpus / model_steps()),
+                   max(1, pending // ROWS_PER_ACTOR))
+        return ray.data.ActorPoolStrategy(min_size=1, max_size=size, initial_size=size)
+    size = pool_size(actors, threads_per_actor, cpus)
     initial = size if pending and pending >= size * ROWS_PER_ACTOR else 1
     return ray.data.ActorPoolStrategy(min_size=1, max_size=size, initial_size=initial)

@@ -11,6 +11,7 @@ import pytest
 
 from bench.captions import phases
 from bench.core_profile import core_profile
+from bench.core_timeline import bins
 from bench.proc_memory import (
     BUSY,
     CONTROL,
@@ -20,10 +21,13 @@ from bench.proc_memory import (
     OTHER,
     SHARED,
     CoreUse,
+    TreeSample,
+    core_use,
     descendants,
     process_kind,
     process_memory,
     sample_tree,
+    task_title,
 )
 from bench.scale import KernelRun, run_sizes
 
@@ -142,3 +146,26 @@ def test_the_core_profile_splits_each_sample_over_the_steps_it_overlaps():
     assert profile["b"]["others_cores"] == pytest.approx(1.0)  # 1.5 machine - 0.5 tree
     assert profile["(outside steps)"]["seconds"] == pytest.approx(0.5)
     assert profile["(whole run)"]["tree_cpu_s"] == pytest.approx(2.4)
+
+
+def test_core_use_names_the_busy_tasks_cpu():
+    """A busy worker's CPU in the interval goes to its task title as well as its kind; the
+    driver's to its kind only."""
+    before = TreeSample(cpu_by_pid={1: (DRIVER, 1.0), 2: (BUSY, 3.0)},
+                        task_of_pid={2: "ray::MapBatches(f)"})
+    after = TreeSample(cpu_by_pid={1: (DRIVER, 1.5), 2: (BUSY, 3.75), 3: (BUSY, 0.25)},
+                       task_of_pid={2: "ray::MapBatches(f)", 3: "ray::ReadLance"})
+    use = core_use(before, after, 0.0, 1.0, 2.0)
+    assert use.by_kind[DRIVER] == 0.5 and use.by_kind[BUSY] == 1.0
+    assert use.by_task == {"ray::MapBatches(f)": 0.75, "ray::ReadLance": 0.25}
+    assert task_title("ray::MapWorker(MapBatches(EmbeddedLabelStage)) extra") == \
+        "ray::MapWorker(MapBatches(EmbeddedLabelStage))"
+
+
+def test_the_core_timeline_sums_samples_into_bins():
+    timeline = [{"start": 10.0 + i, "end": 11.0 + i, "by_kind": {DRIVER: 0.5, BUSY: 1.0},
+                 "by_task": {"ray::t": 1.0}} for i in range(3)]
+    rows = bins(timeline, 2.0)
+    assert [(r["wall"], r["cpu"], r["driver"]) for r in rows] == [(2.0, 3.0, 1.0),
+                                                                  (1.0, 1.5, 0.5)]
+    assert rows[0]["tasks"] == {"ray::t": 2.0}

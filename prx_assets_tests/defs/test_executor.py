@@ -64,6 +64,56 @@ def test_independent_steps_run_at_the_same_time(instance):
     assert [e.passed for e in result.get_asset_check_evaluations()] == [True]
 
 
+def test_checks_run_beside_the_steps_outside_the_limit(instance):
+    """Two asset steps (the limit) and a check ready at the same time all run at once: a
+    long check does not hold a slot the next stages wait for."""
+    barrier = threading.Barrier(3, timeout=MEET_S)
+
+    @dg.asset
+    def up() -> int:
+        return 1
+
+    @dg.asset
+    def left(up: int) -> int:
+        barrier.wait()
+        return up
+
+    @dg.asset
+    def right(up: int) -> int:
+        barrier.wait()
+        return up
+
+    @dg.asset_check(asset=up)
+    def up_is_one(up: int) -> dg.AssetCheckResult:
+        barrier.wait()
+        return dg.AssetCheckResult(passed=up == 1)
+
+    result = run([up, left, right], instance, max_concurrent=2, checks=[up_is_one])
+    assert result.success
+    assert [e.passed for e in result.get_asset_check_evaluations()] == [True]
+
+
+def test_asset_steps_past_the_limit_wait(instance):
+    """Three ready asset steps under a limit of two: never three at once."""
+    running, most, lock = set(), [0], threading.Lock()
+
+    def counted(name: str):
+        @dg.asset(name=name)
+        def step() -> int:
+            with lock:
+                running.add(name)
+                most[0] = max(most[0], len(running))
+            time.sleep(0.3)
+            with lock:
+                running.discard(name)
+            return 1
+        return step
+
+    result = run([counted(n) for n in ("a", "b", "c")], instance, max_concurrent=2)
+    assert result.success
+    assert 1 <= most[0] <= 2
+
+
 def test_max_concurrent_one_runs_steps_one_after_another(instance):
     assets, checks = meeting_assets(0.2)  # never met: the first step fails at its timeout
     result = run(assets, instance, max_concurrent=1, checks=checks)

@@ -19,7 +19,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
 
-from prx_assets.engine.batches import IN_PROCESS_ROWS, actor_pool, batch_fn, in_this_process
+from prx_assets.engine.batches import (
+    IN_PROCESS_ROWS,
+    actor_pool,
+    batch_fn,
+    in_this_process,
+    model_step,
+)
 from prx_assets.engine.stage import (
     Coverage,
     Pending,
@@ -306,8 +312,9 @@ def tag_source(captions: TableRef, attributes: TableRef, caption_version: str,
                ) -> AttributeRunReport:
     """Tag the pending captions of one source; `captions` pinned by the caller is the
     version tagged (the lineage it records)."""
-    return run_stage(AttributeStage(caption_version, caption_filter, spec, bucketed),
-                     captions, attributes, chunk_rows, on_chunk)
+    with model_step():  # shares the CPUs with caption_labels' pool (`actor_pool`)
+        return run_stage(AttributeStage(caption_version, caption_filter, spec, bucketed),
+                         captions, attributes, chunk_rows, on_chunk)
 
 
 def attribute_coverage(captions: TableRef, attributes: TableRef, caption_filter: str,

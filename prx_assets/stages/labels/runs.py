@@ -344,8 +344,9 @@ def label_source(captions: TableRef, labels: TableRef, caption_version: str,
 
     `captions` is read at its version (pin it with `.at(version)`, so the version the
     caller records as lineage is the one labelled; unpinned: the latest)."""
-    return run_stage(LabelStage(caption_version, caption_filter, spec), captions, labels,
-                     chunk_rows, on_chunk)
+    with batches.model_step():  # shares the CPUs with attributes' pool (`actor_pool`)
+        return run_stage(LabelStage(caption_version, caption_filter, spec), captions, labels,
+                         chunk_rows, on_chunk)
 
 
 def label_coverage(captions: TableRef, labels: TableRef, caption_filter: str,
