@@ -115,7 +115,11 @@ def run_pipeline(sources_file: Path, data_root: Path, images: int) -> PipelineRu
             _, status, usage = os.wait4(child.pid, 0)  # usage: the child and what it reaped
         code = os.waitstatus_to_exitcode(status)
         seconds = time.perf_counter() - started
-        monitor.peaks.cpu_s = max(monitor.peaks.cpu_s, usage.ru_utime + usage.ru_stime)
+        # The child's rusage misses Ray's workers (the raylet reaps them, and is not reaped
+        # itself) and the last sample misses every process that exited before it: the
+        # timeline counts each process over the intervals it lived.
+        monitor.peaks.cpu_s = max(monitor.peaks.cpu_s, usage.ru_utime + usage.ru_stime,
+                                  timeline_cpu_s(monitor.timeline))
     if code != 0 or not result.exists():
         tail = (data_root / "child.log").read_text()[-3000:]
         raise RuntimeError(f"pipeline child failed ({code}):\n{tail}")
@@ -443,6 +447,11 @@ def memory_figures(larger: PipelineRun, smaller: PipelineRun) -> list[Figure]:
                    getattr(larger.peaks, f"{kind}_kb") / 1024, f"{smaller.images} img",
                    getattr(smaller.peaks, f"{kind}_kb") / 1024, "MB")
             for kind in ("pss", "rss", "uss")]
+
+
+def timeline_cpu_s(timeline: list[CoreUse]) -> float:
+    """The tree's CPU seconds summed over its sampled intervals."""
+    return sum(sum(use.by_kind.values()) for use in timeline)
 
 
 def cpu_figure(run: PipelineRun, kernels: KernelRun) -> Figure:
