@@ -86,3 +86,18 @@ def step_windows(instance, run_ids: list[str]) -> dict[str, list[tuple[float, fl
             elif entry.step_key in starts:
                 windows[entry.step_key].append((starts.pop(entry.step_key), entry.timestamp))
     return dict(windows)
+
+
+def print_core_profile(profile: dict[str, dict], images: int) -> None:
+    """The per-step core-utilisation table: what holds one core idle, and where."""
+    print(f"scale: cores per step, {images:,} images (tree sampled every 0.5 s; both busy "
+          f"= the tree used >= {BOTH_BUSY_CORES} cores; others = the rest of the machine)")
+    print(f"  {'step':<32} {'wall s':>7} {'CPU s':>7} {'cores':>6} {'both busy':>9} "
+          f"{'driver':>7} {'others':>7}")
+    ordered = sorted(profile.items(), key=lambda kv: (kv[0].startswith("("), -kv[1]["seconds"]))
+    for step, row in ordered:
+        if row["seconds"] < 0.5 and not step.startswith("("):
+            continue
+        print(f"  {step:<32} {row['seconds']:7.1f} {row['tree_cpu_s']:7.1f} "
+              f"{row['tree_cores']:6.2f} {row['both_busy']:8.0%} {row['driver_cores']:7.2f} "
+              f"{row['others_cores']:7.2f}")

@@ -12,13 +12,29 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+from dataclasses import asdict
 from pathlib import Path
 
 from bench.common import OUT
 from bench.core_profile import BOTH_BUSY_CORES
-from bench.proc_memory import DRIVER
+from bench.proc_memory import DRIVER, CoreUse
 
 TOP_TASKS = 2  # tasks named per bin
+
+
+def timeline_path(label: str) -> Path:
+    return OUT / f"scale_timeline_{label}.json"
+
+
+def save_timeline(label: str, images: int, step_windows: dict, timeline: list[CoreUse]
+                  ) -> Path:
+    """A run's sampled cores (each interval's CPU by process kind and by busy task) and
+    its steps' windows, for `main` to print."""
+    path = timeline_path(label)
+    path.write_text(json.dumps({"images": images, "step_windows": step_windows,
+                                "timeline": [asdict(use) for use in timeline]}))
+    return path
+
 TOP_STEP_TASKS = 4  # tasks named per step
 
 
@@ -89,7 +105,7 @@ def print_step_tasks(data: dict) -> None:
 
 
 def main(label: str = "full", width: float = 2.0) -> None:
-    data = json.loads(Path(OUT / f"scale_timeline_{label}.json").read_text())
+    data = json.loads(timeline_path(label).read_text())
     print(f"core timeline, {data['images']:,} images, bins of {width:g} s "
           f"(* = under {BOTH_BUSY_CORES} cores)")
     print_bins(data, width)

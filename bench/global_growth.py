@@ -32,14 +32,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -51,15 +48,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from bench.common import Figure, report
-from bench.proc_memory import (
-    BUSY,
-    DRIVER,
-    IDLE,
-    BackgroundSampler,
-    available_gib,
-    sample_tree,
-    stop_tree,
-)
+from bench.proc_memory import StepPeak, available_gib, stop_tree
 
 DEFAULT_SIZES = (2_000, 8_000)  # a smoke run for `make bench`; the note uses 1e5,1e6,1e7
 SOURCES = ("s0", "s1", "s2", "s3")
@@ -69,51 +58,7 @@ TOPIC_SEED = 7_000  # block k's topics: this + k
 SAMPLE_ROWS = 100_000  # the fit's sample from 10^5 up (SemDeDup's grows with K past it)
 ENCODER = "bench-encoder"
 STEPS = ("duplicates", "semantic_duplicates", "concepts")
-SAMPLER_SHARE = 0.1  # of one core, at most, for the memory sampler
 T = TypeVar("T")
-
-
-class StepPeak(BackgroundSampler):
-    """Peak PSS of this process (the driver) and of its Ray workers, from /proc, and where
-    the driver's code was at its peak (the main thread's innermost project frames)."""
-
-    def __init__(self, interval: float = 0.2):
-        super().__init__(interval)
-        self.driver_kb = self.workers_kb = 0
-        self.peak_at = ""
-        self._main = threading.main_thread().ident
-        self.cpu_start = self.cpu_s = 0.0
-        self.own_cpu_s = 0.0  # this sampler's thread: in the driver's CPU, not the step's
-
-    def __enter__(self):
-        self.cpu_start = sample_tree(os.getpid()).cpu_s
-        return super().__enter__()
-
-    def __exit__(self, *exc) -> None:
-        super().__exit__(*exc)
-        self.cpu_s = sample_tree(os.getpid()).cpu_s - self.cpu_start - self.own_cpu_s
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            started = time.thread_time()
-            sample = sample_tree(os.getpid())
-            driver = sample.by_kind.get(DRIVER, 0)
-            if driver > self.driver_kb:
-                self.driver_kb, self.peak_at = driver, self._main_frames()
-            workers = sample.by_kind.get(BUSY, 0) + sample.by_kind.get(IDLE, 0)
-            self.workers_kb = max(self.workers_kb, workers)
-            spent = time.thread_time() - started
-            self.own_cpu_s += spent
-            # The kernel walks every mapping for smaps_rollup: at 10^7 rows (20 processes,
-            # GBs each) a sample took 0.2 CPU s, so every 0.2 s was a core taken from the
-            # step (and counted in its CPU). Past `SAMPLER_SHARE` of a core it waits longer.
-            self._stop.wait(max(self.interval, spent / SAMPLER_SHARE))
-
-    def _main_frames(self, depth: int = 3) -> str:
-        frame = sys._current_frames().get(self._main or 0)
-        frames = [f"{Path(f.filename).stem}:{f.lineno}" for f in traceback.extract_stack(frame)
-                  if "/prx_assets/" in f.filename] if frame is not None else []
-        return " < ".join(reversed(frames[-depth:]))
 
 
 @dataclass

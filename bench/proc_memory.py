@@ -20,8 +20,10 @@ import json
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
+import traceback
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,8 +58,18 @@ class CoreUse:
     by_task: dict[str, float] = field(default_factory=dict)
 
     @property
+    def cpu_s(self) -> float:
+        return sum(self.by_kind.values())
+
+    @property
     def tree_cores(self) -> float:
-        return sum(self.by_kind.values()) / (self.end - self.start)
+        return self.cpu_s / (self.end - self.start)
+
+
+def timeline_cpu_s(timeline: list[CoreUse]) -> float:
+    """The tree's CPU seconds over its sampled intervals: each process counted while it
+    lived (a worker that exited before the last sample keeps what it used)."""
+    return sum(use.cpu_s for use in timeline)
 
 
 @dataclass
@@ -286,3 +298,50 @@ class TreeMemoryMonitor(BackgroundSampler):
             if self.dump is not None:  # the peaks so far survive a run that is cut short
                 self.dump.write_text(json.dumps(asdict(self.peaks)))
             self._stop.wait(max(0.0, self.interval - (time.perf_counter() - started)))
+
+
+# Of one core, at most, for a sampler in the measured process (`StepPeak`).
+SAMPLER_SHARE = 0.1
+
+
+class StepPeak(BackgroundSampler):
+    """Peak PSS of this process (the driver) and of its Ray workers, from /proc, and where
+    the driver's code was at its peak (the main thread's innermost project frames)."""
+
+    def __init__(self, interval: float = 0.2):
+        super().__init__(interval)
+        self.driver_kb = self.workers_kb = 0
+        self.peak_at = ""
+        self._main = threading.main_thread().ident
+        self.cpu_start = self.cpu_s = 0.0
+        self.own_cpu_s = 0.0  # this sampler's thread: in the driver's CPU, not the step's
+
+    def __enter__(self):
+        self.cpu_start = sample_tree(os.getpid()).cpu_s
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self.cpu_s = sample_tree(os.getpid()).cpu_s - self.cpu_start - self.own_cpu_s
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.thread_time()
+            sample = sample_tree(os.getpid())
+            driver = sample.by_kind.get(DRIVER, 0)
+            if driver > self.driver_kb:
+                self.driver_kb, self.peak_at = driver, self._main_frames()
+            workers = sample.by_kind.get(BUSY, 0) + sample.by_kind.get(IDLE, 0)
+            self.workers_kb = max(self.workers_kb, workers)
+            spent = time.thread_time() - started
+            self.own_cpu_s += spent
+            # The kernel walks every mapping for smaps_rollup: at 10^7 rows (20 processes,
+            # GBs each) a sample took 0.2 CPU s, so every 0.2 s was a core taken from the
+            # step (and counted in its CPU). Past `SAMPLER_SHARE` of a core it waits longer.
+            self._stop.wait(max(self.interval, spent / SAMPLER_SHARE))
+
+    def _main_frames(self, depth: int = 3) -> str:
+        frame = sys._current_frames().get(self._main or 0)
+        frames = [f"{Path(f.filename).stem}:{f.lineno}" for f in traceback.extract_stack(frame)
+                  if "/prx_assets/" in f.filename] if frame is not None else []
+        return " < ".join(reversed(frames[-depth:]))

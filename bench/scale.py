@@ -42,8 +42,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.common import OUT, Figure, cpu_count, report
-from bench.core_profile import BOTH_BUSY_CORES, core_profile, step_seconds, step_windows
-from bench.proc_memory import CoreUse, Peaks, TreeMemoryMonitor
+from bench.core_profile import core_profile, print_core_profile, step_seconds, step_windows
+from bench.core_timeline import save_timeline
+from bench.proc_memory import CoreUse, Peaks, TreeMemoryMonitor, timeline_cpu_s
 from bench.scale_corpus import corpus_profile, generate_corpus, image_path, link_subset
 
 RUN_DIR = OUT / "scale_run"
@@ -414,22 +415,6 @@ def print_memory(run: PipelineRun) -> None:
           + ", ".join(f"{name} {kb / 1024:.0f}" for name, kb in top) + " MB")
 
 
-def print_core_profile(run: PipelineRun) -> None:
-    """The per-step core-utilisation table: what holds one core idle, and where."""
-    profile = run.child.get("core_profile", {})
-    print(f"scale: cores per step, {run.images:,} images (tree sampled every 0.5 s; both busy "
-          f"= the tree used >= {BOTH_BUSY_CORES} cores; others = the rest of the machine)")
-    print(f"  {'step':<32} {'wall s':>7} {'CPU s':>7} {'cores':>6} {'both busy':>9} "
-          f"{'driver':>7} {'others':>7}")
-    ordered = sorted(profile.items(), key=lambda kv: (kv[0].startswith("("), -kv[1]["seconds"]))
-    for step, row in ordered:
-        if row["seconds"] < 0.5 and not step.startswith("("):
-            continue
-        print(f"  {step:<32} {row['seconds']:7.1f} {row['tree_cpu_s']:7.1f} "
-              f"{row['tree_cores']:6.2f} {row['both_busy']:8.0%} {row['driver_cores']:7.2f} "
-              f"{row['others_cores']:7.2f}")
-
-
 def run_figures(run: PipelineRun, kernels: KernelRun) -> list[Figure]:
     """End to end and CPU against the kernels, for one run (ratio = the issue's ratio)."""
     return [Figure("scale", f"{run.images} img end to end s", run.seconds,
@@ -447,11 +432,6 @@ def memory_figures(larger: PipelineRun, smaller: PipelineRun) -> list[Figure]:
                    getattr(larger.peaks, f"{kind}_kb") / 1024, f"{smaller.images} img",
                    getattr(smaller.peaks, f"{kind}_kb") / 1024, "MB")
             for kind in ("pss", "rss", "uss")]
-
-
-def timeline_cpu_s(timeline: list[CoreUse]) -> float:
-    """The tree's CPU seconds summed over its sampled intervals."""
-    return sum(sum(use.by_kind.values()) for use in timeline)
 
 
 def cpu_figure(run: PipelineRun, kernels: KernelRun) -> Figure:
@@ -485,15 +465,6 @@ def run_details(run: PipelineRun, kernels: KernelRun | None) -> dict:
                              for step, step_s, kernel_s in stage_table(run, kernels)]
         details["end_to_end_ratio"] = run.seconds / kernels.seconds
     return details
-
-
-def save_timeline(label: str, run: PipelineRun) -> Path:
-    """The run's sampled cores (each interval's CPU by process kind and by busy task) and
-    its steps' windows, for a look at what held the cores when (`bench.core_timeline`)."""
-    path = OUT / f"scale_timeline_{label}.json"
-    path.write_text(json.dumps({"images": run.images, "step_windows": run.child["step_windows"],
-                                "timeline": [asdict(use) for use in run.timeline]}))
-    return path
 
 
 def save_details(details: dict) -> None:
@@ -539,8 +510,8 @@ def main() -> list[Figure]:
         run = measure_run(label, corpus, images, keep_root=last)
         runs[label] = run
         run.child["core_profile"] = core_profile(run.timeline, run.child["step_windows"])
-        save_timeline(label, run)
-        print_core_profile(run)
+        save_timeline(label, run.images, run.child["step_windows"], run.timeline)
+        print_core_profile(run.child["core_profile"], run.images)
         print_memory(run)
         details["runs"][label] = run_details(run, None)
         if last:

@@ -24,7 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import global_growth
 from bench.common import Figure, report
+from bench.global_growth import apart, parse_sizes
 
 KINDS = {"fit": "semdedup_streamed.fit_centroids", "route": "streamed.route_chunk",
          "bucket": "semdedup_streamed.semdedup_bucket"}
@@ -93,7 +95,6 @@ def profile_size(rows: int, root: Path, out: Path, with_cprofile: bool) -> dict:
     its tasks recorded under `out`."""
     import ray
 
-    from bench import global_growth
     from prx_assets.engine import ray_runtime
 
     if not global_growth.truth_path(root).exists():
@@ -122,12 +123,13 @@ def print_size(run: dict, out: Path, with_cprofile: bool) -> dict[str, float]:
     kinds = by_kind(out)
     print(f"semdedup_profile: {rows:,} rows, {run['seconds']:.1f} s wall, load "
           f"{run['load'][0]:.1f} -> {run['load'][1]:.1f}")
+    kinds["all"] = (sum(n for n, _, _ in kinds.values()), sum(c for _, c, _ in kinds.values()),
+                    sum(w for _, _, w in kinds.values()))
     per_row = {}
     for kind in (*KINDS, "all"):
-        n, cpu, wall = (sum(v[i] for v in kinds.values()) for i in range(3)) if (
-            kind == "all") else kinds.get(kind, (0, 0.0, 0.0))
+        n, cpu, wall = kinds.get(kind, (0, 0.0, 0.0))
         per_row[kind] = 1e6 * cpu / rows
-        print(f"  {kind:<7} {int(n):>5} tasks  {cpu:8.1f} CPU s  {per_row[kind]:6.1f} us/row  "
+        print(f"  {kind:<7} {n:>5} tasks  {cpu:8.1f} CPU s  {per_row[kind]:6.1f} us/row  "
               f"(wall in tasks {wall:.1f} s)")
     if with_cprofile:
         for kind in KINDS:
@@ -141,16 +143,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument("--dir", default="", help="keep each size's data here for reruns")
     args = parser.parse_args(argv if argv is not None else [])
-    from bench.global_growth import parse_sizes
-
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="prx-semprof-"))
     figures, base = [], None
     try:
         for rows in parse_sizes(args.sizes):
             out = work / f"records-{rows}"
             out.mkdir(parents=True, exist_ok=True)
-            run = global_growth_apart(profile_size, rows, work / f"n{rows}", out,
-                                      args.cprofile)
+            run = apart(profile_size, rows, work / f"n{rows}", out, args.cprofile)
             per_row = print_size(run, out, args.cprofile)
             base = base or per_row
             figures += [Figure("global", f"semdedup {kind} cpu/row, {rows:.0e}", per_row[kind],
@@ -159,13 +158,6 @@ def main(argv: list[str] | None = None) -> None:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
     report(figures, "semdedup_profile")
-
-
-def global_growth_apart(fn: Callable[..., Any], *args: Any) -> Any:
-    """Each size in a fresh process with its own Ray, as `bench.global_growth` runs them."""
-    from bench.global_growth import apart
-
-    return apart(fn, *args)
 
 
 if __name__ == "__main__":

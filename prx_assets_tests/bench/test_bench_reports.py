@@ -174,8 +174,7 @@ def test_the_core_timeline_sums_samples_into_bins():
 def test_the_scale_cpu_figure_counts_the_processes_that_exited():
     """The tree's CPU is summed over the timeline's intervals: a worker that exited before
     the last sample keeps what it used."""
-    from bench.proc_memory import CoreUse
-    from bench.scale import timeline_cpu_s
+    from bench.proc_memory import CoreUse, timeline_cpu_s
 
     timeline = [CoreUse(0.0, 1.0, {"driver": 0.5, "busy": 1.2}, 2.0),
                 CoreUse(1.0, 2.0, {"driver": 0.25, "busy": 0.0}, 1.0)]

@@ -64,7 +64,7 @@ def test_the_step_peak_leaves_its_own_sampling_out_and_backs_off(monkeypatch):
     10^7 rows): left out of the step's CPU, and at most SAMPLER_SHARE of a core."""
     import time
 
-    from bench import global_growth
+    from bench import proc_memory
     from bench.proc_memory import KINDS, TreeSample
 
     def burn(seconds: float) -> None:
@@ -77,8 +77,8 @@ def test_the_step_peak_leaves_its_own_sampling_out_and_backs_off(monkeypatch):
         return TreeSample(by_name={}, by_kind=dict.fromkeys(KINDS, 0),
                           cpu_s=time.process_time())
 
-    monkeypatch.setattr(global_growth, "sample_tree", costly_sample)
-    with global_growth.StepPeak(interval=0.001) as peak:
+    monkeypatch.setattr(proc_memory, "sample_tree", costly_sample)
+    with proc_memory.StepPeak(interval=0.001) as peak:
         started, main = time.perf_counter(), time.thread_time()
         burn(0.4)
         main = time.thread_time() - main
@@ -86,4 +86,4 @@ def test_the_step_peak_leaves_its_own_sampling_out_and_backs_off(monkeypatch):
     assert peak.own_cpu_s > 0
     # What is left: the main thread's burn and the closing sample's (in the main thread).
     assert abs(peak.cpu_s - main - 0.02) < 0.015
-    assert peak.own_cpu_s <= global_growth.SAMPLER_SHARE * elapsed + 0.05
+    assert peak.own_cpu_s <= proc_memory.SAMPLER_SHARE * elapsed + 0.05
