@@ -374,6 +374,28 @@ def stage_table(run: PipelineRun, kernels: KernelRun) -> list[tuple[str, float, 
             for step, kernel in STAGE_KERNELS.items()]
 
 
+def union_seconds(spans: list[tuple[float, float]]) -> float:
+    """Wall seconds covered by any of the spans (overlapping spans count once)."""
+    covered, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered
+
+
+def stages_together(run: PipelineRun, kernels: KernelRun) -> tuple[float, float]:
+    """(wall seconds any stage step ran, the stages' kernel seconds): the issue's "stage
+    steps together". Steps side by side (caption_labels and attributes) share the cores as
+    the kernels' pool does, so each alone against its own kernel reads about twice what
+    the pair costs."""
+    windows = run.child.get("step_windows", {})
+    spans = [(float(start), float(end)) for step in STAGE_KERNELS
+             for start, end in windows.get(step, [])]
+    kernel_s = sum(k for _, _, k in stage_table(run, kernels) if k is not None)
+    return union_seconds(spans), kernel_s
+
+
 def other_steps(run: PipelineRun) -> dict[str, float]:
     """The checks' and global jobs' steps (every step without a kernel of its own)."""
     return {k: v for k, v in run.child["steps"].items() if k not in STAGE_KERNELS}
@@ -391,6 +413,10 @@ def print_stages(run: PipelineRun, kernels: KernelRun) -> None:
     for step, step_s, kernel_s in stage_table(run, kernels):
         kernel_text = f"{kernel_s:9.1f}" if kernel_s is not None else f"{'—':>9}"
         print(f"  {step:<16} {step_s:9.1f} {kernel_text} {ratio_text(step_s, kernel_s)}")
+    together, kernel_s = stages_together(run, kernels)
+    print(f"  {'stages together':<16} {together:9.1f} {kernel_s:9.1f} "
+          f"{ratio_text(together, kernel_s)}  (wall any stage step ran; the pair side by side "
+          f"once)")
     others = other_steps(run)
     top = sorted(others.items(), key=lambda kv: -kv[1])[:4]
     print(f"  checks + global jobs {sum(others.values()):.1f} s ("
@@ -423,8 +449,11 @@ def run_figures(run: PipelineRun, kernels: KernelRun) -> list[Figure]:
 
 
 def stage_figures(run: PipelineRun, kernels: KernelRun) -> list[Figure]:
+    together, kernel_s = stages_together(run, kernels)
     return [Figure("scale", f"{run.images} img {step} s", step_s, "its kernels", kernel_s, "s")
-            for step, step_s, kernel_s in stage_table(run, kernels) if kernel_s is not None]
+            for step, step_s, kernel_s in stage_table(run, kernels) if kernel_s is not None
+            ] + [Figure("scale", f"{run.images} img stage steps together s", together,
+                        "the stages' kernels", kernel_s, "s")]
 
 
 def memory_figures(larger: PipelineRun, smaller: PipelineRun) -> list[Figure]:

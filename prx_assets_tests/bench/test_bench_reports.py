@@ -180,3 +180,19 @@ def test_the_scale_cpu_figure_counts_the_processes_that_exited():
                 CoreUse(1.0, 2.0, {"driver": 0.25, "busy": 0.0}, 1.0)]
     assert timeline_cpu_s(timeline) == 1.95
     assert timeline_cpu_s([]) == 0
+
+
+def test_stage_steps_together_count_side_by_side_steps_once():
+    """The issue's "stage steps together": the wall any stage step ran (caption_labels and
+    attributes side by side count once) against every stage's kernel seconds."""
+    from bench.proc_memory import Peaks
+    from bench.scale import PipelineRun, stages_together, union_seconds
+
+    assert union_seconds([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.7)]) == 4.0
+    assert union_seconds([]) == 0.0
+    windows = {"raw_images": [[0.0, 1.0]], "caption_labels": [[2.0, 6.0]],
+               "attributes": [[2.5, 6.5]], "duplicates": [[7.0, 9.0]]}  # a check: not a stage
+    run = PipelineRun(100, 10.0, Peaks(), {"step_windows": windows, "steps": {}})
+    kernels = KernelRun(100, 5.0, 2, {"ingest": 1.0, "labels": 3.0, "attributes": 3.0}, 100,
+                        0.0, 0.0, 0)
+    assert stages_together(run, kernels) == (5.5, 3.5)

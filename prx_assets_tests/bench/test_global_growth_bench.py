@@ -1,5 +1,7 @@
 """The global growth bench's scoring: pairs of rows sharing a group, and ids to rows."""
 
+import os
+
 import numpy as np
 import pyarrow as pa
 
@@ -87,3 +89,31 @@ def test_the_step_peak_leaves_its_own_sampling_out_and_backs_off(monkeypatch):
     # What is left: the main thread's burn and the closing sample's (in the main thread).
     assert abs(peak.cpu_s - main - 0.02) < 0.015
     assert peak.own_cpu_s <= proc_memory.SAMPLER_SHARE * elapsed + 0.05
+
+
+def test_the_tree_monitor_reads_memory_within_its_share_and_cpu_every_time(monkeypatch):
+    """bench.scale's monitor runs beside the 2-core run it measures: reading smaps_rollup
+    every 0.5 s took a fifth of a core from it. Memory is read within SAMPLER_SHARE of a
+    core; the CPU timeline still gets every interval."""
+    import time
+
+    from bench import proc_memory
+    from bench.proc_memory import KINDS, TreeSample
+
+    def sample(root: int, memory: bool = True) -> TreeSample:
+        if memory:  # smaps_rollup's cost
+            start = time.thread_time()
+            while time.thread_time() - start < 0.02:
+                pass
+        return TreeSample(by_name={}, by_kind=dict.fromkeys(KINDS, 0), cpu_s=0.0)
+
+    monkeypatch.setattr(proc_memory, "sample_tree", sample)
+    started = time.perf_counter()
+    with proc_memory.TreeMemoryMonitor(os.getpid(), interval=0.001) as monitor:
+        while len(monitor.timeline) < 200:
+            time.sleep(0.001)
+    elapsed = time.perf_counter() - started
+    memory_samples = monitor.peaks.samples
+    assert memory_samples >= 1
+    assert memory_samples * 0.02 <= proc_memory.SAMPLER_SHARE * elapsed + 0.02 + 0.05
+    assert len(monitor.timeline) >= 200 > memory_samples
