@@ -286,6 +286,10 @@ def core_use(previous: TreeSample, current: TreeSample, start: float, end: float
     return CoreUse(start, end, by_kind, machine_busy_s, dict(by_task))
 
 
+# Of one core, at most, for the memory reads of bench.scale's monitor (`TreeMemoryMonitor`).
+MONITOR_SHARE = 0.05
+
+
 class TreeMemoryMonitor(BackgroundSampler):
     """Samples the tree under `root` every `interval` seconds on a thread until stopped;
     besides the peaks, `timeline` holds what the cores did between consecutive samples."""
@@ -300,10 +304,11 @@ class TreeMemoryMonitor(BackgroundSampler):
         began, memory_cpu_s = time.perf_counter(), 0.0
         while not self._stop.is_set():
             started, cpu_started = time.perf_counter(), time.thread_time()
-            # Memory (smaps_rollup, ~0.1 CPU s a sample at 20 processes) only while this
-            # thread's share of a core stays under SAMPLER_SHARE: read every 0.5 s, it took
-            # a fifth of a core from the 2-core run it measured. CPU and kinds every time.
-            memory = memory_cpu_s <= SAMPLER_SHARE * (started - began) or previous is None
+            # Memory (smaps_rollup: 34 ms of CPU a sample at 12 processes, ~90 at 20) only
+            # while this thread's share of a core stays under MONITOR_SHARE: read every
+            # 0.5 s, it took up to a fifth of a core from the 2-core run it measured. CPU
+            # and kinds (3 ms) every time.
+            memory = memory_cpu_s <= MONITOR_SHARE * (started - began) or previous is None
             sample = sample_tree(self.root, memory)
             at, busy = time.time(), machine_busy_seconds()
             if memory:

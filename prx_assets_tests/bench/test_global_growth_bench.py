@@ -93,7 +93,7 @@ def test_the_step_peak_leaves_its_own_sampling_out_and_backs_off(monkeypatch):
 
 def test_the_tree_monitor_reads_memory_within_its_share_and_cpu_every_time(monkeypatch):
     """bench.scale's monitor runs beside the 2-core run it measures: reading smaps_rollup
-    every 0.5 s took a fifth of a core from it. Memory is read within SAMPLER_SHARE of a
+    every 0.5 s took a fifth of a core from it. Memory is read within MONITOR_SHARE of a
     core; the CPU timeline still gets every interval."""
     import time
 
@@ -115,5 +115,5 @@ def test_the_tree_monitor_reads_memory_within_its_share_and_cpu_every_time(monke
     elapsed = time.perf_counter() - started
     memory_samples = monitor.peaks.samples
     assert memory_samples >= 1
-    assert memory_samples * 0.02 <= proc_memory.SAMPLER_SHARE * elapsed + 0.02 + 0.05
+    assert memory_samples * 0.02 <= proc_memory.MONITOR_SHARE * elapsed + 0.02 + 0.05
     assert len(monitor.timeline) >= 200 > memory_samples
