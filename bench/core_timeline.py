@@ -104,12 +104,30 @@ def print_step_tasks(data: dict) -> None:
               + ", ".join(f"{short(t)} {cpu:.1f}" for t, cpu in top))
 
 
+def process_totals(timeline: list[dict]) -> dict[str, float]:
+    """CPU seconds per process title over the whole run (`proc_memory.process_title`)."""
+    totals: dict[str, float] = defaultdict(float)
+    for use in timeline:
+        for title, cpu in use.get("by_process", {}).items():
+            totals[title] += cpu
+    return dict(totals)
+
+
+def print_process_totals(data: dict, top: int = 14) -> None:
+    totals = process_totals(data["timeline"])
+    whole = sum(totals.values()) or 1.0
+    print("whole run: CPU s per process title (the tree's; busy workers by their task)")
+    for title, cpu in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {short(title):<44} {cpu:7.1f}  {100 * cpu / whole:4.1f} %")
+
+
 def main(label: str = "full", width: float = 2.0) -> None:
     data = json.loads(timeline_path(label).read_text())
     print(f"core timeline, {data['images']:,} images, bins of {width:g} s "
           f"(* = under {BOTH_BUSY_CORES} cores)")
     print_bins(data, width)
     print_step_tasks(data)
+    print_process_totals(data)
 
 
 if __name__ == "__main__":

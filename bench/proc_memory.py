@@ -42,6 +42,7 @@ class TreeSample:
     by_kind: dict[str, int] = field(default_factory=dict)  # PSS kB per process kind
     cpu_by_pid: dict[int, tuple[str, float]] = field(default_factory=dict)  # (kind, CPU s)
     task_of_pid: dict[int, str] = field(default_factory=dict)  # a busy worker's task title
+    title_of_pid: dict[int, str] = field(default_factory=dict)  # every process (`process_title`)
 
 
 @dataclass
@@ -56,6 +57,9 @@ class CoreUse:
     # CPU seconds per busy worker's task title (`ray::MapBatches(bucket_batch)`): which Ray
     # work held the cores in the interval.
     by_task: dict[str, float] = field(default_factory=dict)
+    # CPU seconds per process title (`process_title`: the driver, raylet, a Ray Data actor,
+    # an idle worker): who else held them.
+    by_process: dict[str, float] = field(default_factory=dict)
 
     @property
     def cpu_s(self) -> float:
@@ -185,6 +189,17 @@ def task_title(cmdline: str) -> str:
     return cmdline.split(" ", 1)[0][:TASK_TITLE_CHARS]
 
 
+def process_title(kind: str, name: str, cmdline: str) -> str:
+    """A process as a person would name it: `driver`, a Ray title (`ray::IDLE`,
+    `ray::_StatsActor`, a task), a daemon's name (`raylet`), or a Python script's file."""
+    if kind == DRIVER:
+        return DRIVER
+    if cmdline.startswith("ray::"):
+        return task_title(cmdline)
+    scripts = [Path(arg).name for arg in cmdline.split(" ")[1:4] if arg.endswith(".py")]
+    return f"{name} {scripts[0]}" if scripts else name
+
+
 def command_line(pid: int) -> str:
     try:
         return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(
@@ -237,6 +252,7 @@ def sample_tree(root: int, memory: bool = True) -> TreeSample:
         sample.cpu_by_pid[pid] = (kind, cpu)
         if kind == BUSY:
             sample.task_of_pid[pid] = task_title(cmdline)
+        sample.title_of_pid[pid] = process_title(kind, name, cmdline)
         sample.by_name[name] += pss
     sample.by_name = dict(sample.by_name)
     return sample
@@ -277,13 +293,16 @@ def core_use(previous: TreeSample, current: TreeSample, start: float, end: float
     in the interval counts whole, the reaped ones through their parent's children time."""
     by_kind: dict[str, float] = dict.fromkeys(KINDS, 0.0)
     by_task: dict[str, float] = defaultdict(float)
+    by_process: dict[str, float] = defaultdict(float)
     for pid, (kind, cpu) in current.cpu_by_pid.items():
         before = previous.cpu_by_pid.get(pid, (kind, 0.0))[1]
         used = max(0.0, cpu - before)
         by_kind[kind] += used
         if pid in current.task_of_pid and used:
             by_task[current.task_of_pid[pid]] += used
-    return CoreUse(start, end, by_kind, machine_busy_s, dict(by_task))
+        if used:
+            by_process[current.title_of_pid.get(pid, kind)] += used
+    return CoreUse(start, end, by_kind, machine_busy_s, dict(by_task), dict(by_process))
 
 
 # Of one core, at most, for the memory reads of bench.scale's monitor (`TreeMemoryMonitor`).

@@ -196,3 +196,25 @@ def test_stage_steps_together_count_side_by_side_steps_once():
     kernels = KernelRun(100, 5.0, 2, {"ingest": 1.0, "labels": 3.0, "attributes": 3.0}, 100,
                         0.0, 0.0, 0)
     assert stages_together(run, kernels) == (5.5, 3.5)
+
+
+def test_every_process_cpu_goes_to_its_title():
+    """Beside the busy tasks, the timeline names who else held the cores: the driver, Ray's
+    daemons and actors, idle workers, by title."""
+    from bench.core_timeline import process_totals
+    from bench.proc_memory import process_title
+
+    assert process_title(DRIVER, "python", "python -m bench.scale --child x") == DRIVER
+    assert process_title(IDLE, "python", "ray::IDLE ") == "ray::IDLE"
+    assert process_title(CONTROL, "raylet", "/x/raylet --flag") == "raylet"
+    assert process_title(CONTROL, "python", "/v/python -u /v/ray/dashboard/agent.py --a") == \
+        "python agent.py"
+    before = TreeSample(cpu_by_pid={1: (DRIVER, 1.0), 2: (CONTROL, 2.0)},
+                        title_of_pid={1: DRIVER, 2: "raylet"})
+    after = TreeSample(cpu_by_pid={1: (DRIVER, 1.5), 2: (CONTROL, 2.25), 3: (BUSY, 0.5)},
+                       title_of_pid={1: DRIVER, 2: "raylet", 3: "ray::ReadLance"},
+                       task_of_pid={3: "ray::ReadLance"})
+    use = core_use(before, after, 0.0, 1.0, 2.0)
+    assert use.by_process == {DRIVER: 0.5, "raylet": 0.25, "ray::ReadLance": 0.5}
+    assert process_totals([{"by_process": use.by_process}, {"by_process": {"raylet": 1.0}},
+                           {}]) == {DRIVER: 0.5, "raylet": 1.25, "ray::ReadLance": 0.5}
