@@ -11,6 +11,7 @@ import dagster as dg
 
 from prx_assets.defs.asset_leases import asset_lease
 from prx_assets.defs.captions import GPU_POOL
+from prx_assets.defs.executor import MODEL_STEP_TAG
 from prx_assets.defs.metadata import counts_table, pin_inputs, stage_result
 from prx_assets.engine.progress import StageProgress
 from prx_assets.stages.attributes.backends import VLLMAttributeSettings
@@ -55,6 +56,7 @@ class AttributerResource(dg.ConfigurableResource):
 def build_attributes(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefinition:
     @dg.asset(
         name=ATTRIBUTES, partitions_def=partitions_def, group_name="captions",
+        op_tags={MODEL_STEP_TAG: "true"},
         deps=[CAPTIONS, BUCKETED_IMAGES], kinds={"ray", "lance"}, pool=GPU_POOL,
         code_version=SCHEMA_VERSION,
         required_resource_keys={"captioner", "attributer", "ray_cluster", "storage"},

@@ -69,7 +69,12 @@ from dagster._core.execution.retries import RetryMode, get_retries_config
 from dagster._core.executor.base import Executor
 from dagster._core.executor.in_process import InProcessExecutor
 
+from prx_assets.engine import batches
+
 MAX_CONCURRENT_ENV = "PRX_MAX_CONCURRENT_STEPS"
+# An op tag: the step runs a model pool that shares the CPUs with the run's other model
+# steps (`engine.batches.actor_pool`); counted from the step's launch.
+MODEL_STEP_TAG = "prx/model_step"
 # Steps of one run at a time unless configured: 2, the reference machine's cores; with 2,
 # a 2,000-image run took 7-14 % less wall than with 1 for the same CPU (docs/scale.md).
 DEFAULT_MAX_CONCURRENT = 2
@@ -255,9 +260,18 @@ def _run_steps(job_context: PlanExecutionContext, active: ActiveExecution,
         raise DagsterExecutionInterruptedError("the run was terminated while steps ran")
 
 
+def is_model_step(step: ExecutionStep) -> bool:
+    """A step that runs a model pool (its op tagged MODEL_STEP_TAG)."""
+    return bool((step.tags or {}).get(MODEL_STEP_TAG))
+
+
 class StepThread:
     """One step's sequence of events (then its hooks') in a thread of its own, started
-    with a copy of the caller's context variables (Dagster's and the leases' run id)."""
+    with a copy of the caller's context variables (Dagster's and the leases' run id).
+
+    A model step (`is_model_step`) is counted from here, in the run's thread, until its
+    thread ends: steps launched together are all counted before any sizes its pool
+    (`engine.batches.enter_model_step`)."""
 
     def __init__(self, step_context: StepExecutionContext,
                  post: Callable[[DagsterEvent | StepFinished], None]):
@@ -265,8 +279,13 @@ class StepThread:
         self._post = post
         self._lock = threading.Lock()
         self._in_step = False
+        context = contextvars.copy_context()
+        self._model_step = is_model_step(step_context.step)
+        if self._model_step:
+            batches.enter_model_step()
+            batches.mark_counted(context)
         self._thread = threading.Thread(
-            target=contextvars.copy_context().run, args=(self._run,),
+            target=context.run, args=(self._run,),
             name=f"step {step_context.step.key}", daemon=True)
         self._thread.start()
 
@@ -285,6 +304,8 @@ class StepThread:
             finally:
                 with self._lock:
                     self._in_step = False
+                if self._model_step:  # before StepFinished: the next launch counts right
+                    batches.leave_model_step()
         except BaseException as exc:  # relayed: the run's thread decides (see _run_steps)
             error = exc
         self._post(StepFinished(self.step_context.step.key, error))

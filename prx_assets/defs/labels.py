@@ -8,6 +8,7 @@ from collections import Counter
 import dagster as dg
 
 from prx_assets.defs.asset_leases import asset_lease
+from prx_assets.defs.executor import MODEL_STEP_TAG
 from prx_assets.defs.metadata import counts_table, pin_inputs, stage_result
 from prx_assets.defs.report import cost_metadata
 from prx_assets.defs.resources import ClassifierResource
@@ -25,6 +26,7 @@ class CaptionLabelsConfig(dg.Config):
 def build_caption_labels(partitions_def: dg.PartitionsDefinition) -> dg.AssetsDefinition:
     @dg.asset(
         name=CAPTION_LABELS, partitions_def=partitions_def, group_name="captions",
+        op_tags={MODEL_STEP_TAG: "true"},
         deps=[CAPTIONS], kinds={"ray", "lance"}, code_version="1",
         required_resource_keys={"captioner", "classifier", "ray_cluster", "storage"},
         description="Each active caption labelled visual / text / nsfw with its scores and "

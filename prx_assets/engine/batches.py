@@ -9,6 +9,7 @@ what Ray does.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -93,20 +94,45 @@ ROWS_PER_ACTOR = 500
 # actors loaded four models on two CPUs (two at a time) for work two could do.
 _model_steps = 0
 _model_steps_lock = threading.Lock()
+# Set in a step the run's executor counted from its launch (`enter_model_step`): the
+# step's own `model_step` then counts nothing more.
+_counted_by_launcher: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "counted_by_launcher", default=False)
+
+
+def enter_model_step() -> None:
+    """A model step starts (the executor calls it as it launches the step, before the
+    step's thread runs: a step launched beside it is counted before either sizes a pool,
+    where the step's own `model_step` came after a second or more of reading, and the
+    first to get there took every CPU)."""
+    global _model_steps
+    with _model_steps_lock:
+        _model_steps += 1
+
+
+def leave_model_step() -> None:
+    global _model_steps
+    with _model_steps_lock:
+        _model_steps -= 1
+
+
+def mark_counted(context: contextvars.Context) -> None:
+    """The step running in `context` was counted by `enter_model_step`."""
+    context.run(_counted_by_launcher.set, True)
 
 
 @contextmanager
 def model_step() -> Iterator[None]:
     """The block is a step running a model pool: pools sized meanwhile (`actor_pool`) share
-    the cluster's CPUs with it."""
-    global _model_steps
-    with _model_steps_lock:
-        _model_steps += 1
+    the cluster's CPUs with it (counted already where the executor launched the step)."""
+    if _counted_by_launcher.get():
+        yield
+        return
+    enter_model_step()
     try:
         yield
     finally:
-        with _model_steps_lock:
-            _model_steps -= 1
+        leave_model_step()
 
 
 def model_steps() -> int:

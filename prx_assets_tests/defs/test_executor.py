@@ -243,3 +243,52 @@ def test_the_default_comes_from_the_environment(monkeypatch):
     assert default_max_concurrent() == 3
     monkeypatch.delenv(MAX_CONCURRENT_ENV)
     assert default_max_concurrent() == 2
+
+
+def test_model_steps_launched_together_are_counted_before_either_sizes_its_pool(instance):
+    """`caption_labels` and `attributes` start together; each enters `model_step` after a
+    second or more of reading, and the first to size its pool took every CPU while the
+    other had not entered yet (its actor then waited for the CPUs, the two one after the
+    other). Launched together, both are counted from the launch."""
+    from prx_assets.defs.executor import MODEL_STEP_TAG
+    from prx_assets.engine import batches
+
+    first_sized, seen = threading.Event(), {}
+
+    @dg.asset
+    def up() -> int:
+        return 1
+
+    @dg.asset(op_tags={MODEL_STEP_TAG: "true"})
+    def quick(up: int) -> int:
+        with batches.model_step():
+            seen["quick"] = batches.model_steps()  # sizes its pool at once
+        first_sized.set()
+        return up
+
+    @dg.asset(op_tags={MODEL_STEP_TAG: "true"})
+    def slow(up: int) -> int:
+        assert first_sized.wait(MEET_S)  # its reading outlasts the other's
+        with batches.model_step():
+            seen["slow"] = batches.model_steps()
+        return up
+
+    @dg.asset
+    def untagged(up: int) -> int:
+        return up
+
+    result = run([up, quick, slow, untagged], instance, max_concurrent=3)
+    assert result.success
+    assert seen == {"quick": 2, "slow": 2}
+    assert batches.model_steps() == 1 and batches._model_steps == 0  # all left
+
+
+def test_the_two_model_steps_are_tagged():
+    """caption_labels and attributes share the CPUs from their launch (the test above)."""
+    from prx_assets.defs.attributes import build_attributes
+    from prx_assets.defs.executor import MODEL_STEP_TAG
+    from prx_assets.defs.labels import build_caption_labels
+
+    partitions = dg.StaticPartitionsDefinition(["a"])
+    for asset in (build_caption_labels(partitions), build_attributes(partitions)):
+        assert asset.op.tags.get(MODEL_STEP_TAG) == "true"
