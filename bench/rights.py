@@ -31,7 +31,9 @@ Arrow (`rows_to_tables`, RAW_IMAGES_SCHEMA) and commit them into a fresh `raw_im
 table the way `ingest_source` commits its chunks (`engine.chunked.commit_chunks`, with
 `rows_to_commit` and its `CommittedRivals`). Nothing else: no listing, no Ray. Paired as
 above, in this process's CPU seconds (Lance writes on its own threads), the table removed
-between passes outside the timing (`PRX_BENCH_RIGHTS_INGEST_PAIRS`). A pass of one set's
+between passes outside the timing (`PRX_BENCH_RIGHTS_INGEST_PAIRS`). There the readers run
+as in the ingest, a table's 64 rows at a time (`rows_to_tables`); the `raw_row` level above
+reads them row by row. `PRX_BENCH_RIGHTS_SETS=mixed` measures one set only. A pass of one set's
 48 rows would be one commit per 48 rows, whose fixed cost (≈ 5 ms of CPU) an ingest pays
 once per 1,024: a denominator padded by ≈ 14 %.
 
