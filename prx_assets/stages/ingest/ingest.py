@@ -264,8 +264,9 @@ def _unit_rows(spec: SourceSpec, location: SourceLocation, unit: str,
     count = 0
     seen: set[str] = set()
     for item in _items_of_unit(spec, location, unit, signature, options):
+        # The reservations are read a table's block at a time (`rows_to_tables`).
         row = raw_row(spec.name, item, options.max_pixels, options.max_caption_bytes,
-                      spec.license, options.read_rights)
+                      spec.license, options.read_rights, defer_rights=True)
         if row["id"] in seen:
             continue
         seen.add(row["id"])

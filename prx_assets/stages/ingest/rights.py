@@ -17,7 +17,9 @@ Cost: a file without XMP or JUMBF pays a walk of its container's segment headers
 only when it does not say it in one of the plain forms (`xmp_findings`).
 
 Fail closed: a signal that is present but cannot be read (a malformed packet, a corrupt
-manifest, c2pa-python missing) is a prohibition, with the error in the signal text.
+manifest, c2pa-python missing) is a prohibition, with the error in the signal text. One
+exception to the text, not the status: a packet that says a prohibiting term in a plain
+form is not checked for well-formedness, so a malformed one is recorded with its term.
 """
 
 from __future__ import annotations
@@ -102,6 +104,9 @@ class Reservation:
     def signal(self) -> str | None:
         if not self.findings:
             return None
+        if len(self.findings) == 1:  # most reserved samples: one finding
+            only = self.findings[0]
+            return None if only.status == NONE else str(only)
         reserving = [str(f) for f in self.findings if f.status != NONE]
         return "; ".join(reserving) or None
 
@@ -147,12 +152,20 @@ def xmp_findings(packet: bytes) -> list[Finding]:
 
 def _body_findings(body: bytes) -> tuple[Finding, ...]:
     """A packet that says it once, in the element or the attribute form, with a value from
-    the vocabulary, is read by `plain_data_mining` (expat checks it is well-formed and
-    every prefix bound, without building a tree); any other packet is parsed whole
-    (ElementTree), which also gives a malformed packet its error."""
-    term = plain_data_mining(body)
+    the vocabulary, is read plainly (`plain_term`); any other packet is parsed whole
+    (ElementTree), which also gives a malformed packet its error.
+
+    A plain term that allows or constrains is taken only once expat has checked the
+    packet well-formed and every prefix bound (without building a tree): a malformed
+    packet is prohibited. A plain term that prohibits is taken as it is: the packet is
+    prohibited whether or not it is well-formed, so the check could change only the
+    finding's text (a malformed one's would be its error), never a status; it is more
+    than half of a packet's reading (docs/rights.md, Cost)."""
+    term = plain_term(body)
     if term is not None:
-        return (_TERM_FINDINGS[term],)
+        finding = _TERM_FINDINGS[term]
+        if finding.status == PROHIBITED or _well_formed(body):
+            return (finding,)
     return tuple(parsed_xmp_findings(body))
 
 
@@ -202,6 +215,15 @@ def plain_data_mining(body: bytes) -> str | None:
     exactly once, as `<plus:DataMining>value</plus:DataMining>` or as an attribute of
     `rdf:Description`, with a value from the vocabulary; None wherever it is not sure
     (the caller then parses the packet whole)."""
+    term = plain_term(body)
+    if term is None or not _well_formed(body):
+        return None
+    return term
+
+
+def plain_term(body: bytes) -> str | None:
+    """`plain_data_mining` without expat's check: the term the packet says in one of the
+    plain forms, which is what the full parse reads wherever the packet is well-formed."""
     # Comments, CDATA, a DTD, processing instructions: `<` can hide there. A byte test
     # first (memchr): a 2-byte search of the whole packet costs 5x more, for each of two.
     if (_BANG in body and b"<!" in body) or (_QUESTION in body and b"<?" in body):
@@ -210,9 +232,7 @@ def plain_data_mining(body: bytes) -> str | None:
     if value is None:
         return None
     term = value.decode("utf-8", "replace").strip().removeprefix(PLUS_VOCAB)
-    if term not in DATA_MINING or not _well_formed(body):
-        return None
-    return term
+    return term if term in DATA_MINING else None
 
 
 _BANG, _QUESTION = ord("!"), ord("?")

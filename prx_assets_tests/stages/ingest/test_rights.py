@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from prx_assets.stages.ingest import rights
 from prx_assets.stages.ingest.markers import find_markers
 from prx_assets.stages.ingest.rights import (
     CONSTRAINED,
@@ -23,6 +24,7 @@ from prx_assets.stages.ingest.rights import (
     parse_domain_list,
     parsed_xmp_findings,
     plain_data_mining,
+    plain_term,
     read_reservation,
     sidecar_findings,
     xmp_findings,
@@ -80,6 +82,35 @@ def test_a_malformed_packet_is_reserved_with_its_error(xmp_images):
 
 
 @needs_exiftool
+@pytest.mark.parametrize("form", rf.FORMS)
+def test_a_prohibition_said_plainly_is_taken_without_the_well_formedness_check(
+        xmp_images, monkeypatch, form):
+    # The packet is prohibited whether or not it is well-formed: expat is not asked, and a
+    # malformed packet's finding is its term (the error it would have had is not recorded).
+    def no_parse(body: bytes) -> bool:
+        raise AssertionError("the well-formedness check ran")
+
+    monkeypatch.setattr(rights, "_well_formed", no_parse)
+    good = next(f for f in xmp_images if f.fmt == "jpeg" and f.form == form
+                and f.value == "DMI-PROHIBITED-AIMLTRAINING")
+    for data in (good.path.read_bytes(), rf.malformed_xmp(good.path.read_bytes())):
+        rights.forget_findings()
+        reservation = read_reservation(data)
+        assert (reservation.status, reservation.signal) == (
+            PROHIBITED, "xmp=plus:DataMining=DMI-PROHIBITED-AIMLTRAINING")
+
+
+@needs_exiftool
+def test_an_allowing_or_constraining_term_still_needs_a_well_formed_packet(xmp_images):
+    for value in ("DMI-ALLOWED", "DMI-UNSPECIFIED", "DMI-PROHIBITED-SEECONSTRAINT"):
+        good = next(f for f in xmp_images if f.fmt == "png" and f.value == value)
+        rights.forget_findings()
+        reservation = read_reservation(rf.malformed_xmp(good.path.read_bytes()))
+        assert reservation.status == PROHIBITED, value
+        assert "unreadable packet" in reservation.signal, value
+
+
+@needs_exiftool
 def test_a_packet_without_data_mining_is_no_signal(tmp_path: Path):
     # exiftool writing another property: an XMP packet, but nothing said about mining.
     path = tmp_path / "a.jpg"
@@ -126,6 +157,12 @@ SEED_PACKETS = [_WRAP.format(body).encode() for body in [
                         "</rdf:Description>"),
     f" <rdf:Description xmlns:p='{PLUS_NS}' p:DataMining='DMI-ALLOWED'/>\n"
     f" <rdf:Description xmlns:plus='{PLUS_NS}' plus:DataMining='DMI-PROHIBITED'/>",
+]]
+# Seeds that prohibit in the plain forms: their mutants take the shortcut that skips expat.
+PROHIBITING_SEEDS = [_WRAP.format(body).encode() for body in [
+    _DESCRIPTION.format(f">\n  <plus:DataMining>{PLUS_VOCAB}DMI-PROHIBITED-AIMLTRAINING"
+                        "</plus:DataMining>\n </rdf:Description>"),
+    _DESCRIPTION.format("\n  plus:DataMining='DMI-PROHIBITED'/>"),
 ]]
 # Pieces a mutation inserts: XML's significant characters and the tokens the plain path
 # keys on, so that mutants hit its every guard.
@@ -207,23 +244,37 @@ def test_a_namespace_error_is_reserved_as_the_full_parse_reserves_it():
 
 def test_the_plain_path_is_never_laxer_than_the_full_parse_on_mutants():
     """Differential: 2,000 seeded mutants of the seed packets. Wherever the plain path
-    answers, the full parse gives the same finding (a malformed mutant gets its error)."""
+    answers, the full parse gives the same finding (a malformed mutant gets its error);
+    a prohibition read plainly, taken without the well-formedness check, has the status
+    the full parse gives (its finding on a well-formed mutant, its error on another)."""
     rng = random.Random(46)
-    answered, malformed = 0, 0
+    seeds = SEED_PACKETS + PROHIBITING_SEEDS
+    answered, malformed, unchecked = 0, 0, 0
     for n in range(2000):
-        packet = _mutant(SEED_PACKETS[n % len(SEED_PACKETS)], rng)
+        packet = _mutant(seeds[n % len(seeds)], rng)
         body = packet_body(packet)
         parsed = parsed_xmp_findings(body)
-        malformed += "unreadable packet" in parsed[0].value if parsed else 0
+        unreadable = bool(parsed) and "unreadable packet" in parsed[0].value
+        malformed += unreadable
         term = plain_data_mining(body)
         if term is not None:
             answered += 1
             assert parsed == [Finding("xmp", f"plus:DataMining={term}", DATA_MINING[term])], \
                 packet
-        if b"DataMining" in packet:
+        if b"DataMining" not in packet:
+            continue
+        said = plain_term(body)
+        if said is not None and DATA_MINING[said] == PROHIBITED:
+            unchecked += unreadable
+            assert xmp_findings(packet) == [
+                Finding("xmp", f"plus:DataMining={said}", PROHIBITED)], packet
+            assert parsed == xmp_findings(packet) or unreadable, packet
+        else:
             assert xmp_findings(packet) == parsed, packet
-    # The mutants reach both sides: the plain path answers, and the parser refuses.
-    assert answered > 150 and malformed > 400, (answered, malformed)
+    # The mutants reach every side: the plain path answers, the parser refuses, and
+    # malformed packets take the unchecked prohibition.
+    assert answered > 150 and malformed > 400 and unchecked > 20, (answered, malformed,
+                                                                    unchecked)
 
 
 @pytest.fixture(scope="module")
