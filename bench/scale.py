@@ -12,7 +12,9 @@ root and Dagster instance.
    embedded Ray on this 2-core machine. Per run: end to end (the child process's wall) /
    the kernels' pool wall, target <= 1.25 (stretch 1.10), and a table of each stage's
    Dagster step seconds (STEP_START to STEP_SUCCESS in the run's event log) against its
-   kernel seconds, target <= 1.25; checks, global jobs and Ray start apart.
+   kernel seconds, target <= 1.25, and the stage steps together (the wall any of them ran,
+   steps side by side once) against the sum of their kernels; checks, global jobs and Ray
+   start apart.
 2. Memory. Peak RSS, PSS and USS of the whole process tree (driver, GCS, raylet, Ray
    workers, spawned helpers), sampled every 0.5 s from /proc, and the PSS split by process
    kind at the peak (bench/proc_memory.py); ratios between consecutive runs (10k/2k and
