@@ -21,7 +21,14 @@ from dataclasses import asdict, dataclass
 
 from bench.common import OUT, cpu_count
 from bench.core_profile import core_profile
-from bench.scale import RUN_DIR, generate_corpus, link_subset, run_pipeline, write_sources
+from bench.scale import (
+    RUN_DIR,
+    generate_corpus,
+    link_subset,
+    run_pipeline,
+    union_seconds,
+    write_sources,
+)
 from prx_assets.defs.executor import DEFAULT_MAX_CONCURRENT, MAX_CONCURRENT_ENV
 
 
@@ -56,18 +63,8 @@ def trial(setting: str, limit: int, images: int) -> Trial:
     steps_s = sum(end - start for start, end in spans)
     return Trial(setting, limit, run.seconds, run.child["materialize_s"], run.peaks.cpu_s,
                  whole["both_busy"], whole["tree_cores"], whole["others_cores"], load,
-                 run.child["success"], steps_s, steps_s - covered_seconds(spans),
+                 run.child["success"], steps_s, steps_s - union_seconds(spans),
                  run.peaks.pss_kb / 1024)
-
-
-def covered_seconds(spans: list[list[float]]) -> float:
-    """Seconds covered by at least one of the (start, end) spans."""
-    covered, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end > reach:
-            covered += end - max(start, reach)
-            reach = end
-    return covered
 
 
 def main() -> list[Trial]:

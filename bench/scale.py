@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -376,8 +377,8 @@ def stage_table(run: PipelineRun, kernels: KernelRun) -> list[tuple[str, float, 
             for step, kernel in STAGE_KERNELS.items()]
 
 
-def union_seconds(spans: list[tuple[float, float]]) -> float:
-    """Wall seconds covered by any of the spans (overlapping spans count once)."""
+def union_seconds(spans: Iterable[Sequence[float]]) -> float:
+    """Wall seconds covered by any of the (start, end) spans (overlaps count once)."""
     covered, reach = 0.0, float("-inf")
     for start, end in sorted(spans):
         if end > reach:
