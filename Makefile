@@ -78,7 +78,8 @@ lint: install
 	$(BIN)/mypy
 
 # PRX_INCREMENTAL_IMAGES sizes bench.incremental inside `make bench` (default a smoke run);
-# PRX_BENCH_RIGHTS_PAIRS, _INGEST_PAIRS and _E2E_RUNS size bench.rights (docs/rights.md, Cost).
+# PRX_BENCH_RIGHTS_PAIRS, _INGEST_PAIRS and _E2E_RUNS size bench.rights, _SETS picks its sets
+# (plain, mixed; docs/rights.md, Cost).
 bench: install
 	$(BIN)/python -m bench.run_all
 
