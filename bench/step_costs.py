@@ -33,8 +33,9 @@ from pathlib import Path
 from bench.common import OUT, cpu_count
 from bench.core_profile import step_seconds
 from bench.proc_memory import sample_tree
-from bench.scale import DAGSTER_YAML, KERNEL_CHUNK, write_sources
+from bench.scale import DAGSTER_YAML, write_sources
 from bench.scale_corpus import generate_corpus, link_subset
+from bench.scale_kernels import KERNEL_CHUNK
 
 RUN_DIR = OUT / "step_costs"
 SOURCE = "step_costs"

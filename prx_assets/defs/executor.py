@@ -271,7 +271,7 @@ class StepThread:
 
     A model step (`is_model_step`) is counted from here, in the run's thread, until its
     thread ends: steps launched together are all counted before any sizes its pool
-    (`engine.batches.enter_model_step`)."""
+    (`engine.batches.launch_model_step`)."""
 
     def __init__(self, step_context: StepExecutionContext,
                  post: Callable[[DagsterEvent | StepFinished], None]):
@@ -282,8 +282,7 @@ class StepThread:
         context = contextvars.copy_context()
         self._model_step = is_model_step(step_context.step)
         if self._model_step:
-            batches.enter_model_step()
-            batches.mark_counted(context)
+            batches.launch_model_step(context)
         self._thread = threading.Thread(
             target=context.run, args=(self._run,),
             name=f"step {step_context.step.key}", daemon=True)

@@ -94,31 +94,31 @@ ROWS_PER_ACTOR = 500
 # actors loaded four models on two CPUs (two at a time) for work two could do.
 _model_steps = 0
 _model_steps_lock = threading.Lock()
-# Set in a step the run's executor counted from its launch (`enter_model_step`): the
+# Set in a step the run's executor counted from its launch (`launch_model_step`): the
 # step's own `model_step` then counts nothing more.
 _counted_by_launcher: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "counted_by_launcher", default=False)
 
 
-def enter_model_step() -> None:
-    """A model step starts (the executor calls it as it launches the step, before the
-    step's thread runs: a step launched beside it is counted before either sizes a pool,
-    where the step's own `model_step` came after a second or more of reading, and the
-    first to get there took every CPU)."""
-    global _model_steps
-    with _model_steps_lock:
-        _model_steps += 1
+def launch_model_step(context: contextvars.Context) -> None:
+    """A model step is launched to run in `context`: counted from now, before its thread
+    runs (the executor), so a step launched beside it is counted before either sizes a
+    pool; the step's own `model_step` then counts nothing more. Without it each step
+    counted itself a second or more into its reading, and the first to size its pool
+    took every CPU."""
+    _count(1)
+    context.run(_counted_by_launcher.set, True)
 
 
 def leave_model_step() -> None:
+    """The launched model step has ended (`launch_model_step`)."""
+    _count(-1)
+
+
+def _count(change: int) -> None:
     global _model_steps
     with _model_steps_lock:
-        _model_steps -= 1
-
-
-def mark_counted(context: contextvars.Context) -> None:
-    """The step running in `context` was counted by `enter_model_step`."""
-    context.run(_counted_by_launcher.set, True)
+        _model_steps += change
 
 
 @contextmanager
@@ -128,11 +128,11 @@ def model_step() -> Iterator[None]:
     if _counted_by_launcher.get():
         yield
         return
-    enter_model_step()
+    _count(1)
     try:
         yield
     finally:
-        leave_model_step()
+        _count(-1)
 
 
 def model_steps() -> int:
