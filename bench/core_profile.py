@@ -24,6 +24,8 @@ class CoreShare:
     both_busy_s: float = 0.0
     driver_cpu_s: float = 0.0
     others_cpu_s: float = 0.0
+    iowait_s: float = 0.0  # the machine's core seconds idle waiting on the disk
+    read_mb: float = 0.0  # MB the machine read from disk (page-cache misses)
 
     def add(self, use: CoreUse, share: float) -> None:
         """`share` of the interval `use` (its overlap with the step)."""
@@ -34,13 +36,16 @@ class CoreShare:
         self.both_busy_s += seconds if use.tree_cores >= BOTH_BUSY_CORES else 0.0
         self.driver_cpu_s += share * use.by_kind[DRIVER]
         self.others_cpu_s += max(0.0, share * use.machine_busy_s - tree)
+        self.iowait_s += share * use.iowait_s
+        self.read_mb += share * use.read_mb
 
     def row(self) -> dict[str, float]:
         per_s = 1 / self.seconds if self.seconds else 0.0
         return {"seconds": self.seconds, "tree_cpu_s": self.tree_cpu_s,
                 "tree_cores": self.tree_cpu_s * per_s,
                 "both_busy": self.both_busy_s * per_s, "driver_cores": self.driver_cpu_s * per_s,
-                "others_cores": self.others_cpu_s * per_s}
+                "others_cores": self.others_cpu_s * per_s, "iowait_s": self.iowait_s,
+                "read_mb": self.read_mb}
 
 
 def core_profile(timeline: list[CoreUse], windows: dict[str, list[list[float]]]
@@ -91,13 +96,16 @@ def step_windows(instance, run_ids: list[str]) -> dict[str, list[tuple[float, fl
 def print_core_profile(profile: dict[str, dict], images: int) -> None:
     """The per-step core-utilisation table: what holds one core idle, and where."""
     print(f"scale: cores per step, {images:,} images (tree sampled every 0.5 s; both busy "
-          f"= the tree used >= {BOTH_BUSY_CORES} cores; others = the rest of the machine)")
+          f"= the tree used >= {BOTH_BUSY_CORES} cores; others = the rest of the machine; "
+          "iowait = core seconds idle waiting on the disk, read = MB the machine read from "
+          "it: page-cache misses)")
     print(f"  {'step':<32} {'wall s':>7} {'CPU s':>7} {'cores':>6} {'both busy':>9} "
-          f"{'driver':>7} {'others':>7}")
+          f"{'driver':>7} {'others':>7} {'iowait s':>8} {'read MB':>8}")
     ordered = sorted(profile.items(), key=lambda kv: (kv[0].startswith("("), -kv[1]["seconds"]))
     for step, row in ordered:
         if row["seconds"] < 0.5 and not step.startswith("("):
             continue
         print(f"  {step:<32} {row['seconds']:7.1f} {row['tree_cpu_s']:7.1f} "
               f"{row['tree_cores']:6.2f} {row['both_busy']:8.0%} {row['driver_cores']:7.2f} "
-              f"{row['others_cores']:7.2f}")
+              f"{row['others_cores']:7.2f} {row.get('iowait_s', 0.0):8.1f} "
+              f"{row.get('read_mb', 0.0):8.0f}")

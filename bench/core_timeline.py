@@ -1,6 +1,7 @@
 """What held the cores when, in one bench.scale run: its saved timeline
 (`bench/out/scale_timeline_<label>.json`, written by bench.scale) printed in bins of a few
-seconds (the tree's cores, the driver's, the busiest Ray tasks, the steps running), then
+seconds (the tree's cores, the driver's, the machine's cores idle on the disk (iow), the
+busiest Ray tasks, the steps running), then
 each step's Ray tasks by CPU seconds. A bin under 1.5 cores with one step running is a
 serial phase of that step.
 
@@ -44,7 +45,7 @@ def overlap(start: float, end: float, spans: list[list[float]]) -> float:
 
 def bins(timeline: list[dict], width: float) -> list[dict]:
     """The timeline summed into bins of `width` seconds from its first sample: wall, tree
-    and driver CPU, CPU per task."""
+    and driver CPU, the machine's iowait, CPU per task."""
     if not timeline:
         return []
     origin = timeline[0]["start"]
@@ -52,10 +53,11 @@ def bins(timeline: list[dict], width: float) -> list[dict]:
     for use in timeline:
         index = int((use["start"] - origin) // width)
         row = out.setdefault(index, {"start": origin + index * width, "wall": 0.0, "cpu": 0.0,
-                                     "driver": 0.0, "tasks": defaultdict(float)})
+                                     "driver": 0.0, "iowait": 0.0, "tasks": defaultdict(float)})
         row["wall"] += use["end"] - use["start"]
         row["cpu"] += sum(use["by_kind"].values())
         row["driver"] += use["by_kind"].get(DRIVER, 0.0)
+        row["iowait"] += use.get("iowait_s", 0.0)
         for task, cpu in use.get("by_task", {}).items():
             row["tasks"][task] += cpu
     return [out[i] for i in sorted(out)]
@@ -67,7 +69,7 @@ def short(name: str) -> str:
 
 def print_bins(data: dict, width: float) -> None:
     windows, origin = data["step_windows"], data["timeline"][0]["start"]
-    print(f"{'t s':>6} {'cores':>5} {'drv':>4}  {'tasks (CPU s)':<60} steps")
+    print(f"{'t s':>6} {'cores':>5} {'drv':>4} {'iow':>4}  {'tasks (CPU s)':<60} steps")
     for row in bins(data["timeline"], width):
         end = row["start"] + row["wall"]
         steps = [step for step, spans in windows.items()
@@ -76,7 +78,8 @@ def print_bins(data: dict, width: float) -> None:
         tasks = ", ".join(f"{short(t)} {cpu:.1f}" for t, cpu in top)
         flag = "" if row["cpu"] / max(row["wall"], 1e-9) >= BOTH_BUSY_CORES else "*"
         print(f"{row['start'] - origin:6.0f} {row['cpu'] / max(row['wall'], 1e-9):5.2f}"
-              f"{flag:1} {row['driver'] / max(row['wall'], 1e-9):4.2f}  {tasks:<60} "
+              f"{flag:1} {row['driver'] / max(row['wall'], 1e-9):4.2f} "
+              f"{row['iowait'] / max(row['wall'], 1e-9):4.2f}  {tasks:<60} "
               + ", ".join(steps))
 
 

@@ -60,6 +60,10 @@ class CoreUse:
     # CPU seconds per process title (`process_title`: the driver, raylet, a Ray Data actor,
     # an idle worker): who else held them.
     by_process: dict[str, float] = field(default_factory=dict)
+    # The whole machine's waits on the disk in the interval (`machine_io`): core seconds
+    # idle with a read or write outstanding, and MB read from disk (page-cache misses).
+    iowait_s: float = 0.0
+    read_mb: float = 0.0
 
     @property
     def cpu_s(self) -> float:
@@ -286,8 +290,27 @@ def machine_busy_seconds() -> float:
     return (sum(ticks[:8]) - idle) / CLOCK_TICKS
 
 
+@dataclass(frozen=True)
+class MachineIO:
+    """The machine's disk waits since boot: core seconds idle in iowait (/proc/stat) and MB
+    paged in from disk (/proc/vmstat `pgpgin`: file reads that missed the page cache)."""
+
+    iowait_s: float
+    read_mb: float
+
+    def since(self, before: MachineIO) -> MachineIO:
+        return MachineIO(self.iowait_s - before.iowait_s, self.read_mb - before.read_mb)
+
+
+def machine_io() -> MachineIO:
+    iowait = int(Path("/proc/stat").read_text().split("\n", 1)[0].split()[5]) / CLOCK_TICKS
+    paged_in_kb = next((int(line.split()[1]) for line in Path("/proc/vmstat").read_text()
+                        .splitlines() if line.startswith("pgpgin ")), 0)
+    return MachineIO(iowait, paged_in_kb / 1024)
+
+
 def core_use(previous: TreeSample, current: TreeSample, start: float, end: float,
-             machine_busy_s: float) -> CoreUse:
+             machine_busy_s: float, io: MachineIO = MachineIO(0.0, 0.0)) -> CoreUse:
     """What each kind of process used between two samples: each live process's CPU delta
     under its current kind (a worker turns busy or idle between samples); a process born
     in the interval counts whole, the reaped ones through their parent's children time."""
@@ -302,7 +325,8 @@ def core_use(previous: TreeSample, current: TreeSample, start: float, end: float
             by_task[current.task_of_pid[pid]] += used
         if used:
             by_process[current.title_of_pid.get(pid, kind)] += used
-    return CoreUse(start, end, by_kind, machine_busy_s, dict(by_task), dict(by_process))
+    return CoreUse(start, end, by_kind, machine_busy_s, dict(by_task), dict(by_process),
+                   io.iowait_s, io.read_mb)
 
 
 # Of one core, at most, for the memory reads of bench.scale's monitor (`TreeMemoryMonitor`).
@@ -320,6 +344,7 @@ class TreeMemoryMonitor(BackgroundSampler):
 
     def _run(self) -> None:
         previous, previous_at, previous_busy = None, 0.0, 0.0
+        previous_io = machine_io()
         began, memory_cpu_s = time.perf_counter(), 0.0
         while not self._stop.is_set():
             started, cpu_started = time.perf_counter(), time.thread_time()
@@ -329,15 +354,15 @@ class TreeMemoryMonitor(BackgroundSampler):
             # and kinds (3 ms) every time.
             memory = memory_cpu_s <= MONITOR_SHARE * (started - began) or previous is None
             sample = sample_tree(self.root, memory)
-            at, busy = time.time(), machine_busy_seconds()
+            at, busy, io = time.time(), machine_busy_seconds(), machine_io()
             if memory:
                 memory_cpu_s += time.thread_time() - cpu_started
                 self.peaks.update(sample)
             self.peaks.cpu_s = max(self.peaks.cpu_s, sample.cpu_s)
             if previous is not None:
                 self.timeline.append(core_use(previous, sample, previous_at, at,
-                                              busy - previous_busy))
-            previous, previous_at, previous_busy = sample, at, busy
+                                              busy - previous_busy, io.since(previous_io)))
+            previous, previous_at, previous_busy, previous_io = sample, at, busy, io
             if memory and self.dump is not None:  # the peaks so far survive a cut run
                 self.dump.write_text(json.dumps(asdict(self.peaks)))
             self._stop.wait(max(0.0, self.interval - (time.perf_counter() - started)))

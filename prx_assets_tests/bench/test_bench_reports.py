@@ -164,11 +164,32 @@ def test_core_use_names_the_busy_tasks_cpu():
 
 def test_the_core_timeline_sums_samples_into_bins():
     timeline = [{"start": 10.0 + i, "end": 11.0 + i, "by_kind": {DRIVER: 0.5, BUSY: 1.0},
-                 "by_task": {"ray::t": 1.0}} for i in range(3)]
+                 "by_task": {"ray::t": 1.0}, "iowait_s": 0.25 * i} for i in range(3)]
     rows = bins(timeline, 2.0)
     assert [(r["wall"], r["cpu"], r["driver"]) for r in rows] == [(2.0, 3.0, 1.0),
                                                                   (1.0, 1.5, 0.5)]
     assert rows[0]["tasks"] == {"ray::t": 2.0}
+    assert [r["iowait"] for r in rows] == [0.25, 0.5]
+
+
+def test_the_core_profile_counts_the_disk_waits_in_each_steps_window():
+    """The machine's iowait and disk reads are split over the steps like its CPU: a step
+    whose processes wait on page-cache misses (a model's imports) shows them."""
+    quiet, cold = _core_use(0, 1, 0.1, 0.2, 0.3), _core_use(1, 2, 0.1, 0.2, 0.3)
+    cold.iowait_s, cold.read_mb = 1.5, 240.0
+    profile = core_profile([quiet, cold], {"a": [[0, 1]], "b": [[1, 2]]})
+    assert (profile["a"]["iowait_s"], profile["a"]["read_mb"]) == (0.0, 0.0)
+    assert (profile["b"]["iowait_s"], profile["b"]["read_mb"]) == (1.5, 240.0)
+    assert profile["(whole run)"]["read_mb"] == 240.0
+
+
+def test_machine_io_reads_iowait_and_the_pages_read_from_disk():
+    """From /proc: both counters only grow, and `since` is the interval's share."""
+    from bench.proc_memory import MachineIO, machine_io
+
+    before, after = machine_io(), machine_io()
+    assert after.iowait_s >= before.iowait_s >= 0 and after.read_mb >= before.read_mb >= 0
+    assert MachineIO(3.0, 500.0).since(MachineIO(1.0, 120.0)) == MachineIO(2.0, 380.0)
 
 
 def test_the_scale_cpu_figure_counts_the_processes_that_exited():
