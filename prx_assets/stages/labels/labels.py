@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import scipy.optimize
 
 from prx_assets.models.embeddings import (
     EMBEDDING_DIM,
@@ -143,6 +142,9 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 def train_classifier(embeddings: np.ndarray, labels: Sequence[str],
                      l2: float = DEFAULT_L2) -> LinearClassifier:
     """Multinomial logistic regression by L-BFGS from zeros: deterministic for a given input."""
+    # Imported here: the labelling actors import this module but never train (0.24 s each).
+    import scipy.optimize
+
     y = np.array([LABELS.index(label) for label in labels])
     onehot = np.eye(len(LABELS))[y]
     n, d = embeddings.shape
