@@ -60,7 +60,7 @@ class CoreUse:
     # CPU seconds per process title (`process_title`: the driver, raylet, a Ray Data actor,
     # an idle worker): who else held them.
     by_process: dict[str, float] = field(default_factory=dict)
-    # The whole machine's waits on the disk in the interval (`machine_io`): core seconds
+    # The whole machine's waits on the disk in the interval (`machine_counters`): core seconds
     # idle with a read or write outstanding, and MB read from disk (page-cache misses).
     iowait_s: float = 0.0
     read_mb: float = 0.0
@@ -283,37 +283,36 @@ class BackgroundSampler:
         raise NotImplementedError
 
 
-def machine_busy_seconds() -> float:
-    """CPU seconds every core of the machine has spent busy since boot (/proc/stat)."""
-    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = ticks[3] + ticks[4]  # idle, iowait
-    return (sum(ticks[:8]) - idle) / CLOCK_TICKS
-
-
 @dataclass(frozen=True)
-class MachineIO:
-    """The machine's disk waits since boot: core seconds idle in iowait (/proc/stat) and MB
-    paged in from disk (/proc/vmstat `pgpgin`: file reads that missed the page cache)."""
+class MachineCounters:
+    """The whole machine's counters since boot, read once a sample: CPU seconds its cores
+    spent busy and idle in iowait (/proc/stat), and MB paged in from disk (/proc/vmstat
+    `pgpgin`: file reads that missed the page cache). `since` gives an interval's."""
 
-    iowait_s: float
-    read_mb: float
+    busy_s: float
+    iowait_s: float = 0.0
+    read_mb: float = 0.0
 
-    def since(self, before: MachineIO) -> MachineIO:
-        return MachineIO(self.iowait_s - before.iowait_s, self.read_mb - before.read_mb)
+    def since(self, before: MachineCounters) -> MachineCounters:
+        return MachineCounters(self.busy_s - before.busy_s, self.iowait_s - before.iowait_s,
+                               self.read_mb - before.read_mb)
 
 
-def machine_io() -> MachineIO:
-    iowait = int(Path("/proc/stat").read_text().split("\n", 1)[0].split()[5]) / CLOCK_TICKS
+def machine_counters() -> MachineCounters:
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle, iowait = ticks[3], ticks[4]
     paged_in_kb = next((int(line.split()[1]) for line in Path("/proc/vmstat").read_text()
                         .splitlines() if line.startswith("pgpgin ")), 0)
-    return MachineIO(iowait, paged_in_kb / 1024)
+    return MachineCounters((sum(ticks[:8]) - idle - iowait) / CLOCK_TICKS,
+                           iowait / CLOCK_TICKS, paged_in_kb / 1024)
 
 
 def core_use(previous: TreeSample, current: TreeSample, start: float, end: float,
-             machine_busy_s: float, io: MachineIO = MachineIO(0.0, 0.0)) -> CoreUse:
+             machine: MachineCounters) -> CoreUse:
     """What each kind of process used between two samples: each live process's CPU delta
     under its current kind (a worker turns busy or idle between samples); a process born
-    in the interval counts whole, the reaped ones through their parent's children time."""
+    in the interval counts whole, the reaped ones through their parent's children time;
+    `machine`: the whole machine's counters over the interval."""
     by_kind: dict[str, float] = dict.fromkeys(KINDS, 0.0)
     by_task: dict[str, float] = defaultdict(float)
     by_process: dict[str, float] = defaultdict(float)
@@ -325,8 +324,8 @@ def core_use(previous: TreeSample, current: TreeSample, start: float, end: float
             by_task[current.task_of_pid[pid]] += used
         if used:
             by_process[current.title_of_pid.get(pid, kind)] += used
-    return CoreUse(start, end, by_kind, machine_busy_s, dict(by_task), dict(by_process),
-                   io.iowait_s, io.read_mb)
+    return CoreUse(start, end, by_kind, machine.busy_s, dict(by_task), dict(by_process),
+                   machine.iowait_s, machine.read_mb)
 
 
 # Of one core, at most, for the memory reads of bench.scale's monitor (`TreeMemoryMonitor`).
@@ -343,8 +342,7 @@ class TreeMemoryMonitor(BackgroundSampler):
         self.timeline: list[CoreUse] = []
 
     def _run(self) -> None:
-        previous, previous_at, previous_busy = None, 0.0, 0.0
-        previous_io = machine_io()
+        previous, previous_at, previous_machine = None, 0.0, machine_counters()
         began, memory_cpu_s = time.perf_counter(), 0.0
         while not self._stop.is_set():
             started, cpu_started = time.perf_counter(), time.thread_time()
@@ -354,15 +352,15 @@ class TreeMemoryMonitor(BackgroundSampler):
             # and kinds (3 ms) every time.
             memory = memory_cpu_s <= MONITOR_SHARE * (started - began) or previous is None
             sample = sample_tree(self.root, memory)
-            at, busy, io = time.time(), machine_busy_seconds(), machine_io()
+            at, machine = time.time(), machine_counters()
             if memory:
                 memory_cpu_s += time.thread_time() - cpu_started
                 self.peaks.update(sample)
             self.peaks.cpu_s = max(self.peaks.cpu_s, sample.cpu_s)
             if previous is not None:
                 self.timeline.append(core_use(previous, sample, previous_at, at,
-                                              busy - previous_busy, io.since(previous_io)))
-            previous, previous_at, previous_busy, previous_io = sample, at, busy, io
+                                              machine.since(previous_machine)))
+            previous, previous_at, previous_machine = sample, at, machine
             if memory and self.dump is not None:  # the peaks so far survive a cut run
                 self.dump.write_text(json.dumps(asdict(self.peaks)))
             self._stop.wait(max(0.0, self.interval - (time.perf_counter() - started)))

@@ -21,6 +21,7 @@ from bench.proc_memory import (
     OTHER,
     SHARED,
     CoreUse,
+    MachineCounters,
     TreeSample,
     core_use,
     descendants,
@@ -155,7 +156,7 @@ def test_core_use_names_the_busy_tasks_cpu():
                         task_of_pid={2: "ray::MapBatches(f)"})
     after = TreeSample(cpu_by_pid={1: (DRIVER, 1.5), 2: (BUSY, 3.75), 3: (BUSY, 0.25)},
                        task_of_pid={2: "ray::MapBatches(f)", 3: "ray::ReadLance"})
-    use = core_use(before, after, 0.0, 1.0, 2.0)
+    use = core_use(before, after, 0.0, 1.0, MachineCounters(2.0))
     assert use.by_kind[DRIVER] == 0.5 and use.by_kind[BUSY] == 1.0
     assert use.by_task == {"ray::MapBatches(f)": 0.75, "ray::ReadLance": 0.25}
     assert task_title("ray::MapWorker(MapBatches(EmbeddedLabelStage)) extra") == \
@@ -183,13 +184,15 @@ def test_the_core_profile_counts_the_disk_waits_in_each_steps_window():
     assert profile["(whole run)"]["read_mb"] == 240.0
 
 
-def test_machine_io_reads_iowait_and_the_pages_read_from_disk():
-    """From /proc: both counters only grow, and `since` is the interval's share."""
-    from bench.proc_memory import MachineIO, machine_io
+def test_machine_counters_read_busy_iowait_and_the_pages_read_from_disk():
+    """From /proc: every counter only grows, and `since` is the interval's share."""
+    from bench.proc_memory import machine_counters
 
-    before, after = machine_io(), machine_io()
+    before, after = machine_counters(), machine_counters()
+    assert after.busy_s >= before.busy_s > 0
     assert after.iowait_s >= before.iowait_s >= 0 and after.read_mb >= before.read_mb >= 0
-    assert MachineIO(3.0, 500.0).since(MachineIO(1.0, 120.0)) == MachineIO(2.0, 380.0)
+    assert MachineCounters(9.0, 3.0, 500.0).since(MachineCounters(4.0, 1.0, 120.0)) == \
+        MachineCounters(5.0, 2.0, 380.0)
 
 
 def test_the_scale_cpu_figure_counts_the_processes_that_exited():
@@ -235,7 +238,7 @@ def test_every_process_cpu_goes_to_its_title():
     after = TreeSample(cpu_by_pid={1: (DRIVER, 1.5), 2: (CONTROL, 2.25), 3: (BUSY, 0.5)},
                        title_of_pid={1: DRIVER, 2: "raylet", 3: "ray::ReadLance"},
                        task_of_pid={3: "ray::ReadLance"})
-    use = core_use(before, after, 0.0, 1.0, 2.0)
+    use = core_use(before, after, 0.0, 1.0, MachineCounters(2.0))
     assert use.by_process == {DRIVER: 0.5, "raylet": 0.25, "ray::ReadLance": 0.5}
     assert process_totals([{"by_process": use.by_process}, {"by_process": {"raylet": 1.0}},
                            {}]) == {DRIVER: 0.5, "raylet": 1.25, "ray::ReadLance": 0.5}
